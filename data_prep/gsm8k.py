@@ -1,0 +1,105 @@
+"""Write GSM8K as train.parquet / test.parquet for sfttrain (and verl).
+
+    python data_prep/gsm8k.py --local_dir ~/data/gsm8k                          # from the hub
+    python data_prep/gsm8k.py --local_dir ~/data/gsm8k --input_dir assets/data/gsm8k  # offline
+
+Columns: question (str), answer (str), and extra_info = {question, answer, split, index}, the
+verl-style nested copy, so both `data.prompt_key=question` and
+`data.prompt_key=extra_info data.prompt_dict_keys=['question']` work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+SPLITS = ("train", "test")
+HUB_DATASET, HUB_CONFIG = "openai/gsm8k", "main"
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        raise FileNotFoundError(f"input file not found: {path}")
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e})") from None
+            rows.append(check_row(obj, f"{path}:{lineno}"))
+    return rows
+
+
+def check_row(obj, where: str) -> dict:
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    for key in ("question", "answer"):
+        if not isinstance(obj.get(key), str):
+            raise ValueError(f"{where}: row lacks a string {key!r}")
+    return {"question": obj["question"], "answer": obj["answer"]}
+
+
+def load_hub(split: str) -> list[dict]:
+    try:
+        import datasets  # lazy: the offline path needs no `datasets`
+
+        ds = datasets.load_dataset(HUB_DATASET, HUB_CONFIG, split=split)
+    except Exception as e:
+        raise RuntimeError(
+            f"could not load {HUB_DATASET} ({HUB_CONFIG}, split {split}) from the Hugging Face hub: {e}\n"
+            f"offline? pass --input_dir DIR with {', '.join(s + '.jsonl' for s in SPLITS)} "
+            f"(e.g. assets/data/gsm8k, or the original openai/grade-school-math data)"
+        ) from e
+    return [check_row(obj, f"{HUB_DATASET}[{split}] row {i}") for i, obj in enumerate(ds)]
+
+
+def to_table(rows: list[dict], split: str) -> pa.Table:
+    extra = [{"question": r["question"], "answer": r["answer"], "split": split, "index": i} for i, r in enumerate(rows)]
+    extra_type = pa.struct(
+        [("question", pa.string()), ("answer", pa.string()), ("split", pa.string()), ("index", pa.int64())]
+    )
+    return pa.table(
+        {
+            "question": pa.array([r["question"] for r in rows], pa.string()),
+            "answer": pa.array([r["answer"] for r in rows], pa.string()),
+            "extra_info": pa.array(extra, extra_type),
+        }
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--local_dir", required=True, help="output directory for train.parquet and test.parquet")
+    p.add_argument("--input_dir", default=None, help="read train.jsonl/test.jsonl from here instead of the hub")
+    p.add_argument("--row_group_size", type=int, default=1000, help="rows per Parquet row group")
+    args = p.parse_args(argv)
+    if args.row_group_size < 1:
+        p.error("--row_group_size must be >= 1")
+
+    out_dir = Path(args.local_dir).expanduser()
+    in_dir = Path(args.input_dir).expanduser() if args.input_dir else None
+    if in_dir is not None and not in_dir.is_dir():
+        sys.exit(f"error: --input_dir not found: {in_dir}")
+
+    try:  # read both splits before writing anything
+        tables = {s: to_table(read_jsonl(in_dir / f"{s}.jsonl") if in_dir else load_hub(s), s) for s in SPLITS}
+    except (OSError, ValueError, RuntimeError) as e:
+        sys.exit(f"error: {e}")
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for split, table in tables.items():
+        path = out_dir / f"{split}.parquet"
+        pq.write_table(table, path, row_group_size=args.row_group_size)
+        print(f"wrote {path}: {table.num_rows} rows")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,338 @@
+"""Varlen (packed-row) causal attention for unmodified Hugging Face causal LMs.
+
+The trainer packs a micro-batch into ONE row: ``input_ids [1, T]``, ``position_ids [1, T]``
+restarting at 0 for each sample, and sample boundaries ``cu_seqlens`` (int32, ``[n + 1]``, 0 .. T)
+with ``max_seqlen`` (int). It calls the model as::
+
+    model(input_ids=ids, position_ids=pos,
+          cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=m, max_length_k=m)
+
+Those are transformers' ``FlashAttentionKwargs`` names; the modeling code forwards them through
+``**kwargs`` unchanged down to the attention function registered here, which attends causally
+*within* each sample and never across a boundary.
+
+Why no attention mask is built
+------------------------------
+This module registers the name ``"sfttrain_varlen"`` in ``AttentionInterface`` only, and
+deliberately NOT in ``AttentionMaskInterface``. ``masking_utils._preprocess_mask_arguments``
+(the first step of ``create_causal_mask``, ``create_sliding_window_causal_mask`` and
+``create_bidirectional_mask``; checked in transformers 5.17.0 and 5.24.0) returns
+``(early_exit=True, mask=None, ...)`` when ``config._attn_implementation`` is not a key of
+``ALL_MASK_ATTENTION_FUNCTIONS._global_mapping``, so every layer receives ``attention_mask=None``.
+That exit comes before any [T, T] mask is materialised and also before
+``find_packed_sequence_indices`` (which would otherwise do a diff/cumsum over ``position_ids`` and a
+device->host sync every forward). Registering a mask function that returns ``None`` would also
+avoid the [T, T] mask, but only after that packed-sequence detection ran, so not registering is
+strictly cheaper. Consequences: a 2D ``attention_mask`` given to the model is DROPPED by
+transformers on that exit (packed rows have no padding, so the trainer passes none); a 4D mask is
+passed through (it is checked first) and rejected here, as is any mask from a model that builds
+its own. The boundaries come exclusively from ``cu_seq_lens_q``.
+
+The name avoids the substrings "flash", "sdpa" and "flex_attention" and contains no "/":
+``PreTrainedModel._check_and_adjust_attn_implementation`` routes names containing those to the
+flash-attn / SDPA / flex capability checks or to Hub-kernel loading.
+
+Backends (``select_backend``/``configure``)
+-------------------------------------------
+* ``flash_attn``: ``flash_attn.flash_attn_varlen_func`` (CUDA, package must import).
+* ``torch_varlen``: PyTorch's ``torch.nn.attention.varlen.varlen_attn`` (CUDA only: the CPU build
+  has no ``aten::_flash_attention_forward`` kernel).
+* ``sdpa_blockmask``: exact fallback for any device: one causal
+  ``scaled_dot_product_attention`` per sample over slices given by ``cu_seqlens`` (one host sync
+  per layer to read the boundaries; fine on CPU and for debugging, slow on GPU).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import inspect
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "BACKENDS",
+    "available_backends",
+    "configure",
+    "get_backend",
+    "register",
+    "select_backend",
+    "varlen_attention_forward",
+]
+
+ATTN_IMPLEMENTATION = "sfttrain_varlen"
+BACKENDS = ("flash_attn", "torch_varlen", "sdpa_blockmask")  # also the "auto" preference order
+
+# The one piece of module state: the backend chosen by `configure` at start-up. None means "not
+# configured": each call then uses select_backend("auto", <device of the query>).
+_backend: str | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# Availability and selection
+# --------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _flash_attn_importable() -> bool:
+    if importlib.util.find_spec("flash_attn") is None:
+        return False
+    try:  # a wheel built against another torch/CUDA fails here, at import, not at find_spec
+        from flash_attn import flash_attn_varlen_func  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_varlen_fn():
+    """`varlen_attn` and whether it takes `enable_gqa`, or None if this torch has no such module."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except Exception:
+        return None
+    try:
+        params = inspect.signature(varlen_attn).parameters
+    except (TypeError, ValueError):
+        params = {}
+    if "window_size" not in params:  # older prototypes had is_causal; we only speak window_size
+        return None
+    # torch 2.11 has no `enable_gqa` and accepts fewer KV heads natively (measured on the H200:
+    # 14 q heads / 2 kv heads); torch >= 2.13 raises on Hq != Hkv unless enable_gqa=True.
+    return varlen_attn, "enable_gqa" in params
+
+
+def _unavailable_reason(backend: str, device_type: str) -> str | None:
+    """None if `backend` can run on `device_type` here, else why not."""
+    if backend == "sdpa_blockmask":
+        return None
+    if device_type != "cuda":
+        return f"{backend!r} needs a CUDA device (got {device_type!r})"
+    if backend == "flash_attn":
+        return None if _flash_attn_importable() else "the flash_attn package is not importable"
+    if backend == "torch_varlen":
+        if _torch_varlen_fn() is None:
+            return f"torch {torch.__version__} has no usable torch.nn.attention.varlen.varlen_attn"
+        return None
+    raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
+
+
+def _default_device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def available_backends(device_type: str | None = None) -> list[str]:
+    """Backends that can run on `device_type` (default: cuda if available, else cpu), best first."""
+    device_type = device_type or _default_device_type()
+    return [b for b in BACKENDS if _unavailable_reason(b, device_type) is None]
+
+
+def select_backend(requested: str = "auto", device_type: str | None = None) -> str:
+    """Resolve `requested` ("auto" or one of BACKENDS) to a backend that runs on `device_type`.
+
+    "auto" picks flash_attn > torch_varlen > sdpa_blockmask by availability. A named backend
+    that cannot run here raises ValueError saying why.
+    """
+    device_type = device_type or _default_device_type()
+    if requested == "auto":
+        return available_backends(device_type)[0]  # sdpa_blockmask is always available
+    if requested not in BACKENDS:
+        raise ValueError(
+            f"unknown attention backend {requested!r}; expected 'auto' or one of {BACKENDS}"
+        )
+    reason = _unavailable_reason(requested, device_type)
+    if reason is not None:
+        raise ValueError(
+            f"attention backend {requested!r} is not available on this machine: {reason}. "
+            f"Available for {device_type!r}: {available_backends(device_type)}"
+        )
+    return requested
+
+
+def register() -> None:
+    """Register ATTN_IMPLEMENTATION with transformers (idempotent; also done at import)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, varlen_attention_forward)
+    # Deliberately no AttentionMaskInterface.register: see the module docstring.
+
+
+def configure(backend: str = "auto", device_type: str | None = None) -> str:
+    """Select the backend once at start-up, register with transformers, return the chosen name."""
+    global _backend
+    _backend = select_backend(backend, device_type)
+    register()
+    return _backend
+
+
+def get_backend() -> str | None:
+    """The configured backend, or None if `configure` has not been called."""
+    return _backend
+
+
+# --------------------------------------------------------------------------------------------
+# Backend kernels. All take q [T, H, D], k/v [T, Hkv, D], int32 cu_seqlens [n+1], and return
+# [T, H, D]. `window` is (left, 0): left = -1 for plain causal, sliding_window - 1 otherwise.
+# --------------------------------------------------------------------------------------------
+def _run_flash_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale, window):
+    from flash_attn import flash_attn_varlen_func
+
+    # flash_attn handles GQA natively (Hq must be a multiple of Hkv).
+    return flash_attn_varlen_func(
+        q, k, v, cu_q, cu_k, max_q, max_k,
+        dropout_p=0.0, softmax_scale=scale, causal=True, window_size=window,
+    )
+
+
+def _run_torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, window):
+    fn = _torch_varlen_fn()
+    if fn is None:
+        raise RuntimeError(_unavailable_reason("torch_varlen", "cuda"))
+    varlen_attn, takes_enable_gqa = fn
+    extra = {"enable_gqa": k.shape[1] != q.shape[1]} if takes_enable_gqa else {}
+    # TRAP: varlen_attn has no `is_causal` argument. Causality is window_size=(-1, 0) (or (W, 0)
+    # for a sliding window); the default (-1, -1) is bidirectional -- every token would see the
+    # future of its own sample -- and silently gives different numbers. It must be a *tuple*:
+    # torch derives is_causal from `window_size == (-1, 0)`, which a list never equals.
+    return varlen_attn(
+        q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=tuple(window), **extra
+    )
+
+
+def _run_sdpa_blockmask(q, k, v, cu_q, cu_k, max_q, max_k, scale, window):
+    # Exact fallback: one causal SDPA per sample, so nothing can cross a boundary and no [T, T]
+    # mask exists. Reading the boundaries is a host sync per layer (fine on CPU).
+    del max_q, max_k
+    bounds = cu_q.tolist()
+    if cu_k is not cu_q and cu_k.tolist() != bounds:
+        raise ValueError("sdpa_blockmask needs cu_seq_lens_k == cu_seq_lens_q (self-attention)")
+    if bounds[0] != 0 or bounds[-1] != q.shape[0]:
+        raise ValueError(
+            f"cu_seq_lens_q must start at 0 and end at the row length {q.shape[0]}, got "
+            f"{bounds[0]} .. {bounds[-1]}"
+        )
+    gqa = k.shape[1] != q.shape[1]
+    outs = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end == start:
+            continue
+        # [L, H, D] -> [H, L, D]; SDPA takes any leading batch dims.
+        qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))
+        length = end - start
+        if window[0] >= 0 and window[0] + 1 < length:
+            i = torch.arange(length, device=q.device)
+            rel = i[:, None] - i[None, :]  # query index minus key index
+            mask = (rel >= 0) & (rel <= window[0])
+            o = F.scaled_dot_product_attention(
+                qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa
+            )
+        else:
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+        outs.append(o.transpose(0, 1))
+    return torch.cat(outs, dim=0)
+
+
+_KERNELS = {
+    "flash_attn": _run_flash_attn,
+    "torch_varlen": _run_torch_varlen,
+    "sdpa_blockmask": _run_sdpa_blockmask,
+}
+
+
+# --------------------------------------------------------------------------------------------
+# The function transformers calls (same contract as integrations.sdpa_attention_forward).
+# --------------------------------------------------------------------------------------------
+def varlen_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    is_causal: bool | None = None,
+    s_aux: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Causal attention inside each packed sample.
+
+    query [1, H, T, D], key/value [1, Hkv, T, D] (H a multiple of Hkv). Reads
+    `cu_seq_lens_q` / `max_length_q` (and the `_k` twins, defaulting to the `_q` ones) from
+    kwargs. Returns (attn_output [1, T, H, D], None), the layout of transformers' sdpa/flash
+    attention functions, which the caller reshapes to [1, T, H * D].
+    """
+    cu_q = kwargs.get("cu_seq_lens_q")
+    max_q = kwargs.get("max_length_q")
+    if cu_q is None or max_q is None:
+        raise ValueError(
+            f"attn_implementation={ATTN_IMPLEMENTATION!r} needs the packed-row boundaries: call the "
+            "model with cu_seq_lens_q=, cu_seq_lens_k= (int32 [n+1], 0 .. T) and max_length_q=, "
+            "max_length_k= (int). Without them samples would attend across boundaries."
+        )
+    cu_k = kwargs.get("cu_seq_lens_k")
+    max_k = kwargs.get("max_length_k")
+    cu_k = cu_q if cu_k is None else cu_k
+    max_k = max_q if max_k is None else max_k
+    if attention_mask is not None:
+        raise ValueError(
+            f"attn_implementation={ATTN_IMPLEMENTATION!r} takes no attention_mask: packed rows have "
+            "no padding and the sample boundaries come from cu_seq_lens_q. Pass attention_mask=None."
+        )
+    if is_causal is False or not getattr(module, "is_causal", True):
+        raise ValueError(f"{ATTN_IMPLEMENTATION!r} implements causal attention only")
+    if dropout and dropout > 0.0:
+        # torch's varlen_attn hard-codes dropout 0; rather than let backends disagree, refuse.
+        raise ValueError(
+            f"{ATTN_IMPLEMENTATION!r} does not implement attention dropout (got {dropout}); set the "
+            "model config's attention_dropout to 0 for training"
+        )
+    if softcap is not None or s_aux is not None:
+        raise ValueError(
+            f"{ATTN_IMPLEMENTATION!r} does not support attention logit softcapping or attention sinks"
+        )
+    if query.dim() != 4 or query.shape[0] != 1:
+        raise ValueError(
+            f"{ATTN_IMPLEMENTATION!r} expects one packed row (batch 1), got query {tuple(query.shape)}"
+        )
+    if key.shape[2] != query.shape[2]:
+        raise ValueError(
+            f"{ATTN_IMPLEMENTATION!r}: key length {key.shape[2]} != query length {query.shape[2]} "
+            "(a KV cache is not supported; call the model with use_cache=False)"
+        )
+    if query.shape[1] % key.shape[1] != 0:
+        raise ValueError(f"query heads {query.shape[1]} not a multiple of kv heads {key.shape[1]}")
+
+    backend = _backend if _backend is not None else select_backend("auto", query.device.type)
+    if backend != "sdpa_blockmask":
+        # The flash kernels take fp16/bf16 only, all three in one dtype. Under autocast with fp32
+        # weights, RoPE (q * cos with fp32 cos) promotes q and k to fp32 while v stays in the
+        # autocast dtype, so cast to the autocast dtype, as transformers' flash integration does.
+        # Outside autocast an fp32 model is an error, not a silent precision change.
+        half = (torch.float16, torch.bfloat16)
+        dev = query.device.type
+        if torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) in half:
+            target = torch.get_autocast_dtype(dev)
+            query, key, value = query.to(target), key.to(target), value.to(target)
+        elif not (query.dtype in half and key.dtype == query.dtype and value.dtype == query.dtype):
+            raise ValueError(
+                f"attention backend {backend!r} needs fp16/bf16 query/key/value of one dtype, got "
+                f"{query.dtype}/{key.dtype}/{value.dtype}; run the model in bf16 (or under autocast), "
+                "or configure 'sdpa_blockmask'"
+            )
+
+    cu_q = cu_q.to(device=query.device, dtype=torch.int32)  # no-ops for the trainer's inputs
+    cu_k = cu_k.to(device=query.device, dtype=torch.int32)
+    max_q, max_k = int(max_q), int(max_k)
+    # HF's sliding-window semantics: a query sees keys with q - k < sliding_window.
+    window = (-1, 0) if sliding_window is None else (int(sliding_window) - 1, 0)
+
+    # [1, H, T, D] -> [T, H, D] (a view; the last dim stays contiguous, which the kernels need).
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    out = _KERNELS[backend](q, k, v, cu_q, cu_k, max_q, max_k, scaling, window)
+    return out.unsqueeze(0), None
+
+
+register()

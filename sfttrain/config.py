@@ -1,0 +1,290 @@
+"""The one configuration schema: defaults, verl-compatible keys, validation, overrides.
+
+Precedence: defaults <- YAML file <- command-line `key=value` overrides (omegaconf dotlist).
+Every key lives in a dataclass below with its default and a comment; an unknown key is an
+error that names the closest known one, and omegaconf type-checks every value.
+Batch arithmetic that needs the world size is checked in `sfttrain.data.plan`.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A configuration the user must fix; the message says what to change."""
+
+
+@dataclass
+class DataConfig:
+    train_files: Any = None  # a Parquet path or a list of them
+    val_files: Any = None  # optional; validation runs over all of it, nothing dropped
+    prompt_key: str = "question"
+    response_key: str = "answer"
+    prompt_dict_keys: Optional[list[str]] = None  # verl's nested keys: row[prompt_key][k0][k1]...
+    response_dict_keys: Optional[list[str]] = None
+    train_batch_size: int = 256  # GLOBAL batch in samples per optimizer step
+    micro_batch_size_per_gpu: int = 4  # samples per forward/backward on one data-parallel rank
+    micro_batch_size: Optional[int] = None  # verl's deprecated global micro batch: rejected
+    max_token_len_per_gpu: Optional[int] = None  # if set, micro-batches are token budgets instead
+    max_length: int = 1024  # tokens per sample (prompt + response)
+    truncation: str = "error"  # error | left | right
+    apply_chat_template: bool = True  # render the prompt as one user turn, generation prompt on
+    chat_template: Optional[str] = None  # a Jinja template overriding the tokenizer's
+    shuffle: bool = True  # per-epoch order from trainer.seed and the epoch number
+    num_workers: int = 0  # >0: build batches in a background thread ahead of the step
+    balance_dp_token: bool = True  # verl key; sfttrain always balances tokens across ranks
+
+
+@dataclass
+class FSDPConfig:
+    model_dtype: str = "fp32"  # dtype of the master weights and optimizer state
+    mixed_precision: Any = True  # true: bf16 compute, fp32 reduce; false: compute in model_dtype
+    sharding_strategy: str = "FULL_SHARD"  # FULL_SHARD | SHARD_GRAD_OP | HYBRID_SHARD
+    fsdp_size: int = -1  # shard group size; -1 = all data-parallel ranks (HSDP below that)
+    cpu_offload: bool = False  # offload parameters, gradients and optimizer state to CPU
+    offload_params: bool = False  # verl's spelling of the same switch
+    backward_prefetch: Optional[str] = "BACKWARD_PRE"  # FSDP2 always prefetches in backward
+    forward_prefetch: bool = False  # explicitly prefetch the next layer's all-gather in forward
+    wrap_policy: Any = None  # verl key; sfttrain shards every decoder layer, see parallel.py
+
+
+@dataclass
+class ModelConfig:
+    partial_pretrain: Optional[str] = None  # a local Hugging Face model folder
+    random_init: bool = False  # build from the folder's config.json with random weights
+    trust_remote_code: bool = False
+    strategy: str = "fsdp2"
+    enable_gradient_checkpointing: bool = True
+    attn_implementation: str = "auto"  # auto | flash_attn | torch_varlen | sdpa_blockmask
+    use_liger: bool = False  # Liger's fused RMSNorm/SwiGLU/RoPE and fused linear cross-entropy
+    lora_rank: int = 0
+    lora_alpha: int = 16
+    target_modules: Any = "all-linear"
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+
+
+@dataclass
+class OptimConfig:
+    optimizer: str = "adamw"
+    lr: float = 1e-5
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.01  # not applied to norms and biases
+    lr_warmup_steps_ratio: float = 0.1
+    lr_warmup_steps: int = -1  # if > 0, overrides the ratio
+    lr_scheduler: str = "cosine"  # cosine | constant
+    min_lr_ratio: float = 0.0  # the cosine decays to lr * min_lr_ratio
+    clip_grad: float = 1.0  # max global grad norm; <= 0 disables clipping
+
+
+@dataclass
+class TrainerConfig:
+    default_local_dir: str = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"
+    project_name: str = "sfttrain"
+    experiment_name: str = "run"
+    total_epochs: int = 1
+    total_training_steps: Optional[int] = None  # if set, stops (and schedules the LR) here
+    logger: Any = "console"  # console | wandb | a list of them
+    seed: int = 1
+    test_freq: int = -1  # validate every N steps (and always at the end); -1: only at the end
+    save_freq: int = -1  # checkpoint every N steps (and always at the end); -1: only at the end
+    max_ckpt_to_keep: Optional[int] = None  # None keeps all
+    resume_mode: str = "auto"  # auto | disable | resume_path
+    resume_from_path: Optional[str] = None
+    save_hf: bool = False  # export a Hugging Face folder at the end of training
+    log_freq: int = 1  # console line every N steps (metrics.jsonl always gets every step)
+    nnodes: Optional[int] = None  # verl keys; if given they must match torchrun's world
+    n_gpus_per_node: Optional[int] = None
+    device: str = "auto"  # auto | cuda | cpu
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    ulysses_sequence_parallel_size: int = 1
+    use_remove_padding: bool = True  # verl key; sfttrain is always padding-free
+
+
+# verl spellings accepted as synonyms: old key -> schema key.
+ALIASES = {
+    "trainer.save_interval": "trainer.save_freq",
+    "optim.warmup_steps_ratio": "optim.lr_warmup_steps_ratio",
+    "optim.warmup_style": "optim.lr_scheduler",
+}
+
+# Keys whose value may be a nested dict of their own (validated where they are used).
+FREE_FORM = ("model.fsdp_config.mixed_precision", "model.fsdp_config.wrap_policy")
+
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+def load_config(yaml_path: Optional[str] = None, overrides: tuple[str, ...] | list[str] = ()) -> Config:
+    """Defaults <- YAML <- overrides, then validated. Returns a typed `Config` object."""
+    layers = []
+    if yaml_path is not None:
+        try:
+            layers.append(OmegaConf.load(yaml_path))
+        except FileNotFoundError:
+            raise ConfigError(f"config file {yaml_path!r} does not exist") from None
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ConfigError(f"overrides must look like key=value, got {bad}")
+    layers.append(OmegaConf.from_dotlist(list(overrides)))
+
+    merged = OmegaConf.structured(Config)
+    for layer in layers:
+        layer = _apply_aliases(layer)
+        _check_known_keys(layer, merged)
+        try:
+            merged = OmegaConf.merge(merged, layer)
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"bad config value: {e.msg if hasattr(e, 'msg') else e}") from None
+    try:
+        OmegaConf.resolve(merged)
+        cfg: Config = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"bad config value: {e}") from None
+    validate(cfg)
+    return cfg
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def _flat_keys(node: Any, prefix: str = "") -> list[str]:
+    if not isinstance(node, DictConfig):
+        return [prefix]
+    keys = []
+    for k in node.keys():
+        value = node._get_node(k)
+        path = f"{prefix}.{k}" if prefix else str(k)
+        keys.extend(_flat_keys(value, path) if isinstance(value, DictConfig) else [path])
+    return keys
+
+
+def _apply_aliases(layer: DictConfig) -> DictConfig:
+    for old, new in ALIASES.items():
+        value = OmegaConf.select(layer, old, default="__absent__", throw_on_missing=False)
+        if value == "__absent__":
+            continue
+        if OmegaConf.select(layer, new, default="__absent__") != "__absent__":
+            raise ConfigError(f"both {old} and {new} are set; {old} is verl's name for {new}: keep one")
+        parent, _, leaf = old.rpartition(".")
+        node = OmegaConf.select(layer, parent)
+        node.pop(leaf)
+        OmegaConf.update(layer, new, value, force_add=True)
+    return layer
+
+
+def _check_known_keys(layer: DictConfig, schema: DictConfig) -> None:
+    """Unknown keys are errors that suggest the closest known key (typos never pass silently)."""
+    known = set(_flat_keys(schema)) | set(ALIASES)
+    for key in _flat_keys(layer):
+        if key in known or any(key.startswith(k + ".") for k in FREE_FORM):
+            continue
+        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        raise ConfigError(f"unknown config key {key!r}{hint}")
+
+
+def _choice(key: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key}={value!r} is not one of {list(choices)}")
+
+
+def validate(cfg: Config) -> None:
+    """Checks that need no world size and no data. Messages say which key to change."""
+    d, m, o, t = cfg.data, cfg.model, cfg.optim, cfg.trainer
+    if d.train_files in (None, "", []):
+        raise ConfigError("data.train_files is required: a Parquet file or a list of them")
+    if m.partial_pretrain in (None, ""):
+        raise ConfigError("model.partial_pretrain is required: a local Hugging Face model folder")
+    if d.micro_batch_size is not None:
+        raise ConfigError("data.micro_batch_size (verl's deprecated global micro batch) is not supported: "
+                          "set data.micro_batch_size_per_gpu instead")
+    for key, value in (("data.train_batch_size", d.train_batch_size),
+                       ("data.micro_batch_size_per_gpu", d.micro_batch_size_per_gpu),
+                       ("data.max_length", d.max_length), ("trainer.total_epochs", t.total_epochs)):
+        if value <= 0:
+            raise ConfigError(f"{key} must be positive, got {value}")
+    if d.max_token_len_per_gpu is not None and d.max_token_len_per_gpu < d.max_length:
+        raise ConfigError(f"data.max_token_len_per_gpu={d.max_token_len_per_gpu} is below data.max_length="
+                          f"{d.max_length}: a longest sample would not fit; raise it or lower data.max_length")
+    _choice("data.truncation", d.truncation, ("error", "left", "right"))
+    _choice("model.strategy", m.strategy, ("fsdp2", "fsdp"))
+    _choice("model.attn_implementation", m.attn_implementation,
+            ("auto", "flash_attn", "torch_varlen", "sdpa_blockmask"))
+    _choice("model.fsdp_config.model_dtype", m.fsdp_config.model_dtype, DTYPES)
+    _choice("model.fsdp_config.sharding_strategy", m.fsdp_config.sharding_strategy,
+            ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD"))
+    if m.fsdp_config.backward_prefetch not in (None, "BACKWARD_PRE"):
+        raise ConfigError("model.fsdp_config.backward_prefetch: FSDP2 always prefetches the next layer's "
+                          "all-gather in backward (BACKWARD_PRE); remove the key or set it to BACKWARD_PRE")
+    if m.fsdp_config.wrap_policy not in (None, {}, {"min_num_params": 0}):
+        raise ConfigError("model.fsdp_config.wrap_policy: sfttrain shards every decoder layer and the root; "
+                          "a custom wrap policy is not supported, remove the key")
+    mixed_precision_dtypes(m.fsdp_config)  # validates the value
+    _choice("optim.optimizer", o.optimizer.lower(), ("adamw",))
+    _choice("optim.lr_scheduler", o.lr_scheduler, ("cosine", "constant"))
+    if len(o.betas) != 2:
+        raise ConfigError(f"optim.betas must have two values, got {o.betas}")
+    if not 0.0 <= o.lr_warmup_steps_ratio <= 1.0 or not 0.0 <= o.min_lr_ratio <= 1.0:
+        raise ConfigError("optim.lr_warmup_steps_ratio and optim.min_lr_ratio must lie in [0, 1]")
+    _choice("trainer.resume_mode", t.resume_mode, ("auto", "disable", "resume_path"))
+    if t.resume_mode == "resume_path" and not t.resume_from_path:
+        raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
+    _choice("trainer.device", t.device, ("auto", "cuda", "cpu"))
+    for name in logger_names(t):
+        _choice("trainer.logger", name, ("console", "wandb"))
+    if m.lora_rank > 0:
+        raise ConfigError("model.lora_rank > 0: LoRA under FSDP2 is not implemented yet; set model.lora_rank=0")
+    if cfg.ulysses_sequence_parallel_size != 1:
+        raise ConfigError("ulysses_sequence_parallel_size > 1: Ulysses sequence parallelism is not implemented "
+                          "yet; set it to 1")
+    if not cfg.use_remove_padding:
+        raise ConfigError("use_remove_padding=false: sfttrain always trains padding-free (packed rows give the "
+                          "same loss as padded ones, without the pad compute); remove the key")
+
+
+def logger_names(t: TrainerConfig) -> list[str]:
+    value = t.logger
+    return [value] if isinstance(value, str) else list(value)
+
+
+def mixed_precision_dtypes(f: FSDPConfig) -> Optional[tuple[str, str]]:
+    """(param_dtype, reduce_dtype) for FSDP's MixedPrecisionPolicy, or None for no mixed precision.
+
+    Accepts verl's two spellings: a bool, or a dict {param_dtype, reduce_dtype, buffer_dtype}."""
+    mp = f.mixed_precision
+    if mp is False or mp is None:
+        return None
+    if mp is True:
+        return ("bf16", "fp32")
+    if isinstance(mp, dict):
+        unknown = set(mp) - {"param_dtype", "reduce_dtype", "buffer_dtype"}
+        if unknown:
+            raise ConfigError(f"model.fsdp_config.mixed_precision: unknown keys {sorted(unknown)}")
+        param, reduce = mp.get("param_dtype", "bf16"), mp.get("reduce_dtype", "fp32")
+        for key, value in (("param_dtype", param), ("reduce_dtype", reduce)):
+            _choice(f"model.fsdp_config.mixed_precision.{key}", value, DTYPES)
+        return (param, reduce)
+    raise ConfigError(f"model.fsdp_config.mixed_precision must be true, false or a dict, got {mp!r}")
+
+
+def as_list(value: Any) -> list[str]:
+    """A path or a list of paths (YAML list or omegaconf ListConfig) as a list of str."""
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple, ListConfig)):
+        return [str(v) for v in value]
+    return [str(value)]

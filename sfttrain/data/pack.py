@@ -1,0 +1,103 @@
+"""Padding-free packing and the balanced split of a step's samples over ranks and micro-batches.
+
+A micro-batch is ONE row: the samples concatenated, `position_ids` restarting at 0 for each
+sample and `cu_seqlens` marking the boundaries, so the attention backend keeps samples apart.
+Labels are shifted here, inside each sample, so no target ever crosses a sample boundary.
+
+Every rank computes the same split from the same lengths (no communication): it reads all
+samples of the step, so it also knows the step's global loss-token count without an all-reduce.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sfttrain.data.render import RenderedSample
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class MicroBatch:
+    input_ids: torch.Tensor  # [1, T]
+    labels: torch.Tensor  # [1, T]: the next token where it is a target, else IGNORE_INDEX
+    position_ids: torch.Tensor  # [1, T]
+    cu_seqlens: torch.Tensor  # [n + 1] int32 sample boundaries
+    max_seqlen: int
+    num_loss_tokens: int
+
+    def to(self, device: torch.device) -> "MicroBatch":
+        move = dict(device=device, non_blocking=True)
+        return MicroBatch(self.input_ids.to(**move), self.labels.to(**move), self.position_ids.to(**move),
+                          self.cu_seqlens.to(**move), self.max_seqlen, self.num_loss_tokens)
+
+    def model_inputs(self) -> dict:
+        """Keyword arguments of the HF model call (transformers' FlashAttentionKwargs names)."""
+        return dict(input_ids=self.input_ids, position_ids=self.position_ids,
+                    cu_seq_lens_q=self.cu_seqlens, cu_seq_lens_k=self.cu_seqlens,
+                    max_length_q=self.max_seqlen, max_length_k=self.max_seqlen)
+
+
+def shifted_labels(sample: RenderedSample) -> list[int]:
+    """Target at position t is token t+1 of the same sample, where token t+1 is trained."""
+    ids, mask = sample.input_ids, sample.loss_mask
+    return [ids[t + 1] if mask[t + 1] else IGNORE_INDEX for t in range(len(ids) - 1)] + [IGNORE_INDEX]
+
+
+def pack(samples: list[RenderedSample]) -> MicroBatch:
+    if not samples:
+        return empty_micro_batch()
+    input_ids, labels, positions, bounds = [], [], [], [0]
+    for s in samples:
+        input_ids += s.input_ids
+        labels += shifted_labels(s)
+        positions += range(len(s.input_ids))
+        bounds.append(bounds[-1] + len(s.input_ids))
+    num_loss = sum(label != IGNORE_INDEX for label in labels)
+    return MicroBatch(torch.tensor([input_ids]), torch.tensor([labels]), torch.tensor([positions]),
+                      torch.tensor(bounds, dtype=torch.int32), max(len(s.input_ids) for s in samples), num_loss)
+
+
+def empty_micro_batch() -> MicroBatch:
+    """One token with no target: runs the forward/backward (and so FSDP's collectives) at no loss,
+    for a rank that has fewer micro-batches than its peers."""
+    return MicroBatch(torch.zeros(1, 1, dtype=torch.long), torch.full((1, 1), IGNORE_INDEX),
+                      torch.zeros(1, 1, dtype=torch.long), torch.tensor([0, 1], dtype=torch.int32), 1, 0)
+
+
+def loss_tokens(sample: RenderedSample) -> int:
+    return sum(sample.loss_mask[1:])  # the first token has no predecessor to predict it from
+
+
+def balanced_bins(costs: list[float], n_bins: int, per_bin: int | None = None) -> list[list[int]]:
+    """Greedy longest-processing-time split of items into n_bins of near-equal total cost.
+
+    With per_bin set, every bin gets exactly that many items. Deterministic: ties go to the
+    lower index, so every rank computes the same split."""
+    order = sorted(range(len(costs)), key=lambda i: (-costs[i], i))
+    bins: list[list[int]] = [[] for _ in range(n_bins)]
+    loads = [0.0] * n_bins
+    for i in order:
+        open_bins = [b for b in range(n_bins) if per_bin is None or len(bins[b]) < per_bin]
+        b = min(open_bins, key=lambda b: (loads[b], b))
+        bins[b].append(i)
+        loads[b] += costs[i]
+    return [sorted(b) for b in bins]
+
+
+def budget_bins(lengths: list[int], budget: int) -> list[list[int]]:
+    """First-fit-decreasing: fewest bins whose token total stays within the budget."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in order:
+        b = next((b for b in range(len(bins)) if loads[b] + lengths[i] <= budget), None)
+        if b is None:
+            bins.append([])
+            loads.append(0)
+            b = len(bins) - 1
+        bins[b].append(i)
+        loads[b] += lengths[i]
+    return [sorted(b) for b in bins]

@@ -1,0 +1,87 @@
+"""The batch arithmetic, checked and explained before any compute is spent.
+
+data.train_batch_size is the GLOBAL batch: samples per optimizer step over all data-parallel
+ranks. Each rank gets train_batch_size / dp_size of them and runs them as micro-batches of
+data.micro_batch_size_per_gpu samples (gradient accumulation follows), or, with
+data.max_token_len_per_gpu, as packed micro-batches of at most that many tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from sfttrain.config import Config, ConfigError
+from sfttrain.data.pack import balanced_bins, budget_bins
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    dp_size: int
+    global_batch: int
+    micro_batch: int
+    token_budget: Optional[int]
+    num_rows: int
+    steps_per_epoch: int
+    total_steps: int
+
+    @property
+    def samples_per_rank(self) -> int:
+        return self.global_batch // self.dp_size
+
+    @property
+    def accum_steps(self) -> Optional[int]:
+        """Micro-batches per optimizer step (None: decided per step by the token budget)."""
+        return None if self.token_budget else self.samples_per_rank // self.micro_batch
+
+    def describe(self) -> str:
+        if self.token_budget:
+            micro = f"packed to <= {self.token_budget} tokens per micro-batch (count varies per step)"
+        else:
+            micro = (f"{self.micro_batch} samples/micro-batch x {self.accum_steps} accumulation steps "
+                     f"= {self.samples_per_rank} samples per rank")
+        return "\n".join([
+            f"  data-parallel ranks : {self.dp_size}",
+            f"  global batch        : {self.global_batch} samples per optimizer step (data.train_batch_size)",
+            f"  per rank            : {micro}",
+            f"  dataset             : {self.num_rows} rows -> {self.steps_per_epoch} steps per epoch "
+            f"({self.num_rows - self.steps_per_epoch * self.global_batch} rows left over each epoch)",
+            f"  total steps         : {self.total_steps}",
+        ])
+
+    def split(self, lengths: list[int], costs: list[float]) -> list[list[list[int]]]:
+        """Sample indices of one step, per rank, per micro-batch (same number of micro-batches
+        on every rank, since each one is a round of FSDP collectives)."""
+        if self.token_budget:
+            ranks = balanced_bins(costs, self.dp_size)
+            per_rank = [budget_bins([lengths[i] for i in r], self.token_budget) for r in ranks]
+            n_micro = max(len(bins) for bins in per_rank)
+            return [[[r[i] for i in b] for b in bins] + [[] for _ in range(n_micro - len(bins))]
+                    for r, bins in zip(ranks, per_rank)]
+        ranks = balanced_bins(costs, self.dp_size, per_bin=self.samples_per_rank)
+        return [[[r[i] for i in b] for b in balanced_bins([costs[i] for i in r], self.accum_steps, self.micro_batch)]
+                for r in ranks]
+
+
+def make_plan(cfg: Config, dp_size: int, num_rows: int) -> BatchPlan:
+    d, t = cfg.data, cfg.trainer
+    b, mb = d.train_batch_size, d.micro_batch_size_per_gpu
+    if b % dp_size:
+        raise ConfigError(f"data.train_batch_size={b} is not divisible by the {dp_size} data-parallel ranks; "
+                          f"use a multiple of {dp_size}, e.g. {_nearest_multiple(b, dp_size)}")
+    if not d.max_token_len_per_gpu and (b // dp_size) % mb:
+        per_rank = b // dp_size
+        raise ConfigError(f"data.train_batch_size={b} gives {per_rank} samples per rank over {dp_size} ranks, "
+                          f"not divisible by data.micro_batch_size_per_gpu={mb}; use a train_batch_size that "
+                          f"is a multiple of {dp_size * mb} (e.g. {_nearest_multiple(b, dp_size * mb)}) or a "
+                          f"micro_batch_size_per_gpu that divides {per_rank}")
+    steps_per_epoch = num_rows // b
+    if steps_per_epoch == 0:
+        raise ConfigError(f"the training data has {num_rows} rows, fewer than data.train_batch_size={b}: "
+                          "lower the batch size or add data")
+    total = t.total_training_steps or steps_per_epoch * t.total_epochs
+    return BatchPlan(dp_size, b, mb, d.max_token_len_per_gpu, num_rows, steps_per_epoch, total)
+
+
+def _nearest_multiple(value: int, base: int) -> int:
+    return max(base, round(value / base) * base)

@@ -1,0 +1,114 @@
+"""Turn one (prompt, response) pair into token ids and a loss mask.
+
+The prompt is rendered as a single user turn with the tokenizer's chat template (or as plain
+text), the response is appended followed by EOS, and only the response tokens are trained.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+TRUNCATION_MODES = ("error", "left", "right")
+
+
+@dataclass(frozen=True)
+class RenderedSample:
+    input_ids: list[int]
+    loss_mask: list[int]  # 1 where token t is a training target (predicted from token t-1), else 0
+    row: int  # global row id of the source row (for error messages)
+
+
+def _as_id_list(out) -> list[int]:
+    """Flat list[int] from whatever apply_chat_template / a tokenizer call returned.
+
+    transformers 4.x returns list[int] from apply_chat_template(tokenize=True); 5.x returns a
+    BatchEncoding (a dict with input_ids). Either may come back as a batch of one.
+    """
+    if isinstance(out, Mapping) or hasattr(out, "input_ids"):
+        out = out["input_ids"]
+    if hasattr(out, "tolist"):  # tensor / ndarray
+        out = out.tolist()
+    out = list(out)
+    if out and isinstance(out[0], (list, tuple)):
+        if len(out) != 1:
+            raise ValueError(f"expected one sequence of token ids, got a batch of {len(out)}")
+        out = list(out[0])
+    return [int(t) for t in out]
+
+
+class Renderer:
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        max_length: int,
+        truncation: str,
+        apply_chat_template: bool = True,
+        chat_template: str | None = None,
+    ):
+        if truncation not in TRUNCATION_MODES:
+            raise ValueError(
+                f"data.truncation={truncation!r} is not supported; use one of {', '.join(TRUNCATION_MODES)}"
+            )
+        if not isinstance(max_length, int) or max_length < 2:
+            raise ValueError(f"data.max_length must be an integer >= 2, got {max_length!r}")
+        if tokenizer.eos_token_id is None:
+            raise ValueError(
+                "the tokenizer has no eos_token_id; every response is trained to end with EOS, "
+                "so set an eos token on the tokenizer"
+            )
+        if apply_chat_template and chat_template is None and not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                "the tokenizer has no chat template; set data.apply_chat_template=false to use the "
+                "raw prompt text, or pass a Jinja template with data.chat_template=..."
+            )
+        self.tokenizer = tokenizer
+        self.max_length = max_length
+        self.truncation = truncation
+        self.apply_chat_template = apply_chat_template
+        self.chat_template = chat_template
+        self.eos_token_id = int(tokenizer.eos_token_id)
+
+    def _prompt_ids(self, prompt: str) -> list[int]:
+        if not self.apply_chat_template:
+            return _as_id_list(self.tokenizer(prompt))  # normal special tokens, e.g. BOS
+        out = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}],
+            add_generation_prompt=True,
+            tokenize=True,
+            chat_template=self.chat_template,  # None -> the tokenizer's own template
+        )
+        return _as_id_list(out)
+
+    def render(self, prompt: str, response: str, row: int) -> RenderedSample:
+        # Prompt and response are tokenized separately and concatenated. Tokenizing the joined
+        # text could merge tokens across the boundary, so the mask would not split cleanly, and
+        # the ids would differ from what the model sees at inference, where it continues from
+        # the generation prompt.
+        prompt_ids = self._prompt_ids(prompt)
+        # EOS is trained so the model learns to stop. verl's single-turn SFT path drops it, and
+        # its models then never stop generating.
+        response_ids = _as_id_list(self.tokenizer(response, add_special_tokens=False)) + [self.eos_token_id]
+
+        input_ids = prompt_ids + response_ids
+        loss_mask = [0] * len(prompt_ids) + [1] * len(response_ids)
+
+        n = len(input_ids)
+        if n > self.max_length:
+            if self.truncation == "error":
+                raise ValueError(
+                    f"row {row} has {n} tokens ({len(prompt_ids)} prompt + {len(response_ids)} response), "
+                    f"more than data.max_length={self.max_length}; raise data.max_length or set "
+                    f"data.truncation=left|right"
+                )
+            if self.truncation == "left":  # keep the end, so the EOS survives
+                input_ids, loss_mask = input_ids[-self.max_length :], loss_mask[-self.max_length :]
+            else:  # right: keep the start; the EOS (and maybe the whole response) is lost
+                input_ids, loss_mask = input_ids[: self.max_length], loss_mask[: self.max_length]
+
+        # Token 0 has no predecessor, so it can never be a target (matters after left truncation
+        # or with an empty prompt and no BOS). Keeping it out keeps sum(loss_mask) an exact count.
+        if loss_mask and loss_mask[0]:
+            loss_mask = [0] + loss_mask[1:]
+        return RenderedSample(input_ids=input_ids, loss_mask=loss_mask, row=row)

@@ -1,0 +1,96 @@
+"""Ranks, the process group and the DeviceMesh.
+
+The mesh has named dimensions so that later parallelisms slot in without rewrites:
+`dp_replicate` (HSDP replicas) x `dp_shard` (FSDP shards). Sequence parallelism will add `sp`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from sfttrain.config import Config, ConfigError
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    mesh: DeviceMesh
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def dp_size(self) -> int:
+        # every rank is a data-parallel rank until sequence parallelism exists
+        return self.world_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank
+
+
+def init_world(cfg: Config) -> World:
+    """Starts the process group (nccl on CUDA, gloo on CPU) and builds the mesh."""
+    rank, local_rank, world_size = (int(os.environ.get(k, d)) for k, d in
+                                    (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
+    use_cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
+    if use_cuda and not torch.cuda.is_available():
+        raise ConfigError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu")
+    _check_verl_world_keys(cfg, world_size)
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # lets `python -m sfttrain.run` work without torchrun
+        os.environ.setdefault("MASTER_PORT", "29500")
+        dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(minutes=30),
+                                device_id=device if use_cuda else None)
+    mesh = init_device_mesh(device.type, _mesh_shape(cfg, world_size), mesh_dim_names=("dp_replicate", "dp_shard"))
+    return World(rank, local_rank, world_size, device, mesh)
+
+
+def _mesh_shape(cfg: Config, world_size: int) -> tuple[int, int]:
+    fsdp = cfg.model.fsdp_config
+    shard = world_size if fsdp.fsdp_size in (-1, 0) else fsdp.fsdp_size
+    if shard > world_size or world_size % shard:
+        raise ConfigError(f"model.fsdp_config.fsdp_size={fsdp.fsdp_size} must divide the world size "
+                          f"{world_size} (or be -1 for all ranks)")
+    if fsdp.sharding_strategy == "HYBRID_SHARD" and shard == world_size:
+        raise ConfigError("sharding_strategy=HYBRID_SHARD needs model.fsdp_config.fsdp_size smaller than the "
+                          f"world size {world_size} (e.g. the GPUs of one node)")
+    return (world_size // shard, shard)
+
+
+def _check_verl_world_keys(cfg: Config, world_size: int) -> None:
+    """verl users set trainer.nnodes / n_gpus_per_node; torchrun decides, so they must agree."""
+    t = cfg.trainer
+    if t.nnodes is not None and t.n_gpus_per_node is not None and t.nnodes * t.n_gpus_per_node != world_size:
+        raise ConfigError(f"trainer.nnodes * trainer.n_gpus_per_node = {t.nnodes * t.n_gpus_per_node} but torchrun "
+                          f"started {world_size} ranks; fix the keys or the torchrun flags (or remove the keys)")
+
+
+def barrier(world: World) -> None:
+    if world.device.type == "cuda":
+        dist.barrier(device_ids=[world.local_rank])
+    else:
+        dist.barrier()
+
+
+def shutdown(world: World) -> None:
+    # all ranks pass a barrier first: on gloo a rank that exits while another still finishes a
+    # checkpoint write can abort with "terminate called without an active exception".
+    barrier(world)
+    dist.destroy_process_group()

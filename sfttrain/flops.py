@@ -1,0 +1,57 @@
+"""Model FLOPs utilisation (MFU), as the benchmark workloads define it (bench/WORKLOADS.md).
+
+    flops per token = 6 N + 6 L H Dh (sum_i s_i^2) / (sum_i s_i)
+    MFU             = flops per token x real tokens/s / (peak FLOP/s x GPUs)
+
+N counts every parameter once (a tied embedding once), L is the number of layers, H the number of
+attention heads, Dh the head size, and s_i the length of sample i. The dense term is 2 N for the
+forward and 4 N for the backward. With LoRA the frozen weights need no weight gradient, so their
+backward is 2 N and the dense term becomes 4 N (the adapters are small enough to ignore).
+Recomputation under activation checkpointing is not counted: MFU measures useful work.
+"""
+
+from collections.abc import Iterable
+
+import torch
+
+H200_BF16_PEAK_FLOPS = 989e12  # dense bf16 peak of one H100/H200 SXM, the workloads' reference
+
+
+def flops_per_token(
+    num_params: int,
+    num_layers: int,
+    num_heads: int,
+    head_dim: int,
+    sample_lengths: Iterable[int],
+    lora: bool = False,
+) -> float:
+    """``k N + 6 L H Dh sum(s_i^2) / sum(s_i)`` with k = 6, or 4 when ``lora`` (frozen weights).
+
+    The attention term is per token: each sample of length s costs ``6 L H Dh s^2`` in total
+    (QK^T and PV, forward and backward), spread over its s tokens.
+    """
+    lengths = [int(s) for s in sample_lengths]
+    total = sum(lengths)
+    if total <= 0:
+        raise ValueError("sample_lengths must hold at least one token")
+    dense = (4 if lora else 6) * num_params
+    attention = 6 * num_layers * num_heads * head_dim * sum(s * s for s in lengths) / total
+    return dense + attention
+
+
+def count_params(model: torch.nn.Module) -> int:
+    """All parameters of ``model``, each counted once: a tied embedding / LM head is one tensor.
+
+    Deduplicated by identity, so ties survive any wrapping. Under FSDP2 each parameter is a
+    DTensor whose ``numel()`` is the global (unsharded) size, so every rank gets the full count.
+    """
+    unique = {id(p): p for _, p in model.named_parameters(remove_duplicate=False)}
+    return sum(p.numel() for p in unique.values())
+
+
+def mfu(flops_per_token: float, tokens_per_s: float, num_gpus: int, peak_flops: float = H200_BF16_PEAK_FLOPS) -> float:
+    """``flops_per_token x tokens_per_s / (peak_flops x num_gpus)``, a fraction (not percent).
+
+    ``tokens_per_s`` counts real (non-pad) input tokens over all GPUs.
+    """
+    return flops_per_token * tokens_per_s / (peak_flops * num_gpus)

@@ -1,0 +1,92 @@
+"""Load the Hugging Face model and tokenizer; choose the attention backend; apply Liger."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import transformers
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from sfttrain import attention
+from sfttrain.config import ConfigError, ModelConfig
+
+DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def load_tokenizer(cfg: ModelConfig):
+    _check_folder(cfg.partial_pretrain)
+    # samples longer than the tokenizer's model_max_length are handled by data.truncation
+    logging.getLogger("transformers.tokenization_utils_base").setLevel(logging.ERROR)
+    transformers.utils.logging.disable_progress_bar()
+    return AutoTokenizer.from_pretrained(cfg.partial_pretrain, trust_remote_code=cfg.trust_remote_code)
+
+
+def load_model(cfg: ModelConfig, device: torch.device, seed: int) -> nn.Module:
+    """The model on CPU in model_dtype (sharding moves it to the device), with the packed
+    varlen attention installed. Returns (model, attention backend name)."""
+    path = cfg.partial_pretrain
+    _check_folder(path)
+    backend = attention.select_backend(cfg.attn_implementation, device.type)
+    attention.configure(backend)
+    kwargs = dict(dtype=DTYPE[cfg.fsdp_config.model_dtype], attn_implementation=attention.ATTN_IMPLEMENTATION,
+                  trust_remote_code=cfg.trust_remote_code)
+    if cfg.random_init:
+        torch.manual_seed(seed)  # every rank builds the same weights
+        config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+        model = AutoModelForCausalLM.from_config(config, **kwargs)
+    else:
+        if not _has_weights(path):
+            raise ConfigError(f"model.partial_pretrain={path!r} has a config but no weights (*.safetensors / *.bin); "
+                              "set model.random_init=true to train from a random initialisation")
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    model.config.use_cache = False  # training never reuses a KV cache
+    if cfg.use_liger:
+        apply_liger(model, device)
+    return model, backend
+
+
+def apply_liger(model: nn.Module, device: torch.device) -> None:
+    """Liger's RMSNorm, SwiGLU and RoPE kernels, patched into this model instance. The fused
+    linear cross-entropy is called by sfttrain.loss itself (with the labels, so it really runs)."""
+    if device.type != "cuda":
+        raise ConfigError("model.use_liger=true needs a CUDA device (Liger's kernels are Triton); set it to false")
+    try:
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN, _apply_liger_kernel_to_instance
+    except ImportError:
+        raise ConfigError("model.use_liger=true but liger-kernel is not installed: pip install 'sfttrain[gpu]' "
+                          "or set model.use_liger=false") from None
+    if model.config.model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+        raise ConfigError(f"Liger has no kernels for model type {model.config.model_type!r}; set model.use_liger=false")
+    _apply_liger_kernel_to_instance(model=model, rope=True, rms_norm=True, swiglu=True,
+                                    cross_entropy=False, fused_linear_cross_entropy=False)
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks (each becomes one FSDP unit)."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__} (_no_split_modules={names})")
+    return layers
+
+
+def attention_coefficient(model: nn.Module) -> float:
+    """Attention FLOPs per token per token of context, relative to the linear-layer FLOPs per
+    token: balances samples by s + coef * s^2 (see WORKLOADS.md's MFU formula)."""
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    params = sum(p.numel() for p in model.parameters())
+    return c.num_hidden_layers * c.num_attention_heads * head_dim / params
+
+
+def _check_folder(path: str) -> None:
+    if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
+        raise ConfigError(f"model.partial_pretrain={path!r} is not a local model folder with a config.json "
+                          "(sfttrain does not download from a hub: download the model first)")
+
+
+def _has_weights(path: str) -> bool:
+    return any(f.endswith((".safetensors", ".bin")) for f in os.listdir(path))

@@ -1,0 +1,38 @@
+"""Entry point: torchrun --nproc_per_node=N -m sfttrain.run [recipe.yaml] key=value ...
+
+Parse the config, start the ranks, build the trainer, train, shut down cleanly.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from sfttrain.config import ConfigError, load_config
+from sfttrain.distributed import init_world, shutdown
+from sfttrain.trainer import FSDPSFTTrainer
+
+
+def parse_args(argv: list[str]) -> tuple[str | None, list[str]]:
+    yaml_path = argv[0] if argv and "=" not in argv[0] else None
+    return yaml_path, argv[1:] if yaml_path else argv
+
+
+def main(argv: list[str] | None = None) -> None:
+    yaml_path, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        cfg = load_config(yaml_path, overrides)
+        world = init_world(cfg)
+    except ConfigError as e:
+        sys.exit(f"sfttrain: config error: {e}")
+    try:
+        FSDPSFTTrainer(cfg, world).train()
+    except ConfigError as e:
+        # every rank raises the same error; rank 0 says it once
+        if world.is_main:
+            print(f"sfttrain: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    shutdown(world)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""FSDPSFTTrainer: builds the pieces, then one obvious training loop."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+from sfttrain import checkpoint
+from sfttrain.config import Config, ConfigError, as_list
+from sfttrain.data.loader import StepBatch, TrainData, prefetched, render_share, validation_batches
+from sfttrain.data.parquet import ParquetSource, key_path
+from sfttrain.data.plan import make_plan
+from sfttrain.data.render import Renderer
+from sfttrain.distributed import World
+from sfttrain.flops import count_params
+from sfttrain.loss import CausalLMLoss, normalised
+from sfttrain.metrics import MetricsLogger, StepTimer, memory_stats, throughput
+from sfttrain.model import attention_coefficient, load_model, load_tokenizer
+from sfttrain.optim import build_optimizer, build_scheduler, warmup_steps
+from sfttrain.parallel import parallelize
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+class FSDPSFTTrainer:
+    def __init__(self, cfg: Config, world: World):
+        self.cfg, self.world = cfg, world
+        d, t = cfg.data, cfg.trainer
+        self.run_dir = t.default_local_dir
+
+        # data first: a bad file, column or batch size fails before the model is loaded
+        self.tokenizer = load_tokenizer(cfg.model)
+        renderer = Renderer(self.tokenizer, max_length=d.max_length, truncation=d.truncation,
+                            apply_chat_template=d.apply_chat_template, chat_template=d.chat_template)
+        prompt, response = key_path(d.prompt_key, d.prompt_dict_keys), key_path(d.response_key, d.response_dict_keys)
+        train_source = ParquetSource(as_list(d.train_files), prompt, response)
+        self.plan = make_plan(cfg, world.dp_size, train_source.num_rows)
+        render_share(train_source, renderer, world.rank, world.world_size)  # every row renders, or stop now
+        val_samples = None
+        if d.val_files:
+            val_samples = render_share(ParquetSource(as_list(d.val_files), prompt, response),
+                                       renderer, world.dp_rank, world.dp_size)
+
+        model, self.attn_backend = load_model(cfg.model, world.device, t.seed)
+        self.model_shape = _model_shape(model)
+        self.lm = CausalLMLoss(model, fused=cfg.model.use_liger)
+        parallelize(self.lm, world, cfg)
+        self.optimizer = build_optimizer(self.lm, cfg.optim, world.device)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.plan.total_steps)
+        self.data = TrainData(train_source, renderer, self.plan, world.dp_rank, t.seed, d.shuffle,
+                              attention_coefficient(model))
+        self.val_batches = (validation_batches(val_samples, d.micro_batch_size_per_gpu, d.max_token_len_per_gpu,
+                                               world.device) if val_samples is not None else None)
+
+        self.state = checkpoint.TrainState(global_batch=d.train_batch_size, seed=t.seed)
+        if world.is_main:
+            checkpoint.remove_stale_tmp(self.run_dir)
+        resume_from = checkpoint.find_resume(t, self.run_dir)
+        if resume_from:
+            self.state = checkpoint.load(resume_from, self.lm.model, self.optimizer, self.scheduler, world, cfg)
+        self.logger = MetricsLogger(cfg, self.run_dir, world.is_main, self.plan.total_steps, self.state.step,
+                                    wandb_id=self.state.wandb_id)
+        self._print_startup(resume_from)
+
+    def _print_startup(self, resume_from: str | None) -> None:
+        cfg, shape = self.cfg, self.model_shape
+        fsdp = cfg.model.fsdp_config
+        lines = [
+            "sfttrain",
+            f"  world size          : {self.world.world_size} ({self.world.device.type}), "
+            f"mesh {tuple(self.world.mesh.shape)} {self.world.mesh.mesh_dim_names}",
+            self.plan.describe(),
+            f"  model               : {cfg.model.partial_pretrain} ({shape['num_params'] / 1e6:.2f}M params, "
+            f"{shape['num_layers']} layers), attention {self.attn_backend}, liger {cfg.model.use_liger}",
+            f"  precision           : weights/optimizer {fsdp.model_dtype}, mixed precision {fsdp.mixed_precision}",
+            f"  lr                  : {cfg.optim.lr} {cfg.optim.lr_scheduler}, "
+            f"{warmup_steps(cfg.optim, self.plan.total_steps)} warmup steps",
+            f"  run folder          : {self.run_dir}",
+            f"  resume              : {resume_from or 'fresh start'} (step {self.state.step})",
+        ]
+        if fsdp.model_dtype != "fp32":
+            lines.append(f"  WARNING: model_dtype={fsdp.model_dtype} keeps master weights and AdamW state in "
+                         f"{fsdp.model_dtype}: updates below ~1/256 of a weight are rounded away (at lr "
+                         f"{cfg.optim.lr} most are). Use model_dtype=fp32 with mixed_precision=true.")
+        self.logger.info("\n".join(lines))
+
+    def train(self) -> None:
+        t = self.cfg.trainer
+        total = self.plan.total_steps
+        batches = prefetched(self.data.batches(self.state.epoch, self.state.consumed_in_epoch),
+                             depth=2 if self.cfg.data.num_workers > 0 else 0)
+        timer = StepTimer(self.world.device)
+        while self.state.step < total:
+            wait_start = time.perf_counter()
+            batch = next(batches)
+            data_wait = time.perf_counter() - wait_start
+            metrics = self.train_step(batch)
+            self.state.advance(batch)
+            step = self.state.step
+            metrics.update(throughput(batch.sample_lengths, batch.num_loss_tokens, timer.lap(), self.model_shape,
+                                      self.world.world_size))
+            metrics.update(epoch=batch.epoch, data_wait_s=data_wait, **memory_stats(self.world.device))
+            self.logger.log(step, metrics)
+            last = step == total
+            if self.val_batches is not None and (last or (t.test_freq > 0 and step % t.test_freq == 0)):
+                self.logger.log(step, {"val/loss": self.validate()})
+            if last or (t.save_freq > 0 and step % t.save_freq == 0):
+                self.save()
+            timer.lap()  # validation and saving are not training time
+        self.logger.close()
+
+    def train_step(self, batch: StepBatch) -> dict:
+        self.lm.train()
+        loss_sum = torch.zeros((), device=self.world.device)
+        for micro in batch.micro_batches:
+            micro_loss = self.lm(micro.to(self.world.device))
+            normalised(micro_loss, batch.num_loss_tokens, self.world.dp_size).backward()
+            loss_sum += micro_loss.detach()
+        grad_norm = self._clip_grad_norm()
+        dist.all_reduce(loss_sum)
+        loss = loss_sum.item() / max(batch.num_loss_tokens, 1)  # one host sync per step, for the log
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            raise NonFiniteLossError(
+                f"non-finite loss ({loss}) or grad norm ({grad_norm}) at step {self.state.step + 1} "
+                f"(epoch {batch.epoch}); the update was NOT applied. Rows of this step: {batch.rows[:16]}... "
+                f"Lower optim.lr, keep optim.clip_grad > 0, or check those rows; resume from the last "
+                f"checkpoint in {self.run_dir}.")
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"loss": loss, "lr": lr, "grad_norm": grad_norm}
+
+    def _clip_grad_norm(self) -> float:
+        params = [p for p in self.lm.parameters() if p.grad is not None]
+        max_norm = self.cfg.optim.clip_grad if self.cfg.optim.clip_grad > 0 else math.inf
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2: the global norm
+            norm = norm.full_tensor()
+        return norm.item()
+
+    @torch.no_grad()
+    def validate(self) -> float:
+        """Token-weighted loss over the whole validation set, all ranks."""
+        self.lm.eval()
+        totals = torch.zeros(2, dtype=torch.float64, device=self.world.device)
+        for micro in self.val_batches:
+            totals[0] += self.lm(micro.to(self.world.device)).double()
+            totals[1] += micro.num_loss_tokens
+        dist.all_reduce(totals)
+        return (totals[0] / totals[1].clamp(min=1)).item()
+
+    def save(self) -> None:
+        checkpoint.save(self.run_dir, self.state, self.lm.model, self.optimizer, self.scheduler, self.world, self.cfg,
+                        self.tokenizer, wandb_id=self.logger.wandb_id)
+
+
+def _model_shape(model) -> dict:
+    c = model.config
+    return {"num_params": count_params(model), "num_layers": c.num_hidden_layers, "num_heads": c.num_attention_heads,
+            "head_dim": getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads}
+

@@ -1,0 +1,95 @@
+"""MFU accounting (sfttrain/flops.py) against hand counts."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+from sfttrain.flops import count_params, flops_per_token, mfu
+
+# V vocab, D hidden, F MLP, L layers, H query heads, K key/value heads, head size D / H = 8
+V, D, F, L, H, K = 128, 32, 64, 2, 4, 2
+DH = D // H
+SHAPE = dict(
+    vocab_size=V, hidden_size=D, intermediate_size=F, num_hidden_layers=L,
+    num_attention_heads=H, num_key_value_heads=K,
+)
+
+
+def _hand_count(q_kv_bias: bool, tied: bool) -> int:
+    attention = D * H * DH + 2 * D * K * DH + H * DH * D  # q, k, v, o projections
+    if q_kv_bias:  # Qwen2: q, k and v carry a bias, o does not
+        attention += H * DH + 2 * K * DH
+    mlp = 3 * D * F  # gate, up, down
+    layer = attention + mlp + 2 * D  # two RMSNorms
+    embeddings = V * D if tied else 2 * V * D
+    return L * layer + D + embeddings  # + final norm
+
+
+def _model(config_cls, tied):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config_cls(**SHAPE, tie_word_embeddings=tied))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("config_cls,bias", [(Qwen2Config, True), (LlamaConfig, False)])
+def test_count_params_matches_hand_count(config_cls, bias, tied):
+    model = _model(config_cls, tied)
+    assert count_params(model) == _hand_count(bias, tied)
+    # the tie really is one tensor: the check above would pass vacuously otherwise
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+
+
+def test_count_params_w1_is_qwen25_05b():
+    w1 = Qwen2Config(
+        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+        num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
+    )
+    with torch.device("meta"):  # shapes only, no 2 GB allocation
+        model = AutoModelForCausalLM.from_config(w1)
+    assert count_params(model) == 494_032_768  # Qwen2.5-0.5B's published size
+
+
+def _sharded_counts(rank, world, init_file, result):
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        for tied in (True, False):
+            model = _model(Qwen2Config, tied)
+            for layer in model.model.layers:
+                fully_shard(layer)
+            fully_shard(model)
+            local = sum(p.to_local().numel() for p in model.parameters())
+            assert local < count_params(model)  # really sharded, yet the count is global
+            result[rank, tied] = count_params(model)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_count_params_fsdp2_sharded(tmp_path):
+    result = mp.Manager().dict()
+    mp.spawn(_sharded_counts, args=(2, str(tmp_path / "pg"), result), nprocs=2)
+    expected = {tied: _hand_count(True, tied) for tied in (True, False)}
+    assert dict(result) == {(rank, tied): n for rank in (0, 1) for tied, n in expected.items()}
+
+
+def test_flops_per_token_by_hand():
+    # N=100, L=2, H=3, Dh=4, samples of 2 and 4 tokens: sum s = 6, sum s^2 = 20
+    attention = 6 * 2 * 3 * 4 * 20 / 6  # = 480
+    assert flops_per_token(100, 2, 3, 4, [2, 4]) == pytest.approx(600 + attention)
+    assert flops_per_token(100, 2, 3, 4, [2, 4], lora=True) == pytest.approx(400 + attention)
+    # one sample of s tokens: attention per token grows linearly with s
+    assert flops_per_token(0, 1, 1, 1, [10]) == pytest.approx(60)
+
+
+def test_flops_per_token_rejects_no_tokens():
+    with pytest.raises(ValueError):
+        flops_per_token(100, 2, 3, 4, [])
+
+
+def test_mfu_by_hand():
+    assert mfu(1080, 1e9, 2, peak_flops=1080e9) == pytest.approx(0.5)
+    # the default peak is the H200's dense bf16 989 TFLOP/s
+    assert mfu(3e9, 100_000, 1) == pytest.approx(3e14 / 989e12)

@@ -1,0 +1,209 @@
+"""Renderer tests on real tokenizers (Qwen2.5-Instruct, Qwen3, stories260K) and real GSM8K rows."""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from sfttrain.data.render import RenderedSample, Renderer
+
+ASSETS = Path(__file__).parents[1] / "assets"
+QWEN_TOKENIZERS = ["qwen2.5-instruct", "qwen3"]
+N_ROWS = 100  # rows checked per tokenizer; the whole sample passes too, this keeps the file fast
+
+
+def _rows(split="train", n=N_ROWS):
+    with open(ASSETS / "data/gsm8k" / f"{split}.jsonl", encoding="utf-8") as f:
+        return [json.loads(line) for _, line in zip(range(n), f)]
+
+
+ROWS = _rows()
+
+
+@pytest.fixture(scope="module", params=QWEN_TOKENIZERS)
+def qwen(request):
+    return AutoTokenizer.from_pretrained(ASSETS / "tokenizers" / request.param)
+
+
+@pytest.fixture(scope="module")
+def qwen25():
+    return AutoTokenizer.from_pretrained(ASSETS / "tokenizers/qwen2.5-instruct")
+
+
+@pytest.fixture(scope="module")
+def stories():
+    return AutoTokenizer.from_pretrained(ASSETS / "models/stories260K")
+
+
+def supervised(tok, s):
+    return tok.decode([t for t, m in zip(s.input_ids, s.loss_mask) if m])
+
+
+def reference_prompt_ids(tok, question):
+    """Independent path: render the template to text, then encode the text."""
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+    )
+    return text, tok(text, add_special_tokens=False)["input_ids"]
+
+
+def test_qwen_mask_covers_exactly_the_response_and_eos(qwen):
+    r = Renderer(qwen, max_length=4096, truncation="error")
+    im_end = qwen.convert_tokens_to_ids("<|im_end|>")
+    for i, row in enumerate(ROWS):
+        q, a = row["question"], row["answer"]
+        s = r.render(q, a, row=i)
+        assert isinstance(s.input_ids, list) and all(type(t) is int for t in s.input_ids)
+        assert len(s.input_ids) == len(s.loss_mask) and s.row == i
+
+        # the prompt part is the chat template's generation prompt for one user turn
+        prompt_text, prompt_ids = reference_prompt_ids(qwen, q)
+        assert prompt_text.endswith(f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n")
+        n_prompt = len(prompt_ids)
+        assert s.input_ids[:n_prompt] == prompt_ids
+        assert qwen.decode(s.input_ids[:n_prompt]) == prompt_text
+
+        # the response ids sit at the end of the sequence, found by searching for them
+        resp_ids = qwen.encode(a, add_special_tokens=False) + [im_end]
+        assert s.input_ids[-len(resp_ids):] == resp_ids
+        assert len(s.input_ids) == n_prompt + len(resp_ids)
+
+        # no prompt token is trained; every response token is, the first one and the EOS included
+        assert s.loss_mask == [0] * n_prompt + [1] * len(resp_ids)
+        assert s.loss_mask[n_prompt] == 1 and a.startswith(qwen.decode(s.input_ids[n_prompt]))
+        assert s.input_ids[-1] == im_end and s.loss_mask[-1] == 1
+        assert qwen.convert_ids_to_tokens(s.input_ids[-1]) == "<|im_end|>" == qwen.eos_token
+        assert supervised(qwen, s) == a + "<|im_end|>"
+
+
+def test_qwen25_matches_the_templates_own_training_rendering(qwen25):
+    # Qwen2.5's template renders [user, assistant] as our prompt + answer + "<|im_end|>\n".
+    r = Renderer(qwen25, max_length=4096, truncation="error")
+    for i, row in enumerate(ROWS[:20]):
+        conv = [{"role": "user", "content": row["question"]}, {"role": "assistant", "content": row["answer"]}]
+        full = qwen25.apply_chat_template(conv, tokenize=False)
+        assert qwen25.decode(r.render(row["question"], row["answer"], i).input_ids) + "\n" == full
+
+
+def test_qwen3_full_rendering_differs_by_an_empty_think_block():
+    # Known difference, documented here: Qwen3's template puts "<think>\n\n</think>\n\n" before
+    # the last assistant answer, but its generation prompt ends at "assistant\n". We train on the
+    # generation prompt + answer, i.e. what the model continues from at inference.
+    tok = AutoTokenizer.from_pretrained(ASSETS / "tokenizers/qwen3")
+    row = ROWS[0]
+    conv = [{"role": "user", "content": row["question"]}, {"role": "assistant", "content": row["answer"]}]
+    full = tok.apply_chat_template(conv, tokenize=False)
+    s = Renderer(tok, max_length=4096, truncation="error").render(row["question"], row["answer"], 0)
+    prompt_text, _ = reference_prompt_ids(tok, row["question"])
+    assert full == prompt_text + "<think>\n\n</think>\n\n" + row["answer"] + "<|im_end|>\n"
+    assert tok.decode(s.input_ids) == prompt_text + row["answer"] + "<|im_end|>"
+
+
+def test_no_template_path_stories260k(stories):
+    r = Renderer(stories, max_length=4096, truncation="error", apply_chat_template=False)
+    for i, row in enumerate(ROWS):
+        q, a = row["question"], row["answer"]
+        s = r.render(q, a, row=i)
+        prompt_ids = stories(q)["input_ids"]
+        assert s.input_ids[0] == stories.bos_token_id == 1  # BOS first, from the normal special tokens
+        assert s.input_ids[: len(prompt_ids)] == prompt_ids
+        assert s.loss_mask == [0] * len(prompt_ids) + [1] * (len(s.input_ids) - len(prompt_ids))
+        assert s.input_ids[-1] == stories.eos_token_id == 2 and s.loss_mask[-1] == 1
+        assert s.input_ids.count(stories.bos_token_id) == 1  # no BOS in front of the response
+        assert supervised(stories, s) == a + "</s>"
+
+
+def test_missing_chat_template_is_an_error(stories):
+    with pytest.raises(ValueError, match="no chat template") as e:
+        Renderer(stories, max_length=512, truncation="error")
+    assert "data.apply_chat_template=false" in str(e.value) and "data.chat_template" in str(e.value)
+
+
+CUSTOM_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def test_chat_template_override(stories, qwen25):
+    # a tokenizer without a template works once one is given
+    s = Renderer(stories, max_length=4096, truncation="error", chat_template=CUSTOM_TEMPLATE).render("Hi there", "Hello", 7)
+    n_prompt = s.loss_mask.index(1)
+    assert stories.decode(s.input_ids[:n_prompt]) == "user: Hi there\nassistant: "
+    assert supervised(stories, s) == "Hello</s>"
+    # and it replaces a tokenizer's own template (no Qwen system prompt, no <|im_start|>)
+    s = Renderer(qwen25, max_length=4096, truncation="error", chat_template=CUSTOM_TEMPLATE).render("Hi there", "Hello", 7)
+    n_prompt = s.loss_mask.index(1)
+    assert qwen25.decode(s.input_ids[:n_prompt]) == "user: Hi there\nassistant: "
+    assert supervised(qwen25, s) == "Hello<|im_end|>"
+
+
+@pytest.fixture(scope="module")
+def long_row(qwen25):
+    row = ROWS[3]
+    full = Renderer(qwen25, max_length=4096, truncation="error").render(row["question"], row["answer"], 3)
+    return row, full
+
+
+def test_truncation_error_names_the_row(qwen25, long_row):
+    row, full = long_row
+    n = len(full.input_ids)
+    r = Renderer(qwen25, max_length=n - 5, truncation="error")
+    with pytest.raises(ValueError) as e:
+        r.render(row["question"], row["answer"], row=1234)
+    msg = str(e.value)
+    assert "row 1234" in msg and str(n) in msg and f"data.max_length={n - 5}" in msg
+    assert "data.truncation=left|right" in msg
+    # exactly at the limit is fine
+    assert Renderer(qwen25, max_length=n, truncation="error").render(row["question"], row["answer"], 3) == full
+
+
+def test_truncation_left_keeps_the_end(qwen25, long_row):
+    row, full = long_row
+    n, n_resp = len(full.input_ids), sum(full.loss_mask)
+    # cut inside the prompt: the whole response and its EOS survive
+    m = n - 5
+    s = Renderer(qwen25, max_length=m, truncation="left").render(row["question"], row["answer"], 3)
+    assert len(s.input_ids) == len(s.loss_mask) == m
+    assert s.input_ids == full.input_ids[-m:] and s.loss_mask == full.loss_mask[-m:]
+    assert s.input_ids[-1] == qwen25.eos_token_id and s.loss_mask[-1] == 1
+    assert supervised(qwen25, s) == row["answer"] + "<|im_end|>"
+    # cut inside the response: token 0 has no predecessor, so it is not a target
+    m = n_resp - 10
+    s = Renderer(qwen25, max_length=m, truncation="left").render(row["question"], row["answer"], 3)
+    assert s.input_ids == full.input_ids[-m:]
+    assert s.loss_mask == [0] + [1] * (m - 1)
+    assert s.input_ids[-1] == qwen25.eos_token_id
+
+
+def test_truncation_right_keeps_the_start(qwen25, long_row):
+    row, full = long_row
+    n = len(full.input_ids)
+    m = n - 5
+    s = Renderer(qwen25, max_length=m, truncation="right").render(row["question"], row["answer"], 3)
+    assert len(s.input_ids) == len(s.loss_mask) == m
+    assert s.input_ids == full.input_ids[:m] and s.loss_mask == full.loss_mask[:m]
+    assert qwen25.eos_token_id not in s.input_ids[-5:]  # the EOS was dropped with the end
+    assert row["answer"].startswith(supervised(qwen25, s))
+
+
+def test_invalid_arguments(qwen25):
+    with pytest.raises(ValueError, match="data.truncation='middle'.*error, left, right"):
+        Renderer(qwen25, max_length=512, truncation="middle")
+    with pytest.raises(ValueError, match="data.max_length"):
+        Renderer(qwen25, max_length=0, truncation="error")
+
+
+def test_missing_eos_is_an_error():
+    tok = AutoTokenizer.from_pretrained(ASSETS / "models/stories260K", eos_token=None)
+    assert tok.eos_token_id is None
+    with pytest.raises(ValueError, match="no eos_token_id"):
+        Renderer(tok, max_length=512, truncation="error", apply_chat_template=False)
+
+
+def test_rendered_sample_is_frozen():
+    s = RenderedSample(input_ids=[1, 2], loss_mask=[0, 1], row=0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.row = 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 import transformers
@@ -24,9 +25,16 @@ def load_tokenizer(cfg: ModelConfig):
     return AutoTokenizer.from_pretrained(cfg.partial_pretrain, trust_remote_code=cfg.trust_remote_code)
 
 
-def load_model(cfg: ModelConfig, device: torch.device, seed: int) -> nn.Module:
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    attn_backend: str
+    liger: bool  # Liger's kernels patched in, and its fused loss to be used
+
+
+def load_model(cfg: ModelConfig, device: torch.device, seed: int) -> LoadedModel:
     """The model on CPU in model_dtype (sharding moves it to the device), with the packed
-    varlen attention installed. Returns (model, attention backend name)."""
+    varlen attention installed."""
     path = cfg.partial_pretrain
     _check_folder(path)
     backend = attention.select_backend(cfg.attn_implementation, device.type)
@@ -43,16 +51,16 @@ def load_model(cfg: ModelConfig, device: torch.device, seed: int) -> nn.Module:
                               "set model.random_init=true to train from a random initialisation")
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     model.config.use_cache = False  # training never reuses a KV cache
-    if cfg.use_liger:
-        apply_liger(model, device)
-    return model, backend
+    return LoadedModel(model, backend, cfg.use_liger and apply_liger(model, device))
 
 
-def apply_liger(model: nn.Module, device: torch.device) -> None:
+def apply_liger(model: nn.Module, device: torch.device) -> bool:
     """Liger's RMSNorm, SwiGLU and RoPE kernels, patched into this model instance. The fused
-    linear cross-entropy is called by sfttrain.loss itself (with the labels, so it really runs)."""
+    linear cross-entropy is called by sfttrain.loss itself (with the labels, so it really runs).
+    On CPU (Liger's kernels are Triton, GPU-only) it warns and returns False."""
     if device.type != "cuda":
-        raise ConfigError("model.use_liger=true needs a CUDA device (Liger's kernels are Triton); set it to false")
+        logging.getLogger("sfttrain").warning("model.use_liger=true ignored: Liger's kernels need a CUDA device")
+        return False
     try:
         from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN, _apply_liger_kernel_to_instance
     except ImportError:
@@ -62,6 +70,7 @@ def apply_liger(model: nn.Module, device: torch.device) -> None:
         raise ConfigError(f"Liger has no kernels for model type {model.config.model_type!r}; set model.use_liger=false")
     _apply_liger_kernel_to_instance(model=model, rope=True, rms_norm=True, swiglu=True,
                                     cross_entropy=False, fused_linear_cross_entropy=False)
+    return True
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

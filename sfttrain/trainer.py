@@ -46,9 +46,10 @@ class FSDPSFTTrainer:
             val_samples = render_share(ParquetSource(as_list(d.val_files), prompt, response),
                                        renderer, world.dp_rank, world.dp_size)
 
-        model, self.attn_backend = load_model(cfg.model, world.device, t.seed)
+        loaded = load_model(cfg.model, world.device, t.seed)
+        model, self.attn_backend, self.liger = loaded.model, loaded.attn_backend, loaded.liger
         self.model_shape = _model_shape(model)
-        self.lm = CausalLMLoss(model, fused=cfg.model.use_liger)
+        self.lm = CausalLMLoss(model, fused=self.liger)
         parallelize(self.lm, world, cfg)
         self.optimizer = build_optimizer(self.lm, cfg.optim, world.device)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.plan.total_steps)
@@ -76,7 +77,7 @@ class FSDPSFTTrainer:
             f"mesh {tuple(self.world.mesh.shape)} {self.world.mesh.mesh_dim_names}",
             self.plan.describe(),
             f"  model               : {cfg.model.partial_pretrain} ({shape['num_params'] / 1e6:.2f}M params, "
-            f"{shape['num_layers']} layers), attention {self.attn_backend}, liger {cfg.model.use_liger}",
+            f"{shape['num_layers']} layers), attention {self.attn_backend}, liger {self.liger}",
             f"  precision           : weights/optimizer {fsdp.model_dtype}, mixed precision {fsdp.mixed_precision}",
             f"  lr                  : {cfg.optim.lr} {cfg.optim.lr_scheduler}, "
             f"{warmup_steps(cfg.optim, self.plan.total_steps)} warmup steps",

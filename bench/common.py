@@ -1,0 +1,160 @@
+"""Timing and metrics shared by the W1 baselines, so that every system is measured one way.
+
+The rules (../shared/bench/WORKLOADS.md): optimizer steps ``warmup + 1 .. steps`` (11 to 60) are
+timed, the device synchronized before each clock read; a step's time runs from the clock read
+after the previous optimizer step to the one after its own, so it includes everything the system
+does in between (data loading, logging). Tokens are those of the samples the timed steps actually
+trained on, counted from the batches the model received.
+"""
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+import transformers
+
+from sfttrain.flops import count_params, flops_per_token, mfu
+
+MFU_FORMULA = (
+    "MFU = (6N + 6*L*H*Dh*sum(s_i^2)/sum(s_i)) * real_tokens_per_s / (989e12 * GPUs); "
+    "N all parameters (tied embedding once), s_i the lengths of the samples of the timed steps"
+)
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    """Flags every W1 baseline takes; defaults are W1's."""
+    parser.add_argument("--data", default="assets/data/gsm8k/train.jsonl", help="GSM8K train.jsonl")
+    parser.add_argument("--tokenizer", default="assets/tokenizers/qwen2.5-instruct")
+    parser.add_argument("--out", required=True, help="JSON lines file to append the result to")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--tiny", action="store_true",
+                        help="smoke mode: tiny model, 2x2 sequences per step, 4 steps (1 warm-up)")
+    parser.add_argument("--gradient_checkpointing", choices=["on", "off"], default="on")
+    parser.add_argument("--micro_batch", type=int, default=16)
+    parser.add_argument("--grad_accum", type=int, default=4)
+    parser.add_argument("--max_length", type=int, default=1024)
+    parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--rows", type=int, help="use only the first ROWS rows of --data (default all)")
+    parser.add_argument("--steps", type=int, default=60, help="optimizer steps in all")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed optimizer steps at the start")
+
+
+def apply_tiny(args: argparse.Namespace) -> None:
+    """--tiny shrinks the run so that it finishes on a CPU in seconds."""
+    if args.tiny:
+        args.micro_batch, args.grad_accum, args.steps, args.warmup = 2, 2, 4, 1
+        args.rows = args.rows or 64
+
+
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+class StepClock:
+    """Clock reads at the end of optimizer steps ``warmup`` .. ``steps``, device synchronized first."""
+
+    def __init__(self, device: str, warmup: int, steps: int):
+        if not 1 <= warmup < steps:
+            raise ValueError(f"need 1 <= warmup < steps, got warmup={warmup}, steps={steps}")
+        self.device, self.warmup, self.steps = device, warmup, steps
+        self.marks: list[float] = []
+
+    def step_end(self, step: int) -> None:
+        """Call after optimizer step ``step`` (1-based) has been issued."""
+        if self.warmup <= step <= self.steps:
+            synchronize(self.device)
+            self.marks.append(time.perf_counter())
+
+    def step_times(self) -> list[float]:
+        expected = self.steps - self.warmup
+        times = [b - a for a, b in zip(self.marks, self.marks[1:])]
+        if len(times) != expected:
+            raise RuntimeError(f"timed {len(times)} steps, expected {expected}: did training stop early?")
+        return times
+
+
+class TokenLedger:
+    """Lengths and supervised-token counts of the micro-batches of the timed steps.
+
+    Kept as tensors on whatever device they come from and only read at the end, so counting adds
+    no host-device sync inside the timed loop.
+    """
+
+    def __init__(self, warmup: int, steps: int):
+        self.warmup, self.steps = warmup, steps
+        self.lengths: list[torch.Tensor] = []  # real (non-pad) length of each sample
+        self.supervised: list[torch.Tensor] = []  # tokens with a label, i.e. in the loss
+        self.steps_seen: set[int] = set()
+
+    def add(self, step: int, lengths: torch.Tensor, supervised: torch.Tensor) -> None:
+        """Record one micro-batch of optimizer step ``step`` (1-based)."""
+        if self.warmup < step <= self.steps:
+            self.lengths.append(lengths.detach().flatten())
+            self.supervised.append(supervised.detach().reshape(()))
+            self.steps_seen.add(step)
+
+    def totals(self) -> tuple[list[int], int]:
+        """(sample lengths, supervised tokens) over the timed steps."""
+        if len(self.steps_seen) != self.steps - self.warmup:
+            raise RuntimeError(f"tokens seen in {len(self.steps_seen)} timed steps, expected {self.steps - self.warmup}")
+        lengths = torch.cat([t.cpu() for t in self.lengths]).tolist()
+        return lengths, int(sum(t.item() for t in self.supervised))
+
+
+def memory_gib(device: str) -> dict:
+    if device != "cuda":
+        return {"peak_allocated_gib": None, "peak_reserved_gib": None}
+    return {
+        "peak_allocated_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+        "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2),
+    }
+
+
+def result(system: str, args: argparse.Namespace, model: torch.nn.Module, clock: StepClock,
+           ledger: TokenLedger, **variant) -> dict:
+    """The benchmark record: throughput, step times, memory and MFU of the timed steps."""
+    times = clock.step_times()
+    lengths, supervised = ledger.totals()
+    seconds = sum(times)
+    tokens_per_s = sum(lengths) / seconds
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    fpt = flops_per_token(count_params(model), config.num_hidden_layers, config.num_attention_heads,
+                          head_dim, lengths)
+    return {
+        "system": system,
+        **variant,
+        "gradient_checkpointing": args.gradient_checkpointing,
+        "tiny": args.tiny,
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
+        "gpus": 1,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "micro_batch": args.micro_batch,
+        "grad_accum": args.grad_accum,
+        "max_length": args.max_length,
+        "timed_steps": f"{clock.warmup + 1}-{clock.steps}",
+        "timed_samples": len(lengths),
+        "real_tokens": sum(lengths),
+        "supervised_tokens": supervised,
+        "real_tokens_per_s": round(tokens_per_s, 1),
+        "supervised_tokens_per_s": round(supervised / seconds, 1),
+        "mean_s_per_step": round(seconds / len(times), 4),
+        "median_s_per_step": round(statistics.median(times), 4),
+        **memory_gib(args.device),
+        "flops_per_token": round(fpt),
+        "mfu": round(mfu(fpt, tokens_per_s, num_gpus=1), 4),
+        "mfu_formula": MFU_FORMULA,
+    }
+
+
+def emit(record: dict, out: str) -> None:
+    """Print the record as one JSON line and append it to ``out``."""
+    line = json.dumps(record)
+    print(line, flush=True)
+    with open(out, "a", encoding="utf-8") as f:
+        f.write(line + "\n")

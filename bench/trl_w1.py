@@ -1,0 +1,113 @@
+"""TRL's SFTTrainer on W1, one GPU, configured as a user would.
+
+The dataset is TRL's conversational prompt-completion format (a user message as ``prompt``, an
+assistant message as ``completion``), so TRL renders the chat template and masks the prompt itself
+(``completion_only_loss=True``). Note that the template ends the assistant turn with
+``<|im_end|>\\n``: TRL trains on one token per sample more than W1 (the ``\\n``); the token counts
+below are those TRL actually fed the model. Otherwise TRL's defaults: fp32 weights + bf16
+autocast (``bf16=True``), AdamW (its default fused torch AdamW), linear decay, grad-norm clip 1.0,
+shuffled order, its fused chunked LM-head loss. SDPA attention, 16 x 4 sequences per step,
+lr 1e-5, max_length 1024.
+
+Counting: a forward pre-hook on the model records, for every micro-batch of the timed steps, the
+real length of each sample (attention mask, or the padding-free sequence boundaries) and the
+number of labelled tokens, as tensors read only after training.
+
+    python3 -m bench.trl_w1 --data DATA.jsonl --tokenizer DIR --out RESULTS.jsonl \\
+        [--gradient_checkpointing {on,off}] [--liger {on,off}] [--padding_free] [--device cpu --tiny]
+"""
+
+import argparse
+import tempfile
+
+from datasets import Dataset
+from transformers import TrainerCallback
+from trl import SFTConfig, SFTTrainer
+
+from bench.common import StepClock, TokenLedger, add_common_args, apply_tiny, emit, result
+from bench.w1_data import build_model, load_rows, load_tokenizer, model_config
+
+
+def prompt_completion(rows: list[dict]) -> Dataset:
+    return Dataset.from_list([
+        {"prompt": [{"role": "user", "content": r["question"]}],
+         "completion": [{"role": "assistant", "content": r["answer"]}]}
+        for r in rows
+    ])
+
+
+def sft_config(args: argparse.Namespace, output_dir: str) -> SFTConfig:
+    return SFTConfig(
+        output_dir=output_dir,
+        per_device_train_batch_size=args.micro_batch,
+        gradient_accumulation_steps=args.grad_accum,
+        learning_rate=args.lr,
+        max_steps=args.steps,
+        # TRL refuses padding_free without packing when max_length is set, since it would not
+        # truncate: W1's longest sample is 566 tokens, far below 1024, so None changes nothing
+        max_length=None if args.padding_free else args.max_length,
+        padding_free=args.padding_free,
+        completion_only_loss=True,
+        bf16=True,
+        gradient_checkpointing=args.gradient_checkpointing == "on",
+        use_liger_kernel=args.liger == "on",
+        use_cpu=args.device == "cpu",
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,  # a progress bar per step would flood the log; no effect on speed
+    )
+
+
+class Timing(TrainerCallback):
+    """Reads the clock at the end of every optimizer step (the clock synchronizes first)."""
+
+    def __init__(self, clock: StepClock):
+        self.clock = clock
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.clock.step_end(state.global_step)
+
+
+def count_tokens(trainer: SFTTrainer, ledger: TokenLedger):
+    """Forward pre-hook recording each micro-batch the model receives into ``ledger``.
+
+    During the forwards of optimizer step k, ``trainer.state.global_step`` is still k - 1.
+    """
+
+    def hook(module, args, kwargs):
+        if "attention_mask" in kwargs:  # right-padded batch
+            lengths = kwargs["attention_mask"].sum(dim=1)
+        else:  # padding-free: one row, samples delimited by cu_seq_lens_q
+            lengths = kwargs["cu_seq_lens_q"].diff()
+        ledger.add(trainer.state.global_step + 1, lengths, (kwargs["labels"] != -100).sum())
+
+    return trainer.model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(parser)
+    parser.add_argument("--liger", choices=["on", "off"], default="off", help="use_liger_kernel=True (needs CUDA)")
+    parser.add_argument("--padding_free", action="store_true", help="TRL's padding_free=True (no packing)")
+    args = parser.parse_args()
+    apply_tiny(args)
+
+    tokenizer = load_tokenizer(args.tokenizer)
+    model = build_model(model_config(args.tiny), args.device)
+    clock, ledger = StepClock(args.device, args.warmup, args.steps), TokenLedger(args.warmup, args.steps)
+    with tempfile.TemporaryDirectory() as output_dir:
+        trainer = SFTTrainer(
+            model=model,
+            args=sft_config(args, output_dir),
+            train_dataset=prompt_completion(load_rows(args.data, args.rows)),
+            processing_class=tokenizer,
+            callbacks=[Timing(clock)],
+        )
+        count_tokens(trainer, ledger)
+        trainer.train()
+    emit(result("trl", args, trainer.model, clock, ledger, trl_liger=args.liger, trl_padding_free=args.padding_free,
+                precision="fp32 weights + bf16 autocast"), args.out)
+
+
+if __name__ == "__main__":
+    main()

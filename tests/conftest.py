@@ -1,0 +1,96 @@
+"""Shared fixtures: GSM8K Parquet from the in-repo sample, and a launcher for real torchrun jobs."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+ASSETS = REPO / "assets"
+STORIES = ASSETS / "models" / "stories260K"
+
+
+@pytest.fixture(scope="session")
+def gsm8k_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("gsm8k")
+    subprocess.run([sys.executable, str(REPO / "data_prep" / "gsm8k.py"), "--input_dir",
+                    str(ASSETS / "data" / "gsm8k"), "--local_dir", str(out)], check=True, capture_output=True)
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# A small, fast CPU job on the real stories260K model: fp32, fixed order, constant LR.
+BASE_OVERRIDES = [
+    f"model.partial_pretrain={STORIES}",
+    "model.enable_gradient_checkpointing=false",
+    "model.fsdp_config.mixed_precision=false",
+    "data.apply_chat_template=false",
+    "data.max_length=256",
+    "data.truncation=left",
+    "data.shuffle=false",
+    "optim.lr=1e-3",
+    "optim.lr_warmup_steps_ratio=0",
+    "optim.lr_scheduler=constant",
+    "optim.weight_decay=0",
+    "trainer.device=cpu",
+]
+
+
+def run_sfttrain(nproc: int, overrides: list[str], check: bool = True, timeout: int = 300,
+                 **popen) -> subprocess.CompletedProcess:
+    """Runs `torchrun --nproc_per_node=nproc -m sfttrain.run ...` as a user would."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", "sfttrain.run", *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "WANDB_MODE": "offline"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, **popen)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"sfttrain failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    with open(run_dir / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def train_losses(run_dir: Path) -> list[float]:
+    return [m["loss"] for m in read_metrics(run_dir) if "loss" in m]
+
+
+def load_checkpoint_model(ckpt_dir: Path) -> dict:
+    """The model weights of a DCP checkpoint as full tensors, read without a process group."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = ckpt_dir.parent / (ckpt_dir.name + ".pt")
+    dcp_to_torch_save(str(ckpt_dir), str(out))
+    return torch.load(out, weights_only=False)["model"]
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_dir(tmp_path_factory) -> Path:
+    """A Qwen2-architecture model with random weights, tiny, beside the real Qwen2.5 tokenizer
+    (chat template included): stands in for Qwen/Qwen2.5-0.5B-Instruct on CPU."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny_qwen")
+    tok = AutoTokenizer.from_pretrained(ASSETS / "tokenizers" / "qwen2.5-instruct")
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         tie_word_embeddings=True, eos_token_id=tok.eos_token_id)
+    Qwen2ForCausalLM(config).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out

@@ -1,0 +1,75 @@
+"""Packing properties on real tokenized GSM8K rows, and the balanced split of a step."""
+
+import random
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from sfttrain.data.pack import IGNORE_INDEX, balanced_bins, budget_bins, pack
+from sfttrain.data.render import RenderedSample, Renderer
+from tests.conftest import ASSETS
+
+
+@pytest.fixture(scope="module")
+def samples():
+    import json
+
+    tok = AutoTokenizer.from_pretrained(ASSETS / "tokenizers" / "qwen2.5-instruct")
+    renderer = Renderer(tok, max_length=1024, truncation="error")
+    rows = [json.loads(line) for line in open(ASSETS / "data" / "gsm8k" / "train.jsonl")][:6]
+    return [renderer.render(r["question"], r["answer"], i) for i, r in enumerate(rows)]
+
+
+def test_positions_restart_and_boundaries(samples):
+    mb = pack(samples)
+    lengths = [len(s.input_ids) for s in samples]
+    assert mb.cu_seqlens.tolist() == [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    assert mb.max_seqlen == max(lengths)
+    for s, start, end in zip(samples, mb.cu_seqlens[:-1].tolist(), mb.cu_seqlens[1:].tolist()):
+        assert mb.position_ids[0, start:end].tolist() == list(range(end - start))
+        assert mb.input_ids[0, start:end].tolist() == s.input_ids
+
+
+def test_no_target_crosses_a_sample(samples):
+    mb = pack(samples)
+    ends = mb.cu_seqlens[1:].tolist()
+    for end in ends:  # the last token of a sample predicts nothing (the next token is another sample's)
+        assert mb.labels[0, end - 1] == IGNORE_INDEX
+    # every target is the next token of the same sample, and only where that token is trained
+    for s, start in zip(samples, mb.cu_seqlens[:-1].tolist()):
+        for t in range(len(s.input_ids) - 1):
+            want = s.input_ids[t + 1] if s.loss_mask[t + 1] else IGNORE_INDEX
+            assert mb.labels[0, start + t] == want
+    assert mb.num_loss_tokens == sum(sum(s.loss_mask[1:]) for s in samples)
+
+
+def test_balanced_bins_is_a_partition_and_balanced():
+    rng = random.Random(0)
+    costs = [rng.randint(50, 1000) for _ in range(64)]
+    bins = balanced_bins(costs, 4, per_bin=16)
+    assert sorted(i for b in bins for i in b) == list(range(64))
+    assert all(len(b) == 16 for b in bins)
+    loads = [sum(costs[i] for i in b) for b in bins]
+    naive = [sum(costs[i] for i in range(r * 16, (r + 1) * 16)) for r in range(4)]
+    assert max(loads) - min(loads) <= max(naive) - min(naive)
+    assert max(loads) / min(loads) < 1.05
+
+
+def test_budget_bins_respect_the_budget():
+    rng = random.Random(1)
+    lengths = [rng.randint(10, 500) for _ in range(100)]
+    bins = budget_bins(lengths, 1024)
+    assert sorted(i for b in bins for i in b) == list(range(100))
+    assert all(sum(lengths[i] for i in b) <= 1024 for b in bins)
+    assert len(bins) <= -(-sum(lengths) // 1024) + 1  # first-fit-decreasing is near the lower bound
+
+
+def test_empty_sample_list_gives_a_no_loss_micro_batch():
+    mb = pack([])
+    assert mb.num_loss_tokens == 0 and (mb.labels == IGNORE_INDEX).all()
+
+
+def test_sample_without_prompt_trains_from_second_token():
+    s = RenderedSample([5, 6, 7], [1, 1, 1], 0)
+    assert pack([s]).labels[0].tolist() == [6, 7, IGNORE_INDEX]

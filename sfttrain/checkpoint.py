@@ -1,4 +1,4 @@
-"""Sharded (DCP) checkpoints: atomic commit, retention by what is on disk, exact resume.
+"""Sharded (DCP) checkpoints: atomic commit, retention by what is on disk, exact and elastic resume.
 
 Layout of `<run>/global_step_N/`:
   .metadata, __*.distcp   model + optimizer, sharded (torch.distributed.checkpoint), reshardable
@@ -6,10 +6,21 @@ Layout of `<run>/global_step_N/`:
   rng/rank_R.pt           each rank's RNG states
   config.yaml             the resolved run config
   hf/                     the model's config, generation config and tokenizer (for export)
+  huggingface/            with trainer.save_hf, on the final checkpoint: the exported HF model
   COMPLETE                written last; only folders with it are ever resumed from
 
-A checkpoint is written under `.global_step_N.tmp` and renamed once every rank is done, so a crash
-mid-save never leaves a `global_step_N` that looks complete but isn't.
+Commit protocol: every rank writes into `.global_step_N.tmp`; after a barrier (so every rank's
+shard is on disk) rank 0 writes the small files and COMPLETE, fsyncs, and renames the folder to
+`global_step_N` in one `os.replace`. A `global_step_N` therefore either does not exist or is
+complete: a crash at any moment leaves only a `.tmp` folder, which the next start deletes.
+Deletion (retention, replacing an older save of the same step) is the reverse: one rename to
+`.global_step_N.trash`, then the slow `rmtree`, so a half-deleted folder is never visible either.
+
+The data position is (epoch, samples of that epoch consumed): with the seed it names exactly
+which global samples were used, whatever the world size, so a checkpoint written by N ranks
+resumes on M (the model and optimizer are resharded by DCP). RNG states are per rank and only
+restored when the world size is unchanged (training itself draws no random numbers: the data
+order is a function of the seed and the epoch).
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ from typing import Optional
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -32,6 +44,9 @@ from sfttrain.distributed import World, barrier
 
 COMPLETE = "COMPLETE"
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
+DEBRIS = re.compile(r"^\.global_step_\d+\.(tmp|trash)$")
+METRICS = "metrics.jsonl"
+REWOUND = "metrics_rewound.jsonl"
 
 
 @dataclass
@@ -48,6 +63,10 @@ class TrainState:
         self.epoch, self.consumed_in_epoch = batch.epoch, batch.consumed_in_epoch
 
 
+def is_complete(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, COMPLETE))
+
+
 def complete_checkpoints(run_dir: str) -> list[tuple[int, str]]:
     """(step, path) of every committed checkpoint in the run folder, oldest first."""
     if not os.path.isdir(run_dir):
@@ -56,29 +75,62 @@ def complete_checkpoints(run_dir: str) -> list[tuple[int, str]]:
     for name in os.listdir(run_dir):
         m = STEP_DIR.match(name)
         path = os.path.join(run_dir, name)
-        if m and os.path.isfile(os.path.join(path, COMPLETE)):
+        if m and is_complete(path):
             found.append((int(m.group(1)), path))
     return sorted(found)
 
 
+def resolve(path: str) -> str:
+    """A checkpoint folder, or a run folder (its latest complete checkpoint). Raises ConfigError
+    for anything that is not a complete sfttrain checkpoint."""
+    path = os.path.abspath(os.path.expanduser(path))
+    if is_complete(path):
+        return path
+    found = complete_checkpoints(path)
+    if found:
+        return found[-1][1]
+    raise ConfigError(f"{path!r} is neither a complete sfttrain checkpoint (a global_step_N folder with a "
+                      f"{COMPLETE} marker) nor a run folder that holds one")
+
+
 def find_resume(t: TrainerConfig, run_dir: str) -> Optional[str]:
+    """The checkpoint to resume from, or None for a fresh start. Rank 0 decides and tells the
+    others (every rank must load the same step). On a fresh start, metrics.jsonl records left by
+    an earlier attempt in this run folder are moved aside (see `rewind_metrics`)."""
+    result: tuple[Optional[str], Optional[str]] = (None, None)
+    if _rank() == 0:
+        try:
+            result = (_find_resume(t, run_dir), None)
+            if result[0] is None:
+                rewind_metrics(run_dir, 0)
+        except ConfigError as e:
+            result = (None, str(e))
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [result]
+        dist.broadcast_object_list(box, src=0)
+        result = box[0]
+    if result[1] is not None:
+        raise ConfigError(result[1])
+    return result[0]
+
+
+def _find_resume(t: TrainerConfig, run_dir: str) -> Optional[str]:
     if t.resume_mode == "disable":
         return None
     if t.resume_mode == "resume_path" or t.resume_from_path:
-        path = t.resume_from_path
-        if not os.path.isfile(os.path.join(path, COMPLETE)):
-            raise ConfigError(f"trainer.resume_from_path={path!r} is not a complete sfttrain checkpoint "
-                              f"(no {COMPLETE} marker)")
-        return path
+        try:
+            return resolve(t.resume_from_path)
+        except ConfigError as e:
+            raise ConfigError(f"trainer.resume_from_path: {e}") from None
     found = complete_checkpoints(run_dir)
     return found[-1][1] if found else None
 
 
 def save(run_dir: str, state: TrainState, model, optimizer, scheduler, world: World, cfg: Config, tokenizer,
-         wandb_id: Optional[str] = None) -> str:
+         wandb_id: Optional[str] = None, export_hf: bool = False) -> str:
+    """Collective: every rank calls it. Returns the committed `global_step_N` path. With
+    export_hf, the checkpoint also holds `huggingface/` (written by all ranks, shard by shard)."""
     final = os.path.join(run_dir, f"global_step_{state.step}")
-    if os.path.isfile(os.path.join(final, COMPLETE)):
-        return final  # this exact state is already committed
     tmp = os.path.join(run_dir, f".global_step_{state.step}.tmp")
     if world.is_main:
         shutil.rmtree(tmp, ignore_errors=True)  # debris of a crashed save of the same step
@@ -86,19 +138,32 @@ def save(run_dir: str, state: TrainState, model, optimizer, scheduler, world: Wo
     barrier(world)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
-    torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{world.rank}.pt"))
-    barrier(world)
+    del model_sd, optim_sd
+    _torch_save_synced(_rng_state(), os.path.join(tmp, "rng", f"rank_{world.rank}.pt"))
     if world.is_main:
         extra = {**asdict(state), "wandb_id": wandb_id, "world_size": world.world_size,
                  "scheduler": scheduler.state_dict()}
         _write(os.path.join(tmp, "trainer_state.json"), json.dumps(extra, indent=1))
         _write(os.path.join(tmp, "config.yaml"), to_yaml(cfg))
-        model.config.save_pretrained(os.path.join(tmp, "hf"))
+        hf = os.path.join(tmp, "hf")
+        model.config.save_pretrained(hf)
         if getattr(model, "generation_config", None) is not None:
-            model.generation_config.save_pretrained(os.path.join(tmp, "hf"))
-        tokenizer.save_pretrained(os.path.join(tmp, "hf"))
+            model.generation_config.save_pretrained(hf)
+        tokenizer.save_pretrained(hf)
+    barrier(world)  # every rank's shard and RNG file is written (and DCP has fsynced them)
+    if export_hf:
+        from sfttrain.export import export
+
+        export(tmp, os.path.join(tmp, "huggingface"), rank=world.rank, world_size=world.world_size,
+               trust_remote_code=cfg.model.trust_remote_code)
+        barrier(world)
+    if world.is_main:
+        _fsync_tree(tmp)
         _write(os.path.join(tmp, COMPLETE), "")
-        os.replace(tmp, final)
+        _fsync_dir(tmp)
+        if os.path.lexists(final):  # an older save of this step (a fresh start or a resume from an earlier one)
+            _remove(final)
+        os.replace(tmp, final)  # the commit
         _fsync_dir(run_dir)
         enforce_retention(run_dir, cfg.trainer.max_ckpt_to_keep)
     barrier(world)
@@ -106,6 +171,9 @@ def save(run_dir: str, state: TrainState, model, optimizer, scheduler, world: Wo
 
 
 def load(path: str, model, optimizer, scheduler, world: World, cfg: Config) -> TrainState:
+    """Collective. Restores model, optimizer, scheduler and (same world size only) RNG states,
+    and returns the step counters and data position. Rank 0 then rewinds the run folder's
+    metrics.jsonl to the loaded step."""
     with open(os.path.join(path, "trainer_state.json")) as f:
         extra = json.load(f)
     if extra["global_batch"] != cfg.data.train_batch_size or extra["seed"] != cfg.trainer.seed:
@@ -115,29 +183,80 @@ def load(path: str, model, optimizer, scheduler, world: World, cfg: Config) -> T
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    del model_sd, optim_sd
     scheduler.load_state_dict(extra["scheduler"])
     rng_file = os.path.join(path, "rng", f"rank_{world.rank}.pt")
-    if extra["world_size"] == world.world_size:  # RNG streams are per rank: only restorable 1:1
+    if extra["world_size"] == world.world_size and os.path.isfile(rng_file):  # per-rank streams: only 1:1
         _set_rng_state(torch.load(rng_file, weights_only=False))
-    return TrainState(extra["step"], extra["epoch"], extra["consumed_in_epoch"], extra["global_batch"],
-                      extra["seed"], extra["wandb_id"])
+    state = TrainState(extra["step"], extra["epoch"], extra["consumed_in_epoch"], extra["global_batch"],
+                       extra["seed"], extra["wandb_id"])
+    if world.is_main:
+        rewind_metrics(cfg.trainer.default_local_dir, state.step,
+                       {"step": state.step, "event": "resumed", "from": os.path.abspath(path),
+                        "saved_world_size": extra["world_size"], "world_size": world.world_size})
+    return state
+
+
+def rewind_metrics(run_dir: str, step: int, note: Optional[dict] = None) -> None:
+    """Makes metrics.jsonl the history of the state being resumed: records of steps after `step`
+    (logged by an attempt that crashed or was stopped after its last checkpoint; the resumed run
+    logs those steps again) and a torn last line move to metrics_rewound.jsonl; `note` is appended."""
+    path = os.path.join(run_dir, METRICS)
+    if not os.path.isfile(path):
+        return
+    keep, dropped = [], []
+    with open(path) as f:
+        for line in f:
+            try:
+                record = json.loads(line) if line.endswith("\n") else None
+            except json.JSONDecodeError:
+                record = None
+            ok = isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step
+            (keep if ok else dropped).append(line if line.endswith("\n") else line + "\n")
+    if note is not None:
+        keep.append(json.dumps(note) + "\n")
+    if not dropped and note is None:
+        return
+    if dropped:
+        with open(os.path.join(run_dir, REWOUND), "a") as f:
+            f.writelines(dropped)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(keep)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def enforce_retention(run_dir: str, keep: Optional[int]) -> None:
     """Keeps the newest `keep` complete checkpoints, judged by what is on disk (so it holds
-    across resumes). The marker goes first, so a half-deleted folder is never resumed from."""
+    across resumes and counts checkpoints this process never wrote)."""
     if not keep or keep <= 0:
         return
     for _, path in complete_checkpoints(run_dir)[:-keep]:
-        os.remove(os.path.join(path, COMPLETE))
-        shutil.rmtree(path)
+        _remove(path)
 
 
 def remove_stale_tmp(run_dir: str) -> None:
+    """Deletes the debris of interrupted saves and deletions (never a committed checkpoint)."""
     if os.path.isdir(run_dir):
         for name in os.listdir(run_dir):
-            if name.startswith(".global_step_") and name.endswith(".tmp"):
+            if DEBRIS.match(name):
                 shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
+
+
+def _remove(path: str) -> None:
+    """Atomically makes `path` invisible (one rename), then deletes it."""
+    parent, name = os.path.split(path)
+    trash = os.path.join(parent, f".{name}.trash")
+    shutil.rmtree(trash, ignore_errors=True)
+    os.replace(path, trash)
+    _fsync_dir(parent)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _rng_state() -> dict:
@@ -155,11 +274,32 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def _torch_save_synced(obj, path: str) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def _write(path: str, text: str) -> None:
     with open(path, "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _fsync_tree(root: str) -> None:
+    """fsyncs the small files written outside DCP (DCP fsyncs its own shards) and every folder,
+    so COMPLETE never reaches the disk before what it vouches for."""
+    for folder, _, files in os.walk(root):
+        for name in files:
+            if not name.endswith(".distcp"):
+                fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        _fsync_dir(folder)
 
 
 def _fsync_dir(path: str) -> None:

@@ -97,7 +97,7 @@ class TrainerConfig:
     max_ckpt_to_keep: Optional[int] = None  # None keeps all
     resume_mode: str = "auto"  # auto | disable | resume_path
     resume_from_path: Optional[str] = None
-    save_hf: bool = False  # export a Hugging Face folder at the end of training
+    save_hf: bool = False  # at the end of training, also export the model to <final checkpoint>/huggingface
     log_freq: int = 1  # console line every N steps (metrics.jsonl always gets every step)
     nnodes: Optional[int] = None  # verl keys; if given they must match torchrun's world
     n_gpus_per_node: Optional[int] = None

@@ -9,7 +9,7 @@ import sys
 
 from sfttrain.config import ConfigError, load_config
 from sfttrain.distributed import init_world, shutdown
-from sfttrain.trainer import FSDPSFTTrainer
+from sfttrain.trainer import FSDPSFTTrainer, NonFiniteLossError
 
 
 def parse_args(argv: list[str]) -> tuple[str | None, list[str]]:
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"sfttrain: config error: {e}")
     try:
         FSDPSFTTrainer(cfg, world).train()
-    except ConfigError as e:
+    except (ConfigError, NonFiniteLossError) as e:
         # every rank raises the same error; rank 0 says it once
         if world.is_main:
             print(f"sfttrain: error: {e}", file=sys.stderr, flush=True)

@@ -158,7 +158,8 @@ class FSDPSFTTrainer:
 
     def save(self) -> None:
         checkpoint.save(self.run_dir, self.state, self.lm.model, self.optimizer, self.scheduler, self.world, self.cfg,
-                        self.tokenizer, wandb_id=self.logger.wandb_id)
+                        self.tokenizer, wandb_id=self.logger.wandb_id,
+                        export_hf=self.cfg.trainer.save_hf and self.state.step == self.plan.total_steps)
 
 
 def _model_shape(model) -> dict:

@@ -47,13 +47,13 @@ BASE_OVERRIDES = [
 ]
 
 
-def run_sfttrain(nproc: int, overrides: list[str], check: bool = True, timeout: int = 300,
-                 **popen) -> subprocess.CompletedProcess:
+def run_sfttrain(nproc: int, overrides: list[str], check: bool = True, timeout: int = 300, cwd: Path = REPO,
+                 env: dict | None = None) -> subprocess.CompletedProcess:
     """Runs `torchrun --nproc_per_node=nproc -m sfttrain.run ...` as a user would."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", "sfttrain.run", *overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "WANDB_MODE": "offline"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, **popen)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "WANDB_MODE": "offline", **(env or {})}
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"sfttrain failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc

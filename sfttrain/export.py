@@ -1,0 +1,247 @@
+"""Export a sfttrain checkpoint as a Hugging Face model folder.
+
+    python -m sfttrain.export CHECKPOINT_DIR OUT_DIR [--dtype auto|bf16|fp32|fp16] [--max_shard_size 5GB]
+
+CHECKPOINT_DIR is a `global_step_N` folder, or a run folder (its latest complete checkpoint).
+OUT_DIR gets sharded safetensors (`model-0000i-of-0000n.safetensors` + `model.safetensors.index.json`,
+or one `model.safetensors`), config.json, generation_config.json and the tokenizer, ready for
+`AutoModelForCausalLM.from_pretrained(OUT_DIR)`.
+
+Streaming, CPU only, no process group: the shard plan comes from the DCP metadata alone, then
+each shard's tensors are read from the checkpoint a few at a time (`dcp.load(..., no_dist=True)`
+reads only their byte ranges, whatever world size wrote them), cast, written, and dropped. Peak
+memory is about one output shard plus LOAD_BUDGET_BYTES, not the model. The optimizer state is
+never read. Weights tied to another (the output embedding when tie_word_embeddings) are not
+written, as transformers' own save_pretrained does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+import warnings
+from typing import Optional
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+MODEL_PREFIX = "model."  # the DCP state dict is {"model": hf_state_dict, "optim": ...}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+HF_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+LOAD_BUDGET_BYTES = 1 << 30  # checkpoint bytes read per dcp.load call
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def parse_size(text: str | int) -> int:
+    """'5GB', '500MB', '200KB', '123' -> bytes (decimal units, like transformers)."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*", str(text), re.IGNORECASE)
+    if not m:
+        raise ValueError(f"cannot parse a size from {text!r} (e.g. 5GB, 500MB)")
+    unit = (m.group(2) or "").upper().rstrip("B")
+    scale = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+             "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}[unit]
+    return int(float(m.group(1)) * scale)
+
+
+def model_tensors(checkpoint_dir: str) -> list[tuple[str, TensorStorageMetadata]]:
+    """(HF name, DCP metadata) of the model's tensors, in the order they were saved."""
+    meta = dcp.FileSystemReader(checkpoint_dir).read_metadata()
+    return [(key[len(MODEL_PREFIX):], md) for key, md in meta.state_dict_metadata.items()
+            if key.startswith(MODEL_PREFIX) and isinstance(md, TensorStorageMetadata)]
+
+
+def tied_names(hf_dir: str, names: list[str], trust_remote_code: bool = False) -> set[str]:
+    """Names that are aliases of another parameter in the HF model (e.g. lm_head.weight when the
+    embeddings are tied): found by building the model on the meta device (no memory, no weights)."""
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        config = json.load(f)
+    if not config.get("tie_word_embeddings", False) and not config.get("tie_encoder_decoder", False):
+        return set()
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        hf_config = AutoConfig.from_pretrained(hf_dir, trust_remote_code=trust_remote_code)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
+        every = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+        unique = {n for n, _ in model.named_parameters()}
+        return {n for n in every if n not in unique} & set(names)
+    except Exception as e:  # an architecture transformers cannot build here: the usual convention
+        print(f"sfttrain.export: could not build the model to find tied weights ({e}); "
+              "assuming lm_head.weight is tied to the input embedding", file=sys.stderr)
+        return {"lm_head.weight"} & set(names)
+
+
+def plan_shards(tensors: list[tuple[str, TensorStorageMetadata]], dtype: Optional[torch.dtype],
+                max_shard_bytes: int) -> list[list[tuple[str, TensorStorageMetadata]]]:
+    """Consecutive tensors grouped into shards of at most max_shard_bytes (a larger tensor gets a
+    shard of its own). Deterministic, so several ranks can each write some of the shards."""
+    shards: list[list] = [[]]
+    size = 0
+    for name, md in tensors:
+        n = _numel(md) * _itemsize(dtype or md.properties.dtype)
+        if shards[-1] and size + n > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, md))
+        size += n
+    return shards
+
+
+def shard_file(i: int, n: int) -> str:
+    return SINGLE_FILE if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+def export(checkpoint_dir: str, out_dir: str, dtype: str = "auto", max_shard_size: str | int = "5GB",
+           rank: int = 0, world_size: int = 1, trust_remote_code: Optional[bool] = None) -> None:
+    """Writes the HF folder. With world_size > 1, rank r writes shards r, r + world_size, ...
+    and rank 0 the index, config and tokenizer; the caller synchronises the ranks afterwards."""
+    from safetensors.torch import save_file
+
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {dtype!r}")
+    hf_dir = os.path.join(checkpoint_dir, "hf")
+    if not os.path.isfile(os.path.join(hf_dir, "config.json")):
+        raise FileNotFoundError(f"{checkpoint_dir} has no hf/config.json: not a sfttrain checkpoint")
+    if trust_remote_code is None:
+        trust_remote_code = _trust_remote_code(checkpoint_dir)
+    out_dtype = DTYPES.get(dtype)
+    tensors = model_tensors(checkpoint_dir)
+    if not tensors:
+        raise ValueError(f"{checkpoint_dir}: no model tensors in the DCP metadata")
+    tied = tied_names(hf_dir, [n for n, _ in tensors], trust_remote_code)
+    tensors = [(n, md) for n, md in tensors if n not in tied]
+    shards = plan_shards(tensors, out_dtype, parse_size(max_shard_size))
+    os.makedirs(out_dir, exist_ok=True)
+    reader = dcp.FileSystemReader(checkpoint_dir)
+
+    for i, shard in enumerate(shards):
+        if i % world_size != rank:
+            continue
+        out: dict[str, torch.Tensor] = {}
+        for group in _load_groups(shard):
+            loaded = {MODEL_PREFIX + name: torch.empty(md.size, dtype=md.properties.dtype) for name, md in group}
+            with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+                warnings.filterwarnings("ignore", message=".*single process.*")
+                dcp.load(loaded, storage_reader=reader, no_dist=True)
+            for name, _ in group:
+                t = loaded.pop(MODEL_PREFIX + name)
+                out[name] = (t.to(out_dtype) if out_dtype is not None and t.is_floating_point() else t).contiguous()
+            del loaded
+        path = os.path.join(out_dir, shard_file(i, len(shards)))
+        save_file(out, path + ".tmp", metadata={"format": "pt"})
+        os.chmod(path + ".tmp", 0o666 & ~_umask())  # safetensors creates it 0600
+        os.replace(path + ".tmp", path)
+        del out
+
+    if rank == 0:
+        stored = {md.properties.dtype for _, md in tensors if md.properties.dtype.is_floating_point}
+        final_dtype = out_dtype or (stored.pop() if len(stored) == 1 else torch.float32)
+        if len(shards) > 1:
+            weight_map, total = {}, 0
+            for i, shard in enumerate(shards):
+                for name, md in shard:
+                    weight_map[name] = shard_file(i, len(shards))
+                    total += _numel(md) * _itemsize(out_dtype or md.properties.dtype)
+            with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
+                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        _write_metadata_files(hf_dir, out_dir, final_dtype)
+
+
+def _write_metadata_files(hf_dir: str, out_dir: str, dtype: torch.dtype) -> None:
+    """hf/ (config, generation config, tokenizer, any remote code) into out_dir, with the
+    config's dtype set to the exported one and use_cache back on (training turns it off)."""
+    for name in os.listdir(hf_dir):
+        src = os.path.join(hf_dir, name)
+        if name == "config.json" or not os.path.isfile(src):
+            continue
+        shutil.copyfile(src, os.path.join(out_dir, name))
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        config = json.load(f)
+    config["dtype"] = HF_NAMES[dtype]
+    if "torch_dtype" in config:  # transformers 4.x spelling
+        config["torch_dtype"] = HF_NAMES[dtype]
+    config["use_cache"] = True
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def _load_groups(shard: list[tuple[str, TensorStorageMetadata]]):
+    group, size = [], 0
+    for name, md in shard:
+        n = _numel(md) * _itemsize(md.properties.dtype)
+        if group and size + n > LOAD_BUDGET_BYTES:
+            yield group
+            group, size = [], 0
+        group.append((name, md))
+        size += n
+    if group:
+        yield group
+
+
+def _numel(md: TensorStorageMetadata) -> int:
+    n = 1
+    for d in md.size:
+        n *= d
+    return n
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _trust_remote_code(checkpoint_dir: str) -> bool:
+    path = os.path.join(checkpoint_dir, "config.yaml")
+    if not os.path.isfile(path):
+        return False
+    from omegaconf import OmegaConf
+
+    return bool(OmegaConf.select(OmegaConf.load(path), "model.trust_remote_code", default=False))
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    from sfttrain.checkpoint import resolve
+    from sfttrain.config import ConfigError
+
+    p = argparse.ArgumentParser(prog="python -m sfttrain.export", description=__doc__.split("\n\n")[0])
+    p.add_argument("checkpoint_dir", help="a global_step_N folder, or a run folder (its latest complete checkpoint)")
+    p.add_argument("out_dir", help="the Hugging Face folder to create (must not exist or be empty)")
+    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                   help="dtype of the exported floating-point weights (auto: as stored in the checkpoint)")
+    p.add_argument("--max_shard_size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB")
+    p.add_argument("--trust_remote_code", action="store_true", default=None,
+                   help="needed for models with custom code (default: as in the checkpoint's config)")
+    args = p.parse_args(argv)
+    try:
+        ckpt = resolve(args.checkpoint_dir)
+    except ConfigError as e:
+        sys.exit(f"sfttrain.export: {e}")
+    out = os.path.abspath(args.out_dir)
+    if os.path.isdir(out) and os.listdir(out):
+        sys.exit(f"sfttrain.export: {out} exists and is not empty; choose a new folder")
+    tmp = out.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    export(ckpt, tmp, dtype=args.dtype, max_shard_size=args.max_shard_size, trust_remote_code=args.trust_remote_code)
+    if os.path.isdir(out):
+        os.rmdir(out)
+    os.replace(tmp, out)  # the folder appears complete or not at all
+    print(f"sfttrain.export: {ckpt} -> {out}")
+
+
+if __name__ == "__main__":
+    main()

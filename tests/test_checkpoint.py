@@ -1,0 +1,383 @@
+"""Checkpoints: atomic commit, retention, exact / elastic resume, and SIGKILL fault tolerance.
+
+Every run is a real torchrun job (gloo ranks) on the real stories260K model, fp32 on CPU, with a
+real schedule (cosine with warmup, weight decay, shuffled data). The job trains 2 epochs of a
+52-row set with a global batch of 8: 6 steps per epoch (4 rows left over each epoch), 12 steps.
+
+One uninterrupted reference run (2 ranks, a checkpoint after every step, none deleted) gives the
+per-step losses and the weights/optimizer state at every step; every other run is compared with
+it. Same world size: losses and weights equal to 1e-6 (in practice bit for bit: the resumed run
+does the same float operations in the same order). Other world size: the step's gradient is summed
+in another order (other rank / micro-batch split), so results agree to float32 rounding only,
+compounded over a few Adam steps: losses rel 1e-5, weights 1e-5 relative (per-tensor norm of the
+difference), the same bar as the trainer's own rank-invariance test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from sfttrain import checkpoint
+from sfttrain.config import ConfigError, TrainerConfig
+from tests.conftest import BASE_OVERRIDES, REPO, free_port, read_metrics, run_sfttrain
+
+ROWS, BATCH, EPOCHS = 52, 8, 2
+STEPS_PER_EPOCH = ROWS // BATCH  # 6
+TOTAL = STEPS_PER_EPOCH * EPOCHS  # 12
+SAME_WORLD_TOL = 1e-6
+ELASTIC_TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def data(gsm8k_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("small") / "train.parquet"
+    table = pq.read_table(gsm8k_dir / "train.parquet").slice(0, ROWS)
+    pq.write_table(table, out, row_group_size=16)  # several row groups: the shuffle crosses them
+    return out
+
+
+def job(data: Path, run_dir: Path, *extra: str) -> list[str]:
+    return [*BASE_OVERRIDES, f"data.train_files={data}", f"trainer.default_local_dir={run_dir}",
+            "data.shuffle=true", "data.max_length=128", f"data.train_batch_size={BATCH}",
+            "data.micro_batch_size_per_gpu=2", f"trainer.total_epochs={EPOCHS}",
+            "optim.lr_scheduler=cosine", "optim.lr_warmup_steps_ratio=0.2", "optim.min_lr_ratio=0.1",
+            "optim.weight_decay=0.01", *extra]
+
+
+@pytest.fixture(scope="module")
+def ref(data, tmp_path_factory) -> Path:
+    """The uninterrupted run: a checkpoint after every step, all kept; wandb (offline) on."""
+    run_dir = tmp_path_factory.mktemp("ref") / "run"
+    run_sfttrain(2, job(data, run_dir, "trainer.save_freq=1", "trainer.logger=[console,wandb]"))
+    assert [s for s, _ in checkpoint.complete_checkpoints(str(run_dir))] == list(range(1, TOTAL + 1))
+    return run_dir
+
+
+def losses_by_step(run_dir: Path) -> dict[int, float]:
+    """step -> loss of the run's metrics.jsonl; each step must be logged once."""
+    records = [m for m in read_metrics(run_dir) if "loss" in m]
+    steps = [m["step"] for m in records]
+    assert len(steps) == len(set(steps)), f"a step logged twice in {run_dir}: {steps}"
+    return {m["step"]: m["loss"] for m in records}
+
+
+_CACHE: dict[str, dict] = {}
+
+
+def state(ckpt: Path) -> dict:
+    """The whole DCP checkpoint (model and optimizer) as plain tensors, read without a process group."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    key = str(ckpt.resolve())
+    if key not in _CACHE:
+        out = Path(os.environ.get("TMPDIR", "/tmp")) / f"sfttrain-test-{os.getpid()}-{len(_CACHE)}.pt"
+        dcp_to_torch_save(str(ckpt), str(out))
+        _CACHE[key] = torch.load(out, weights_only=False)
+        out.unlink()
+    return _CACHE[key]
+
+
+def tensors(sd: dict, prefix: str = "") -> dict[str, torch.Tensor]:
+    out = {}
+    for k, v in sd.items():
+        if isinstance(v, dict):
+            out.update(tensors(v, f"{prefix}{k}."))
+        elif isinstance(v, torch.Tensor):
+            out[prefix + str(k)] = v
+    return out
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    a, b = tensors(a), tensors(b)
+    assert a.keys() == b.keys()
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def max_rel_diff(a: dict, b: dict) -> float:
+    a, b = tensors(a), tensors(b)
+    assert a.keys() == b.keys()
+    return max(((a[k].double() - b[k].double()).norm() / b[k].double().norm().clamp(min=1e-12)).item()
+               for k in a)
+
+
+def assert_resumed_like_ref(run_dir: Path, ref: Path, first_step: int, tol: float, rel: bool = False) -> None:
+    """Steps first_step..TOTAL logged by the resumed run equal the reference's, and so do the
+    final weights."""
+    got, want = losses_by_step(run_dir), losses_by_step(ref)
+    got = {step: loss for step, loss in got.items() if step >= first_step}
+    assert sorted(got) == list(range(first_step, TOTAL + 1)), sorted(got)
+    for step in got:
+        if rel:
+            assert got[step] == pytest.approx(want[step], rel=tol), step
+        else:
+            assert abs(got[step] - want[step]) <= tol, (step, got[step], want[step])
+    final, expected = state(run_dir / f"global_step_{TOTAL}")["model"], state(ref / f"global_step_{TOTAL}")["model"]
+    assert (max_rel_diff(final, expected) if rel else max_abs_diff(final, expected)) <= tol
+    # and the weights did move since the resume point: a comparison that cannot fail is no test
+    start = state(ref / f"global_step_{first_step - 1}")["model"]
+    assert max_rel_diff(start, expected) > 1e-3
+
+
+def trainer_state(ckpt: Path) -> dict:
+    return json.loads((ckpt / "trainer_state.json").read_text())
+
+
+# --------------------------------------------------------------------------- exact resume, same world size
+
+@pytest.fixture(scope="module")
+def resumed_mid_epoch(data, ref, tmp_path_factory) -> Path:
+    """A run folder as a crash leaves it: checkpoints 1..4 (from an earlier attempt of the same
+    job), metrics logged up to step 5, and a half-written save of step 5. Then `auto` resume with
+    max_ckpt_to_keep=2."""
+    run_dir = tmp_path_factory.mktemp("mid") / "run"
+    run_dir.mkdir()
+    for step in range(1, 5):
+        shutil.copytree(ref / f"global_step_{step}", run_dir / f"global_step_{step}")
+    partial = run_dir / ".global_step_5.tmp"
+    shutil.copytree(ref / "global_step_5", partial)
+    (partial / checkpoint.COMPLETE).unlink()
+    lines = (ref / "metrics.jsonl").read_text().splitlines(keepends=True)
+    kept = [line for line in lines if json.loads(line)["step"] <= 5]
+    (run_dir / "metrics.jsonl").write_text("".join(kept) + '{"step": 6, "lo')  # a torn last line
+    run_sfttrain(2, job(data, run_dir, "trainer.save_freq=1", "trainer.max_ckpt_to_keep=2",
+                        "trainer.logger=[console,wandb]"))
+    return run_dir
+
+
+def test_exact_resume_mid_epoch(resumed_mid_epoch, ref):
+    run_dir = resumed_mid_epoch
+    assert trainer_state(ref / "global_step_4")["consumed_in_epoch"] == 4 * BATCH  # mid-epoch
+    resumed = [m for m in read_metrics(run_dir) if m.get("event") == "resumed"]
+    assert len(resumed) == 1 and resumed[0]["step"] == 4 and resumed[0]["from"].endswith("global_step_4")
+    # metrics.jsonl reads as one history: 1..4 from before the crash, 5..12 from the resumed run
+    # (the crashed attempt's step-5 record and the torn line moved to metrics_rewound.jsonl)
+    got = losses_by_step(run_dir)
+    assert sorted(got) == list(range(1, TOTAL + 1))
+    rewound = (run_dir / checkpoint.REWOUND).read_text().splitlines()
+    assert len(rewound) == 2 and json.loads(rewound[0])["step"] == 5
+    assert_resumed_like_ref(run_dir, ref, 5, SAME_WORLD_TOL)
+    # the optimizer state too, and the wandb run continues under the same id
+    assert max_abs_diff(state(run_dir / f"global_step_{TOTAL}")["optim"],
+                        state(ref / f"global_step_{TOTAL}")["optim"]) <= SAME_WORLD_TOL
+    wandb_id = trainer_state(ref / "global_step_4")["wandb_id"]
+    assert wandb_id and trainer_state(run_dir / f"global_step_{TOTAL}")["wandb_id"] == wandb_id
+
+
+def test_retention_across_resumes(resumed_mid_epoch):
+    """max_ckpt_to_keep counts what is on disk, including checkpoints this process never wrote;
+    the half-written save was cleaned up, never resumed from."""
+    run_dir = resumed_mid_epoch
+    assert sorted(p.name for p in run_dir.iterdir() if p.name.startswith((".global_step", "global_step"))) == \
+        [f"global_step_{TOTAL - 1}", f"global_step_{TOTAL}"]
+    for step in (TOTAL - 1, TOTAL):
+        assert checkpoint.is_complete(str(run_dir / f"global_step_{step}"))
+
+
+def test_exact_resume_at_epoch_boundary(data, ref, tmp_path):
+    """resume_mode=resume_path from the last step of epoch 0 (into another run folder): the
+    resumed run starts epoch 1 (its own shuffled order), nothing replayed or skipped."""
+    boundary = ref / f"global_step_{STEPS_PER_EPOCH}"
+    st = trainer_state(boundary)
+    assert (st["epoch"], st["consumed_in_epoch"]) == (0, STEPS_PER_EPOCH * BATCH)
+    run_dir = tmp_path / "run"
+    run_sfttrain(2, job(data, run_dir, "trainer.resume_mode=resume_path", f"trainer.resume_from_path={boundary}"))
+    assert [m["epoch"] for m in read_metrics(run_dir) if "loss" in m] == [1] * STEPS_PER_EPOCH
+    assert_resumed_like_ref(run_dir, ref, STEPS_PER_EPOCH + 1, SAME_WORLD_TOL)
+
+
+# --------------------------------------------------------------------------- elastic resume
+
+@pytest.fixture(scope="module")
+def on_one_rank(data, ref, tmp_path_factory) -> Path:
+    """Ref's step-3 checkpoint (2 ranks) resumed on 1 rank, saving every step."""
+    run_dir = tmp_path_factory.mktemp("elastic1") / "run"
+    run_sfttrain(1, job(data, run_dir, "trainer.save_freq=1", "trainer.resume_mode=resume_path",
+                        f"trainer.resume_from_path={ref / 'global_step_3'}"))
+    return run_dir
+
+
+def test_elastic_resume_2_to_1(on_one_rank, ref):
+    assert trainer_state(ref / "global_step_3")["world_size"] == 2
+    assert trainer_state(on_one_rank / "global_step_4")["world_size"] == 1
+    assert_resumed_like_ref(on_one_rank, ref, 4, ELASTIC_TOL, rel=True)
+
+
+def test_elastic_resume_1_to_2(data, on_one_rank, ref, tmp_path):
+    """A checkpoint written by 1 rank (mid-epoch 1) resumed on 2."""
+    src = on_one_rank / "global_step_8"
+    assert trainer_state(src)["world_size"] == 1
+    run_dir = tmp_path / "run"
+    run_sfttrain(2, job(data, run_dir, "trainer.resume_mode=resume_path", f"trainer.resume_from_path={src}"))
+    assert_resumed_like_ref(run_dir, ref, 9, ELASTIC_TOL, rel=True)
+
+
+def test_elastic_resume_2_to_4(data, ref, tmp_path):
+    run_dir = tmp_path / "run"
+    run_sfttrain(4, job(data, run_dir, "trainer.resume_mode=resume_path",
+                        f"trainer.resume_from_path={ref / 'global_step_5'}"))
+    assert_resumed_like_ref(run_dir, ref, 6, ELASTIC_TOL, rel=True)
+
+
+# --------------------------------------------------------------------------- SIGKILL at random moments
+
+def launch(nproc: int, overrides: list[str], log: Path) -> subprocess.Popen:
+    """torchrun in its own session, so that the whole job (agent and ranks) can be SIGKILLed."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", "sfttrain.run", *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "WANDB_MODE": "offline"}
+    with open(log, "w") as f:
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def logged_steps(run_dir: Path) -> int:
+    try:
+        text = (run_dir / "metrics.jsonl").read_text()
+    except FileNotFoundError:
+        return 0
+    steps = [0]
+    for line in text.splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "loss" in record:
+            steps.append(record["step"])
+    return max(steps)
+
+
+def wait_until(condition, proc: subprocess.Popen, timeout: float = 240) -> bool:
+    """True once condition() holds; False if the job ended first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        if proc.poll() is not None:
+            return condition()
+        time.sleep(0.003)
+    raise TimeoutError("the job made no progress")
+
+
+def check_checkpoints(run_dir: Path, ref: Path, world_size: int) -> list[int]:
+    """No complete-looking broken checkpoint: every visible global_step_N has its marker, all its
+    files, loads in full (model and optimizer), and equals the reference's step-N checkpoint."""
+    steps = []
+    for p in sorted(run_dir.iterdir()):
+        m = re.fullmatch(r"global_step_(\d+)", p.name)
+        if not m:
+            continue
+        step = int(m.group(1))
+        assert checkpoint.is_complete(str(p)), f"{p} is visible but not complete"
+        st = trainer_state(p)
+        assert st["step"] == step and st["world_size"] == world_size
+        for name in [".metadata", "config.yaml", "hf/config.json", "hf/tokenizer_config.json",
+                     *(f"rng/rank_{r}.pt" for r in range(world_size))]:
+            assert (p / name).is_file(), f"{p} lacks {name}"
+        assert max_abs_diff(state(p), state(ref / p.name)) <= SAME_WORLD_TOL, p
+        _CACHE.pop(str(p.resolve()))
+        steps.append(step)
+    return sorted(steps)
+
+
+def test_sigkill_at_random_moments_then_auto_resume(data, ref, tmp_path):
+    """SIGKILL the whole 2-rank job 4 times, alternately while a checkpoint is being written and
+    during a training step (random delays from a seeded generator), resuming with auto each time;
+    after each kill the invariant holds, and the finished run equals the uninterrupted one."""
+    run_dir = tmp_path / "run"
+    keep = 3
+    overrides = job(data, run_dir, "trainer.save_freq=2", f"trainer.max_ckpt_to_keep={keep}")
+    rng = random.Random(1234)
+    history = []
+    for attempt in range(4):
+        logged = logged_steps(run_dir)
+        proc = launch(2, overrides, tmp_path / f"attempt{attempt}.log")
+        try:
+            if attempt % 2 == 0:  # during a save: once its .tmp folder appears, a random moment later
+                target = logged + 1 + rng.randint(0, 2)
+                target += target % 2  # saves happen at even steps
+                what = f"save of step {target}"
+                hit = wait_until(lambda: (run_dir / f".global_step_{target}.tmp").exists(), proc)
+                delay = rng.uniform(0.0, 0.15)
+            else:  # during a step: an odd step (no save follows) is logged, then a random moment later
+                target = logged + rng.randint(1, 2)
+                target += 1 - target % 2
+                what = f"step {target + 1}"
+                hit = wait_until(lambda: logged_steps(run_dir) >= target, proc)
+                delay = rng.uniform(0.0, 0.3)
+            if hit:
+                time.sleep(delay)
+            os.killpg(proc.pid, signal.SIGKILL)
+        finally:
+            proc.wait()
+        assert hit, f"attempt {attempt} ended before the kill:\n{(tmp_path / f'attempt{attempt}.log').read_text()[-3000:]}"
+        steps = check_checkpoints(run_dir, ref, 2)
+        assert len(steps) <= keep + 1  # +1: killed between a commit and the retention pass
+        history.append((what, f"{delay:.3f}s", steps))
+    print("kills:", history)
+    assert any(steps for _, _, steps in history)  # progress was made, so resumes were exercised
+
+    run_sfttrain(2, overrides)  # auto-resumes from the latest complete checkpoint
+    steps = check_checkpoints(run_dir, ref, 2)
+    assert steps == [TOTAL - 4, TOTAL - 2, TOTAL]
+    assert not [p.name for p in run_dir.iterdir() if p.name.startswith(".global_step")]
+    got, want = losses_by_step(run_dir), losses_by_step(ref)
+    assert sorted(got) == list(range(1, TOTAL + 1))
+    assert max(abs(got[s] - want[s]) for s in got) <= SAME_WORLD_TOL
+    assert max_abs_diff(state(run_dir / f"global_step_{TOTAL}")["model"],
+                        state(ref / f"global_step_{TOTAL}")["model"]) <= SAME_WORLD_TOL
+
+
+# --------------------------------------------------------------------------- the folder logic, in-process
+
+def _fake(run_dir: Path, step: int, complete: bool = True) -> Path:
+    p = run_dir / f"global_step_{step}"
+    p.mkdir(parents=True)
+    if complete:
+        (p / checkpoint.COMPLETE).write_text("")
+    return p
+
+
+def test_find_resume_modes_and_errors(tmp_path):
+    run_dir = tmp_path / "run"
+    for step in (2, 10):
+        _fake(run_dir, step)
+    _fake(run_dir, 12, complete=False)  # never picked
+    (run_dir / ".global_step_14.tmp").mkdir()
+    auto = TrainerConfig(default_local_dir=str(run_dir))
+    assert checkpoint.find_resume(auto, str(run_dir)) == str(run_dir / "global_step_10")
+    assert checkpoint.find_resume(TrainerConfig(resume_mode="disable"), str(run_dir)) is None
+    assert checkpoint.find_resume(TrainerConfig(), str(tmp_path / "empty")) is None
+    by_path = TrainerConfig(resume_mode="resume_path", resume_from_path=str(run_dir / "global_step_2"))
+    assert checkpoint.find_resume(by_path, str(tmp_path / "elsewhere")) == str(run_dir / "global_step_2")
+    by_run = TrainerConfig(resume_mode="resume_path", resume_from_path=str(run_dir))
+    assert checkpoint.find_resume(by_run, str(tmp_path)) == str(run_dir / "global_step_10")
+    for bad in (run_dir / "global_step_12", run_dir / ".global_step_14.tmp", tmp_path / "missing"):
+        with pytest.raises(ConfigError, match="resume_from_path"):
+            checkpoint.find_resume(TrainerConfig(resume_mode="resume_path", resume_from_path=str(bad)), str(run_dir))
+    checkpoint.remove_stale_tmp(str(run_dir))
+    assert not (run_dir / ".global_step_14.tmp").exists()
+    checkpoint.enforce_retention(str(run_dir), 1)
+    assert sorted(p.name for p in run_dir.iterdir()) == ["global_step_10", "global_step_12"]
+
+
+def test_fresh_start_moves_old_metrics_aside(tmp_path):
+    """A crash before the first checkpoint: the rerun starts fresh and its steps are not
+    appended after the dead attempt's records."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n')
+    assert checkpoint.find_resume(TrainerConfig(), str(run_dir)) is None
+    assert (run_dir / "metrics.jsonl").read_text() == ""
+    assert len((run_dir / checkpoint.REWOUND).read_text().splitlines()) == 2

@@ -1,0 +1,169 @@
+"""Export: a trained checkpoint becomes a Hugging Face folder that transformers loads and runs.
+
+One real 2-rank training run (stories260K, fp32, 3 steps, trainer.save_hf=true) provides the
+checkpoint. "The trained model" is the base model with the checkpoint's weights put in by
+torch's own DCP reader (dcp_to_torch_save), a path independent of sfttrain.export.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from sfttrain import export
+from sfttrain.data.pack import IGNORE_INDEX, shifted_labels
+from sfttrain.data.render import Renderer
+from tests.conftest import BASE_OVERRIDES, REPO, STORIES, load_checkpoint_model, read_metrics, run_sfttrain
+
+STEPS = 3
+PROMPT = "Natalia sold clips to 48 of her friends in April"
+
+
+@pytest.fixture(scope="module")
+def trained(gsm8k_dir, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("export")
+    train, val = root / "train.parquet", root / "val.parquet"
+    pq.write_table(pq.read_table(gsm8k_dir / "train.parquet").slice(0, 32), train)
+    pq.write_table(pq.read_table(gsm8k_dir / "test.parquet").slice(0, 12), val)
+    run_dir = root / "run"
+    run_sfttrain(2, [*BASE_OVERRIDES, f"data.train_files={train}", f"data.val_files={val}",
+                     f"trainer.default_local_dir={run_dir}", "data.max_length=128", "data.train_batch_size=8",
+                     "data.micro_batch_size_per_gpu=2", f"trainer.total_training_steps={STEPS}",
+                     "trainer.save_hf=true"])
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def trained_model(trained):
+    """The base model with the final checkpoint's weights, read by torch's DCP converter."""
+    sd = load_checkpoint_model(trained / f"global_step_{STEPS}")
+    model = AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.float32)
+    model.load_state_dict(sd, strict=True)
+    return model.eval(), sd
+
+
+def _ids(tokenizer) -> torch.Tensor:
+    return tokenizer(PROMPT, return_tensors="pt").input_ids
+
+
+def _load(path: Path):
+    model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    return model.eval()
+
+
+def test_save_hf_round_trip(trained, trained_model):
+    """trainer.save_hf=true: the final checkpoint holds huggingface/, whose model has the trained
+    weights exactly (fp32): same logits, same greedy generation, and on the validation set the
+    same loss the trainer reported at its last step."""
+    out = trained / f"global_step_{STEPS}" / "huggingface"
+    assert (out / "model.safetensors").is_file()  # 1 MB: a single shard
+    assert not (trained / f"global_step_{STEPS - 1}" / "huggingface").exists()  # only at the end
+    config = json.loads((out / "config.json").read_text())
+    assert config["dtype"] == "float32" and config["use_cache"] is True and config["tie_word_embeddings"]
+    model, tokenizer = _load(out), AutoTokenizer.from_pretrained(out)
+    ref, ref_sd = trained_model
+    # tied embeddings: lm_head.weight is not stored, and transformers ties it back
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, ref_sd[name]), name
+    start = AutoModelForCausalLM.from_pretrained(STORIES).state_dict()
+    assert max((start[k] - ref_sd[k]).abs().max().item() for k in start) > 1e-3  # training moved the weights
+
+    ids = _ids(tokenizer)
+    assert torch.equal(ids, _ids(AutoTokenizer.from_pretrained(STORIES)))  # the tokenizer came along
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+    generated = model.generate(ids, max_new_tokens=12, do_sample=False)
+    assert generated.shape[1] > ids.shape[1]
+    assert torch.equal(generated, ref.generate(ids, max_new_tokens=12, do_sample=False))
+
+    # the validation loss the trainer logged at the last step, recomputed by plain transformers
+    val_loss = [m["val/loss"] for m in read_metrics(trained) if "val/loss" in m][-1]
+    renderer = Renderer(tokenizer, max_length=128, truncation="left", apply_chat_template=False)
+    table = pq.read_table(trained.parent / "val.parquet").to_pylist()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for row, r in enumerate(table):
+            sample = renderer.render(r["question"], r["answer"], row)
+            labels = torch.tensor([shifted_labels(sample)])
+            logits = model(torch.tensor([sample.input_ids])).logits
+            total += F.cross_entropy(logits[0].double(), labels[0], ignore_index=IGNORE_INDEX, reduction="sum").item()
+            count += int((labels != IGNORE_INDEX).sum())
+    assert total / count == pytest.approx(val_loss, rel=1e-5)
+
+
+def test_cli_bf16_sharded(trained, trained_model, tmp_path):
+    """`python -m sfttrain.export RUN_DIR OUT --dtype bf16 --max_shard_size 100KB`: the run
+    folder resolves to its latest checkpoint; several shards of at most 100 KB plus an index."""
+    out = tmp_path / "hf_bf16"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "sfttrain.export", str(trained), str(out), "--dtype", "bf16",
+                           "--max_shard_size", "100KB"], cwd=REPO, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    index = json.loads((out / export.INDEX_FILE).read_text())
+    shards = sorted(out.glob("model-*.safetensors"))
+    assert len(shards) >= 3 and set(index["weight_map"].values()) == {p.name for p in shards}
+    assert all(p.stat().st_size <= 100_000 + 8192 for p in shards)  # + the safetensors header
+    ref, ref_sd = trained_model
+    assert set(index["weight_map"]) == set(ref_sd) - {"lm_head.weight"}
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+
+    model, tokenizer = _load(out), AutoTokenizer.from_pretrained(out)
+    assert model.dtype == torch.bfloat16
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, ref_sd[name].to(torch.bfloat16)), name
+    ids = _ids(tokenizer)
+    with torch.no_grad():
+        got, want = model(ids).logits.float(), ref(ids).logits
+    assert (got - want).abs().max().item() < 0.1 * want.abs().max().item()  # bf16 rounding, not garbage
+    assert model.generate(ids, max_new_tokens=8, do_sample=False).shape[1] == ids.shape[1] + 8
+
+
+def test_export_streams_model_tensors_only(trained, trained_model, tmp_path, monkeypatch):
+    """Each read asks DCP for at most LOAD_BUDGET_BYTES of model tensors (never the optimizer),
+    and the result is still exact."""
+    budget = 40_000
+    monkeypatch.setattr(export, "LOAD_BUDGET_BYTES", budget)
+    reads: list[dict] = []
+    real_load = export.dcp.load
+
+    def recording_load(state_dict, **kwargs):
+        reads.append({k: v.numel() * v.element_size() for k, v in state_dict.items()})
+        return real_load(state_dict, **kwargs)
+
+    monkeypatch.setattr(export.dcp, "load", recording_load)
+    out = tmp_path / "hf"
+    export.export(str(trained / f"global_step_{STEPS}"), str(out), dtype="fp32", max_shard_size="300KB")
+    largest = 512 * 64 * 4  # the embedding matrix, 131 KB: read on its own
+    assert len(reads) > 5
+    assert all(sum(r.values()) <= budget or len(r) == 1 for r in reads)
+    assert max(sum(r.values()) for r in reads) == largest
+    assert all(k.startswith("model.") for r in reads for k in r)
+    _, ref_sd = trained_model
+    model = _load(out)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, ref_sd[name]), name
+
+
+def test_cli_errors(trained, tmp_path):
+    incomplete = tmp_path / "global_step_9"
+    incomplete.mkdir()
+    with pytest.raises(SystemExit, match="not a complete|neither"):
+        export.main([str(incomplete), str(tmp_path / "out")])
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "keep.txt").write_text("x")
+    with pytest.raises(SystemExit, match="not empty"):
+        export.main([str(trained), str(busy)])
+    assert export.parse_size("5GB") == 5 * 10**9 and export.parse_size("100KB") == 100_000
+    assert export.parse_size("2GiB") == 2 * 2**30 and export.parse_size(123) == 123

@@ -26,12 +26,13 @@ MFU_FORMULA = (
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
     """Flags every W1 baseline takes; defaults are W1's."""
-    parser.add_argument("--data", default="assets/data/gsm8k/train.jsonl", help="GSM8K train.jsonl")
+    parser.add_argument("--data", required=True,
+                        help="GSM8K train.jsonl: the full 7473 rows (W1 needs 60 x 64 = 3840 samples)")
     parser.add_argument("--tokenizer", default="assets/tokenizers/qwen2.5-instruct")
     parser.add_argument("--out", required=True, help="JSON lines file to append the result to")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--tiny", action="store_true",
-                        help="smoke mode: tiny model, 2x2 sequences per step, 4 steps (1 warm-up)")
+                        help="smoke mode: tiny model, first 64 rows, 2x2 sequences per step, 4 steps (1 warm-up)")
     parser.add_argument("--gradient_checkpointing", choices=["on", "off"], default="on")
     parser.add_argument("--micro_batch", type=int, default=16)
     parser.add_argument("--grad_accum", type=int, default=4)
@@ -43,10 +44,18 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
 
 
 def apply_tiny(args: argparse.Namespace) -> None:
-    """--tiny shrinks the run so that it finishes on a CPU in seconds."""
+    """--tiny shrinks the run so that it finishes on a CPU in a few minutes."""
     if args.tiny:
         args.micro_batch, args.grad_accum, args.steps, args.warmup = 2, 2, 4, 1
         args.rows = args.rows or 64
+
+
+def require_samples(available: int, args: argparse.Namespace) -> None:
+    """W1 trains on distinct samples: a second epoch would not be the workload."""
+    needed = args.steps * args.micro_batch * args.grad_accum
+    if available < needed:
+        raise ValueError(f"{args.steps} steps of {args.micro_batch} x {args.grad_accum} sequences need "
+                         f"{needed} samples, --data has {available}")
 
 
 def synchronize(device: str) -> None:

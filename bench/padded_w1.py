@@ -16,15 +16,13 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from bench.common import StepClock, TokenLedger, add_common_args, apply_tiny, emit, result
+from bench.common import StepClock, TokenLedger, add_common_args, apply_tiny, emit, require_samples, result
 from bench.w1_data import Sample, build_model, load_w1, model_config
 
 
 def step_batches(samples: list[Sample], args: argparse.Namespace):
     """Yield, per optimizer step, its ``grad_accum`` micro-batches of ``micro_batch`` samples."""
     per_step = args.micro_batch * args.grad_accum
-    if per_step * args.steps > len(samples):
-        raise ValueError(f"{args.steps} steps of {per_step} need {per_step * args.steps} samples, have {len(samples)}")
     order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(0)).tolist()
     for step in range(args.steps):
         chosen = [samples[i] for i in order[step * per_step:(step + 1) * per_step]]
@@ -67,6 +65,7 @@ def main() -> None:
     apply_tiny(args)
 
     tokenizer, _, samples = load_w1(args.data, args.tokenizer, args.max_length, args.rows)
+    require_samples(len(samples), args)
     model = build_model(model_config(args.tiny), args.device)
     if args.gradient_checkpointing == "on":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # as verl

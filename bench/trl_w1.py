@@ -24,7 +24,7 @@ from datasets import Dataset
 from transformers import TrainerCallback
 from trl import SFTConfig, SFTTrainer
 
-from bench.common import StepClock, TokenLedger, add_common_args, apply_tiny, emit, result
+from bench.common import StepClock, TokenLedger, add_common_args, apply_tiny, emit, require_samples, result
 from bench.w1_data import build_model, load_rows, load_tokenizer, model_config
 
 
@@ -92,6 +92,8 @@ def main() -> None:
     args = parser.parse_args()
     apply_tiny(args)
 
+    rows = load_rows(args.data, args.rows)
+    require_samples(len(rows), args)
     tokenizer = load_tokenizer(args.tokenizer)
     model = build_model(model_config(args.tiny), args.device)
     clock, ledger = StepClock(args.device, args.warmup, args.steps), TokenLedger(args.warmup, args.steps)
@@ -99,7 +101,7 @@ def main() -> None:
         trainer = SFTTrainer(
             model=model,
             args=sft_config(args, output_dir),
-            train_dataset=prompt_completion(load_rows(args.data, args.rows)),
+            train_dataset=prompt_completion(rows),
             processing_class=tokenizer,
             callbacks=[Timing(clock)],
         )

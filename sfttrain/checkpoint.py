@@ -26,6 +26,7 @@ order is a function of the seed and the epoch).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import re
@@ -115,15 +116,33 @@ def find_resume(t: TrainerConfig, run_dir: str) -> Optional[str]:
 
 
 def _find_resume(t: TrainerConfig, run_dir: str) -> Optional[str]:
+    found = complete_checkpoints(run_dir)
     if t.resume_mode == "disable":
-        return None
-    if t.resume_mode == "resume_path" or t.resume_from_path:
+        path = None
+    elif t.resume_mode == "resume_path" or t.resume_from_path:
         try:
-            return resolve(t.resume_from_path)
+            path = resolve(t.resume_from_path)
         except ConfigError as e:
             raise ConfigError(f"trainer.resume_from_path: {e}") from None
-    found = complete_checkpoints(run_dir)
-    return found[-1][1] if found else None
+    else:
+        return found[-1][1] if found else None
+    start = _step_of(path) if path else 0
+    newer = [p for step, p in found if step > start and os.path.abspath(p) != path]
+    if newer:
+        logging.getLogger("sfttrain").warning(
+            f"{run_dir} holds checkpoints from further than this run starts (step {start}): "
+            f"{[os.path.basename(p) for p in newer]}. They are replaced as this run reaches their steps; until "
+            "then, resume_mode=auto (and max_ckpt_to_keep) would take them for this run's latest. Use a new "
+            "trainer.default_local_dir to keep the runs apart.")
+    return path
+
+
+def _step_of(path: str) -> int:
+    m = STEP_DIR.match(os.path.basename(path))
+    if m:
+        return int(m.group(1))
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        return int(json.load(f)["step"])
 
 
 def save(run_dir: str, state: TrainState, model, optimizer, scheduler, world: World, cfg: Config, tokenizer,
@@ -181,6 +200,7 @@ def load(path: str, model, optimizer, scheduler, world: World, cfg: Config) -> T
                           f"trainer.seed={extra['seed']}; resuming with other values would change which samples "
                           "come next. Use the same values, or trainer.resume_mode=disable to start afresh")
     model_sd, optim_sd = get_state_dict(model, optimizer)
+    _check_same_model(path, model_sd)
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     del model_sd, optim_sd
@@ -195,6 +215,20 @@ def load(path: str, model, optimizer, scheduler, world: World, cfg: Config) -> T
                        {"step": state.step, "event": "resumed", "from": os.path.abspath(path),
                         "saved_world_size": extra["world_size"], "world_size": world.world_size})
     return state
+
+
+def _check_same_model(path: str, model_sd: dict) -> None:
+    """A checkpoint of another model fails here with names and shapes, not deep inside DCP."""
+    stored = {k[len("model."):]: md for k, md in dcp.FileSystemReader(path).read_metadata().state_dict_metadata.items()
+              if k.startswith("model.")}
+    missing = sorted(set(model_sd) - set(stored))
+    shapes = [f"{k}: checkpoint {tuple(stored[k].size)} vs model {tuple(v.shape)}" for k, v in model_sd.items()
+              if k in stored and hasattr(stored[k], "size") and tuple(stored[k].size) != tuple(v.shape)]
+    if missing or shapes:
+        raise ConfigError(f"{path} was written for another model than model.partial_pretrain: "
+                          f"{len(missing)} weights missing {missing[:5]}, {len(shapes)} of other shapes {shapes[:3]}. "
+                          "Resume with the same model, or use trainer.resume_mode=disable (or a new "
+                          "trainer.default_local_dir) to start afresh")
 
 
 def rewind_metrics(run_dir: str, step: int, note: Optional[dict] = None) -> None:

@@ -65,6 +65,9 @@ def tied_names(hf_dir: str, names: list[str], trust_remote_code: bool = False) -
         config = json.load(f)
     if not config.get("tie_word_embeddings", False) and not config.get("tie_encoder_decoder", False):
         return set()
+    embeds = [n for n in names if n.endswith("embed_tokens.weight")]
+    if "lm_head.weight" in names and len(embeds) == 1:  # the usual decoder-only layout: no need to build it
+        return {"lm_head.weight"}
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
 

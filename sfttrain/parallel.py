@@ -33,6 +33,10 @@ def parallelize(lm: CausalLMLoss, world: World, cfg: Config) -> None:
         common["offload_policy"] = CPUOffloadPolicy()
     layers = decoder_layers(lm.model)
     for layer in layers:
+        if cfg.model.compile:
+            # dynamic from the start: every step's packed row has another length, and a
+            # specialise-then-recompile cycle per new length would be a recompilation storm
+            layer.compile(dynamic=True)
         fully_shard(layer, **common)
     # the root's parameters are needed again at once by backward: keep them gathered
     fully_shard(lm, **{**common, "reshard_after_forward": False})

@@ -15,6 +15,7 @@ difference), the same bar as the trainer's own rank-invariance test.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -31,8 +32,8 @@ import pytest
 import torch
 
 from sfttrain import checkpoint
-from sfttrain.config import ConfigError, TrainerConfig
-from tests.conftest import BASE_OVERRIDES, REPO, free_port, read_metrics, run_sfttrain
+from sfttrain.config import ConfigError, TrainerConfig, load_config
+from tests.conftest import BASE_OVERRIDES, REPO, STORIES, free_port, read_metrics, run_sfttrain
 
 ROWS, BATCH, EPOCHS = 52, 8, 2
 STEPS_PER_EPOCH = ROWS // BATCH  # 6
@@ -234,7 +235,6 @@ def test_elastic_resume_2_to_4(data, ref, tmp_path):
 # --------------------------------------------------------------------------- SIGKILL at random moments
 
 def launch(nproc: int, overrides: list[str], log: Path) -> subprocess.Popen:
-    """torchrun in its own session, so that the whole job (agent and ranks) can be SIGKILLed."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", "sfttrain.run", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "WANDB_MODE": "offline"}
@@ -242,20 +242,78 @@ def launch(nproc: int, overrides: list[str], log: Path) -> subprocess.Popen:
         return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def logged_steps(run_dir: Path) -> int:
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def kill_job(proc: subprocess.Popen) -> list[int]:
+    """SIGKILL the agent and every rank at one instant. torchrun starts each rank in a session
+    of its own, so killing the agent's process group would leave the ranks running: find them
+    through /proc, freeze them all (SIGSTOP, so that none reacts to another's death), then kill."""
+    if proc.poll() is not None:
+        return []
+    stopped: set[int] = set()
+    while True:
+        pids = [p for p in [proc.pid, *_descendants(proc.pid)] if p not in stopped]
+        if not pids:
+            break
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+            stopped.add(pid)
+    for pid in stopped:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+    for pid in stopped:  # dead (gone, or a zombie awaiting its reaper) before the next attempt
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and _alive(pid):
+            time.sleep(0.01)
+        assert not _alive(pid), f"process {pid} survived SIGKILL"
+    return sorted(stopped)
+
+
+def _alive(pid: int) -> bool:
     try:
-        text = (run_dir / "metrics.jsonl").read_text()
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _records(run_dir: Path) -> list[dict]:
+    """metrics.jsonl as the running job leaves it (a line being written is skipped)."""
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     except FileNotFoundError:
-        return 0
-    steps = [0]
-    for line in text.splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if "loss" in record:
-            steps.append(record["step"])
-    return max(steps)
+        return []
+    records = []
+    for line in lines:
+        with contextlib.suppress(json.JSONDecodeError):
+            records.append(json.loads(line))
+    return records
+
+
+def logged_steps(run_dir: Path) -> int:
+    return max([0] + [m["step"] for m in _records(run_dir) if "loss" in m])
+
+
+def step_time(run_dir: Path, step: int) -> float:
+    return [m["step_time_s"] for m in _records(run_dir) if m.get("step") == step and "step_time_s" in m][-1]
 
 
 def wait_until(condition, proc: subprocess.Popen, timeout: float = 240) -> bool:
@@ -302,33 +360,37 @@ def test_sigkill_at_random_moments_then_auto_resume(data, ref, tmp_path):
     history = []
     for attempt in range(4):
         logged = logged_steps(run_dir)
-        proc = launch(2, overrides, tmp_path / f"attempt{attempt}.log")
+        log = tmp_path / f"attempt{attempt}.log"
+        proc = launch(2, overrides, log)
         try:
+            # Kill moments are relative to the step time this machine just measured, so that a
+            # kill lands where intended on a slow or a fast machine, and never after the run's end.
             if attempt % 2 == 0:  # during a save: once its .tmp folder appears, a random moment later
-                target = logged + 1 + rng.randint(0, 2)
+                target = logged + rng.randint(1, 2)
                 target += target % 2  # saves happen at even steps
                 what = f"save of step {target}"
                 hit = wait_until(lambda: (run_dir / f".global_step_{target}.tmp").exists(), proc)
-                delay = rng.uniform(0.0, 0.15)
+                fraction = rng.uniform(0.0, 0.5)
             else:  # during a step: an odd step (no save follows) is logged, then a random moment later
                 target = logged + rng.randint(1, 2)
                 target += 1 - target % 2
                 what = f"step {target + 1}"
                 hit = wait_until(lambda: logged_steps(run_dir) >= target, proc)
-                delay = rng.uniform(0.0, 0.3)
-            if hit:
-                time.sleep(delay)
-            os.killpg(proc.pid, signal.SIGKILL)
+                fraction = rng.uniform(0.05, 0.9)
+            delay = fraction * step_time(run_dir, target) if hit else 0.0
+            time.sleep(delay)
         finally:
-            proc.wait()
-        assert hit, f"attempt {attempt} ended before the kill:\n{(tmp_path / f'attempt{attempt}.log').read_text()[-3000:]}"
+            pids = kill_job(proc)
+        assert hit and len(pids) >= 3, f"attempt {attempt} ended before the kill:\n{log.read_text()[-3000:]}"
         steps = check_checkpoints(run_dir, ref, 2)
         assert len(steps) <= keep + 1  # +1: killed between a commit and the retention pass
-        history.append((what, f"{delay:.3f}s", steps))
-    print("kills:", history)
-    assert any(steps for _, _, steps in history)  # progress was made, so resumes were exercised
+        history.append((what, f"{delay:.3f}s", logged_steps(run_dir), steps))
+    print("kills (moment, delay, last step logged, checkpoints left):", history)
+    assert not (run_dir / f"global_step_{TOTAL}").exists() or history[-1][0] == f"save of step {TOTAL}"
 
     run_sfttrain(2, overrides)  # auto-resumes from the latest complete checkpoint
+    resumes = [m for m in read_metrics(run_dir) if m.get("event") == "resumed"]
+    assert resumes and resumes[-1]["step"] < TOTAL  # the last run had work left: the kills were real
     steps = check_checkpoints(run_dir, ref, 2)
     assert steps == [TOTAL - 4, TOTAL - 2, TOTAL]
     assert not [p.name for p in run_dir.iterdir() if p.name.startswith(".global_step")]
@@ -349,7 +411,7 @@ def _fake(run_dir: Path, step: int, complete: bool = True) -> Path:
     return p
 
 
-def test_find_resume_modes_and_errors(tmp_path):
+def test_find_resume_modes_and_errors(tmp_path, caplog):
     run_dir = tmp_path / "run"
     for step in (2, 10):
         _fake(run_dir, step)
@@ -361,6 +423,9 @@ def test_find_resume_modes_and_errors(tmp_path):
     assert checkpoint.find_resume(TrainerConfig(), str(tmp_path / "empty")) is None
     by_path = TrainerConfig(resume_mode="resume_path", resume_from_path=str(run_dir / "global_step_2"))
     assert checkpoint.find_resume(by_path, str(tmp_path / "elsewhere")) == str(run_dir / "global_step_2")
+    with caplog.at_level("WARNING", logger="sfttrain"):  # into its own run folder, which has step 10 already
+        assert checkpoint.find_resume(by_path, str(run_dir)) == str(run_dir / "global_step_2")
+    assert "global_step_10" in caplog.text
     by_run = TrainerConfig(resume_mode="resume_path", resume_from_path=str(run_dir))
     assert checkpoint.find_resume(by_run, str(tmp_path)) == str(run_dir / "global_step_10")
     for bad in (run_dir / "global_step_12", run_dir / ".global_step_14.tmp", tmp_path / "missing"):
@@ -381,3 +446,23 @@ def test_fresh_start_moves_old_metrics_aside(tmp_path):
     assert checkpoint.find_resume(TrainerConfig(), str(run_dir)) is None
     assert (run_dir / "metrics.jsonl").read_text() == ""
     assert len((run_dir / checkpoint.REWOUND).read_text().splitlines()) == 2
+
+
+def test_config_spellings():
+    common = ["data.train_files=x.parquet", "model.partial_pretrain=m"]
+    assert load_config(overrides=[*common, "trainer.save_interval=3"]).trainer.save_freq == 3  # verl's name
+    with pytest.raises(ConfigError, match="resume_from_path"):
+        load_config(overrides=[*common, "trainer.resume_mode=resume_path"])
+
+
+def test_resume_refuses_another_model(ref):
+    """A checkpoint of another model is refused with names and shapes before DCP is asked."""
+    from transformers import AutoModelForCausalLM
+
+    sd = AutoModelForCausalLM.from_pretrained(STORIES).state_dict()
+    ckpt = str(ref / "global_step_1")
+    checkpoint._check_same_model(ckpt, sd)  # the same model: fine
+    with pytest.raises(ConfigError, match="another model"):
+        checkpoint._check_same_model(ckpt, {k: v[:1] if v.ndim else v for k, v in sd.items()})
+    with pytest.raises(ConfigError, match="1 weights missing"):
+        checkpoint._check_same_model(ckpt, {**sd, "model.extra.weight": torch.zeros(2)})

@@ -1,0 +1,58 @@
+"""Where a W1 step's time goes: torch.profiler over a few sfttrain steps after warm-up.
+
+    python3 -m bench.profile_w1 --work /tmp/sfttrain_w1 [key=value ...]
+
+Uses the model folder and Parquet that bench.sfttrain_w1 prepared in --work. Prints wall time
+per step, GPU kernel time per step (busy fraction), the top kernels, and writes a Chrome trace.
+"""
+
+import argparse
+import os
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench.sfttrain_w1 import RECIPE
+from sfttrain.config import load_config
+from sfttrain.distributed import init_world, shutdown
+from sfttrain.trainer import FSDPSFTTrainer
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--work", default="/tmp/sfttrain_w1")
+    p.add_argument("--warmup", type=int, default=8)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--trace", help="write a Chrome trace here")
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args()
+    cfg = load_config(RECIPE, [f"model.partial_pretrain={args.work}/model", f"data.train_files={args.work}/train.parquet",
+                               f"trainer.default_local_dir={args.work}/runs/profile", "trainer.resume_mode=disable",
+                               *args.overrides])
+    world = init_world(cfg)
+    trainer = FSDPSFTTrainer(cfg, world)
+    batches = trainer.data.batches(0, 0)
+    for _ in range(args.warmup):
+        trainer.train_step(next(batches))
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            trainer.train_step(next(batches))
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - start) / args.steps
+    events = prof.key_averages()
+    gpu = sum(e.self_device_time_total for e in events) / 1e6 / args.steps
+    print(f"overrides {args.overrides}: wall {wall * 1e3:.1f} ms/step, GPU kernels {gpu * 1e3:.1f} ms/step "
+          f"({100 * gpu / wall:.0f}% busy)")
+    print(events.table(sort_by="self_device_time_total", row_limit=22, max_name_column_width=70))
+    print(events.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=70))
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
+    shutdown(world)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()

@@ -1,0 +1,99 @@
+"""W1 (../shared/bench/WORKLOADS.md) for sfttrain itself, as a user would run it.
+
+Builds the W1 model folder (Qwen2.5-0.5B config + tokenizer; weights drawn at start-up with
+model.random_init and trainer.seed=0) and the W1 Parquet, runs `python -m sfttrain.run` for each
+variant, and summarises optimizer steps 11-60 from the run's metrics.jsonl, where each step's time
+is read after a device synchronisation.
+
+    python3 -m bench.sfttrain_w1 --data train.jsonl --out results.jsonl [--variant NAME ...]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import torch
+import transformers
+
+from bench.common import MFU_FORMULA
+from bench.w1_data import load_rows, load_tokenizer, model_config, write_parquet
+
+RECIPE = os.path.join(os.path.dirname(__file__), "..", "recipes", "w1_qwen2.5-0.5b.yaml")
+
+# name -> overrides on top of the recipe (the recipe itself is the fastest setting)
+VARIANTS = {
+    "fast": [],
+    "fast_2micro": ["data.max_token_len_per_gpu=8192"],
+    "no_liger": ["model.use_liger=false"],
+    "grad_ckpt": ["model.enable_gradient_checkpointing=true"],
+    "compile": ["model.compile=true"],
+    "compile_no_liger": ["model.compile=true", "model.use_liger=false"],
+}
+
+
+def prepare(args) -> tuple[str, str]:
+    model_dir, parquet = os.path.join(args.work, "model"), os.path.join(args.work, "train.parquet")
+    os.makedirs(model_dir, exist_ok=True)
+    model_config(tiny=args.tiny).save_pretrained(model_dir)
+    load_tokenizer(args.tokenizer).save_pretrained(model_dir)
+    write_parquet(load_rows(args.data, args.rows), parquet)
+    return model_dir, parquet
+
+
+def run_variant(name: str, args, model_dir: str, parquet: str) -> dict:
+    run_dir = os.path.join(args.work, "runs", name)
+    overrides = [f"model.partial_pretrain={model_dir}", f"data.train_files={parquet}",
+                 f"trainer.default_local_dir={run_dir}", f"trainer.total_training_steps={args.steps}",
+                 f"trainer.device={args.device}", *VARIANTS[name], *args.override]
+    cmd = [sys.executable, "-m", "sfttrain.run", RECIPE, *overrides]
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        steps = [m for m in map(json.loads, f) if "loss" in m and args.warmup < m["step"] <= args.steps]
+    times = [m["step_time_s"] for m in steps]
+    seconds = sum(times)
+    real = sum(m["tokens"] for m in steps)
+    return {
+        "system": "sfttrain", "variant": name, "overrides": VARIANTS[name] + args.override,
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "gpus": 1,
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "timed_steps": f"{args.warmup + 1}-{args.steps}", "real_tokens": real,
+        "real_tokens_per_s": round(real / seconds, 1),
+        "supervised_tokens_per_s": round(sum(m["loss_tokens"] for m in steps) / seconds, 1),
+        "mean_s_per_step": round(seconds / len(times), 4), "median_s_per_step": round(statistics.median(times), 4),
+        "peak_allocated_gib": round(max(m.get("mem_peak_alloc_gib", 0) for m in steps), 2),
+        "peak_reserved_gib": round(max(m.get("mem_peak_reserved_gib", 0) for m in steps), 2),
+        # per-step MFU weighted by step time = MFU of the whole timed window
+        "mfu": round(sum(m["mfu"] * m["step_time_s"] for m in steps) / seconds, 4),
+        "data_wait_s_per_step": round(sum(m["data_wait_s"] for m in steps) / len(steps), 5),
+        "mfu_formula": MFU_FORMULA,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", default="assets/data/gsm8k/train.jsonl")
+    p.add_argument("--tokenizer", default="assets/tokenizers/qwen2.5-instruct")
+    p.add_argument("--out", required=True)
+    p.add_argument("--work", default="/tmp/sfttrain_w1")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--variant", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--override", nargs="*", default=[], help="extra key=value for every variant")
+    p.add_argument("--rows", type=int)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny model")
+    args = p.parse_args()
+    model_dir, parquet = prepare(args)
+    for name in args.variant:
+        record = run_variant(name, args, model_dir, parquet)
+        print(json.dumps(record), flush=True)
+        with open(args.out, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -18,6 +18,7 @@ written, as transformers' own save_pretrained does.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -243,7 +244,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     if os.path.isdir(out):
         os.rmdir(out)
     os.replace(tmp, out)  # the folder appears complete or not at all
-    print(f"sfttrain.export: {ckpt} -> {out}")
+    print(f"sfttrain.export: {ckpt} -> {out}", flush=True)
+    gc.freeze()  # skip the interpreter's final collection of torch's object graph (seconds of CPU)
 
 
 if __name__ == "__main__":

@@ -20,10 +20,15 @@ LOSS_CHUNK_TOKENS = 4096
 
 
 class CausalLMLoss(nn.Module):
-    def __init__(self, model: nn.Module, fused: bool):
+    def __init__(self, model: nn.Module, fused: bool, compiled_max_seqlen: int | None = None):
+        """fused: Liger's fused linear cross-entropy. compiled_max_seqlen: the layers are compiled;
+        pass this fixed upper bound as the attention's max sample length (the kernels only need a
+        bound, and a compiled layer would specialise and recompile on every distinct value)."""
         super().__init__()
         self.model = model  # the Hugging Face causal LM, unmodified
         self.fused = fused
+        self.compiled_max_seqlen = compiled_max_seqlen
+        self.chunk_loss = torch.compile(_chunk_loss, dynamic=True) if compiled_max_seqlen else _chunk_loss
         cfg = model.config
         if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None):
             raise ValueError(f"{cfg.model_type}: logit soft-capping / scaling is not supported by sfttrain's loss yet")
@@ -31,6 +36,8 @@ class CausalLMLoss(nn.Module):
     def forward(self, batch: MicroBatch) -> torch.Tensor:
         """Sum of the token losses of the micro-batch (fp32 scalar)."""
         inputs = batch.model_inputs()
+        if self.compiled_max_seqlen:
+            inputs.update(max_length_q=self.compiled_max_seqlen, max_length_k=self.compiled_max_seqlen)
         hidden = self.model.get_decoder()(**inputs, use_cache=False).last_hidden_state
         hidden = hidden.view(-1, hidden.shape[-1])
         weight = self.model.get_output_embeddings().weight
@@ -41,7 +48,7 @@ class CausalLMLoss(nn.Module):
             # accum_dtype fp32: the weight gradient sums over all chunks; bf16 would round it
             return liger_fused_linear_cross_entropy(hidden, weight, labels, ignore_index=IGNORE_INDEX,
                                                     reduction="sum", accum_dtype=torch.float32)
-        return chunked_cross_entropy_sum(hidden, weight, labels)
+        return chunked_cross_entropy_sum(hidden, weight, labels, self.chunk_loss)
 
 
 def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -49,14 +56,15 @@ def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor
     return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
-def chunked_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def chunked_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                              chunk_loss=_chunk_loss) -> torch.Tensor:
     """Summed cross-entropy computed chunk by chunk; each chunk's logits are recomputed in
     backward instead of stored (one extra lm_head matmul, a fraction of the memory)."""
     if hidden.shape[0] <= LOSS_CHUNK_TOKENS:
-        return _chunk_loss(hidden, weight, labels)
+        return chunk_loss(hidden, weight, labels)
     total = hidden.new_zeros((), dtype=torch.float32)
     for h, y in zip(hidden.split(LOSS_CHUNK_TOKENS), labels.split(LOSS_CHUNK_TOKENS)):
-        total = total + checkpoint(_chunk_loss, h, weight, y, use_reentrant=False)
+        total = total + checkpoint(chunk_loss, h, weight, y, use_reentrant=False)
     return total
 
 

@@ -51,10 +51,10 @@ def load_model(cfg: ModelConfig, device: torch.device, seed: int) -> LoadedModel
                               "set model.random_init=true to train from a random initialisation")
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     model.config.use_cache = False  # training never reuses a KV cache
-    return LoadedModel(model, backend, cfg.use_liger and apply_liger(model, device))
+    return LoadedModel(model, backend, cfg.use_liger and apply_liger(model, device, cfg.compile))
 
 
-def apply_liger(model: nn.Module, device: torch.device) -> bool:
+def apply_liger(model: nn.Module, device: torch.device, compile_layers: bool) -> bool:
     """Liger's RMSNorm, SwiGLU and RoPE kernels, patched into this model instance. The fused
     linear cross-entropy is called by sfttrain.loss itself (with the labels, so it really runs).
     On CPU (Liger's kernels are Triton, GPU-only) it warns and returns False."""
@@ -68,7 +68,10 @@ def apply_liger(model: nn.Module, device: torch.device) -> bool:
                           "or set model.use_liger=false") from None
     if model.config.model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
         raise ConfigError(f"Liger has no kernels for model type {model.config.model_type!r}; set model.use_liger=false")
-    _apply_liger_kernel_to_instance(model=model, rope=True, rms_norm=True, swiglu=True,
+    # with model.compile, inductor fuses norm/SwiGLU/RoPE itself (and cannot trace Liger's autograd
+    # functions): only Liger's fused loss is used then
+    kernels = not compile_layers
+    _apply_liger_kernel_to_instance(model=model, rope=kernels, rms_norm=kernels, swiglu=kernels,
                                     cross_entropy=False, fused_linear_cross_entropy=False)
     return True
 

@@ -49,7 +49,8 @@ class FSDPSFTTrainer:
         loaded = load_model(cfg.model, world.device, t.seed)
         model, self.attn_backend, self.liger = loaded.model, loaded.attn_backend, loaded.liger
         self.model_shape = _model_shape(model)
-        self.lm = CausalLMLoss(model, fused=self.liger)
+        self.lm = CausalLMLoss(model, fused=self.liger,
+                               compiled_max_seqlen=d.max_length if cfg.model.compile else None)
         parallelize(self.lm, world, cfg)
         self.optimizer = build_optimizer(self.lm, cfg.optim, world.device)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.plan.total_steps)

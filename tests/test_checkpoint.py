@@ -369,7 +369,8 @@ def test_sigkill_at_random_moments_then_auto_resume(data, ref, tmp_path):
                 target = logged + rng.randint(1, 2)
                 target += target % 2  # saves happen at even steps
                 what = f"save of step {target}"
-                hit = wait_until(lambda: (run_dir / f".global_step_{target}.tmp").exists(), proc)
+                hit = wait_until(lambda: (run_dir / f".global_step_{target}.tmp").exists()
+                                 or (run_dir / f"global_step_{target}").exists(), proc)
                 fraction = rng.uniform(0.0, 0.5)
             else:  # during a step: an odd step (no save follows) is logged, then a random moment later
                 target = logged + rng.randint(1, 2)

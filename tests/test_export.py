@@ -155,6 +155,22 @@ def test_export_streams_model_tensors_only(trained, trained_model, tmp_path, mon
         assert torch.equal(tensor, ref_sd[name]), name
 
 
+def test_export_split_over_ranks(trained, trained_model, tmp_path):
+    """As in trainer.save_hf on N ranks: rank r writes shards r, r + N, ...; together they make
+    the same folder one process writes."""
+    ckpt, out, single = str(trained / f"global_step_{STEPS}"), tmp_path / "split", tmp_path / "single"
+    for rank in (1, 0):
+        export.export(ckpt, str(out), max_shard_size="150KB", rank=rank, world_size=2)
+    export.export(ckpt, str(single), max_shard_size="150KB")
+    files = sorted(p.name for p in out.iterdir())
+    assert files == sorted(p.name for p in single.iterdir()) and len(list(out.glob("model-*"))) >= 4
+    for name in files:
+        assert (out / name).read_bytes() == (single / name).read_bytes(), name
+    _, ref_sd = trained_model
+    for name, tensor in _load(out).state_dict().items():
+        assert torch.equal(tensor, ref_sd[name]), name
+
+
 def test_cli_errors(trained, tmp_path):
     incomplete = tmp_path / "global_step_9"
     incomplete.mkdir()

@@ -116,16 +116,19 @@ def find_resume(t: TrainerConfig, run_dir: str) -> Optional[str]:
 
 
 def _find_resume(t: TrainerConfig, run_dir: str) -> Optional[str]:
+    """disable: None. resume_path: trainer.resume_from_path. auto: the run folder's latest complete
+    checkpoint; if it has none, resume_from_path when given (a run seeded from another run's
+    checkpoint still resumes its own progress after a crash), else None."""
     found = complete_checkpoints(run_dir)
-    if t.resume_mode == "disable":
+    if t.resume_mode == "auto" and found:
+        return found[-1][1]
+    if t.resume_mode == "disable" or not t.resume_from_path:
         path = None
-    elif t.resume_mode == "resume_path" or t.resume_from_path:
+    else:
         try:
             path = resolve(t.resume_from_path)
         except ConfigError as e:
             raise ConfigError(f"trainer.resume_from_path: {e}") from None
-    else:
-        return found[-1][1] if found else None
     start = _step_of(path) if path else 0
     newer = [p for step, p in found if step > start and os.path.abspath(p) != path]
     if newer:

@@ -427,6 +427,10 @@ def test_find_resume_modes_and_errors(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="sfttrain"):  # into its own run folder, which has step 10 already
         assert checkpoint.find_resume(by_path, str(run_dir)) == str(run_dir / "global_step_2")
     assert "global_step_10" in caplog.text
+    # auto: the run folder's own latest first (crash recovery), resume_from_path only to start it
+    seeded = TrainerConfig(resume_from_path=str(run_dir / "global_step_2"))
+    assert checkpoint.find_resume(seeded, str(run_dir)) == str(run_dir / "global_step_10")
+    assert checkpoint.find_resume(seeded, str(tmp_path / "new")) == str(run_dir / "global_step_2")
     by_run = TrainerConfig(resume_mode="resume_path", resume_from_path=str(run_dir))
     assert checkpoint.find_resume(by_run, str(tmp_path)) == str(run_dir / "global_step_10")
     for bad in (run_dir / "global_step_12", run_dir / ".global_step_14.tmp", tmp_path / "missing"):

@@ -25,12 +25,11 @@ RECIPE = os.path.join(os.path.dirname(__file__), "..", "recipes", "w1_qwen2.5-0.
 
 # name -> overrides on top of the recipe (the recipe itself is the fastest setting)
 VARIANTS = {
-    "fast": [],
-    "fast_2micro": ["data.max_token_len_per_gpu=8192"],
-    "no_liger": ["model.use_liger=false"],
+    "compile": [],
+    "eager": ["model.compile=false"],
+    "eager_liger": ["model.compile=false", "model.use_liger=true"],
+    "compile_2micro": ["data.max_token_len_per_gpu=8192"],
     "grad_ckpt": ["model.enable_gradient_checkpointing=true"],
-    "compile": ["model.compile=true"],
-    "compile_no_liger": ["model.compile=true", "model.use_liger=false"],
 }
 
 
@@ -46,7 +45,7 @@ def prepare(args) -> tuple[str, str]:
 def run_variant(name: str, args, model_dir: str, parquet: str) -> dict:
     run_dir = os.path.join(args.work, "runs", name)
     overrides = [f"model.partial_pretrain={model_dir}", f"data.train_files={parquet}",
-                 f"trainer.default_local_dir={run_dir}", f"trainer.total_training_steps={args.steps}",
+                 f"trainer.default_local_dir={run_dir}", "trainer.resume_mode=disable", f"trainer.total_training_steps={args.steps}",
                  f"trainer.device={args.device}", *VARIANTS[name], *args.override]
     cmd = [sys.executable, "-m", "sfttrain.run", RECIPE, *overrides]
     print("+", " ".join(cmd), flush=True)

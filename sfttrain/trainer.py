@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from sfttrain import checkpoint
 from sfttrain.config import Config, ConfigError, as_list
-from sfttrain.data.loader import StepBatch, TrainData, prefetched, render_share, validation_batches
+from sfttrain.data.loader import StepBatch, TrainData, prefetched, render_share, row_stats, validation_batches
 from sfttrain.data.parquet import ParquetSource, key_path
 from sfttrain.data.plan import make_plan
 from sfttrain.data.render import Renderer
@@ -40,7 +40,7 @@ class FSDPSFTTrainer:
         prompt, response = key_path(d.prompt_key, d.prompt_dict_keys), key_path(d.response_key, d.response_dict_keys)
         train_source = ParquetSource(as_list(d.train_files), prompt, response)
         self.plan = make_plan(cfg, world.dp_size, train_source.num_rows)
-        render_share(train_source, renderer, world.rank, world.world_size)  # every row renders, or stop now
+        stats = row_stats(train_source, renderer, world.rank, world.world_size)  # every row renders, or stop now
         val_samples = None
         if d.val_files:
             val_samples = render_share(ParquetSource(as_list(d.val_files), prompt, response),
@@ -54,7 +54,7 @@ class FSDPSFTTrainer:
         parallelize(self.lm, world, cfg)
         self.optimizer = build_optimizer(self.lm, cfg.optim, world.device)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.plan.total_steps)
-        self.data = TrainData(train_source, renderer, self.plan, world.dp_rank, t.seed, d.shuffle,
+        self.data = TrainData(train_source, renderer, self.plan, stats, world.dp_rank, t.seed, d.shuffle,
                               attention_coefficient(model))
         self.val_batches = (validation_batches(val_samples, d.micro_batch_size_per_gpu, d.max_token_len_per_gpu,
                                                world.device) if val_samples is not None else None)

@@ -11,19 +11,20 @@ from tests.conftest import BASE_OVERRIDES, REPO, read_metrics, run_sfttrain
 
 @pytest.fixture()
 def home_with_gsm8k(gsm8k_dir, tmp_path):
-    """A $HOME laid out as the article expects: ~/data/gsm8k/{train,test}.parquet."""
+    """A $HOME laid out as the article expects: ~/data/gsm8k/{train,test}.parquet (the test split
+    cut to 32 rows: the article's config is bf16 with a 151k vocabulary, slow on a CPU)."""
     data = tmp_path / "home" / "data" / "gsm8k"
     data.mkdir(parents=True)
-    for split in ("train", "test"):
-        shutil.copy(gsm8k_dir / f"{split}.parquet", data)
+    shutil.copy(gsm8k_dir / "train.parquet", data)
+    pq.write_table(pq.read_table(gsm8k_dir / "test.parquet").slice(0, 32), data / "test.parquet")
     return tmp_path / "home"
 
 
 def test_article_yaml_runs_unchanged(home_with_gsm8k, tiny_qwen_dir, tmp_path):
     """verl's sft_fsdp2.yaml (article 003, section 4.1): only the model path is local, and the run
-    is cut to one step to keep the suite fast."""
+    is cut to one step of 16 samples to keep the suite fast."""
     proc = run_sfttrain(4, [str(REPO / "recipes" / "verl_sft_fsdp2.yaml"), f"model.partial_pretrain={tiny_qwen_dir}",
-                            "trainer.total_training_steps=1"],
+                            "trainer.total_training_steps=1", "data.train_batch_size=16"],
                         cwd=tmp_path, env={"HOME": str(home_with_gsm8k)}, timeout=600)
     metrics = read_metrics(tmp_path / "checkpoints")
     assert metrics[0]["step"] == 1 and metrics[-1]["val/loss"] > 0
@@ -42,7 +43,8 @@ def test_article_command_line_runs_unchanged(home_with_gsm8k, tiny_qwen_dir, tmp
                      "model.enable_gradient_checkpointing=true", "model.use_liger=true", "optim.lr=1e-4",
                      "trainer.total_epochs=3", f"trainer.default_local_dir={save_path}",
                      "trainer.project_name=gsm8k-fsdp2", "trainer.experiment_name=qwen-05b-instruct-fsdp2",
-                     "trainer.logger=console", "trainer.total_training_steps=1"], timeout=600)
+                     "trainer.logger=console", "trainer.total_training_steps=1", "data.train_batch_size=16"],
+                 timeout=600)
     assert read_metrics(save_path)[0]["loss"] > 0
 
 

@@ -32,10 +32,17 @@ class StepBatch:
     rows: list[int]  # global row ids of the step (for error messages)
 
 
+@dataclass(frozen=True)
+class RowStats:
+    """Token and loss-token count of every row, by global row id (known to every rank)."""
+    lengths: np.ndarray
+    loss_tokens: np.ndarray
+
+
 class TrainData:
-    def __init__(self, source: ParquetSource, renderer: Renderer, plan: BatchPlan, dp_rank: int,
+    def __init__(self, source: ParquetSource, renderer: Renderer, plan: BatchPlan, stats: RowStats, dp_rank: int,
                  seed: int, shuffle: bool, attn_coef: float):
-        self.source, self.renderer, self.plan, self.dp_rank = source, renderer, plan, dp_rank
+        self.source, self.renderer, self.plan, self.stats, self.dp_rank = source, renderer, plan, stats, dp_rank
         self.seed, self.shuffle = seed, shuffle
         # balancing cost of a sample of s tokens: s + attn_coef * s^2 (linear layers + attention)
         self.attn_coef = attn_coef
@@ -52,13 +59,13 @@ class TrainData:
             epoch, consumed = epoch + 1, 0
 
     def _step(self, rows: np.ndarray, epoch: int, consumed: int) -> StepBatch:
-        samples = [self.renderer.render(p, r, row) for p, r, row in self.source.read(rows)]
-        lengths = [len(s.input_ids) for s in samples]
+        """Every rank splits the step identically from the known lengths (no communication), then
+        reads and renders only its own share."""
+        lengths = self.stats.lengths[rows].tolist()
         costs = [n + self.attn_coef * n * n for n in lengths]
-        mine = self.plan.split(lengths, costs)[self.dp_rank]
-        micro = [pack([samples[i] for i in idx]) for idx in mine]
-        return StepBatch(epoch, consumed, micro, sum(loss_tokens(s) for s in samples), lengths,
-                         [s.row for s in samples])
+        micro = [pack([self.renderer.render(p, r, row) for p, r, row in self.source.read(rows[idx])])
+                 for idx in self.plan.split(lengths, costs)[self.dp_rank]]
+        return StepBatch(epoch, consumed, micro, int(self.stats.loss_tokens[rows].sum()), lengths, rows.tolist())
 
 
 def prefetched(it: Iterator[StepBatch], depth: int) -> Iterator[StepBatch]:
@@ -86,21 +93,43 @@ def prefetched(it: Iterator[StepBatch], depth: int) -> Iterator[StepBatch]:
 
 
 def render_share(source: ParquetSource, renderer: Renderer, rank: int, world: int) -> list[RenderedSample]:
-    """Renders rows rank, rank+world, ... ; a render error on any rank stops every rank with the
-    same message (e.g. a sample over data.max_length with data.truncation=error)."""
-    error, samples = None, []
+    """This rank's rendered rows (rank, rank+world, ...), e.g. its validation share."""
+    return _scan(source, renderer, rank, world, keep=True)[0]
+
+
+def row_stats(source: ParquetSource, renderer: Renderer, rank: int, world: int) -> RowStats:
+    """Renders every row once at start-up, a 1/world share on each rank: a bad row stops the run
+    before the model is loaded, and every rank learns every row's length (to balance steps)."""
+    _, local = _scan(source, renderer, rank, world, keep=False)
+    shares = [None] * world
+    dist.all_gather_object(shares, local)
+    rows = np.concatenate(shares)
+    lengths, losses = np.zeros(source.num_rows, np.int64), np.zeros(source.num_rows, np.int64)
+    lengths[rows[:, 0]], losses[rows[:, 0]] = rows[:, 1], rows[:, 2]
+    return RowStats(lengths, losses)
+
+
+def _scan(source: ParquetSource, renderer: Renderer, rank: int, world: int,
+          keep: bool) -> tuple[list[RenderedSample], np.ndarray]:
+    """Renders rows rank, rank+world, ...: (the samples if keep, [row, tokens, loss tokens] per
+    row). A render error on any rank stops every rank with the same message (e.g. a sample over
+    data.max_length with data.truncation=error)."""
+    error, samples, stats = None, [], []
     for p, r, row in source.read(np.arange(rank, source.num_rows, world)):
         try:
-            samples.append(renderer.render(p, r, row))
+            sample = renderer.render(p, r, row)
         except ValueError as e:
             error = str(e)
             break
+        stats.append((row, len(sample.input_ids), loss_tokens(sample)))
+        if keep:
+            samples.append(sample)
     errors = [None] * world
     dist.all_gather_object(errors, error)
     first = next((e for e in errors if e), None)
     if first:
         raise ConfigError(first)
-    return samples
+    return samples, np.array(stats, dtype=np.int64).reshape(-1, 3)
 
 
 def validation_batches(samples: list[RenderedSample], micro_batch: int, token_budget: int | None,

@@ -21,18 +21,21 @@ def _max_rel_diff(a: dict, b: dict) -> float:
 
 
 def test_update_invariant_to_ranks_and_micro_batches(gsm8k_dir, tmp_path):
-    """Same global batch of 16, split as 1 rank x 1 micro-batch, 2 ranks x 1, 2 ranks x 4 micro-batches:
-    loss normalised by the step's global token count makes the updates equal."""
-    runs = {"1x16": (1, 16), "2x8": (2, 8), "2x2": (2, 2)}
+    """Same global batch of 16, split as 1 rank x 1 micro-batch, 2 ranks x 1, 2 ranks x 4 micro-batches,
+    and 4 ranks as HSDP (2 replicas x 2 shards): loss normalised by the step's global token count
+    makes the updates equal."""
+    hsdp = ["model.fsdp_config.sharding_strategy=HYBRID_SHARD", "model.fsdp_config.fsdp_size=2"]
+    runs = {"1x16": (1, 16, []), "2x8": (2, 8, []), "2x2": (2, 2, []), "hsdp_2x2": (4, 4, hsdp)}
     losses, weights = {}, {}
-    for name, (nproc, micro) in runs.items():
+    for name, (nproc, micro, extra) in runs.items():
         run_dir = tmp_path / name
-        run_sfttrain(nproc, _job(gsm8k_dir, run_dir, "data.train_batch_size=16",
-                                 f"data.micro_batch_size_per_gpu={micro}", "trainer.total_training_steps=2"))
+        proc = run_sfttrain(nproc, _job(gsm8k_dir, run_dir, "data.train_batch_size=16", *extra,
+                                        f"data.micro_batch_size_per_gpu={micro}", "trainer.total_training_steps=2"))
         losses[name] = train_losses(run_dir)
         weights[name] = load_checkpoint_model(run_dir / "global_step_2")
+    assert "mesh (2, 2) ('dp_replicate', 'dp_shard')" in proc.stdout + proc.stderr
     assert len(losses["1x16"]) == 2
-    for name in ("2x8", "2x2"):
+    for name in ("2x8", "2x2", "hsdp_2x2"):
         assert losses[name] == pytest.approx(losses["1x16"], rel=1e-5)
         assert _max_rel_diff(weights[name], weights["1x16"]) < 1e-5
     # and the weights did move: a test that cannot fail is no test

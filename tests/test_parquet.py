@@ -1,0 +1,48 @@
+"""The streaming reader over several files and row groups, and the per-epoch order."""
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from sfttrain.config import ConfigError
+from sfttrain.data import parquet
+from sfttrain.data.parquet import ParquetSource, key_path
+
+
+@pytest.fixture()
+def two_files(gsm8k_dir, tmp_path):
+    """The GSM8K sample split into two files of 50-row row groups."""
+    table = pq.read_table(gsm8k_dir / "train.parquet")
+    paths = [tmp_path / "a.parquet", tmp_path / "b.parquet"]
+    pq.write_table(table.slice(0, 700), paths[0], row_group_size=50)
+    pq.write_table(table.slice(700), paths[1], row_group_size=50)
+    return [str(p) for p in paths], table.to_pylist()
+
+
+def test_rows_across_files_and_nested_keys(two_files):
+    files, rows = two_files
+    src = ParquetSource(files, key_path("extra_info", ["question"]), key_path("answer", None))
+    assert src.num_rows == len(rows) and len(src.row_groups) == 14 + 26
+    picks = np.array([1999, 0, 699, 700, 1234, 49, 50])
+    for (prompt, response, row), want in zip(src.read(picks), picks):
+        assert row == want
+        assert prompt == rows[want]["question"] and response == rows[want]["answer"]
+
+
+@pytest.mark.parametrize("window", [10**6, 120])
+def test_epoch_order_is_a_seeded_permutation(two_files, monkeypatch, window):
+    """Full shuffle (small data) and windowed shuffle over row groups (large data)."""
+    monkeypatch.setattr(parquet, "SHUFFLE_WINDOW_ROWS", window)
+    src = ParquetSource(two_files[0], ["question"], ["answer"])
+    order = src.epoch_order(seed=3, epoch=0, shuffle=True)
+    assert sorted(order.tolist()) == list(range(src.num_rows))
+    assert (order == src.epoch_order(seed=3, epoch=0, shuffle=True)).all()
+    assert (order != src.epoch_order(seed=3, epoch=1, shuffle=True)).any()
+    assert (order != src.epoch_order(seed=4, epoch=0, shuffle=True)).any()
+    assert (src.epoch_order(seed=3, epoch=0, shuffle=False) == np.arange(src.num_rows)).all()
+
+
+def test_missing_nested_key_names_file_and_row(two_files):
+    src = ParquetSource(two_files[0], key_path("extra_info", ["prompt"]), ["answer"])
+    with pytest.raises(ConfigError, match=r"a.parquet row 0: no key 'prompt' under 'extra_info'"):
+        src.read(np.array([0]))

@@ -6,7 +6,6 @@ compute); the root (`CausalLMLoss`) holds the rest: embeddings, final norm, lm_h
 
 from __future__ import annotations
 
-import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from sfttrain.config import Config, ConfigError, mixed_precision_dtypes

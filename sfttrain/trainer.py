@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from sfttrain import checkpoint
-from sfttrain.config import Config, ConfigError, as_list
+from sfttrain.config import Config, as_list
 from sfttrain.data.loader import StepBatch, TrainData, prefetched, render_share, row_stats, validation_batches
 from sfttrain.data.parquet import ParquetSource, key_path
 from sfttrain.data.plan import make_plan

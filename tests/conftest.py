@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import contextlib
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -47,16 +51,83 @@ BASE_OVERRIDES = [
 ]
 
 
-def run_sfttrain(nproc: int, overrides: list[str], check: bool = True, timeout: int = 300, cwd: Path = REPO,
-                 env: dict | None = None) -> subprocess.CompletedProcess:
-    """Runs `torchrun --nproc_per_node=nproc -m sfttrain.run ...` as a user would."""
+def launch(nproc: int, overrides: list[str], log: Path, cwd: Path = REPO, env: dict | None = None) -> subprocess.Popen:
+    """Starts `torchrun --nproc_per_node=nproc -m sfttrain.run ...` as a user would, output to `log`."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", "sfttrain.run", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "WANDB_MODE": "offline", **(env or {})}
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    with open(log, "w") as f:
+        return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def run_sfttrain(nproc: int, overrides: list[str], check: bool = True, timeout: int = 300, cwd: Path = REPO,
+                 env: dict | None = None) -> subprocess.CompletedProcess:
+    """Runs a job to its end; on timeout every rank is killed (none is left running)."""
+    with tempfile.NamedTemporaryFile(suffix=".log") as log:
+        proc = launch(nproc, overrides, Path(log.name), cwd, env)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_job(proc)
+            raise AssertionError(f"sfttrain timed out after {timeout}s:\n{Path(log.name).read_text()[-5000:]}")
+        out = Path(log.name).read_text()
     if check and proc.returncode != 0:
-        raise AssertionError(f"sfttrain failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    return proc
+        raise AssertionError(f"sfttrain failed ({proc.returncode}):\n{out[-6000:]}")
+    # stdout and stderr interleaved in one stream, as a user sees them
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout=out, stderr="")
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def kill_job(proc: subprocess.Popen) -> list[int]:
+    """SIGKILL the agent and every rank at one instant. torchrun starts each rank in a session
+    of its own, so killing the agent's process group would leave the ranks running: find them
+    through /proc, freeze them all (SIGSTOP, so that none reacts to another's death), then kill."""
+    if proc.poll() is not None:
+        return []
+    stopped: set[int] = set()
+    while True:
+        pids = [p for p in [proc.pid, *_descendants(proc.pid)] if p not in stopped]
+        if not pids:
+            break
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+            stopped.add(pid)
+    for pid in stopped:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait()
+    for pid in stopped:  # dead (gone, or a zombie awaiting its reaper) before the next attempt
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and _alive(pid):
+            time.sleep(0.01)
+        assert not _alive(pid), f"process {pid} survived SIGKILL"
+    return sorted(stopped)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -21,9 +21,7 @@ import os
 import random
 import re
 import shutil
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -33,7 +31,7 @@ import torch
 
 from sfttrain import checkpoint
 from sfttrain.config import ConfigError, TrainerConfig, load_config
-from tests.conftest import BASE_OVERRIDES, REPO, STORIES, free_port, read_metrics, run_sfttrain
+from tests.conftest import BASE_OVERRIDES, STORIES, kill_job, launch, read_metrics, run_sfttrain
 
 ROWS, BATCH, EPOCHS = 52, 8, 2
 STEPS_PER_EPOCH = ROWS // BATCH  # 6
@@ -233,67 +231,6 @@ def test_elastic_resume_2_to_4(data, ref, tmp_path):
 
 
 # --------------------------------------------------------------------------- SIGKILL at random moments
-
-def launch(nproc: int, overrides: list[str], log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", "sfttrain.run", *overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "WANDB_MODE": "offline"}
-    with open(log, "w") as f:
-        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    found, stack = [], [pid]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            found.append(child)
-            stack.append(child)
-    return found
-
-
-def kill_job(proc: subprocess.Popen) -> list[int]:
-    """SIGKILL the agent and every rank at one instant. torchrun starts each rank in a session
-    of its own, so killing the agent's process group would leave the ranks running: find them
-    through /proc, freeze them all (SIGSTOP, so that none reacts to another's death), then kill."""
-    if proc.poll() is not None:
-        return []
-    stopped: set[int] = set()
-    while True:
-        pids = [p for p in [proc.pid, *_descendants(proc.pid)] if p not in stopped]
-        if not pids:
-            break
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGSTOP)
-            stopped.add(pid)
-    for pid in stopped:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    proc.wait()
-    for pid in stopped:  # dead (gone, or a zombie awaiting its reaper) before the next attempt
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and _alive(pid):
-            time.sleep(0.01)
-        assert not _alive(pid), f"process {pid} survived SIGKILL"
-    return sorted(stopped)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
 
 def _records(run_dir: Path) -> list[dict]:
     """metrics.jsonl as the running job leaves it (a line being written is skipped)."""

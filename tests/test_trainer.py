@@ -1,12 +1,10 @@
 """End-to-end runs with real ranks (torchrun, gloo) on the real stories260K model."""
 
-import json
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.conftest import (BASE_OVERRIDES, REPO, STORIES, load_checkpoint_model, read_metrics, run_sfttrain,
+from tests.conftest import (BASE_OVERRIDES, STORIES, load_checkpoint_model, read_metrics, run_sfttrain,
                             train_losses)
 
 

@@ -16,7 +16,7 @@ import time
 import torch
 import transformers
 
-from sfttrain.flops import count_params, flops_per_token, mfu
+from sfttrain.flops import ModelShape, mfu
 
 MFU_FORMULA = (
     "MFU = (6N + 6*L*H*Dh*sum(s_i^2)/sum(s_i)) * real_tokens_per_s / (989e12 * GPUs); "
@@ -130,10 +130,7 @@ def result(system: str, args: argparse.Namespace, model: torch.nn.Module, clock:
     lengths, supervised = ledger.totals()
     seconds = sum(times)
     tokens_per_s = sum(lengths) / seconds
-    config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    fpt = flops_per_token(count_params(model), config.num_hidden_layers, config.num_attention_heads,
-                          head_dim, lengths)
+    fpt = ModelShape.of(model).flops_per_token(lengths)
     return {
         "system": system,
         **variant,

@@ -11,6 +11,7 @@ Recomputation under activation checkpointing is not counted: MFU measures useful
 """
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
@@ -55,3 +56,28 @@ def mfu(flops_per_token: float, tokens_per_s: float, num_gpus: int, peak_flops: 
     ``tokens_per_s`` counts real (non-pad) input tokens over all GPUs.
     """
     return flops_per_token * tokens_per_s / (peak_flops * num_gpus)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers of a model that the FLOP count needs, read once from the unsharded model."""
+
+    num_params: int
+    num_layers: int
+    num_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> "ModelShape":
+        c = model.config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return cls(count_params(model), c.num_hidden_layers, c.num_attention_heads, head_dim)
+
+    def flops_per_token(self, sample_lengths: Iterable[int]) -> float:
+        return flops_per_token(self.num_params, self.num_layers, self.num_heads, self.head_dim, sample_lengths)
+
+    @property
+    def attention_coefficient(self) -> float:
+        """A sample of s tokens costs about s + coefficient * s^2 linear-layer-token equivalents
+        (the two terms of flops_per_token): what balancing samples over ranks weighs."""
+        return self.num_layers * self.num_heads * self.head_dim / self.num_params

@@ -15,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from sfttrain.config import Config, logger_names, to_yaml
-from sfttrain.flops import flops_per_token, mfu
+from sfttrain.flops import ModelShape, mfu
 
 
 class StepTimer:
@@ -33,10 +33,9 @@ class StepTimer:
         return elapsed
 
 
-def throughput(lengths: list[int], loss_tokens: int, seconds: float, model_shape: dict, num_gpus: int) -> dict:
+def throughput(lengths: list[int], loss_tokens: int, seconds: float, shape: ModelShape, num_gpus: int) -> dict:
     tokens = sum(lengths)
-    fpt = flops_per_token(model_shape["num_params"], model_shape["num_layers"], model_shape["num_heads"],
-                          model_shape["head_dim"], lengths)
+    fpt = shape.flops_per_token(lengths)
     return {"tokens": tokens, "loss_tokens": loss_tokens, "step_time_s": seconds,
             "tokens_per_s": tokens / seconds, "loss_tokens_per_s": loss_tokens / seconds,
             "mfu": mfu(fpt, tokens / seconds, num_gpus)}

@@ -85,15 +85,6 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
-def attention_coefficient(model: nn.Module) -> float:
-    """Attention FLOPs per token per token of context, relative to the linear-layer FLOPs per
-    token: balances samples by s + coef * s^2 (see WORKLOADS.md's MFU formula)."""
-    c = model.config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    params = sum(p.numel() for p in model.parameters())
-    return c.num_hidden_layers * c.num_attention_heads * head_dim / params
-
-
 def _check_folder(path: str) -> None:
     if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError(f"model.partial_pretrain={path!r} is not a local model folder with a config.json "

@@ -15,10 +15,10 @@ from sfttrain.data.parquet import ParquetSource, key_path
 from sfttrain.data.plan import make_plan
 from sfttrain.data.render import Renderer
 from sfttrain.distributed import World
-from sfttrain.flops import count_params
+from sfttrain.flops import ModelShape
 from sfttrain.loss import CausalLMLoss, normalised
 from sfttrain.metrics import MetricsLogger, StepTimer, memory_stats, throughput
-from sfttrain.model import attention_coefficient, load_model, load_tokenizer
+from sfttrain.model import load_model, load_tokenizer
 from sfttrain.optim import build_optimizer, build_scheduler, warmup_steps
 from sfttrain.parallel import parallelize
 
@@ -48,14 +48,14 @@ class FSDPSFTTrainer:
 
         loaded = load_model(cfg.model, world.device, t.seed)
         model, self.attn_backend, self.liger = loaded.model, loaded.attn_backend, loaded.liger
-        self.model_shape = _model_shape(model)
+        self.model_shape = ModelShape.of(model)
         self.lm = CausalLMLoss(model, fused=self.liger,
                                compiled_max_seqlen=d.max_length if cfg.model.compile else None)
         parallelize(self.lm, world, cfg)
         self.optimizer = build_optimizer(self.lm, cfg.optim, world.device)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.plan.total_steps)
         self.data = TrainData(train_source, renderer, self.plan, stats, world.dp_rank, t.seed, d.shuffle,
-                              attention_coefficient(model))
+                              self.model_shape.attention_coefficient)
         self.val_batches = (validation_batches(val_samples, d.micro_batch_size_per_gpu, d.max_token_len_per_gpu,
                                                world.device) if val_samples is not None else None)
 
@@ -77,8 +77,8 @@ class FSDPSFTTrainer:
             f"  world size          : {self.world.world_size} ({self.world.device.type}), "
             f"mesh {tuple(self.world.mesh.shape)} {self.world.mesh.mesh_dim_names}",
             self.plan.describe(),
-            f"  model               : {cfg.model.partial_pretrain} ({shape['num_params'] / 1e6:.2f}M params, "
-            f"{shape['num_layers']} layers), attention {self.attn_backend}, liger {self.liger}",
+            f"  model               : {cfg.model.partial_pretrain} ({shape.num_params / 1e6:.2f}M params, "
+            f"{shape.num_layers} layers), attention {self.attn_backend}, liger {self.liger}",
             f"  precision           : weights/optimizer {fsdp.model_dtype}, mixed precision {fsdp.mixed_precision}",
             f"  lr                  : {cfg.optim.lr} {cfg.optim.lr_scheduler}, "
             f"{warmup_steps(cfg.optim, self.plan.total_steps)} warmup steps",
@@ -161,10 +161,4 @@ class FSDPSFTTrainer:
         checkpoint.save(self.run_dir, self.state, self.lm.model, self.optimizer, self.scheduler, self.world, self.cfg,
                         self.tokenizer, wandb_id=self.logger.wandb_id,
                         export_hf=self.cfg.trainer.save_hf and self.state.step == self.plan.total_steps)
-
-
-def _model_shape(model) -> dict:
-    c = model.config
-    return {"num_params": count_params(model), "num_layers": c.num_hidden_layers, "num_heads": c.num_attention_heads,
-            "head_dim": getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads}
 

@@ -21,7 +21,6 @@ import argparse
 import gc
 import json
 import os
-import re
 import shutil
 import sys
 import warnings
@@ -30,6 +29,7 @@ from typing import Optional
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from transformers.utils.hub import convert_file_size_to_int  # "5GB" -> bytes, as save_pretrained reads it
 
 MODEL_PREFIX = "model."  # the DCP state dict is {"model": hf_state_dict, "optim": ...}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -37,19 +37,6 @@ HF_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16:
 LOAD_BUDGET_BYTES = 1 << 30  # checkpoint bytes read per dcp.load call
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-
-
-def parse_size(text: str | int) -> int:
-    """'5GB', '500MB', '200KB', '123' -> bytes (decimal units, like transformers)."""
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*", str(text), re.IGNORECASE)
-    if not m:
-        raise ValueError(f"cannot parse a size from {text!r} (e.g. 5GB, 500MB)")
-    unit = (m.group(2) or "").upper().rstrip("B")
-    scale = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
-             "KI": 2**10, "MI": 2**20, "GI": 2**30, "TI": 2**40}[unit]
-    return int(float(m.group(1)) * scale)
 
 
 def model_tensors(checkpoint_dir: str) -> list[tuple[str, TensorStorageMetadata]]:
@@ -123,7 +110,7 @@ def export(checkpoint_dir: str, out_dir: str, dtype: str = "auto", max_shard_siz
         raise ValueError(f"{checkpoint_dir}: no model tensors in the DCP metadata")
     tied = tied_names(hf_dir, [n for n, _ in tensors], trust_remote_code)
     tensors = [(n, md) for n, md in tensors if n not in tied]
-    shards = plan_shards(tensors, out_dtype, parse_size(max_shard_size))
+    shards = plan_shards(tensors, out_dtype, convert_file_size_to_int(max_shard_size))
     os.makedirs(out_dir, exist_ok=True)
     reader = dcp.FileSystemReader(checkpoint_dir)
 

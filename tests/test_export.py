@@ -181,5 +181,7 @@ def test_cli_errors(trained, tmp_path):
     (busy / "keep.txt").write_text("x")
     with pytest.raises(SystemExit, match="not empty"):
         export.main([str(trained), str(busy)])
-    assert export.parse_size("5GB") == 5 * 10**9 and export.parse_size("100KB") == 100_000
-    assert export.parse_size("2GiB") == 2 * 2**30 and export.parse_size(123) == 123
+    # the sizes --max_shard_size understands (transformers' own parser, decimal and binary units)
+    parse = export.convert_file_size_to_int
+    assert parse("5GB") == 5 * 10**9 and parse("100KB") == 100_000
+    assert parse("2GiB") == 2 * 2**30 and parse(123) == 123

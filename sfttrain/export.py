@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import shutil
 import sys
@@ -29,10 +30,10 @@ from typing import Optional
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from sfttrain.model import DTYPE
 from transformers.utils.hub import convert_file_size_to_int  # "5GB" -> bytes, as save_pretrained reads it
 
 MODEL_PREFIX = "model."  # the DCP state dict is {"model": hf_state_dict, "optim": ...}
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 HF_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 LOAD_BUDGET_BYTES = 1 << 30  # checkpoint bytes read per dcp.load call
 SINGLE_FILE = "model.safetensors"
@@ -78,7 +79,7 @@ def plan_shards(tensors: list[tuple[str, TensorStorageMetadata]], dtype: Optiona
     shards: list[list] = [[]]
     size = 0
     for name, md in tensors:
-        n = _numel(md) * _itemsize(dtype or md.properties.dtype)
+        n = math.prod(md.size) * (dtype or md.properties.dtype).itemsize
         if shards[-1] and size + n > max_shard_bytes:
             shards.append([])
             size = 0
@@ -97,14 +98,14 @@ def export(checkpoint_dir: str, out_dir: str, dtype: str = "auto", max_shard_siz
     and rank 0 the index, config and tokenizer; the caller synchronises the ranks afterwards."""
     from safetensors.torch import save_file
 
-    if dtype != "auto" and dtype not in DTYPES:
-        raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {dtype!r}")
+    if dtype != "auto" and dtype not in DTYPE:
+        raise ValueError(f"dtype must be auto or one of {sorted(DTYPE)}, got {dtype!r}")
     hf_dir = os.path.join(checkpoint_dir, "hf")
     if not os.path.isfile(os.path.join(hf_dir, "config.json")):
         raise FileNotFoundError(f"{checkpoint_dir} has no hf/config.json: not a sfttrain checkpoint")
     if trust_remote_code is None:
         trust_remote_code = _trust_remote_code(checkpoint_dir)
-    out_dtype = DTYPES.get(dtype)
+    out_dtype = DTYPE.get(dtype)
     tensors = model_tensors(checkpoint_dir)
     if not tensors:
         raise ValueError(f"{checkpoint_dir}: no model tensors in the DCP metadata")
@@ -141,7 +142,7 @@ def export(checkpoint_dir: str, out_dir: str, dtype: str = "auto", max_shard_siz
             for i, shard in enumerate(shards):
                 for name, md in shard:
                     weight_map[name] = shard_file(i, len(shards))
-                    total += _numel(md) * _itemsize(out_dtype or md.properties.dtype)
+                    total += math.prod(md.size) * (out_dtype or md.properties.dtype).itemsize
             with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
         _write_metadata_files(hf_dir, out_dir, final_dtype)
@@ -169,7 +170,7 @@ def _write_metadata_files(hf_dir: str, out_dir: str, dtype: torch.dtype) -> None
 def _load_groups(shard: list[tuple[str, TensorStorageMetadata]]):
     group, size = [], 0
     for name, md in shard:
-        n = _numel(md) * _itemsize(md.properties.dtype)
+        n = math.prod(md.size) * md.properties.dtype.itemsize
         if group and size + n > LOAD_BUDGET_BYTES:
             yield group
             group, size = [], 0
@@ -177,17 +178,6 @@ def _load_groups(shard: list[tuple[str, TensorStorageMetadata]]):
         size += n
     if group:
         yield group
-
-
-def _numel(md: TensorStorageMetadata) -> int:
-    n = 1
-    for d in md.size:
-        n *= d
-    return n
-
-
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _umask() -> int:
@@ -212,7 +202,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(prog="python -m sfttrain.export", description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint_dir", help="a global_step_N folder, or a run folder (its latest complete checkpoint)")
     p.add_argument("out_dir", help="the Hugging Face folder to create (must not exist or be empty)")
-    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+    p.add_argument("--dtype", default="auto", choices=["auto", *DTYPE],
                    help="dtype of the exported floating-point weights (auto: as stored in the checkpoint)")
     p.add_argument("--max_shard_size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB")
     p.add_argument("--trust_remote_code", action="store_true", default=None,

@@ -32,6 +32,9 @@ class DataConfig:
     micro_batch_size_per_gpu: int = 4  # samples per forward/backward on one data-parallel rank
     micro_batch_size: Optional[int] = None  # verl's deprecated global micro batch: rejected
     max_token_len_per_gpu: Optional[int] = None  # if set, micro-batches are token budgets instead
+    # packed rows are padded to a multiple of this by a masked dummy segment (<= 127 wasted tokens
+    # per micro-batch): whole GEMM tiles, and a small set of shapes instead of a new one every step
+    pad_to_multiple: int = 128
     max_length: int = 1024  # tokens per sample (prompt + response)
     truncation: str = "error"  # error | left | right
     apply_chat_template: bool = True  # render the prompt as one user turn, generation prompt on
@@ -215,7 +218,8 @@ def validate(cfg: Config) -> None:
                           "set data.micro_batch_size_per_gpu instead")
     for key, value in (("data.train_batch_size", d.train_batch_size),
                        ("data.micro_batch_size_per_gpu", d.micro_batch_size_per_gpu),
-                       ("data.max_length", d.max_length), ("trainer.total_epochs", t.total_epochs)):
+                       ("data.max_length", d.max_length), ("data.pad_to_multiple", d.pad_to_multiple),
+                       ("trainer.total_epochs", t.total_epochs)):
         if value <= 0:
             raise ConfigError(f"{key} must be positive, got {value}")
     if d.max_token_len_per_gpu is not None and d.max_token_len_per_gpu < d.max_length:

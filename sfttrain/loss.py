@@ -2,33 +2,40 @@
 
 `CausalLMLoss` wraps the unmodified Hugging Face model: it runs the decoder to hidden states and
 computes the summed loss from them and the output embedding, so the [tokens, vocab] logits are
-never held whole (Liger's fused linear cross-entropy, or chunks recomputed in backward). It is
-the FSDP root module, so the embedding / lm_head all-gathers happen inside its forward.
+never held whole (Liger's fused linear cross-entropy, or sfttrain's own `LinearCrossEntropy`).
+Under FSDP it is the root module, so the embedding / lm_head all-gathers happen inside its forward.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from sfttrain.data.pack import IGNORE_INDEX, MicroBatch
 
-# Tokens per chunk of the unfused loss: bounds the logits held at once to CHUNK x vocab (fp32).
-LOSS_CHUNK_TOKENS = 4096
+# Tokens per chunk of LinearCrossEntropy: bounds what is held at once to the chunk's logits and
+# their gradient (2 x 0.3 GB in bf16 for a 152k vocabulary) while keeping the lm_head GEMMs
+# large enough to run near peak.
+LOSS_CHUNK_TOKENS = 1024
 
 
 class CausalLMLoss(nn.Module):
-    def __init__(self, model: nn.Module, fused: bool, compiled_max_seqlen: int | None = None):
-        """fused: Liger's fused linear cross-entropy. compiled_max_seqlen: the layers are compiled;
+    def __init__(self, model: nn.Module, fused: bool, compiled_max_seqlen: int | None = None,
+                 compile_loss: bool = False):
+        """fused: Liger's fused linear cross-entropy. compiled_max_seqlen: the decoder is compiled;
         pass this fixed upper bound as the attention's max sample length (the kernels only need a
-        bound, and a compiled layer would specialise and recompile on every distinct value)."""
+        bound, and a compiled graph would specialise and recompile on every distinct value).
+        compile_loss: compile the per-chunk softmax (on CUDA always worth it: eager it would
+        allocate several fp32 [chunk, vocab] temporaries)."""
         super().__init__()
         self.model = model  # the Hugging Face causal LM, unmodified
         self.fused = fused
         self.compiled_max_seqlen = compiled_max_seqlen
-        self.chunk_loss = torch.compile(_chunk_loss, dynamic=True) if compiled_max_seqlen else _chunk_loss
+        # set by sfttrain.parallel when no FSDP casts the parameters: run forward under autocast
+        self.autocast_dtype: torch.dtype | None = None
+        self.chunk_loss = torch.compile(chunk_loss_and_grad, dynamic=True) if compile_loss else chunk_loss_and_grad
         cfg = model.config
         if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None):
             raise ValueError(f"{cfg.model_type}: logit soft-capping / scaling is not supported by sfttrain's loss yet")
@@ -38,34 +45,94 @@ class CausalLMLoss(nn.Module):
         inputs = batch.model_inputs()
         if self.compiled_max_seqlen:
             inputs.update(max_length_q=self.compiled_max_seqlen, max_length_k=self.compiled_max_seqlen)
-        hidden = self.model.get_decoder()(**inputs, use_cache=False).last_hidden_state
+        with self._autocast(batch.input_ids.device):
+            hidden = self.model.get_decoder()(**inputs, use_cache=False).last_hidden_state
         hidden = hidden.view(-1, hidden.shape[-1])
         weight = self.model.get_output_embeddings().weight
         labels = batch.labels.view(-1)
+        compute_dtype = self.autocast_dtype or weight.dtype
         if self.fused:
             from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
             # accum_dtype fp32: the weight gradient sums over all chunks; bf16 would round it
-            return liger_fused_linear_cross_entropy(hidden, weight, labels, ignore_index=IGNORE_INDEX,
-                                                    reduction="sum", accum_dtype=torch.float32)
-        return chunked_cross_entropy_sum(hidden, weight, labels, self.chunk_loss)
+            return liger_fused_linear_cross_entropy(hidden.to(compute_dtype), weight.to(compute_dtype), labels,
+                                                    ignore_index=IGNORE_INDEX, reduction="sum",
+                                                    accum_dtype=torch.float32)
+        with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+        return LinearCrossEntropy.apply(hidden, weight, labels, compute_dtype, self.chunk_loss, with_grad)
+
+    def _autocast(self, device: torch.device):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=self.autocast_dtype)
 
 
-def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    logits = (hidden @ weight.t()).float()
-    return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+def chunk_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor, with_grad: bool):
+    """Summed cross-entropy of one chunk of logits [C, V] and, if with_grad, its gradient
+    softmax - onehot (zero on ignored rows) in the logits' dtype. Softmax in fp32; under
+    torch.compile this is one kernel, two passes over the chunk and no fp32 [C, V] buffer.
+    (Writing the gradient into the logits in place would save one buffer, but inductor then
+    emits a kernel 5x slower on the H200, torch 2.11.)"""
+    logits32 = logits.float()
+    lse = torch.logsumexp(logits32, dim=-1)
+    valid = labels != IGNORE_INDEX
+    target = labels.clamp(min=0)
+    picked = logits32.gather(1, target[:, None]).squeeze(1)
+    loss = torch.where(valid, lse - picked, 0.0).sum()
+    if not with_grad:
+        return loss, None
+    onehot = torch.arange(logits.shape[1], device=logits.device)[None, :] == target[:, None]
+    grad = (torch.exp(logits32 - lse[:, None]) - onehot.float()) * valid[:, None]
+    return loss, grad.to(logits.dtype)
 
 
-def chunked_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                              chunk_loss=_chunk_loss) -> torch.Tensor:
-    """Summed cross-entropy computed chunk by chunk; each chunk's logits are recomputed in
-    backward instead of stored (one extra lm_head matmul, a fraction of the memory)."""
-    if hidden.shape[0] <= LOSS_CHUNK_TOKENS:
-        return chunk_loss(hidden, weight, labels)
-    total = hidden.new_zeros((), dtype=torch.float32)
-    for h, y in zip(hidden.split(LOSS_CHUNK_TOKENS), labels.split(LOSS_CHUNK_TOKENS)):
-        total = total + checkpoint(chunk_loss, h, weight, y, use_reentrant=False)
-    return total
+class LinearCrossEntropy(torch.autograd.Function):
+    """sum_t CE(hidden_t @ weight.T, label_t), chunk by chunk, with the gradient computed in the
+    forward pass (as Liger's fused loss does, but with GEMMs of LOSS_CHUNK_TOKENS rows instead of
+    ~V/H-token slivers): each chunk's logits are made once, turned at once into their gradient
+    softmax - onehot instead of being kept, and multiplied back into d hidden and d weight.
+    Three lm_head GEMMs per token (no recompute), one chunk's logits and gradient alive at a
+    time; d weight accumulates in fp32 across chunks. backward only scales the stored gradients by the incoming one.
+
+    compute_dtype: the GEMM dtype (bf16 under mixed precision); the gradients come back in the
+    inputs' own dtypes, so an fp32 master weight gets an fp32 gradient never rounded to bf16."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, compute_dtype, chunk_loss, with_grad):
+        ctx.set_materialize_grads(False)
+        # the GEMM dtype is chosen here, explicitly, not by an enclosing autocast
+        with torch.autocast(hidden.device.type, enabled=False):
+            h_all, w = hidden.to(compute_dtype), weight.to(compute_dtype)
+            total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+            grad_hidden = torch.empty_like(hidden) if with_grad else None
+            grad_weight = torch.zeros_like(weight, dtype=torch.float32) if with_grad else None
+            for start in range(0, h_all.shape[0], LOSS_CHUNK_TOKENS):
+                h, y = h_all[start:start + LOSS_CHUNK_TOKENS], labels[start:start + LOSS_CHUNK_TOKENS]
+                loss, grad_logits = chunk_loss(h @ w.t(), y, with_grad)
+                total += loss
+                if with_grad:
+                    grad_hidden[start:start + h.shape[0]] = grad_logits @ w
+                    _add_matmul(grad_weight, grad_logits.t(), h)
+        if with_grad:
+            ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        if grad_total is None:
+            return None, None, None, None, None, None
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return grad_hidden * grad_total, grad_weight * grad_total, None, None, None, None
+
+
+def _add_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b with acc fp32 and a, b possibly bf16, without rounding a @ b to bf16."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif acc.is_cuda:  # cuBLAS: bf16 inputs, fp32 accumulator and output, in place
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:
+        acc += (a.float() @ b.float())
 
 
 def normalised(loss_sum: torch.Tensor, global_loss_tokens: int, dp_size: int) -> torch.Tensor:

@@ -50,14 +50,15 @@ class FSDPSFTTrainer:
         model, self.attn_backend, self.liger = loaded.model, loaded.attn_backend, loaded.liger
         self.model_shape = ModelShape.of(model)
         self.lm = CausalLMLoss(model, fused=self.liger,
-                               compiled_max_seqlen=d.max_length if cfg.model.compile else None)
-        parallelize(self.lm, world, cfg)
+                               compiled_max_seqlen=d.max_length if cfg.model.compile else None,
+                               compile_loss=cfg.model.compile or world.device.type == "cuda")
+        self.sharded = parallelize(self.lm, world, cfg)
         self.optimizer = build_optimizer(self.lm, cfg.optim, world.device)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.plan.total_steps)
         self.data = TrainData(train_source, renderer, self.plan, stats, world.dp_rank, t.seed, d.shuffle,
-                              self.model_shape.attention_coefficient)
+                              self.model_shape.attention_coefficient, d.pad_to_multiple)
         self.val_batches = (validation_batches(val_samples, d.micro_batch_size_per_gpu, d.max_token_len_per_gpu,
-                                               world.device) if val_samples is not None else None)
+                                               d.pad_to_multiple, world.device) if val_samples is not None else None)
 
         self.state = checkpoint.TrainState(global_batch=d.train_batch_size, seed=t.seed)
         if world.is_main:
@@ -79,7 +80,8 @@ class FSDPSFTTrainer:
             self.plan.describe(),
             f"  model               : {cfg.model.partial_pretrain} ({shape.num_params / 1e6:.2f}M params, "
             f"{shape.num_layers} layers), attention {self.attn_backend}, liger {self.liger}",
-            f"  precision           : weights/optimizer {fsdp.model_dtype}, mixed precision {fsdp.mixed_precision}",
+            f"  precision           : weights/optimizer {fsdp.model_dtype}, mixed precision {fsdp.mixed_precision}"
+            f" ({'FSDP2 over the mesh' if self.sharded else 'one device, not sharded'})",
             f"  lr                  : {cfg.optim.lr} {cfg.optim.lr_scheduler}, "
             f"{warmup_steps(cfg.optim, self.plan.total_steps)} warmup steps",
             f"  run folder          : {self.run_dir}",
@@ -125,7 +127,8 @@ class FSDPSFTTrainer:
             loss_sum += micro_loss.detach()
         grad_norm = self._clip_grad_norm()
         dist.all_reduce(loss_sum)
-        loss = loss_sum.item() / max(batch.num_loss_tokens, 1)  # one host sync per step, for the log
+        loss_sum, grad_norm = torch.stack([loss_sum, grad_norm.float()]).tolist()  # the step's one host sync
+        loss = loss_sum / max(batch.num_loss_tokens, 1)
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             raise NonFiniteLossError(
                 f"non-finite loss ({loss}) or grad norm ({grad_norm}) at step {self.state.step + 1} "
@@ -138,13 +141,13 @@ class FSDPSFTTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm}
 
-    def _clip_grad_norm(self) -> float:
+    def _clip_grad_norm(self) -> torch.Tensor:
         params = [p for p in self.lm.parameters() if p.grad is not None]
         max_norm = self.cfg.optim.clip_grad if self.cfg.optim.clip_grad > 0 else math.inf
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2: the global norm
             norm = norm.full_tensor()
-        return norm.item()
+        return norm
 
     @torch.no_grad()
     def validate(self) -> float:

@@ -73,3 +73,38 @@ def test_empty_sample_list_gives_a_no_loss_micro_batch():
 def test_sample_without_prompt_trains_from_second_token():
     s = RenderedSample([5, 6, 7], [1, 1, 1], 0)
     assert pack([s]).labels[0].tolist() == [6, 7, IGNORE_INDEX]
+
+
+def test_padding_is_one_extra_segment_without_targets(samples):
+    plain, padded = pack(samples), pack(samples, pad_to=128)
+    real = plain.input_ids.shape[1]
+    assert padded.input_ids.shape[1] % 128 == 0 and 0 < padded.input_ids.shape[1] - real < 128
+    assert padded.cu_seqlens.tolist() == plain.cu_seqlens.tolist() + [padded.input_ids.shape[1]]
+    assert (padded.labels[0, real:] == IGNORE_INDEX).all()
+    assert padded.position_ids[0, real:].tolist() == list(range(padded.input_ids.shape[1] - real))
+    assert padded.num_loss_tokens == plain.num_loss_tokens
+    assert pack(samples, pad_to=real).input_ids.shape[1] == real  # already a multiple: no pad segment
+
+
+def test_padding_changes_no_loss_and_no_gradient():
+    """A real model (stories260K) on a packed row with and without the pad segment."""
+    from sfttrain.config import ModelConfig
+    from sfttrain.loss import CausalLMLoss
+    from sfttrain.model import load_model
+    from tests.conftest import STORIES
+
+    gen = random.Random(0)
+    rows = []
+    for i, n in enumerate([37, 90, 12]):
+        rows.append(RenderedSample([gen.randrange(512) for _ in range(n)], [0] * 5 + [1] * (n - 5), i))
+    lm = CausalLMLoss(load_model(ModelConfig(partial_pretrain=str(STORIES)), torch.device("cpu"), 0).model, fused=False)
+    results = []
+    for mb in (pack(rows), pack(rows, pad_to=64)):
+        lm.zero_grad()
+        loss = lm(mb)
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in lm.parameters()]))
+    assert pack(rows, pad_to=64).input_ids.shape[1] == 192  # 139 real tokens + a 53-token pad segment
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-6, atol=0)
+    for g0, g1 in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(g0, g1, rtol=1e-5, atol=1e-7)

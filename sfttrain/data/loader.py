@@ -41,9 +41,9 @@ class RowStats:
 
 class TrainData:
     def __init__(self, source: ParquetSource, renderer: Renderer, plan: BatchPlan, stats: RowStats, dp_rank: int,
-                 seed: int, shuffle: bool, attn_coef: float):
+                 seed: int, shuffle: bool, attn_coef: float, pad_to: int):
         self.source, self.renderer, self.plan, self.stats, self.dp_rank = source, renderer, plan, stats, dp_rank
-        self.seed, self.shuffle = seed, shuffle
+        self.seed, self.shuffle, self.pad_to = seed, shuffle, pad_to
         # balancing cost of a sample of s tokens: s + attn_coef * s^2 (linear layers + attention)
         self.attn_coef = attn_coef
 
@@ -63,7 +63,7 @@ class TrainData:
         reads and renders only its own share."""
         lengths = self.stats.lengths[rows].tolist()
         costs = [n + self.attn_coef * n * n for n in lengths]
-        micro = [pack([self.renderer.render(p, r, row) for p, r, row in self.source.read(rows[idx])])
+        micro = [pack([self.renderer.render(p, r, row) for p, r, row in self.source.read(rows[idx])], self.pad_to)
                  for idx in self.plan.split(lengths, costs)[self.dp_rank]]
         return StepBatch(epoch, consumed, micro, int(self.stats.loss_tokens[rows].sum()), lengths, rows.tolist())
 
@@ -132,7 +132,7 @@ def _scan(source: ParquetSource, renderer: Renderer, rank: int, world: int,
     return samples, np.array(stats, dtype=np.int64).reshape(-1, 3)
 
 
-def validation_batches(samples: list[RenderedSample], micro_batch: int, token_budget: int | None,
+def validation_batches(samples: list[RenderedSample], micro_batch: int, token_budget: int | None, pad_to: int,
                        device: torch.device) -> list[MicroBatch]:
     """This rank's validation micro-batches, padded with empty ones to the count of the busiest
     rank (every rank must run the same number of forwards)."""
@@ -140,7 +140,7 @@ def validation_batches(samples: list[RenderedSample], micro_batch: int, token_bu
         groups = budget_bins([len(s.input_ids) for s in samples], token_budget)
     else:
         groups = [list(range(i, min(i + micro_batch, len(samples)))) for i in range(0, len(samples), micro_batch)]
-    batches = [pack([samples[i] for i in g]) for g in groups]
+    batches = [pack([samples[i] for i in g], pad_to) for g in groups]
     count = torch.tensor([len(batches)], device=device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
     return batches + [empty_micro_batch() for _ in range(int(count.item()) - len(batches))]

@@ -3,6 +3,8 @@
 A micro-batch is ONE row: the samples concatenated, `position_ids` restarting at 0 for each
 sample and `cu_seqlens` marking the boundaries, so the attention backend keeps samples apart.
 Labels are shifted here, inside each sample, so no target ever crosses a sample boundary.
+The row is padded to a multiple of `pad_to` tokens by one more segment with no targets: it
+attends only to itself and contributes exactly nothing to the loss or any gradient.
 
 Every rank computes the same split from the same lengths (no communication): it reads all
 samples of the step, so it also knows the step's global loss-token count without an all-reduce.
@@ -46,7 +48,7 @@ def shifted_labels(sample: RenderedSample) -> list[int]:
     return [ids[t + 1] if mask[t + 1] else IGNORE_INDEX for t in range(len(ids) - 1)] + [IGNORE_INDEX]
 
 
-def pack(samples: list[RenderedSample]) -> MicroBatch:
+def pack(samples: list[RenderedSample], pad_to: int = 1) -> MicroBatch:
     if not samples:
         return empty_micro_batch()
     input_ids, labels, positions, bounds = [], [], [], [0]
@@ -56,8 +58,15 @@ def pack(samples: list[RenderedSample]) -> MicroBatch:
         positions += range(len(s.input_ids))
         bounds.append(bounds[-1] + len(s.input_ids))
     num_loss = sum(label != IGNORE_INDEX for label in labels)
+    max_seqlen = max(len(s.input_ids) for s in samples)
+    if pad := -len(input_ids) % pad_to:
+        input_ids += [0] * pad  # any valid id: no target, no attention to or from real samples
+        labels += [IGNORE_INDEX] * pad
+        positions += range(pad)
+        bounds.append(bounds[-1] + pad)
+        max_seqlen = max(max_seqlen, pad)
     return MicroBatch(torch.tensor([input_ids]), torch.tensor([labels]), torch.tensor([positions]),
-                      torch.tensor(bounds, dtype=torch.int32), max(len(s.input_ids) for s in samples), num_loss)
+                      torch.tensor(bounds, dtype=torch.int32), max_seqlen, num_loss)
 
 
 def empty_micro_batch() -> MicroBatch:

@@ -15,6 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench.sfttrain_w1 import RECIPE
 from sfttrain.config import load_config
+from sfttrain.data.loader import step_batches
 from sfttrain.distributed import init_world, shutdown
 from sfttrain.trainer import FSDPSFTTrainer
 
@@ -32,7 +33,7 @@ def main() -> None:
                                *args.overrides])
     world = init_world(cfg)
     trainer = FSDPSFTTrainer(cfg, world)
-    batches = trainer.data.batches(0, 0)
+    batches = iter(step_batches(trainer.data, 0, 0, cfg.data.num_workers))
     for _ in range(args.warmup):
         trainer.train_step(next(batches))
     torch.cuda.synchronize()

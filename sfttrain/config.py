@@ -40,7 +40,7 @@ class DataConfig:
     apply_chat_template: bool = True  # render the prompt as one user turn, generation prompt on
     chat_template: Optional[str] = None  # a Jinja template overriding the tokenizer's
     shuffle: bool = True  # per-epoch order from trainer.seed and the epoch number
-    num_workers: int = 0  # >0: build batches in a background thread ahead of the step
+    num_workers: int = 0  # >0: worker processes build the steps ahead of the training loop
     balance_dp_token: bool = True  # verl key; sfttrain always balances tokens across ranks
 
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from sfttrain import checkpoint
 from sfttrain.config import Config, as_list
-from sfttrain.data.loader import StepBatch, TrainData, prefetched, render_share, row_stats, validation_batches
+from sfttrain.data.loader import StepBatch, TrainData, render_share, row_stats, step_batches, validation_batches
 from sfttrain.data.parquet import ParquetSource, key_path
 from sfttrain.data.plan import make_plan
 from sfttrain.data.render import Renderer
@@ -96,8 +96,8 @@ class FSDPSFTTrainer:
     def train(self) -> None:
         t = self.cfg.trainer
         total = self.plan.total_steps
-        batches = prefetched(self.data.batches(self.state.epoch, self.state.consumed_in_epoch),
-                             depth=2 if self.cfg.data.num_workers > 0 else 0)
+        batches = iter(step_batches(self.data, self.state.epoch, self.state.consumed_in_epoch,
+                                    self.cfg.data.num_workers))
         timer = StepTimer(self.world.device)
         while self.state.step < total:
             wait_start = time.perf_counter()

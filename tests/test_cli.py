@@ -105,3 +105,9 @@ def test_nan_loss_stops_before_the_update(gsm8k_dir, tmp_path):
     out = _fails_with(gsm8k_dir, tmp_path, ["optim.lr=1e30", "optim.clip_grad=0", "data.train_batch_size=4",
                                             "data.micro_batch_size_per_gpu=4"], "non-finite loss", "NOT applied")
     assert "sfttrain/trainer.py" not in out  # a message, not a traceback of ours
+
+
+def test_missing_chat_template_says_what_to_set(gsm8k_dir, tmp_path):
+    out = _fails_with(gsm8k_dir, tmp_path, ["data.apply_chat_template=true"],
+                      "sfttrain: error: the tokenizer has no chat template", "data.apply_chat_template=false")
+    assert "ValueError" not in out  # said once, by rank 0, not as a traceback from every rank

@@ -82,6 +82,18 @@ def test_compiled_decoder_matches_eager(gsm8k_dir, tmp_path):
                          load_checkpoint_model(tmp_path / "eager" / "global_step_3")) < 1e-5
 
 
+def test_worker_processes_build_the_same_steps(gsm8k_dir, tmp_path):
+    """data.num_workers=3: three DataLoader worker processes build steps 0,3,6.. / 1,4,7.. /
+    2,5,8..; the trainer must still see them in order, as the in-process stream makes them."""
+    common = ["data.train_batch_size=4", "data.micro_batch_size_per_gpu=4", "trainer.total_training_steps=7",
+              "data.shuffle=true"]
+    run_sfttrain(1, _job(gsm8k_dir, tmp_path / "inline", *common))
+    run_sfttrain(1, _job(gsm8k_dir, tmp_path / "workers", *common, "data.num_workers=3"))
+    inline, workers = read_metrics(tmp_path / "inline"), read_metrics(tmp_path / "workers")
+    assert [m["tokens"] for m in workers] == [m["tokens"] for m in inline]
+    assert train_losses(tmp_path / "workers") == train_losses(tmp_path / "inline")
+
+
 def test_parity_with_a_plain_transformers_loop(gsm8k_dir, tmp_path):
     """Reference: HF's own loss (labels shifted by the model, mean over the step's response tokens)
     on unpacked samples, torch AdamW, clipping; same rows (unshuffled), same hyper-parameters."""

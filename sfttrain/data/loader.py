@@ -6,14 +6,13 @@ which global samples were used, whatever the world size.
 
 from __future__ import annotations
 
-import queue
-import threading
 from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from sfttrain.config import ConfigError
 from sfttrain.data.pack import MicroBatch, budget_bins, empty_micro_batch, loss_tokens, pack
@@ -47,18 +46,19 @@ class TrainData:
         # balancing cost of a sample of s tokens: s + attn_coef * s^2 (linear layers + attention)
         self.attn_coef = attn_coef
 
-    def batches(self, epoch: int, consumed: int) -> Iterator[StepBatch]:
-        """Endless stream of steps from a data position; the trainer decides when to stop."""
+    def positions(self, epoch: int, consumed: int) -> Iterator[tuple[np.ndarray, int, int]]:
+        """Endless (rows, epoch, consumed after) of the steps from a data position; cheap: the
+        trainer decides when to stop."""
         b = self.plan.global_batch
         while True:
             order = self.source.epoch_order(self.seed, epoch, self.shuffle)
             while consumed + b <= len(order):
                 rows = order[consumed:consumed + b]
                 consumed += b
-                yield self._step(rows, epoch, consumed)
+                yield rows, epoch, consumed
             epoch, consumed = epoch + 1, 0
 
-    def _step(self, rows: np.ndarray, epoch: int, consumed: int) -> StepBatch:
+    def step(self, rows: np.ndarray, epoch: int, consumed: int) -> StepBatch:
         """Every rank splits the step identically from the known lengths (no communication), then
         reads and renders only its own share."""
         lengths = self.stats.lengths[rows].tolist()
@@ -68,28 +68,28 @@ class TrainData:
         return StepBatch(epoch, consumed, micro, int(self.stats.loss_tokens[rows].sum()), lengths, rows.tolist())
 
 
-def prefetched(it: Iterator[StepBatch], depth: int) -> Iterator[StepBatch]:
-    """Runs `it` in a background thread `depth` steps ahead (tokenizers release the GIL).
-    Exceptions reach the consumer at the step where they happened."""
-    if depth <= 0:
-        yield from it
-        return
-    q: queue.Queue = queue.Queue(maxsize=depth)
-    done = object()
+class StepStream(IterableDataset):
+    """The steps from a data position, as a dataset for torch's DataLoader. With worker processes
+    (data.num_workers > 0) the rendering (Jinja chat templates, tokenizer calls, packing: Python
+    that holds the GIL, ~50 ms per W1 step on a 2-core CPU) runs beside the training loop instead
+    of taking the interpreter from it. Worker w of W builds steps w, w + W, ...; the DataLoader collects from
+    the workers round-robin, so the steps arrive in order."""
 
-    def produce():
-        try:
-            for item in it:
-                q.put(item)
-            q.put(done)
-        except BaseException as e:  # handed over to the training thread
-            q.put(e)
+    def __init__(self, data: TrainData, epoch: int, consumed: int):
+        self.data, self.epoch, self.consumed = data, epoch, consumed
 
-    threading.Thread(target=produce, daemon=True, name="sfttrain-data").start()
-    while (item := q.get()) is not done:
-        if isinstance(item, BaseException):
-            raise item
-        yield item
+    def __iter__(self) -> Iterator[StepBatch]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        for i, position in enumerate(self.data.positions(self.epoch, self.consumed)):
+            if i % workers == worker:
+                yield self.data.step(*position)
+
+
+def step_batches(data: TrainData, epoch: int, consumed: int, num_workers: int) -> DataLoader:
+    """The training stream from a data position; each item is one whole step (no collation)."""
+    return DataLoader(StepStream(data, epoch, consumed), batch_size=None, num_workers=num_workers,
+                      prefetch_factor=2 if num_workers else None)
 
 
 def render_share(source: ParquetSource, renderer: Renderer, rank: int, world: int) -> list[RenderedSample]:

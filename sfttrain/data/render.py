@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from sfttrain.config import ConfigError
+
 TRUNCATION_MODES = ("error", "left", "right")
 
 
@@ -48,18 +50,18 @@ class Renderer:
         chat_template: str | None = None,
     ):
         if truncation not in TRUNCATION_MODES:
-            raise ValueError(
+            raise ConfigError(
                 f"data.truncation={truncation!r} is not supported; use one of {', '.join(TRUNCATION_MODES)}"
             )
         if not isinstance(max_length, int) or max_length < 2:
-            raise ValueError(f"data.max_length must be an integer >= 2, got {max_length!r}")
+            raise ConfigError(f"data.max_length must be an integer >= 2, got {max_length!r}")
         if tokenizer.eos_token_id is None:
-            raise ValueError(
+            raise ConfigError(
                 "the tokenizer has no eos_token_id; every response is trained to end with EOS, "
                 "so set an eos token on the tokenizer"
             )
         if apply_chat_template and chat_template is None and not getattr(tokenizer, "chat_template", None):
-            raise ValueError(
+            raise ConfigError(
                 "the tokenizer has no chat template; set data.apply_chat_template=false to use the "
                 "raw prompt text, or pass a Jinja template with data.chat_template=..."
             )

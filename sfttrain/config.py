@@ -66,7 +66,7 @@ class ModelConfig:
     enable_gradient_checkpointing: bool = True
     attn_implementation: str = "auto"  # auto | flash_attn | torch_varlen | sdpa_blockmask
     use_liger: bool = False  # Liger's fused RMSNorm/SwiGLU/RoPE and fused linear cross-entropy
-    compile: bool = False  # torch.compile each decoder layer (dynamic shapes: packed rows vary in length)
+    compile: bool = False  # torch.compile the decoder (dynamic shapes): whole on one rank, per layer under FSDP
     lora_rank: int = 0
     lora_alpha: int = 16
     target_modules: Any = "all-linear"

@@ -8,8 +8,6 @@ Under FSDP it is the root module, so the embedding / lm_head all-gathers happen 
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import nn
 
@@ -45,7 +43,8 @@ class CausalLMLoss(nn.Module):
         inputs = batch.model_inputs()
         if self.compiled_max_seqlen:
             inputs.update(max_length_q=self.compiled_max_seqlen, max_length_k=self.compiled_max_seqlen)
-        with self._autocast(batch.input_ids.device):
+        device_type = batch.input_ids.device.type
+        with torch.autocast(device_type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
             hidden = self.model.get_decoder()(**inputs, use_cache=False).last_hidden_state
         hidden = hidden.view(-1, hidden.shape[-1])
         weight = self.model.get_output_embeddings().weight
@@ -60,11 +59,6 @@ class CausalLMLoss(nn.Module):
                                                     accum_dtype=torch.float32)
         with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
         return LinearCrossEntropy.apply(hidden, weight, labels, compute_dtype, self.chunk_loss, with_grad)
-
-    def _autocast(self, device: torch.device):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(device.type, dtype=self.autocast_dtype)
 
 
 def chunk_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor, with_grad: bool):
@@ -92,7 +86,8 @@ class LinearCrossEntropy(torch.autograd.Function):
     ~V/H-token slivers): each chunk's logits are made once, turned at once into their gradient
     softmax - onehot instead of being kept, and multiplied back into d hidden and d weight.
     Three lm_head GEMMs per token (no recompute), one chunk's logits and gradient alive at a
-    time; d weight accumulates in fp32 across chunks. backward only scales the stored gradients by the incoming one.
+    time; d weight accumulates in fp32 across chunks. backward only scales the stored gradients
+    by the incoming one.
 
     compute_dtype: the GEMM dtype (bf16 under mixed precision); the gradients come back in the
     inputs' own dtypes, so an fp32 master weight gets an fp32 gradient never rounded to bf16."""

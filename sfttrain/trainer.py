@@ -127,8 +127,8 @@ class FSDPSFTTrainer:
             loss_sum += micro_loss.detach()
         grad_norm = self._clip_grad_norm()
         dist.all_reduce(loss_sum)
-        loss_sum, grad_norm = torch.stack([loss_sum, grad_norm.float()]).tolist()  # the step's one host sync
-        loss = loss_sum / max(batch.num_loss_tokens, 1)
+        total, grad_norm = torch.stack([loss_sum, grad_norm.float()]).tolist()  # the step's one host sync
+        loss = total / max(batch.num_loss_tokens, 1)
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             raise NonFiniteLossError(
                 f"non-finite loss ({loss}) or grad norm ({grad_norm}) at step {self.state.step + 1} "

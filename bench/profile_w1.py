@@ -3,10 +3,12 @@
     python3 -m bench.profile_w1 --work /tmp/sfttrain_w1 [key=value ...]
 
 Uses the model folder and Parquet that bench.sfttrain_w1 prepared in --work. Prints wall time
-per step, GPU kernel time per step (busy fraction), the top kernels, and writes a Chrome trace.
+per step, GPU kernel time per step (busy fraction), the top kernels, the host's top operators, and
+where the GPU sits idle; writes the Chrome trace (--trace).
 """
 
 import argparse
+import json
 import os
 import time
 
@@ -33,7 +35,7 @@ def main() -> None:
                                *args.overrides])
     world = init_world(cfg)
     trainer = FSDPSFTTrainer(cfg, world)
-    batches = iter(step_batches(trainer.data, 0, 0, cfg.data.num_workers))
+    batches = iter(step_batches(trainer.data, 0, 0, cfg.data.num_workers, pin_memory=True))
     for _ in range(args.warmup):
         trainer.train_step(next(batches))
     torch.cuda.synchronize()
@@ -49,10 +51,32 @@ def main() -> None:
     print(f"overrides {args.overrides}: wall {wall * 1e3:.1f} ms/step, GPU kernels {gpu * 1e3:.1f} ms/step "
           f"({100 * gpu / wall:.0f}% busy)")
     print(events.table(sort_by="self_device_time_total", row_limit=22, max_name_column_width=70))
-    print(events.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=70))
-    if args.trace:
-        prof.export_chrome_trace(args.trace)
+    print(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
+    # inclusive host time of the step's phases (compiled forward/backward, loss, optimizer, waits)
+    print(events.table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=70))
+    trace = args.trace or "/tmp/profile_w1_trace.json"
+    prof.export_chrome_trace(trace)
+    print_idle_gaps(trace, args.steps)
     shutdown(world)
+
+
+def print_idle_gaps(trace: str, steps: int, top: int = 12) -> None:
+    """Where the GPU waits: the gaps between consecutive device activities of the trace, in
+    total per step and the largest ones with the kernels on either side."""
+    with open(trace) as f:
+        events = json.load(f)["traceEvents"]
+    device = sorted((e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events
+                    if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    gaps, end, before = [], device[0][1], device[0][2]
+    for start, stop, name in device[1:]:
+        if start > end:
+            gaps.append((start - end, before, name))
+        if stop > end:
+            end, before = stop, name
+    print(f"GPU idle between activities: {sum(g[0] for g in gaps) / 1e3 / steps:.1f} ms/step "
+          f"({sum(g[0] > 100 for g in gaps) / steps:.0f} gaps over 100 us per step); largest:")
+    for gap, before, after in sorted(gaps, reverse=True)[:top]:
+        print(f"  {gap / 1e3:7.2f} ms after {before[:60]!r} before {after[:60]!r}")
 
 
 if __name__ == "__main__":

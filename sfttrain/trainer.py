@@ -19,7 +19,7 @@ from sfttrain.flops import ModelShape
 from sfttrain.loss import CausalLMLoss, normalised
 from sfttrain.metrics import MetricsLogger, StepTimer, memory_stats, throughput
 from sfttrain.model import load_model, load_tokenizer
-from sfttrain.optim import build_optimizer, build_scheduler, warmup_steps
+from sfttrain.optim import build_optimizer, build_scheduler, clipped_step, warmup_steps
 from sfttrain.parallel import parallelize
 
 
@@ -54,6 +54,9 @@ class FSDPSFTTrainer:
                                compile_loss=cfg.model.compile or world.device.type == "cuda")
         self.sharded = parallelize(self.lm, world, cfg)
         self.optimizer = build_optimizer(self.lm, cfg.optim, world.device)
+        # fused AdamW takes the clip factor and the skip-if-not-finite flag on the device; under
+        # FSDP its parameters are DTensors, which do not mix with those plain tensors
+        self.device_side_step = bool(self.optimizer.defaults.get("fused")) and not self.sharded
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.plan.total_steps)
         self.data = TrainData(train_source, renderer, self.plan, stats, world.dp_rank, t.seed, d.shuffle,
                               self.model_shape.attention_coefficient, d.pad_to_multiple)
@@ -97,7 +100,7 @@ class FSDPSFTTrainer:
         t = self.cfg.trainer
         total = self.plan.total_steps
         batches = iter(step_batches(self.data, self.state.epoch, self.state.consumed_in_epoch,
-                                    self.cfg.data.num_workers))
+                                    self.cfg.data.num_workers, pin_memory=self.world.device.type == "cuda"))
         timer = StepTimer(self.world.device)
         while self.state.step < total:
             wait_start = time.perf_counter()
@@ -111,11 +114,14 @@ class FSDPSFTTrainer:
             metrics.update(epoch=batch.epoch, data_wait_s=data_wait, **memory_stats(self.world.device))
             self.logger.log(step, metrics)
             last = step == total
-            if self.val_batches is not None and (last or (t.test_freq > 0 and step % t.test_freq == 0)):
+            validate = self.val_batches is not None and (last or (t.test_freq > 0 and step % t.test_freq == 0))
+            save = last or (t.save_freq > 0 and step % t.save_freq == 0)
+            if validate:
                 self.logger.log(step, {"val/loss": self.validate()})
-            if last or (t.save_freq > 0 and step % t.save_freq == 0):
+            if save:
                 self.save()
-            timer.lap()  # validation and saving are not training time
+            if validate or save:
+                timer.lap()  # not training time; logging and data waits are (the next step's)
         self.logger.close()
 
     def train_step(self, batch: StepBatch) -> dict:
@@ -125,29 +131,23 @@ class FSDPSFTTrainer:
             micro_loss = self.lm(micro.to(self.world.device))
             normalised(micro_loss, batch.num_loss_tokens, self.world.dp_size).backward()
             loss_sum += micro_loss.detach()
-        grad_norm = self._clip_grad_norm()
         dist.all_reduce(loss_sum)
-        total, grad_norm = torch.stack([loss_sum, grad_norm.float()]).tolist()  # the step's one host sync
+        lr = self.scheduler.get_last_lr()[0]
+        params = [p for p in self.lm.parameters() if p.grad is not None]
+        max_norm = self.cfg.optim.clip_grad if self.cfg.optim.clip_grad > 0 else math.inf
+        grad_norm, stepped = clipped_step(self.optimizer, params, max_norm, loss_sum, self.device_side_step)
+        # the step's one host sync
+        total, grad_norm, stepped = torch.stack([loss_sum, grad_norm.float(), stepped.float()]).tolist()
         loss = total / max(batch.num_loss_tokens, 1)
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        if not stepped:
             raise NonFiniteLossError(
                 f"non-finite loss ({loss}) or grad norm ({grad_norm}) at step {self.state.step + 1} "
                 f"(epoch {batch.epoch}); the update was NOT applied. Rows of this step: {batch.rows[:16]}... "
                 f"Lower optim.lr, keep optim.clip_grad > 0, or check those rows; resume from the last "
                 f"checkpoint in {self.run_dir}.")
-        lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm}
-
-    def _clip_grad_norm(self) -> torch.Tensor:
-        params = [p for p in self.lm.parameters() if p.grad is not None]
-        max_norm = self.cfg.optim.clip_grad if self.cfg.optim.clip_grad > 0 else math.inf
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2: the global norm
-            norm = norm.full_tensor()
-        return norm
 
     @torch.no_grad()
     def validate(self) -> float:

@@ -6,6 +6,7 @@ which global samples were used, whatever the world size.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -29,6 +30,9 @@ class StepBatch:
     num_loss_tokens: int  # the whole step, all ranks: the loss normaliser
     sample_lengths: list[int]  # the whole step, all ranks (tokens/s and the MFU attention term)
     rows: list[int]  # global row ids of the step (for error messages)
+
+    def pin_memory(self) -> "StepBatch":
+        return dataclasses.replace(self, micro_batches=[m.pin_memory() for m in self.micro_batches])
 
 
 @dataclass(frozen=True)
@@ -86,10 +90,12 @@ class StepStream(IterableDataset):
                 yield self.data.step(*position)
 
 
-def step_batches(data: TrainData, epoch: int, consumed: int, num_workers: int) -> DataLoader:
-    """The training stream from a data position; each item is one whole step (no collation)."""
+def step_batches(data: TrainData, epoch: int, consumed: int, num_workers: int, pin_memory: bool) -> DataLoader:
+    """The training stream from a data position; each item is one whole step (no collation).
+    pin_memory (on CUDA): a thread of the loader takes each step from the workers and pins it
+    ahead of time, so the training loop neither waits for that nor for a synchronous copy."""
     return DataLoader(StepStream(data, epoch, consumed), batch_size=None, num_workers=num_workers,
-                      prefetch_factor=2 if num_workers else None)
+                      prefetch_factor=2 if num_workers else None, pin_memory=pin_memory)
 
 
 def render_share(source: ParquetSource, renderer: Renderer, rank: int, world: int) -> list[RenderedSample]:

@@ -35,6 +35,12 @@ class MicroBatch:
         return MicroBatch(self.input_ids.to(**move), self.labels.to(**move), self.position_ids.to(**move),
                           self.cu_seqlens.to(**move), self.max_seqlen, self.num_loss_tokens)
 
+    def pin_memory(self) -> "MicroBatch":
+        """Page-locked copies (torch's DataLoader calls this with pin_memory=True): a copy from
+        them to the GPU is asynchronous, so the next step's batch moves while this one computes."""
+        return MicroBatch(self.input_ids.pin_memory(), self.labels.pin_memory(), self.position_ids.pin_memory(),
+                          self.cu_seqlens.pin_memory(), self.max_seqlen, self.num_loss_tokens)
+
     def model_inputs(self) -> dict:
         """Keyword arguments of the HF model call (transformers' FlashAttentionKwargs names)."""
         return dict(input_ids=self.input_ids, position_ids=self.position_ids,

@@ -1,0 +1,64 @@
+"""clipped_step: clipping and the skip of a non-finite step, on the host and inside fused AdamW.
+
+The device-side path hands the clip factor and the skip flag to torch's fused AdamW kernel (which
+also runs on CPU); the reference is torch's own clip_grad_norm_ followed by a plain AdamW step."""
+
+import math
+
+import pytest
+import torch
+
+from sfttrain.optim import clipped_step
+
+
+def _params(seed: int) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=g)) for shape in [(7, 5), (5,), (3, 4, 2)]]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g) * 3
+    return params
+
+
+# Adam's update is nearly blind to the gradient's scale (m / sqrt(v)); a large eps makes it see
+# the clip factor
+HYPER = dict(lr=0.1, weight_decay=0.01, eps=1.0)
+
+
+def _reference(params, max_norm):
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    torch.optim.AdamW(params, **HYPER, foreach=False).step()
+    return norm
+
+
+@pytest.mark.parametrize("max_norm", [1.0, math.inf])  # clipping active / no clipping
+@pytest.mark.parametrize("device_side", [True, False])
+def test_clipped_step_matches_clip_grad_norm_then_step(max_norm, device_side):
+    ref = _params(0)
+    ref_norm = _reference(ref, max_norm)
+    params = _params(0)
+    opt = torch.optim.AdamW(params, **HYPER, fused=device_side)
+    norm, stepped = clipped_step(opt, params, max_norm, torch.tensor(2.5), device_side)
+    assert bool(stepped)
+    torch.testing.assert_close(norm, ref_norm)
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p.detach(), r.detach())
+
+
+@pytest.mark.parametrize("bad", ["grad", "loss"])
+@pytest.mark.parametrize("device_side", [True, False])
+def test_non_finite_step_changes_nothing(bad, device_side):
+    params = _params(1)
+    opt = torch.optim.AdamW(params, lr=0.1, fused=device_side)
+    clipped_step(opt, params, 1.0, torch.tensor(2.5), device_side)  # a good step first: state exists
+    before = [p.detach().clone() for p in params]
+    moments = [opt.state[p]["exp_avg"].clone() for p in params]
+    for p in params:
+        p.grad = torch.randn(p.shape)
+    if bad == "grad":
+        params[1].grad[2] = float("nan")
+    loss = torch.tensor(float("inf") if bad == "loss" else 2.5)
+    _, stepped = clipped_step(opt, params, 1.0, loss, device_side)
+    assert not bool(stepped)
+    for p, b, p_state, m in zip(params, before, [opt.state[p] for p in params], moments):
+        assert torch.equal(p.detach(), b)
+        assert torch.equal(p_state["exp_avg"], m)

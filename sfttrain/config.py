@@ -67,6 +67,10 @@ class ModelConfig:
     attn_implementation: str = "auto"  # auto | flash_attn | torch_varlen | sdpa_blockmask
     use_liger: bool = False  # Liger's fused RMSNorm/SwiGLU/RoPE and fused linear cross-entropy
     compile: bool = False  # torch.compile the decoder (dynamic shapes): whole on one rank, per layer under FSDP
+    # tokens per chunk of sfttrain's linear cross-entropy: a chunk's logits and their gradient are
+    # held at once (2 x chunk x vocab in bf16); larger chunks pass fewer times over the fp32
+    # lm_head gradient (W1 on an H200: 2048 ran 2.8% faster and peaked 0.87 GiB higher)
+    loss_chunk_tokens: int = 1024
     lora_rank: int = 0
     lora_alpha: int = 16
     target_modules: Any = "all-linear"
@@ -219,7 +223,7 @@ def validate(cfg: Config) -> None:
     for key, value in (("data.train_batch_size", d.train_batch_size),
                        ("data.micro_batch_size_per_gpu", d.micro_batch_size_per_gpu),
                        ("data.max_length", d.max_length), ("data.pad_to_multiple", d.pad_to_multiple),
-                       ("trainer.total_epochs", t.total_epochs)):
+                       ("model.loss_chunk_tokens", m.loss_chunk_tokens), ("trainer.total_epochs", t.total_epochs)):
         if value <= 0:
             raise ConfigError(f"{key} must be positive, got {value}")
     if d.max_token_len_per_gpu is not None and d.max_token_len_per_gpu < d.max_length:

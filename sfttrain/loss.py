@@ -13,24 +13,21 @@ from torch import nn
 
 from sfttrain.data.pack import IGNORE_INDEX, MicroBatch
 
-# Tokens per chunk of LinearCrossEntropy: bounds what is held at once to the chunk's logits and
-# their gradient (2 x 0.3 GB in bf16 for a 152k vocabulary) while keeping the lm_head GEMMs
-# large enough to run near peak.
-LOSS_CHUNK_TOKENS = 1024
-
-
 class CausalLMLoss(nn.Module):
     def __init__(self, model: nn.Module, fused: bool, compiled_max_seqlen: int | None = None,
-                 compile_loss: bool = False):
+                 compile_loss: bool = False, chunk_tokens: int = 1024):
         """fused: Liger's fused linear cross-entropy. compiled_max_seqlen: the decoder is compiled;
         pass this fixed upper bound as the attention's max sample length (the kernels only need a
         bound, and a compiled graph would specialise and recompile on every distinct value).
         compile_loss: compile the per-chunk softmax (on CUDA always worth it: eager it would
-        allocate several fp32 [chunk, vocab] temporaries)."""
+        allocate several fp32 [chunk, vocab] temporaries). chunk_tokens: LinearCrossEntropy's chunk
+        (model.loss_chunk_tokens): 1024 keeps the lm_head GEMMs near peak at 2 x 0.3 GB of bf16
+        logits and gradient for a 152k vocabulary."""
         super().__init__()
         self.model = model  # the Hugging Face causal LM, unmodified
         self.fused = fused
         self.compiled_max_seqlen = compiled_max_seqlen
+        self.chunk_tokens = chunk_tokens
         # set by sfttrain.parallel when no FSDP casts the parameters: run forward under autocast
         self.autocast_dtype: torch.dtype | None = None
         self.chunk_loss = torch.compile(chunk_loss_and_grad, dynamic=True) if compile_loss else chunk_loss_and_grad
@@ -58,7 +55,8 @@ class CausalLMLoss(nn.Module):
                                                     ignore_index=IGNORE_INDEX, reduction="sum",
                                                     accum_dtype=torch.float32)
         with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-        return LinearCrossEntropy.apply(hidden, weight, labels, compute_dtype, self.chunk_loss, with_grad)
+        return LinearCrossEntropy.apply(hidden, weight, labels, compute_dtype, self.chunk_loss, with_grad,
+                                        self.chunk_tokens)
 
 
 def chunk_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor, with_grad: bool):
@@ -82,7 +80,7 @@ def chunk_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor, with_grad: b
 
 class LinearCrossEntropy(torch.autograd.Function):
     """sum_t CE(hidden_t @ weight.T, label_t), chunk by chunk, with the gradient computed in the
-    forward pass (as Liger's fused loss does, but with GEMMs of LOSS_CHUNK_TOKENS rows instead of
+    forward pass (as Liger's fused loss does, but with GEMMs of chunk_tokens rows instead of
     ~V/H-token slivers): each chunk's logits are made once, turned at once into their gradient
     softmax - onehot instead of being kept, and multiplied back into d hidden and d weight.
     Three lm_head GEMMs per token (no recompute), one chunk's logits and gradient alive at a
@@ -93,7 +91,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     inputs' own dtypes, so an fp32 master weight gets an fp32 gradient never rounded to bf16."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, compute_dtype, chunk_loss, with_grad):
+    def forward(ctx, hidden, weight, labels, compute_dtype, chunk_loss, with_grad, chunk_tokens):
         ctx.set_materialize_grads(False)
         # the GEMM dtype is chosen here, explicitly, not by an enclosing autocast
         with torch.autocast(hidden.device.type, enabled=False):
@@ -101,8 +99,8 @@ class LinearCrossEntropy(torch.autograd.Function):
             total = torch.zeros((), dtype=torch.float32, device=hidden.device)
             grad_hidden = torch.empty_like(hidden) if with_grad else None
             grad_weight = torch.zeros_like(weight, dtype=torch.float32) if with_grad else None
-            for start in range(0, h_all.shape[0], LOSS_CHUNK_TOKENS):
-                h, y = h_all[start:start + LOSS_CHUNK_TOKENS], labels[start:start + LOSS_CHUNK_TOKENS]
+            for start in range(0, h_all.shape[0], chunk_tokens):
+                h, y = h_all[start:start + chunk_tokens], labels[start:start + chunk_tokens]
                 loss, grad_logits = chunk_loss(h @ w.t(), y, with_grad)
                 total += loss
                 if with_grad:
@@ -115,9 +113,9 @@ class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total):
         if grad_total is None:
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_total, grad_weight * grad_total, None, None, None, None
+        return grad_hidden * grad_total, grad_weight * grad_total, None, None, None, None, None
 
 
 def _add_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:

@@ -51,7 +51,8 @@ class FSDPSFTTrainer:
         self.model_shape = ModelShape.of(model)
         self.lm = CausalLMLoss(model, fused=self.liger,
                                compiled_max_seqlen=d.max_length if cfg.model.compile else None,
-                               compile_loss=cfg.model.compile or world.device.type == "cuda")
+                               compile_loss=cfg.model.compile or world.device.type == "cuda",
+                               chunk_tokens=cfg.model.loss_chunk_tokens)
         self.sharded = parallelize(self.lm, world, cfg)
         self.optimizer = build_optimizer(self.lm, cfg.optim, world.device)
         # fused AdamW takes the clip factor and the skip-if-not-finite flag on the device; under
@@ -136,7 +137,7 @@ class FSDPSFTTrainer:
         params = [p for p in self.lm.parameters() if p.grad is not None]
         max_norm = self.cfg.optim.clip_grad if self.cfg.optim.clip_grad > 0 else math.inf
         grad_norm, stepped = clipped_step(self.optimizer, params, max_norm, loss_sum, self.device_side_step)
-        # the step's one host sync
+        # read after the update: with the device-side step, the step's one host sync
         total, grad_norm, stepped = torch.stack([loss_sum, grad_norm.float(), stepped.float()]).tolist()
         loss = total / max(batch.num_loss_tokens, 1)
         if not stepped:

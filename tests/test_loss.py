@@ -5,7 +5,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sfttrain import loss as loss_mod
 from sfttrain.data.pack import IGNORE_INDEX
 from sfttrain.loss import LinearCrossEntropy, chunk_loss_and_grad
 
@@ -26,24 +25,22 @@ def _reference(h, w, y, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("chunk", [16, 4096])  # several chunks (and a ragged last one), one chunk
-def test_matches_autograd_fp32(monkeypatch, chunk):
-    monkeypatch.setattr(loss_mod, "LOSS_CHUNK_TOKENS", chunk)
+def test_matches_autograd_fp32(chunk):
     h, w, y = _inputs()
     ref_loss, ref_dh, ref_dw = _reference(h, w, y)
-    out = LinearCrossEntropy.apply(h, w, y, torch.float32, chunk_loss_and_grad, True)
+    out = LinearCrossEntropy.apply(h, w, y, torch.float32, chunk_loss_and_grad, True, chunk)
     (out * 0.37).backward()  # backward scales by the incoming gradient
     torch.testing.assert_close(out, ref_loss, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(h.grad, ref_dh * 0.37, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(w.grad, ref_dw * 0.37, rtol=1e-5, atol=1e-6)
 
 
-def test_bf16_compute_keeps_fp32_gradients(monkeypatch):
+def test_bf16_compute_keeps_fp32_gradients():
     """Mixed precision: bf16 GEMMs, but the fp32 master weight gets an fp32 gradient summed over
     chunks without bf16 rounding of the running sum."""
-    monkeypatch.setattr(loss_mod, "LOSS_CHUNK_TOKENS", 16)
     h, w, y = _inputs()
     ref_loss, ref_dh, ref_dw = _reference(h, w, y, dtype=torch.bfloat16)
-    out = LinearCrossEntropy.apply(h, w, y, torch.bfloat16, chunk_loss_and_grad, True)
+    out = LinearCrossEntropy.apply(h, w, y, torch.bfloat16, chunk_loss_and_grad, True, 16)
     out.backward()
     assert w.grad.dtype == torch.float32 and h.grad.dtype == torch.float32
     torch.testing.assert_close(out, ref_loss, rtol=1e-4, atol=1e-3)
@@ -54,7 +51,7 @@ def test_bf16_compute_keeps_fp32_gradients(monkeypatch):
 def test_no_grad_computes_loss_only():
     h, w, y = _inputs()
     with torch.no_grad():
-        out = LinearCrossEntropy.apply(h, w, y, torch.float32, chunk_loss_and_grad, False)
+        out = LinearCrossEntropy.apply(h, w, y, torch.float32, chunk_loss_and_grad, False, 16)
     torch.testing.assert_close(out, _reference(h, w, y)[0], rtol=1e-5, atol=1e-5)
     assert out.grad_fn is None
 
@@ -62,20 +59,20 @@ def test_no_grad_computes_loss_only():
 def test_all_tokens_ignored_gives_zero_loss_and_gradient():
     h, w, y = _inputs()
     y[:] = IGNORE_INDEX
-    out = LinearCrossEntropy.apply(h, w, y, torch.float32, chunk_loss_and_grad, True)
+    out = LinearCrossEntropy.apply(h, w, y, torch.float32, chunk_loss_and_grad, True, 16)
     out.backward()
     assert out.item() == 0.0 and h.grad.abs().max() == 0 and w.grad.abs().max() == 0
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="CUDA: the fp32-accumulating bf16 GEMM"))])
-def test_compiled_bf16_matches_reference(monkeypatch, device):
-    """The compiled softmax kernel (writes the gradient into the logits buffer in place)."""
-    monkeypatch.setattr(loss_mod, "LOSS_CHUNK_TOKENS", 512)
+def test_compiled_bf16_matches_reference(device):
+    """The compiled softmax-and-gradient kernel, over several chunks."""
     h, w, y = (t.detach().to(device) for t in _inputs(tokens=1500, hidden=64, vocab=5000))
     h.requires_grad_(), w.requires_grad_()
     ref_loss, ref_dh, ref_dw = _reference(h, w, y, dtype=torch.bfloat16)
-    out = LinearCrossEntropy.apply(h, w, y, torch.bfloat16, torch.compile(chunk_loss_and_grad, dynamic=True), True)
+    out = LinearCrossEntropy.apply(h, w, y, torch.bfloat16, torch.compile(chunk_loss_and_grad, dynamic=True), True,
+                                   512)
     out.backward()
     torch.testing.assert_close(out, ref_loss, rtol=1e-4, atol=1e-2)
     torch.testing.assert_close(w.grad, ref_dw, rtol=2e-2, atol=2e-2)

@@ -21,20 +21,22 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) ->
 
 
 def clipped_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], max_norm: float,
-                 loss_sum: torch.Tensor, device_side: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                 loss_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Clips the gradients to a total 2-norm of max_norm (inf: no clipping) and steps the
     optimizer, unless the loss or the norm is not finite. Returns the gradient norm (global under
     FSDP) and whether the step was taken, both on the device.
 
-    device_side (the fused AdamW on unsharded parameters): the clip factor and the skip go to the
-    fused kernel as device tensors, through the hooks torch's AMP GradScaler uses (gradients divided
-    by `grad_scale`; nothing updated when `found_inf` is set). So the GPU runs from backward into
-    the update without waiting for the host, and no extra pass rewrites every gradient. Otherwise
-    the gradients are clipped in place and the check is read on the host."""
+    A fused AdamW on plain (unsharded) tensors gets the clip factor and the skip as device
+    tensors, through the hooks torch's AMP GradScaler uses (gradients divided by `grad_scale`;
+    nothing updated when `found_inf` is set): the GPU runs from backward into the update without
+    waiting for the host, and no extra pass rewrites every gradient. Otherwise (CPU, or FSDP's
+    DTensor parameters, which do not mix with plain tensors there) the gradients are clipped in
+    place and the check is read on the host."""
     norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-    full_norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # a DTensor under FSDP2
+    sharded = hasattr(norm, "full_tensor")  # a DTensor under FSDP2
+    full_norm = norm.full_tensor() if sharded else norm
     finite = torch.isfinite(full_norm) & torch.isfinite(loss_sum)
-    if device_side:
+    if optimizer.defaults.get("fused") and not sharded:
         coef = torch.clamp(max_norm / (full_norm.float() + 1e-6), max=1.0)  # clip_grads_with_norm_'s
         optimizer.grad_scale, optimizer.found_inf = 1.0 / coef, (~finite).float()
         optimizer.step()

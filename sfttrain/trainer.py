@@ -55,9 +55,6 @@ class FSDPSFTTrainer:
                                chunk_tokens=cfg.model.loss_chunk_tokens)
         self.sharded = parallelize(self.lm, world, cfg)
         self.optimizer = build_optimizer(self.lm, cfg.optim, world.device)
-        # fused AdamW takes the clip factor and the skip-if-not-finite flag on the device; under
-        # FSDP its parameters are DTensors, which do not mix with those plain tensors
-        self.device_side_step = bool(self.optimizer.defaults.get("fused")) and not self.sharded
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.plan.total_steps)
         self.data = TrainData(train_source, renderer, self.plan, stats, world.dp_rank, t.seed, d.shuffle,
                               self.model_shape.attention_coefficient, d.pad_to_multiple)
@@ -136,8 +133,8 @@ class FSDPSFTTrainer:
         lr = self.scheduler.get_last_lr()[0]
         params = [p for p in self.lm.parameters() if p.grad is not None]
         max_norm = self.cfg.optim.clip_grad if self.cfg.optim.clip_grad > 0 else math.inf
-        grad_norm, stepped = clipped_step(self.optimizer, params, max_norm, loss_sum, self.device_side_step)
-        # read after the update: with the device-side step, the step's one host sync
+        grad_norm, stepped = clipped_step(self.optimizer, params, max_norm, loss_sum)
+        # read after the update: with a fused optimizer on one GPU, the step's one host sync
         total, grad_norm, stepped = torch.stack([loss_sum, grad_norm.float(), stepped.float()]).tolist()
         loss = total / max(batch.num_loss_tokens, 1)
         if not stepped:

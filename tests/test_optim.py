@@ -1,7 +1,7 @@
 """clipped_step: clipping and the skip of a non-finite step, on the host and inside fused AdamW.
 
-The device-side path hands the clip factor and the skip flag to torch's fused AdamW kernel (which
-also runs on CPU); the reference is torch's own clip_grad_norm_ followed by a plain AdamW step."""
+With a fused AdamW (which also runs on CPU) the clip factor and the skip flag go to its kernel as
+device tensors; with a plain AdamW the gradients are clipped in place. The reference is torch's own clip_grad_norm_ followed by a plain AdamW step."""
 
 import math
 
@@ -31,13 +31,13 @@ def _reference(params, max_norm):
 
 
 @pytest.mark.parametrize("max_norm", [1.0, math.inf])  # clipping active / no clipping
-@pytest.mark.parametrize("device_side", [True, False])
-def test_clipped_step_matches_clip_grad_norm_then_step(max_norm, device_side):
+@pytest.mark.parametrize("fused", [True, False])
+def test_clipped_step_matches_clip_grad_norm_then_step(max_norm, fused):
     ref = _params(0)
     ref_norm = _reference(ref, max_norm)
     params = _params(0)
-    opt = torch.optim.AdamW(params, **HYPER, fused=device_side)
-    norm, stepped = clipped_step(opt, params, max_norm, torch.tensor(2.5), device_side)
+    opt = torch.optim.AdamW(params, **HYPER, fused=fused)
+    norm, stepped = clipped_step(opt, params, max_norm, torch.tensor(2.5))
     assert bool(stepped)
     torch.testing.assert_close(norm, ref_norm)
     for p, r in zip(params, ref):
@@ -45,11 +45,11 @@ def test_clipped_step_matches_clip_grad_norm_then_step(max_norm, device_side):
 
 
 @pytest.mark.parametrize("bad", ["grad", "loss"])
-@pytest.mark.parametrize("device_side", [True, False])
-def test_non_finite_step_changes_nothing(bad, device_side):
+@pytest.mark.parametrize("fused", [True, False])
+def test_non_finite_step_changes_nothing(bad, fused):
     params = _params(1)
-    opt = torch.optim.AdamW(params, lr=0.1, fused=device_side)
-    clipped_step(opt, params, 1.0, torch.tensor(2.5), device_side)  # a good step first: state exists
+    opt = torch.optim.AdamW(params, lr=0.1, fused=fused)
+    clipped_step(opt, params, 1.0, torch.tensor(2.5))  # a good step first: state exists
     before = [p.detach().clone() for p in params]
     moments = [opt.state[p]["exp_avg"].clone() for p in params]
     for p in params:
@@ -57,7 +57,7 @@ def test_non_finite_step_changes_nothing(bad, device_side):
     if bad == "grad":
         params[1].grad[2] = float("nan")
     loss = torch.tensor(float("inf") if bad == "loss" else 2.5)
-    _, stepped = clipped_step(opt, params, 1.0, loss, device_side)
+    _, stepped = clipped_step(opt, params, 1.0, loss)
     assert not bool(stepped)
     for p, b, p_state, m in zip(params, before, [opt.state[p] for p in params], moments):
         assert torch.equal(p.detach(), b)

@@ -31,15 +31,16 @@ class MicroBatch:
     num_loss_tokens: int
 
     def to(self, device: torch.device) -> "MicroBatch":
-        move = dict(device=device, non_blocking=True)
-        return MicroBatch(self.input_ids.to(**move), self.labels.to(**move), self.position_ids.to(**move),
-                          self.cu_seqlens.to(**move), self.max_seqlen, self.num_loss_tokens)
+        return self._map_tensors(lambda t: t.to(device, non_blocking=True))
 
     def pin_memory(self) -> "MicroBatch":
         """Page-locked copies (torch's DataLoader calls this with pin_memory=True): a copy from
         them to the GPU is asynchronous, so the next step's batch moves while this one computes."""
-        return MicroBatch(self.input_ids.pin_memory(), self.labels.pin_memory(), self.position_ids.pin_memory(),
-                          self.cu_seqlens.pin_memory(), self.max_seqlen, self.num_loss_tokens)
+        return self._map_tensors(torch.Tensor.pin_memory)
+
+    def _map_tensors(self, fn) -> "MicroBatch":
+        return MicroBatch(fn(self.input_ids), fn(self.labels), fn(self.position_ids), fn(self.cu_seqlens),
+                          self.max_seqlen, self.num_loss_tokens)
 
     def model_inputs(self) -> dict:
         """Keyword arguments of the HF model call (transformers' FlashAttentionKwargs names)."""

@@ -36,14 +36,16 @@ def main() -> None:
     world = init_world(cfg)
     trainer = FSDPSFTTrainer(cfg, world)
     batches = iter(step_batches(trainer.data, 0, 0, cfg.data.num_workers, pin_memory=True))
+    queued = None
     for _ in range(args.warmup):
-        trainer.train_step(next(batches))
-    torch.cuda.synchronize()
+        queued = trainer.step(next(batches), 0.0, queued)
+    trainer.finish(queued)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
+        queued = None
         for _ in range(args.steps):
-            trainer.train_step(next(batches))
-        torch.cuda.synchronize()
+            queued = trainer.step(next(batches), 0.0, queued)
+        trainer.finish(queued)
         wall = (time.perf_counter() - start) / args.steps
     events = prof.key_averages()
     # device kernels only: annotated ranges (Optimizer.step, ...) would count their kernels twice

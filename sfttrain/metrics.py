@@ -1,7 +1,7 @@
 """What the user sees: a progress bar, one console line per step, metrics.jsonl, wandb.
 
-Throughput is honest: real (non-pad) input tokens and supervised tokens per second, measured
-between device synchronisations; MFU by the formula in sfttrain/flops.py.
+Throughput is honest: real (non-pad) input tokens and supervised tokens per second, timed
+between the completions of consecutive steps on the device; MFU by the formula in sfttrain/flops.py.
 """
 
 from __future__ import annotations
@@ -19,18 +19,34 @@ from sfttrain.flops import ModelShape, mfu
 
 
 class StepTimer:
-    """Wall time of a step, read after synchronising the device (the number is the GPU's)."""
+    """Wall time between the moments the host sees consecutive steps finish on the device (the
+    trainer waits for each step's update through its `PendingValues` before lapping)."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self):
         self.start = time.perf_counter()
 
     def lap(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # a sync point, once per step, for an honest clock
         now = time.perf_counter()
         elapsed, self.start = now - self.start, now
         return elapsed
+
+
+class PendingValues:
+    """Device scalars on their way to the host. The copy is queued behind the work that makes
+    them, and read() waits for that work only; a .tolist() would wait for everything queued
+    since, so the host could not queue the next step while the GPU finishes this one."""
+
+    def __init__(self, values: torch.Tensor):
+        self.host = values.to("cpu", non_blocking=True)  # into pinned memory when values is on CUDA
+        self.ready = None
+        if values.is_cuda:
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+
+    def read(self) -> list:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.tolist()
 
 
 def throughput(lengths: list[int], loss_tokens: int, seconds: float, shape: ModelShape, num_gpus: int) -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -17,7 +18,7 @@ from sfttrain.data.render import Renderer
 from sfttrain.distributed import World
 from sfttrain.flops import ModelShape
 from sfttrain.loss import CausalLMLoss, normalised
-from sfttrain.metrics import MetricsLogger, StepTimer, memory_stats, throughput
+from sfttrain.metrics import MetricsLogger, PendingValues, StepTimer, memory_stats, throughput
 from sfttrain.model import load_model, load_tokenizer
 from sfttrain.optim import build_optimizer, build_scheduler, clipped_step, warmup_steps
 from sfttrain.parallel import parallelize
@@ -25,6 +26,17 @@ from sfttrain.parallel import parallelize
 
 class NonFiniteLossError(RuntimeError):
     pass
+
+
+@dataclass
+class QueuedStep:
+    """A step whose update is queued on the device; its loss, grad norm and whether it was
+    applied reach the host later (`FSDPSFTTrainer.finish`)."""
+    step: int
+    batch: StepBatch
+    lr: float
+    data_wait: float
+    values: PendingValues
 
 
 class FSDPSFTTrainer:
@@ -69,6 +81,7 @@ class FSDPSFTTrainer:
             self.state = checkpoint.load(resume_from, self.lm.model, self.optimizer, self.scheduler, world, cfg)
         self.logger = MetricsLogger(cfg, self.run_dir, world.is_main, self.plan.total_steps, self.state.step,
                                     wandb_id=self.state.wandb_id)
+        self.timer = StepTimer()
         self._print_startup(resume_from)
 
     def _print_startup(self, resume_from: str | None) -> None:
@@ -99,53 +112,75 @@ class FSDPSFTTrainer:
         total = self.plan.total_steps
         batches = iter(step_batches(self.data, self.state.epoch, self.state.consumed_in_epoch,
                                     self.cfg.data.num_workers, pin_memory=self.world.device.type == "cuda"))
-        timer = StepTimer(self.world.device)
+        self.timer.lap()  # start-up is not step time
+        queued = None  # the previous step: its update is queued on the device, its numbers not yet read
         while self.state.step < total:
             wait_start = time.perf_counter()
             batch = next(batches)
-            data_wait = time.perf_counter() - wait_start
-            metrics = self.train_step(batch)
-            self.state.advance(batch)
+            queued = self.step(batch, time.perf_counter() - wait_start, queued)
             step = self.state.step
-            metrics.update(throughput(batch.sample_lengths, batch.num_loss_tokens, timer.lap(), self.model_shape,
-                                      self.world.world_size))
-            metrics.update(epoch=batch.epoch, data_wait_s=data_wait, **memory_stats(self.world.device))
-            self.logger.log(step, metrics)
             last = step == total
             validate = self.val_batches is not None and (last or (t.test_freq > 0 and step % t.test_freq == 0))
             save = last or (t.save_freq > 0 and step % t.save_freq == 0)
+            if validate or save:
+                self.finish(queued)  # checkpoints only of steps known to be finite
+                queued = None
             if validate:
                 self.logger.log(step, {"val/loss": self.validate()})
             if save:
                 self.save()
             if validate or save:
-                timer.lap()  # not training time; logging and data waits are (the next step's)
+                self.timer.lap()  # not training time; logging and data waits are (the next step's)
         self.logger.close()
 
-    def train_step(self, batch: StepBatch) -> dict:
+    def step(self, batch: StepBatch, data_wait: float, previous: QueuedStep | None) -> QueuedStep:
+        """Queues one optimizer step. The previous step's numbers are read only once this step's
+        forward and backward are queued behind its update: the GPU never idles while the host
+        logs, fetches the next batch and launches the next forward."""
+        loss_sum = self.forward_backward(batch)
+        if previous is not None:
+            self.finish(previous)
+        return self.update(batch, loss_sum, data_wait)
+
+    def forward_backward(self, batch: StepBatch) -> torch.Tensor:
+        """Queues the step's forward and backward passes; returns the summed loss (on the device)."""
         self.lm.train()
         loss_sum = torch.zeros((), device=self.world.device)
         for micro in batch.micro_batches:
             micro_loss = self.lm(micro.to(self.world.device))
             normalised(micro_loss, batch.num_loss_tokens, self.world.dp_size).backward()
             loss_sum += micro_loss.detach()
+        return loss_sum
+
+    def update(self, batch: StepBatch, loss_sum: torch.Tensor, data_wait: float) -> QueuedStep:
+        """Queues the clipped update (skipped on the device if the loss or the norm is not finite)."""
         dist.all_reduce(loss_sum)
         lr = self.scheduler.get_last_lr()[0]
         params = [p for p in self.lm.parameters() if p.grad is not None]
         max_norm = self.cfg.optim.clip_grad if self.cfg.optim.clip_grad > 0 else math.inf
         grad_norm, stepped = clipped_step(self.optimizer, params, max_norm, loss_sum)
-        # read after the update: with a fused optimizer on one GPU, the step's one host sync
-        total, grad_norm, stepped = torch.stack([loss_sum, grad_norm.float(), stepped.float()]).tolist()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.state.advance(batch)
+        values = PendingValues(torch.stack([loss_sum, grad_norm.float(), stepped.float()]))
+        return QueuedStep(self.state.step, batch, lr, data_wait, values)
+
+    def finish(self, queued: QueuedStep) -> None:
+        """Waits for a queued step's update, stops on a non-finite one, logs it."""
+        total, grad_norm, stepped = queued.values.read()
+        batch = queued.batch
         loss = total / max(batch.num_loss_tokens, 1)
         if not stepped:
             raise NonFiniteLossError(
-                f"non-finite loss ({loss}) or grad norm ({grad_norm}) at step {self.state.step + 1} "
+                f"non-finite loss ({loss}) or grad norm ({grad_norm}) at step {queued.step} "
                 f"(epoch {batch.epoch}); the update was NOT applied. Rows of this step: {batch.rows[:16]}... "
                 f"Lower optim.lr, keep optim.clip_grad > 0, or check those rows; resume from the last "
                 f"checkpoint in {self.run_dir}.")
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return {"loss": loss, "lr": lr, "grad_norm": grad_norm}
+        metrics = {"loss": loss, "lr": queued.lr, "grad_norm": grad_norm}
+        metrics.update(throughput(batch.sample_lengths, batch.num_loss_tokens, self.timer.lap(), self.model_shape,
+                                  self.world.world_size))
+        metrics.update(epoch=batch.epoch, data_wait_s=queued.data_wait, **memory_stats(self.world.device))
+        self.logger.log(queued.step, metrics)
 
     @torch.no_grad()
     def validate(self) -> float:

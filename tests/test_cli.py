@@ -104,6 +104,9 @@ def test_missing_model_folder(gsm8k_dir, tmp_path):
 def test_nan_loss_stops_before_the_update(gsm8k_dir, tmp_path):
     out = _fails_with(gsm8k_dir, tmp_path, ["optim.lr=1e30", "optim.clip_grad=0", "data.train_batch_size=4",
                                             "data.micro_batch_size_per_gpu=4"], "non-finite loss", "NOT applied")
+    # step 1 is finite and moves every weight by ~lr; step 2 is the first to be named, though the
+    # trainer reads a step's numbers only once the next step is queued
+    assert "at step 2 " in out
     assert "sfttrain/trainer.py" not in out  # a message, not a traceback of ours
 
 

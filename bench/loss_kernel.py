@@ -1,6 +1,6 @@
 """The loss's pieces on the GPU, alone, on W1's shapes (hidden 896, vocabulary 151936): the
-per-chunk softmax kernel (`sfttrain.loss.chunk_loss_and_grad` compiled with inductor options,
-against Liger's in-place cross-entropy kernel) and the three lm_head GEMMs of a chunk.
+per-chunk softmax kernels of `model.loss_kernel` (`chunk_loss_and_grad` compiled by inductor,
+Liger's in-place cross-entropy kernel) and the three lm_head GEMMs of a chunk.
 
     python3 -m bench.loss_kernel [--tokens 1024 2048]
 
@@ -13,15 +13,10 @@ import argparse
 
 import torch
 
-from sfttrain.loss import IGNORE_INDEX, _add_matmul, chunk_loss_and_grad
+from sfttrain.loss import (IGNORE_INDEX, _add_matmul, chunk_loss_and_grad, liger_chunk_loss_and_grad,
+                           liger_unavailable_reason, select_chunk_loss)
 
 HIDDEN, VOCAB = 896, 151936
-
-INDUCTOR_OPTIONS = {
-    "inductor": {},
-    "inductor_coordinate_descent": {"coordinate_descent_tuning": True},
-    "inductor_no_online_softmax": {"online_softmax": False},
-}
 
 
 def milliseconds(fn, reps: int = 20) -> float:
@@ -36,38 +31,18 @@ def milliseconds(fn, reps: int = 20) -> float:
     return start.elapsed_time(end) / reps
 
 
-def liger_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor):
-    """Liger's kernel: the gradient written over the logits (its wrapper reads counts on the host)."""
-    from liger_kernel.ops.cross_entropy import cross_entropy_forward
-
-    loss, _, _, _, grad = cross_entropy_forward(logits, labels, None, IGNORE_INDEX, 0.0, 0.0, "sum", None, False)
-    return loss, grad
-
-
-def softmax_variants(tokens: int) -> None:
+def softmax_variants(tokens: int, variants: dict) -> None:
     torch.manual_seed(0)
     logits = torch.randn(tokens, VOCAB, device="cuda", dtype=torch.bfloat16) * 3
     labels = torch.randint(0, VOCAB, (tokens,), device="cuda")
     labels[torch.rand(tokens, device="cuda") < 0.4] = IGNORE_INDEX
     ref_loss, ref_grad = chunk_loss_and_grad(logits.float(), labels, True)
     ideal_bytes = 3 * logits.numel() * logits.element_size()
-    variants = {name: torch.compile(chunk_loss_and_grad, dynamic=True, options=opts)
-                for name, opts in INDUCTOR_OPTIONS.items()}
     for name, fn in variants.items():
-        try:
-            loss, grad = fn(logits, labels, True)
-            ms = milliseconds(lambda: fn(logits, labels, True))
-        except Exception as e:  # an option this torch does not know
-            print(f"softmax {tokens:5d} tokens  {name:28s} failed: {type(e).__name__}: {str(e)[:200]}")
-            continue
+        loss, grad = fn(logits.clone(), labels, True)  # a copy: Liger's kernel writes over its input
+        work = logits.clone()
+        ms = milliseconds(lambda: fn(work, labels, True))
         report(tokens, name, ms, ideal_bytes, loss, grad, ref_loss, ref_grad)
-    try:
-        work = logits.clone().requires_grad_()  # Liger writes the gradient only for inputs that need one
-        loss, grad = liger_loss_and_grad(work, labels)
-        ms = milliseconds(lambda: liger_loss_and_grad(work, labels))
-        report(tokens, "liger (in place)", ms, ideal_bytes, loss, grad, ref_loss, ref_grad)
-    except ImportError:
-        print("liger-kernel not installed")
 
 
 def report(tokens, name, ms, ideal_bytes, loss, grad, ref_loss, ref_grad) -> None:
@@ -94,8 +69,11 @@ def main() -> None:
     p.add_argument("--tokens", type=int, nargs="*", default=[1024, 2048])
     args = p.parse_args()
     print(torch.__version__, torch.cuda.get_device_name())
+    variants = {"torch (inductor)": select_chunk_loss("torch", "cuda", compile_torch=True)[0]}
+    if liger_unavailable_reason("cuda") is None:
+        variants["liger (sfttrain's launch)"] = liger_chunk_loss_and_grad
     for tokens in args.tokens:
-        softmax_variants(tokens)
+        softmax_variants(tokens, variants)
         gemms(tokens)
 
 

@@ -27,6 +27,7 @@ RECIPE = os.path.join(os.path.dirname(__file__), "..", "recipes", "w1_qwen2.5-0.
 VARIANTS = {
     "compile": [],
     "compile_chunk2048": ["model.loss_chunk_tokens=2048"],
+    "compile_torch_loss": ["model.loss_kernel=torch"],
     "eager": ["model.compile=false"],
     "eager_liger": ["model.compile=false", "model.use_liger=true"],
     "compile_2micro": ["data.max_token_len_per_gpu=8192"],

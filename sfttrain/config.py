@@ -69,8 +69,12 @@ class ModelConfig:
     compile: bool = False  # torch.compile the decoder (dynamic shapes): whole on one rank, per layer under FSDP
     # tokens per chunk of sfttrain's linear cross-entropy: a chunk's logits and their gradient are
     # held at once (2 x chunk x vocab in bf16); larger chunks pass fewer times over the fp32
-    # lm_head gradient (W1 on an H200: 2048 ran 2.8% faster and peaked 0.87 GiB higher)
+    # lm_head gradient (W1 on an H200 with the liger kernel: 2048 ran 1.2% faster and peaked 0.58 GiB higher)
     loss_chunk_tokens: int = 1024
+    # the chunk's softmax-and-gradient kernel: auto (liger where it can run) | liger (Liger's Triton
+    # kernel, gradient written over the logits; CUDA) | torch (compiled by inductor on CUDA: 1.7x
+    # slower per chunk on W1)
+    loss_kernel: str = "auto"
     lora_rank: int = 0
     lora_alpha: int = 16
     target_modules: Any = "all-linear"
@@ -133,6 +137,7 @@ ALIASES = {
 FREE_FORM = ("model.fsdp_config.mixed_precision", "model.fsdp_config.wrap_policy")
 
 DTYPES = ("fp32", "bf16", "fp16")
+LOSS_KERNELS = ("auto", "liger", "torch")  # model.loss_kernel (sfttrain.loss.select_chunk_loss)
 
 
 def load_config(yaml_path: Optional[str] = None, overrides: tuple[str, ...] | list[str] = ()) -> Config:
@@ -231,6 +236,7 @@ def validate(cfg: Config) -> None:
                           f"{d.max_length}: a longest sample would not fit; raise it or lower data.max_length")
     _choice("data.truncation", d.truncation, ("error", "left", "right"))
     _choice("model.strategy", m.strategy, ("fsdp2", "fsdp"))
+    _choice("model.loss_kernel", m.loss_kernel, LOSS_KERNELS)
     _choice("model.attn_implementation", m.attn_implementation,
             ("auto", "flash_attn", "torch_varlen", "sdpa_blockmask"))
     _choice("model.fsdp_config.model_dtype", m.fsdp_config.model_dtype, DTYPES)

@@ -17,7 +17,7 @@ from sfttrain.data.plan import make_plan
 from sfttrain.data.render import Renderer
 from sfttrain.distributed import World
 from sfttrain.flops import ModelShape
-from sfttrain.loss import CausalLMLoss, normalised
+from sfttrain.loss import CausalLMLoss, normalised, select_chunk_loss
 from sfttrain.metrics import MetricsLogger, PendingValues, StepTimer, memory_stats, throughput
 from sfttrain.model import load_model, load_tokenizer
 from sfttrain.optim import build_optimizer, build_scheduler, clipped_step, warmup_steps
@@ -61,10 +61,10 @@ class FSDPSFTTrainer:
         loaded = load_model(cfg.model, world.device, t.seed)
         model, self.attn_backend, self.liger = loaded.model, loaded.attn_backend, loaded.liger
         self.model_shape = ModelShape.of(model)
+        chunk_loss, self.loss_kernel = select_chunk_loss(cfg.model.loss_kernel, world.device.type, cfg.model.compile)
         self.lm = CausalLMLoss(model, fused=self.liger,
                                compiled_max_seqlen=d.max_length if cfg.model.compile else None,
-                               compile_loss=cfg.model.compile or world.device.type == "cuda",
-                               chunk_tokens=cfg.model.loss_chunk_tokens)
+                               chunk_loss=chunk_loss, chunk_tokens=cfg.model.loss_chunk_tokens)
         self.sharded = parallelize(self.lm, world, cfg)
         self.optimizer = build_optimizer(self.lm, cfg.optim, world.device)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.plan.total_steps)
@@ -87,6 +87,8 @@ class FSDPSFTTrainer:
     def _print_startup(self, resume_from: str | None) -> None:
         cfg, shape = self.cfg, self.model_shape
         fsdp = cfg.model.fsdp_config
+        loss = ("Liger's fused linear cross-entropy" if self.liger else f"chunked linear cross-entropy, "
+                f"{cfg.model.loss_chunk_tokens}-token chunks, softmax kernel {self.loss_kernel}")
         lines = [
             "sfttrain",
             f"  world size          : {self.world.world_size} ({self.world.device.type}), "
@@ -94,6 +96,7 @@ class FSDPSFTTrainer:
             self.plan.describe(),
             f"  model               : {cfg.model.partial_pretrain} ({shape.num_params / 1e6:.2f}M params, "
             f"{shape.num_layers} layers), attention {self.attn_backend}, liger {self.liger}",
+            f"  loss                : {loss}",
             f"  precision           : weights/optimizer {fsdp.model_dtype}, mixed precision {fsdp.mixed_precision}"
             f" ({'FSDP2 over the mesh' if self.sharded else 'one device, not sharded'})",
             f"  lr                  : {cfg.optim.lr} {cfg.optim.lr_scheduler}, "

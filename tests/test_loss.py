@@ -6,7 +6,12 @@ import torch
 import torch.nn.functional as F
 
 from sfttrain.data.pack import IGNORE_INDEX
-from sfttrain.loss import LinearCrossEntropy, chunk_loss_and_grad
+from sfttrain.config import ConfigError
+from sfttrain.loss import (LinearCrossEntropy, chunk_loss_and_grad, liger_chunk_loss_and_grad, liger_unavailable_reason,
+                           select_chunk_loss)
+
+CUDA = torch.cuda.is_available()
+LIGER_MISSING = liger_unavailable_reason("cuda") if CUDA else "no CUDA device"
 
 
 def _inputs(tokens=50, hidden=24, vocab=97, seed=0):
@@ -64,16 +69,42 @@ def test_all_tokens_ignored_gives_zero_loss_and_gradient():
     assert out.item() == 0.0 and h.grad.abs().max() == 0 and w.grad.abs().max() == 0
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="CUDA: the fp32-accumulating bf16 GEMM"))])
-def test_compiled_bf16_matches_reference(device):
-    """The compiled softmax-and-gradient kernel, over several chunks."""
+@pytest.mark.parametrize("device,kernel", [
+    ("cpu", "torch"),
+    pytest.param("cuda", "torch", marks=pytest.mark.skipif(not CUDA, reason="CUDA: the fp32-accumulating bf16 GEMM")),
+    pytest.param("cuda", "liger", marks=pytest.mark.skipif(bool(LIGER_MISSING), reason=f"Liger: {LIGER_MISSING}"))])
+def test_bf16_kernels_match_reference(device, kernel):
+    """The compiled softmax-and-gradient kernel and Liger's, over several chunks."""
     h, w, y = (t.detach().to(device) for t in _inputs(tokens=1500, hidden=64, vocab=5000))
     h.requires_grad_(), w.requires_grad_()
     ref_loss, ref_dh, ref_dw = _reference(h, w, y, dtype=torch.bfloat16)
-    out = LinearCrossEntropy.apply(h, w, y, torch.bfloat16, torch.compile(chunk_loss_and_grad, dynamic=True), True,
-                                   512)
+    chunk_loss, _ = select_chunk_loss(kernel, device, compile_torch=True)
+    out = LinearCrossEntropy.apply(h, w, y, torch.bfloat16, chunk_loss, True, 512)
     out.backward()
     torch.testing.assert_close(out, ref_loss, rtol=1e-4, atol=1e-2)
     torch.testing.assert_close(w.grad, ref_dw, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(h.grad, ref_dh, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(bool(LIGER_MISSING), reason=f"Liger: {LIGER_MISSING}")
+@pytest.mark.parametrize("with_grad", [True, False])
+def test_liger_chunk_matches_torch_chunk(with_grad):
+    """One chunk at W1's vocabulary (two passes of 32768-wide blocks, a partial last block)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = (torch.randn(300, 151936, generator=g, device="cuda") * 3).bfloat16()
+    labels = torch.randint(0, 151936, (300,), generator=g, device="cuda")
+    labels[::5] = IGNORE_INDEX
+    ref_loss, ref_grad = chunk_loss_and_grad(logits.float(), labels, with_grad)
+    loss, grad = liger_chunk_loss_and_grad(logits.clone(), labels, with_grad)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-3)
+    if with_grad:
+        torch.testing.assert_close(grad.float(), ref_grad, rtol=1e-2, atol=4e-3)
+    else:
+        assert grad is None
+
+
+def test_select_chunk_loss_on_cpu():
+    assert select_chunk_loss("auto", "cpu", compile_torch=False) == (chunk_loss_and_grad, "torch")
+    assert select_chunk_loss("auto", "cpu", compile_torch=True)[1] == "torch (compiled)"
+    with pytest.raises(ConfigError, match="model.loss_kernel=liger.*CUDA"):
+        select_chunk_loss("liger", "cpu", compile_torch=False)

@@ -72,7 +72,7 @@ class ModelConfig:
     # lm_head gradient (W1 on an H200 with the liger kernel: 2048 ran 1.2% faster and peaked 0.58 GiB higher)
     loss_chunk_tokens: int = 1024
     # the chunk's softmax-and-gradient kernel: auto (liger where it can run) | liger (Liger's Triton
-    # kernel, gradient written over the logits; CUDA) | torch (compiled by inductor on CUDA: 1.7x
+    # kernel, gradient written over the logits; CUDA) | torch (compiled by inductor on CUDA: 2.7x
     # slower per chunk on W1)
     loss_kernel: str = "auto"
     lora_rank: int = 0

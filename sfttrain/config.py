@@ -67,9 +67,9 @@ class ModelConfig:
     attn_implementation: str = "auto"  # auto | flash_attn | torch_varlen | sdpa_blockmask
     use_liger: bool = False  # Liger's fused RMSNorm/SwiGLU/RoPE and fused linear cross-entropy
     compile: bool = False  # torch.compile the decoder (dynamic shapes): whole on one rank, per layer under FSDP
-    # tokens per chunk of sfttrain's linear cross-entropy: a chunk's logits and their gradient are
-    # held at once (2 x chunk x vocab in bf16); larger chunks pass fewer times over the fp32
-    # lm_head gradient (W1 on an H200 with the liger kernel: 2048 ran 1.2% faster and peaked 0.58 GiB higher)
+    # tokens per chunk of sfttrain's linear cross-entropy: a chunk's logits are held at once (chunk x
+    # vocab in bf16; twice that with loss_kernel=torch); larger chunks pass fewer times over the fp32
+    # lm_head gradient (W1 on an H200, liger kernel: 2048 ran 1.2% faster, peaked 0.58 GiB higher)
     loss_chunk_tokens: int = 1024
     # the chunk's softmax-and-gradient kernel: auto (liger where it can run) | liger (Liger's Triton
     # kernel, gradient written over the logits; CUDA) | torch (compiled by inductor on CUDA: 2.7x

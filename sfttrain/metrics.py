@@ -18,35 +18,49 @@ from sfttrain.config import Config, logger_names, to_yaml
 from sfttrain.flops import ModelShape, mfu
 
 
-class StepTimer:
-    """Wall time between the moments the host sees consecutive steps finish on the device (the
-    trainer waits for each step's update through its `PendingValues` before lapping)."""
-
-    def __init__(self):
-        self.start = time.perf_counter()
-
-    def lap(self) -> float:
-        now = time.perf_counter()
-        elapsed, self.start = now - self.start, now
-        return elapsed
-
-
-class PendingValues:
-    """Device scalars on their way to the host. The copy is queued behind the work that makes
-    them, and read() waits for that work only; a .tolist() would wait for everything queued
-    since, so the host could not queue the next step while the GPU finishes this one."""
+class StepEnd:
+    """The end of a step's work on the device: the step's numbers, copied to host memory behind
+    that work, and when it finished. On CUDA an event marks it: read() waits for that work only
+    (a .tolist() would wait for everything queued since, so the host could not queue the next
+    step while the GPU finishes this one), and time is taken between two ends' events on the
+    GPU's clock. On CPU the work is done when the call returns: the host's clock."""
 
     def __init__(self, values: torch.Tensor):
         self.host = values.to("cpu", non_blocking=True)  # into pinned memory when values is on CUDA
-        self.ready = None
+        self.clock = time.perf_counter()
+        self.event = None
         if values.is_cuda:
-            self.ready = torch.cuda.Event()
-            self.ready.record()
+            self.event = torch.cuda.Event(enable_timing=True)
+            self.event.record()
 
     def read(self) -> list:
-        if self.ready is not None:
-            self.ready.synchronize()
+        if self.event is not None:
+            self.event.synchronize()
         return self.host.tolist()
+
+    def seconds_since(self, earlier: StepEnd) -> float:
+        """Both ends must have been read (or be known finished)."""
+        if self.event is not None and earlier.event is not None:
+            return earlier.event.elapsed_time(self.event) / 1e3
+        return self.clock - earlier.clock
+
+
+class StepTimer:
+    """A step's time runs from the end of the previous step's work on the device to the end of
+    its own, whenever the host reads them, so it includes the data wait and logging between
+    them (all that the GPU waited for), and nothing of the next step."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.restart()
+
+    def restart(self) -> None:
+        """The next step's time starts now (after start-up, validation, checkpointing)."""
+        self.last = StepEnd(torch.zeros(0, device=self.device))
+
+    def lap(self, end: StepEnd) -> float:
+        seconds, self.last = end.seconds_since(self.last), end
+        return seconds
 
 
 def throughput(lengths: list[int], loss_tokens: int, seconds: float, shape: ModelShape, num_gpus: int) -> dict:

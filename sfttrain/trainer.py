@@ -18,7 +18,7 @@ from sfttrain.data.render import Renderer
 from sfttrain.distributed import World
 from sfttrain.flops import ModelShape
 from sfttrain.loss import CausalLMLoss, normalised, select_chunk_loss
-from sfttrain.metrics import MetricsLogger, PendingValues, StepTimer, memory_stats, throughput
+from sfttrain.metrics import MetricsLogger, StepEnd, StepTimer, memory_stats, throughput
 from sfttrain.model import load_model, load_tokenizer
 from sfttrain.optim import build_optimizer, build_scheduler, clipped_step, warmup_steps
 from sfttrain.parallel import parallelize
@@ -36,7 +36,7 @@ class QueuedStep:
     batch: StepBatch
     lr: float
     data_wait: float
-    values: PendingValues
+    end: StepEnd
 
 
 class FSDPSFTTrainer:
@@ -81,7 +81,7 @@ class FSDPSFTTrainer:
             self.state = checkpoint.load(resume_from, self.lm.model, self.optimizer, self.scheduler, world, cfg)
         self.logger = MetricsLogger(cfg, self.run_dir, world.is_main, self.plan.total_steps, self.state.step,
                                     wandb_id=self.state.wandb_id)
-        self.timer = StepTimer()
+        self.timer = StepTimer(world.device)
         self._print_startup(resume_from)
 
     def _print_startup(self, resume_from: str | None) -> None:
@@ -115,7 +115,7 @@ class FSDPSFTTrainer:
         total = self.plan.total_steps
         batches = iter(step_batches(self.data, self.state.epoch, self.state.consumed_in_epoch,
                                     self.cfg.data.num_workers, pin_memory=self.world.device.type == "cuda"))
-        self.timer.lap()  # start-up is not step time
+        self.timer.restart()  # start-up is not step time
         queued = None  # the previous step: its update is queued on the device, its numbers not yet read
         while self.state.step < total:
             wait_start = time.perf_counter()
@@ -133,7 +133,7 @@ class FSDPSFTTrainer:
             if save:
                 self.save()
             if validate or save:
-                self.timer.lap()  # not training time; logging and data waits are (the next step's)
+                self.timer.restart()  # not training time; logging and data waits are (the next step's)
         self.logger.close()
 
     def step(self, batch: StepBatch, data_wait: float, previous: QueuedStep | None) -> QueuedStep:
@@ -165,12 +165,12 @@ class FSDPSFTTrainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.advance(batch)
-        values = PendingValues(torch.stack([loss_sum, grad_norm.float(), stepped.float()]))
-        return QueuedStep(self.state.step, batch, lr, data_wait, values)
+        end = StepEnd(torch.stack([loss_sum, grad_norm.float(), stepped.float()]))
+        return QueuedStep(self.state.step, batch, lr, data_wait, end)
 
     def finish(self, queued: QueuedStep) -> None:
         """Waits for a queued step's update, stops on a non-finite one, logs it."""
-        total, grad_norm, stepped = queued.values.read()
+        total, grad_norm, stepped = queued.end.read()
         batch = queued.batch
         loss = total / max(batch.num_loss_tokens, 1)
         if not stepped:
@@ -180,7 +180,8 @@ class FSDPSFTTrainer:
                 f"Lower optim.lr, keep optim.clip_grad > 0, or check those rows; resume from the last "
                 f"checkpoint in {self.run_dir}.")
         metrics = {"loss": loss, "lr": queued.lr, "grad_norm": grad_norm}
-        metrics.update(throughput(batch.sample_lengths, batch.num_loss_tokens, self.timer.lap(), self.model_shape,
+        seconds = self.timer.lap(queued.end)
+        metrics.update(throughput(batch.sample_lengths, batch.num_loss_tokens, seconds, self.model_shape,
                                   self.world.world_size))
         metrics.update(epoch=batch.epoch, data_wait_s=queued.data_wait, **memory_stats(self.world.device))
         self.logger.log(queued.step, metrics)

@@ -1,5 +1,7 @@
 """End-to-end runs with real ranks (torchrun, gloo) on the real stories260K model."""
 
+import statistics
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -144,4 +146,9 @@ def test_demo_model_learns_gsm8k(gsm8k_dir, tmp_path):
     assert val[-1] < losses[0]
     for key in ("step", "epoch", "loss", "lr", "grad_norm", "tokens", "loss_tokens", "tokens_per_s", "mfu"):
         assert key in metrics[0]
+    # a step's time is its own work, also where the trainer reads its numbers late: at a validation
+    # step and the last one (read before validating), and the steps just after them
+    times = {m["step"]: m["step_time_s"] for m in metrics if "step_time_s" in m}
+    typical = statistics.median(times.values())
+    assert min(times[12], times[24]) > 0.4 * typical and times[13] < 1.6 * typical, times
     assert (run_dir / "config.yaml").read_text().count("train_batch_size: 16") == 1

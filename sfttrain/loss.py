@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from sfttrain.config import LOSS_KERNELS, ConfigError
+from sfttrain.config import ConfigError
 from sfttrain.data.pack import IGNORE_INDEX, MicroBatch
 
 class CausalLMLoss(nn.Module):
@@ -132,14 +132,13 @@ def select_chunk_loss(kernel: str, device_type: str, compile_torch: bool) -> tup
     liger: Liger's kernel (CUDA, liger-kernel 0.8 installed); torch: chunk_loss_and_grad, compiled
     on CUDA or with model.compile (eager it would allocate several fp32 [chunk, vocab]
     temporaries); auto: liger where it can run, else torch."""
-    if kernel not in LOSS_KERNELS:
-        raise ValueError(f"unknown loss kernel {kernel!r}; expected one of {LOSS_KERNELS}")
-    reason = liger_unavailable_reason(device_type) if kernel != "torch" else "not asked for"
-    if kernel == "liger" and reason:
-        raise ConfigError(f"model.loss_kernel=liger: Liger's cross-entropy kernel cannot run here: {reason}; "
-                          "set model.loss_kernel=auto or torch")
-    if reason is None:
-        return liger_chunk_loss_and_grad, "liger"
+    if kernel != "torch":
+        reason = liger_unavailable_reason(device_type)
+        if reason is None:
+            return liger_chunk_loss_and_grad, "liger"
+        if kernel == "liger":
+            raise ConfigError(f"model.loss_kernel=liger: Liger's cross-entropy kernel cannot run here: {reason}; "
+                              "set model.loss_kernel=auto or torch")
     if compile_torch or device_type == "cuda":
         return torch.compile(chunk_loss_and_grad, dynamic=True), "torch (compiled)"
     return chunk_loss_and_grad, "torch"

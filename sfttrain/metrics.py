@@ -25,11 +25,12 @@ class StepEnd:
     step while the GPU finishes this one), and time is taken between two ends' events on the
     GPU's clock. On CPU the work is done when the call returns: the host's clock."""
 
-    def __init__(self, values: torch.Tensor):
-        self.host = values.to("cpu", non_blocking=True)  # into pinned memory when values is on CUDA
+    def __init__(self, device: torch.device, values: torch.Tensor | None = None):
+        # into pinned memory when values are on CUDA; no values: a mark in time only
+        self.host = values.to("cpu", non_blocking=True) if values is not None else None
         self.clock = time.perf_counter()
         self.event = None
-        if values.is_cuda:
+        if device.type == "cuda":
             self.event = torch.cuda.Event(enable_timing=True)
             self.event.record()
 
@@ -56,7 +57,7 @@ class StepTimer:
 
     def restart(self) -> None:
         """The next step's time starts now (after start-up, validation, checkpointing)."""
-        self.last = StepEnd(torch.zeros(0, device=self.device))
+        self.last = StepEnd(self.device)
 
     def lap(self, end: StepEnd) -> float:
         seconds, self.last = end.seconds_since(self.last), end

@@ -165,7 +165,7 @@ class FSDPSFTTrainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.advance(batch)
-        end = StepEnd(torch.stack([loss_sum, grad_norm.float(), stepped.float()]))
+        end = StepEnd(self.world.device, torch.stack([loss_sum, grad_norm.float(), stepped.float()]))
         return QueuedStep(self.state.step, batch, lr, data_wait, end)
 
     def finish(self, queued: QueuedStep) -> None:

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from sfttrain import checkpoint
 from sfttrain.config import Config, as_list
 from sfttrain.data.loader import StepBatch, TrainData, render_share, row_stats, step_batches, validation_batches
+from sfttrain.data.pack import max_segment_length
 from sfttrain.data.parquet import ParquetSource, key_path
 from sfttrain.data.plan import make_plan
 from sfttrain.data.render import Renderer
@@ -21,7 +22,7 @@ from sfttrain.loss import CausalLMLoss, normalised, select_chunk_loss
 from sfttrain.metrics import MetricsLogger, StepEnd, StepTimer, memory_stats, throughput
 from sfttrain.model import load_model, load_tokenizer
 from sfttrain.optim import build_optimizer, build_scheduler, clipped_step, warmup_steps
-from sfttrain.parallel import parallelize
+from sfttrain.parallel import describe_sharding, parallelize
 
 
 class NonFiniteLossError(RuntimeError):
@@ -63,7 +64,8 @@ class FSDPSFTTrainer:
         self.model_shape = ModelShape.of(model)
         chunk_loss, self.loss_kernel = select_chunk_loss(cfg.model.loss_kernel, world.device.type, cfg.model.compile)
         self.lm = CausalLMLoss(model, fused=self.liger,
-                               compiled_max_seqlen=d.max_length if cfg.model.compile else None,
+                               compiled_max_seqlen=max_segment_length(d.max_length, d.pad_to_multiple)
+                               if cfg.model.compile else None,
                                chunk_loss=chunk_loss, chunk_tokens=cfg.model.loss_chunk_tokens)
         self.sharded = parallelize(self.lm, world, cfg)
         self.optimizer = build_optimizer(self.lm, cfg.optim, world.device)
@@ -97,8 +99,8 @@ class FSDPSFTTrainer:
             f"  model               : {cfg.model.partial_pretrain} ({shape.num_params / 1e6:.2f}M params, "
             f"{shape.num_layers} layers), attention {self.attn_backend}, liger {self.liger}",
             f"  loss                : {loss}",
-            f"  precision           : weights/optimizer {fsdp.model_dtype}, mixed precision {fsdp.mixed_precision}"
-            f" ({'FSDP2 over the mesh' if self.sharded else 'one device, not sharded'})",
+            f"  precision           : weights/optimizer {fsdp.model_dtype}, mixed precision {fsdp.mixed_precision}",
+            f"  sharding            : {describe_sharding(self.world, cfg, self.sharded)}",
             f"  lr                  : {cfg.optim.lr} {cfg.optim.lr_scheduler}, "
             f"{warmup_steps(cfg.optim, self.plan.total_steps)} warmup steps",
             f"  run folder          : {self.run_dir}",

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -14,7 +15,7 @@ from transformers import AutoTokenizer
 
 from sfttrain.config import ConfigError, load_config
 from sfttrain.data.chat import ChatRenderer
-from sfttrain.data.parquet import ChatMessages, ParquetSource
+from sfttrain.data.parquet import ChatMessages, ParquetSource, PromptResponse
 from tests.conftest import REPO, read_metrics, run_sfttrain
 
 TOKENIZERS = REPO / "assets" / "tokenizers"
@@ -104,6 +105,12 @@ def test_qwen3_thinking_off_puts_the_empty_block_in_the_prompt(qwen3):
     assert trained_runs(qwen3, off) == ["A1" + EOT, "A2" + EOT]
 
 
+def test_qwen3_thinking_off_with_reasoning_is_refused(qwen3):
+    conversation = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A", "reasoning_content": "R"}]
+    with pytest.raises(ValueError, match="row 4: enable_thinking is false, but assistant message 1 has reasoning"):
+        renderer(qwen3).render(conversation, {"enable_thinking": False}, row=4)
+
+
 def test_not_prefix_stable_template_is_named_with_the_row(tokenizer):
     conversation = CONVERSATION[:2] + [{"role": "assistant", "content": "A1"}]
     assert trained_runs(tokenizer, renderer(tokenizer, chat_template=PLAIN_TEMPLATE).render(conversation, {}, 3)) \
@@ -158,6 +165,14 @@ def test_reader_yields_the_messages_and_template_arguments(tokenizer, tmp_path):
     assert [r[1] for r in rows] == [{"tools": TOOLS}, {"enable_thinking": False}, {"enable_thinking": True}]
     r = renderer(tokenizer)
     assert r.render(*rows[0]) == r.render(CONVERSATION, {"tools": TOOLS}, 0)
+
+
+def test_messages_without_multiturn_get_a_hint(tmp_path):
+    write_chat_parquet(tmp_path / "chat.parquet", [CONVERSATION])
+    source = ParquetSource([str(tmp_path / "chat.parquet")], PromptResponse(["messages"], ["messages"]))
+    with pytest.raises(ConfigError, match="chat.parquet row 0: messages is list, expected a string; for "
+                                          "conversations set data.multiturn.enable=true"):
+        source.read(np.array([0]))
 
 
 def test_config_keys():

@@ -22,7 +22,8 @@ of the one rendering, so:
     from `reasoning_content` or a `<think>...</think>` prefix of `content` (an empty block when
     there is none);
   - with `enable_thinking=false` (a row's enable_thinking_key column) the empty think block is part
-    of Qwen3's generation prompt, so it is context, not trained, as at inference with thinking off.
+    of Qwen3's generation prompt, so it is context, not trained, as at inference with thinking off;
+    such a row whose last turns carry reasoning contradicts itself and is refused with its row.
 Qwen3 renders a tool loop's reasoning while the loop lasts and drops it once a later user message
 follows, so such a conversation is not prefix-stable there and is refused with its row: split it
 at that user message (one row per question) or drop the earlier turns' reasoning.
@@ -66,6 +67,7 @@ class ChatRenderer(Renderer):
 
     def render(self, messages: list[dict], kwargs: dict, row: int) -> RenderedSample:
         check_messages(messages, row)
+        check_thinking_off(messages, kwargs, row)
         messages = [{**m, "content": m.get("content", "")} for m in messages]  # Qwen3's template needs a string
         try:
             text = self._render(messages, kwargs, False)
@@ -117,6 +119,20 @@ def check_messages(messages: list[dict], row: int) -> None:
     if roles[0] == "assistant":
         raise ValueError(f"row {row}: message 0 is an assistant turn; a conversation starts with a system or user "
                          "message")
+
+
+def check_thinking_off(messages: list[dict], kwargs: dict, row: int) -> None:
+    """With enable_thinking=false Qwen3's generation prompt holds an empty, closed think block, but
+    the template still renders the reasoning of the turns after the last user message: such a turn
+    would be trained from the middle of its think block, so the row is refused."""
+    if kwargs.get("enable_thinking") is not False:
+        return
+    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
+    for i, m in enumerate(messages[last_user + 1:], start=last_user + 1):
+        if m["role"] == "assistant" and (m.get("reasoning_content") or "</think>" in m.get("content", "")):
+            raise ValueError(f"row {row}: enable_thinking is false, but assistant message {i} has reasoning "
+                             "(reasoning_content or a <think> block) that the template renders after the closed think "
+                             "block of the prompt; drop its reasoning or set the row's enable_thinking to true")
 
 
 def _common_prefix(a: str, b: str, known: int) -> int:

@@ -21,6 +21,14 @@ class ConfigError(ValueError):
 
 
 @dataclass
+class MultiturnConfig:
+    enable: bool = False  # rows are conversations (messages_key) instead of prompt/response; loss on assistant turns
+    messages_key: str = "messages"  # column of [{role, content, ...}] (system/user/assistant/tool), or its JSON
+    tools_key: Optional[str] = "tools"  # column of tool schemas for the template's tools=, used where the file has it
+    enable_thinking_key: Optional[str] = "enable_thinking"  # bool column passed as enable_thinking= (Qwen3), if present
+
+
+@dataclass
 class DataConfig:
     train_files: Any = None  # a Parquet path or a list of them
     val_files: Any = None  # optional; validation runs over all of it, nothing dropped
@@ -39,6 +47,7 @@ class DataConfig:
     truncation: str = "error"  # error | left | right
     apply_chat_template: bool = True  # render the prompt as one user turn, generation prompt on
     chat_template: Optional[str] = None  # a Jinja template overriding the tokenizer's
+    multiturn: MultiturnConfig = field(default_factory=MultiturnConfig)  # verl's multi-turn chat keys
     shuffle: bool = True  # per-epoch order from trainer.seed and the epoch number
     num_workers: int = 0  # >0: worker processes build the steps ahead of the training loop
     balance_dp_token: bool = True  # verl key; sfttrain always balances tokens across ranks (false is refused)
@@ -235,6 +244,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"data.max_token_len_per_gpu={d.max_token_len_per_gpu} is below data.max_length="
                           f"{d.max_length}: a longest sample would not fit; raise it or lower data.max_length")
     _choice("data.truncation", d.truncation, ("error", "left", "right"))
+    if d.multiturn.enable and not d.apply_chat_template:
+        raise ConfigError("data.multiturn.enable=true renders conversations with a chat template: remove "
+                          "data.apply_chat_template=false (data.chat_template=... sets a template of your own)")
     _check_verl_switches(cfg)
     _choice("model.loss_kernel", m.loss_kernel, LOSS_KERNELS)
     _choice("model.attn_implementation", m.attn_implementation,

@@ -12,10 +12,10 @@ import torch.distributed as dist
 from sfttrain import checkpoint
 from sfttrain.config import Config, as_list
 from sfttrain.data.loader import StepBatch, TrainData, render_share, row_stats, step_batches, validation_batches
+from sfttrain.data.chat import build_renderer
 from sfttrain.data.pack import max_segment_length
-from sfttrain.data.parquet import ParquetSource, key_path
+from sfttrain.data.parquet import ParquetSource, row_fields
 from sfttrain.data.plan import make_plan
-from sfttrain.data.render import Renderer
 from sfttrain.distributed import World
 from sfttrain.flops import ModelShape
 from sfttrain.loss import CausalLMLoss, normalised, select_chunk_loss
@@ -48,15 +48,13 @@ class FSDPSFTTrainer:
 
         # data first: a bad file, column or batch size fails before the model is loaded
         self.tokenizer = load_tokenizer(cfg.model)
-        renderer = Renderer(self.tokenizer, max_length=d.max_length, truncation=d.truncation,
-                            apply_chat_template=d.apply_chat_template, chat_template=d.chat_template)
-        prompt, response = key_path(d.prompt_key, d.prompt_dict_keys), key_path(d.response_key, d.response_dict_keys)
-        train_source = ParquetSource(as_list(d.train_files), prompt, response)
+        renderer, fields = build_renderer(d, self.tokenizer), row_fields(d)  # prompt/response or conversations
+        train_source = ParquetSource(as_list(d.train_files), fields)
         self.plan = make_plan(cfg, world.dp_size, train_source.num_rows)
         stats = row_stats(train_source, renderer, world.rank, world.world_size)  # every row renders, or stop now
         val_samples = None
         if d.val_files:
-            val_samples = render_share(ParquetSource(as_list(d.val_files), prompt, response),
+            val_samples = render_share(ParquetSource(as_list(d.val_files), fields),
                                        renderer, world.dp_rank, world.dp_size)
 
         loaded = load_model(cfg.model, world.device, t.seed)

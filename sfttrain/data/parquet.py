@@ -13,9 +13,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from sfttrain.config import ConfigError
+from sfttrain.errors import DataError
 
 # Rows shuffled together. Small datasets (below this) get a full shuffle; larger ones a shuffle of
 # row-group order plus a full shuffle inside windows of this many rows, so that reading stays
@@ -48,15 +50,19 @@ class ParquetSource:
 
     def _add_file(self, file: str) -> None:
         if not os.path.isfile(file):
-            raise ConfigError(f"data file {file!r} does not exist (check data.train_files / data.val_files)")
-        meta = pq.ParquetFile(file)
+            raise DataError(f"data file {file!r} does not exist (check data.train_files / data.val_files)")
+        try:
+            meta = pq.ParquetFile(file)
+        except (pa.ArrowException, OSError) as e:
+            raise DataError(f"{file}: not a readable Parquet file ({os.path.getsize(file)} bytes; {e}); "
+                            "rewrite it (e.g. python data_prep/gsm8k.py) or fix data.train_files / data.val_files")
         columns = meta.schema_arrow.names
         for key_path in (self.prompt_path, self.response_path):
             if key_path[0] not in columns:
-                raise ConfigError(f"{file}: no column {key_path[0]!r} (columns: {columns}); set data.prompt_key / "
+                raise DataError(f"{file}: no column {key_path[0]!r} (columns: {columns}); set data.prompt_key / "
                                   "data.response_key to the right columns")
         if meta.metadata.num_rows == 0:
-            raise ConfigError(f"{file}: the file has no rows")
+            raise DataError(f"{file}: the file has no rows; point data.train_files / data.val_files at a file with rows")
         first = sum(g.num_rows for g in self.row_groups)
         for i in range(meta.num_row_groups):
             n = meta.metadata.row_group(i).num_rows
@@ -110,11 +116,11 @@ class ParquetSource:
         """Follows verl's nested keys (data.prompt_dict_keys) down to a string."""
         for key in key_path[1:]:
             if not isinstance(value, dict) or key not in value:
-                raise ConfigError(f"{group.file} row {local + _rows_before(group)}: no key {key!r} under "
+                raise DataError(f"{group.file} row {local + _rows_before(group)}: no key {key!r} under "
                                   f"{key_path[0]!r}; check data.prompt_dict_keys / data.response_dict_keys")
             value = value[key]
         if not isinstance(value, str):
-            raise ConfigError(f"{group.file} row {local + _rows_before(group)}: {'.'.join(key_path)} is "
+            raise DataError(f"{group.file} row {local + _rows_before(group)}: {'.'.join(key_path)} is "
                               f"{type(value).__name__}, expected a string")
         return value
 

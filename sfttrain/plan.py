@@ -78,11 +78,24 @@ class DenseShape:
         return 4 * self.hidden + 2 * q + 2 * kv + 3 * self.intermediate
 
 
+def micro_batch_tokens(cfg: Config) -> int:
+    """Tokens of the largest micro-batch on one rank (split over the sequence-parallel group)."""
+    d = cfg.data
+    return (d.max_token_len_per_gpu or d.micro_batch_size_per_gpu * d.max_length) // cfg.ulysses_sequence_parallel_size
+
+
+def activation_bytes(shape: DenseShape, tokens: int, checkpointing: bool) -> int:
+    """What backward needs kept: with checkpointing every layer's bf16 input plus one layer's
+    activations (recomputed one layer at a time), else every layer's activations."""
+    per_layer = shape.activation_elements_per_token() * tokens * 2
+    return shape.layers * tokens * shape.hidden * 2 + per_layer if checkpointing else shape.layers * per_layer
+
+
 def memory_per_rank(cfg: Config, shape: DenseShape, dp_size: int) -> dict[str, float]:
     """GiB per rank, by what holds it. FSDP shards parameters, gradients and AdamW's two moments
     over the shard group; compute runs on bf16 copies of one layer at a time (plus the prefetched
     next one); the loss holds one chunk of logits, never the whole [tokens, vocab]."""
-    d, m = cfg.data, cfg.model
+    m = cfg.model
     fsdp = m.fsdp_config
     shard = dp_size if fsdp.fsdp_size in (-1, 0) else fsdp.fsdp_size
     master = DTYPE_BYTES[fsdp.model_dtype]
@@ -90,20 +103,13 @@ def memory_per_rank(cfg: Config, shape: DenseShape, dp_size: int) -> dict[str, f
     # with LoRA only the fp32 adapters are trained: the frozen base has no gradient or optimizer state
     trained = shape.lora_params(m.lora_rank) if m.lora_rank > 0 else n
     trained_bytes = 4 if m.lora_rank > 0 else master
-    # the largest micro-batch, split over the sequence-parallel group
-    tokens = (d.max_token_len_per_gpu or d.micro_batch_size_per_gpu * d.max_length) // cfg.ulysses_sequence_parallel_size
-    per_layer = shape.activation_elements_per_token() * tokens * 2
-    if m.enable_gradient_checkpointing:  # every layer's input, one layer recomputed at a time
-        activations = shape.layers * tokens * shape.hidden * 2 + per_layer
-    else:
-        activations = shape.layers * per_layer
+    activations = activation_bytes(shape, micro_batch_tokens(cfg), m.enable_gradient_checkpointing)
     logits = m.loss_chunk_tokens * shape.vocab * 2 * (2 if m.loss_kernel == "torch" else 1)
     gathered = 2 * shape.layer_params * 2 if shard > 1 else 0  # bf16 all-gathered layers
     base = 0 if m.lora_rank == 0 else n * master
     out = {"parameters": (base + trained * trained_bytes) / shard, "gradients": trained * trained_bytes / shard,
            "optimizer (AdamW m, v)": 2 * trained * trained_bytes / shard, "gathered layers (bf16)": gathered,
-           f"activations ({'with' if m.enable_gradient_checkpointing else 'without'} checkpointing, "
-           f"{tokens} tokens)": activations,
+           f"activations ({'with' if m.enable_gradient_checkpointing else 'without'} checkpointing)": activations,
            f"logits / loss chunk ({m.loss_chunk_tokens} tokens x {shape.vocab} vocab)": logits}
     return {k: v / GIB for k, v in out.items()}
 
@@ -164,6 +170,10 @@ def memory_section(cfg: Config, dp_size: int, problems: list[str]) -> list[str]:
              "not included):"]
     lines += [f"    {name:<58} {gib:8.2f} GiB" for name, gib in memory.items()]
     lines.append(f"    {'total':<58} {sum(memory.values()):8.2f} GiB")
+    checkpointing = cfg.model.enable_gradient_checkpointing
+    other = activation_bytes(shape, micro_batch_tokens(cfg), not checkpointing) / GIB
+    lines.append(f"  activations of {micro_batch_tokens(cfg)} tokens per micro-batch; with "
+                 f"model.enable_gradient_checkpointing={str(not checkpointing).lower()} they would take {other:.2f} GiB")
     return lines
 
 

@@ -117,7 +117,7 @@ def memory_per_rank(cfg: Config, shape: DenseShape, dp_size: int) -> dict[str, f
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(prog="python -m sfttrain.plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, required=True, help="GPUs (ranks) per node, as torchrun's --nproc_per_node")
-    parser.add_argument("--nnodes", type=int, default=1)
+    parser.add_argument("--nnodes", type=int, default=1, help="nodes, as torchrun's --nnodes")
     return parser.parse_known_args(argv)
 
 

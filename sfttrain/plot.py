@@ -64,7 +64,8 @@ def plot(series: dict[str, tuple[list[int], list[float]]], title: str, out: str)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sfttrain.plot", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m sfttrain.plot",
+                                     description="A run's loss, learning rate, throughput and memory as one PNG.")
     parser.add_argument("run_dir", help="the run folder holding metrics.jsonl")
     parser.add_argument("--out", help="the PNG to write (default RUN_DIR/metrics.png)")
     args = parser.parse_args(argv)

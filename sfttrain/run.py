@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> None:
     yaml_path, overrides = parse_args(argv)
     try:
         if argv and argv[0] in ("-h", "--help"):
-            return print_help(argv[1] if len(argv) > 1 else None)
+            print_help(argv[1] if len(argv) > 1 else None)
+            return
         cfg = load_config(yaml_path, overrides)
     except UserError as e:
         stop(e)

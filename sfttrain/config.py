@@ -9,15 +9,15 @@ Batch arithmetic that needs the world size is checked in `sfttrain.data.plan`.
 from __future__ import annotations
 
 import difflib
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+from yaml import YAMLError
 
-
-class ConfigError(ValueError):
-    """A configuration the user must fix; the message says what to change."""
+from sfttrain.errors import ConfigError  # raised by every module; imported from here by most
 
 
 @dataclass
@@ -32,10 +32,10 @@ class MultiturnConfig:
 class DataConfig:
     train_files: Any = None  # a Parquet path or a list of them
     val_files: Any = None  # optional; validation runs over all of it, nothing dropped
-    prompt_key: str = "question"
-    response_key: str = "answer"
+    prompt_key: str = "question"  # the column holding the prompt
+    response_key: str = "answer"  # the column holding the response (the supervised tokens)
     prompt_dict_keys: Optional[list[str]] = None  # verl's nested keys: row[prompt_key][k0][k1]...
-    response_dict_keys: Optional[list[str]] = None
+    response_dict_keys: Optional[list[str]] = None  # the same for the response column
     train_batch_size: int = 256  # GLOBAL batch in samples per optimizer step
     micro_batch_size_per_gpu: int = 4  # samples per forward/backward on one data-parallel rank
     micro_batch_size: Optional[int] = None  # verl's deprecated global micro batch: rejected
@@ -70,9 +70,9 @@ class FSDPConfig:
 class ModelConfig:
     partial_pretrain: Optional[str] = None  # a local Hugging Face model folder
     random_init: bool = False  # build from the folder's config.json with random weights
-    trust_remote_code: bool = False
+    trust_remote_code: bool = False  # run the model folder's own Python code (only for folders you trust)
     strategy: str = "fsdp2"  # verl key; sfttrain implements FSDP2 only (fsdp, FSDP1, is refused)
-    enable_gradient_checkpointing: bool = True
+    enable_gradient_checkpointing: bool = True  # recompute each layer in backward: less memory, ~1/3 more compute
     attn_implementation: str = "auto"  # auto | flash_attn | torch_varlen | sdpa_blockmask
     use_liger: bool = False  # Liger's fused RMSNorm/SwiGLU/RoPE and fused linear cross-entropy
     compile: bool = False  # torch.compile the decoder (dynamic shapes): whole on one rank, per layer under FSDP
@@ -92,12 +92,12 @@ class ModelConfig:
 
 @dataclass
 class OptimConfig:
-    optimizer: str = "adamw"
-    lr: float = 1e-5
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
+    optimizer: str = "adamw"  # adamw (fused on CUDA)
+    lr: float = 1e-5  # peak learning rate, reached after the warmup
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW's (beta1, beta2)
+    eps: float = 1e-8  # AdamW's epsilon
     weight_decay: float = 0.01  # not applied to norms and biases
-    lr_warmup_steps_ratio: float = 0.1
+    lr_warmup_steps_ratio: float = 0.1  # linear warmup over this share of the total steps
     lr_warmup_steps: int = -1  # if > 0, overrides the ratio
     lr_scheduler: str = "cosine"  # cosine | constant
     min_lr_ratio: float = 0.0  # the cosine decays to lr * min_lr_ratio
@@ -106,22 +106,22 @@ class OptimConfig:
 
 @dataclass
 class TrainerConfig:
-    default_local_dir: str = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"
-    project_name: str = "sfttrain"
-    experiment_name: str = "run"
-    total_epochs: int = 1
+    default_local_dir: str = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"  # the run folder
+    project_name: str = "sfttrain"  # wandb project; part of the default run folder
+    experiment_name: str = "run"  # wandb run name; part of the default run folder
+    total_epochs: int = 1  # passes over the training data (unless total_training_steps is set)
     total_training_steps: Optional[int] = None  # if set, stops (and schedules the LR) here
     logger: Any = "console"  # console | wandb | a list of them
-    seed: int = 1
+    seed: int = 1  # data order and random init
     test_freq: int = -1  # validate every N steps (and always at the end); -1: only at the end
     save_freq: int = -1  # checkpoint every N steps (and always at the end); -1: only at the end
     max_ckpt_to_keep: Optional[int] = None  # None keeps all
     resume_mode: str = "auto"  # auto | disable | resume_path
-    resume_from_path: Optional[str] = None
+    resume_from_path: Optional[str] = None  # a checkpoint, or a run folder (its latest checkpoint)
     save_hf: bool = False  # at the end of training, also export the model to <final checkpoint>/huggingface
     log_freq: int = 1  # console line every N steps (metrics.jsonl always gets every step)
     nnodes: Optional[int] = None  # verl keys; if given they must match torchrun's world
-    n_gpus_per_node: Optional[int] = None
+    n_gpus_per_node: Optional[int] = None  # verl key, see nnodes
     device: str = "auto"  # auto | cuda | cpu
 
 
@@ -157,6 +157,8 @@ def load_config(yaml_path: Optional[str] = None, overrides: tuple[str, ...] | li
             layers.append(OmegaConf.load(yaml_path))
         except FileNotFoundError:
             raise ConfigError(f"config file {yaml_path!r} does not exist") from None
+        except YAMLError as e:
+            raise ConfigError(f"config file {yaml_path!r} is not valid YAML: {_yaml_problem(e)}") from None
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise ConfigError(f"overrides must look like key=value, got {bad}")
@@ -169,14 +171,30 @@ def load_config(yaml_path: Optional[str] = None, overrides: tuple[str, ...] | li
         try:
             merged = OmegaConf.merge(merged, layer)
         except OmegaConfBaseException as e:
-            raise ConfigError(f"bad config value: {e.msg if hasattr(e, 'msg') else e}") from None
+            raise ConfigError(_value_problem(e)) from None
     try:
         OmegaConf.resolve(merged)
         cfg: Config = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
-        raise ConfigError(f"bad config value: {e}") from None
+        raise ConfigError(_value_problem(e)) from None
     validate(cfg)
     return cfg
+
+
+def _value_problem(e: OmegaConfBaseException) -> str:
+    """omegaconf's message in one line, led by the key (its own runs over several lines)."""
+    first_line = str(getattr(e, "msg", None) or e).splitlines()[0]
+    key = getattr(e, "full_key", None)
+    if not key:
+        return f"bad config value: {first_line}"
+    return f"bad value for {key}: {first_line}; see python -m sfttrain.run --help"
+
+
+def _yaml_problem(e: YAMLError) -> str:
+    """The parser's problem and its line, without the parser's multi-line context dump."""
+    mark = getattr(e, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    return f"{getattr(e, 'problem', None) or e}{where}"
 
 
 def to_yaml(cfg: Config) -> str:
@@ -263,6 +281,13 @@ def validate(cfg: Config) -> None:
     mixed_precision_dtypes(m.fsdp_config)  # validates the value
     _choice("optim.optimizer", o.optimizer.lower(), ("adamw",))
     _choice("optim.lr_scheduler", o.lr_scheduler, ("cosine", "constant"))
+    for key, value in (("optim.lr", o.lr), ("optim.eps", o.eps), ("optim.weight_decay", o.weight_decay),
+                       ("optim.clip_grad", o.clip_grad)):
+        if not math.isfinite(value):
+            raise ConfigError(f"{key}={value} is not a finite number; set a number such as its default "
+                              f"{_default_of(key)}")
+    if o.lr < 0:
+        raise ConfigError(f"optim.lr={o.lr} is negative; use a positive rate such as 1e-5")
     if len(o.betas) != 2:
         raise ConfigError(f"optim.betas must have two values, got {o.betas}")
     if not 0.0 <= o.lr_warmup_steps_ratio <= 1.0 or not 0.0 <= o.min_lr_ratio <= 1.0:
@@ -281,6 +306,10 @@ def validate(cfg: Config) -> None:
     if not cfg.use_remove_padding:
         raise ConfigError("use_remove_padding=false: sfttrain always trains padding-free (packed rows give the "
                           "same loss as padded ones, without the pad compute); remove the key")
+
+
+def _default_of(key: str) -> Any:
+    return OmegaConf.select(OmegaConf.structured(Config), key)
 
 
 def _check_verl_switches(cfg: Config) -> None:

@@ -46,7 +46,7 @@ def init_world(cfg: Config) -> World:
     use_cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
         raise ConfigError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu")
-    _check_verl_world_keys(cfg, world_size)
+    mesh_shape = check_world(cfg, world_size)
     if use_cuda:
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
@@ -58,8 +58,15 @@ def init_world(cfg: Config) -> World:
         dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(minutes=30),
                                 device_id=device if use_cuda else None)
-    mesh = init_device_mesh(device.type, _mesh_shape(cfg, world_size), mesh_dim_names=("dp_replicate", "dp_shard"))
+    mesh = init_device_mesh(device.type, mesh_shape, mesh_dim_names=("dp_replicate", "dp_shard"))
     return World(rank, local_rank, world_size, device, mesh)
+
+
+def check_world(cfg: Config, world_size: int) -> tuple[int, int]:
+    """The mesh shape for world_size ranks; a ConfigError where the config does not fit them
+    (run by init_world, and by the preflight without any process group)."""
+    _check_verl_world_keys(cfg, world_size)
+    return _mesh_shape(cfg, world_size)
 
 
 def _mesh_shape(cfg: Config, world_size: int) -> tuple[int, int]:

@@ -12,10 +12,46 @@ Recomputation under activation checkpointing is not counted: MFU measures useful
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 H200_BF16_PEAK_FLOPS = 989e12  # dense bf16 peak of one H100/H200 SXM, the workloads' reference
+
+# Dense bf16 tensor-core peaks (FLOP/s, no sparsity) from the vendors' data sheets, matched as
+# substrings of torch.cuda.get_device_name(); the first match wins, so the more specific names
+# come first ("H100 PCIe" before "H100", "L40S" before "L40" before "L4").
+GPU_BF16_PEAK_FLOPS = (
+    ("GB200", 2500e12),
+    ("B200", 2250e12),
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),
+    ("H200", 989e12),
+    ("H800", 989e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("L40", 181e12),
+    ("L4", 121e12),
+    ("A10G", 70e12),
+    ("A10", 125e12),
+    ("RTX 6000 Ada", 365e12),
+    ("RTX A6000", 155e12),
+    ("RTX 4090", 165e12),
+    ("RTX 3090", 71e12),
+    ("MI300X", 1307e12),
+    ("MI250X", 383e12),
+)
+
+
+def peak_flops(device: torch.device) -> Optional[float]:
+    """The dense bf16 peak of ``device``'s GPU, or None where unknown (CPU included): MFU is then
+    omitted rather than computed against another chip's peak."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in GPU_BF16_PEAK_FLOPS if key in name), None)
 
 
 def flops_per_token(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from typing import Optional
 
@@ -15,7 +16,8 @@ import torch
 from tqdm import tqdm
 
 from sfttrain.config import Config, logger_names, to_yaml
-from sfttrain.flops import ModelShape, mfu
+from sfttrain.errors import DependencyError
+from sfttrain.flops import ModelShape, mfu, peak_flops
 
 
 class StepEnd:
@@ -64,12 +66,16 @@ class StepTimer:
         return seconds
 
 
-def throughput(lengths: list[int], loss_tokens: int, seconds: float, shape: ModelShape, num_gpus: int) -> dict:
+def throughput(lengths: list[int], loss_tokens: int, seconds: float, shape: ModelShape, num_gpus: int,
+               device: torch.device) -> dict:
+    """Tokens/s, and MFU against this device's peak (omitted where the peak is unknown, CPU included)."""
     tokens = sum(lengths)
-    fpt = shape.flops_per_token(lengths)
-    return {"tokens": tokens, "loss_tokens": loss_tokens, "step_time_s": seconds,
-            "tokens_per_s": tokens / seconds, "loss_tokens_per_s": loss_tokens / seconds,
-            "mfu": mfu(fpt, tokens / seconds, num_gpus)}
+    out = {"tokens": tokens, "loss_tokens": loss_tokens, "step_time_s": seconds,
+           "tokens_per_s": tokens / seconds, "loss_tokens_per_s": loss_tokens / seconds}
+    peak = peak_flops(device)
+    if peak:
+        out["mfu"] = mfu(shape.flops_per_token(lengths), tokens / seconds, num_gpus, peak)
+    return out
 
 
 def memory_stats(device: torch.device) -> dict:
@@ -80,6 +86,55 @@ def memory_stats(device: torch.device) -> dict:
             "mem_peak_reserved_gib": torch.cuda.max_memory_reserved(device) / gib}
 
 
+def require_loggers(cfg: Config) -> None:
+    """wandb is imported at start-up, before the model loads: a missing or broken install is one
+    clear error instead of a traceback once the model is on the GPU."""
+    if "wandb" not in logger_names(cfg.trainer):
+        return
+    try:
+        import wandb  # noqa: F401
+    except Exception as e:  # an ImportError, or a broken install failing on import
+        raise DependencyError(f"trainer.logger includes wandb but `import wandb` fails ({type(e).__name__}: {e}); "
+                              "pip install wandb, or set trainer.logger=console") from None
+
+
+class ProgressBar:
+    """A tqdm bar on a terminal; plain periodic lines elsewhere (SLURM logs, pipes). The rate and
+    ETA come from the device-timed step times, not tqdm's clock: the bar starts after start-up
+    and after a resume, where tqdm's own rate would mix in the loading time or the skipped steps."""
+
+    def __init__(self, start_step: int, total_steps: int, interactive: bool):
+        self.total = total_steps
+        self.step_time = None  # exponential moving average of the step time, seconds
+        self.bar = None
+        if interactive:
+            self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True,
+                            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} {postfix}")
+
+    def advance(self, step: int, seconds: float) -> None:
+        self.step_time = seconds if self.step_time is None else 0.9 * self.step_time + 0.1 * seconds
+        if self.bar is not None:
+            self.bar.update(step - self.bar.n)
+            self.bar.set_postfix_str(self.eta(step), refresh=True)
+
+    def eta(self, step: int) -> str:
+        if self.step_time is None:
+            return ""
+        left = int(self.step_time * (self.total - step))
+        return f"{self.step_time:.3g} s/step, ETA {left // 3600}:{left // 60 % 60:02d}:{left % 60:02d}"
+
+    def write(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
 class MetricsLogger:
     """Rank 0 only: every other rank gets a logger that does nothing."""
 
@@ -87,6 +142,7 @@ class MetricsLogger:
                  wandb_id: Optional[str] = None):
         self.enabled = enabled
         self.log_freq = cfg.trainer.log_freq
+        self.total_steps = total_steps
         self.wandb = None
         self.wandb_id = wandb_id
         if not enabled:
@@ -95,13 +151,12 @@ class MetricsLogger:
         with open(os.path.join(run_dir, "config.yaml"), "w") as f:
             f.write(to_yaml(cfg))
         self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
-        self.bar_range = (start_step, total_steps)
-        self.bar = None  # created at the first step, so the start-up lines print above it
+        self.progress = ProgressBar(start_step, total_steps, interactive=sys.stderr.isatty())
         if "wandb" in logger_names(cfg.trainer):
             self._init_wandb(cfg, run_dir)
 
     def _init_wandb(self, cfg: Config, run_dir: str) -> None:
-        import wandb  # optional dependency; WANDB_MODE=offline works without a network
+        import wandb  # checked at start-up by require_loggers; WANDB_MODE=offline works without a network
 
         from omegaconf import OmegaConf
 
@@ -118,31 +173,31 @@ class MetricsLogger:
         self.jsonl.flush()
         if self.wandb:
             self.wandb.log(metrics, step=step)
-        if self.bar is None:
-            self.bar = tqdm(total=self.bar_range[1], initial=self.bar_range[0], desc="train", dynamic_ncols=True)
         if "loss" in metrics:
-            self.bar.update(1)
+            self.progress.advance(step, metrics["step_time_s"])
         if "val/loss" in metrics or step % self.log_freq == 0:
-            self.bar.write(format_line(record))
+            line = format_line(record, self.total_steps)
+            self.progress.write(line if self.progress.bar is not None else f"{line} | {self.progress.eta(step)}")
 
     def info(self, text: str) -> None:
         if self.enabled:
-            tqdm.write(text)
+            self.progress.write(text)
 
     def close(self) -> None:
-        if not self.enabled:
+        """Idempotent: the entry point also calls it when training stops on an error, so that the
+        error is printed below a finished bar, not glued onto it."""
+        if not self.enabled or self.jsonl.closed:
             return
-        if self.bar is not None:
-            self.bar.close()
+        self.progress.close()
         self.jsonl.close()
         if self.wandb:
             self.wandb.finish()
 
 
-def format_line(record: dict) -> str:
-    keys = ("step", "epoch", "loss", "val/loss", "lr", "grad_norm", "tokens_per_s", "loss_tokens_per_s", "mfu",
+def format_line(record: dict, total_steps: int) -> str:
+    keys = ("epoch", "loss", "val/loss", "lr", "grad_norm", "tokens_per_s", "loss_tokens_per_s", "mfu",
             "step_time_s", "data_wait_s", "mem_peak_alloc_gib")
-    parts = []
+    parts = [f"step {record['step']}/{total_steps}"]
     for k in keys:
         if k in record:
             v = record[k]

@@ -1,16 +1,29 @@
 """Entry point: torchrun --nproc_per_node=N -m sfttrain.run [recipe.yaml] key=value ...
 
 Parse the config, start the ranks, build the trainer, train, shut down cleanly.
+`python -m sfttrain.run --help [section]` lists every key (sfttrain/help.py).
+
+A mistake the user must fix (sfttrain/errors.py, which lists the exit codes: 2 config, 3 data,
+4 non-finite loss, 5 missing dependency) ends the run with one message, printed once by rank 0,
+and its exit code; under torchrun the same message is each rank's elastic error file, so
+torchrun's "Root Cause" shows it instead of `error_file: <N/A>`.
 """
 
 from __future__ import annotations
 
 import gc
+import json
+import os
 import sys
+import time
 
-from sfttrain.config import ConfigError, load_config
-from sfttrain.distributed import init_world, shutdown
-from sfttrain.trainer import FSDPSFTTrainer, NonFiniteLossError
+from sfttrain.config import Config, load_config
+from sfttrain.errors import UserError
+from sfttrain.help import print_help
+
+# a rank other than 0 waits this long for rank 0 to report the same error and end the job
+# (torchrun then stops it); past that, it is the one rank that knows, and reports it itself
+WAIT_FOR_RANK0_S = 60
 
 
 def parse_args(argv: list[str]) -> tuple[str | None, list[str]]:
@@ -18,20 +31,59 @@ def parse_args(argv: list[str]) -> tuple[str | None, list[str]]:
     return yaml_path, argv[1:] if yaml_path else argv
 
 
+def stop(error: UserError) -> None:
+    """Ends this rank on a user mistake: the message goes to the elastic error file (torchrun's
+    summary shows it) and, once, to stderr; the process exits with the code of its kind."""
+    message = f"sfttrain: {error.kind}: {error}"
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file:
+        with open(error_file, "w") as f:
+            # torch's own layout (elastic/multiprocessing/errors), the traceback replaced by the message
+            json.dump({"message": {"message": message, "extraInfo": {"py_callstack": message,
+                                                                     "timestamp": str(int(time.time()))}}}, f)
+    if int(os.environ.get("RANK", 0)) != 0:
+        # every rank usually raises the same error (same config; data checks gather their verdicts):
+        # rank 0 says it, and torchrun stops this rank when rank 0 exits
+        time.sleep(WAIT_FOR_RANK0_S)
+    print(message, file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    # at once, without the interpreter's teardown of torch (seconds): a rank still tearing
+    # down when torchrun stops the job would be reported as killed
+    os._exit(error.exit_code)
+
+
 def main(argv: list[str] | None = None) -> None:
-    yaml_path, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    yaml_path, overrides = parse_args(argv)
     try:
+        if argv and argv[0] in ("-h", "--help"):
+            print_help(argv[1] if len(argv) > 1 else None)
+            return
         cfg = load_config(yaml_path, overrides)
-        world = init_world(cfg)
-    except ConfigError as e:
-        sys.exit(f"sfttrain: config error: {e}")
+    except UserError as e:
+        stop(e)
+    # torch and transformers load only now: a config mistake is reported within a second. A
+    # bug (any other exception) still reaches torchrun's summary with its traceback (`record`).
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    record(train)(cfg)
+
+
+def train(cfg: Config) -> None:
+    from sfttrain.distributed import init_world, shutdown
+    from sfttrain.metrics import require_loggers
+    from sfttrain.trainer import FSDPSFTTrainer
+
     try:
-        FSDPSFTTrainer(cfg, world).train()
-    except (ConfigError, NonFiniteLossError) as e:
-        # every rank raises the same error; rank 0 says it once
-        if world.is_main:
-            print(f"sfttrain: error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        require_loggers(cfg)
+        world = init_world(cfg)
+        trainer = FSDPSFTTrainer(cfg, world)
+        try:
+            trainer.train()
+        finally:
+            trainer.logger.close()  # the bar ends before any error is printed
+    except UserError as e:
+        stop(e)
     shutdown(world)
     # Python's final garbage collection of torch's and transformers' object graphs costs seconds
     # of CPU per rank at exit; everything is written and closed by now, so skip it.

@@ -17,16 +17,13 @@ from sfttrain.data.pack import max_segment_length
 from sfttrain.data.parquet import ParquetSource, row_fields
 from sfttrain.data.plan import make_plan
 from sfttrain.distributed import World
+from sfttrain.errors import NonFiniteLossError
 from sfttrain.flops import ModelShape
 from sfttrain.loss import CausalLMLoss, normalised, select_chunk_loss
 from sfttrain.metrics import MetricsLogger, StepEnd, StepTimer, memory_stats, throughput
 from sfttrain.model import load_model, load_tokenizer
 from sfttrain.optim import build_optimizer, build_scheduler, clipped_step, warmup_steps
 from sfttrain.parallel import describe_sharding, parallelize
-
-
-class NonFiniteLossError(RuntimeError):
-    pass
 
 
 @dataclass
@@ -177,14 +174,19 @@ class FSDPSFTTrainer:
             raise NonFiniteLossError(
                 f"non-finite loss ({loss}) or grad norm ({grad_norm}) at step {queued.step} "
                 f"(epoch {batch.epoch}); the update was NOT applied. Rows of this step: {batch.rows[:16]}... "
-                f"Lower optim.lr, keep optim.clip_grad > 0, or check those rows; resume from the last "
-                f"checkpoint in {self.run_dir}.")
+                f"Lower optim.lr, keep optim.clip_grad > 0, or check those rows; {self._restart_hint()}")
         metrics = {"loss": loss, "lr": queued.lr, "grad_norm": grad_norm}
         seconds = self.timer.lap(queued.end)
         metrics.update(throughput(batch.sample_lengths, batch.num_loss_tokens, seconds, self.model_shape,
-                                  self.world.world_size))
+                                  self.world.world_size, self.world.device))
         metrics.update(epoch=batch.epoch, data_wait_s=queued.data_wait, **memory_stats(self.world.device))
         self.logger.log(queued.step, metrics)
+
+    def _restart_hint(self) -> str:
+        saved = checkpoint.complete_checkpoints(self.run_dir)
+        if saved:
+            return f"then resume from {saved[-1][1]} (trainer.resume_mode=auto does)."
+        return "no checkpoint was written yet, so the run restarts from the beginning."
 
     @torch.no_grad()
     def validate(self) -> float:
@@ -198,7 +200,9 @@ class FSDPSFTTrainer:
         return (totals[0] / totals[1].clamp(min=1)).item()
 
     def save(self) -> None:
+        start = time.perf_counter()
         checkpoint.save(self.run_dir, self.state, self.lm.model, self.optimizer, self.scheduler, self.world, self.cfg,
                         self.tokenizer, wandb_id=self.logger.wandb_id,
                         export_hf=self.cfg.trainer.save_hf and self.state.step == self.plan.total_steps)
-
+        self.logger.info(f"checkpoint global_step_{self.state.step} written to {self.run_dir} "
+                         f"in {time.perf_counter() - start:.1f} s")

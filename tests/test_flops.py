@@ -6,7 +6,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from sfttrain.flops import count_params, flops_per_token, mfu
+from sfttrain.flops import (GPU_BF16_PEAK_FLOPS, H200_BF16_PEAK_FLOPS, count_params, flops_per_token, mfu,
+                             peak_flops)
 
 # V vocab, D hidden, F MLP, L layers, H query heads, K key/value heads, head size D / H = 8
 V, D, F, L, H, K = 128, 32, 64, 2, 4, 2
@@ -93,3 +94,12 @@ def test_mfu_by_hand():
     assert mfu(1080, 1e9, 2, peak_flops=1080e9) == pytest.approx(0.5)
     # the default peak is the H200's dense bf16 989 TFLOP/s
     assert mfu(3e9, 100_000, 1) == pytest.approx(3e14 / 989e12)
+
+
+def test_gpu_peak_table_names_are_reachable():
+    """Every entry is the first match of its own name: none is shadowed by a shorter name listed
+    before it (the table is matched by substring, first match wins); no peak for a CPU."""
+    for name, peak in GPU_BF16_PEAK_FLOPS:
+        assert next(p for key, p in GPU_BF16_PEAK_FLOPS if key in f"NVIDIA {name} 80GB") == peak, name
+    assert [p for k, p in GPU_BF16_PEAK_FLOPS if k == "H200"] == [H200_BF16_PEAK_FLOPS]
+    assert peak_flops(torch.device("cpu")) is None

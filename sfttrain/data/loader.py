@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from sfttrain.config import ConfigError
+from sfttrain.errors import DataError
 from sfttrain.data.pack import MicroBatch, budget_bins, empty_micro_batch, loss_tokens, pack
 from sfttrain.data.parquet import ParquetSource
 from sfttrain.data.plan import BatchPlan
@@ -134,7 +134,7 @@ def _scan(source: ParquetSource, renderer: Renderer, rank: int, world: int,
     dist.all_gather_object(errors, error)
     first = next((e for e in errors if e), None)
     if first:
-        raise ConfigError(first)
+        raise DataError(first)
     return samples, np.array(stats, dtype=np.int64).reshape(-1, 3)
 
 

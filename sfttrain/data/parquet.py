@@ -14,9 +14,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from sfttrain.config import ConfigError
+from sfttrain.errors import DataError
 
 # Rows shuffled together. Small datasets (below this) get a full shuffle; larger ones a shuffle of
 # row-group order plus a full shuffle inside windows of this many rows, so that reading stays
@@ -41,7 +43,7 @@ class PromptResponse:
     def columns(self, file: str, names: list[str]) -> list[str]:
         for key_path in (self.prompt_path, self.response_path):
             if key_path[0] not in names:
-                raise ConfigError(f"{file}: no column {key_path[0]!r} (columns: {names}); set data.prompt_key / "
+                raise DataError(f"{file}: no column {key_path[0]!r} (columns: {names}); set data.prompt_key / "
                                   "data.response_key to the right columns")
         return [self.prompt_path[0], self.response_path[0]]
 
@@ -62,7 +64,7 @@ class ChatMessages:
 
     def columns(self, file: str, names: list[str]) -> list[str]:
         if self.messages_key not in names:
-            raise ConfigError(f"{file}: no column {self.messages_key!r} (columns: {names}); set "
+            raise DataError(f"{file}: no column {self.messages_key!r} (columns: {names}); set "
                               "data.multiturn.messages_key to the column of role/content lists")
         return [self.messages_key] + [key for key, _ in self.optional if key in names]
 
@@ -105,11 +107,15 @@ class ParquetSource:
 
     def _add_file(self, file: str) -> None:
         if not os.path.isfile(file):
-            raise ConfigError(f"data file {file!r} does not exist (check data.train_files / data.val_files)")
-        meta = pq.ParquetFile(file)
+            raise DataError(f"data file {file!r} does not exist (check data.train_files / data.val_files)")
+        try:
+            meta = pq.ParquetFile(file)
+        except (pa.ArrowException, OSError) as e:
+            raise DataError(f"{file}: not a readable Parquet file ({os.path.getsize(file)} bytes; {e}); "
+                            "rewrite it (e.g. python data_prep/gsm8k.py) or fix data.train_files / data.val_files")
         self._columns[file] = self.fields.columns(file, meta.schema_arrow.names)
         if meta.metadata.num_rows == 0:
-            raise ConfigError(f"{file}: the file has no rows")
+            raise DataError(f"{file}: the file has no rows; point data.train_files / data.val_files at a file with rows")
         first = sum(g.num_rows for g in self.row_groups)
         for i in range(meta.num_row_groups):
             n = meta.metadata.row_group(i).num_rows
@@ -159,12 +165,12 @@ def _text(value, key_path: list[str], group: RowGroup, local: int) -> str:
     """Follows verl's nested keys (data.prompt_dict_keys) down to a string."""
     for key in key_path[1:]:
         if not isinstance(value, dict) or key not in value:
-            raise ConfigError(f"{group.file} row {local + _rows_before(group)}: no key {key!r} under "
+            raise DataError(f"{group.file} row {local + _rows_before(group)}: no key {key!r} under "
                               f"{key_path[0]!r}; check data.prompt_dict_keys / data.response_dict_keys")
         value = value[key]
     if not isinstance(value, str):
         hint = "; for conversations set data.multiturn.enable=true" if isinstance(value, list) else ""
-        raise ConfigError(f"{group.file} row {local + _rows_before(group)}: {'.'.join(key_path)} is "
+        raise DataError(f"{group.file} row {local + _rows_before(group)}: {'.'.join(key_path)} is "
                           f"{type(value).__name__}, expected a string{hint}")
     return value
 
@@ -175,7 +181,7 @@ def _messages(value, key: str, group: RowGroup, local: int) -> list[dict]:
     defined`, not `is none`). A JSON string of the list is accepted too."""
     value = _json(value, key, group, local)
     if not isinstance(value, list) or not all(isinstance(m, dict) for m in value):
-        raise ConfigError(f"{group.file} row {local + _rows_before(group)}: {key} is {type(value).__name__}, "
+        raise DataError(f"{group.file} row {local + _rows_before(group)}: {key} is {type(value).__name__}, "
                           "expected a list of {role, content} messages")
     return [{k: v for k, v in m.items() if v is not None} for m in value]
 
@@ -187,7 +193,7 @@ def _json(value, key: str, group: RowGroup, local: int):
     try:
         return json.loads(value)
     except json.JSONDecodeError as e:
-        raise ConfigError(f"{group.file} row {local + _rows_before(group)}: {key} is a string but not JSON ({e})")
+        raise DataError(f"{group.file} row {local + _rows_before(group)}: {key} is a string but not JSON ({e})")
 
 
 def _rows_before(group: RowGroup) -> int:

@@ -66,15 +66,9 @@ class BatchPlan:
 def make_plan(cfg: Config, dp_size: int, num_rows: int) -> BatchPlan:
     d, t = cfg.data, cfg.trainer
     b, mb = d.train_batch_size, d.micro_batch_size_per_gpu
-    if b % dp_size:
-        raise ConfigError(f"data.train_batch_size={b} is not divisible by the {dp_size} data-parallel ranks; "
-                          f"use a multiple of {dp_size}, e.g. {_nearest_multiple(b, dp_size)}")
-    if not d.max_token_len_per_gpu and (b // dp_size) % mb:
-        per_rank = b // dp_size
-        raise ConfigError(f"data.train_batch_size={b} gives {per_rank} samples per rank over {dp_size} ranks, "
-                          f"not divisible by data.micro_batch_size_per_gpu={mb}; use a train_batch_size that "
-                          f"is a multiple of {dp_size * mb} (e.g. {_nearest_multiple(b, dp_size * mb)}) or a "
-                          f"micro_batch_size_per_gpu that divides {per_rank}")
+    problem = batch_problem(b, mb, dp_size, d.max_token_len_per_gpu)
+    if problem:
+        raise ConfigError(problem)
     steps_per_epoch = num_rows // b
     if steps_per_epoch == 0:
         raise ConfigError(f"the training data has {num_rows} rows, fewer than data.train_batch_size={b}: "
@@ -83,5 +77,29 @@ def make_plan(cfg: Config, dp_size: int, num_rows: int) -> BatchPlan:
     return BatchPlan(dp_size, b, mb, d.max_token_len_per_gpu, num_rows, steps_per_epoch, total)
 
 
-def _nearest_multiple(value: int, base: int) -> int:
-    return max(base, round(value / base) * base)
+def batch_problem(b: int, mb: int, dp_size: int, token_budget: Optional[int],
+                  suggest: bool = True) -> Optional[str]:
+    """What is wrong with global batch b (None if it splits), with the nearest valid sizes."""
+    per_rank = b // dp_size
+    other_fix = ""
+    if b % dp_size:
+        problem = f"data.train_batch_size={b} is not divisible by the {dp_size} data-parallel ranks"
+    elif not token_budget and per_rank % mb:
+        problem = (f"data.train_batch_size={b} gives {per_rank} samples per rank over {dp_size} ranks, "
+                   f"not divisible by data.micro_batch_size_per_gpu={mb}")
+        other_fix = f", or a data.micro_batch_size_per_gpu that divides {per_rank}"
+    else:
+        return None
+    if not suggest:
+        return problem
+    valid = " or ".join(str(v) for v in nearest_valid_batches(b, mb, dp_size, token_budget))
+    return f"{problem}; use data.train_batch_size={valid}{other_fix}"
+
+
+def nearest_valid_batches(b: int, mb: int, dp_size: int, token_budget: Optional[int]) -> list[int]:
+    """The nearest global batch sizes below and above b that batch_problem accepts."""
+    step = dp_size if token_budget else dp_size * mb  # every valid batch is a multiple of it
+    below, above = b // step * step, (b // step + 1) * step
+    found = [v for v in (below, above) if v > 0 and batch_problem(v, mb, dp_size, token_budget, suggest=False) is None]
+    assert found, (b, mb, dp_size)  # `above` is always valid
+    return found

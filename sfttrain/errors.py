@@ -1,0 +1,41 @@
+"""The mistakes a user must fix, each with its exit code (`python -m sfttrain.run` exits with it;
+under torchrun it is each rank's `exitcode` in the failure summary):
+
+    2  config error: a key, value or file named in the config (ConfigError)
+    3  data error: a data file or row (DataError)
+    4  non-finite loss or grad norm; the update was not applied (NonFiniteLossError)
+    5  missing dependency that the config asks for, e.g. wandb (DependencyError)
+
+Anything else is a bug in sfttrain and ends with its traceback (exit code 1).
+This module imports nothing, so the entry point can classify errors before torch loads.
+"""
+
+
+class UserError(Exception):
+    """A mistake the user must fix; the message says what to change."""
+    exit_code = 2
+    kind = "error"
+
+
+class ConfigError(UserError, ValueError):
+    """A configuration the user must fix; the message says what to change."""
+    exit_code = 2
+    kind = "config error"
+
+
+class DataError(ConfigError):
+    """A data file or row the user must fix (missing, empty, unreadable, a bad row)."""
+    exit_code = 3
+    kind = "data error"
+
+
+class NonFiniteLossError(UserError, RuntimeError):
+    """A step's loss or grad norm was not finite; the update was not applied."""
+    exit_code = 4
+    kind = "training stopped"
+
+
+class DependencyError(ConfigError):
+    """The config asks for a package that is not installed (or does not import)."""
+    exit_code = 5
+    kind = "missing dependency"

@@ -1,0 +1,83 @@
+"""`python -m sfttrain.plot RUN_DIR [--out FILE]`: a run's curves from its metrics.jsonl, as one PNG.
+
+Four panels: training and validation loss, learning rate, throughput (real and supervised
+tokens/s), and peak GPU memory (absent on CPU runs: the panel says so). Writes
+RUN_DIR/metrics.png unless --out says otherwise; needs no display (matplotlib's Agg backend).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: works on a login node or in a SLURM job without a display
+import matplotlib.pyplot as plt  # noqa: E402
+
+from sfttrain.errors import DataError  # noqa: E402
+
+# panel title -> (metrics.jsonl key, label) for each curve it draws
+PANELS = {
+    "loss": [("loss", "train"), ("val/loss", "validation")],
+    "learning rate": [("lr", "lr")],
+    "throughput (tokens/s)": [("tokens_per_s", "real tokens"), ("loss_tokens_per_s", "supervised tokens")],
+    "peak GPU memory (GiB)": [("mem_peak_alloc_gib", "allocated"), ("mem_peak_reserved_gib", "reserved")],
+}
+
+
+def read_series(path: str) -> dict[str, tuple[list[int], list[float]]]:
+    """key -> (steps, values); a step logged twice (a run resumed after it) keeps its last value."""
+    if not os.path.isfile(path):
+        raise DataError(f"{path} does not exist: give the run folder (trainer.default_local_dir) of a run")
+    by_key: dict[str, dict[int, float]] = {}
+    with open(path) as f:
+        for line in f:
+            record = json.loads(line)
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    by_key.setdefault(key, {})[record["step"]] = value
+    return {key: (sorted(values), [values[s] for s in sorted(values)]) for key, values in by_key.items()}
+
+
+def plot(series: dict[str, tuple[list[int], list[float]]], title: str, out: str) -> None:
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharex=True)
+    for ax, (name, curves) in zip(axes.flat, PANELS.items()):
+        drawn = [(k, label) for k, label in curves if k in series]
+        for key, label in drawn:
+            steps, values = series[key]
+            ax.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3, label=label)
+        if not drawn:
+            ax.text(0.5, 0.5, "not recorded in this run", ha="center", va="center", transform=ax.transAxes)
+        elif len(drawn) > 1:
+            ax.legend()
+        ax.set_title(name)
+        ax.grid(alpha=0.3)
+    for ax in axes[1]:
+        ax.set_xlabel("step")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sfttrain.plot",
+                                     description="A run's loss, learning rate, throughput and memory as one PNG.")
+    parser.add_argument("run_dir", help="the run folder holding metrics.jsonl")
+    parser.add_argument("--out", help="the PNG to write (default RUN_DIR/metrics.png)")
+    args = parser.parse_args(argv)
+    out = args.out or os.path.join(args.run_dir, "metrics.png")
+    try:
+        plot(read_series(os.path.join(args.run_dir, "metrics.jsonl")), os.path.abspath(args.run_dir), out)
+    except DataError as e:
+        print(f"sfttrain plot: {e}", file=sys.stderr)
+        return e.exit_code
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

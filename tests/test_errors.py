@@ -1,0 +1,132 @@
+"""The catalogue of user mistakes, each run through torchrun: one clean message, printed once,
+torchrun's summary showing it as the root cause, the exit code of its kind (sfttrain/run.py), and
+no traceback from sfttrain's ranks (torchrun's launcher prints its own for any failed child: that
+one is allowed, and only that one)."""
+
+from __future__ import annotations
+
+import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tests.conftest import BASE_OVERRIDES, REPO, run_sfttrain
+
+CONFIG, DATA, NON_FINITE, DEPENDENCY = 2, 3, 4, 5
+
+
+@dataclass
+class Case:
+    overrides: list[str]
+    needles: list[str]
+    code: int
+    nproc: int = 1  # 2 where ranks matter (said once; batch arithmetic)
+    env: dict = field(default_factory=dict)
+    yaml: str | None = None  # a recipe file's text, passed before the overrides
+
+
+def catalogue(tmp: Path) -> dict[str, Case]:
+    empty, zero = tmp / "empty.parquet", tmp / "zero.parquet"
+    pq.write_table(pa.table({"question": pa.array([], pa.string()), "answer": pa.array([], pa.string())}), empty)
+    zero.write_bytes(b"")
+    shim = tmp / "no_wandb"
+    shim.mkdir()
+    (shim / "wandb.py").write_text("raise ImportError('No module named wandb (test shim)')\n")
+    return {
+        "misspelled_key": Case(["data.micro_batch_sise_per_gpu=2"], [
+            "unknown config key 'data.micro_batch_sise_per_gpu'; did you mean data.micro_batch_size_per_gpu?"],
+            CONFIG, nproc=2),
+        "wrong_type": Case(["data.max_length=long"], ["data.max_length", "long"], CONFIG),
+        "yaml_syntax": Case([], ["is not valid YAML", "line 3"], CONFIG, yaml="data:\n  train_files: [a\n  x: 1\n"),
+        "nan_lr": Case(["optim.lr=nan"], ["optim.lr=nan is not a finite number"], CONFIG),
+        "missing_wandb": Case(["trainer.logger=wandb"], ["trainer.logger includes wandb but `import wandb` fails",
+                                                         "pip install wandb", "trainer.logger=console"],
+                              DEPENDENCY, env={"PYTHONPATH": f"{shim}:{REPO}"}),
+        "non_divisible_batch": Case(["data.train_batch_size=10", "data.micro_batch_size_per_gpu=4"], [
+            "data.train_batch_size=10 gives 5 samples per rank over 2 ranks, not divisible by "
+            "data.micro_batch_size_per_gpu=4; use data.train_batch_size=8 or 16"], CONFIG, nproc=2),
+        "missing_model": Case([f"model.partial_pretrain={tmp}/no_model"], ["no_model", "not a local model folder"],
+                              CONFIG),
+        "missing_chat_template": Case(["data.apply_chat_template=true"], [
+            "the tokenizer has no chat template", "data.apply_chat_template=false"], CONFIG),
+        "missing_column": Case(["data.prompt_key=prompt"], ["train.parquet", "no column 'prompt'", "'question'"],
+                               DATA),
+        "missing_path": Case([f"data.val_files={tmp}/nope.parquet"], [f"{tmp}/nope.parquet", "does not exist"], DATA),
+        "empty_file": Case([f"data.val_files={empty}"], [str(empty), "has no rows"], DATA),
+        "zero_byte_parquet": Case([f"data.val_files={zero}"], [str(zero), "not a readable Parquet file (0 bytes"],
+                                  DATA),
+        "over_length_row": Case(["data.truncation=error"], [
+            "row", "more than data.max_length=256", "data.truncation=left|right"], DATA, nproc=2),
+        # step 1 is finite and moves every weight by ~lr; step 2 is the first to be named, though
+        # the trainer reads a step's numbers only once the next step is queued
+        "non_finite_loss": Case(["optim.lr=1e30", "optim.clip_grad=0", "data.train_batch_size=4",
+                                 "data.micro_batch_size_per_gpu=4"],
+                                ["non-finite loss", "at step 2 ", "NOT applied", "no checkpoint was written yet"],
+                                NON_FINITE),
+    }
+
+
+def _run(name: str, case: Case, tmp: Path, gsm8k_dir: Path):
+    run_dir = tmp / name
+    args = [*BASE_OVERRIDES, f"data.train_files={gsm8k_dir}/train.parquet", f"trainer.default_local_dir={run_dir}",
+            "trainer.total_training_steps=3", *case.overrides]
+    if case.yaml is not None:
+        recipe = tmp / f"{name}.yaml"
+        recipe.write_text(case.yaml)
+        args.insert(0, str(recipe))
+    return run_sfttrain(case.nproc, args, check=False, env=case.env, timeout=400)
+
+
+@pytest.fixture(scope="module")
+def outcomes(gsm8k_dir, tmp_path_factory):
+    """Every case's output, the cases run three at a time (most stop before the model loads, so
+    each is mostly interpreter start-up: overlapping them keeps the suite fast)."""
+    tmp = tmp_path_factory.mktemp("errors")
+    cases = catalogue(tmp)
+    assert sorted(cases) == sorted(CASES)
+    with ThreadPoolExecutor(3) as pool:
+        procs = {name: pool.submit(_run, name, case, tmp, gsm8k_dir) for name, case in cases.items()}
+        return {name: (cases[name], procs[name].result(), tmp / name) for name in cases}
+
+
+def launcher_traceback_only(out: str) -> bool:
+    """Every traceback in `out` is torchrun's own (frames in torch.distributed and runpy only)."""
+    for block in out.split("Traceback (most recent call last):")[1:]:
+        frames = re.findall(r'^\s*File "([^"]+)"', block.split("ChildFailedError")[0], re.MULTILINE)
+        if not frames or any("torch/distributed/" not in f and "<frozen" not in f for f in frames):
+            return False
+    return True
+
+
+CASES = ["misspelled_key", "wrong_type", "yaml_syntax", "nan_lr", "missing_wandb", "non_divisible_batch",
+         "missing_model", "missing_chat_template", "missing_column", "missing_path", "empty_file",
+         "zero_byte_parquet", "over_length_row", "non_finite_loss"]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_user_mistake_ends_in_one_clean_message(outcomes, name):
+    case, proc, run_dir = outcomes[name]
+    out = proc.stdout
+    assert proc.returncode != 0, out[-3000:]
+    printed = [line for line in out.splitlines() if line.startswith("sfttrain: ")]
+    assert len(printed) == 1, out[-3000:]  # once, by rank 0, at the start of its own line
+    for needle in case.needles:
+        assert needle in printed[0], out[-3000:]
+    root_cause = out.split("Root Cause (first observed failure):")[1]
+    assert f"traceback : {printed[0]}" in root_cause, out[-3000:]
+    codes = [int(c) for c in re.findall(r"exitcode\s+: (-?\d+)", out)]
+    assert case.code in codes and set(codes) <= {case.code, -15}, codes  # -15: stopped by torchrun after the first
+    assert launcher_traceback_only(out), out[-5000:]
+    assert not list(run_dir.glob("global_step_*"))  # nothing saved
+
+
+def test_each_kind_has_its_own_exit_code():
+    """The codes the catalogue expects are the ones sfttrain/errors.py gives each kind."""
+    from sfttrain.errors import ConfigError, DataError, DependencyError, NonFiniteLossError
+
+    codes = [cls.exit_code for cls in (ConfigError, DataError, NonFiniteLossError, DependencyError)]
+    assert codes == [CONFIG, DATA, NON_FINITE, DEPENDENCY]

@@ -1,0 +1,45 @@
+"""Seeing a run: the plain progress lines of a run whose output is not a terminal, the checkpoint
+line, no MFU on CPU (no peak to compare with), and `python -m sfttrain.plot` on its metrics."""
+
+import re
+import subprocess
+import sys
+
+import pyarrow.parquet as pq
+from PIL import Image
+
+from tests.conftest import BASE_OVERRIDES, REPO, read_metrics, run_sfttrain
+
+
+def test_short_run_is_logged_and_plotted(gsm8k_dir, tmp_path):
+    val = tmp_path / "val.parquet"
+    pq.write_table(pq.read_table(gsm8k_dir / "test.parquet").slice(0, 16), val)
+    run_dir = tmp_path / "run"
+    proc = run_sfttrain(1, [*BASE_OVERRIDES, f"data.train_files={gsm8k_dir}/train.parquet", f"data.val_files={val}",
+                            f"trainer.default_local_dir={run_dir}", "data.train_batch_size=8",
+                            "data.micro_batch_size_per_gpu=4", "trainer.total_training_steps=6",
+                            "trainer.test_freq=3", "trainer.save_freq=3", "trainer.log_freq=2"])
+    out = proc.stdout
+    # output to a file: one plain line per log_freq steps with the step count and an ETA, no bar
+    assert [int(s) for s in re.findall(r"^step (\d)/6 \| epoch .* s/step, ETA \d+:\d\d:\d\d$", out, re.M)] == [2, 4, 6]
+    assert "train:" not in out and "\r" not in out  # no tqdm bar
+    assert re.search(r"^checkpoint global_step_3 written to .* in \d+\.\d s$", out, re.M), out[-3000:]
+    records = read_metrics(run_dir)
+    assert all("mfu" not in r for r in records)  # CPU: no peak to compare with
+    assert sum("val/loss" in r for r in records) == 2
+
+    png = run_dir / "metrics.png"
+    done = subprocess.run([sys.executable, "-m", "sfttrain.plot", str(run_dir)], cwd=REPO, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr
+    with Image.open(png) as image:
+        image.verify()  # a complete, valid PNG
+    with Image.open(png) as image:
+        assert image.format == "PNG" and image.size == (1200, 800)
+        assert len(image.getcolors(1 << 20)) > 10  # curves drawn, not a blank canvas
+
+
+def test_plot_names_a_folder_without_metrics(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "sfttrain.plot", str(tmp_path)], cwd=REPO, capture_output=True,
+                          text=True)
+    assert done.returncode == 3 and "metrics.jsonl does not exist" in done.stderr and "Traceback" not in done.stderr

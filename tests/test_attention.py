@@ -191,7 +191,7 @@ def test_no_leak_forward_in_time_or_across_samples(backend, kind):
     assert cross <= LEAK_ATOL, f"edit in sample 0 changed a later sample's logits by {cross}"
 
 
-def _bidirectional_per_sample(q, k, v, cu_q, cu_k, max_q, max_k, scale, window):
+def _bidirectional_per_sample(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, softcap):
     b = cu_q.tolist()
     return torch.cat([
         F.scaled_dot_product_attention(
@@ -202,7 +202,7 @@ def _bidirectional_per_sample(q, k, v, cu_q, cu_k, max_q, max_k, scale, window):
     ])
 
 
-def _causal_whole_row(q, k, v, cu_q, cu_k, max_q, max_k, scale, window):
+def _causal_whole_row(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, softcap):
     return F.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale,
         enable_gqa=True,

@@ -210,7 +210,7 @@ def test_training_on_conversations_counts_assistant_tokens(tiny_qwen_dir, tmp_pa
     expected = sum(len(tok(m["content"], add_special_tokens=False)["input_ids"]) + 1
                    for c in conversations for m in c if m["role"] == "assistant")
     run_dir = tmp_path / "run"
-    run_sfttrain(2, [str(REPO / "recipes/chat_multiturn.yaml"), f"model.partial_pretrain={tiny_qwen_dir}",
+    run_sfttrain(2, [str(REPO / "recipes/qwen2.5-0.5b_multiturn_chat.yaml"), f"model.partial_pretrain={tiny_qwen_dir}",
                      f"data.train_files={tmp_path / 'train.parquet'}", "data.val_files=null",
                      "data.train_batch_size=4", "data.max_token_len_per_gpu=2048", "data.max_length=2048",
                      "data.num_workers=0",

@@ -121,6 +121,30 @@ def test_export_adapter_and_merged_model(ref, one, tmp_path):
     assert (merged - with_adapter).abs().max() <= 1e-4 * with_adapter.abs().max()
 
 
+def test_resume_refuses_another_lora_setup(ref):
+    """An adapter-only checkpoint resumes only into the same adapters: full fine-tuning, another
+    rank or other target modules are refused with names and shapes before DCP is asked."""
+    from transformers import AutoModelForCausalLM
+
+    from sfttrain import checkpoint
+    from sfttrain.lora import apply_lora
+
+    ckpt = str(ref[0] / "global_step_1")
+
+    def adapters(*overrides: str) -> dict:
+        cfg = load_config(overrides=["data.train_files=x.parquet", f"model.partial_pretrain={STORIES}", *overrides])
+        model = apply_lora(AutoModelForCausalLM.from_pretrained(STORIES), cfg.model, seed=0)
+        return {k: v for k, v in model.state_dict().items() if ".lora_" in k}
+
+    checkpoint._check_same_model(ckpt, adapters("model.lora_rank=8"))  # the same adapters: fine
+    with pytest.raises(ConfigError, match="of other shapes"):
+        checkpoint._check_same_model(ckpt, adapters("model.lora_rank=4"))
+    with pytest.raises(ConfigError, match="not in this model"):
+        checkpoint._check_same_model(ckpt, adapters("model.lora_rank=8", "model.target_modules=[q_proj]"))
+    with pytest.raises(ConfigError, match="weights missing"):
+        checkpoint._check_same_model(ckpt, AutoModelForCausalLM.from_pretrained(STORIES).state_dict())
+
+
 def test_target_modules_are_checked_against_the_model():
     from transformers import AutoModelForCausalLM
 

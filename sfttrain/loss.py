@@ -164,16 +164,20 @@ class LinearCrossEntropy(torch.autograd.Function):
             h_all, w = hidden.to(compute_dtype), weight.to(compute_dtype)
             total = torch.zeros((), dtype=torch.float32, device=hidden.device)
             grad_hidden = torch.empty_like(hidden) if with_grad else None
-            grad_weight = torch.zeros_like(weight, dtype=torch.float32) if with_grad else None
+            # a frozen lm_head (LoRA) gets no gradient: a third of the lm_head GEMMs and a V x D
+            # fp32 buffer saved
+            weight_grad = with_grad and ctx.needs_input_grad[1]
+            grad_weight = torch.zeros_like(weight, dtype=torch.float32) if weight_grad else None
             for start in range(0, h_all.shape[0], chunk_tokens):
                 h, y = h_all[start:start + chunk_tokens], labels[start:start + chunk_tokens]
                 loss, grad_logits = chunk_loss(h @ w.t(), y, with_grad)
                 total += loss
                 if with_grad:
                     grad_hidden[start:start + h.shape[0]] = grad_logits @ w
-                    _add_matmul(grad_weight, grad_logits.t(), h)
+                    if weight_grad:
+                        _add_matmul(grad_weight, grad_logits.t(), h)
         if with_grad:
-            ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
+            ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype) if weight_grad else None)
         return total
 
     @staticmethod
@@ -181,7 +185,8 @@ class LinearCrossEntropy(torch.autograd.Function):
         if grad_total is None:
             return None, None, None, None, None, None, None
         grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_total, grad_weight * grad_total, None, None, None, None, None
+        grad_weight = None if grad_weight is None else grad_weight * grad_total
+        return grad_hidden * grad_total, grad_weight, None, None, None, None, None
 
 
 def _add_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:

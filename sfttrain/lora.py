@@ -24,7 +24,6 @@ from torch import nn
 from sfttrain.config import ConfigError, ModelConfig, mixed_precision_dtypes
 
 ALL_LINEAR = "all-linear"  # peft's spelling: every nn.Linear except the output layer
-ADAPTER_NAME = "default"  # peft's adapter name, part of the parameter names in checkpoints
 
 
 def base_dtype(cfg: ModelConfig) -> torch.dtype:
@@ -58,8 +57,10 @@ def apply_lora(model: nn.Module, cfg: ModelConfig, seed: int) -> nn.Module:
 def wrap(model: nn.Module, cfg: ModelConfig):
     """peft's PeftModel around `model` (whose modules now hold the adapters); only the adapters
     require grad (peft freezes the rest)."""
-    from peft import get_peft_model
-
+    try:
+        from peft import get_peft_model
+    except ImportError:
+        raise ConfigError("model.lora_rank > 0 needs peft: pip install 'sfttrain[peft]'") from None
     target = check_target_modules(model, cfg.target_modules)
     return get_peft_model(model, lora_config(cfg, target), autocast_adapter_dtype=True)
 

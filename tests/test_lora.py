@@ -37,7 +37,7 @@ def lora_job(data: Path, run_dir: Path, *extra: str) -> list[str]:
 @pytest.fixture(scope="module")
 def ref(data, tmp_path_factory) -> tuple[Path, str]:
     run_dir = tmp_path_factory.mktemp("lora_ref") / "run"
-    proc = run_sfttrain(2, lora_job(data, run_dir, "trainer.save_freq=1"))
+    proc = run_sfttrain(2, lora_job(data, run_dir, "trainer.save_freq=1", "trainer.save_hf=true"))
     return run_dir, proc.stdout
 
 
@@ -59,6 +59,9 @@ def test_lora_learns_and_checkpoints_hold_adapters_only(ref):
     assert len(names) == 5 * 7 * 2 and all(".lora_A." in n or ".lora_B." in n for n in names), names
     assert set(ckpt["optim"]["state"]) == set(names)
     assert all(t.dtype == torch.float32 for t in ckpt["model"].values())  # fp32 master weights
+    # trainer.save_hf on 2 ranks: the merged model and the adapter folder, written by rank 0
+    exported = run_dir / f"global_step_{STEPS}" / "huggingface"
+    assert (exported / "model.safetensors").exists() and (exported / "adapter" / "adapter_config.json").exists()
 
 
 def test_one_rank_equals_two_ranks(ref, one):

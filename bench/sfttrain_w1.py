@@ -19,7 +19,7 @@ import torch
 import transformers
 
 from bench.common import MFU_FORMULA
-from bench.w1_data import load_rows, load_tokenizer, model_config, write_parquet
+from bench.w1_data import build_model, load_rows, load_tokenizer, model_config, write_parquet
 
 RECIPE = os.path.join(os.path.dirname(__file__), "..", "recipes", "w1_qwen2.5-0.5b.yaml")
 
@@ -32,23 +32,33 @@ VARIANTS = {
     "eager_liger": ["model.compile=false", "model.use_liger=true"],
     "compile_2micro": ["data.max_token_len_per_gpu=8192"],
     "grad_ckpt": ["model.enable_gradient_checkpointing=true"],
+    # the seed article's LoRA keys; LoRA adapts saved weights (W1's, drawn once by prepare)
+    "lora": ["model.random_init=false", "model.lora_rank=64", "model.lora_alpha=32", "model.target_modules=all-linear"],
+    "lora_grad_ckpt": ["model.random_init=false", "model.lora_rank=64", "model.lora_alpha=32",
+                       "model.target_modules=all-linear", "model.enable_gradient_checkpointing=true"],
 }
 
 
 def prepare(args) -> tuple[str, str]:
     model_dir, parquet = os.path.join(args.work, "model"), os.path.join(args.work, "train.parquet")
     os.makedirs(model_dir, exist_ok=True)
-    model_config(tiny=args.tiny).save_pretrained(model_dir)
+    if any(name.startswith("lora") for name in args.variant):
+        # the weights W1 draws (seed 0, fp32, as bench.trl_w1 builds them), saved for LoRA to adapt
+        build_model(model_config(tiny=args.tiny), "cpu").save_pretrained(model_dir)
+    else:
+        model_config(tiny=args.tiny).save_pretrained(model_dir)
     load_tokenizer(args.tokenizer).save_pretrained(model_dir)
     write_parquet(load_rows(args.data, args.rows), parquet)
     return model_dir, parquet
 
 
-def run_variant(name: str, args, model_dir: str, parquet: str) -> dict:
+def run_variant(name: str, args, model_dir: str, parquet: str, variant: list[str] | None = None) -> dict:
+    """Runs the recipe with the variant's overrides (default VARIANTS[name]) and summarises it."""
     run_dir = os.path.join(args.work, "runs", name)
+    variant = VARIANTS[name] if variant is None else variant
     overrides = [f"model.partial_pretrain={model_dir}", f"data.train_files={parquet}",
                  f"trainer.default_local_dir={run_dir}", "trainer.resume_mode=disable", f"trainer.total_training_steps={args.steps}",
-                 f"trainer.device={args.device}", *VARIANTS[name], *args.override]
+                 f"trainer.device={args.device}", *variant, *args.override]
     cmd = [sys.executable, "-m", "sfttrain.run", RECIPE, *overrides]
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -58,7 +68,7 @@ def run_variant(name: str, args, model_dir: str, parquet: str) -> dict:
     seconds = sum(times)
     real = sum(m["tokens"] for m in steps)
     return {
-        "system": "sfttrain", "variant": name, "overrides": VARIANTS[name] + args.override,
+        "system": "sfttrain", "variant": name, "overrides": variant + args.override,
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "gpus": 1,
         "torch": torch.__version__, "transformers": transformers.__version__,
         "timed_steps": f"{args.warmup + 1}-{args.steps}", "real_tokens": real,

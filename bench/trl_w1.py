@@ -14,7 +14,11 @@ real length of each sample (attention mask, or the padding-free sequence boundar
 number of labelled tokens, as tensors read only after training.
 
     python3 -m bench.trl_w1 --data DATA.jsonl --tokenizer DIR --out RESULTS.jsonl \\
-        [--gradient_checkpointing {on,off}] [--liger {on,off}] [--padding_free] [--device cpu --tiny]
+        [--gradient_checkpointing {on,off}] [--liger {on,off}] [--padding_free] [--peft] [--device cpu --tiny]
+
+--peft trains LoRA adapters through TRL's own peft integration (``SFTTrainer(peft_config=...)``)
+with the seed article's settings, the same as sfttrain's LoRA variant (`LORA` below); the base
+stays as built here (fp32 weights, bf16 autocast), as TRL does it by default.
 """
 
 import argparse
@@ -26,6 +30,18 @@ from trl import SFTConfig, SFTTrainer
 
 from bench.common import StepClock, TokenLedger, add_common_args, apply_tiny, emit, require_samples, result
 from bench.w1_data import build_model, load_rows, load_tokenizer, model_config
+
+
+# the seed article's LoRA keys (model.lora_rank=64 lora_alpha=32 target_modules=all-linear)
+LORA = dict(r=64, lora_alpha=32, target_modules="all-linear", lora_dropout=0.0)
+
+
+def peft_config(enabled: bool):
+    if not enabled:
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(**LORA, bias="none", task_type="CAUSAL_LM")
 
 
 def prompt_completion(rows: list[dict]) -> Dataset:
@@ -68,6 +84,17 @@ class Timing(TrainerCallback):
         self.clock.step_end(state.global_step)
 
 
+def load_model(model_dir: str, device: str):
+    """A saved model as a LoRA user loads it: straight in bf16 (the frozen base), SDPA, no KV cache."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa",
+                                                 device_map=device)
+    model.config.use_cache = False
+    return model
+
+
 def count_tokens(trainer: SFTTrainer, ledger: TokenLedger):
     """Forward pre-hook recording each micro-batch the model receives into ``ledger``.
 
@@ -89,13 +116,16 @@ def main() -> None:
     add_common_args(parser)
     parser.add_argument("--liger", choices=["on", "off"], default="off", help="use_liger_kernel=True (needs CUDA)")
     parser.add_argument("--padding_free", action="store_true", help="TRL's padding_free=True (no packing)")
+    parser.add_argument("--peft", action="store_true", help="LoRA (r 64, alpha 32, all-linear) through peft")
+    parser.add_argument("--model_dir", help="train this saved model (bf16 weights, e.g. bench.lora_w2b's) instead "
+                        "of building W1's")
     args = parser.parse_args()
     apply_tiny(args)
 
     rows = load_rows(args.data, args.rows)
     require_samples(len(rows), args)
     tokenizer = load_tokenizer(args.tokenizer)
-    model = build_model(model_config(args.tiny), args.device)
+    model = load_model(args.model_dir, args.device) if args.model_dir else build_model(model_config(args.tiny), args.device)
     clock, ledger = StepClock(args.device, args.warmup, args.steps), TokenLedger(args.warmup, args.steps)
     with tempfile.TemporaryDirectory() as output_dir:
         trainer = SFTTrainer(
@@ -104,11 +134,14 @@ def main() -> None:
             train_dataset=prompt_completion(rows),
             processing_class=tokenizer,
             callbacks=[Timing(clock)],
+            peft_config=peft_config(args.peft),
         )
         count_tokens(trainer, ledger)
         trainer.train()
     emit(result("trl", args, trainer.model, clock, ledger, trl_liger=args.liger, trl_padding_free=args.padding_free,
-                precision="fp32 weights + bf16 autocast"), args.out)
+                peft=LORA if args.peft else None,
+                model_dir=args.model_dir,
+                precision="bf16 weights" if args.model_dir else "fp32 weights + bf16 autocast"), args.out)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from sfttrain.config import Config, ConfigError, TrainerConfig, to_yaml
 from sfttrain.distributed import World, barrier
@@ -48,6 +48,10 @@ STEP_DIR = re.compile(r"^global_step_(\d+)$")
 DEBRIS = re.compile(r"^\.global_step_\d+\.(tmp|trash)$")
 METRICS = "metrics.jsonl"
 REWOUND = "metrics_rewound.jsonl"
+# frozen weights (LoRA's base) are model.partial_pretrain's, unchanged: a checkpoint holds what
+# training changes, the trainable weights and their optimizer state (full fine-tuning: everything).
+# Not strict: loading sets the trainable weights only; _check_same_model has matched their names.
+STATE_DICT_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 @dataclass
@@ -158,7 +162,7 @@ def save(run_dir: str, state: TrainState, model, optimizer, scheduler, world: Wo
         shutil.rmtree(tmp, ignore_errors=True)  # debris of a crashed save of the same step
         os.makedirs(os.path.join(tmp, "rng"))
     barrier(world)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = _state_dicts(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
     del model_sd, optim_sd
     _torch_save_synced(_rng_state(), os.path.join(tmp, "rng", f"rank_{world.rank}.pt"))
@@ -202,10 +206,11 @@ def load(path: str, model, optimizer, scheduler, world: World, cfg: Config) -> T
         raise ConfigError(f"{path} was written with data.train_batch_size={extra['global_batch']} and "
                           f"trainer.seed={extra['seed']}; resuming with other values would change which samples "
                           "come next. Use the same values, or trainer.resume_mode=disable to start afresh")
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = _state_dicts(model, optimizer)
     _check_same_model(path, model_sd)
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                   options=STATE_DICT_OPTIONS)
     del model_sd, optim_sd
     scheduler.load_state_dict(extra["scheduler"])
     rng_file = os.path.join(path, "rng", f"rank_{world.rank}.pt")
@@ -220,17 +225,28 @@ def load(path: str, model, optimizer, scheduler, world: World, cfg: Config) -> T
     return state
 
 
+def _state_dicts(model, optimizer) -> tuple[dict, dict]:
+    """DCP's model and optimizer state dicts, frozen weights left out. ignore_frozen_params alone
+    keeps a frozen weight tied to another (LoRA's lm_head.weight, which named_parameters skips as
+    a duplicate of the embedding): such names are dropped here."""
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
+    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {k: v for k, v in model_sd.items() if k not in frozen}, optim_sd
+
+
 def _check_same_model(path: str, model_sd: dict) -> None:
     """A checkpoint of another model fails here with names and shapes, not deep inside DCP."""
     stored = {k[len("model."):]: md for k, md in dcp.FileSystemReader(path).read_metadata().state_dict_metadata.items()
               if k.startswith("model.")}
     missing = sorted(set(model_sd) - set(stored))
+    extra = sorted(set(stored) - set(model_sd))  # e.g. adapters on other layers (model.target_modules)
     shapes = [f"{k}: checkpoint {tuple(stored[k].size)} vs model {tuple(v.shape)}" for k, v in model_sd.items()
               if k in stored and hasattr(stored[k], "size") and tuple(stored[k].size) != tuple(v.shape)]
-    if missing or shapes:
-        raise ConfigError(f"{path} was written for another model than model.partial_pretrain: "
-                          f"{len(missing)} weights missing {missing[:5]}, {len(shapes)} of other shapes {shapes[:3]}. "
-                          "Resume with the same model, or use trainer.resume_mode=disable (or a new "
+    if missing or extra or shapes:
+        raise ConfigError(f"{path} was written for another model than model.partial_pretrain (or another "
+                          f"LoRA setup: model.lora_rank, model.target_modules): {len(missing)} weights missing {missing[:5]}, "
+                          f"{len(extra)} not in this model {extra[:5]}, {len(shapes)} of other shapes {shapes[:3]}. "
+                          "Resume with the same model and LoRA keys, or use trainer.resume_mode=disable (or a new "
                           "trainer.default_local_dir) to start afresh")
 
 

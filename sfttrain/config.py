@@ -84,9 +84,10 @@ class ModelConfig:
     # kernel, gradient written over the logits; CUDA) | torch (compiled by inductor on CUDA: 2.7x
     # slower per chunk on W1)
     loss_kernel: str = "auto"
-    lora_rank: int = 0
-    lora_alpha: int = 16
-    target_modules: Any = "all-linear"
+    lora_rank: int = 0  # > 0: train peft LoRA adapters of this rank on a frozen base (sfttrain/lora.py)
+    lora_alpha: int = 16  # LoRA scaling numerator: the adapter's update is scaled by lora_alpha / lora_rank
+    target_modules: Any = "all-linear"  # all-linear (every linear layer but lm_head) or a list of layer names
+    lora_dropout: float = 0.0  # dropout on the adapters' input (random: resumes exactly on the same world size only)
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
 
@@ -298,8 +299,7 @@ def validate(cfg: Config) -> None:
     _choice("trainer.device", t.device, ("auto", "cuda", "cpu"))
     for name in logger_names(t):
         _choice("trainer.logger", name, ("console", "wandb"))
-    if m.lora_rank > 0:
-        raise ConfigError("model.lora_rank > 0: LoRA under FSDP2 is not implemented yet; set model.lora_rank=0")
+    _validate_lora(m)
     if cfg.ulysses_sequence_parallel_size != 1:
         raise ConfigError("ulysses_sequence_parallel_size > 1: Ulysses sequence parallelism is not implemented "
                           "yet; set it to 1")
@@ -332,6 +332,25 @@ def _check_verl_switches(cfg: Config) -> None:
     if "fp16" in (fsdp.model_dtype, *(dtypes or ())):
         raise ConfigError("fp16 (model.fsdp_config.model_dtype or mixed_precision) needs loss scaling, which sfttrain "
                           "does not implement (small gradients would underflow to zero); use bf16")
+
+
+def _validate_lora(m: ModelConfig) -> None:
+    """The names in target_modules are checked against the model at load (sfttrain.lora)."""
+    if m.lora_rank < 0:
+        raise ConfigError(f"model.lora_rank must be 0 (full fine-tuning) or positive, got {m.lora_rank}")
+    if m.lora_rank == 0:
+        return
+    if m.lora_alpha <= 0:
+        raise ConfigError(f"model.lora_alpha must be positive, got {m.lora_alpha}")
+    if not 0.0 <= m.lora_dropout < 1.0:
+        raise ConfigError(f"model.lora_dropout must lie in [0, 1), got {m.lora_dropout}")
+    if m.random_init:
+        raise ConfigError("model.lora_rank > 0 with model.random_init=true: LoRA adapts pretrained weights, and a "
+                          "random base would be in no checkpoint (they hold the adapters only); save the random "
+                          "model to a folder first, or set model.lora_rank=0")
+    targets = m.target_modules
+    if not (isinstance(targets, str) or (isinstance(targets, list) and all(isinstance(t, str) for t in targets))):
+        raise ConfigError(f"model.target_modules must be all-linear or a list of linear layer names, got {targets!r}")
 
 
 def logger_names(t: TrainerConfig) -> list[str]:

@@ -1,6 +1,6 @@
 """Export a sfttrain checkpoint as a Hugging Face model folder.
 
-    python -m sfttrain.export CHECKPOINT_DIR OUT_DIR [--dtype auto|bf16|fp32|fp16] [--max_shard_size 5GB]
+    python -m sfttrain.export CHECKPOINT_DIR OUT_DIR [--dtype auto|bf16|fp32|fp16] [--max_shard_size 5GB] [--base DIR]
 
 CHECKPOINT_DIR is a `global_step_N` folder, or a run folder (its latest complete checkpoint).
 OUT_DIR gets sharded safetensors (`model-0000i-of-0000n.safetensors` + `model.safetensors.index.json`,
@@ -13,6 +13,10 @@ reads only their byte ranges, whatever world size wrote them), cast, written, an
 memory is about one output shard plus LOAD_BUDGET_BYTES, not the model. The optimizer state is
 never read. Weights tied to another (the output embedding when tie_word_embeddings) are not
 written, as transformers' own save_pretrained does.
+
+A LoRA checkpoint (adapters only, model.lora_rank > 0) is exported by `export_lora`: OUT_DIR gets
+the base model with the adapters merged in, and OUT_DIR/adapter the peft adapter folder; the
+base is read from the checkpoint's model.partial_pretrain, or from --base.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ from typing import Optional
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from sfttrain import lora
+from sfttrain.config import ModelConfig
 from sfttrain.model import DTYPE
 from transformers.utils.hub import convert_file_size_to_int  # "5GB" -> bytes, as save_pretrained reads it
 
@@ -38,6 +44,7 @@ HF_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16:
 LOAD_BUDGET_BYTES = 1 << 30  # checkpoint bytes read per dcp.load call
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+ADAPTER_DIR = "adapter"  # a LoRA export's peft adapter folder, inside the merged model's folder
 
 
 def model_tensors(checkpoint_dir: str) -> list[tuple[str, TensorStorageMetadata]]:
@@ -72,6 +79,15 @@ def tied_names(hf_dir: str, names: list[str], trust_remote_code: bool = False) -
         return {"lm_head.weight"} & set(names)
 
 
+def read_tensors(reader: dcp.FileSystemReader, group: list[tuple[str, TensorStorageMetadata]]) -> dict:
+    """HF name -> full tensor of the model tensors in `group`, read without a process group."""
+    loaded = {MODEL_PREFIX + name: torch.empty(md.size, dtype=md.properties.dtype) for name, md in group}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message=".*single process.*")
+        dcp.load(loaded, storage_reader=reader, no_dist=True)
+    return {name[len(MODEL_PREFIX):]: t for name, t in loaded.items()}
+
+
 def plan_shards(tensors: list[tuple[str, TensorStorageMetadata]], dtype: Optional[torch.dtype],
                 max_shard_bytes: int) -> list[list[tuple[str, TensorStorageMetadata]]]:
     """Consecutive tensors grouped into shards of at most max_shard_bytes (a larger tensor gets a
@@ -93,9 +109,11 @@ def shard_file(i: int, n: int) -> str:
 
 
 def export(checkpoint_dir: str, out_dir: str, dtype: str = "auto", max_shard_size: str | int = "5GB",
-           rank: int = 0, world_size: int = 1, trust_remote_code: bool = False) -> None:
+           rank: int = 0, world_size: int = 1, trust_remote_code: bool = False,
+           base_dir: Optional[str] = None) -> None:
     """Writes the HF folder. With world_size > 1, rank r writes shards r, r + world_size, ...
-    and rank 0 the index, config and tokenizer; the caller synchronises the ranks afterwards."""
+    and rank 0 the index, config and tokenizer; the caller synchronises the ranks afterwards.
+    base_dir: a LoRA checkpoint's base model, if not where model.partial_pretrain says."""
     from safetensors.torch import save_file
 
     if dtype != "auto" and dtype not in DTYPE:
@@ -107,6 +125,10 @@ def export(checkpoint_dir: str, out_dir: str, dtype: str = "auto", max_shard_siz
     tensors = model_tensors(checkpoint_dir)
     if not tensors:
         raise ValueError(f"{checkpoint_dir}: no model tensors in the DCP metadata")
+    if any(lora.is_adapter_weight(name) for name, _ in tensors):
+        if rank == 0:  # the merge needs the whole base model: one process does it
+            export_lora(checkpoint_dir, out_dir, dtype, max_shard_size, trust_remote_code, base_dir)
+        return
     tied = tied_names(hf_dir, [n for n, _ in tensors], trust_remote_code)
     tensors = [(n, md) for n, md in tensors if n not in tied]
     shards = plan_shards(tensors, out_dtype, convert_file_size_to_int(max_shard_size))
@@ -118,12 +140,9 @@ def export(checkpoint_dir: str, out_dir: str, dtype: str = "auto", max_shard_siz
             continue
         out: dict[str, torch.Tensor] = {}
         for group in _load_groups(shard):
-            loaded = {MODEL_PREFIX + name: torch.empty(md.size, dtype=md.properties.dtype) for name, md in group}
-            with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-                warnings.filterwarnings("ignore", message=".*single process.*")
-                dcp.load(loaded, storage_reader=reader, no_dist=True)
+            loaded = read_tensors(reader, group)
             for name, _ in group:
-                t = loaded.pop(MODEL_PREFIX + name)
+                t = loaded.pop(name)
                 out[name] = (t.to(out_dtype) if out_dtype is not None and t.is_floating_point() else t).contiguous()
             del loaded
         path = os.path.join(out_dir, shard_file(i, len(shards)))
@@ -144,6 +163,51 @@ def export(checkpoint_dir: str, out_dir: str, dtype: str = "auto", max_shard_siz
             with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
         _write_metadata_files(hf_dir, out_dir, final_dtype)
+
+
+def export_lora(checkpoint_dir: str, out_dir: str, dtype: str = "auto", max_shard_size: str | int = "5GB",
+                trust_remote_code: bool = False, base_dir: Optional[str] = None) -> None:
+    """A LoRA checkpoint (adapters only) on its base model (model.partial_pretrain, or base_dir):
+    out_dir gets the merged model, out_dir/adapter the peft adapter folder
+    (`peft.PeftModel.from_pretrained(base, out_dir/adapter)`). The merge is done in fp32 on the
+    CPU, so it holds the whole base model in fp32 (4 bytes per parameter)."""
+    cfg = checkpoint_model_config(checkpoint_dir)
+    base_dir = base_dir or cfg.partial_pretrain
+    if not os.path.isfile(os.path.join(base_dir, "config.json")):
+        raise FileNotFoundError(f"{checkpoint_dir} holds LoRA adapters only; their base model {base_dir!r} "
+                                "(model.partial_pretrain) is not a model folder here: pass --base DIR")
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    peft_model = lora.wrap(base, cfg)
+    reader = dcp.FileSystemReader(checkpoint_dir)
+    adapters = read_tensors(reader, model_tensors(checkpoint_dir))
+    result = peft_model.get_base_model().load_state_dict(adapters, strict=False)
+    not_loaded = [k for k in result.missing_keys if lora.is_adapter_weight(k)]
+    if result.unexpected_keys or not_loaded:
+        raise ValueError(f"{checkpoint_dir}: its adapters do not match model.target_modules / lora_rank on "
+                         f"{base_dir}: unexpected {result.unexpected_keys[:5]}, not in the checkpoint {not_loaded[:5]}")
+    peft_model.save_pretrained(os.path.join(out_dir, ADAPTER_DIR))
+    final_dtype = DTYPE.get(dtype) or _stored_dtype(base_dir)
+    merged = peft_model.merge_and_unload().to(final_dtype)
+    merged.save_pretrained(out_dir, max_shard_size=max_shard_size)
+    _write_metadata_files(os.path.join(checkpoint_dir, "hf"), out_dir, final_dtype)
+
+
+def checkpoint_model_config(checkpoint_dir: str) -> ModelConfig:
+    """The model section of the checkpoint's config.yaml (LoRA settings, base model path)."""
+    from omegaconf import OmegaConf
+
+    stored = OmegaConf.load(os.path.join(checkpoint_dir, "config.yaml")).model
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), stored))
+
+
+def _stored_dtype(model_dir: str) -> torch.dtype:
+    """The dtype a model folder's config.json declares (fp32 if none)."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    return {v: k for k, v in HF_NAMES.items()}.get(name, torch.float32)
 
 
 def _write_metadata_files(hf_dir: str, out_dir: str, dtype: torch.dtype) -> None:
@@ -197,7 +261,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     # never taken from the checkpoint's own config.yaml: a checkpoint from elsewhere must not be
     # able to run code of its choosing on the exporting machine without the user's say-so
     p.add_argument("--trust_remote_code", action="store_true",
-                   help="run the model's custom code (only for checkpoints you trust) to find its tied weights")
+                   help="run the model's custom code (only for checkpoints you trust)")
+    p.add_argument("--base", help="LoRA checkpoints: the base model folder (default: the checkpoint's "
+                   "model.partial_pretrain)")
     args = p.parse_args(argv)
     try:
         ckpt = resolve(args.checkpoint_dir)
@@ -208,7 +274,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         sys.exit(f"sfttrain.export: {out} exists and is not empty; choose a new folder")
     tmp = out.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    export(ckpt, tmp, dtype=args.dtype, max_shard_size=args.max_shard_size, trust_remote_code=args.trust_remote_code)
+    export(ckpt, tmp, dtype=args.dtype, max_shard_size=args.max_shard_size, trust_remote_code=args.trust_remote_code,
+           base_dir=args.base)
     if os.path.isdir(out):
         os.rmdir(out)
     os.replace(tmp, out)  # the folder appears complete or not at all

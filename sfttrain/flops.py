@@ -5,8 +5,9 @@
 
 N counts every parameter once (a tied embedding once), L is the number of layers, H the number of
 attention heads, Dh the head size, and s_i the length of sample i. The dense term is 2 N for the
-forward and 4 N for the backward. With LoRA the frozen weights need no weight gradient, so their
-backward is 2 N and the dense term becomes 4 N (the adapters are small enough to ignore).
+forward and 4 N for the backward. With LoRA the frozen weights need no weight gradient, only the
+input gradient, so their backward is 2 N: the dense term is 4 N_frozen + 6 N_trainable (the
+adapters, also counted in N, get the full 6).
 Recomputation under activation checkpointing is not counted: MFU measures useful work.
 """
 
@@ -60,9 +61,10 @@ def flops_per_token(
     num_heads: int,
     head_dim: int,
     sample_lengths: Iterable[int],
-    lora: bool = False,
+    trainable_params: int | None = None,
 ) -> float:
-    """``k N + 6 L H Dh sum(s_i^2) / sum(s_i)`` with k = 6, or 4 when ``lora`` (frozen weights).
+    """``6 T + 4 (N - T) + 6 L H Dh sum(s_i^2) / sum(s_i)`` with T the trainable parameters
+    (None: all N; frozen ones cost no weight gradient).
 
     The attention term is per token: each sample of length s costs ``6 L H Dh s^2`` in total
     (QK^T and PV, forward and backward), spread over its s tokens.
@@ -71,7 +73,8 @@ def flops_per_token(
     total = sum(lengths)
     if total <= 0:
         raise ValueError("sample_lengths must hold at least one token")
-    dense = (4 if lora else 6) * num_params
+    trainable = num_params if trainable_params is None else trainable_params
+    dense = 6 * trainable + 4 * (num_params - trainable)
     attention = 6 * num_layers * num_heads * head_dim * sum(s * s for s in lengths) / total
     return dense + attention
 
@@ -83,6 +86,12 @@ def count_params(model: torch.nn.Module) -> int:
     DTensor whose ``numel()`` is the global (unsharded) size, so every rank gets the full count.
     """
     unique = {id(p): p for _, p in model.named_parameters(remove_duplicate=False)}
+    return sum(p.numel() for p in unique.values())
+
+
+def count_trainable(model: torch.nn.Module) -> int:
+    """The parameters that get gradients, each counted once (global sizes under FSDP2)."""
+    unique = {id(p): p for p in model.parameters() if p.requires_grad}
     return sum(p.numel() for p in unique.values())
 
 
@@ -102,15 +111,17 @@ class ModelShape:
     num_layers: int
     num_heads: int
     head_dim: int
+    trainable_params: int  # all of num_params in full fine-tuning; LoRA: the adapters
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> "ModelShape":
         c = model.config
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        return cls(count_params(model), c.num_hidden_layers, c.num_attention_heads, head_dim)
+        return cls(count_params(model), c.num_hidden_layers, c.num_attention_heads, head_dim, count_trainable(model))
 
     def flops_per_token(self, sample_lengths: Iterable[int]) -> float:
-        return flops_per_token(self.num_params, self.num_layers, self.num_heads, self.head_dim, sample_lengths)
+        return flops_per_token(self.num_params, self.num_layers, self.num_heads, self.head_dim, sample_lengths,
+                               self.trainable_params)
 
     @property
     def attention_coefficient(self) -> float:

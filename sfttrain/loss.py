@@ -211,8 +211,12 @@ class LinearCrossEntropy(torch.autograd.Function):
             b = bias.to(compute_dtype) if bias is not None else None
             total = torch.zeros((), dtype=torch.float32, device=hidden.device)
             grad_hidden = torch.empty_like(hidden) if with_grad else None
-            grad_weight = torch.zeros_like(weight, dtype=torch.float32) if with_grad else None
-            grad_bias = torch.zeros_like(bias, dtype=torch.float32) if with_grad and b is not None else None
+            # a frozen lm_head (LoRA) gets no gradient: a third of the lm_head GEMMs and a V x D
+            # fp32 buffer saved
+            weight_grad = with_grad and ctx.needs_input_grad[1]
+            grad_weight = torch.zeros_like(weight, dtype=torch.float32) if weight_grad else None
+            bias_grad = with_grad and b is not None and ctx.needs_input_grad[2]
+            grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias_grad else None
             for start in range(0, h_all.shape[0], chunk_tokens):
                 h, y = h_all[start:start + chunk_tokens], labels[start:start + chunk_tokens]
                 logits, slope = head.apply(h @ w.t() if b is None else torch.addmm(b, h, w.t()))
@@ -222,12 +226,13 @@ class LinearCrossEntropy(torch.autograd.Function):
                     if not isinstance(slope, float) or slope != 1.0:
                         grad_logits = grad_logits * slope  # through the head's scaling / soft-cap
                     grad_hidden[start:start + h.shape[0]] = grad_logits @ w
-                    _add_matmul(grad_weight, grad_logits.t(), h)
-                    if grad_bias is not None:
+                    if weight_grad:
+                        _add_matmul(grad_weight, grad_logits.t(), h)
+                    if bias_grad:
                         grad_bias += grad_logits.sum(0, dtype=torch.float32)
         if with_grad:
-            ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype),
-                                  grad_bias.to(bias.dtype) if grad_bias is not None else None)
+            ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype) if weight_grad else None,
+                                  grad_bias.to(bias.dtype) if bias_grad else None)
         return total
 
     @staticmethod
@@ -235,8 +240,8 @@ class LinearCrossEntropy(torch.autograd.Function):
         if grad_total is None:
             return (None,) * 9
         grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
-        scaled_bias = grad_bias * grad_total if grad_bias is not None else None
-        return grad_hidden * grad_total, grad_weight * grad_total, scaled_bias, *(None,) * 6
+        grad_weight, grad_bias = (None if g is None else g * grad_total for g in (grad_weight, grad_bias))
+        return grad_hidden * grad_total, grad_weight, grad_bias, *(None,) * 6
 
 
 def _add_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:

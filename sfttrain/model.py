@@ -11,7 +11,7 @@ import transformers
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from sfttrain import attention
+from sfttrain import attention, lora
 from sfttrain.config import ConfigError, ModelConfig
 
 DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -39,7 +39,7 @@ def load_model(cfg: ModelConfig, device: torch.device, seed: int) -> LoadedModel
     _check_folder(path)
     backend = attention.select_backend(cfg.attn_implementation, device.type)
     attention.configure(backend)
-    kwargs = dict(dtype=DTYPE[cfg.fsdp_config.model_dtype], attn_implementation=attention.ATTN_IMPLEMENTATION,
+    kwargs = dict(dtype=weights_dtype(cfg), attn_implementation=attention.ATTN_IMPLEMENTATION,
                   trust_remote_code=cfg.trust_remote_code)
     if cfg.random_init:
         torch.manual_seed(seed)  # every rank builds the same weights
@@ -55,7 +55,15 @@ def load_model(cfg: ModelConfig, device: torch.device, seed: int) -> LoadedModel
     except ValueError as e:
         raise ConfigError(str(e)) from None
     model.config.use_cache = False  # training never reuses a KV cache
-    return LoadedModel(model, backend, cfg.use_liger and apply_liger(model, device, cfg.compile))
+    liger = cfg.use_liger and apply_liger(model, device, cfg.compile)
+    if cfg.lora_rank > 0:
+        model = lora.apply_lora(model, cfg, seed)  # after Liger: its patched MLP still calls the wrapped linears
+    return LoadedModel(model, backend, liger)
+
+
+def weights_dtype(cfg: ModelConfig) -> torch.dtype:
+    """model_dtype; with LoRA the frozen base loads straight in the compute dtype (sfttrain.lora)."""
+    return lora.base_dtype(cfg) if cfg.lora_rank > 0 else DTYPE[cfg.fsdp_config.model_dtype]
 
 
 def apply_liger(model: nn.Module, device: torch.device, compile_layers: bool) -> bool:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from sfttrain import checkpoint
+from sfttrain import checkpoint, lora
 from sfttrain.config import Config, as_list
 from sfttrain.data.loader import StepBatch, TrainData, render_share, row_stats, step_batches, validation_batches
 from sfttrain.data.chat import build_renderer
@@ -92,7 +92,9 @@ class FSDPSFTTrainer:
             f"mesh {tuple(self.world.mesh.shape)} {self.world.mesh.mesh_dim_names}",
             self.plan.describe(),
             f"  model               : {cfg.model.partial_pretrain} ({shape.num_params / 1e6:.2f}M params, "
-            f"{shape.num_layers} layers), attention {self.attn_backend}, liger {self.liger}",
+            f"{shape.trainable_params / 1e6:.2f}M trainable, {shape.num_layers} layers), "
+            f"attention {self.attn_backend}, liger {self.liger}",
+            *lora.describe(cfg.model),
             f"  loss                : {loss}",
             f"  precision           : weights/optimizer {fsdp.model_dtype}, mixed precision {fsdp.mixed_precision}",
             f"  sharding            : {describe_sharding(self.world, cfg, self.sharded)}",
@@ -101,7 +103,7 @@ class FSDPSFTTrainer:
             f"  run folder          : {self.run_dir}",
             f"  resume              : {resume_from or 'fresh start'} (step {self.state.step})",
         ]
-        if fsdp.model_dtype != "fp32":
+        if fsdp.model_dtype != "fp32" and cfg.model.lora_rank == 0:  # LoRA's adapters are fp32 anyway
             lines.append(f"  WARNING: model_dtype={fsdp.model_dtype} keeps master weights and AdamW state in "
                          f"{fsdp.model_dtype}: updates below ~1/256 of a weight are rounded away (at lr "
                          f"{cfg.optim.lr} most are). Use model_dtype=fp32 with mixed_precision=true.")

@@ -108,6 +108,14 @@ def max_abs_diff(a: dict, b: dict) -> float:
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
+def max_rel_diff(a: dict, b: dict) -> float:
+    """The largest per-tensor ||a - b|| / ||b|| (tests/test_lora.py compares adapters with it)."""
+    a, b = tensors(a), tensors(b)
+    assert a.keys() == b.keys()
+    return max(((a[k].double() - b[k].double()).norm() / b[k].double().norm().clamp(min=1e-12)).item()
+               for k in a)
+
+
 def assert_resumed_like_ref(run_dir: Path, ref: Path, first_step: int, tol: float, rel: bool = False) -> None:
     """Steps first_step..TOTAL logged by the resumed run equal the reference's, and so do the
     final weights."""

@@ -50,6 +50,32 @@ def test_article_command_line_runs_unchanged(home_with_gsm8k, tiny_qwen_dir, tmp
     assert read_metrics(save_path)[0]["loss"] > 0
 
 
+def test_article_lora_keys_run_and_export(home_with_gsm8k, tiny_qwen_dir, tmp_path):
+    """Article 003, section 6.1: the article's YAML with its LoRA keys (bf16 base, fp32 adapters,
+    2 ranks); the checkpoint holds the adapters only and exports to a folder peft loads."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_checkpoint import state
+
+    proc = run_sfttrain(2, [str(REPO / "recipes" / "verl_sft_fsdp2.yaml"), f"model.partial_pretrain={tiny_qwen_dir}",
+                            "model.enable_gradient_checkpointing=true", "model.lora_rank=64", "model.lora_alpha=32",
+                            "model.target_modules=all-linear", "data.micro_batch_size_per_gpu=2",
+                            "trainer.total_training_steps=1", "data.train_batch_size=4"],
+                        cwd=tmp_path, env={"HOME": str(home_with_gsm8k)}, timeout=600)
+    assert "frozen base in bf16, adapters and AdamW state in fp32" in proc.stdout
+    assert "WARNING: model_dtype=bf16" not in proc.stdout  # the adapters' master weights are fp32
+    ckpt = tmp_path / "checkpoints" / "global_step_1"
+    assert all(".lora_" in name for name in state(ckpt)["model"])
+    out = tmp_path / "exported"
+    subprocess.run([sys.executable, "-m", "sfttrain.export", str(ckpt), str(out)], check=True, cwd=REPO,
+                   capture_output=True)
+    base = AutoModelForCausalLM.from_pretrained(tiny_qwen_dir, dtype=torch.float32)
+    assert PeftModel.from_pretrained(base, out / "adapter").peft_config["default"].r == 64
+    assert (out / "model.safetensors").exists()
+
+
 def test_help_lists_every_key_with_its_default():
     """Generated from the schema: every key of sfttrain/config.py, with its default, and its
     comment where it has one; `--help SECTION` narrows the list."""

@@ -80,7 +80,9 @@ def test_flops_per_token_by_hand():
     # N=100, L=2, H=3, Dh=4, samples of 2 and 4 tokens: sum s = 6, sum s^2 = 20
     attention = 6 * 2 * 3 * 4 * 20 / 6  # = 480
     assert flops_per_token(100, 2, 3, 4, [2, 4]) == pytest.approx(600 + attention)
-    assert flops_per_token(100, 2, 3, 4, [2, 4], lora=True) == pytest.approx(400 + attention)
+    # LoRA: 90 frozen weights cost 4 each (no weight gradient), 10 adapter weights 6 each
+    assert flops_per_token(100, 2, 3, 4, [2, 4], trainable_params=10) == pytest.approx(4 * 90 + 6 * 10 + attention)
+    assert flops_per_token(100, 2, 3, 4, [2, 4], trainable_params=0) == pytest.approx(400 + attention)
     # one sample of s tokens: attention per token grows linearly with s
     assert flops_per_token(0, 1, 1, 1, [10]) == pytest.approx(60)
 

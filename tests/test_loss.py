@@ -43,6 +43,16 @@ def test_matches_autograd_fp32(chunk):
     torch.testing.assert_close(w.grad, ref_dw * 0.37, rtol=1e-5, atol=1e-6)
 
 
+def test_frozen_weight_gets_no_gradient():
+    """LoRA's frozen lm_head: the hidden states' gradient as before, none for the weight."""
+    h, w, y = _inputs()
+    ref_dh = _reference(h, w, y)[1]
+    w.requires_grad_(False)
+    LinearCrossEntropy.apply(h, w, y, torch.float32, chunk_loss_and_grad, True, 16).backward()
+    assert w.grad is None
+    torch.testing.assert_close(h.grad, ref_dh, rtol=1e-5, atol=1e-6)
+
+
 def test_bf16_compute_keeps_fp32_gradients():
     """Mixed precision: bf16 GEMMs, but the fp32 master weight gets an fp32 gradient summed over
     chunks without bf16 rounding of the running sum."""

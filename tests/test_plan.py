@@ -120,7 +120,6 @@ RECIPES = {
     "llama3.1-8b_lora_1gpu": (1, "llama8b", []), "qwen2.5-0.5b_multiturn_chat": (8, "qwen0.5b", []),
     "qwen2.5-7b_long_context_ulysses": (8, "qwen7b", []),
 }
-PENDING = {"llama3.1-8b_lora_1gpu": "until the lora branch lands",
            "qwen2.5-7b_long_context_ulysses": "until the ulysses branch lands"}
 
 

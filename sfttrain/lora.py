@@ -1,0 +1,101 @@
+"""LoRA adapters (peft) on the Hugging Face model: frozen base, trainable low-rank adapters.
+
+With model.lora_rank > 0, `apply_lora` injects peft's LoRA layers into the loaded model in
+place and returns the same Hugging Face model (peft's wrapper is dropped: `CausalLMLoss`, FSDP
+and the checkpoints all work on the unmodified module tree, now with adapters inside it).
+
+Precision: the frozen base is held in the compute dtype (`base_dtype`): its weights are never
+updated, so an fp32 master copy would only cost memory (the bf16 forward casts them to bf16
+anyway, so the arithmetic is the same). The adapters keep fp32 master weights and AdamW state
+(peft's `autocast_adapter_dtype` lifts them from the base's bf16). Under FSDP2 one decoder layer
+then holds bf16 frozen weights and fp32 adapters in one `fully_shard` group: the mixed-precision
+policy casts both to bf16 for the all-gather, and only the adapters get gradients, all bf16,
+reduced in fp32, so the group's all-gather and reduce-scatter each see one dtype.
+
+Checkpoints hold the trainable weights only (`sfttrain.checkpoint`); the base is
+model.partial_pretrain's. `sfttrain.export` writes a peft adapter folder and a merged model.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sfttrain.config import ConfigError, ModelConfig, mixed_precision_dtypes
+
+ALL_LINEAR = "all-linear"  # peft's spelling: every nn.Linear except the output layer
+
+
+def base_dtype(cfg: ModelConfig) -> torch.dtype:
+    """The frozen base's dtype: the compute dtype (mixed precision's param dtype, else model_dtype)."""
+    dtypes = mixed_precision_dtypes(cfg.fsdp_config)
+    return _dtypes()[dtypes[0] if dtypes else cfg.fsdp_config.model_dtype]
+
+
+def _dtypes() -> dict:
+    from sfttrain.model import DTYPE  # sfttrain.model applies LoRA: imported late, no import circle
+
+    return DTYPE
+
+
+def lora_config(cfg: ModelConfig, target_modules):
+    from peft import LoraConfig
+
+    return LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=target_modules, bias="none", task_type="CAUSAL_LM")
+
+
+def apply_lora(model: nn.Module, cfg: ModelConfig, seed: int) -> nn.Module:
+    """Injects the adapters into `model` (in place), everything else frozen; returns `model`.
+    Their random initialisation (lora_A) is drawn from `seed`: every rank builds the same
+    adapters (FSDP2 keeps each rank's slice of its own copy), and a rerun the same ones."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return wrap(model, cfg).get_base_model()
+
+
+def wrap(model: nn.Module, cfg: ModelConfig):
+    """peft's PeftModel around `model` (whose modules now hold the adapters); only the adapters
+    require grad (peft freezes the rest)."""
+    try:
+        from peft import get_peft_model
+    except ImportError:
+        raise ConfigError("model.lora_rank > 0 needs peft: pip install 'sfttrain[peft]'") from None
+    target = check_target_modules(model, cfg.target_modules)
+    return get_peft_model(model, lora_config(cfg, target), autocast_adapter_dtype=True)
+
+
+def describe(cfg: ModelConfig) -> list[str]:
+    """The start-up line for LoRA (none without it)."""
+    if cfg.lora_rank <= 0:
+        return []
+    base = {v: k for k, v in _dtypes().items()}[base_dtype(cfg)]
+    return [f"  lora                : rank {cfg.lora_rank}, alpha {cfg.lora_alpha} (scale "
+            f"{cfg.lora_alpha / cfg.lora_rank:g}), targets {cfg.target_modules}, dropout {cfg.lora_dropout}; "
+            f"frozen base in {base}, adapters and AdamW state in fp32"]
+
+
+def linear_module_names(model: nn.Module) -> list[str]:
+    """The distinct leaf names of the model's nn.Linear modules, output layer excluded (the names
+    peft's target_modules matches)."""
+    output = model.get_output_embeddings()
+    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                   if isinstance(m, nn.Linear) and m is not output})
+
+
+def check_target_modules(model: nn.Module, target_modules):
+    """model.target_modules as peft takes it ("all-linear", or a list of names), each name checked
+    against the model's linear layers."""
+    if target_modules == ALL_LINEAR:
+        return ALL_LINEAR
+    names = [target_modules] if isinstance(target_modules, str) else list(target_modules)
+    available = linear_module_names(model)
+    unknown = [n for n in names if n not in available]
+    if unknown or not names:
+        raise ConfigError(f"model.target_modules={names}: {unknown or 'no name'} names no linear layer of "
+                          f"{type(model).__name__}; its linear layers are {available} (or use {ALL_LINEAR})")
+    return names
+
+
+def is_adapter_weight(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name

@@ -1,0 +1,168 @@
+"""LoRA (sfttrain/lora.py): adapters learn on a frozen base, checkpoints hold the adapters only and
+resume on another number of ranks, export writes a peft adapter folder and a merged model.
+
+Real torchrun jobs (gloo ranks) on the real stories260K model, fp32, activation checkpointing on
+(the frozen base's inputs need no grad). Three runs: `ref` on 2 ranks (4 steps, a checkpoint
+after each), `one` on 1 rank (the same job), and ref's step 2 resumed on 1 rank. Bounds: 1 rank
+against 2 sums each gradient in another order, so agreement is to float32 rounding compounded
+over a few Adam steps: relative 1e-5 (per-tensor norm of the difference), as tests/test_checkpoint.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from sfttrain.config import ConfigError, load_config
+from tests.conftest import STORIES, read_metrics, run_sfttrain
+from tests.test_checkpoint import data, job, losses_by_step, max_rel_diff, state  # noqa: F401 (data: fixture)
+
+STEPS = 4
+REL_TOL = 1e-5
+# optim.eps=1e-3: lora_B starts at zero, so lora_A's first gradients (step 2) are near zero, and
+# Adam's g / sqrt(v) would turn their float32 rounding into whole +-lr updates; an eps above
+# that noise keeps those updates proportional to the gradient (SGD-like), so rounding stays rounding
+LORA = ["model.lora_rank=8", "model.lora_alpha=16", "model.enable_gradient_checkpointing=true",
+        "optim.lr=1e-2", "optim.eps=1e-3", f"trainer.total_training_steps={STEPS}"]
+
+
+def lora_job(data: Path, run_dir: Path, *extra: str) -> list[str]:
+    return job(data, run_dir, *LORA, *extra)
+
+
+@pytest.fixture(scope="module")
+def ref(data, tmp_path_factory) -> tuple[Path, str]:
+    run_dir = tmp_path_factory.mktemp("lora_ref") / "run"
+    proc = run_sfttrain(2, lora_job(data, run_dir, "trainer.save_freq=1", "trainer.save_hf=true"))
+    return run_dir, proc.stdout
+
+
+@pytest.fixture(scope="module")
+def one(data, tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("lora_one") / "run"
+    run_sfttrain(1, lora_job(data, run_dir, "trainer.save_freq=1"))
+    return run_dir
+
+
+def test_lora_learns_and_checkpoints_hold_adapters_only(ref):
+    run_dir, stdout = ref
+    losses = losses_by_step(run_dir)
+    assert losses[STEPS] < losses[1] - 0.5  # only the adapters train: they are in the forward
+    assert "lora                : rank 8, alpha 16" in stdout and "M trainable" in stdout
+    ckpt = state(run_dir / f"global_step_{STEPS}")
+    names = list(ckpt["model"])
+    # every injected adapter of the 5 layers x 7 linear layers, and nothing of the base
+    assert len(names) == 5 * 7 * 2 and all(".lora_A." in n or ".lora_B." in n for n in names), names
+    assert set(ckpt["optim"]["state"]) == set(names)
+    assert all(t.dtype == torch.float32 for t in ckpt["model"].values())  # fp32 master weights
+    # trainer.save_hf on 2 ranks: the merged model and the adapter folder, written by rank 0
+    exported = run_dir / f"global_step_{STEPS}" / "huggingface"
+    assert (exported / "model.safetensors").exists() and (exported / "adapter" / "adapter_config.json").exists()
+
+
+def test_one_rank_equals_two_ranks(ref, one):
+    run_dir, _ = ref
+    got, want = losses_by_step(one), losses_by_step(run_dir)
+    assert got == pytest.approx(want, rel=REL_TOL)
+    moved = max_rel_diff(state(run_dir / "global_step_1")["model"], state(run_dir / f"global_step_{STEPS}")["model"])
+    assert moved > 1e-3
+    assert max_rel_diff(state(one / f"global_step_{STEPS}")["model"],
+                        state(run_dir / f"global_step_{STEPS}")["model"]) <= REL_TOL
+
+
+def test_resume_on_another_world_size(data, ref, tmp_path):
+    """Ref's step-2 checkpoint (2 ranks) resumed on 1 rank: steps 3-4 and the final adapters and
+    optimizer state as ref's."""
+    run_dir, _ = ref
+    resumed = tmp_path / "run"
+    run_sfttrain(1, lora_job(data, resumed, "trainer.resume_mode=resume_path",
+                             f"trainer.resume_from_path={run_dir / 'global_step_2'}"))
+    assert [m["step"] for m in read_metrics(resumed) if "loss" in m] == [3, 4]
+    want = losses_by_step(run_dir)
+    for step, loss in losses_by_step(resumed).items():
+        assert loss == pytest.approx(want[step], rel=REL_TOL), step
+    final, expected = state(resumed / f"global_step_{STEPS}"), state(run_dir / f"global_step_{STEPS}")
+    assert max_rel_diff(final["model"], expected["model"]) <= REL_TOL
+    assert max_rel_diff(final["optim"]["state"], expected["optim"]["state"]) <= REL_TOL
+
+
+def _export(ckpt: Path, out: Path) -> Path:
+    from sfttrain.export import export
+
+    export(str(ckpt), str(out))
+    return out
+
+
+def _logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits.double()
+
+
+def test_export_adapter_and_merged_model(ref, one, tmp_path):
+    """The adapter from 2 ranks equals the one from 1 rank (step 2); peft loads it on the base; the
+    merged model's logits equal base + adapter's (fp32: rounding of one weight add per layer)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    two_out = _export(ref[0] / "global_step_2", tmp_path / "two")
+    one_out = _export(one / "global_step_2", tmp_path / "one")
+    adapter = load_file(two_out / "adapter" / "adapter_model.safetensors")
+    assert max_rel_diff(load_file(one_out / "adapter" / "adapter_model.safetensors"), adapter) <= REL_TOL
+    config = json.loads((two_out / "adapter" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"]) == (8, 16)
+
+    ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
+    base = AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.float32).eval()
+    base_logits = _logits(base, ids)
+    with_adapter = _logits(PeftModel.from_pretrained(base, two_out / "adapter").eval(), ids)
+    merged = _logits(AutoModelForCausalLM.from_pretrained(two_out, dtype=torch.float32).eval(), ids)
+    assert (with_adapter - base_logits).abs().max() > 1e-2  # the adapter changes the model
+    assert (merged - with_adapter).abs().max() <= 1e-4 * with_adapter.abs().max()
+
+
+def test_resume_refuses_another_lora_setup(ref):
+    """An adapter-only checkpoint resumes only into the same adapters: full fine-tuning, another
+    rank or other target modules are refused with names and shapes before DCP is asked."""
+    from transformers import AutoModelForCausalLM
+
+    from sfttrain import checkpoint
+    from sfttrain.lora import apply_lora
+
+    ckpt = str(ref[0] / "global_step_1")
+
+    def adapters(*overrides: str) -> dict:
+        cfg = load_config(overrides=["data.train_files=x.parquet", f"model.partial_pretrain={STORIES}", *overrides])
+        model = apply_lora(AutoModelForCausalLM.from_pretrained(STORIES), cfg.model, seed=0)
+        return {k: v for k, v in model.state_dict().items() if ".lora_" in k}
+
+    checkpoint._check_same_model(ckpt, adapters("model.lora_rank=8"))  # the same adapters: fine
+    with pytest.raises(ConfigError, match="of other shapes"):
+        checkpoint._check_same_model(ckpt, adapters("model.lora_rank=4"))
+    with pytest.raises(ConfigError, match="not in this model"):
+        checkpoint._check_same_model(ckpt, adapters("model.lora_rank=8", "model.target_modules=[q_proj]"))
+    with pytest.raises(ConfigError, match="weights missing"):
+        checkpoint._check_same_model(ckpt, AutoModelForCausalLM.from_pretrained(STORIES).state_dict())
+
+
+def test_target_modules_are_checked_against_the_model():
+    from transformers import AutoModelForCausalLM
+
+    from sfttrain.lora import apply_lora
+
+    common = ["data.train_files=x.parquet", f"model.partial_pretrain={STORIES}", "model.lora_rank=4"]
+    model = AutoModelForCausalLM.from_pretrained(STORIES)
+    cfg = load_config(overrides=[*common, "model.target_modules=[q_proj,qkv_proj]"])
+    with pytest.raises(ConfigError, match=r"\['qkv_proj'\] names no linear layer.*'down_proj'.*'v_proj'"):
+        apply_lora(model, cfg.model, seed=0)
+    cfg = load_config(overrides=[*common, "model.target_modules=[q_proj,v_proj]"])
+    apply_lora(model, cfg.model, seed=0)
+    trainable = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {"q_proj", "v_proj"}
+    for bad, needle in (("model.lora_dropout=1.0", "lora_dropout"), ("model.random_init=true", "random_init"),
+                        ("model.lora_rank=-1", "lora_rank")):
+        with pytest.raises(ConfigError, match=needle):
+            load_config(overrides=[*common, bad])

@@ -123,12 +123,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def train_rows(cfg: Config) -> int:
     """Rows of the training data (raises DataError when a file is missing or unreadable)."""
-    from sfttrain.data.parquet import ParquetSource, key_path
+    from sfttrain.data.parquet import ParquetSource, row_fields
 
-    d = cfg.data
-    source = ParquetSource(as_list(d.train_files), key_path(d.prompt_key, d.prompt_dict_keys),
-                           key_path(d.response_key, d.response_dict_keys))
-    return source.num_rows
+    return ParquetSource(as_list(cfg.data.train_files), row_fields(cfg.data)).num_rows
 
 
 def batch_section(cfg: Config, dp_size: int, problems: list[str]) -> list[str]:

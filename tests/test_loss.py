@@ -48,7 +48,7 @@ def test_frozen_weight_gets_no_gradient():
     h, w, y = _inputs()
     ref_dh = _reference(h, w, y)[1]
     w.requires_grad_(False)
-    LinearCrossEntropy.apply(h, w, y, torch.float32, chunk_loss_and_grad, True, 16).backward()
+    LinearCrossEntropy.apply(h, w, None, y, OutputHead(), torch.float32, chunk_loss_and_grad, True, 16).backward()
     assert w.grad is None
     torch.testing.assert_close(h.grad, ref_dh, rtol=1e-5, atol=1e-6)
 
@@ -125,8 +125,8 @@ def test_select_chunk_loss_on_cpu():
 
 # Head settings that make each family's head do something (their defaults are often the identity);
 # few experts for the MoE families (their defaults have 60-128).
-HEAD_SETTINGS = {"qwen2_moe": {"num_experts": 4, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16},
-                 "qwen3_moe": {"num_experts": 4, "moe_intermediate_size": 16}, "mixtral": {"num_local_experts": 4},
+MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
+HEAD_SETTINGS = {"qwen2_moe": {**MOE, "shared_expert_intermediate_size": 16}, "qwen3_moe": MOE, "mixtral": {"num_local_experts": 4},
                  "granite": {"logits_scaling": 4.0}, "cohere": {"logit_scale": 0.25},
                  "gemma2": {"final_logit_softcapping": 2.0, "attn_logit_softcapping": 3.0},
                  "gemma3_text": {"final_logit_softcapping": 2.0}}

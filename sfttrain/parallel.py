@@ -1,4 +1,5 @@
-"""Parallelism applied to the unmodified model: activation checkpointing, compilation and FSDP2.
+"""Parallelism applied to the unmodified model: activation checkpointing, compilation and FSDP2,
+then the weights materialised into it (the model arrives with its parameters on the meta device).
 
 Several ranks (or CPU offload): every decoder layer is one `fully_shard` unit (its all-gather
 overlaps the previous layer's compute); the root (`CausalLMLoss`) holds the rest: embeddings,
@@ -9,12 +10,13 @@ precision by autocast (as torchtitan does on one device); checkpoints are the sa
 
 from __future__ import annotations
 
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+import torch
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from sfttrain.config import Config, ConfigError, mixed_precision_dtypes
 from sfttrain.distributed import World
 from sfttrain.loss import CausalLMLoss
-from sfttrain.model import DTYPE, decoder_layers
+from sfttrain.model import DTYPE, decoder_layers, materialise_model
 
 
 def parallelize(lm: CausalLMLoss, world: World, cfg: Config) -> bool:
@@ -34,6 +36,7 @@ def parallelize(lm: CausalLMLoss, world: World, cfg: Config) -> bool:
 
 
 def single_device(lm: CausalLMLoss, world: World, cfg: Config) -> None:
+    materialise_model(lm.model, cfg.model, world.device, world.device, cfg.trainer.seed)
     dtypes = mixed_precision_dtypes(cfg.model.fsdp_config)
     if dtypes:
         dtype = lm.autocast_dtype = DTYPE[dtypes[0]]  # gradients stay in the fp32 parameters' dtype
@@ -45,7 +48,6 @@ def single_device(lm: CausalLMLoss, world: World, cfg: Config) -> None:
         # the whole decoder at once, not layer by layer (dynamic: every step's packed row has
         # another length, and a specialise-then-recompile cycle per length would be a storm)
         lm.model.get_decoder().compile(dynamic=True)
-    lm.to(world.device)
 
 
 def shard(lm: CausalLMLoss, world: World, cfg: Config, offload: bool) -> None:
@@ -59,14 +61,26 @@ def shard(lm: CausalLMLoss, world: World, cfg: Config, offload: bool) -> None:
     if offload:
         common["offload_policy"] = CPUOffloadPolicy()
     layers = decoder_layers(lm.model)
-    for layer in layers:
+    for i, layer in enumerate(layers):
         if cfg.model.compile:
             layer.compile(dynamic=True)  # per layer: FSDP's hooks run between the layers
-        fully_shard(layer, **common)
+        # the last layer's parameters are needed again at once by backward (as torchtitan does)
+        last = i == len(layers) - 1
+        fully_shard(layer, **{**common, "reshard_after_forward": common["reshard_after_forward"] and not last})
     # the root's parameters are needed again at once by backward: keep them gathered
     fully_shard(lm, **{**common, "reshard_after_forward": False})
     if fsdp.forward_prefetch:
         for layer, nxt in zip(layers, layers[1:]):
             layer.set_modules_to_forward_prefetch([nxt])
-    if not offload:
-        lm.to(world.device)
+    # offloaded parameters live on the host (FSDP copies them to the device per layer)
+    materialise_model(lm.model, cfg.model, torch.device("cpu") if offload else world.device, world.device,
+                      cfg.trainer.seed)
+
+
+def gradient_sync(lm: CausalLMLoss, last_micro_batch: bool) -> None:
+    """HSDP: gradients are reduce-scattered within the shard group after every micro-batch, but
+    all-reduced across the replicas only after the step's last one (FSDP2 accumulates the
+    reduce-scattered partial sums meanwhile): one all-reduce per step instead of one per
+    micro-batch, the same sum. No-op without FSDP."""
+    if isinstance(lm, FSDPModule):
+        lm.set_requires_all_reduce(last_micro_batch)

@@ -64,6 +64,7 @@ class ModelConfig:
     trust_remote_code: bool = False
     strategy: str = "fsdp2"
     enable_gradient_checkpointing: bool = True
+    gradient_checkpointing_ratio: float = 1.0  # share of the decoder layers whose activations are recomputed (spread evenly; 0.5: every other layer), the rest kept
     attn_implementation: str = "auto"  # auto | flash_attn | torch_varlen | sdpa_blockmask
     use_liger: bool = False  # Liger's fused RMSNorm/SwiGLU/RoPE and fused linear cross-entropy
     compile: bool = False  # torch.compile the decoder (dynamic shapes): whole on one rank, per layer under FSDP
@@ -253,6 +254,9 @@ def validate(cfg: Config) -> None:
     _choice("optim.lr_scheduler", o.lr_scheduler, ("cosine", "constant"))
     if len(o.betas) != 2:
         raise ConfigError(f"optim.betas must have two values, got {o.betas}")
+    if not 0.0 < m.gradient_checkpointing_ratio <= 1.0:
+        raise ConfigError(f"model.gradient_checkpointing_ratio must lie in (0, 1], got {m.gradient_checkpointing_ratio}; "
+                          "set model.enable_gradient_checkpointing=false to recompute no layer")
     if not 0.0 <= o.lr_warmup_steps_ratio <= 1.0 or not 0.0 <= o.min_lr_ratio <= 1.0:
         raise ConfigError("optim.lr_warmup_steps_ratio and optim.min_lr_ratio must lie in [0, 1]")
     _choice("trainer.resume_mode", t.resume_mode, ("auto", "disable", "resume_path"))

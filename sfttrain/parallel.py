@@ -23,8 +23,7 @@ def parallelize(lm: CausalLMLoss, world: World, cfg: Config) -> bool:
     """Returns whether the model is FSDP-sharded."""
     fsdp = cfg.model.fsdp_config
     if cfg.model.enable_gradient_checkpointing:
-        # non-reentrant: works with FSDP2's hooks and with inputs that need no grad
-        lm.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_layers(lm, cfg.model.gradient_checkpointing_ratio)
     offload = fsdp.cpu_offload or fsdp.offload_params
     if offload and world.device.type != "cuda":
         raise ConfigError("model.fsdp_config.cpu_offload/offload_params need a CUDA device; set them to false")
@@ -33,6 +32,16 @@ def parallelize(lm: CausalLMLoss, world: World, cfg: Config) -> bool:
         return False
     shard(lm, world, cfg, offload)
     return True
+
+
+def checkpoint_layers(lm: CausalLMLoss, ratio: float) -> None:
+    """Activation checkpointing on `ratio` of the decoder layers, spread evenly (layer i when
+    floor((i + 1) * ratio) steps up): a model whose weights and optimizer state leave room for
+    some activations recomputes only the layers that do not fit."""
+    # non-reentrant: works with FSDP2's hooks and with inputs that need no grad
+    lm.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for i, layer in enumerate(decoder_layers(lm.model)):
+        layer.gradient_checkpointing = int((i + 1) * ratio) > int(i * ratio)  # transformers' per-layer switch
 
 
 def single_device(lm: CausalLMLoss, world: World, cfg: Config) -> None:

@@ -40,6 +40,9 @@ W2B_SHAPE = dict(vocab_size=151936, hidden_size=4096, intermediate_size=14336, n
 W2B = ["data.max_length=4096", "data.train_batch_size=128", "data.max_token_len_per_gpu=16384",
        "model.enable_gradient_checkpointing=true"]
 
+# --tiny on CPU: eager, and steps of 8 short samples (a CPU computes 152k-vocab logits slowly)
+TINY = ["model.compile=false", "data.train_batch_size=8", "data.max_length=256", "data.max_token_len_per_gpu=2048"]
+
 
 def runs(tiny: bool) -> dict[str, dict]:
     """name -> part, model, GPUs, overrides, optimizer steps, untimed warm-up steps, timeout."""
@@ -89,8 +92,7 @@ def launch(name: str, spec: dict, args, paths: dict, timeout: float) -> dict:
     run_dir = os.path.join(args.work, "runs", spec.get("resume_of", name))
     overrides = [f"model.partial_pretrain={paths[spec['model']]}", f"data.train_files={paths['data']}",
                  f"trainer.default_local_dir={run_dir}", f"trainer.total_training_steps={spec['steps']}",
-                 f"trainer.device={args.device}", *(["model.compile=false"] if args.tiny else []),
-                 *spec["overrides"]]
+                 f"trainer.device={args.device}", *spec["overrides"], *(TINY if args.tiny else [])]
     if "resume_of" in spec:  # the later checkpoints go: auto-resume takes the one at resume_at
         for later in range(spec["resume_at"] + 1, spec["steps"] + 1):
             shutil.rmtree(os.path.join(run_dir, f"global_step_{later}"), ignore_errors=True)
@@ -100,12 +102,14 @@ def launch(name: str, spec: dict, args, paths: dict, timeout: float) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={spec['gpus']}",
            "-m", "sfttrain.run", RECIPE, *overrides]
     log_path = os.path.join(args.work, f"{name}.log")
+    # torchrun would set 1: the host's cores shared by the ranks (CPU offload runs AdamW there)
+    threads = str(max(1, (os.cpu_count() or 1) // spec["gpus"]))
     print("+", " ".join(cmd), flush=True)
     start = time.monotonic()
     marks: dict[str, float] = {}
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "4"})
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": threads})
         while proc.poll() is None and time.monotonic() - start < timeout:
             _mark_progress(marks, start, log_path, os.path.join(run_dir, "metrics.jsonl"), spec)
             time.sleep(0.25)

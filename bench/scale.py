@@ -40,8 +40,8 @@ W2B_SHAPE = dict(vocab_size=151936, hidden_size=4096, intermediate_size=14336, n
 W2B = ["data.max_length=4096", "data.train_batch_size=128", "data.max_token_len_per_gpu=16384",
        "model.enable_gradient_checkpointing=true"]
 
-# --tiny on CPU: eager, and steps of 8 short samples (a CPU computes 152k-vocab logits slowly)
-TINY = ["model.compile=false", "data.train_batch_size=8", "data.max_length=256", "data.max_token_len_per_gpu=2048"]
+# --tiny on CPU: eager, and steps of 2 short samples (a CPU computes 152k-vocab logits slowly)
+TINY = ["model.compile=false", "data.train_batch_size=2", "data.max_length=128", "data.max_token_len_per_gpu=1024"]
 
 
 def runs(tiny: bool) -> dict[str, dict]:
@@ -76,7 +76,8 @@ def runs(tiny: bool) -> dict[str, dict]:
 def prepare(args) -> dict[str, str]:
     """The W1 and W2b model folders (config and tokenizer) and the data."""
     tokenizer = load_tokenizer(args.tokenizer)
-    w2b = LlamaConfig(**(dict(W2B_SHAPE, **TINY_SHAPE) if args.tiny else W2B_SHAPE),
+    sizes = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
+    w2b = LlamaConfig(**W2B_SHAPE, **({key: TINY_SHAPE[key] for key in sizes} if args.tiny else {}),
                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                       pad_token_id=tokenizer.pad_token_id)
     paths = {"w1": os.path.join(args.work, "w1_model"), "w2b": os.path.join(args.work, "w2b_model"),
@@ -125,7 +126,8 @@ def _mark_progress(marks: dict, start: float, log_path: str, metrics_path: str, 
     now = round(time.monotonic() - start, 1)
     if "ready_s" not in marks and "host memory" in _read(log_path):
         marks["ready_s"] = now
-    if "first_step_s" not in marks and _steps(metrics_path, after=spec.get("resume_at", 0)):
+    # after the start-up report: by then a resumed run has cut its metrics back to its checkpoint
+    if "ready_s" in marks and "first_step_s" not in marks and _steps(metrics_path, after=spec.get("resume_at", 0)):
         marks["first_step_s"] = now
 
 
@@ -178,11 +180,13 @@ def _summary(run_dir: str, log_path: str, spec: dict) -> dict:
                    median_step_s=round(sorted(m["step_time_s"] for m in timed)[len(timed) // 2], 4),
                    peak_alloc_gib=max(m.get("mem_peak_alloc_gib", 0) for m in timed),
                    peak_reserved_gib=max(m.get("mem_peak_reserved_gib", 0) for m in timed),
-                   losses={s: m["loss"] for s, m in steps.items() if s > spec["steps"] - 10})
+                   losses={s: m["loss"] for s, m in steps.items() if s > max(spec["steps"] - 10, spec.get("resume_at", 0))})
     if "resume_at" in spec:
         out["resumed_from_step"] = spec["resume_at"] if f"global_step_{spec['resume_at']}" in _read(log_path) else None
     if not timed or len(steps) < spec["steps"]:
-        out["log_tail"] = _read(log_path)[-3000:]
+        log = _read(log_path)
+        out["errors"] = list(dict.fromkeys(line for line in log.splitlines() if re.search(r"Error\b|error:", line)))[:6]
+        out["log_tail"] = log[-2000:]
     return out
 
 

@@ -73,6 +73,7 @@ class ModelConfig:
     trust_remote_code: bool = False  # run the model folder's own Python code (only for folders you trust)
     strategy: str = "fsdp2"  # verl key; sfttrain implements FSDP2 only (fsdp, FSDP1, is refused)
     enable_gradient_checkpointing: bool = True  # recompute each layer in backward: less memory, ~1/3 more compute
+    gradient_checkpointing_ratio: float = 1.0  # share of the decoder layers whose activations are recomputed (spread evenly; 0.5: every other layer), the rest kept
     attn_implementation: str = "auto"  # auto | flash_attn | torch_varlen | sdpa_blockmask
     use_liger: bool = False  # Liger's fused RMSNorm/SwiGLU/RoPE and fused linear cross-entropy
     compile: bool = False  # torch.compile the decoder (dynamic shapes): whole on one rank, per layer under FSDP
@@ -291,6 +292,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"optim.lr={o.lr} is negative; use a positive rate such as 1e-5")
     if len(o.betas) != 2:
         raise ConfigError(f"optim.betas must have two values, got {o.betas}")
+    if not 0.0 < m.gradient_checkpointing_ratio <= 1.0:
+        raise ConfigError(f"model.gradient_checkpointing_ratio must lie in (0, 1], got {m.gradient_checkpointing_ratio}; "
+                          "set model.enable_gradient_checkpointing=false to recompute no layer")
     if not 0.0 <= o.lr_warmup_steps_ratio <= 1.0 or not 0.0 <= o.min_lr_ratio <= 1.0:
         raise ConfigError("optim.lr_warmup_steps_ratio and optim.min_lr_ratio must lie in [0, 1]")
     _choice("trainer.resume_mode", t.resume_mode, ("auto", "disable", "resume_path"))

@@ -40,7 +40,7 @@ class World:
 
 
 def init_world(cfg: Config) -> World:
-    """Starts the process group (nccl on CUDA, gloo on CPU) and builds the mesh."""
+    """Starts the process group (`_backend`) and builds the mesh."""
     rank, local_rank, world_size = (int(os.environ.get(k, d)) for k, d in
                                     (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
     use_cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
@@ -55,7 +55,7 @@ def init_world(cfg: Config) -> World:
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # lets `python -m sfttrain.run` work without torchrun
         os.environ.setdefault("MASTER_PORT", "29500")
-        dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world_size,
+        dist.init_process_group(_backend(cfg, use_cuda), rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(minutes=30),
                                 device_id=device if use_cuda else None)
     mesh = init_device_mesh(device.type, mesh_shape, mesh_dim_names=("dp_replicate", "dp_shard"))
@@ -67,6 +67,15 @@ def check_world(cfg: Config, world_size: int) -> tuple[int, int]:
     (run by init_world, and by the preflight without any process group)."""
     _check_verl_world_keys(cfg, world_size)
     return _mesh_shape(cfg, world_size)
+
+
+def _backend(cfg: Config, use_cuda: bool) -> str:
+    """nccl on CUDA, gloo on CPU. With the parameters offloaded to the host, FSDP reduces the
+    gradient norm over host tensors: those collectives need gloo beside nccl."""
+    fsdp = cfg.model.fsdp_config
+    if not use_cuda:
+        return "gloo"
+    return "cuda:nccl,cpu:gloo" if fsdp.cpu_offload or fsdp.offload_params else "nccl"
 
 
 def _mesh_shape(cfg: Config, world_size: int) -> tuple[int, int]:

@@ -18,6 +18,8 @@ model.partial_pretrain's. `sfttrain.export` writes a peft adapter folder and a m
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -45,13 +47,11 @@ def lora_config(cfg: ModelConfig, target_modules):
                       target_modules=target_modules, bias="none", task_type="CAUSAL_LM")
 
 
-def apply_lora(model: nn.Module, cfg: ModelConfig, seed: int) -> nn.Module:
+def apply_lora(model: nn.Module, cfg: ModelConfig) -> nn.Module:
     """Injects the adapters into `model` (in place), everything else frozen; returns `model`.
-    Their random initialisation (lora_A) is drawn from `seed`: every rank builds the same
-    adapters (FSDP2 keeps each rank's slice of its own copy), and a rerun the same ones."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return wrap(model, cfg).get_base_model()
+    On a meta-device model the adapters are empty too: `sfttrain.weights` draws them
+    (`init_adapter`) from the seed, so every rank and every rerun gets the same ones."""
+    return wrap(model, cfg).get_base_model()
 
 
 def wrap(model: nn.Module, cfg: ModelConfig):
@@ -98,4 +98,19 @@ def check_target_modules(model: nn.Module, target_modules):
 
 
 def is_adapter_weight(name: str) -> bool:
+    """A parameter (or module) name inside an adapter: `...q_proj.lora_A.default.weight`."""
     return ".lora_A." in name or ".lora_B." in name
+
+
+def base_name(name: str) -> str:
+    """The base model's own name of a parameter peft wrapped: `q_proj.base_layer.weight` -> `q_proj.weight`."""
+    return name.replace(".base_layer.", ".")
+
+
+def init_adapter(name: str, module: nn.Module) -> None:
+    """peft's default initialisation of one adapter matrix (init_lora_weights=True): A as nn.Linear's
+    own (Kaiming-uniform), B zero, so the adapted model starts equal to the base."""
+    if ".lora_B." in name + ".":
+        nn.init.zeros_(module.weight)
+    else:
+        nn.init.kaiming_uniform_(module.weight, a=math.sqrt(5))

@@ -135,6 +135,26 @@ class ProgressBar:
             self.bar = None
 
 
+def host_memory_gib() -> dict:
+    """This process's resident host memory now (VmRSS) and its high-water mark (VmHWM), Linux."""
+    try:
+        with open("/proc/self/status") as f:
+            fields = dict(line.split(":", 1) for line in f if line.startswith(("VmRSS", "VmHWM")))
+    except OSError:
+        return {}
+    return {"host_rss_gib": int(fields["VmRSS"].split()[0]) / 2**20, "host_peak_gib": int(fields["VmHWM"].split()[0]) / 2**20}
+
+
+def describe_host_memory(per_rank: list[dict]) -> str:
+    """The start-up line of every rank's host memory: its peak, and its resident memory before the
+    model was built (the difference is what loading the model cost)."""
+    if not all(per_rank):
+        return "not measured (no /proc/self/status)"
+    peaks = ", ".join(f"{m['host_peak_gib']:.2f}" for m in per_rank)
+    before = ", ".join(f"{m['before_model_gib']:.2f}" for m in per_rank)
+    return f"peak {peaks} GiB per rank (VmHWM); before the model {before} GiB"
+
+
 class MetricsLogger:
     """Rank 0 only: every other rank gets a logger that does nothing."""
 

@@ -11,7 +11,7 @@ import transformers
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from sfttrain import attention, lora
+from sfttrain import attention, lora, weights
 from sfttrain.config import ConfigError, ModelConfig
 
 DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -32,38 +32,42 @@ class LoadedModel:
     liger: bool  # Liger's kernels patched in, and its fused loss to be used
 
 
-def load_model(cfg: ModelConfig, device: torch.device, seed: int) -> LoadedModel:
-    """The model on CPU in model_dtype (sharding moves it to the device), with the packed
-    varlen attention installed."""
+def load_model(cfg: ModelConfig, device: torch.device) -> LoadedModel:
+    """The model with its parameters on the meta device, in model_dtype, with the packed varlen
+    attention installed. `sfttrain.parallel` shards it and then materialises each rank's part
+    (`sfttrain.weights`): no rank builds the full model on the host."""
     path = cfg.partial_pretrain
     _check_folder(path)
+    if not cfg.random_init and not _has_weights(path):
+        raise ConfigError(f"model.partial_pretrain={path!r} has a config but no weights (*.safetensors / *.bin); "
+                          "set model.random_init=true to train from a random initialisation")
     backend = attention.select_backend(cfg.attn_implementation, device.type)
     attention.configure(backend)
-    kwargs = dict(dtype=weights_dtype(cfg), attn_implementation=attention.ATTN_IMPLEMENTATION,
-                  trust_remote_code=cfg.trust_remote_code)
-    if cfg.random_init:
-        torch.manual_seed(seed)  # every rank builds the same weights
-        config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
-        model = AutoModelForCausalLM.from_config(config, **kwargs)
-    else:
-        if not _has_weights(path):
-            raise ConfigError(f"model.partial_pretrain={path!r} has a config but no weights (*.safetensors / *.bin); "
-                              "set model.random_init=true to train from a random initialisation")
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
     try:
-        attention.check_model(model.config, backend)
+        attention.check_model(config, backend)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    with weights.parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config, dtype=weights_dtype(cfg),
+                                                 attn_implementation=attention.ATTN_IMPLEMENTATION,
+                                                 trust_remote_code=cfg.trust_remote_code)
     model.config.use_cache = False  # training never reuses a KV cache
     liger = cfg.use_liger and apply_liger(model, device, cfg.compile)
     if cfg.lora_rank > 0:
-        model = lora.apply_lora(model, cfg, seed)  # after Liger: its patched MLP still calls the wrapped linears
+        model = lora.apply_lora(model, cfg)  # after Liger: its patched MLP still calls the wrapped linears
     return LoadedModel(model, backend, liger)
 
 
 def weights_dtype(cfg: ModelConfig) -> torch.dtype:
     """model_dtype; with LoRA the frozen base loads straight in the compute dtype (sfttrain.lora)."""
     return lora.base_dtype(cfg) if cfg.lora_rank > 0 else DTYPE[cfg.fsdp_config.model_dtype]
+
+
+def materialise_model(model: nn.Module, cfg: ModelConfig, device: torch.device, buffer_device: torch.device,
+                      seed: int) -> None:
+    """Fills the (sharded) meta model: the folder's weights, or a random init (model.random_init)."""
+    weights.materialise(model, device, buffer_device, seed, None if cfg.random_init else cfg.partial_pretrain)
 
 
 def apply_liger(model: nn.Module, device: torch.device, compile_layers: bool) -> bool:

@@ -11,32 +11,35 @@ from torch.optim.lr_scheduler import LambdaLR
 from sfttrain.config import OptimConfig
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     """Weight decay on matrices only: norms and biases (1-D) are not decayed."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-                             fused=device.type == "cuda")
+    # fused: one kernel per dtype and device (CUDA and CPU), which also applies the clip factor and
+    # skips a non-finite step on the device (clipped_step); the CPU tests run the GPUs' path
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=True)
 
 
 def clipped_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], max_norm: float,
                  loss_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Clips the gradients to a total 2-norm of max_norm (inf: no clipping) and steps the
     optimizer, unless the loss or the norm is not finite. Returns the gradient norm (global under
-    FSDP) and whether the step was taken, both on the device.
+    FSDP) and whether the step was taken, both on loss_sum's device.
 
-    A fused AdamW on plain (unsharded) tensors gets the clip factor and the skip as device
-    tensors, through the hooks torch's AMP GradScaler uses (gradients divided by `grad_scale`;
-    nothing updated when `found_inf` is set): the GPU runs from backward into the update without
-    waiting for the host, and no extra pass rewrites every gradient. Otherwise (CPU, or FSDP's
-    DTensor parameters, which do not mix with plain tensors there) the gradients are clipped in
-    place and the check is read on the host."""
+    A fused AdamW gets the clip factor and the skip as device tensors, through the hooks torch's
+    AMP GradScaler uses (gradients divided by `grad_scale`; nothing updated, not even the step
+    count, when `found_inf` is set): the GPU runs from backward into the update without waiting
+    for the host, and no extra pass rewrites every gradient. This holds for FSDP's DTensor
+    parameters too (0-dim tensors are replicated implicitly) and for parameters offloaded to the
+    host (the kernel copies both scalars to each parameter's device). A plain AdamW (CPU) gets
+    the gradients clipped in place and the check read on the host."""
     norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-    sharded = hasattr(norm, "full_tensor")  # a DTensor under FSDP2
-    full_norm = norm.full_tensor() if sharded else norm
+    if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2: the all-reduce of the partial norms
+        norm = norm.full_tensor()
+    full_norm = norm.to(loss_sum.device, non_blocking=True)  # on the host when offloaded
     finite = torch.isfinite(full_norm) & torch.isfinite(loss_sum)
-    if optimizer.defaults.get("fused") and not sharded:
+    if optimizer.defaults.get("fused"):
         coef = torch.clamp(max_norm / (full_norm.float() + 1e-6), max=1.0)  # clip_grads_with_norm_'s
         optimizer.grad_scale, optimizer.found_inf = 1.0 / coef, (~finite).float()
         optimizer.step()

@@ -1,4 +1,5 @@
-"""Parallelism applied to the unmodified model: activation checkpointing, compilation and FSDP2.
+"""Parallelism applied to the unmodified model: activation checkpointing, compilation and FSDP2,
+then the weights materialised into it (the model arrives with its parameters on the meta device).
 
 Several ranks (or CPU offload): every decoder layer is one `fully_shard` unit (its all-gather
 overlaps the previous layer's compute); the root (`CausalLMLoss`) holds the rest: embeddings,
@@ -9,20 +10,20 @@ precision by autocast (as torchtitan does on one device); checkpoints are the sa
 
 from __future__ import annotations
 
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+import torch
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from sfttrain.config import Config, ConfigError, mixed_precision_dtypes
 from sfttrain.distributed import World
 from sfttrain.loss import CausalLMLoss
-from sfttrain.model import DTYPE, decoder_layers
+from sfttrain.model import DTYPE, decoder_layers, materialise_model
 
 
 def parallelize(lm: CausalLMLoss, world: World, cfg: Config) -> bool:
     """Returns whether the model is FSDP-sharded."""
     fsdp = cfg.model.fsdp_config
     if cfg.model.enable_gradient_checkpointing:
-        # non-reentrant: works with FSDP2's hooks and with inputs that need no grad
-        lm.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_layers(lm, cfg.model.gradient_checkpointing_ratio)
     offload = fsdp.cpu_offload or fsdp.offload_params
     if offload and world.device.type != "cuda":
         raise ConfigError("model.fsdp_config.cpu_offload/offload_params need a CUDA device; set them to false")
@@ -31,6 +32,16 @@ def parallelize(lm: CausalLMLoss, world: World, cfg: Config) -> bool:
         return False
     shard(lm, world, cfg, offload)
     return True
+
+
+def checkpoint_layers(lm: CausalLMLoss, ratio: float) -> None:
+    """Activation checkpointing on `ratio` of the decoder layers, spread evenly (layer i when
+    floor((i + 1) * ratio) steps up): a model whose weights and optimizer state leave room for
+    some activations recomputes only the layers that do not fit."""
+    # non-reentrant: works with FSDP2's hooks and with inputs that need no grad
+    lm.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for i, layer in enumerate(decoder_layers(lm.model)):
+        layer.gradient_checkpointing = int((i + 1) * ratio) > int(i * ratio)  # transformers' per-layer switch
 
 
 def describe_sharding(world: World, cfg: Config, sharded: bool) -> str:
@@ -51,6 +62,7 @@ def describe_sharding(world: World, cfg: Config, sharded: bool) -> str:
 
 
 def single_device(lm: CausalLMLoss, world: World, cfg: Config) -> None:
+    materialise_model(lm.model, cfg.model, world.device, world.device, cfg.trainer.seed)
     dtypes = mixed_precision_dtypes(cfg.model.fsdp_config)
     if dtypes:
         dtype = lm.autocast_dtype = DTYPE[dtypes[0]]  # gradients stay in the fp32 parameters' dtype
@@ -62,7 +74,6 @@ def single_device(lm: CausalLMLoss, world: World, cfg: Config) -> None:
         # the whole decoder at once, not layer by layer (dynamic: every step's packed row has
         # another length, and a specialise-then-recompile cycle per length would be a storm)
         lm.model.get_decoder().compile(dynamic=True)
-    lm.to(world.device)
 
 
 def shard(lm: CausalLMLoss, world: World, cfg: Config, offload: bool) -> None:
@@ -76,14 +87,26 @@ def shard(lm: CausalLMLoss, world: World, cfg: Config, offload: bool) -> None:
     if offload:
         common["offload_policy"] = CPUOffloadPolicy()
     layers = decoder_layers(lm.model)
-    for layer in layers:
+    for i, layer in enumerate(layers):
         if cfg.model.compile:
             layer.compile(dynamic=True)  # per layer: FSDP's hooks run between the layers
-        fully_shard(layer, **common)
+        # the last layer's parameters are needed again at once by backward (as torchtitan does)
+        last = i == len(layers) - 1
+        fully_shard(layer, **{**common, "reshard_after_forward": common["reshard_after_forward"] and not last})
     # the root's parameters are needed again at once by backward: keep them gathered
     fully_shard(lm, **{**common, "reshard_after_forward": False})
     if fsdp.forward_prefetch:
         for layer, nxt in zip(layers, layers[1:]):
             layer.set_modules_to_forward_prefetch([nxt])
-    if not offload:
-        lm.to(world.device)
+    # offloaded parameters live on the host (FSDP copies them to the device per layer)
+    materialise_model(lm.model, cfg.model, torch.device("cpu") if offload else world.device, world.device,
+                      cfg.trainer.seed)
+
+
+def gradient_sync(lm: CausalLMLoss, last_micro_batch: bool) -> None:
+    """HSDP: gradients are reduce-scattered within the shard group after every micro-batch, but
+    all-reduced across the replicas only after the step's last one (FSDP2 accumulates the
+    reduce-scattered partial sums meanwhile): one all-reduce per step instead of one per
+    micro-batch, the same sum. No-op without FSDP."""
+    if isinstance(lm, FSDPModule):
+        lm.set_requires_all_reduce(last_micro_batch)

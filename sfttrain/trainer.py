@@ -20,10 +20,11 @@ from sfttrain.distributed import World
 from sfttrain.errors import NonFiniteLossError
 from sfttrain.flops import ModelShape
 from sfttrain.loss import CausalLMLoss, normalised, select_chunk_loss
-from sfttrain.metrics import MetricsLogger, StepEnd, StepTimer, memory_stats, throughput
+from sfttrain.metrics import (MetricsLogger, StepEnd, StepTimer, describe_host_memory, host_memory_gib, memory_stats,
+                              throughput)
 from sfttrain.model import load_model, load_tokenizer
 from sfttrain.optim import build_optimizer, build_scheduler, clipped_step, warmup_steps
-from sfttrain.parallel import describe_sharding, parallelize
+from sfttrain.parallel import describe_sharding, gradient_sync, parallelize
 
 
 @dataclass
@@ -54,7 +55,8 @@ class FSDPSFTTrainer:
             val_samples = render_share(ParquetSource(as_list(d.val_files), fields),
                                        renderer, world.dp_rank, world.dp_size)
 
-        loaded = load_model(cfg.model, world.device, t.seed)
+        self.host_rss_before_model = host_memory_gib().get("host_rss_gib")
+        loaded = load_model(cfg.model, world.device)
         model, self.attn_backend, self.liger = loaded.model, loaded.attn_backend, loaded.liger
         self.model_shape = ModelShape.of(model)
         chunk_loss, self.loss_kernel = select_chunk_loss(cfg.model.loss_kernel, world.device.type, cfg.model.compile)
@@ -63,7 +65,7 @@ class FSDPSFTTrainer:
                                if cfg.model.compile else None,
                                chunk_loss=chunk_loss, chunk_tokens=cfg.model.loss_chunk_tokens)
         self.sharded = parallelize(self.lm, world, cfg)
-        self.optimizer = build_optimizer(self.lm, cfg.optim, world.device)
+        self.optimizer = build_optimizer(self.lm, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.plan.total_steps)
         self.data = TrainData(train_source, renderer, self.plan, stats, world.dp_rank, t.seed, d.shuffle,
                               self.model_shape.attention_coefficient, d.pad_to_multiple)
@@ -102,12 +104,20 @@ class FSDPSFTTrainer:
             f"{warmup_steps(cfg.optim, self.plan.total_steps)} warmup steps",
             f"  run folder          : {self.run_dir}",
             f"  resume              : {resume_from or 'fresh start'} (step {self.state.step})",
+            f"  host memory         : {describe_host_memory(self._host_memory_per_rank())}",
         ]
         if fsdp.model_dtype != "fp32" and cfg.model.lora_rank == 0:  # LoRA's adapters are fp32 anyway
             lines.append(f"  WARNING: model_dtype={fsdp.model_dtype} keeps master weights and AdamW state in "
                          f"{fsdp.model_dtype}: updates below ~1/256 of a weight are rounded away (at lr "
                          f"{cfg.optim.lr} most are). Use model_dtype=fp32 with mixed_precision=true.")
         self.logger.info("\n".join(lines))
+
+    def _host_memory_per_rank(self) -> list[dict]:
+        here = host_memory_gib()
+        mine = {**here, "before_model_gib": self.host_rss_before_model} if here else {}
+        per_rank = [{}] * self.world.world_size
+        dist.all_gather_object(per_rank, mine)
+        return per_rank
 
     def train(self) -> None:
         t = self.cfg.trainer
@@ -148,7 +158,8 @@ class FSDPSFTTrainer:
         """Queues the step's forward and backward passes; returns the summed loss (on the device)."""
         self.lm.train()
         loss_sum = torch.zeros((), device=self.world.device)
-        for micro in batch.micro_batches:
+        for i, micro in enumerate(batch.micro_batches):
+            gradient_sync(self.lm, last_micro_batch=i == len(batch.micro_batches) - 1)
             micro_loss = self.lm(micro.to(self.world.device))
             normalised(micro_loss, batch.num_loss_tokens, self.world.dp_size).backward()
             loss_sum += micro_loss.detach()

@@ -62,3 +62,49 @@ def test_non_finite_step_changes_nothing(bad, fused):
     for p, b, p_state, m in zip(params, before, [opt.state[p] for p in params], moments):
         assert torch.equal(p.detach(), b)
         assert torch.equal(p_state["exp_avg"], m)
+
+
+@pytest.fixture
+def one_rank_mesh():
+    """A 1-rank gloo process group in this process: enough for FSDP's DTensor parameters."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def _sharded(params: list[torch.nn.Parameter], mesh) -> list[torch.nn.Parameter]:
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    out = []
+    for p in params:
+        sharded = torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)]))
+        sharded.grad = distribute_tensor(p.grad, mesh, [Shard(0)])
+        out.append(sharded)
+    return out
+
+
+@pytest.mark.parametrize("max_norm", [1.0, math.inf])
+def test_fused_step_on_dtensor_parameters_needs_no_host_sync(one_rank_mesh, max_norm):
+    """FSDP's DTensor parameters take the fused path too (clip factor and skip flag as 0-dim
+    tensors): the same update as clip_grad_norm_ + AdamW, and a non-finite step skipped."""
+    ref = _params(2)
+    ref_norm = _reference(ref, max_norm)
+    params = _sharded(_params(2), one_rank_mesh)
+    opt = torch.optim.AdamW(params, **HYPER, fused=True)
+    norm, stepped = clipped_step(opt, params, max_norm, torch.tensor(2.5))
+    assert bool(stepped)
+    assert opt.found_inf.item() == 0.0  # the skip flag went to the kernel, not through the host
+    torch.testing.assert_close(norm, ref_norm)
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p.full_tensor().detach(), r.detach())
+    before = [p.full_tensor().detach().clone() for p in params]
+    params[0].grad.to_local()[0, 0] = float("nan")
+    _, stepped = clipped_step(opt, params, max_norm, torch.tensor(2.5))
+    assert not bool(stepped)
+    for p, b in zip(params, before):
+        assert torch.equal(p.full_tensor().detach(), b)

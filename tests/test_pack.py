@@ -90,14 +90,17 @@ def test_padding_changes_no_loss_and_no_gradient():
     """A real model (stories260K) on a packed row with and without the pad segment."""
     from sfttrain.config import ModelConfig
     from sfttrain.loss import CausalLMLoss
-    from sfttrain.model import load_model
+    from sfttrain.model import load_model, materialise_model
     from tests.conftest import STORIES
 
     gen = random.Random(0)
     rows = []
     for i, n in enumerate([37, 90, 12]):
         rows.append(RenderedSample([gen.randrange(512) for _ in range(n)], [0] * 5 + [1] * (n - 5), i))
-    lm = CausalLMLoss(load_model(ModelConfig(partial_pretrain=str(STORIES)), torch.device("cpu"), 0).model, fused=False)
+    cfg, cpu = ModelConfig(partial_pretrain=str(STORIES)), torch.device("cpu")
+    model = load_model(cfg, cpu).model
+    materialise_model(model, cfg, cpu, cpu, seed=0)
+    lm = CausalLMLoss(model, fused=False)
     results = []
     for mb in (pack(rows), pack(rows, pad_to=64)):
         lm.zero_grad()

@@ -32,10 +32,10 @@ def _update_error(run_dir, ref_dir, step: int) -> float:
 
 def test_update_invariant_to_ranks_and_micro_batches(gsm8k_dir, tmp_path):
     """Same global batch of 16, split as 1 rank x 1 micro-batch, 2 ranks x 1, 2 ranks x 4 micro-batches,
-    and 4 ranks as HSDP (2 replicas x 2 shards): loss normalised by the step's global token count
-    makes the updates equal."""
+    and 4 ranks as HSDP (2 replicas x 2 shards, 2 micro-batches each, all-reduced across the
+    replicas once per step): loss normalised by the step's global token count makes the updates equal."""
     hsdp = ["model.fsdp_config.sharding_strategy=HYBRID_SHARD", "model.fsdp_config.fsdp_size=2"]
-    runs = {"1x16": (1, 16, []), "2x8": (2, 8, []), "2x2": (2, 2, []), "hsdp_2x2": (4, 4, hsdp)}
+    runs = {"1x16": (1, 16, []), "2x8": (2, 8, []), "2x2": (2, 2, []), "hsdp_2x2": (4, 2, hsdp)}
     losses, weights = {}, {}
     for name, (nproc, micro, extra) in runs.items():
         run_dir = tmp_path / name

@@ -1,0 +1,153 @@
+"""Weights that scale: the model is built with its parameters on the meta device, sharded while
+still empty, and then each rank materialises only its own shards.
+
+From a checkpoint, every rank reads just the rows of its shard out of the safetensors files (no
+rank ever holds a full copy, no broadcast is needed); a random init makes each module's full
+tensors on the device from a seed of their own (the module's name), keeps the rank's slice and
+drops the rest, so any number of ranks builds the same model. Buffers (rotary `inv_freq`, not
+in the checkpoint and computed at construction) are built for real and kept across `to_empty`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import zlib
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from sfttrain.lora import base_name, init_adapter, is_adapter_weight
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Modules built inside get their parameters on the meta device (no memory, no init cost)
+    while buffers are computed for real: they are small and no checkpoint holds them."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def materialise(model: nn.Module, device: torch.device, buffer_device: torch.device, seed: int,
+                path: str | None) -> None:
+    """Allocates the (possibly sharded) meta parameters on `device` and fills each rank's part:
+    from the safetensors / .bin files in `path`, or, with path None, by a random init that does not
+    depend on the number of ranks. Buffers go to `buffer_device` (the compute device, also when
+    the parameters are offloaded to CPU)."""
+    buffers = [(module, name, buf) for module in model.modules() for name, buf in module._buffers.items()
+               if buf is not None]
+    tied = _shared_parameters(model)
+    model.to_empty(device=device)
+    for module, name, buf in buffers:
+        module._buffers[name] = buf.to(buffer_device)
+    for (first, first_name), *others in tied:  # to_empty gave each owner a parameter of its own
+        for module, name in others:
+            module._parameters[name] = first._parameters[first_name]
+    modules = list(model.named_modules())
+    base = [(n, m) for n, m in modules if not is_adapter_weight(n)]
+    with torch.no_grad():
+        if path is None:
+            _random_init(base, seed, buffer_device, lambda _name, module: model._init_weights(module))
+        else:
+            _read_checkpoint(model, path)
+        # LoRA adapters: in no model folder, drawn by peft's rule (a no-op without LoRA)
+        _random_init([(n, m) for n, m in modules if is_adapter_weight(n)], seed, buffer_device, init_adapter)
+
+
+def _shared_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """The owners (module, attribute) of each parameter held by several modules (tied embeddings)."""
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                owners.setdefault(id(param), []).append((module, name))
+    return [group for group in owners.values() if len(group) > 1]
+
+
+def _local_index(param: torch.Tensor) -> tuple[slice, ...]:
+    """Where this rank's part of `param` lies in the full tensor (all of it when not sharded)."""
+    if not isinstance(param, DTensor):
+        return tuple(slice(0, n) for n in param.shape)
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape))
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+def _read_checkpoint(model: nn.Module, path: str) -> None:
+    files = _tensor_files(path)
+    for name, param in model.named_parameters():  # a tied weight once
+        if is_adapter_weight(name):
+            continue
+        name = base_name(name)
+        if name not in files:
+            raise ValueError(f"{path}: no tensor {name!r} in its weight files (sfttrain reads the model's own "
+                             "parameter names; checkpoints with renamed keys need converting first)")
+        _local(param).copy_(_read_slice(files[name], name, _local_index(param)))
+
+
+def _tensor_files(path: str) -> dict[str, str]:
+    """tensor name -> the file holding it (safetensors preferred, else PyTorch .bin)."""
+    from safetensors import safe_open
+
+    names: dict[str, str] = {}
+    safetensors = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    for file in safetensors or sorted(glob.glob(os.path.join(path, "*.bin"))):
+        if file.endswith(".safetensors"):
+            with safe_open(file, framework="pt") as f:
+                names.update(dict.fromkeys(f.keys(), file))
+        else:
+            names.update(dict.fromkeys(torch.load(file, mmap=True, weights_only=True), file))
+    return names
+
+
+def _read_slice(file: str, name: str, index: tuple[slice, ...]) -> torch.Tensor:
+    """Only the bytes of `index` are read. The file is opened per tensor: the pages a memory map
+    has touched count as this process's memory until it is closed, so one map kept open over
+    a whole file would add up to the rank's share of the file again."""
+    if file.endswith(".safetensors"):
+        from safetensors import safe_open
+
+        with safe_open(file, framework="pt") as f:
+            return f.get_slice(name)[index] if index else f.get_tensor(name)
+    return torch.load(file, mmap=True, weights_only=True)[name][index].clone()
+
+
+def _random_init(modules: list[tuple[str, nn.Module]], seed: int, device: torch.device,
+                 init: Callable[[str, nn.Module], None]) -> None:
+    """Each module's parameters by `init` (the model's own `_init_weights`), applied to full-size
+    temporaries on `device` seeded from (seed, module name); each rank keeps its slice. One
+    module's full tensors exist at a time (the largest: the embedding). The same device type
+    gives the same weights for every rank count (CPU and CUDA generators differ)."""
+    done: set[int] = set()
+    for module_name, module in modules:
+        owned = {n: p for n, p in module._parameters.items() if p is not None and id(p) not in done}
+        if not owned:
+            continue
+        done.update(id(p) for p in owned.values())
+        full = {n: nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), p.requires_grad)
+                for n, p in owned.items()}
+        torch.manual_seed(zlib.crc32(f"{seed}:{module_name}".encode()))
+        module._parameters.update(full)
+        try:
+            init(module_name, module)
+        finally:
+            module._parameters.update(owned)
+        for n, p in owned.items():
+            _local(p).copy_(full[n][_local_index(p)])

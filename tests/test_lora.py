@@ -136,7 +136,7 @@ def test_resume_refuses_another_lora_setup(ref):
 
     def adapters(*overrides: str) -> dict:
         cfg = load_config(overrides=["data.train_files=x.parquet", f"model.partial_pretrain={STORIES}", *overrides])
-        model = apply_lora(AutoModelForCausalLM.from_pretrained(STORIES), cfg.model, seed=0)
+        model = apply_lora(AutoModelForCausalLM.from_pretrained(STORIES), cfg.model)
         return {k: v for k, v in model.state_dict().items() if ".lora_" in k}
 
     checkpoint._check_same_model(ckpt, adapters("model.lora_rank=8"))  # the same adapters: fine
@@ -157,9 +157,9 @@ def test_target_modules_are_checked_against_the_model():
     model = AutoModelForCausalLM.from_pretrained(STORIES)
     cfg = load_config(overrides=[*common, "model.target_modules=[q_proj,qkv_proj]"])
     with pytest.raises(ConfigError, match=r"\['qkv_proj'\] names no linear layer.*'down_proj'.*'v_proj'"):
-        apply_lora(model, cfg.model, seed=0)
+        apply_lora(model, cfg.model)
     cfg = load_config(overrides=[*common, "model.target_modules=[q_proj,v_proj]"])
-    apply_lora(model, cfg.model, seed=0)
+    apply_lora(model, cfg.model)
     trainable = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n, p in model.named_parameters() if p.requires_grad}
     assert trainable == {"q_proj", "v_proj"}
     for bad, needle in (("model.lora_dropout=1.0", "lora_dropout"), ("model.random_init=true", "random_init"),

@@ -106,7 +106,8 @@ class TrainerConfig:
     seed: int = 1
     test_freq: int = -1  # validate every N steps (and always at the end); -1: only at the end
     save_freq: int = -1  # checkpoint every N steps (and always at the end); -1: only at the end
-    max_ckpt_to_keep: Optional[int] = None  # None keeps all
+    max_ckpt_to_keep: Optional[int] = None  # None keeps all (counts committed checkpoints only)
+    async_save: bool = True  # periodic saves written in the background from a host copy (+1 model/optimizer shard in RAM)
     resume_mode: str = "auto"  # auto | disable | resume_path
     resume_from_path: Optional[str] = None
     save_hf: bool = False  # at the end of training, also export the model to <final checkpoint>/huggingface

@@ -125,6 +125,13 @@ class MetricsLogger:
         if "val/loss" in metrics or step % self.log_freq == 0:
             self.bar.write(format_line(record))
 
+    def event(self, record: dict, line: str) -> None:
+        """A record that is not a step's metrics (a checkpoint committed): metrics.jsonl and one line."""
+        if self.enabled:
+            self.jsonl.write(json.dumps(record) + "\n")
+            self.jsonl.flush()
+            tqdm.write(line)
+
     def info(self, text: str) -> None:
         if self.enabled:
             tqdm.write(text)

@@ -59,7 +59,7 @@ class FSDPConfig:
 
 @dataclass
 class ModelConfig:
-    partial_pretrain: Optional[str] = None  # a local Hugging Face model folder
+    partial_pretrain: Optional[str] = None  # a local Hugging Face model folder, or a hub id (org/name: downloaded once)
     random_init: bool = False  # build from the folder's config.json with random weights
     trust_remote_code: bool = False
     strategy: str = "fsdp2"
@@ -222,7 +222,7 @@ def validate(cfg: Config) -> None:
     if d.train_files in (None, "", []):
         raise ConfigError("data.train_files is required: a Parquet file or a list of them")
     if m.partial_pretrain in (None, ""):
-        raise ConfigError("model.partial_pretrain is required: a local Hugging Face model folder")
+        raise ConfigError("model.partial_pretrain is required: a local Hugging Face model folder or a hub id")
     if d.micro_batch_size is not None:
         raise ConfigError("data.micro_batch_size (verl's deprecated global micro batch) is not supported: "
                           "set data.micro_batch_size_per_gpu instead")

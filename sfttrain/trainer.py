@@ -44,6 +44,7 @@ class FSDPSFTTrainer:
         self.cfg, self.world = cfg, world
         d, t = cfg.data, cfg.trainer
         self.run_dir = t.default_local_dir
+        checkpoint.check_shared_run_dir(self.run_dir, world)  # every node writes its shards there
 
         # data first: a bad file, column or batch size fails before the model is loaded
         self.tokenizer = load_tokenizer(cfg.model)

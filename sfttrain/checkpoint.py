@@ -207,9 +207,10 @@ class Checkpointer:
     has finished (`poll`), at the latest when the next save begins. One save is in flight at a
     time. The final save waits for its write (nothing is left in flight when training ends).
 
-    Per committed checkpoint, `report(record, line)` gets its size on disk, the seconds the
-    training loop was stalled, the seconds from the save's start to its commit and the bytes per
-    second over that span (a lower bound on the write speed: the commit waits for a step boundary)."""
+    Per committed checkpoint, `report(record, line)` gets its size on disk and, counted from the
+    save's start, the seconds the training loop was stalled, the seconds until every rank's write
+    had finished (DCP's last step on rank 0 waits for all ranks) with the GB/s over that span,
+    and the seconds until the commit (at a step boundary)."""
 
     def __init__(self, run_dir: str, world: World, cfg: Config, report: Callable[[dict, str], None]):
         self.run_dir, self.world, self.cfg, self.report = run_dir, world, cfg, report
@@ -228,10 +229,11 @@ class Checkpointer:
         started = time.perf_counter()
         self.wait()
         background = self.cfg.trainer.async_save and not final
-        future = self._write(state, model, optimizer, scheduler, tokenizer, wandb_id, background)
-        self.pending = PendingSave(state.step, os.path.join(self.run_dir, f".global_step_{state.step}.tmp"),
-                                   os.path.join(self.run_dir, f"global_step_{state.step}"), future, started,
-                                   time.perf_counter() - started, background, export_hf)
+        tmp = os.path.join(self.run_dir, f".global_step_{state.step}.tmp")
+        future = self._start_write(tmp, state, model, optimizer, scheduler, tokenizer, wandb_id, background)
+        self.pending = PendingSave(state.step, tmp, os.path.join(self.run_dir, f"global_step_{state.step}"), future,
+                                   started, time.perf_counter() - started, background, export_hf)
+        future.add_done_callback(self.pending.mark_written)
         if not background:
             self.wait()
 
@@ -249,11 +251,10 @@ class Checkpointer:
             self._all_written(True)
             self._commit()
 
-    def _write(self, state: TrainState, model, optimizer, scheduler, tokenizer, wandb_id: Optional[str],
-               background: bool) -> Future:
-        """Every rank writes into `.global_step_N.tmp`; returns the future of the DCP write."""
+    def _start_write(self, tmp: str, state: TrainState, model, optimizer, scheduler, tokenizer,
+                     wandb_id: Optional[str], background: bool) -> Future:
+        """Every rank writes into `tmp`; returns the future of the DCP write (done unless background)."""
         world, cfg = self.world, self.cfg
-        tmp = os.path.join(self.run_dir, f".global_step_{state.step}.tmp")
         if world.is_main:
             shutil.rmtree(tmp, ignore_errors=True)  # debris of a crashed save of the same step
             os.makedirs(os.path.join(tmp, "rng"))
@@ -323,11 +324,13 @@ class Checkpointer:
 
     def _report(self, p: PendingSave, size: int, seconds: float) -> None:
         stall = p.stall_s if p.background else seconds
+        written = p.written_s or seconds  # None only if its callback has not run yet: it ended just now
         record = {"step": p.step, "event": "checkpoint", "path": p.final, "async": p.background, "bytes": size,
-                  "stall_s": stall, "commit_s": seconds, "gb_per_s": size / 1e9 / max(seconds, 1e-9)}
+                  "stall_s": stall, "written_s": written, "commit_s": seconds, "gb_per_s": size / 1e9 / written}
         self.report(record, f"checkpoint {os.path.basename(p.final)} committed: {size / 1e9:.3g} GB, training "
-                            f"stalled {stall:.2f} s, committed {seconds:.2f} s after the save began "
-                            f"({record['gb_per_s']:.3g} GB/s{', written in the background' if p.background else ''})")
+                            f"stalled {stall:.2f} s, written in {written:.2f} s ({record['gb_per_s']:.3g} GB/s"
+                            f"{', in the background' if p.background else ''}), committed {seconds:.2f} s after "
+                            "the save began")
 
 
 @dataclass
@@ -341,6 +344,10 @@ class PendingSave:
     stall_s: float  # seconds the training loop waited for it (a background write: until it was staged)
     background: bool  # written by DCP's thread while training went on
     export_hf: bool
+    written_s: Optional[float] = None  # seconds from started until this rank's write finished
+
+    def mark_written(self, _future: Future) -> None:
+        self.written_s = time.perf_counter() - self.started
 
 
 def load(path: str, model, optimizer, scheduler, world: World, cfg: Config) -> TrainState:

@@ -9,9 +9,10 @@ Layout of `<run>/global_step_N/`:
   huggingface/            with trainer.save_hf, on the final checkpoint: the exported HF model
   COMPLETE                written last; only folders with it are ever resumed from
 
-Commit protocol: every rank writes into `.global_step_N.tmp`; after a barrier (so every rank's
-shard is on disk) rank 0 writes the small files and COMPLETE, fsyncs, and renames the folder to
-`global_step_N` in one `os.replace`. A `global_step_N` therefore either does not exist or is
+Commit protocol: every rank writes into `.global_step_N.tmp`; once every rank's write has finished
+(all ranks agree on it: at once, or with trainer.async_save at a later step boundary, the write
+having run in a background thread while training went on) rank 0 writes COMPLETE, fsyncs, and
+renames the folder to `global_step_N` in one `os.replace`. A `global_step_N` therefore either does not exist or is
 complete: a crash at any moment leaves only a `.tmp` folder, which the next start deletes.
 Deletion (retention, replacing an older save of the same step) is the reverse: one rename to
 `.global_step_N.trash`, then the slow `rmtree`, so a half-deleted folder is never visible either.
@@ -25,14 +26,19 @@ order is a function of the seed and the epoch).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import random
 import re
 import shutil
+import socket
+import time
+import uuid
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -144,6 +150,52 @@ def _find_resume(t: TrainerConfig, run_dir: str) -> Optional[str]:
     return path
 
 
+def check_shared_run_dir(run_dir: str, world: World, patience_s: float = 10.0) -> None:
+    """Collective, at start-up: every rank must see the run folder rank 0 writes to (checkpoints are
+    written by all ranks into one folder and committed by rank 0). Rank 0 writes a file with a
+    fresh token; a rank that cannot read that token there (a node-local disk, or a path that
+    resolves differently on its node) makes every rank stop with a ConfigError naming it. A
+    rank waits up to patience_s for the file, for network filesystems' attribute caches."""
+    box = [_write_probe(run_dir) if world.is_main else None]
+    dist.broadcast_object_list(box, src=0)  # after rank 0's write: the others look for it now
+    token, error = box[0]
+    if error is not None:
+        raise ConfigError(f"trainer.default_local_dir={run_dir!r} cannot be written: {error}")
+    probe = os.path.join(run_dir, f".shared-check-{token}")
+    deadline = time.monotonic() + patience_s
+    while not _reads(probe, token) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    seen = [None] * world.world_size
+    dist.all_gather_object(seen, (_reads(probe, token), socket.gethostname(), os.path.abspath(run_dir)))
+    if world.is_main:
+        os.remove(probe)
+    blind = [f"rank {r} on {host} ({path})" for r, (ok, host, path) in enumerate(seen) if not ok]
+    if blind:
+        raise ConfigError(f"trainer.default_local_dir={run_dir!r} is not one folder shared by every node: "
+                          f"rank 0 on {seen[0][1]} wrote a file into {seen[0][2]} that {', '.join(blind[:4])} "
+                          "cannot see. Put the run folder on storage every node mounts (not a node-local "
+                          "disk such as /tmp or $TMPDIR), with a path that names it on every node")
+
+
+def _write_probe(run_dir: str) -> tuple[Optional[str], Optional[str]]:
+    """(token, None) once the probe file holds it, or (None, why it could not be written)."""
+    token = uuid.uuid4().hex
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        _write(os.path.join(run_dir, f".shared-check-{token}"), token)
+    except OSError as e:
+        return None, str(e)
+    return token, None
+
+
+def _reads(path: str, token: str) -> bool:
+    try:
+        with open(path) as f:
+            return f.read() == token
+    except OSError:
+        return False
+
+
 def _step_of(path: str) -> int:
     m = STEP_DIR.match(os.path.basename(path))
     if m:
@@ -152,48 +204,154 @@ def _step_of(path: str) -> int:
         return int(json.load(f)["step"])
 
 
-def save(run_dir: str, state: TrainState, model, optimizer, scheduler, world: World, cfg: Config, tokenizer,
-         wandb_id: Optional[str] = None, export_hf: bool = False) -> str:
-    """Collective: every rank calls it. Returns the committed `global_step_N` path. With
-    export_hf, the checkpoint also holds `huggingface/` (written by all ranks, shard by shard)."""
-    final = os.path.join(run_dir, f"global_step_{state.step}")
-    tmp = os.path.join(run_dir, f".global_step_{state.step}.tmp")
-    if world.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)  # debris of a crashed save of the same step
-        os.makedirs(os.path.join(tmp, "rng"))
-    barrier(world)
-    model_sd, optim_sd = _state_dicts(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
-    del model_sd, optim_sd
-    _torch_save_synced(_rng_state(), os.path.join(tmp, "rng", f"rank_{world.rank}.pt"))
-    if world.is_main:
-        extra = {**asdict(state), "wandb_id": wandb_id, "world_size": world.world_size,
-                 "scheduler": scheduler.state_dict()}
-        _write(os.path.join(tmp, "trainer_state.json"), json.dumps(extra, indent=1))
-        _write(os.path.join(tmp, "config.yaml"), to_yaml(cfg))
-        hf = os.path.join(tmp, "hf")
-        model.config.save_pretrained(hf)
-        if getattr(model, "generation_config", None) is not None:
-            model.generation_config.save_pretrained(hf)
-        tokenizer.save_pretrained(hf)
-    barrier(world)  # every rank's shard and RNG file is written (and DCP has fsynced them)
-    if export_hf:
-        from sfttrain.export import export
+class Checkpointer:
+    """Writes `global_step_N` checkpoints. With trainer.async_save, a periodic save returns once
+    this rank's shard is copied to host memory; DCP writes it from a background thread while
+    training goes on, and it is committed at the first step boundary where every rank's write
+    has finished (`poll`), at the latest when the next save begins. One save is in flight at a
+    time. The final save waits for its write (nothing is left in flight when training ends).
 
-        export(tmp, os.path.join(tmp, "huggingface"), rank=world.rank, world_size=world.world_size,
-               trust_remote_code=cfg.model.trust_remote_code)
+    Per committed checkpoint, `report(record, line)` gets its size on disk and, counted from the
+    save's start, the seconds the training loop was stalled, the seconds until every rank's write
+    had finished (DCP's last step on rank 0 waits for all ranks) with the GB/s over that span,
+    and the seconds until the commit (at a step boundary)."""
+
+    def __init__(self, run_dir: str, world: World, cfg: Config, report: Callable[[dict, str], None]):
+        self.run_dir, self.world, self.cfg, self.report = run_dir, world, cfg, report
+        self.pending: Optional[PendingSave] = None
+        # DCP's background thread runs collectives of its own; the main thread's agreement on
+        # "every rank has written" must not interleave with them, so each gets its own gloo group
+        # (async_save needs a CPU backend also when training runs on nccl; gloo calls on host
+        # tensors never wait for the GPU)
+        self.write_group = dist.new_group(backend="gloo")
+        self.agree_group = dist.new_group(backend="gloo")
+
+    def save(self, state: TrainState, model, optimizer, scheduler, tokenizer, wandb_id: Optional[str] = None,
+             final: bool = False, export_hf: bool = False) -> None:
+        """Collective: every rank calls it. With export_hf, the checkpoint also holds
+        `huggingface/` (written by all ranks, shard by shard)."""
+        started = time.perf_counter()
+        self.wait()
+        background = self.cfg.trainer.async_save and not final
+        tmp = os.path.join(self.run_dir, f".global_step_{state.step}.tmp")
+        future = self._start_write(tmp, state, model, optimizer, scheduler, tokenizer, wandb_id, background)
+        self.pending = PendingSave(state.step, tmp, os.path.join(self.run_dir, f"global_step_{state.step}"), future,
+                                   started, time.perf_counter() - started, background, export_hf)
+        future.add_done_callback(self.pending.mark_written)
+        if not background:
+            self.wait()
+
+    def poll(self) -> None:
+        """Commits the save in flight if every rank has finished writing it. Collective; one tiny
+        gloo all-reduce per call while a save is in flight, nothing otherwise."""
+        if self.pending is not None and self._all_written(self.pending.future.done()):
+            self._commit()
+
+    def wait(self) -> None:
+        """Collective: waits for the save in flight, then commits it."""
+        if self.pending is not None:
+            with contextlib.suppress(Exception):  # _all_written re-raises it on this rank
+                self.pending.future.result()
+            self._all_written(True)
+            self._commit()
+
+    def _start_write(self, tmp: str, state: TrainState, model, optimizer, scheduler, tokenizer,
+                     wandb_id: Optional[str], background: bool) -> Future:
+        """Every rank writes into `tmp`; returns the future of the DCP write (done unless background)."""
+        world, cfg = self.world, self.cfg
+        if world.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)  # debris of a crashed save of the same step
+            os.makedirs(os.path.join(tmp, "rng"))
         barrier(world)
-    if world.is_main:
-        _fsync_tree(tmp)
-        _write(os.path.join(tmp, COMPLETE), "")
-        _fsync_dir(tmp)
-        if os.path.lexists(final):  # an older save of this step (a fresh start or a resume from an earlier one)
-            _remove(final)
-        os.replace(tmp, final)  # the commit
-        _fsync_dir(run_dir)
-        enforce_retention(run_dir, cfg.trainer.max_ckpt_to_keep)
-    barrier(world)
-    return final
+        model_sd, optim_sd = _state_dicts(model, optimizer)
+        # FileSystemWriter stages async saves itself (torch 2.11 and 2.13): new host tensors, a
+        # copy the next optimizer step cannot change, taken before async_save returns
+        writer = dcp.FileSystemWriter(tmp)
+        if background:
+            future = dcp.async_save({"model": model_sd, "optim": optim_sd}, storage_writer=writer,
+                                    process_group=self.write_group)
+        else:
+            dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=writer)
+            future = Future()
+            future.set_result(None)
+        del model_sd, optim_sd
+        _torch_save_synced(_rng_state(), os.path.join(tmp, "rng", f"rank_{world.rank}.pt"))
+        if world.is_main:
+            extra = {**asdict(state), "wandb_id": wandb_id, "world_size": world.world_size,
+                     "scheduler": scheduler.state_dict()}
+            _write(os.path.join(tmp, "trainer_state.json"), json.dumps(extra, indent=1))
+            _write(os.path.join(tmp, "config.yaml"), to_yaml(cfg))
+            hf = os.path.join(tmp, "hf")
+            model.config.save_pretrained(hf)
+            if getattr(model, "generation_config", None) is not None:
+                model.generation_config.save_pretrained(hf)
+            tokenizer.save_pretrained(hf)
+        return future
+
+    def _all_written(self, done: bool) -> bool:
+        """True when every rank's write has finished (each rank's shard, RNG file and, on rank 0,
+        DCP's metadata are then on disk); a write that failed on any rank fails every rank."""
+        future = self.pending.future
+        failed = done and future.exception() is not None
+        status = torch.tensor([-1 if failed else int(done)])
+        dist.all_reduce(status, op=dist.ReduceOp.MIN, group=self.agree_group)
+        if failed:
+            raise future.exception()
+        if status.item() < 0:
+            raise RuntimeError(f"the checkpoint of step {self.pending.step} failed on another rank; its "
+                               f"{self.pending.tmp} is left unfinished (deleted at the next start)")
+        return status.item() == 1
+
+    def _commit(self) -> None:
+        """After every rank's write: rank 0 writes COMPLETE and renames the folder (the commit)."""
+        p, world = self.pending, self.world
+        self.pending = None
+        if p.export_hf:
+            from sfttrain.export import export
+
+            export(p.tmp, os.path.join(p.tmp, "huggingface"), rank=world.rank, world_size=world.world_size,
+                   trust_remote_code=self.cfg.model.trust_remote_code)
+            barrier(world)
+        if world.is_main:
+            size = _tree_bytes(p.tmp)
+            _fsync_tree(p.tmp)
+            _write(os.path.join(p.tmp, COMPLETE), "")
+            _fsync_dir(p.tmp)
+            if os.path.lexists(p.final):  # an older save of this step (a fresh start or a resume from an earlier one)
+                _remove(p.final)
+            os.replace(p.tmp, p.final)  # the commit
+            _fsync_dir(self.run_dir)
+            enforce_retention(self.run_dir, self.cfg.trainer.max_ckpt_to_keep)
+            self._report(p, size, time.perf_counter() - p.started)
+        if p.export_hf:
+            barrier(world)  # the exported model is complete for every rank once save returns
+
+    def _report(self, p: PendingSave, size: int, seconds: float) -> None:
+        stall = p.stall_s if p.background else seconds
+        written = p.written_s or seconds  # None only if its callback has not run yet: it ended just now
+        record = {"step": p.step, "event": "checkpoint", "path": p.final, "async": p.background, "bytes": size,
+                  "stall_s": stall, "written_s": written, "commit_s": seconds, "gb_per_s": size / 1e9 / written}
+        self.report(record, f"checkpoint {os.path.basename(p.final)} committed: {size / 1e9:.3g} GB, training "
+                            f"stalled {stall:.2f} s, written in {written:.2f} s ({record['gb_per_s']:.3g} GB/s"
+                            f"{', in the background' if p.background else ''}), committed {seconds:.2f} s after "
+                            "the save began")
+
+
+@dataclass
+class PendingSave:
+    """A save whose write may still be running: committed by `Checkpointer.poll` or `.wait`."""
+    step: int
+    tmp: str
+    final: str
+    future: Future
+    started: float  # perf_counter when save() began
+    stall_s: float  # seconds the training loop waited for it (a background write: until it was staged)
+    background: bool  # written by DCP's thread while training went on
+    export_hf: bool
+    written_s: Optional[float] = None  # seconds from started until this rank's write finished
+
+    def mark_written(self, _future: Future) -> None:
+        self.written_s = time.perf_counter() - self.started
 
 
 def load(path: str, model, optimizer, scheduler, world: World, cfg: Config) -> TrainState:
@@ -347,6 +505,10 @@ def _write(path: str, text: str) -> None:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _tree_bytes(root: str) -> int:
+    return sum(os.path.getsize(os.path.join(folder, name)) for folder, _, files in os.walk(root) for name in files)
 
 
 def _fsync_tree(root: str) -> None:

@@ -68,7 +68,7 @@ class FSDPConfig:
 
 @dataclass
 class ModelConfig:
-    partial_pretrain: Optional[str] = None  # a local Hugging Face model folder
+    partial_pretrain: Optional[str] = None  # a local Hugging Face model folder, or a hub id (org/name: downloaded once)
     random_init: bool = False  # build from the folder's config.json with random weights
     trust_remote_code: bool = False  # run the model folder's own Python code (only for folders you trust)
     strategy: str = "fsdp2"  # verl key; sfttrain implements FSDP2 only (fsdp, FSDP1, is refused)
@@ -117,7 +117,8 @@ class TrainerConfig:
     seed: int = 1  # data order and random init
     test_freq: int = -1  # validate every N steps (and always at the end); -1: only at the end
     save_freq: int = -1  # checkpoint every N steps (and always at the end); -1: only at the end
-    max_ckpt_to_keep: Optional[int] = None  # None keeps all
+    max_ckpt_to_keep: Optional[int] = None  # None keeps all (counts committed checkpoints only)
+    async_save: bool = True  # periodic saves written in the background from a host copy (+1 model/optimizer shard in RAM)
     resume_mode: str = "auto"  # auto | disable | resume_path
     resume_from_path: Optional[str] = None  # a checkpoint, or a run folder (its latest checkpoint)
     save_hf: bool = False  # at the end of training, also export the model to <final checkpoint>/huggingface
@@ -250,7 +251,7 @@ def validate(cfg: Config) -> None:
     if d.train_files in (None, "", []):
         raise ConfigError("data.train_files is required: a Parquet file or a list of them")
     if m.partial_pretrain in (None, ""):
-        raise ConfigError("model.partial_pretrain is required: a local Hugging Face model folder")
+        raise ConfigError("model.partial_pretrain is required: a local Hugging Face model folder or a hub id")
     if d.micro_batch_size is not None:
         raise ConfigError("data.micro_batch_size (verl's deprecated global micro batch) is not supported: "
                           "set data.micro_batch_size_per_gpu instead")

@@ -13,16 +13,17 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from sfttrain import attention, lora, weights
 from sfttrain.config import ConfigError, ModelConfig
+from sfttrain.hub import local_model_path
 
 DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def load_tokenizer(cfg: ModelConfig):
-    _check_folder(cfg.partial_pretrain)
+    path = local_model_folder(cfg)
     # samples longer than the tokenizer's model_max_length are handled by data.truncation
     logging.getLogger("transformers.tokenization_utils_base").setLevel(logging.ERROR)
     transformers.utils.logging.disable_progress_bar()
-    return AutoTokenizer.from_pretrained(cfg.partial_pretrain, trust_remote_code=cfg.trust_remote_code)
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
 
 
 @dataclass
@@ -36,8 +37,7 @@ def load_model(cfg: ModelConfig, device: torch.device) -> LoadedModel:
     """The model with its parameters on the meta device, in model_dtype, with the packed varlen
     attention installed. `sfttrain.parallel` shards it and then materialises each rank's part
     (`sfttrain.weights`): no rank builds the full model on the host."""
-    path = cfg.partial_pretrain
-    _check_folder(path)
+    path = local_model_folder(cfg)
     if not cfg.random_init and not _has_weights(path):
         raise ConfigError(f"model.partial_pretrain={path!r} has a config but no weights (*.safetensors / *.bin); "
                           "set model.random_init=true to train from a random initialisation")
@@ -101,10 +101,14 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
-def _check_folder(path: str) -> None:
+def local_model_folder(cfg: ModelConfig) -> str:
+    """model.partial_pretrain as a local folder (a hub id is downloaded once, see sfttrain.hub).
+    Collective when it is a hub id."""
+    path = local_model_path(cfg.partial_pretrain)
     if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
-        raise ConfigError(f"model.partial_pretrain={path!r} is not a local model folder with a config.json "
-                          "(sfttrain does not download from a hub: download the model first)")
+        raise ConfigError(f"model.partial_pretrain={cfg.partial_pretrain!r} is not a local model folder with a "
+                          "config.json, nor a hub id (org/name, such as Qwen/Qwen2.5-0.5B-Instruct)")
+    return path
 
 
 def _has_weights(path: str) -> bool:

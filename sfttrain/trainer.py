@@ -43,6 +43,7 @@ class FSDPSFTTrainer:
         self.cfg, self.world = cfg, world
         d, t = cfg.data, cfg.trainer
         self.run_dir = t.default_local_dir
+        checkpoint.check_shared_run_dir(self.run_dir, world)  # every node writes its shards there
 
         # data first: a bad file, column or batch size fails before the model is loaded
         self.tokenizer = load_tokenizer(cfg.model)
@@ -80,6 +81,7 @@ class FSDPSFTTrainer:
             self.state = checkpoint.load(resume_from, self.lm.model, self.optimizer, self.scheduler, world, cfg)
         self.logger = MetricsLogger(cfg, self.run_dir, world.is_main, self.plan.total_steps, self.state.step,
                                     wandb_id=self.state.wandb_id)
+        self.checkpointer = checkpoint.Checkpointer(self.run_dir, world, cfg, report=self.logger.event)
         self.timer = StepTimer(world.device)
         self._print_startup(resume_from)
 
@@ -130,6 +132,7 @@ class FSDPSFTTrainer:
             wait_start = time.perf_counter()
             batch = next(batches)
             queued = self.step(batch, time.perf_counter() - wait_start, queued)
+            self.checkpointer.poll()  # commits a background save once every rank has written it
             step = self.state.step
             last = step == total
             validate = self.val_batches is not None and (last or (t.test_freq > 0 and step % t.test_freq == 0))
@@ -213,9 +216,6 @@ class FSDPSFTTrainer:
         return (totals[0] / totals[1].clamp(min=1)).item()
 
     def save(self) -> None:
-        start = time.perf_counter()
-        checkpoint.save(self.run_dir, self.state, self.lm.model, self.optimizer, self.scheduler, self.world, self.cfg,
-                        self.tokenizer, wandb_id=self.logger.wandb_id,
-                        export_hf=self.cfg.trainer.save_hf and self.state.step == self.plan.total_steps)
-        self.logger.info(f"checkpoint global_step_{self.state.step} written to {self.run_dir} "
-                         f"in {time.perf_counter() - start:.1f} s")
+        final = self.state.step == self.plan.total_steps
+        self.checkpointer.save(self.state, self.lm.model, self.optimizer, self.scheduler, self.tokenizer,
+                               wandb_id=self.logger.wandb_id, final=final, export_hf=self.cfg.trainer.save_hf and final)

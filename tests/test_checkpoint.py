@@ -172,7 +172,8 @@ def test_exact_resume_mid_epoch(resumed_mid_epoch, ref):
     got = losses_by_step(run_dir)
     assert sorted(got) == list(range(1, TOTAL + 1))
     rewound = (run_dir / checkpoint.REWOUND).read_text().splitlines()
-    assert len(rewound) == 2 and json.loads(rewound[0])["step"] == 5
+    assert [json.loads(line)["step"] for line in rewound[:-1]] == [5, 5]  # its loss and its checkpoint's record
+    assert rewound[-1] == '{"step": 6, "lo'
     assert_resumed_like_ref(run_dir, ref, 5, SAME_WORLD_TOL)
     # the optimizer state too, and the wandb run continues under the same id
     assert max_abs_diff(state(run_dir / f"global_step_{TOTAL}")["optim"],
@@ -193,14 +194,36 @@ def test_retention_across_resumes(resumed_mid_epoch):
 
 def test_exact_resume_at_epoch_boundary(data, ref, tmp_path):
     """resume_mode=resume_path from the last step of epoch 0 (into another run folder): the
-    resumed run starts epoch 1 (its own shuffled order), nothing replayed or skipped."""
+    resumed run starts epoch 1 (its own shuffled order), nothing replayed or skipped. It saves
+    synchronously (trainer.async_save=false): its step-9 checkpoint equals, bit for bit, the
+    reference's, which was written in the background while step 10 updated the weights in place
+    (so the background write saved a copy taken at step 9, not the live tensors)."""
     boundary = ref / f"global_step_{STEPS_PER_EPOCH}"
     st = trainer_state(boundary)
     assert (st["epoch"], st["consumed_in_epoch"]) == (0, STEPS_PER_EPOCH * BATCH)
     run_dir = tmp_path / "run"
-    run_sfttrain(2, job(data, run_dir, "trainer.resume_mode=resume_path", f"trainer.resume_from_path={boundary}"))
+    run_sfttrain(2, job(data, run_dir, "trainer.resume_mode=resume_path", f"trainer.resume_from_path={boundary}",
+                        "trainer.async_save=false", "trainer.save_freq=3"))
     assert [m["epoch"] for m in read_metrics(run_dir) if "loss" in m] == [1] * STEPS_PER_EPOCH
     assert_resumed_like_ref(run_dir, ref, STEPS_PER_EPOCH + 1, SAME_WORLD_TOL)
+    assert max_abs_diff(state(run_dir / "global_step_9"), state(ref / "global_step_9")) == 0
+    assert [(m["step"], m["async"]) for m in read_metrics(run_dir) if m.get("event") == "checkpoint"] == \
+        [(9, False), (12, False)]
+
+
+def test_checkpoint_records(ref):
+    """Every committed checkpoint has one record in metrics.jsonl: its size on disk, the stall,
+    the time until written (and the GB/s over it) and the time to commit. The periodic ones were written in the background; the final one
+    was waited for (its stall is its whole save)."""
+    records = [m for m in read_metrics(ref) if m.get("event") == "checkpoint"]
+    assert [m["step"] for m in records] == list(range(1, TOTAL + 1))
+    assert [m["async"] for m in records] == [True] * (TOTAL - 1) + [False]
+    for m in records:
+        folder = Path(m["path"])
+        assert m["bytes"] == sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) > 0
+        assert 0 < m["stall_s"] <= m["commit_s"] and 0 < m["written_s"] <= m["commit_s"]
+        assert m["gb_per_s"] == pytest.approx(m["bytes"] / 1e9 / m["written_s"])
+    assert records[-1]["stall_s"] == records[-1]["commit_s"]
 
 
 # --------------------------------------------------------------------------- elastic resume

@@ -103,7 +103,7 @@ def test_worker_processes_build_the_same_steps(gsm8k_dir, tmp_path):
     run_sfttrain(1, _job(gsm8k_dir, tmp_path / "inline", *common))
     run_sfttrain(1, _job(gsm8k_dir, tmp_path / "workers", *common, "data.num_workers=3"))
     inline, workers = read_metrics(tmp_path / "inline"), read_metrics(tmp_path / "workers")
-    assert [m["tokens"] for m in workers] == [m["tokens"] for m in inline]
+    assert [m["tokens"] for m in workers if "loss" in m] == [m["tokens"] for m in inline if "loss" in m]
     assert train_losses(tmp_path / "workers") == train_losses(tmp_path / "inline")
 
 

@@ -1,0 +1,81 @@
+"""Two "nodes" on localhost: two torchrun agents (`--nnodes=2`, one rank each) meeting through the
+c10d rendezvous, as slurm/sft_multinode.sbatch starts them on a cluster.
+
+2 nodes x 1 rank must train exactly as 1 node x 2 ranks: the ranks, their data and their
+collectives are the same, only the launch differs (which agent's rank is rank 0 is decided by
+the rendezvous; the step's gradient is the sum over the two ranks either way, and a sum of two
+float32 terms does not depend on their order). fp32 on CPU, so losses and weights agree to
+1e-6 (in practice bit for bit).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import (BASE_OVERRIDES, REPO, free_port, kill_job, load_checkpoint_model, run_sfttrain,
+                            train_losses)
+
+TOL = 1e-6
+STEPS = 3
+
+
+def job(gsm8k_dir: Path, run_dir: str) -> list[str]:
+    return [*BASE_OVERRIDES, f"data.train_files={gsm8k_dir}/train.parquet", f"trainer.default_local_dir={run_dir}",
+            "data.max_length=128", "data.train_batch_size=8", "data.micro_batch_size_per_gpu=2",
+            f"trainer.total_training_steps={STEPS}", "trainer.save_freq=2", "data.shuffle=true"]
+
+
+def run_two_nodes(overrides: list[str], logs: Path, node_env: list[dict], timeout: int = 300) -> tuple[list[str], list[int]]:
+    """Starts one torchrun agent per "node" (its own environment), waits for both; returns their logs."""
+    port = free_port()
+    procs = []
+    for node, extra in enumerate(node_env):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+               "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=test", "--max_restarts=0",
+               "-m", "sfttrain.run", *overrides]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **extra}
+        with open(logs / f"node{node}.log", "w") as f:
+            procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+    try:
+        for proc in procs:
+            proc.wait(timeout=timeout)
+    finally:
+        for proc in procs:
+            kill_job(proc)
+    return [(logs / f"node{node}.log").read_text() for node in range(len(node_env))], [p.returncode for p in procs]
+
+
+def test_two_nodes_train_as_one_node_with_two_ranks(gsm8k_dir, tmp_path):
+    outs, codes = run_two_nodes(job(gsm8k_dir, str(tmp_path / "two_nodes")), tmp_path, [{}, {}])
+    assert codes == [0, 0], "\n".join(out[-3000:] for out in outs)
+    run_sfttrain(2, job(gsm8k_dir, str(tmp_path / "one_node")))
+    two, one = train_losses(tmp_path / "two_nodes"), train_losses(tmp_path / "one_node")
+    assert len(two) == STEPS and max(abs(a - b) for a, b in zip(two, one)) <= TOL, (two, one)
+    for step in (2, STEPS):
+        got = load_checkpoint_model(tmp_path / "two_nodes" / f"global_step_{step}")
+        want = load_checkpoint_model(tmp_path / "one_node" / f"global_step_{step}")
+        assert max((got[k] - want[k]).abs().max().item() for k in want) <= TOL
+    start = load_checkpoint_model(tmp_path / "one_node" / "global_step_2")
+    assert max((want[k] - start[k]).abs().max().item() for k in want) > 1e-4  # the weights did move
+
+
+def test_run_folder_not_shared_between_nodes_is_refused(gsm8k_dir, tmp_path):
+    """The run folder named through each node's own $TMPDIR (node-local scratch on a cluster), as
+    a user would write it: every node resolves it to a folder of its own. The run stops at
+    start-up with one message naming trainer.default_local_dir and the ranks that are blind."""
+    nodes = [{"TMPDIR": str(tmp_path / f"scratch{node}")} for node in range(2)]
+    for env in nodes:
+        Path(env["TMPDIR"]).mkdir()
+    outs, codes = run_two_nodes(job(gsm8k_dir, "${oc.env:TMPDIR}/run"), tmp_path, nodes)
+    assert codes[0] != 0 and codes[1] != 0
+    both = "".join(outs)
+    assert both.count("is not one folder shared by every node") == 1, both[-3000:]
+    assert "sfttrain: error: trainer.default_local_dir=" in both
+    assert "cannot see" in both and "rank 1 on" in both
+    assert "model               :" not in both  # stopped before the model was loaded
+    for node in range(2):  # nothing was saved on either node
+        assert not list((tmp_path / f"scratch{node}" / "run").glob("global_step_*"))

@@ -60,7 +60,7 @@ def wrap(model: nn.Module, cfg: ModelConfig):
     try:
         from peft import get_peft_model
     except ImportError:
-        raise ConfigError("model.lora_rank > 0 needs peft: pip install 'sfttrain[peft]'") from None
+        raise ConfigError("model.lora_rank > 0 needs peft: pip install peft") from None
     target = check_target_modules(model, cfg.target_modules)
     return get_peft_model(model, lora_config(cfg, target), autocast_adapter_dtype=True)
 

@@ -48,6 +48,10 @@ def init_world(cfg: Config) -> World:
         raise ConfigError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu")
     mesh_shape = check_world(cfg, world_size)
     if use_cuda:
+        if local_rank >= torch.cuda.device_count():
+            raise ConfigError(f"local rank {local_rank} has no GPU: {torch.cuda.device_count()} visible on this node; "
+                              "start at most that many ranks per node (torchrun --nproc_per_node), or "
+                              "trainer.device=cpu")
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:

@@ -66,8 +66,9 @@ def weights_dtype(cfg: ModelConfig) -> torch.dtype:
 
 def materialise_model(model: nn.Module, cfg: ModelConfig, device: torch.device, buffer_device: torch.device,
                       seed: int) -> None:
-    """Fills the (sharded) meta model: the folder's weights, or a random init (model.random_init)."""
-    weights.materialise(model, device, buffer_device, seed, None if cfg.random_init else cfg.partial_pretrain)
+    """Fills the (sharded) meta model: the folder's weights, or a random init (model.random_init).
+    Collective for a hub id (resolved to the cache folder load_model filled)."""
+    weights.materialise(model, device, buffer_device, seed, None if cfg.random_init else local_model_folder(cfg))
 
 
 def apply_liger(model: nn.Module, device: torch.device, compile_layers: bool) -> bool:

@@ -80,7 +80,9 @@ def launch(nproc: int, overrides: list[str], log: Path, cwd: Path = REPO, env: d
     # OMP_NUM_THREADS=2: results must not depend on the BLAS thread count)
     python_path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONPATH": python_path,
-           "WANDB_MODE": "offline", **(env or {})}
+           "WANDB_MODE": "offline",
+           "CUDA_VISIBLE_DEVICES": "",  # CPU ranks (gloo) also on a machine with fewer GPUs than ranks
+           **(env or {})}
     with open(log, "w") as f:
         return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
 

@@ -59,7 +59,8 @@ def test_offline_model_not_in_cache_is_one_clear_message(gsm8k_dir, hub_cache, t
     assert proc.returncode != 0
     message = "model.partial_pretrain='org/missing' is not a local folder, and as a Hugging Face hub id it is " \
               f"not in the local cache {hub_cache} (HF_HUB_OFFLINE=1 is set)"
-    assert proc.stdout.count(message) == 1, proc.stdout[-3000:]
+    printed = [line for line in proc.stdout.splitlines() if line.startswith("sfttrain: ")]
+    assert len(printed) == 1 and message in printed[0], proc.stdout[-3000:]  # once, as its own line
     assert "hf download org/missing" in proc.stdout
     assert "LocalEntryNotFoundError" not in proc.stdout  # a message, not a traceback from every rank
     assert not (tmp_path / "run").exists() or not list((tmp_path / "run").glob("global_step_*"))

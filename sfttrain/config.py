@@ -42,6 +42,7 @@ class DataConfig:
     shuffle: bool = True  # per-epoch order from trainer.seed and the epoch number
     num_workers: int = 0  # >0: worker processes build the steps ahead of the training loop
     balance_dp_token: bool = True  # verl key; sfttrain always balances tokens across ranks
+    no_loss_rows: str = "error"  # rows truncation leaves with no supervised token: error (stop, naming them) | drop
 
 
 @dataclass
@@ -114,6 +115,7 @@ class TrainerConfig:
     nnodes: Optional[int] = None  # verl keys; if given they must match torchrun's world
     n_gpus_per_node: Optional[int] = None
     device: str = "auto"  # auto | cuda | cpu
+    resume_allow_data_change: bool = False  # resume although the checkpoint's data fingerprint differs (new rows/order)
 
 
 @dataclass
@@ -235,6 +237,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"data.max_token_len_per_gpu={d.max_token_len_per_gpu} is below data.max_length="
                           f"{d.max_length}: a longest sample would not fit; raise it or lower data.max_length")
     _choice("data.truncation", d.truncation, ("error", "left", "right"))
+    _choice("data.no_loss_rows", d.no_loss_rows, ("error", "drop"))
     _choice("model.strategy", m.strategy, ("fsdp2", "fsdp"))
     _choice("model.loss_kernel", m.loss_kernel, LOSS_KERNELS)
     _choice("model.attn_implementation", m.attn_implementation,

@@ -11,16 +11,17 @@ import torch.distributed as dist
 
 from sfttrain import checkpoint
 from sfttrain.config import Config, as_list
-from sfttrain.data.loader import StepBatch, TrainData, render_share, row_stats, step_batches, validation_batches
+from sfttrain.data.loader import StepBatch, TrainData, render_share, step_batches, validation_batches
 from sfttrain.data.parquet import ParquetSource, key_path
-from sfttrain.data.plan import make_plan
+from sfttrain.data.prepare import prepare_train_data
 from sfttrain.data.render import Renderer
+from sfttrain.data.report import describe
 from sfttrain.distributed import World
 from sfttrain.flops import ModelShape
 from sfttrain.loss import CausalLMLoss, normalised, select_chunk_loss
 from sfttrain.metrics import MetricsLogger, StepEnd, StepTimer, memory_stats, throughput
 from sfttrain.model import load_model, load_tokenizer
-from sfttrain.optim import build_optimizer, build_scheduler, clipped_step, warmup_steps
+from sfttrain.optim import build_optimizer, build_scheduler, clipped_step, schedule_settings, warmup_steps
 from sfttrain.parallel import parallelize
 
 
@@ -51,8 +52,14 @@ class FSDPSFTTrainer:
                             apply_chat_template=d.apply_chat_template, chat_template=d.chat_template)
         prompt, response = key_path(d.prompt_key, d.prompt_dict_keys), key_path(d.response_key, d.response_dict_keys)
         train_source = ParquetSource(as_list(d.train_files), prompt, response)
-        self.plan = make_plan(cfg, world.dp_size, train_source.num_rows)
-        stats = row_stats(train_source, renderer, world.rank, world.world_size)  # every row renders, or stop now
+        prepared = prepare_train_data(cfg, train_source, renderer, self.tokenizer, world, self.run_dir)
+        self.plan, self.data_report = prepared.plan, prepared.report  # every row rendered, or stopped here
+        self.state = checkpoint.TrainState(global_batch=d.train_batch_size, seed=t.seed, data=prepared.fingerprint,
+                                           schedule=schedule_settings(cfg.optim, self.plan.total_steps))
+        if world.is_main:
+            checkpoint.remove_stale_tmp(self.run_dir)
+        resume_from = checkpoint.find_resume(t, self.run_dir)
+        resume_notes = checkpoint.check_resume(resume_from, cfg, self.state) if resume_from else []
         val_samples = None
         if d.val_files:
             val_samples = render_share(ParquetSource(as_list(d.val_files), prompt, response),
@@ -68,23 +75,20 @@ class FSDPSFTTrainer:
         self.sharded = parallelize(self.lm, world, cfg)
         self.optimizer = build_optimizer(self.lm, cfg.optim, world.device)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.plan.total_steps)
-        self.data = TrainData(train_source, renderer, self.plan, stats, world.dp_rank, t.seed, d.shuffle,
+        self.data = TrainData(train_source, renderer, self.plan, prepared.stats, world.dp_rank, t.seed, d.shuffle,
                               self.model_shape.attention_coefficient, d.pad_to_multiple)
         self.val_batches = (validation_batches(val_samples, d.micro_batch_size_per_gpu, d.max_token_len_per_gpu,
                                                d.pad_to_multiple, world.device) if val_samples is not None else None)
 
-        self.state = checkpoint.TrainState(global_batch=d.train_batch_size, seed=t.seed)
-        if world.is_main:
-            checkpoint.remove_stale_tmp(self.run_dir)
-        resume_from = checkpoint.find_resume(t, self.run_dir)
         if resume_from:
-            self.state = checkpoint.load(resume_from, self.lm.model, self.optimizer, self.scheduler, world, cfg)
+            self.state = checkpoint.load(resume_from, self.lm.model, self.optimizer, self.scheduler, world, cfg,
+                                         self.state)
         self.logger = MetricsLogger(cfg, self.run_dir, world.is_main, self.plan.total_steps, self.state.step,
                                     wandb_id=self.state.wandb_id)
         self.timer = StepTimer(world.device)
-        self._print_startup(resume_from)
+        self._print_startup(resume_from, resume_notes)
 
-    def _print_startup(self, resume_from: str | None) -> None:
+    def _print_startup(self, resume_from: str | None, resume_notes: list[str]) -> None:
         cfg, shape = self.cfg, self.model_shape
         fsdp = cfg.model.fsdp_config
         loss = ("Liger's fused linear cross-entropy" if self.liger else f"chunked linear cross-entropy, "
@@ -102,7 +106,9 @@ class FSDPSFTTrainer:
             f"  lr                  : {cfg.optim.lr} {cfg.optim.lr_scheduler}, "
             f"{warmup_steps(cfg.optim, self.plan.total_steps)} warmup steps",
             f"  run folder          : {self.run_dir}",
+            describe(self.data_report),
             f"  resume              : {resume_from or 'fresh start'} (step {self.state.step})",
+            *(f"    {note}" for note in resume_notes),
         ]
         if fsdp.model_dtype != "fp32":
             lines.append(f"  WARNING: model_dtype={fsdp.model_dtype} keeps master weights and AdamW state in "

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from sfttrain.config import ConfigError
@@ -34,7 +35,7 @@ class RowGroup:
 class ParquetSource:
     """Rows of one or many Parquet files, addressed by a global row id."""
 
-    def __init__(self, files: list[str], prompt_path: list[str], response_path: list[str], cache_groups: int = 8):
+    def __init__(self, files: list[str], prompt_path: list[str], response_path: list[str]):
         if not files:
             raise ConfigError("no Parquet files given")
         self.prompt_path, self.response_path = prompt_path, response_path
@@ -43,8 +44,10 @@ class ParquetSource:
             self._add_file(os.path.expanduser(file))
         self.num_rows = sum(g.num_rows for g in self.row_groups)
         self._starts = np.array([g.first_row for g in self.row_groups])
-        self._cache: OrderedDict[int, tuple[list, list]] = OrderedDict()
-        self._cache_groups = cache_groups
+        self._cache: OrderedDict[int, pa.Table] = OrderedDict()
+        # a window is >= SHUFFLE_WINDOW_ROWS rows plus less than one group
+        self._cache_rows = SHUFFLE_WINDOW_ROWS + max(g.num_rows for g in self.row_groups)
+        self.groups_decoded = 0  # row groups read from disk so far (bench/data_scale.py, tests)
 
     def _add_file(self, file: str) -> None:
         if not os.path.isfile(file):
@@ -80,30 +83,40 @@ class ParquetSource:
         return np.concatenate(order)
 
     def read(self, rows: np.ndarray) -> list[tuple[str, str, int]]:
-        """(prompt, response, row id) for each global row id, in the given order."""
-        out = []
-        for row in rows.tolist():
-            g = int(np.searchsorted(self._starts, row, side="right")) - 1
-            prompts, responses = self._group(g)
-            local = row - self.row_groups[g].first_row
-            out.append((prompts[local], responses[local], row))
+        """(prompt, response, row id) for each global row id, in the given order. The rows are
+        taken group by group (one `take` and one conversion to Python per row group touched),
+        so a step's rows scattered over a shuffle window cost their own size, not their groups'."""
+        rows = np.asarray(rows, dtype=np.int64)
+        groups = np.searchsorted(self._starts, rows, side="right") - 1
+        out: list = [None] * len(rows)
+        for g in np.unique(groups).tolist():
+            where = np.flatnonzero(groups == g)
+            group = self.row_groups[g]
+            locals_ = rows[where] - group.first_row
+            taken = self._group(g).take(locals_)
+            prompts = taken.column(self.prompt_path[0]).to_pylist()
+            responses = taken.column(self.response_path[0]).to_pylist()
+            for i, local, prompt, response in zip(where.tolist(), locals_.tolist(), prompts, responses):
+                out[i] = (self._text(prompt, self.prompt_path, group, local),
+                          self._text(response, self.response_path, group, local), group.first_row + local)
         return out
 
-    def _group(self, g: int) -> tuple[list, list]:
+    def _group(self, g: int) -> pa.Table:
+        """Row group g's two columns, decoded once and kept as Arrow buffers (about the text's own
+        size, not Python objects) while the cache holds at most a shuffle window: a window's rows
+        are read in random order, so each of its groups stays until the window is consumed, and is
+        decoded once per epoch."""
         if g in self._cache:
             self._cache.move_to_end(g)
             return self._cache[g]
         group = self.row_groups[g]
-        table = pq.ParquetFile(group.file).read_row_group(
-            group.index, columns=[self.prompt_path[0], self.response_path[0]])
-        prompts = [self._text(v, self.prompt_path, group, i) for i, v in
-                   enumerate(table.column(self.prompt_path[0]).to_pylist())]
-        responses = [self._text(v, self.response_path, group, i) for i, v in
-                     enumerate(table.column(self.response_path[0]).to_pylist())]
-        self._cache[g] = (prompts, responses)
-        if len(self._cache) > self._cache_groups:
+        columns = list(dict.fromkeys([self.prompt_path[0], self.response_path[0]]))  # one column may hold both
+        table = pq.ParquetFile(group.file).read_row_group(group.index, columns=columns).combine_chunks()
+        self.groups_decoded += 1
+        self._cache[g] = table
+        while sum(t.num_rows for t in self._cache.values()) > self._cache_rows and len(self._cache) > 1:
             self._cache.popitem(last=False)
-        return prompts, responses
+        return table
 
     @staticmethod
     def _text(value, key_path: list[str], group: RowGroup, local: int) -> str:

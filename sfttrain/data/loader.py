@@ -81,8 +81,10 @@ class TrainData:
         reads and renders only its own share."""
         lengths = self.stats.lengths[rows].tolist()
         costs = [n + self.attn_coef * n * n for n in lengths]
-        micro = [pack([self.renderer.render(p, r, row) for p, r, row in self.source.read(rows[idx])], self.pad_to)
-                 for idx in self.plan.split(lengths, costs)[self.dp_rank]]
+        micro_idx = self.plan.split(lengths, costs)[self.dp_rank]
+        mine = sorted(i for idx in micro_idx for i in idx)  # one read, in epoch order (see ParquetSource.read)
+        rendered = dict(zip(mine, (self.renderer.render(*text) for text in self.source.read(rows[mine]))))
+        micro = [pack([rendered[i] for i in idx], self.pad_to) for idx in micro_idx]
         return StepBatch(epoch, consumed, micro, int(self.stats.loss_tokens[rows].sum()), lengths, rows.tolist())
 
 

@@ -19,8 +19,8 @@ import pyarrow.parquet as pq
 from sfttrain.config import ConfigError
 
 # Rows shuffled together. Small datasets (below this) get a full shuffle; larger ones a shuffle of
-# row-group order plus a full shuffle inside windows of this many rows, so that reading stays
-# sequential-ish and memory stays bounded.
+# row-group order plus a full shuffle inside windows of this many rows (and less than one group),
+# so that a reader holds one window's text (as Arrow buffers) and decodes each group once per epoch.
 SHUFFLE_WINDOW_ROWS = 200_000
 
 
@@ -85,11 +85,15 @@ class ParquetSource:
     def read(self, rows: np.ndarray) -> list[tuple[str, str, int]]:
         """(prompt, response, row id) for each global row id, in the given order. The rows are
         taken group by group (one `take` and one conversion to Python per row group touched),
-        so a step's rows scattered over a shuffle window cost their own size, not their groups'."""
+        so a step's rows scattered over a shuffle window cost their own size, not their groups'.
+        Groups are visited in the order the rows first name them, so that for a request in epoch
+        order (a step's rows) the cache, trimmed after the read, drops the groups of the window
+        that ended, not those of the window that began: each group is decoded once per epoch."""
         rows = np.asarray(rows, dtype=np.int64)
         groups = np.searchsorted(self._starts, rows, side="right") - 1
         out: list = [None] * len(rows)
-        for g in np.unique(groups).tolist():
+        _, first = np.unique(groups, return_index=True)
+        for g in groups[np.sort(first)].tolist():
             where = np.flatnonzero(groups == g)
             group = self.row_groups[g]
             locals_ = rows[where] - group.first_row
@@ -99,6 +103,8 @@ class ParquetSource:
             for i, local, prompt, response in zip(where.tolist(), locals_.tolist(), prompts, responses):
                 out[i] = (self._text(prompt, self.prompt_path, group, local),
                           self._text(response, self.response_path, group, local), group.first_row + local)
+        while sum(t.num_rows for t in self._cache.values()) > self._cache_rows and len(self._cache) > 1:
+            self._cache.popitem(last=False)  # after the read: no group of this request is evicted during it
         return out
 
     def _group(self, g: int) -> pa.Table:
@@ -114,8 +120,6 @@ class ParquetSource:
         table = pq.ParquetFile(group.file).read_row_group(group.index, columns=columns).combine_chunks()
         self.groups_decoded += 1
         self._cache[g] = table
-        while sum(t.num_rows for t in self._cache.values()) > self._cache_rows and len(self._cache) > 1:
-            self._cache.popitem(last=False)
         return table
 
     @staticmethod

@@ -26,7 +26,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from sfttrain.data.parquet import ParquetSource
+from sfttrain.data import parquet
 
 REPO = Path(__file__).resolve().parents[1]
 WORDS = "the a farmer sells eggs apples each day at market for dollars how many does she have left".split()
@@ -46,6 +46,13 @@ def build(path: Path, rows: int, group_rows: int) -> None:
     writer.close()
 
 
+def source(path: Path) -> parquet.ParquetSource:
+    """The reader of GSM8K-like question/answer columns (also with a checkout from before row fields)."""
+    if hasattr(parquet, "PromptResponse"):
+        return parquet.ParquetSource([str(path)], parquet.PromptResponse(["question"], ["answer"]))
+    return parquet.ParquetSource([str(path)], ["question"], ["answer"])
+
+
 def timed(fn) -> tuple[dict, object]:
     """Wall and CPU seconds: on a shared machine the CPU time is the figure that holds."""
     wall, cpu = time.perf_counter(), time.process_time()
@@ -57,29 +64,29 @@ def rates(n: int, seconds: dict) -> dict:
     return {"rows": n, **seconds, "rows_per_s": n / seconds["seconds"], "rows_per_cpu_s": n / seconds["cpu_seconds"]}
 
 
-def read_all(src: ParquetSource, rows: np.ndarray, block: int = 4096) -> int:
+def read_all(src: parquet.ParquetSource, rows: np.ndarray, block: int = 4096) -> int:
     n = 0
     for start in range(0, len(rows), block):
         n += len(src.read(rows[start:start + block]))
     return n
 
 
-def scan_read(path: Path, prompt: list, response: list, world: int) -> dict:
-    src = ParquetSource([str(path)], prompt, response)
+def scan_read(path: Path, world: int) -> dict:
+    src = source(path)
     share = np.arange(0, src.num_rows // world)  # rank 0's contiguous share
     seconds, n = timed(lambda: read_all(src, share))
     return {"world": world, **rates(n, seconds), "groups_decoded": getattr(src, "groups_decoded", None),
             "groups_total": len(src.row_groups)}
 
 
-def scan_render(path: Path, prompt: list, response: list, rows: int) -> dict:
+def scan_render(path: Path, rows: int) -> dict:
     from transformers import AutoTokenizer
 
     from sfttrain.data.render import Renderer
 
     renderer = Renderer(AutoTokenizer.from_pretrained(REPO / "assets/models/stories260K"), max_length=256,
                         truncation="right", apply_chat_template=False)
-    src = ParquetSource([str(path)], prompt, response)
+    src = source(path)
     texts = src.read(np.arange(rows))
     seconds, _ = timed(lambda: [renderer.render(p, r, row) for p, r, row in texts])
     return rates(rows, seconds)
@@ -93,8 +100,8 @@ def length_cache(rows: int) -> dict:
     return rates(rows, seconds)
 
 
-def train_order(path: Path, prompt: list, response: list, rows: int, batch: int, budget_s: float) -> dict:
-    src = ParquetSource([str(path)], prompt, response)
+def train_order(path: Path, rows: int, batch: int, budget_s: float) -> dict:
+    src = source(path)
     order = src.epoch_order(seed=1, epoch=0, shuffle=True)[:rows]
     def read_steps() -> int:
         start, n = time.perf_counter(), 0
@@ -121,12 +128,11 @@ def main() -> None:
     path = Path(args.data or os.path.join(tempfile.gettempdir(), f"data_scale_{args.rows}.parquet"))
     if not path.exists():
         build(path, args.rows, args.group_rows)
-    prompt, response = ["question"], ["answer"]
     results = {"file": str(path), "bytes": path.stat().st_size, "cpus": sorted(os.sched_getaffinity(0)),
-               "scan_read": [scan_read(path, prompt, response, w) for w in (1, 8)],
-               "scan_render": scan_render(path, prompt, response, args.render_rows),
+               "scan_read": [scan_read(path, w) for w in (1, 8)],
+               "scan_render": scan_render(path, args.render_rows),
                "length_cache": length_cache(args.rows),
-               "train_order": train_order(path, prompt, response, args.train_rows, args.batch, args.budget_s)}
+               "train_order": train_order(path, args.train_rows, args.batch, args.budget_s)}
     print(json.dumps(results, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))

@@ -6,6 +6,9 @@
 Columns: question (str), answer (str), and extra_info = {question, answer, split, index}, the
 verl-style nested copy, so both `data.prompt_key=question` and
 `data.prompt_key=extra_info data.prompt_dict_keys=['question']` work.
+
+With --messages the files hold conversations instead, for `data.multiturn.enable=true`:
+messages = [{role: user, content: question}, {role: assistant, content: answer}], and extra_info.
 """
 
 from __future__ import annotations
@@ -75,10 +78,21 @@ def to_table(rows: list[dict], split: str) -> pa.Table:
     )
 
 
+def to_messages_table(rows: list[dict], split: str) -> pa.Table:
+    """The same rows as one-question conversations (`data.multiturn.enable=true`)."""
+    message = pa.struct([("role", pa.string()), ("content", pa.string())])
+    conversations = [[{"role": "user", "content": r["question"]}, {"role": "assistant", "content": r["answer"]}]
+                     for r in rows]
+    table = to_table(rows, split)
+    return pa.table({"messages": pa.array(conversations, pa.list_(message)), "extra_info": table.column("extra_info")})
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--local_dir", required=True, help="output directory for train.parquet and test.parquet")
     p.add_argument("--input_dir", default=None, help="read train.jsonl/test.jsonl from here instead of the hub")
+    p.add_argument("--messages", action="store_true",
+                   help="write a messages column (user question, assistant answer) for data.multiturn.enable=true")
     p.add_argument("--row_group_size", type=int, default=1000, help="rows per Parquet row group")
     args = p.parse_args(argv)
     if args.row_group_size < 1:
@@ -90,7 +104,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"error: --input_dir not found: {in_dir}")
 
     try:  # read both splits before writing anything
-        tables = {s: to_table(read_jsonl(in_dir / f"{s}.jsonl") if in_dir else load_hub(s), s) for s in SPLITS}
+        convert = to_messages_table if args.messages else to_table
+        tables = {s: convert(read_jsonl(in_dir / f"{s}.jsonl") if in_dir else load_hub(s), s) for s in SPLITS}
     except (OSError, ValueError, RuntimeError) as e:
         sys.exit(f"error: {e}")
 

@@ -174,21 +174,24 @@ def get_backend() -> str | None:
 # --------------------------------------------------------------------------------------------
 # Backend kernels. All take q [T, H, D], k/v [T, Hkv, D], int32 cu_seqlens [n+1], and return
 # [T, H, D]. `window` is (left, 0): left = -1 for plain causal, sliding_window - 1 otherwise.
+# `softcap`: Gemma 2's attention-logit soft-cap, cap * tanh(scores / cap), or None.
 # --------------------------------------------------------------------------------------------
-def _run_flash_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale, window):
+def _run_flash_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, softcap):
     from flash_attn import flash_attn_varlen_func
 
     # flash_attn handles GQA natively (Hq must be a multiple of Hkv).
     return flash_attn_varlen_func(
         q, k, v, cu_q, cu_k, max_q, max_k,
-        dropout_p=0.0, softmax_scale=scale, causal=True, window_size=window,
+        dropout_p=0.0, softmax_scale=scale, causal=True, window_size=window, softcap=softcap or 0.0,
     )
 
 
-def _run_torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, window):
+def _run_torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, softcap):
     fn = _torch_varlen_fn()
     if fn is None:
         raise RuntimeError(_unavailable_reason("torch_varlen", "cuda"))
+    if softcap is not None:
+        raise ValueError(SOFTCAP_UNSUPPORTED)
     varlen_attn, takes_enable_gqa = fn
     extra = {"enable_gqa": k.shape[1] != q.shape[1]} if takes_enable_gqa else {}
     # TRAP: varlen_attn has no `is_causal` argument. Causality is window_size=(-1, 0) (or (W, 0)
@@ -200,7 +203,7 @@ def _run_torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, window):
     )
 
 
-def _run_sdpa_blockmask(q, k, v, cu_q, cu_k, max_q, max_k, scale, window):
+def _run_sdpa_blockmask(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, softcap):
     # Exact fallback: one causal SDPA per sample, so nothing can cross a boundary and no [T, T]
     # mask exists. Reading the boundaries is a host sync per layer (fine on CPU).
     del max_q, max_k
@@ -220,7 +223,9 @@ def _run_sdpa_blockmask(q, k, v, cu_q, cu_k, max_q, max_k, scale, window):
         # [L, H, D] -> [H, L, D]; SDPA takes any leading batch dims.
         qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))
         length = end - start
-        if window[0] >= 0 and window[0] + 1 < length:
+        if softcap is not None:
+            o = _softcapped_attention(qs, ks, vs, scale, window, softcap)
+        elif window[0] >= 0 and window[0] + 1 < length:
             i = torch.arange(length, device=q.device)
             rel = i[:, None] - i[None, :]  # query index minus key index
             mask = (rel >= 0) & (rel <= window[0])
@@ -231,6 +236,30 @@ def _run_sdpa_blockmask(q, k, v, cu_q, cu_k, max_q, max_k, scale, window):
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
         outs.append(o.transpose(0, 1))
     return torch.cat(outs, dim=0)
+
+
+def _softcapped_attention(q, k, v, scale, window, softcap):
+    """Causal attention of one sample [H, L, D] with soft-capped scores, written out (SDPA has
+    no soft-cap): the eager computation of Gemma 2's modeling code, softmax in fp32."""
+    k, v = (t.repeat_interleave(q.shape[0] // t.shape[0], dim=0) for t in (k, v))  # GQA
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = softcap * torch.tanh((q @ k.transpose(1, 2)) * scale / softcap)
+    i = torch.arange(q.shape[1], device=q.device)
+    rel = i[:, None] - i[None, :]  # query index minus key index
+    visible = (rel >= 0) & ((rel <= window[0]) if window[0] >= 0 else True)
+    probs = scores.masked_fill(~visible, float("-inf")).float().softmax(dim=-1).to(q.dtype)
+    return probs @ v
+
+
+SOFTCAP_UNSUPPORTED = ("this model soft-caps its attention logits (attn_logit_softcapping), which PyTorch's varlen "
+                       "attention cannot do: install flash-attn (model.attn_implementation=flash_attn), or use "
+                       "model.attn_implementation=sdpa_blockmask (exact, slow on GPU)")
+
+
+def check_model(config, backend: str) -> None:
+    """Start-up check that `backend` can compute this model's attention as its own code does."""
+    if getattr(config, "attn_logit_softcapping", None) is not None and backend == "torch_varlen":
+        raise ValueError(SOFTCAP_UNSUPPORTED)
 
 
 _KERNELS = {
@@ -289,10 +318,8 @@ def varlen_attention_forward(
             f"{ATTN_IMPLEMENTATION!r} does not implement attention dropout (got {dropout}); set the "
             "model config's attention_dropout to 0 for training"
         )
-    if softcap is not None or s_aux is not None:
-        raise ValueError(
-            f"{ATTN_IMPLEMENTATION!r} does not support attention logit softcapping or attention sinks"
-        )
+    if s_aux is not None:
+        raise ValueError(f"{ATTN_IMPLEMENTATION!r} does not support attention sinks")
     if query.dim() != 4 or query.shape[0] != 1:
         raise ValueError(
             f"{ATTN_IMPLEMENTATION!r} expects one packed row (batch 1), got query {tuple(query.shape)}"
@@ -331,7 +358,7 @@ def varlen_attention_forward(
 
     # [1, H, T, D] -> [T, H, D] (a view; the last dim stays contiguous, which the kernels need).
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
-    out = _KERNELS[backend](q, k, v, cu_q, cu_k, max_q, max_k, scaling, window)
+    out = _KERNELS[backend](q, k, v, cu_q, cu_k, max_q, max_k, scaling, window, softcap)
     return out.unsqueeze(0), None
 
 

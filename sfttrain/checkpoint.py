@@ -227,7 +227,7 @@ def load(path: str, model, optimizer, scheduler, world: World, cfg: Config, curr
     set_step(optimizer, scheduler, cfg.optim, current.schedule["total steps"], extra["step"])
     rng_file = os.path.join(path, "rng", f"rank_{world.rank}.pt")
     if extra["world_size"] == world.world_size and os.path.isfile(rng_file):  # per-rank streams: only 1:1
-        _set_rng_state(torch.load(rng_file, weights_only=False))
+        _set_rng_state(torch.load(rng_file, weights_only=True))
     state = dataclasses.replace(current, step=extra["step"], epoch=extra["epoch"],
                                 consumed_in_epoch=extra["consumed_in_epoch"], wandb_id=extra["wandb_id"])
     if world.is_main:
@@ -351,15 +351,23 @@ def _rank() -> int:
 
 
 def _rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every RNG's state as tensors, ints and lists only, so that it loads with
+    torch.load(weights_only=True): a checkpoint file is never unpickled (a pickle can run code)."""
+    version, mt_state, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": [version, list(mt_state), gauss], "numpy": [name, torch.from_numpy(keys.astype(np.int64)),
+                                                                    pos, has_gauss, cached],
+             "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
 def _set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, mt_state, gauss = state["python"]
+    random.setstate((version, tuple(mt_state), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])

@@ -21,6 +21,14 @@ class ConfigError(ValueError):
 
 
 @dataclass
+class MultiturnConfig:
+    enable: bool = False  # rows are conversations (messages_key) instead of prompt/response; loss on assistant turns
+    messages_key: str = "messages"  # column of [{role, content, ...}] (system/user/assistant/tool), or its JSON
+    tools_key: Optional[str] = "tools"  # column of tool schemas for the template's tools=, used where the file has it
+    enable_thinking_key: Optional[str] = "enable_thinking"  # bool column passed as enable_thinking= (Qwen3), if present
+
+
+@dataclass
 class DataConfig:
     train_files: Any = None  # a Parquet path or a list of them
     val_files: Any = None  # optional; validation runs over all of it, nothing dropped
@@ -39,9 +47,10 @@ class DataConfig:
     truncation: str = "error"  # error | left | right
     apply_chat_template: bool = True  # render the prompt as one user turn, generation prompt on
     chat_template: Optional[str] = None  # a Jinja template overriding the tokenizer's
+    multiturn: MultiturnConfig = field(default_factory=MultiturnConfig)  # verl's multi-turn chat keys
     shuffle: bool = True  # per-epoch order from trainer.seed and the epoch number
     num_workers: int = 0  # >0: worker processes build the steps ahead of the training loop
-    balance_dp_token: bool = True  # verl key; sfttrain always balances tokens across ranks
+    balance_dp_token: bool = True  # verl key; sfttrain always balances tokens across ranks (false is refused)
     no_loss_rows: str = "error"  # rows truncation leaves with no supervised token: error (stop, naming them) | drop
 
 
@@ -63,7 +72,7 @@ class ModelConfig:
     partial_pretrain: Optional[str] = None  # a local Hugging Face model folder
     random_init: bool = False  # build from the folder's config.json with random weights
     trust_remote_code: bool = False
-    strategy: str = "fsdp2"
+    strategy: str = "fsdp2"  # verl key; sfttrain implements FSDP2 only (fsdp, FSDP1, is refused)
     enable_gradient_checkpointing: bool = True
     attn_implementation: str = "auto"  # auto | flash_attn | torch_varlen | sdpa_blockmask
     use_liger: bool = False  # Liger's fused RMSNorm/SwiGLU/RoPE and fused linear cross-entropy
@@ -238,7 +247,10 @@ def validate(cfg: Config) -> None:
                           f"{d.max_length}: a longest sample would not fit; raise it or lower data.max_length")
     _choice("data.truncation", d.truncation, ("error", "left", "right"))
     _choice("data.no_loss_rows", d.no_loss_rows, ("error", "drop"))
-    _choice("model.strategy", m.strategy, ("fsdp2", "fsdp"))
+    if d.multiturn.enable and not d.apply_chat_template:
+        raise ConfigError("data.multiturn.enable=true renders conversations with a chat template: remove "
+                          "data.apply_chat_template=false (data.chat_template=... sets a template of your own)")
+    _check_verl_switches(cfg)
     _choice("model.loss_kernel", m.loss_kernel, LOSS_KERNELS)
     _choice("model.attn_implementation", m.attn_implementation,
             ("auto", "flash_attn", "torch_varlen", "sdpa_blockmask"))
@@ -272,6 +284,28 @@ def validate(cfg: Config) -> None:
     if not cfg.use_remove_padding:
         raise ConfigError("use_remove_padding=false: sfttrain always trains padding-free (packed rows give the "
                           "same loss as padded ones, without the pad compute); remove the key")
+
+
+def _check_verl_switches(cfg: Config) -> None:
+    """verl keys that sfttrain accepts only where they have their effect: a value that would be
+    silently ignored is refused, with what to set instead."""
+    m, fsdp = cfg.model, cfg.model.fsdp_config
+    if not cfg.data.balance_dp_token:
+        raise ConfigError("data.balance_dp_token=false: sfttrain always spreads each step's samples over ranks and "
+                          "micro-batches balanced by cost (the loss does not depend on the split); remove the key")
+    if m.strategy != "fsdp2":
+        raise ConfigError(f"model.strategy={m.strategy!r}: sfttrain implements FSDP2 (fully_shard) only; set "
+                          "model.strategy=fsdp2 (sharding_strategy, fsdp_size, mixed precision and offload keep "
+                          "their meaning)")
+    mp = fsdp.mixed_precision
+    if isinstance(mp, dict) and mp.get("buffer_dtype", "fp32") != "fp32":
+        raise ConfigError(f"model.fsdp_config.mixed_precision.buffer_dtype={mp['buffer_dtype']!r}: sfttrain keeps "
+                          "buffers (rotary frequencies) in fp32, where rounding them would shift every position; "
+                          "remove the key or set it to fp32")
+    dtypes = mixed_precision_dtypes(fsdp)
+    if "fp16" in (fsdp.model_dtype, *(dtypes or ())):
+        raise ConfigError("fp16 (model.fsdp_config.model_dtype or mixed_precision) needs loss scaling, which sfttrain "
+                          "does not implement (small gradients would underflow to zero); use bf16")
 
 
 def logger_names(t: TrainerConfig) -> list[str]:

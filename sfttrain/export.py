@@ -93,7 +93,7 @@ def shard_file(i: int, n: int) -> str:
 
 
 def export(checkpoint_dir: str, out_dir: str, dtype: str = "auto", max_shard_size: str | int = "5GB",
-           rank: int = 0, world_size: int = 1, trust_remote_code: Optional[bool] = None) -> None:
+           rank: int = 0, world_size: int = 1, trust_remote_code: bool = False) -> None:
     """Writes the HF folder. With world_size > 1, rank r writes shards r, r + world_size, ...
     and rank 0 the index, config and tokenizer; the caller synchronises the ranks afterwards."""
     from safetensors.torch import save_file
@@ -103,8 +103,6 @@ def export(checkpoint_dir: str, out_dir: str, dtype: str = "auto", max_shard_siz
     hf_dir = os.path.join(checkpoint_dir, "hf")
     if not os.path.isfile(os.path.join(hf_dir, "config.json")):
         raise FileNotFoundError(f"{checkpoint_dir} has no hf/config.json: not a sfttrain checkpoint")
-    if trust_remote_code is None:
-        trust_remote_code = _trust_remote_code(checkpoint_dir)
     out_dtype = DTYPE.get(dtype)
     tensors = model_tensors(checkpoint_dir)
     if not tensors:
@@ -186,15 +184,6 @@ def _umask() -> int:
     return mask
 
 
-def _trust_remote_code(checkpoint_dir: str) -> bool:
-    path = os.path.join(checkpoint_dir, "config.yaml")
-    if not os.path.isfile(path):
-        return False
-    from omegaconf import OmegaConf
-
-    return bool(OmegaConf.select(OmegaConf.load(path), "model.trust_remote_code", default=False))
-
-
 def main(argv: Optional[list[str]] = None) -> None:
     from sfttrain.checkpoint import resolve
     from sfttrain.config import ConfigError
@@ -205,8 +194,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPE],
                    help="dtype of the exported floating-point weights (auto: as stored in the checkpoint)")
     p.add_argument("--max_shard_size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB")
-    p.add_argument("--trust_remote_code", action="store_true", default=None,
-                   help="needed for models with custom code (default: as in the checkpoint's config)")
+    # never taken from the checkpoint's own config.yaml: a checkpoint from elsewhere must not be
+    # able to run code of its choosing on the exporting machine without the user's say-so
+    p.add_argument("--trust_remote_code", action="store_true",
+                   help="run the model's custom code (only for checkpoints you trust) to find its tied weights")
     args = p.parse_args(argv)
     try:
         ckpt = resolve(args.checkpoint_dir)

@@ -8,6 +8,7 @@ Under FSDP it is the root module, so the embedding / lm_head all-gathers happen 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -15,6 +16,46 @@ from torch import nn
 
 from sfttrain.config import ConfigError
 from sfttrain.data.pack import IGNORE_INDEX, MicroBatch
+
+@dataclass(frozen=True)
+class OutputHead:
+    """What the model's own forward does to `hidden @ lm_head.weight.T (+ lm_head.bias)` before its
+    cross-entropy: Granite divides by `logits_scaling`, Cohere multiplies by `logit_scale`, Gemma 2/3
+    soft-cap with `cap * tanh(logits / cap)`."""
+    scale: float = 1.0
+    softcap: float | None = None
+
+    def apply(self, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | float]:
+        """The logits, and d logits / d raw (elementwise; a float where it is constant)."""
+        logits = raw * self.scale if self.scale != 1.0 else raw
+        if self.softcap is None:
+            return logits, self.scale
+        capped = torch.tanh(logits / self.softcap)
+        return capped * self.softcap, (1.0 - capped * capped) * self.scale
+
+
+# The model types whose causal-LM head sfttrain reproduces: tests/test_loss.py checks, for each,
+# that sfttrain's loss on a packed row equals the Hugging Face model's own loss (every parameter
+# random, head scalings set). Anything else is refused at start-up rather than trained on a loss
+# that silently differs from the model's (a dropped bias or logit scaling changes every gradient).
+HEAD_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "gemma", "gemma2",
+                 "gemma3_text", "phi", "phi3", "granite", "cohere", "olmo", "olmo2", "starcoder2", "smollm3")
+
+
+def output_head(config) -> OutputHead:
+    """The head transformation of a model of a supported family, from its config."""
+    family = config.model_type
+    if family not in HEAD_FAMILIES:
+        raise ConfigError(f"model type {family!r}: sfttrain's loss is checked against the model's own loss only for "
+                          f"{', '.join(HEAD_FAMILIES)}; training {family!r} could silently use another loss than "
+                          "the model's (its head may scale, cap or bias the logits). Use a supported family")
+    if getattr(config, "output_router_logits", False):
+        raise ConfigError(f"{family}: output_router_logits=true adds the router's load-balancing loss to the "
+                          "model's loss, which sfttrain does not compute; set it to false in the model's config.json")
+    scale = getattr(config, "logit_scale", None) or 1.0  # Cohere multiplies
+    scale /= getattr(config, "logits_scaling", None) or 1.0  # Granite divides
+    return OutputHead(scale=float(scale), softcap=getattr(config, "final_logit_softcapping", None))
+
 
 class CausalLMLoss(nn.Module):
     def __init__(self, model: nn.Module, fused: bool, compiled_max_seqlen: int | None = None,
@@ -33,9 +74,12 @@ class CausalLMLoss(nn.Module):
         # set by sfttrain.parallel when no FSDP casts the parameters: run forward under autocast
         self.autocast_dtype: torch.dtype | None = None
         self.chunk_loss = chunk_loss or chunk_loss_and_grad
-        cfg = model.config
-        if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None):
-            raise ValueError(f"{cfg.model_type}: logit soft-capping / scaling is not supported by sfttrain's loss yet")
+        self.head = output_head(model.config)
+        has_bias = getattr(model.get_output_embeddings(), "bias", None) is not None
+        if fused and (self.head != OutputHead() or has_bias):
+            raise ConfigError(f"model.use_liger=true: Liger's fused loss does not reproduce the "
+                              f"{model.config.model_type} head ({self.head}, lm_head bias {has_bias}); "
+                              "set model.use_liger=false")
 
     def forward(self, batch: MicroBatch) -> torch.Tensor:
         """Sum of the token losses of the micro-batch (fp32 scalar)."""
@@ -46,7 +90,8 @@ class CausalLMLoss(nn.Module):
         with torch.autocast(device_type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
             hidden = self.model.get_decoder()(**inputs, use_cache=False).last_hidden_state
         hidden = hidden.view(-1, hidden.shape[-1])
-        weight = self.model.get_output_embeddings().weight
+        head = self.model.get_output_embeddings()
+        weight, bias = head.weight, getattr(head, "bias", None)
         labels = batch.labels.view(-1)
         compute_dtype = self.autocast_dtype or weight.dtype
         if self.fused:
@@ -57,8 +102,8 @@ class CausalLMLoss(nn.Module):
                                                     ignore_index=IGNORE_INDEX, reduction="sum",
                                                     accum_dtype=torch.float32)
         with_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-        return LinearCrossEntropy.apply(hidden, weight, labels, compute_dtype, self.chunk_loss, with_grad,
-                                        self.chunk_tokens)
+        return LinearCrossEntropy.apply(hidden, weight, bias, labels, self.head, compute_dtype, self.chunk_loss,
+                                        with_grad, self.chunk_tokens)
 
 
 def chunk_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor, with_grad: bool):
@@ -145,43 +190,53 @@ def select_chunk_loss(kernel: str, device_type: str, compile_torch: bool) -> tup
 
 
 class LinearCrossEntropy(torch.autograd.Function):
-    """sum_t CE(hidden_t @ weight.T, label_t), chunk by chunk, with the gradient computed in the
+    """sum_t CE(head(hidden_t @ weight.T + bias), label_t), chunk by chunk, with the gradient computed in the
     forward pass (as Liger's fused loss does, but with GEMMs of chunk_tokens rows instead of
     ~V/H-token slivers): each chunk's logits are made once, turned at once into their gradient
     softmax - onehot instead of being kept, and multiplied back into d hidden and d weight.
     Three lm_head GEMMs per token (no recompute), one chunk's logits and gradient alive at a
     time; d weight accumulates in fp32 across chunks. backward only scales the stored gradients
-    by the incoming one.
+    by the incoming one. `head` (OutputHead) is the model's own scaling / soft-cap of the logits;
+    the chunk's gradient is carried back through it before the GEMMs.
 
     compute_dtype: the GEMM dtype (bf16 under mixed precision); the gradients come back in the
     inputs' own dtypes, so an fp32 master weight gets an fp32 gradient never rounded to bf16."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, compute_dtype, chunk_loss, with_grad, chunk_tokens):
+    def forward(ctx, hidden, weight, bias, labels, head, compute_dtype, chunk_loss, with_grad, chunk_tokens):
         ctx.set_materialize_grads(False)
         # the GEMM dtype is chosen here, explicitly, not by an enclosing autocast
         with torch.autocast(hidden.device.type, enabled=False):
             h_all, w = hidden.to(compute_dtype), weight.to(compute_dtype)
+            b = bias.to(compute_dtype) if bias is not None else None
             total = torch.zeros((), dtype=torch.float32, device=hidden.device)
             grad_hidden = torch.empty_like(hidden) if with_grad else None
             grad_weight = torch.zeros_like(weight, dtype=torch.float32) if with_grad else None
+            grad_bias = torch.zeros_like(bias, dtype=torch.float32) if with_grad and b is not None else None
             for start in range(0, h_all.shape[0], chunk_tokens):
                 h, y = h_all[start:start + chunk_tokens], labels[start:start + chunk_tokens]
-                loss, grad_logits = chunk_loss(h @ w.t(), y, with_grad)
+                logits, slope = head.apply(h @ w.t() if b is None else torch.addmm(b, h, w.t()))
+                loss, grad_logits = chunk_loss(logits, y, with_grad)
                 total += loss
                 if with_grad:
+                    if not isinstance(slope, float) or slope != 1.0:
+                        grad_logits = grad_logits * slope  # through the head's scaling / soft-cap
                     grad_hidden[start:start + h.shape[0]] = grad_logits @ w
                     _add_matmul(grad_weight, grad_logits.t(), h)
+                    if grad_bias is not None:
+                        grad_bias += grad_logits.sum(0, dtype=torch.float32)
         if with_grad:
-            ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
+            ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype),
+                                  grad_bias.to(bias.dtype) if grad_bias is not None else None)
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
         if grad_total is None:
-            return None, None, None, None, None, None, None
-        grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_total, grad_weight * grad_total, None, None, None, None, None
+            return (None,) * 9
+        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+        scaled_bias = grad_bias * grad_total if grad_bias is not None else None
+        return grad_hidden * grad_total, grad_weight * grad_total, scaled_bias, *(None,) * 6
 
 
 def _add_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:

@@ -50,6 +50,10 @@ def load_model(cfg: ModelConfig, device: torch.device, seed: int) -> LoadedModel
             raise ConfigError(f"model.partial_pretrain={path!r} has a config but no weights (*.safetensors / *.bin); "
                               "set model.random_init=true to train from a random initialisation")
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    try:
+        attention.check_model(model.config, backend)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     model.config.use_cache = False  # training never reuses a KV cache
     return LoadedModel(model, backend, cfg.use_liger and apply_liger(model, device, cfg.compile))
 

@@ -33,6 +33,23 @@ def parallelize(lm: CausalLMLoss, world: World, cfg: Config) -> bool:
     return True
 
 
+def describe_sharding(world: World, cfg: Config, sharded: bool) -> str:
+    """One start-up line on how the weights are laid out; HSDP in particular, which a verl user gets
+    from fsdp_size below the world size even with sharding_strategy=FULL_SHARD."""
+    if not sharded:
+        return "one device, not sharded"
+    fsdp = cfg.model.fsdp_config
+    replicas, shards = world.mesh["dp_replicate"].size(), world.mesh["dp_shard"].size()
+    kind = "ZeRO-2 style: kept gathered from forward to backward" if fsdp.sharding_strategy == "SHARD_GRAD_OP" else \
+        "resharded after forward"
+    offload = ", parameters/gradients/optimizer offloaded to CPU" if fsdp.cpu_offload or fsdp.offload_params else ""
+    if replicas > 1:
+        return (f"HSDP: {replicas} replicas x {shards} shards (model.fsdp_config.fsdp_size={shards} < "
+                f"{world.world_size} ranks; gradients reduce-scattered in a shard group, all-reduced across "
+                f"replicas), {kind}{offload}")
+    return f"FSDP2 over {shards} ranks, {kind}{offload}"
+
+
 def single_device(lm: CausalLMLoss, world: World, cfg: Config) -> None:
     dtypes = mixed_precision_dtypes(cfg.model.fsdp_config)
     if dtypes:

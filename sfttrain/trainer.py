@@ -11,10 +11,11 @@ import torch.distributed as dist
 
 from sfttrain import checkpoint
 from sfttrain.config import Config, as_list
+from sfttrain.data.chat import build_renderer
 from sfttrain.data.loader import StepBatch, TrainData, render_share, step_batches, validation_batches
-from sfttrain.data.parquet import ParquetSource, key_path
+from sfttrain.data.pack import max_segment_length
+from sfttrain.data.parquet import ParquetSource, row_fields
 from sfttrain.data.prepare import prepare_train_data
-from sfttrain.data.render import Renderer
 from sfttrain.data.report import describe
 from sfttrain.distributed import World
 from sfttrain.flops import ModelShape
@@ -22,7 +23,7 @@ from sfttrain.loss import CausalLMLoss, normalised, select_chunk_loss
 from sfttrain.metrics import MetricsLogger, StepEnd, StepTimer, memory_stats, throughput
 from sfttrain.model import load_model, load_tokenizer
 from sfttrain.optim import build_optimizer, build_scheduler, clipped_step, schedule_settings, warmup_steps
-from sfttrain.parallel import parallelize
+from sfttrain.parallel import describe_sharding, parallelize
 
 
 class NonFiniteLossError(RuntimeError):
@@ -48,10 +49,8 @@ class FSDPSFTTrainer:
 
         # data first: a bad file, column or batch size fails before the model is loaded
         self.tokenizer = load_tokenizer(cfg.model)
-        renderer = Renderer(self.tokenizer, max_length=d.max_length, truncation=d.truncation,
-                            apply_chat_template=d.apply_chat_template, chat_template=d.chat_template)
-        prompt, response = key_path(d.prompt_key, d.prompt_dict_keys), key_path(d.response_key, d.response_dict_keys)
-        train_source = ParquetSource(as_list(d.train_files), prompt, response)
+        renderer, fields = build_renderer(d, self.tokenizer), row_fields(d)  # prompt/response or conversations
+        train_source = ParquetSource(as_list(d.train_files), fields)
         prepared = prepare_train_data(cfg, train_source, renderer, self.tokenizer, world, self.run_dir)
         self.plan, self.data_report = prepared.plan, prepared.report  # every row rendered, or stopped here
         self.state = checkpoint.TrainState(global_batch=d.train_batch_size, seed=t.seed, data=prepared.fingerprint,
@@ -62,7 +61,7 @@ class FSDPSFTTrainer:
         resume_notes = checkpoint.check_resume(resume_from, cfg, self.state) if resume_from else []
         val_samples = None
         if d.val_files:
-            val_samples = render_share(ParquetSource(as_list(d.val_files), prompt, response),
+            val_samples = render_share(ParquetSource(as_list(d.val_files), fields),
                                        renderer, world.dp_rank, world.dp_size)
 
         loaded = load_model(cfg.model, world.device, t.seed)
@@ -70,7 +69,8 @@ class FSDPSFTTrainer:
         self.model_shape = ModelShape.of(model)
         chunk_loss, self.loss_kernel = select_chunk_loss(cfg.model.loss_kernel, world.device.type, cfg.model.compile)
         self.lm = CausalLMLoss(model, fused=self.liger,
-                               compiled_max_seqlen=d.max_length if cfg.model.compile else None,
+                               compiled_max_seqlen=max_segment_length(d.max_length, d.pad_to_multiple)
+                               if cfg.model.compile else None,
                                chunk_loss=chunk_loss, chunk_tokens=cfg.model.loss_chunk_tokens)
         self.sharded = parallelize(self.lm, world, cfg)
         self.optimizer = build_optimizer(self.lm, cfg.optim, world.device)
@@ -101,8 +101,8 @@ class FSDPSFTTrainer:
             f"  model               : {cfg.model.partial_pretrain} ({shape.num_params / 1e6:.2f}M params, "
             f"{shape.num_layers} layers), attention {self.attn_backend}, liger {self.liger}",
             f"  loss                : {loss}",
-            f"  precision           : weights/optimizer {fsdp.model_dtype}, mixed precision {fsdp.mixed_precision}"
-            f" ({'FSDP2 over the mesh' if self.sharded else 'one device, not sharded'})",
+            f"  precision           : weights/optimizer {fsdp.model_dtype}, mixed precision {fsdp.mixed_precision}",
+            f"  sharding            : {describe_sharding(self.world, cfg, self.sharded)}",
             f"  lr                  : {cfg.optim.lr} {cfg.optim.lr_scheduler}, "
             f"{warmup_steps(cfg.optim, self.plan.total_steps)} warmup steps",
             f"  run folder          : {self.run_dir}",

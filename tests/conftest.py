@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 ASSETS = REPO / "assets"
@@ -51,11 +52,35 @@ BASE_OVERRIDES = [
 ]
 
 
+# AdamW made linear in the gradient, for tests that compare weights after several steps of runs
+# whose gradients differ by float rounding (another rank split, micro-batching, thread count, BLAS
+# build). Adam's update m / (sqrt(v) + eps) with the default eps is ~lr * sign(g) where the gradient
+# is at rounding-noise level, so noise flips full-size steps. With eps = 1 above every |g| (the
+# gradient is clipped to norm 1) the update is ~lr * m: a rounding-level difference in the gradient
+# stays a rounding-level difference in the weights.
+LINEAR_ADAM = ["optim.eps=1.0", "optim.lr=0.1"]
+
+
+def update_error(trained: dict, reference: dict, start: dict) -> float:
+    """||(trained - start) - (reference - start)|| / ||reference - start|| over all tensors: how far
+    two runs' updates from the same start differ, relative to the update itself (comparing the
+    weights would hide a wrong update behind the much larger weights)."""
+    assert trained.keys() == reference.keys()
+    diff = sum(((trained[k].double() - reference[k].double()).norm() ** 2 for k in reference), torch.zeros(()))
+    update = sum(((reference[k].double() - start[k].double()).norm() ** 2 for k in reference), torch.zeros(()))
+    assert update > 0, "the reference did not move: a comparison that cannot fail"
+    return (diff / update).sqrt().item()
+
+
 def launch(nproc: int, overrides: list[str], log: Path, cwd: Path = REPO, env: dict | None = None) -> subprocess.Popen:
     """Starts `torchrun --nproc_per_node=nproc -m sfttrain.run ...` as a user would, output to `log`."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", "sfttrain.run", *overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "WANDB_MODE": "offline", **(env or {})}
+    # one thread per rank unless the caller's environment says otherwise (the suite is also run with
+    # OMP_NUM_THREADS=2: results must not depend on the BLAS thread count)
+    python_path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONPATH": python_path,
+           "WANDB_MODE": "offline", **(env or {})}
     with open(log, "w") as f:
         return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
 

@@ -8,7 +8,6 @@ torch's own DCP reader (dcp_to_torch_save), a path independent of sfttrain.expor
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -106,9 +105,8 @@ def test_cli_bf16_sharded(trained, trained_model, tmp_path):
     """`python -m sfttrain.export RUN_DIR OUT --dtype bf16 --max_shard_size 100KB`: the run
     folder resolves to its latest checkpoint; several shards of at most 100 KB plus an index."""
     out = tmp_path / "hf_bf16"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, "-m", "sfttrain.export", str(trained), str(out), "--dtype", "bf16",
-                           "--max_shard_size", "100KB"], cwd=REPO, env=env, capture_output=True, text=True)
+                           "--max_shard_size", "100KB"], cwd=REPO, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     index = json.loads((out / export.INDEX_FILE).read_text())
     shards = sorted(out.glob("model-*.safetensors"))

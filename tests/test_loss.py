@@ -1,13 +1,16 @@
 """LinearCrossEntropy (gradient computed in forward, chunked) against plain autograd through
 F.cross_entropy on the full logits."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from sfttrain.data.pack import IGNORE_INDEX
 from sfttrain.config import ConfigError
-from sfttrain.loss import (LinearCrossEntropy, chunk_loss_and_grad, liger_chunk_loss_and_grad, liger_unavailable_reason,
+from sfttrain.loss import (HEAD_FAMILIES, LinearCrossEntropy, OutputHead, chunk_loss_and_grad, liger_chunk_loss_and_grad,
+                           liger_unavailable_reason,
                            select_chunk_loss)
 
 CUDA = torch.cuda.is_available()
@@ -33,7 +36,7 @@ def _reference(h, w, y, dtype=torch.float32):
 def test_matches_autograd_fp32(chunk):
     h, w, y = _inputs()
     ref_loss, ref_dh, ref_dw = _reference(h, w, y)
-    out = LinearCrossEntropy.apply(h, w, y, torch.float32, chunk_loss_and_grad, True, chunk)
+    out = LinearCrossEntropy.apply(h, w, None, y, OutputHead(), torch.float32, chunk_loss_and_grad, True, chunk)
     (out * 0.37).backward()  # backward scales by the incoming gradient
     torch.testing.assert_close(out, ref_loss, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(h.grad, ref_dh * 0.37, rtol=1e-5, atol=1e-6)
@@ -45,7 +48,7 @@ def test_bf16_compute_keeps_fp32_gradients():
     chunks without bf16 rounding of the running sum."""
     h, w, y = _inputs()
     ref_loss, ref_dh, ref_dw = _reference(h, w, y, dtype=torch.bfloat16)
-    out = LinearCrossEntropy.apply(h, w, y, torch.bfloat16, chunk_loss_and_grad, True, 16)
+    out = LinearCrossEntropy.apply(h, w, None, y, OutputHead(), torch.bfloat16, chunk_loss_and_grad, True, 16)
     out.backward()
     assert w.grad.dtype == torch.float32 and h.grad.dtype == torch.float32
     torch.testing.assert_close(out, ref_loss, rtol=1e-4, atol=1e-3)
@@ -56,7 +59,7 @@ def test_bf16_compute_keeps_fp32_gradients():
 def test_no_grad_computes_loss_only():
     h, w, y = _inputs()
     with torch.no_grad():
-        out = LinearCrossEntropy.apply(h, w, y, torch.float32, chunk_loss_and_grad, False, 16)
+        out = LinearCrossEntropy.apply(h, w, None, y, OutputHead(), torch.float32, chunk_loss_and_grad, False, 16)
     torch.testing.assert_close(out, _reference(h, w, y)[0], rtol=1e-5, atol=1e-5)
     assert out.grad_fn is None
 
@@ -64,7 +67,7 @@ def test_no_grad_computes_loss_only():
 def test_all_tokens_ignored_gives_zero_loss_and_gradient():
     h, w, y = _inputs()
     y[:] = IGNORE_INDEX
-    out = LinearCrossEntropy.apply(h, w, y, torch.float32, chunk_loss_and_grad, True, 16)
+    out = LinearCrossEntropy.apply(h, w, None, y, OutputHead(), torch.float32, chunk_loss_and_grad, True, 16)
     out.backward()
     assert out.item() == 0.0 and h.grad.abs().max() == 0 and w.grad.abs().max() == 0
 
@@ -79,7 +82,7 @@ def test_bf16_kernels_match_reference(device, kernel):
     h.requires_grad_(), w.requires_grad_()
     ref_loss, ref_dh, ref_dw = _reference(h, w, y, dtype=torch.bfloat16)
     chunk_loss, _ = select_chunk_loss(kernel, device, compile_torch=True)
-    out = LinearCrossEntropy.apply(h, w, y, torch.bfloat16, chunk_loss, True, 512)
+    out = LinearCrossEntropy.apply(h, w, None, y, OutputHead(), torch.bfloat16, chunk_loss, True, 512)
     out.backward()
     torch.testing.assert_close(out, ref_loss, rtol=1e-4, atol=1e-2)
     torch.testing.assert_close(w.grad, ref_dw, rtol=2e-2, atol=2e-2)
@@ -108,3 +111,69 @@ def test_select_chunk_loss_on_cpu():
     assert select_chunk_loss("auto", "cpu", compile_torch=True)[1] == "torch (compiled)"
     with pytest.raises(ConfigError, match="model.loss_kernel=liger.*CUDA"):
         select_chunk_loss("liger", "cpu", compile_torch=False)
+
+
+# Head settings that make each family's head do something (their defaults are often the identity);
+# few experts for the MoE families (their defaults have 60-128).
+HEAD_SETTINGS = {"qwen2_moe": {"num_experts": 4, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16},
+                 "qwen3_moe": {"num_experts": 4, "moe_intermediate_size": 16}, "mixtral": {"num_local_experts": 4},
+                 "granite": {"logits_scaling": 4.0}, "cohere": {"logit_scale": 0.25},
+                 "gemma2": {"final_logit_softcapping": 2.0, "attn_logit_softcapping": 3.0},
+                 "gemma3_text": {"final_logit_softcapping": 2.0}}
+
+
+@pytest.mark.parametrize("family", HEAD_FAMILIES)
+def test_loss_equals_the_models_own_loss(family):
+    """For every family the trainer accepts: sfttrain's loss and lm_head gradients on a packed row
+    equal the Hugging Face model's own loss (its forward with labels, eager attention, one sample
+    at a time, summed by token count). Every parameter is drawn at random, biases included (a zero
+    bias hides a dropped one). fp32 on both sides: the two differ only in summation order."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from sfttrain import attention
+    from sfttrain.data.pack import pack
+    from sfttrain.data.render import RenderedSample
+    from sfttrain.loss import CausalLMLoss
+
+    attention.configure("sdpa_blockmask", "cpu")
+    config = AutoConfig.for_model(family, vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+                                  pad_token_id=0, bos_token_id=1, eos_token_id=2, **HEAD_SETTINGS.get(family, {}))
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0.0, 0.3)
+    # a copy of the config: from_config records the attention implementation in the config object
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=attention.ATTN_IMPLEMENTATION)
+    model.float()
+    model.load_state_dict(ref.state_dict())
+
+    g = torch.Generator().manual_seed(1)
+    samples = [RenderedSample(torch.randint(3, 96, (n,), generator=g).tolist(), [0] * 4 + [1] * (n - 4), i)
+               for i, n in enumerate([17, 30, 9])]
+    ref_total = 0.0
+    for s in samples:
+        labels = torch.tensor([[t if m else IGNORE_INDEX for t, m in zip(s.input_ids, s.loss_mask)]])
+        n_targets = int((labels[0, 1:] != IGNORE_INDEX).sum())
+        ref_total = ref_total + ref(input_ids=torch.tensor([s.input_ids]), labels=labels).loss * n_targets
+    ref_total.backward()
+
+    lm = CausalLMLoss(model, fused=False, chunk_tokens=16)  # several chunks
+    ours = lm(pack(samples, pad_to=8))
+    ours.backward()
+    torch.testing.assert_close(ours, ref_total.detach(), rtol=1e-5, atol=0)
+    head, ref_head = model.get_output_embeddings(), ref.get_output_embeddings()
+    for name in ("weight", "bias"):
+        if getattr(ref_head, name, None) is not None:
+            got, want = getattr(head, name).grad, getattr(ref_head, name).grad
+            assert (got - want).norm() <= 1e-5 * want.norm(), (name, (got - want).norm() / want.norm())
+
+
+def test_unknown_family_is_refused():
+    from transformers import AutoConfig
+
+    from sfttrain.loss import output_head
+
+    with pytest.raises(ConfigError, match="'gpt2'.*Use a supported family"):
+        output_head(AutoConfig.for_model("gpt2"))

@@ -6,7 +6,7 @@ import pytest
 
 from sfttrain.config import ConfigError
 from sfttrain.data import parquet
-from sfttrain.data.parquet import ParquetSource, key_path
+from sfttrain.data.parquet import ParquetSource, PromptResponse, key_path
 
 
 @pytest.fixture()
@@ -21,7 +21,7 @@ def two_files(gsm8k_dir, tmp_path):
 
 def test_rows_across_files_and_nested_keys(two_files):
     files, rows = two_files
-    src = ParquetSource(files, key_path("extra_info", ["question"]), key_path("answer", None))
+    src = ParquetSource(files, PromptResponse(key_path("extra_info", ["question"]), key_path("answer", None)))
     assert src.num_rows == len(rows) and len(src.row_groups) == 14 + 26
     picks = np.array([1999, 0, 699, 700, 1234, 49, 50])
     for (prompt, response, row), want in zip(src.read(picks), picks):
@@ -33,7 +33,7 @@ def test_rows_across_files_and_nested_keys(two_files):
 def test_epoch_order_is_a_seeded_permutation(two_files, monkeypatch, window):
     """Full shuffle (small data) and windowed shuffle over row groups (large data)."""
     monkeypatch.setattr(parquet, "SHUFFLE_WINDOW_ROWS", window)
-    src = ParquetSource(two_files[0], ["question"], ["answer"])
+    src = ParquetSource(two_files[0], PromptResponse(["question"], ["answer"]))
     order = src.epoch_order(seed=3, epoch=0, shuffle=True)
     assert sorted(order.tolist()) == list(range(src.num_rows))
     assert (order == src.epoch_order(seed=3, epoch=0, shuffle=True)).all()
@@ -43,7 +43,7 @@ def test_epoch_order_is_a_seeded_permutation(two_files, monkeypatch, window):
 
 
 def test_missing_nested_key_names_file_and_row(two_files):
-    src = ParquetSource(two_files[0], key_path("extra_info", ["prompt"]), ["answer"])
+    src = ParquetSource(two_files[0], PromptResponse(key_path("extra_info", ["prompt"]), ["answer"]))
     with pytest.raises(ConfigError, match=r"a.parquet row 0: no key 'prompt' under 'extra_info'"):
         src.read(np.array([0]))
 
@@ -53,7 +53,7 @@ def test_shuffled_epoch_decodes_each_row_group_once(two_files, monkeypatch):
     is decoded from disk once (a window's groups stay cached until the window is consumed)."""
     monkeypatch.setattr(parquet, "SHUFFLE_WINDOW_ROWS", 120)  # windows of 3 groups of 50 rows
     files, rows = two_files
-    src = ParquetSource(files, ["question"], ["answer"])
+    src = ParquetSource(files, PromptResponse(["question"], ["answer"]))
     order = src.epoch_order(seed=3, epoch=0, shuffle=True)
     got = [item for start in range(0, len(order), 24) for item in src.read(order[start:start + 24])]
     assert [row for _, _, row in got] == order.tolist()

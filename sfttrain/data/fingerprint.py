@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import asdict
 from typing import Optional
 
 from sfttrain.config import Config
@@ -36,6 +37,7 @@ def data_fingerprint(cfg: Config, source: ParquetSource, tokenizer) -> dict:
         "chat template (sha256)": _sha256(template) if template else None,
         "data.prompt_key": [d.prompt_key, *(d.prompt_dict_keys or [])],
         "data.response_key": [d.response_key, *(d.response_dict_keys or [])],
+        "data.multiturn": asdict(d.multiturn),
         "tokenizer (sha256)": tokenizer_sha256(tokenizer),
     }
 

@@ -76,6 +76,13 @@ def pack(samples: list[RenderedSample], pad_to: int = 1) -> MicroBatch:
                       torch.tensor(bounds, dtype=torch.int32), max_seqlen, num_loss)
 
 
+def max_segment_length(max_length: int, pad_to: int) -> int:
+    """The longest segment a packed row can hold: a sample (<= max_length tokens) or the pad
+    segment (< pad_to tokens), which can be the longer one when max_length < pad_to. An attention
+    kernel told a smaller max_seqlen leaves the excess outputs unwritten (NaN x 0 is NaN)."""
+    return max(max_length, pad_to - 1)
+
+
 def empty_micro_batch() -> MicroBatch:
     """One token with no target: runs the forward/backward (and so FSDP's collectives) at no loss,
     for a rank that has fewer micro-batches than its peers."""

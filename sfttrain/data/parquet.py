@@ -7,6 +7,7 @@ data position saved by N ranks is valid for M ranks (elastic resume).
 
 from __future__ import annotations
 
+import json
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -32,14 +33,70 @@ class RowGroup:
     num_rows: int
 
 
+class PromptResponse:
+    """Row fields of prompt/response data: two strings, found by verl's (nested) key paths."""
+
+    def __init__(self, prompt_path: list[str], response_path: list[str]):
+        self.prompt_path, self.response_path = prompt_path, response_path
+
+    def columns(self, file: str, names: list[str]) -> list[str]:
+        for key_path in (self.prompt_path, self.response_path):
+            if key_path[0] not in names:
+                raise ConfigError(f"{file}: no column {key_path[0]!r} (columns: {names}); set data.prompt_key / "
+                                  "data.response_key to the right columns")
+        return [self.prompt_path[0], self.response_path[0]]
+
+    def decode(self, table, group: RowGroup, locals_: list[int]) -> tuple[list, list]:
+        """(prompts, responses) of rows of a row group (`locals_`: their numbers in the group)."""
+        return tuple([_text(v, path, group, i) for i, v in zip(locals_, table.column(path[0]).to_pylist())]
+                     for path in (self.prompt_path, self.response_path))
+
+
+class ChatMessages:
+    """Row fields of conversation data (data.multiturn.enable): the messages, and the chat template's
+    keyword arguments of the row (tools=, enable_thinking=) from the optional columns a file has."""
+
+    def __init__(self, messages_key: str, tools_key: Optional[str], thinking_key: Optional[str]):
+        self.messages_key = messages_key
+        self.optional = [(key, kwarg) for key, kwarg in ((tools_key, "tools"), (thinking_key, "enable_thinking"))
+                         if key]
+
+    def columns(self, file: str, names: list[str]) -> list[str]:
+        if self.messages_key not in names:
+            raise ConfigError(f"{file}: no column {self.messages_key!r} (columns: {names}); set "
+                              "data.multiturn.messages_key to the column of role/content lists")
+        return [self.messages_key] + [key for key, _ in self.optional if key in names]
+
+    def decode(self, table, group: RowGroup, locals_: list[int]) -> tuple[list, list]:
+        """(messages, template keyword arguments) of rows of a row group (`locals_`: their numbers in it)."""
+        messages = [_messages(v, self.messages_key, group, i)
+                    for i, v in zip(locals_, table.column(self.messages_key).to_pylist())]
+        kwargs = [{} for _ in messages]
+        for key, kwarg in self.optional:
+            if key in table.column_names:
+                for i, row_kwargs, value in zip(locals_, kwargs, table.column(key).to_pylist()):
+                    if value is not None:  # a null cell: the template's default
+                        row_kwargs[kwarg] = _json(value, key, group, i) if kwarg == "tools" else value
+        return messages, kwargs
+
+
+def row_fields(d) -> PromptResponse | ChatMessages:
+    """What a row holds, from the data config (`sfttrain.config.DataConfig`)."""
+    m = d.multiturn
+    if m.enable:
+        return ChatMessages(m.messages_key, m.tools_key, m.enable_thinking_key)
+    return PromptResponse(key_path(d.prompt_key, d.prompt_dict_keys), key_path(d.response_key, d.response_dict_keys))
+
+
 class ParquetSource:
     """Rows of one or many Parquet files, addressed by a global row id."""
 
-    def __init__(self, files: list[str], prompt_path: list[str], response_path: list[str]):
+    def __init__(self, files: list[str], fields: PromptResponse | ChatMessages):
         if not files:
             raise ConfigError("no Parquet files given")
-        self.prompt_path, self.response_path = prompt_path, response_path
+        self.fields = fields
         self.row_groups: list[RowGroup] = []
+        self._columns: dict[str, list[str]] = {}  # per file: the columns its row groups are read with
         for file in files:
             self._add_file(os.path.expanduser(file))
         self.num_rows = sum(g.num_rows for g in self.row_groups)
@@ -53,11 +110,7 @@ class ParquetSource:
         if not os.path.isfile(file):
             raise ConfigError(f"data file {file!r} does not exist (check data.train_files / data.val_files)")
         meta = pq.ParquetFile(file)
-        columns = meta.schema_arrow.names
-        for key_path in (self.prompt_path, self.response_path):
-            if key_path[0] not in columns:
-                raise ConfigError(f"{file}: no column {key_path[0]!r} (columns: {columns}); set data.prompt_key / "
-                                  "data.response_key to the right columns")
+        self._columns[file] = self.fields.columns(file, meta.schema_arrow.names)
         if meta.metadata.num_rows == 0:
             raise ConfigError(f"{file}: the file has no rows")
         first = sum(g.num_rows for g in self.row_groups)
@@ -82,13 +135,14 @@ class ParquetSource:
             order.append(rng.permutation(np.concatenate(window)))
         return np.concatenate(order)
 
-    def read(self, rows: np.ndarray) -> list[tuple[str, str, int]]:
-        """(prompt, response, row id) for each global row id, in the given order. The rows are
-        taken group by group (one `take` and one conversion to Python per row group touched),
-        so a step's rows scattered over a shuffle window cost their own size, not their groups'.
-        Groups are visited in the order the rows first name them, so that for a request in epoch
-        order (a step's rows) the cache, trimmed after the read, drops the groups of the window
-        that ended, not those of the window that began: each group is decoded once per epoch."""
+    def read(self, rows: np.ndarray) -> list[tuple]:
+        """(prompt, response, row id), or (messages, template kwargs, row id), for each global row id,
+        in the given order. The rows are taken group by group (one `take` and one conversion to
+        Python per row group touched), so a step's rows scattered over a shuffle window cost their
+        own size, not their groups'. Groups are visited in the order the rows first name them, so
+        that for a request in epoch order (a step's rows) the cache, trimmed after the read, drops
+        the groups of the window that ended, not those of the window that began: each group is
+        decoded once per epoch."""
         rows = np.asarray(rows, dtype=np.int64)
         groups = np.searchsorted(self._starts, rows, side="right") - 1
         out: list = [None] * len(rows)
@@ -96,44 +150,61 @@ class ParquetSource:
         for g in groups[np.sort(first)].tolist():
             where = np.flatnonzero(groups == g)
             group = self.row_groups[g]
-            locals_ = rows[where] - group.first_row
-            taken = self._group(g).take(locals_)
-            prompts = taken.column(self.prompt_path[0]).to_pylist()
-            responses = taken.column(self.response_path[0]).to_pylist()
-            for i, local, prompt, response in zip(where.tolist(), locals_.tolist(), prompts, responses):
-                out[i] = (self._text(prompt, self.prompt_path, group, local),
-                          self._text(response, self.response_path, group, local), group.first_row + local)
+            locals_ = (rows[where] - group.first_row).tolist()
+            firsts, seconds = self.fields.decode(self._group(g).take(locals_), group, locals_)
+            for i, local, a, b in zip(where.tolist(), locals_, firsts, seconds):
+                out[i] = (a, b, group.first_row + local)
         while sum(t.num_rows for t in self._cache.values()) > self._cache_rows and len(self._cache) > 1:
             self._cache.popitem(last=False)  # after the read: no group of this request is evicted during it
         return out
 
     def _group(self, g: int) -> pa.Table:
-        """Row group g's two columns, decoded once and kept as Arrow buffers (about the text's own
-        size, not Python objects) while the cache holds at most a shuffle window: a window's rows
-        are read in random order, so each of its groups stays until the window is consumed, and is
-        decoded once per epoch."""
+        """Row group g's columns, decoded once and kept as Arrow buffers (about the text's own size,
+        not Python objects) while the cache holds at most a shuffle window: a window's rows are
+        read in random order, so each of its groups stays until the window is consumed."""
         if g in self._cache:
             self._cache.move_to_end(g)
             return self._cache[g]
         group = self.row_groups[g]
-        columns = list(dict.fromkeys([self.prompt_path[0], self.response_path[0]]))  # one column may hold both
-        table = pq.ParquetFile(group.file).read_row_group(group.index, columns=columns).combine_chunks()
+        table = pq.ParquetFile(group.file).read_row_group(group.index, columns=self._columns[group.file])
         self.groups_decoded += 1
-        self._cache[g] = table
-        return table
+        self._cache[g] = table.combine_chunks()
+        return self._cache[g]
 
-    @staticmethod
-    def _text(value, key_path: list[str], group: RowGroup, local: int) -> str:
-        """Follows verl's nested keys (data.prompt_dict_keys) down to a string."""
-        for key in key_path[1:]:
-            if not isinstance(value, dict) or key not in value:
-                raise ConfigError(f"{group.file} row {local + _rows_before(group)}: no key {key!r} under "
-                                  f"{key_path[0]!r}; check data.prompt_dict_keys / data.response_dict_keys")
-            value = value[key]
-        if not isinstance(value, str):
-            raise ConfigError(f"{group.file} row {local + _rows_before(group)}: {'.'.join(key_path)} is "
-                              f"{type(value).__name__}, expected a string")
+
+def _text(value, key_path: list[str], group: RowGroup, local: int) -> str:
+    """Follows verl's nested keys (data.prompt_dict_keys) down to a string."""
+    for key in key_path[1:]:
+        if not isinstance(value, dict) or key not in value:
+            raise ConfigError(f"{group.file} row {local + _rows_before(group)}: no key {key!r} under "
+                              f"{key_path[0]!r}; check data.prompt_dict_keys / data.response_dict_keys")
+        value = value[key]
+    if not isinstance(value, str):
+        hint = "; for conversations set data.multiturn.enable=true" if isinstance(value, list) else ""
+        raise ConfigError(f"{group.file} row {local + _rows_before(group)}: {'.'.join(key_path)} is "
+                          f"{type(value).__name__}, expected a string{hint}")
+    return value
+
+
+def _messages(value, key: str, group: RowGroup, local: int) -> list[dict]:
+    """A row's conversation as a list of message dicts. Parquet gives every message struct the union
+    of all keys, absent ones as null: they are dropped again (a template tests `tool_calls is
+    defined`, not `is none`). A JSON string of the list is accepted too."""
+    value = _json(value, key, group, local)
+    if not isinstance(value, list) or not all(isinstance(m, dict) for m in value):
+        raise ConfigError(f"{group.file} row {local + _rows_before(group)}: {key} is {type(value).__name__}, "
+                          "expected a list of {role, content} messages")
+    return [{k: v for k, v in m.items() if v is not None} for m in value]
+
+
+def _json(value, key: str, group: RowGroup, local: int):
+    """A cell that may hold its value as a JSON string (tool schemas are often stored that way)."""
+    if not isinstance(value, str):
         return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{group.file} row {local + _rows_before(group)}: {key} is a string but not JSON ({e})")
 
 
 def _rows_before(group: RowGroup) -> int:

@@ -97,11 +97,16 @@ class Renderer:
         input_ids = prompt_ids + response_ids
         loss_mask = [0] * len(prompt_ids) + [1] * len(response_ids)
 
+        return self.fit(input_ids, loss_mask, row, f"{len(prompt_ids)} prompt + {len(response_ids)} response")
+
+    def fit(self, input_ids: list[int], loss_mask: list[int], row: int, parts: str) -> RenderedSample:
+        """Applies data.max_length / data.truncation to one rendered row (`parts` says, in the error,
+        what its tokens are made of)."""
         n = len(input_ids)
         if n > self.max_length:
             if self.truncation == "error":
                 raise ValueError(
-                    f"row {row} has {n} tokens ({len(prompt_ids)} prompt + {len(response_ids)} response), "
+                    f"row {row} has {n} tokens ({parts}), "
                     f"more than data.max_length={self.max_length}; raise data.max_length or set "
                     f"data.truncation=left|right"
                 )

@@ -1,0 +1,150 @@
+"""Multi-turn chat rows: a conversation rendered once by its chat template, loss on the assistant turns.
+
+The loss mask comes from the rendered text, not from tokenizing messages one by one (which can
+disagree with what the template writes): the whole conversation is rendered to one string, each
+assistant turn's character span in it is located, the string is tokenized once with offsets, and a
+token is trained where it overlaps a span.
+
+An assistant turn's span starts where the template's generation prompt ends (the text the model
+is given before it answers) and ends with the template's end-of-turn token (`<|im_end|>` for
+Qwen), which is trained so the model learns to stop. The newline the template writes after it is
+not trained: generation stops at the end-of-turn token, so the model never writes that newline;
+it is glue the template puts before the next turn's header.
+
+Locating a span needs the template to render the messages before an assistant turn the same way
+whether or not more messages follow. A template that does not (say, one that counts the turns in a
+header) gives a clear error naming the row. Qwen3's template renders every assistant turn before
+the last user message without its reasoning (its <think> block is dropped), and the turns after it
+(the last answer, and the steps of a final tool loop) with it; the trained tokens are exactly those
+of the one rendering, so:
+  - an earlier turn trains its answer without reasoning, as the model sees it in later contexts;
+  - the last turn trains `<think>\\n{reasoning}\\n</think>\\n\\n{answer}<|im_end|>`, the reasoning
+    from `reasoning_content` or a `<think>...</think>` prefix of `content` (an empty block when
+    there is none);
+  - with `enable_thinking=false` (a row's enable_thinking_key column) the empty think block is part
+    of Qwen3's generation prompt, so it is context, not trained, as at inference with thinking off;
+    such a row whose last turns carry reasoning contradicts itself and is refused with its row.
+Qwen3 renders a tool loop's reasoning while the loop lasts and drops it once a later user message
+follows, so such a conversation is not prefix-stable there and is refused with its row: split it
+at that user message (one row per question) or drop the earlier turns' reasoning.
+"""
+
+from __future__ import annotations
+
+from jinja2 import TemplateError
+
+from sfttrain.config import ConfigError
+from sfttrain.data.render import Renderer, RenderedSample
+
+ROLES = ("system", "user", "assistant", "tool")
+PROBE = "\x00sfttrain-probe\x00"  # an assistant content no real text contains
+
+
+class ChatRenderer(Renderer):
+    """Renders rows (messages, template kwargs, row) of data.multiturn data."""
+
+    def __init__(self, tokenizer, *, max_length: int, truncation: str, chat_template: str | None = None):
+        super().__init__(tokenizer, max_length=max_length, truncation=truncation, chat_template=chat_template)
+        if not getattr(tokenizer, "is_fast", False):
+            raise ConfigError("data.multiturn needs a fast tokenizer (character offsets of the rendered text); "
+                              f"{type(tokenizer).__name__} is not one")
+        self.end_of_turn = self._end_of_turn()
+
+    def _render(self, messages: list[dict], kwargs: dict, generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
+                                                  chat_template=self.chat_template, **kwargs)
+
+    def _end_of_turn(self) -> str:
+        """The token the template writes right after an assistant's content, e.g. `<|im_end|>`."""
+        text = self._render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": PROBE}], {}, False)
+        after = text[text.rindex(PROBE) + len(PROBE):]
+        ids = self.tokenizer(after, add_special_tokens=False)["input_ids"]
+        if not ids or ids[0] not in self.tokenizer.added_tokens_decoder:
+            raise ConfigError(f"the chat template writes {after[:20]!r} after an assistant message, not an "
+                              "end-of-turn token of the tokenizer; data.multiturn needs a template that ends each "
+                              "assistant turn with one (set data.chat_template=...)")
+        return self.tokenizer.convert_ids_to_tokens(ids[0])
+
+    def render(self, messages: list[dict], kwargs: dict, row: int) -> RenderedSample:
+        check_messages(messages, row)
+        check_thinking_off(messages, kwargs, row)
+        messages = [{**m, "content": m.get("content", "")} for m in messages]  # Qwen3's template needs a string
+        try:
+            text = self._render(messages, kwargs, False)
+            spans = [self._assistant_span(text, messages, kwargs, i, row)
+                     for i, m in enumerate(messages) if m["role"] == "assistant"]
+        except (TemplateError, TypeError, KeyError) as e:
+            raise ValueError(f"row {row}: the chat template failed on this conversation: {e}") from None
+        encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        input_ids = list(encoding["input_ids"])
+        loss_mask = [int(any(a < end and b > start for start, end in spans)) for a, b in encoding["offset_mapping"]]
+        turns = len(spans)
+        return self.fit(input_ids, loss_mask, row, f"{turns} assistant turn{'s' * (turns != 1)} of {len(messages)} "
+                                                   f"messages, {sum(loss_mask)} trained")
+
+    def _assistant_span(self, text: str, messages: list[dict], kwargs: dict, i: int, row: int) -> tuple[int, int]:
+        """Character span in `text` of assistant message i: after the generation prompt, through the
+        end-of-turn token."""
+        before = self._render(messages[:i], kwargs, False)
+        if not text.startswith(before):
+            raise ValueError(f"row {row}: the chat template is not prefix-stable at message {i}: it renders the "
+                             f"{i} messages before this assistant turn differently once later messages follow, so "
+                             "the turn cannot be located in the rendered conversation (Qwen3 drops a tool loop's "
+                             "reasoning once a later user message follows); split the conversation into rows that "
+                             "end at this turn, or use a template that renders earlier messages the same way")
+        prompt = self._render(messages[:i], kwargs, True)
+        start = _common_prefix(prompt, text, len(before)) if prompt.startswith(before) else len(before)
+        if start == len(before) < len(prompt):  # the turn starts nothing like the generation prompt
+            raise ValueError(f"row {row}: message {i}: the chat template's generation prompt "
+                             f"{prompt[len(before):]!r} is not how it starts the assistant turn "
+                             f"({text[len(before):len(before) + 40]!r}); the turn cannot be located")
+        end = text.find(self.end_of_turn, start)
+        if end < 0:
+            raise ValueError(f"row {row}: message {i}: no end-of-turn token {self.end_of_turn!r} after the assistant "
+                             "turn in the rendered conversation")
+        return start, end + len(self.end_of_turn)
+
+
+def check_messages(messages: list[dict], row: int) -> None:
+    """A conversation the templates can render: known roles, string contents, an assistant turn to
+    train, and a message before the first one (the prompt it answers)."""
+    for i, m in enumerate(messages):
+        if m.get("role") not in ROLES:
+            raise ValueError(f"row {row}: message {i} has role {m.get('role')!r}; expected one of {list(ROLES)}")
+        if not isinstance(m.get("content", ""), str):
+            raise ValueError(f"row {row}: message {i} content is {type(m['content']).__name__}, expected a string")
+    roles = [m["role"] for m in messages]
+    if "assistant" not in roles:
+        raise ValueError(f"row {row}: the conversation has no assistant message, so nothing to train on")
+    if roles[0] == "assistant":
+        raise ValueError(f"row {row}: message 0 is an assistant turn; a conversation starts with a system or user "
+                         "message")
+
+
+def check_thinking_off(messages: list[dict], kwargs: dict, row: int) -> None:
+    """With enable_thinking=false Qwen3's generation prompt holds an empty, closed think block, but
+    the template still renders the reasoning of the turns after the last user message: such a turn
+    would be trained from the middle of its think block, so the row is refused."""
+    if kwargs.get("enable_thinking") is not False:
+        return
+    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
+    for i, m in enumerate(messages[last_user + 1:], start=last_user + 1):
+        if m["role"] == "assistant" and (m.get("reasoning_content") or "</think>" in m.get("content", "")):
+            raise ValueError(f"row {row}: enable_thinking is false, but assistant message {i} has reasoning "
+                             "(reasoning_content or a <think> block) that the template renders after the closed think "
+                             "block of the prompt; drop its reasoning or set the row's enable_thinking to true")
+
+
+def _common_prefix(a: str, b: str, known: int) -> int:
+    """Length of the common prefix of a and b, whose first `known` characters are known to agree."""
+    n = min(len(a), len(b))
+    return next((k for k in range(known, n) if a[k] != b[k]), n)
+
+
+def build_renderer(d, tokenizer) -> Renderer:
+    """The renderer the data config asks for (`sfttrain.config.DataConfig`): conversations with
+    data.multiturn.enable, else prompt/response pairs."""
+    if d.multiturn.enable:
+        return ChatRenderer(tokenizer, max_length=d.max_length, truncation=d.truncation, chat_template=d.chat_template)
+    return Renderer(tokenizer, max_length=d.max_length, truncation=d.truncation,
+                    apply_chat_template=d.apply_chat_template, chat_template=d.chat_template)

@@ -1,0 +1,221 @@
+"""Multi-turn chat rendering (sfttrain/data/chat.py) on the real Qwen2.5 and Qwen3 templates, the
+messages reader, and a training run on conversations whose loss-token count is checked."""
+
+import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from transformers import AutoTokenizer
+
+from sfttrain.config import ConfigError, load_config
+from sfttrain.data.chat import ChatRenderer
+from sfttrain.data.parquet import ChatMessages, ParquetSource, PromptResponse
+from tests.conftest import REPO, read_metrics, run_sfttrain
+
+TOKENIZERS = REPO / "assets" / "tokenizers"
+EOT = "<|im_end|>"
+EXPR = {"type": "object", "properties": {"expr": {"type": "string"}}}
+TOOLS = [{"type": "function", "function": {"name": "calc", "description": "evaluates arithmetic", "parameters": EXPR}}]
+CALL = {"type": "function", "function": {"name": "calc", "arguments": {"expr": "17*3"}}}
+CALL_TEXT = '<tool_call>\n{"name": "calc", "arguments": {"expr": "17*3"}}\n</tool_call>'
+# system, a tool loop, a second question: every role, and contents that appear nowhere else
+CONVERSATION = [
+    {"role": "system", "content": "System says be brief."},
+    {"role": "user", "content": "User asks seventeen times three."},
+    {"role": "assistant", "content": "", "tool_calls": [CALL]},
+    {"role": "tool", "content": "Tool returns fifty-one."},
+    {"role": "assistant", "content": "Assistant answers 51."},
+    {"role": "user", "content": "User asks plus one."},
+    {"role": "assistant", "content": "Assistant answers 52."},
+]
+NOT_TRAINED = ["System says be brief.", "User asks seventeen times three.", "Tool returns fifty-one.",
+               "User asks plus one."]
+# the non-prefix-stable template: every header counts the whole conversation's messages
+COUNTING_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }} {{ loop.index }}/{{ messages | length }}\n"
+                     "{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                     "{% endif %}")
+PLAIN_TEMPLATE = COUNTING_TEMPLATE.replace(" {{ loop.index }}/{{ messages | length }}", "")
+
+
+@pytest.fixture(scope="module", params=["qwen2.5-instruct", "qwen3"])
+def tokenizer(request):
+    return AutoTokenizer.from_pretrained(TOKENIZERS / request.param)
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    return AutoTokenizer.from_pretrained(TOKENIZERS / "qwen3")
+
+
+def renderer(tok, **kw):
+    return ChatRenderer(tok, max_length=kw.pop("max_length", 4096), truncation=kw.pop("truncation", "error"), **kw)
+
+
+def trained_runs(tok, sample) -> list[str]:
+    """The decoded text of each run of consecutive trained tokens."""
+    pairs = zip(sample.input_ids, sample.loss_mask)
+    return [tok.decode([t for t, _ in run]) for trained, run in itertools.groupby(pairs, key=lambda p: p[1]) if trained]
+
+
+def untrained_text(tok, sample) -> str:
+    return tok.decode([t for t, m in zip(sample.input_ids, sample.loss_mask) if not m])
+
+
+def test_assistant_turns_only_with_system_and_tools(tokenizer):
+    sample = renderer(tokenizer).render(CONVERSATION, {"tools": TOOLS}, row=0)
+    # the ids are the template's one rendering of the conversation, tokenized once
+    text = tokenizer.apply_chat_template(CONVERSATION, tools=TOOLS, tokenize=False)
+    assert sample.input_ids == tokenizer(text, add_special_tokens=False)["input_ids"]
+    last = "Assistant answers 52." + EOT
+    if "qwen3" in tokenizer.name_or_path:  # the last turn opens with its (empty) think block; see chat.py
+        last = "<think>\n\n</think>\n\n" + last
+    assert trained_runs(tokenizer, sample) == [CALL_TEXT + EOT, "Assistant answers 51." + EOT, last]
+    untrained = untrained_text(tokenizer, sample)
+    assert all(content in untrained for content in NOT_TRAINED)
+    assert sample.loss_mask[-1] == 0 and tokenizer.decode(sample.input_ids[-1]) == "\n"  # the newline after EOT
+
+
+def test_qwen3_thinking(qwen3):
+    """History turns: the template drops the reasoning, so it is neither seen nor trained; the last
+    turn: its think block is trained, whether given as reasoning_content or inside content."""
+    for last in ({"role": "assistant", "content": "Final answer.", "reasoning_content": "Last reasoning."},
+                 {"role": "assistant", "content": "<think>\nLast reasoning.\n</think>\n\nFinal answer."}):
+        conversation = [{"role": "user", "content": "First question."},
+                        {"role": "assistant", "content": "<think>\nOld reasoning.\n</think>\n\nFirst answer."},
+                        {"role": "user", "content": "Second question."}, last]
+        sample = renderer(qwen3).render(conversation, {}, row=0)
+        assert trained_runs(qwen3, sample) == ["First answer." + EOT,
+                                               "<think>\nLast reasoning.\n</think>\n\nFinal answer." + EOT]
+        assert "Old reasoning" not in qwen3.decode(sample.input_ids)
+
+
+def test_qwen3_thinking_off_puts_the_empty_block_in_the_prompt(qwen3):
+    conversation = [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"},
+                    {"role": "user", "content": "Q2"}, {"role": "assistant", "content": "A2"}]
+    on = renderer(qwen3).render(conversation, {}, row=0)
+    off = renderer(qwen3).render(conversation, {"enable_thinking": False}, row=0)
+    assert on.input_ids == off.input_ids  # enable_thinking only changes the generation prompt
+    assert trained_runs(qwen3, on) == ["A1" + EOT, "<think>\n\n</think>\n\nA2" + EOT]
+    assert trained_runs(qwen3, off) == ["A1" + EOT, "A2" + EOT]
+
+
+def test_qwen3_thinking_off_with_reasoning_is_refused(qwen3):
+    conversation = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A", "reasoning_content": "R"}]
+    with pytest.raises(ValueError, match="row 4: enable_thinking is false, but assistant message 1 has reasoning"):
+        renderer(qwen3).render(conversation, {"enable_thinking": False}, row=4)
+
+
+def test_not_prefix_stable_template_is_named_with_the_row(tokenizer):
+    conversation = CONVERSATION[:2] + [{"role": "assistant", "content": "A1"}]
+    assert trained_runs(tokenizer, renderer(tokenizer, chat_template=PLAIN_TEMPLATE).render(conversation, {}, 3)) \
+        == ["A1" + EOT]
+    with pytest.raises(ValueError, match=r"row 41: the chat template is not prefix-stable at message 2"):
+        renderer(tokenizer, chat_template=COUNTING_TEMPLATE).render(conversation, {}, row=41)
+
+
+def test_qwen3_tool_loop_reasoning_then_a_new_question_is_refused(qwen3):
+    """Qwen3 shows a tool loop's reasoning until the next user message, then drops it: the turn
+    after the tool result was answered seeing reasoning that the one rendering no longer has."""
+    conversation = [CONVERSATION[1], {**CONVERSATION[2], "reasoning_content": "Use the tool."}, *CONVERSATION[3:]]
+    with pytest.raises(ValueError, match="row 5: the chat template is not prefix-stable at message 3"):
+        renderer(qwen3).render(conversation, {}, row=5)
+    assert renderer(qwen3).render(conversation[:4], {}, row=5)  # the loop on its own renders
+
+
+def test_bad_conversations_are_named():
+    tok = AutoTokenizer.from_pretrained(TOKENIZERS / "qwen2.5-instruct")
+    r = renderer(tok)
+    cases = [([{"role": "user", "content": "hi"}], "row 2: the conversation has no assistant message"),
+             ([{"role": "bot", "content": "hi"}], "row 2: message 0 has role 'bot'"),
+             ([{"role": "assistant", "content": "hi"}], "row 2: message 0 is an assistant turn"),
+             ([{"role": "user", "content": 3}, {"role": "assistant", "content": "x"}], "message 0 content is int")]
+    for messages, message in cases:
+        with pytest.raises(ValueError, match=message):
+            r.render(messages, {}, row=2)
+
+
+def test_truncation(tokenizer):
+    full = renderer(tokenizer).render(CONVERSATION, {}, row=9)
+    n = len(full.input_ids)
+    with pytest.raises(ValueError, match=rf"row 9 has {n} tokens \(3 assistant turns of 7 messages"):
+        renderer(tokenizer, max_length=n - 1).render(CONVERSATION, {}, row=9)
+    left = renderer(tokenizer, max_length=n - 10, truncation="left").render(CONVERSATION, {}, row=9)
+    assert left.input_ids == full.input_ids[10:] and left.loss_mask == full.loss_mask[10:]
+
+
+def write_chat_parquet(path: Path, conversations: list[list[dict]], **columns) -> None:
+    """Messages as Parquet structs: every message gets the union of all keys, absent ones null."""
+    pq.write_table(pa.table({"messages": conversations, **columns}), path, row_group_size=2)
+
+
+def test_reader_yields_the_messages_and_template_arguments(tokenizer, tmp_path):
+    plain = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]
+    conversations = [CONVERSATION, plain, plain]
+    write_chat_parquet(tmp_path / "chat.parquet", conversations,
+                       tools=[json.dumps(TOOLS), None, None], enable_thinking=[None, False, True])
+    source = ParquetSource([str(tmp_path / "chat.parquet")], ChatMessages("messages", "tools", "enable_thinking"))
+    rows = source.read(source.epoch_order(seed=0, epoch=0, shuffle=False))
+    assert [r[0] for r in rows] == conversations  # null-filled struct keys dropped again
+    assert [r[1] for r in rows] == [{"tools": TOOLS}, {"enable_thinking": False}, {"enable_thinking": True}]
+    r = renderer(tokenizer)
+    assert r.render(*rows[0]) == r.render(CONVERSATION, {"tools": TOOLS}, 0)
+
+
+def test_messages_without_multiturn_get_a_hint(tmp_path):
+    write_chat_parquet(tmp_path / "chat.parquet", [CONVERSATION])
+    source = ParquetSource([str(tmp_path / "chat.parquet")], PromptResponse(["messages"], ["messages"]))
+    with pytest.raises(ConfigError, match="chat.parquet row 0: messages is list, expected a string; for "
+                                          "conversations set data.multiturn.enable=true"):
+        source.read(np.array([0]))
+
+
+def test_config_keys():
+    base = ["data.train_files=x.parquet", "model.partial_pretrain=m"]
+    cfg = load_config(None, base + ["data.multiturn.enable=true", "data.multiturn.messages_key=conv",
+                                    "data.multiturn.tools_key=null"])
+    m = cfg.data.multiturn
+    assert m.enable and m.messages_key == "conv" and m.tools_key is None
+    with pytest.raises(ConfigError, match="data.multiturn.messages_key"):
+        load_config(None, base + ["data.multiturn.message_key=conv"])
+    with pytest.raises(ConfigError, match="data.multiturn.enable=true renders conversations with a chat template"):
+        load_config(None, base + ["data.multiturn.enable=true", "data.apply_chat_template=false"])
+
+
+def test_gsm8k_messages_data_prep(tmp_path):
+    subprocess.run([sys.executable, str(REPO / "data_prep/gsm8k.py"), "--messages", "--input_dir",
+                    str(REPO / "assets/data/gsm8k"), "--local_dir", str(tmp_path)], check=True, capture_output=True)
+    first = json.loads((REPO / "assets/data/gsm8k/test.jsonl").read_text().splitlines()[0])
+    messages = pq.read_table(tmp_path / "test.parquet").column("messages").to_pylist()
+    assert len(messages) == 200
+    assert messages[0] == [{"role": "user", "content": first["question"]},
+                           {"role": "assistant", "content": first["answer"]}]
+
+
+def test_training_on_conversations_counts_assistant_tokens(tiny_qwen_dir, tmp_path):
+    """Two ranks, the chat recipe, 8 multi-turn rows: every row's loss tokens counted another way,
+    by tokenizing each assistant content alone (+1 for <|im_end|>), must add up in metrics.jsonl."""
+    tok = AutoTokenizer.from_pretrained(tiny_qwen_dir)
+    questions = [json.loads(line) for line in (REPO / "assets/data/gsm8k/train.jsonl").read_text().splitlines()[:16]]
+    conversations = [[{"role": "system", "content": "Solve the problem."},
+                      {"role": "user", "content": a["question"]}, {"role": "assistant", "content": a["answer"]},
+                      {"role": "user", "content": b["question"]}, {"role": "assistant", "content": b["answer"]}]
+                     for a, b in zip(questions[::2], questions[1::2])]
+    write_chat_parquet(tmp_path / "train.parquet", conversations)
+    expected = sum(len(tok(m["content"], add_special_tokens=False)["input_ids"]) + 1
+                   for c in conversations for m in c if m["role"] == "assistant")
+    run_dir = tmp_path / "run"
+    run_sfttrain(2, [str(REPO / "recipes/chat_multiturn.yaml"), f"model.partial_pretrain={tiny_qwen_dir}",
+                     f"data.train_files={tmp_path / 'train.parquet'}", "data.val_files=null",
+                     "data.train_batch_size=4", "data.max_token_len_per_gpu=2048", "data.max_length=2048",
+                     "data.num_workers=0",
+                     "model.enable_gradient_checkpointing=false", "trainer.test_freq=-1", "trainer.save_freq=-1",
+                     "model.fsdp_config.mixed_precision=false", "trainer.device=cpu", "trainer.total_epochs=1",
+                     f"trainer.default_local_dir={run_dir}"], timeout=600)
+    steps = [m for m in read_metrics(run_dir) if "loss" in m]
+    assert len(steps) == 2 and sum(m["loss_tokens"] for m in steps) == expected

@@ -1,8 +1,9 @@
 """Data at scale on one CPU core: rows/s of the start-up scan and of reads in training order.
 
 Builds a 1M-row Parquet file (row groups of 10k rows, ~0.5 KB of text per row), then measures:
-  scan_read      this rank's contiguous share read (decode only), for 1 of 1 and 1 of 8 ranks:
-                 rows/s and row groups decoded (a rank of 8 decodes ~1/8 of the groups)
+  scan_read      rank 0's share read (decode only), for 1 of 1 and 1 of 8 ranks: rows/s and row
+                 groups decoded (a contiguous share of 8 decodes ~1/8 of the groups; the strided
+                 share the scan used before touches all of them)
   scan_render    the same plus rendering (stories260K tokenizer) on the first --render_rows rows
   length_cache   loading every row's counts from the length cache (what a resume does instead)
   train_order    a shuffled epoch read step by step (--batch rows a step) for --train_rows rows
@@ -71,11 +72,12 @@ def read_all(src: parquet.ParquetSource, rows: np.ndarray, block: int = 4096) ->
     return n
 
 
-def scan_read(path: Path, world: int) -> dict:
+def scan_read(path: Path, world: int, strided: bool = False) -> dict:
+    """Rank 0's share: contiguous (this scan), or every world-th row (the scan before it)."""
     src = source(path)
-    share = np.arange(0, src.num_rows // world)  # rank 0's contiguous share
+    share = np.arange(0, src.num_rows, world) if strided else np.arange(0, src.num_rows // world)
     seconds, n = timed(lambda: read_all(src, share))
-    return {"world": world, **rates(n, seconds), "groups_decoded": getattr(src, "groups_decoded", None),
+    return {"world": world, "strided": strided, **rates(n, seconds), "groups_decoded": getattr(src, "groups_decoded", None),
             "groups_total": len(src.row_groups)}
 
 
@@ -129,7 +131,7 @@ def main() -> None:
     if not path.exists():
         build(path, args.rows, args.group_rows)
     results = {"file": str(path), "bytes": path.stat().st_size, "cpus": sorted(os.sched_getaffinity(0)),
-               "scan_read": [scan_read(path, w) for w in (1, 8)],
+               "scan_read": [scan_read(path, 1), scan_read(path, 8), scan_read(path, 8, strided=True)],
                "scan_render": scan_render(path, args.render_rows),
                "length_cache": length_cache(args.rows),
                "train_order": train_order(path, args.train_rows, args.batch, args.budget_s)}

@@ -19,7 +19,7 @@ from typing import Optional
 from sfttrain.config import Config
 from sfttrain.data.parquet import ParquetSource
 
-ORDER_KEYS = ("trainer.seed", "data.shuffle", "data.train_batch_size", "data.no_loss_rows")
+ORDER_KEYS = ("trainer.seed", "data.shuffle", "data.train_batch_size")
 
 
 def data_fingerprint(cfg: Config, source: ParquetSource, tokenizer) -> dict:
@@ -30,7 +30,6 @@ def data_fingerprint(cfg: Config, source: ParquetSource, tokenizer) -> dict:
         "trainer.seed": cfg.trainer.seed,
         "data.shuffle": d.shuffle,
         "data.train_batch_size": d.train_batch_size,
-        "data.no_loss_rows": d.no_loss_rows,
         "data.max_length": d.max_length,
         "data.truncation": d.truncation,
         "data.apply_chat_template": d.apply_chat_template,
@@ -51,9 +50,9 @@ def rendering_key(fingerprint: dict) -> str:
 
 
 def differences(saved: dict, current: dict) -> list[str]:
-    """'key: saved -> current' for each key the saved fingerprint holds with another value (a
-    checkpoint of an older sfttrain records fewer keys; those it lacks cannot be compared)."""
-    return [f"{key}: {saved[key]} -> {current.get(key)}" for key in saved if saved[key] != current.get(key)]
+    """'key: saved -> current' for each key both hold, with another value (a checkpoint of another
+    sfttrain version may record other keys; those cannot be compared)."""
+    return [f"{key}: {saved[key]} -> {current[key]}" for key in saved if key in current and saved[key] != current[key]]
 
 
 def tokenizer_sha256(tokenizer) -> str:

@@ -33,6 +33,8 @@ def prepare_train_data(cfg: Config, source: ParquetSource, renderer: Renderer, t
     fingerprint = data_fingerprint(cfg, source, tokenizer)
     cache = os.path.join(run_dir, CACHE_DIR, rendering_key(fingerprint) + ".npz")
     stats = select_rows(row_stats(source, renderer, world.rank, world.world_size, cache), d)
+    # the rows dropped filter every epoch's order (with the rendering fixed, their count names them)
+    fingerprint["rows dropped (data.no_loss_rows=drop)"] = int((~stats.keep).sum())
     plan = make_plan(cfg, world.dp_size, int(stats.keep.sum()))
     first_epoch = epoch_rows(source, stats, cfg.trainer.seed, 0, d.shuffle)[:plan.steps_per_epoch * plan.global_batch]
     report = data_report(stats, first_epoch, d, cache)

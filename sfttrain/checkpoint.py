@@ -2,7 +2,7 @@
 
 Layout of `<run>/global_step_N/`:
   .metadata, __*.distcp   model + optimizer, sharded (torch.distributed.checkpoint), reshardable
-  trainer_state.json      step, data position, LR scheduler, wandb id, world size
+  trainer_state.json      step, data position, data fingerprint, optimizer/LR settings, wandb id, world size
   rng/rank_R.pt           each rank's RNG states
   config.yaml             the resolved run config
   hf/                     the model's config, generation config and tokenizer (for export)
@@ -27,6 +27,7 @@ order is a function of the seed and the epoch).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -47,7 +48,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from sfttrain.config import Config, ConfigError, TrainerConfig, to_yaml
+from sfttrain.data.fingerprint import differences
 from sfttrain.distributed import World, barrier
+from sfttrain.optim import set_step
 
 COMPLETE = "COMPLETE"
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
@@ -68,6 +71,8 @@ class TrainState:
     global_batch: int = 0
     seed: int = 0
     wandb_id: Optional[str] = None
+    data: Optional[dict] = None  # the data fingerprint (sfttrain.data.fingerprint)
+    schedule: Optional[dict] = None  # the optimizer and LR schedule settings (sfttrain.optim.schedule_settings)
 
     def advance(self, batch) -> None:
         self.step += 1
@@ -354,28 +359,40 @@ class PendingSave:
         self.written_s = time.perf_counter() - self.started
 
 
-def load(path: str, model, optimizer, scheduler, world: World, cfg: Config) -> TrainState:
-    """Collective. Restores model, optimizer, scheduler and (same world size only) RNG states,
-    and returns the step counters and data position. Rank 0 then rewinds the run folder's
-    metrics.jsonl to the loaded step."""
+def check_resume(path: str, cfg: Config, current: TrainState) -> list[str]:
+    """What resuming from `path` would change, said before the model is loaded: the lines to
+    print, or a ConfigError for what is refused. `current` holds this run's data fingerprint and
+    optimizer/schedule settings.
+
+    The rule: the data must be what the checkpoint read (its fingerprint; a difference is refused
+    unless trainer.resume_allow_data_change=true); the optimizer and LR schedule follow the
+    current config (the LR is a pure function of the step and the config), every difference from
+    the checkpoint's is printed, and a schedule that ends before the checkpoint's step is refused."""
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        saved = json.load(f)
+    return (check_data(path, saved, current.data, cfg.trainer.resume_allow_data_change)
+            + check_schedule(path, saved, current.schedule))
+
+
+def load(path: str, model, optimizer, scheduler, world: World, cfg: Config, current: TrainState) -> TrainState:
+    """Collective. Restores model, optimizer and (same world size only) RNG states, puts the
+    optimizer and LR schedule at the checkpoint's step with the current config's settings
+    (sfttrain.optim.set_step; see check_resume), and returns `current` at the checkpoint's step
+    and data position. Rank 0 then rewinds the run folder's metrics.jsonl to the loaded step."""
     with open(os.path.join(path, "trainer_state.json")) as f:
         extra = json.load(f)
-    if extra["global_batch"] != cfg.data.train_batch_size or extra["seed"] != cfg.trainer.seed:
-        raise ConfigError(f"{path} was written with data.train_batch_size={extra['global_batch']} and "
-                          f"trainer.seed={extra['seed']}; resuming with other values would change which samples "
-                          "come next. Use the same values, or trainer.resume_mode=disable to start afresh")
     model_sd, optim_sd = _state_dicts(model, optimizer)
     _check_same_model(path, model_sd)
     dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
                    options=STATE_DICT_OPTIONS)
     del model_sd, optim_sd
-    scheduler.load_state_dict(extra["scheduler"])
+    set_step(optimizer, scheduler, cfg.optim, current.schedule["total steps"], extra["step"])
     rng_file = os.path.join(path, "rng", f"rank_{world.rank}.pt")
     if extra["world_size"] == world.world_size and os.path.isfile(rng_file):  # per-rank streams: only 1:1
         _set_rng_state(torch.load(rng_file, weights_only=True))
-    state = TrainState(extra["step"], extra["epoch"], extra["consumed_in_epoch"], extra["global_batch"],
-                       extra["seed"], extra["wandb_id"])
+    state = dataclasses.replace(current, step=extra["step"], epoch=extra["epoch"],
+                                consumed_in_epoch=extra["consumed_in_epoch"], wandb_id=extra["wandb_id"])
     if world.is_main:
         rewind_metrics(cfg.trainer.default_local_dir, state.step,
                        {"step": state.step, "event": "resumed", "from": os.path.abspath(path),
@@ -390,6 +407,43 @@ def _state_dicts(model, optimizer) -> tuple[dict, dict]:
     model_sd, optim_sd = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
     frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
     return {k: v for k, v in model_sd.items() if k not in frozen}, optim_sd
+
+
+def check_data(path: str, saved: dict, fingerprint: dict, allow_change: bool) -> list[str]:
+    """A resume continues the checkpoint's data position: the same rows in the same order,
+    rendered the same way, or (trainer.resume_allow_data_change=true) the user's explicit choice."""
+    legacy = saved.get("data") is None  # written before checkpoints held the fingerprint
+    recorded = {"data.train_batch_size": saved["global_batch"], "trainer.seed": saved["seed"]} if legacy \
+        else saved["data"]
+    changed = differences(recorded, fingerprint)
+    notes = [f"data: {path} records no data fingerprint (an older sfttrain): only the batch size and seed "
+             "were checked"] if legacy else []
+    if changed and not allow_change:
+        raise ConfigError(f"{path} was written with other data settings; resuming would silently change which "
+                          "rows come next or how they are tokenized:\n    " + "\n    ".join(changed) +
+                          "\nUse the checkpoint's values; or set trainer.resume_allow_data_change=true to continue "
+                          "from its data position (epoch, samples consumed) on the new data; or "
+                          "trainer.resume_mode=disable (or a new trainer.default_local_dir) to start afresh")
+    return notes + [f"data (allowed by trainer.resume_allow_data_change) {c}" for c in changed]
+
+
+def check_schedule(path: str, saved: dict, schedule: dict) -> list[str]:
+    """The current optimizer and schedule settings apply; each difference is said. A schedule
+    that ends at or before the checkpoint's step (other than the checkpoint's own end: a
+    finished run started again) would train nothing."""
+    step, total = saved["step"], schedule["total steps"]
+    old = saved.get("schedule")
+    if step >= total and (old is None or old["total steps"] != total):
+        raise ConfigError(f"{path} is at step {step}, but this run's schedule ends at step {total} "
+                          "(trainer.total_training_steps, or trainer.total_epochs x steps per epoch): nothing "
+                          f"would be trained. Set trainer.total_training_steps above {step} to continue, or "
+                          "trainer.resume_mode=disable (or a new trainer.default_local_dir) to start afresh")
+    if old is None:
+        return [f"optimizer: {path} records no optimizer settings (an older sfttrain): the config's apply"]
+    notes = [f"optimizer (the config's apply) {c}" for c in differences(old, schedule)]
+    if step >= total:
+        notes.append(f"the checkpoint is this run's last step ({step}): nothing left to train")
+    return notes
 
 
 def _check_same_model(path: str, model_sd: dict) -> None:

@@ -51,6 +51,7 @@ class DataConfig:
     shuffle: bool = True  # per-epoch order from trainer.seed and the epoch number
     num_workers: int = 0  # >0: worker processes build the steps ahead of the training loop
     balance_dp_token: bool = True  # verl key; sfttrain always balances tokens across ranks (false is refused)
+    no_loss_rows: str = "error"  # rows truncation leaves with no supervised token: error (stop, naming them) | drop
 
 
 @dataclass
@@ -126,6 +127,7 @@ class TrainerConfig:
     nnodes: Optional[int] = None  # verl keys; if given they must match torchrun's world
     n_gpus_per_node: Optional[int] = None  # verl key, see nnodes
     device: str = "auto"  # auto | cuda | cpu
+    resume_allow_data_change: bool = False  # resume although the checkpoint's data fingerprint differs (new rows/order)
 
 
 @dataclass
@@ -265,6 +267,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"data.max_token_len_per_gpu={d.max_token_len_per_gpu} is below data.max_length="
                           f"{d.max_length}: a longest sample would not fit; raise it or lower data.max_length")
     _choice("data.truncation", d.truncation, ("error", "left", "right"))
+    _choice("data.no_loss_rows", d.no_loss_rows, ("error", "drop"))
     if d.multiturn.enable and not d.apply_chat_template:
         raise ConfigError("data.multiturn.enable=true renders conversations with a chat template: remove "
                           "data.apply_chat_template=false (data.chat_template=... sets a template of your own)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import asdict
 
 import torch
 from torch import nn
@@ -14,11 +15,18 @@ from sfttrain.config import OptimConfig
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     """Weight decay on matrices only: norms and biases (1-D) are not decayed."""
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    groups = [{"params": [p for p in params if p.ndim >= 2]}, {"params": [p for p in params if p.ndim < 2]}]
+    for group, settings in zip(groups, group_settings(cfg)):
+        group.update(settings)
     # fused: one kernel per dtype and device (CUDA and CPU), which also applies the clip factor and
     # skips a non-finite step on the device (clipped_step); the CPU tests run the GPUs' path
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=True)
+    return torch.optim.AdamW(groups, lr=cfg.lr, fused=True)
+
+
+def group_settings(cfg: OptimConfig) -> list[dict]:
+    """The config's AdamW settings of each parameter group (matrices, then norms and biases)."""
+    common = {"betas": tuple(cfg.betas), "eps": cfg.eps}
+    return [{**common, "weight_decay": cfg.weight_decay}, {**common, "weight_decay": 0.0}]
 
 
 def clipped_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], max_norm: float,
@@ -65,6 +73,25 @@ def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
     progress = (step - warmup) / max(1, total_steps - warmup)
     cosine = 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine
+
+
+def schedule_settings(cfg: OptimConfig, total_steps: int) -> dict:
+    """What the optimizer and the LR of every step follow, as recorded in a checkpoint."""
+    return {**{f"optim.{k}": v for k, v in asdict(cfg).items()}, "total steps": total_steps}
+
+
+def set_step(optimizer: torch.optim.Optimizer, scheduler: LambdaLR, cfg: OptimConfig, total_steps: int,
+             step: int) -> None:
+    """After a resume: the LR is a pure function of (step, the current config), and so are the
+    other settings. A loaded optimizer state brings the checkpoint's lr, betas, eps and weight
+    decay, and a loaded scheduler its base LRs and its old schedule's position: both are
+    replaced by the current config's, at `step`."""
+    lr = cfg.lr * lr_factor(step, cfg, total_steps)
+    for group, settings in zip(optimizer.param_groups, group_settings(cfg)):
+        group.update(settings, lr=lr, initial_lr=cfg.lr)
+    scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
+    scheduler.last_epoch = step
+    scheduler._last_lr = [lr] * len(optimizer.param_groups)  # what get_last_lr() reads
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int) -> LambdaLR:

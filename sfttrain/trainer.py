@@ -11,11 +11,12 @@ import torch.distributed as dist
 
 from sfttrain import checkpoint, lora
 from sfttrain.config import Config, as_list
-from sfttrain.data.loader import StepBatch, TrainData, render_share, row_stats, step_batches, validation_batches
 from sfttrain.data.chat import build_renderer
+from sfttrain.data.loader import StepBatch, TrainData, render_share, step_batches, validation_batches
 from sfttrain.data.pack import max_segment_length
 from sfttrain.data.parquet import ParquetSource, row_fields
-from sfttrain.data.plan import make_plan
+from sfttrain.data.prepare import prepare_train_data
+from sfttrain.data.report import describe
 from sfttrain.distributed import World
 from sfttrain.errors import NonFiniteLossError
 from sfttrain.flops import ModelShape
@@ -23,7 +24,7 @@ from sfttrain.loss import CausalLMLoss, normalised, select_chunk_loss
 from sfttrain.metrics import (MetricsLogger, StepEnd, StepTimer, describe_host_memory, host_memory_gib, memory_stats,
                               throughput)
 from sfttrain.model import load_model, load_tokenizer
-from sfttrain.optim import build_optimizer, build_scheduler, clipped_step, warmup_steps
+from sfttrain.optim import build_optimizer, build_scheduler, clipped_step, schedule_settings, warmup_steps
 from sfttrain.parallel import describe_sharding, gradient_sync, parallelize
 
 
@@ -49,8 +50,14 @@ class FSDPSFTTrainer:
         self.tokenizer = load_tokenizer(cfg.model)
         renderer, fields = build_renderer(d, self.tokenizer), row_fields(d)  # prompt/response or conversations
         train_source = ParquetSource(as_list(d.train_files), fields)
-        self.plan = make_plan(cfg, world.dp_size, train_source.num_rows)
-        stats = row_stats(train_source, renderer, world.rank, world.world_size)  # every row renders, or stop now
+        prepared = prepare_train_data(cfg, train_source, renderer, self.tokenizer, world, self.run_dir)
+        self.plan, self.data_report = prepared.plan, prepared.report  # every row rendered, or stopped here
+        self.state = checkpoint.TrainState(global_batch=d.train_batch_size, seed=t.seed, data=prepared.fingerprint,
+                                           schedule=schedule_settings(cfg.optim, self.plan.total_steps))
+        if world.is_main:
+            checkpoint.remove_stale_tmp(self.run_dir)
+        resume_from = checkpoint.find_resume(t, self.run_dir)
+        resume_notes = checkpoint.check_resume(resume_from, cfg, self.state) if resume_from else []
         val_samples = None
         if d.val_files:
             val_samples = render_share(ParquetSource(as_list(d.val_files), fields),
@@ -68,24 +75,21 @@ class FSDPSFTTrainer:
         self.sharded = parallelize(self.lm, world, cfg)
         self.optimizer = build_optimizer(self.lm, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.plan.total_steps)
-        self.data = TrainData(train_source, renderer, self.plan, stats, world.dp_rank, t.seed, d.shuffle,
+        self.data = TrainData(train_source, renderer, self.plan, prepared.stats, world.dp_rank, t.seed, d.shuffle,
                               self.model_shape.attention_coefficient, d.pad_to_multiple)
         self.val_batches = (validation_batches(val_samples, d.micro_batch_size_per_gpu, d.max_token_len_per_gpu,
                                                d.pad_to_multiple, world.device) if val_samples is not None else None)
 
-        self.state = checkpoint.TrainState(global_batch=d.train_batch_size, seed=t.seed)
-        if world.is_main:
-            checkpoint.remove_stale_tmp(self.run_dir)
-        resume_from = checkpoint.find_resume(t, self.run_dir)
         if resume_from:
-            self.state = checkpoint.load(resume_from, self.lm.model, self.optimizer, self.scheduler, world, cfg)
+            self.state = checkpoint.load(resume_from, self.lm.model, self.optimizer, self.scheduler, world, cfg,
+                                         self.state)
         self.logger = MetricsLogger(cfg, self.run_dir, world.is_main, self.plan.total_steps, self.state.step,
                                     wandb_id=self.state.wandb_id)
         self.checkpointer = checkpoint.Checkpointer(self.run_dir, world, cfg, report=self.logger.event)
         self.timer = StepTimer(world.device)
-        self._print_startup(resume_from)
+        self._print_startup(resume_from, resume_notes)
 
-    def _print_startup(self, resume_from: str | None) -> None:
+    def _print_startup(self, resume_from: str | None, resume_notes: list[str]) -> None:
         cfg, shape = self.cfg, self.model_shape
         fsdp = cfg.model.fsdp_config
         loss = ("Liger's fused linear cross-entropy" if self.liger else f"chunked linear cross-entropy, "
@@ -105,7 +109,9 @@ class FSDPSFTTrainer:
             f"  lr                  : {cfg.optim.lr} {cfg.optim.lr_scheduler}, "
             f"{warmup_steps(cfg.optim, self.plan.total_steps)} warmup steps",
             f"  run folder          : {self.run_dir}",
+            describe(self.data_report),
             f"  resume              : {resume_from or 'fresh start'} (step {self.state.step})",
+            *(f"    {note}" for note in resume_notes),
             f"  host memory         : {describe_host_memory(self._host_memory_per_rank())}",
         ]
         if fsdp.model_dtype != "fp32" and cfg.model.lora_rank == 0:  # LoRA's adapters are fp32 anyway

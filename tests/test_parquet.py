@@ -46,3 +46,16 @@ def test_missing_nested_key_names_file_and_row(two_files):
     src = ParquetSource(two_files[0], PromptResponse(key_path("extra_info", ["prompt"]), ["answer"]))
     with pytest.raises(ConfigError, match=r"a.parquet row 0: no key 'prompt' under 'extra_info'"):
         src.read(np.array([0]))
+
+
+def test_shuffled_epoch_decodes_each_row_group_once(two_files, monkeypatch):
+    """Reading a windowed-shuffle epoch step by step returns the right rows, and each row group
+    is decoded from disk once (a window's groups stay cached until the window is consumed)."""
+    monkeypatch.setattr(parquet, "SHUFFLE_WINDOW_ROWS", 120)  # windows of 3 groups of 50 rows
+    files, rows = two_files
+    src = ParquetSource(files, PromptResponse(["question"], ["answer"]))
+    order = src.epoch_order(seed=3, epoch=0, shuffle=True)
+    got = [item for start in range(0, len(order), 24) for item in src.read(order[start:start + 24])]
+    assert [row for _, _, row in got] == order.tolist()
+    assert all(prompt == rows[row]["question"] and response == rows[row]["answer"] for prompt, response, row in got)
+    assert src.groups_decoded == len(src.row_groups)

@@ -7,6 +7,7 @@ which global samples were used, whatever the world size.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -37,9 +38,22 @@ class StepBatch:
 
 @dataclass(frozen=True)
 class RowStats:
-    """Token and loss-token count of every row, by global row id (known to every rank)."""
-    lengths: np.ndarray
-    loss_tokens: np.ndarray
+    """Token counts of every row, by global row id (known to every rank)."""
+    lengths: np.ndarray  # tokens trained on (after truncation)
+    loss_tokens: np.ndarray  # supervised tokens
+    full_lengths: np.ndarray  # tokens before truncation
+    rendered: int  # rows this start rendered to learn them (0: all read from the length cache)
+    keep: np.ndarray | None = None  # bool per row: trained (see sfttrain.data.report.select_rows); None: all
+
+    def kept(self, rows: np.ndarray) -> np.ndarray:
+        """`rows` without the dropped ones, order kept."""
+        return rows if self.keep is None else rows[self.keep[rows]]
+
+
+def epoch_rows(source: ParquetSource, stats: RowStats, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+    """The rows epoch `epoch` trains on, in order: a pure function of the seed, the epoch and the
+    kept rows (dropping rows filters the order; it does not reshuffle, and no rank count enters)."""
+    return stats.kept(source.epoch_order(seed, epoch, shuffle))
 
 
 class TrainData:
@@ -55,7 +69,7 @@ class TrainData:
         trainer decides when to stop."""
         b = self.plan.global_batch
         while True:
-            order = self.source.epoch_order(self.seed, epoch, self.shuffle)
+            order = epoch_rows(self.source, self.stats, self.seed, epoch, self.shuffle)
             while consumed + b <= len(order):
                 rows = order[consumed:consumed + b]
                 consumed += b
@@ -67,8 +81,10 @@ class TrainData:
         reads and renders only its own share."""
         lengths = self.stats.lengths[rows].tolist()
         costs = [n + self.attn_coef * n * n for n in lengths]
-        micro = [pack([self.renderer.render(p, r, row) for p, r, row in self.source.read(rows[idx])], self.pad_to)
-                 for idx in self.plan.split(lengths, costs)[self.dp_rank]]
+        micro_idx = self.plan.split(lengths, costs)[self.dp_rank]
+        mine = sorted(i for idx in micro_idx for i in idx)  # one read, in epoch order (see ParquetSource.read)
+        rendered = dict(zip(mine, (self.renderer.render(*text) for text in self.source.read(rows[mine]))))
+        micro = [pack([rendered[i] for i in idx], self.pad_to) for idx in micro_idx]
         return StepBatch(epoch, consumed, micro, int(self.stats.loss_tokens[rows].sum()), lengths, rows.tolist())
 
 
@@ -99,35 +115,71 @@ def step_batches(data: TrainData, epoch: int, consumed: int, num_workers: int, p
 
 
 def render_share(source: ParquetSource, renderer: Renderer, rank: int, world: int) -> list[RenderedSample]:
-    """This rank's rendered rows (rank, rank+world, ...), e.g. its validation share."""
+    """This rank's rendered rows (a contiguous 1/world share), e.g. its validation share."""
     return _scan(source, renderer, rank, world, keep=True)[0]
 
 
-def row_stats(source: ParquetSource, renderer: Renderer, rank: int, world: int) -> RowStats:
-    """Renders every row once at start-up, a 1/world share on each rank: a bad row stops the run
-    before the model is loaded, and every rank learns every row's length (to balance steps)."""
+def row_stats(source: ParquetSource, renderer: Renderer, rank: int, world: int,
+              cache_file: str | None = None) -> RowStats:
+    """Every row's token counts, known to every rank (to balance steps). Read from cache_file when
+    an earlier start wrote it (its name is the data fingerprint: same files, same rendering);
+    otherwise each rank renders its contiguous 1/world share of the rows (so it decodes only
+    the row groups holding them: the cost per rank falls with the rank count) and rank 0 writes
+    the cache. A bad row stops the run before the model is loaded."""
+    box = [_load_stats(cache_file) if rank == 0 and cache_file else None]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        return RowStats(*box[0], rendered=0)
     _, local = _scan(source, renderer, rank, world, keep=False)
     shares = [None] * world
     dist.all_gather_object(shares, local)
     rows = np.concatenate(shares)
-    lengths, losses = np.zeros(source.num_rows, np.int64), np.zeros(source.num_rows, np.int64)
-    lengths[rows[:, 0]], losses[rows[:, 0]] = rows[:, 1], rows[:, 2]
-    return RowStats(lengths, losses)
+    columns = [np.zeros(source.num_rows, np.int64) for _ in range(3)]
+    for column, values in zip(columns, rows[:, 1:].T):
+        column[rows[:, 0]] = values
+    if rank == 0 and cache_file:
+        _save_stats(cache_file, columns)
+    return RowStats(*columns, rendered=len(rows))
+
+
+def _load_stats(path: str) -> list[np.ndarray] | None:
+    if not os.path.isfile(path):
+        return None
+    with np.load(path) as f:
+        return [f["lengths"], f["loss_tokens"], f["full_lengths"]]
+
+
+def _save_stats(path: str, columns: list[np.ndarray]) -> None:
+    """Written whole or not at all (one rename): a start killed mid-write leaves no torn cache."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp.npz"
+    np.savez(tmp, **dict(zip(("lengths", "loss_tokens", "full_lengths"), columns)))
+    os.replace(tmp, path)
+
+
+def _share(num_rows: int, rank: int, world: int) -> np.ndarray:
+    return np.arange(rank * num_rows // world, (rank + 1) * num_rows // world)
+
+
+def _rows_of(source: ParquetSource, rows: np.ndarray, block: int = 4096) -> Iterator[tuple[str, str, int]]:
+    """The rows' texts, a block at a time (a share's text is never all in memory at once)."""
+    for start in range(0, len(rows), block):
+        yield from source.read(rows[start:start + block])
 
 
 def _scan(source: ParquetSource, renderer: Renderer, rank: int, world: int,
           keep: bool) -> tuple[list[RenderedSample], np.ndarray]:
-    """Renders rows rank, rank+world, ...: (the samples if keep, [row, tokens, loss tokens] per
-    row). A render error on any rank stops every rank with the same message (e.g. a sample over
-    data.max_length with data.truncation=error)."""
+    """Renders this rank's share of the rows: (the samples if keep, [row, tokens, loss tokens,
+    tokens before truncation] per row). A render error on any rank stops every rank with the same
+    message (e.g. a sample over data.max_length with data.truncation=error)."""
     error, samples, stats = None, [], []
-    for p, r, row in source.read(np.arange(rank, source.num_rows, world)):
+    for p, r, row in _rows_of(source, _share(source.num_rows, rank, world)):
         try:
             sample = renderer.render(p, r, row)
         except ValueError as e:
             error = str(e)
             break
-        stats.append((row, len(sample.input_ids), loss_tokens(sample)))
+        stats.append((row, len(sample.input_ids), loss_tokens(sample), sample.full_length))
         if keep:
             samples.append(sample)
     errors = [None] * world
@@ -135,7 +187,7 @@ def _scan(source: ParquetSource, renderer: Renderer, rank: int, world: int,
     first = next((e for e in errors if e), None)
     if first:
         raise DataError(first)
-    return samples, np.array(stats, dtype=np.int64).reshape(-1, 3)
+    return samples, np.array(stats, dtype=np.int64).reshape(-1, 4)
 
 
 def validation_batches(samples: list[RenderedSample], micro_batch: int, token_budget: int | None, pad_to: int,

@@ -21,8 +21,8 @@ from sfttrain.config import ConfigError
 from sfttrain.errors import DataError
 
 # Rows shuffled together. Small datasets (below this) get a full shuffle; larger ones a shuffle of
-# row-group order plus a full shuffle inside windows of this many rows, so that reading stays
-# sequential-ish and memory stays bounded.
+# row-group order plus a full shuffle inside windows of this many rows (and less than one group),
+# so that a reader holds one window's text (as Arrow buffers) and decodes each group once per epoch.
 SHUFFLE_WINDOW_ROWS = 200_000
 
 
@@ -47,9 +47,9 @@ class PromptResponse:
                                   "data.response_key to the right columns")
         return [self.prompt_path[0], self.response_path[0]]
 
-    def decode(self, table, group: RowGroup) -> tuple[list, list]:
-        """(prompts, responses) of a row group."""
-        return tuple([_text(v, path, group, i) for i, v in enumerate(table.column(path[0]).to_pylist())]
+    def decode(self, table, group: RowGroup, locals_: list[int]) -> tuple[list, list]:
+        """(prompts, responses) of rows of a row group (`locals_`: their numbers in the group)."""
+        return tuple([_text(v, path, group, i) for i, v in zip(locals_, table.column(path[0]).to_pylist())]
                      for path in (self.prompt_path, self.response_path))
 
 
@@ -68,14 +68,14 @@ class ChatMessages:
                               "data.multiturn.messages_key to the column of role/content lists")
         return [self.messages_key] + [key for key, _ in self.optional if key in names]
 
-    def decode(self, table, group: RowGroup) -> tuple[list, list]:
-        """(messages, template keyword arguments) of a row group."""
+    def decode(self, table, group: RowGroup, locals_: list[int]) -> tuple[list, list]:
+        """(messages, template keyword arguments) of rows of a row group (`locals_`: their numbers in it)."""
         messages = [_messages(v, self.messages_key, group, i)
-                    for i, v in enumerate(table.column(self.messages_key).to_pylist())]
+                    for i, v in zip(locals_, table.column(self.messages_key).to_pylist())]
         kwargs = [{} for _ in messages]
         for key, kwarg in self.optional:
             if key in table.column_names:
-                for i, (row_kwargs, value) in enumerate(zip(kwargs, table.column(key).to_pylist())):
+                for i, row_kwargs, value in zip(locals_, kwargs, table.column(key).to_pylist()):
                     if value is not None:  # a null cell: the template's default
                         row_kwargs[kwarg] = _json(value, key, group, i) if kwarg == "tools" else value
         return messages, kwargs
@@ -92,7 +92,7 @@ def row_fields(d) -> PromptResponse | ChatMessages:
 class ParquetSource:
     """Rows of one or many Parquet files, addressed by a global row id."""
 
-    def __init__(self, files: list[str], fields: PromptResponse | ChatMessages, cache_groups: int = 8):
+    def __init__(self, files: list[str], fields: PromptResponse | ChatMessages):
         if not files:
             raise ConfigError("no Parquet files given")
         self.fields = fields
@@ -102,8 +102,10 @@ class ParquetSource:
             self._add_file(os.path.expanduser(file))
         self.num_rows = sum(g.num_rows for g in self.row_groups)
         self._starts = np.array([g.first_row for g in self.row_groups])
-        self._cache: OrderedDict[int, tuple[list, list]] = OrderedDict()
-        self._cache_groups = cache_groups
+        self._cache: OrderedDict[int, pa.Table] = OrderedDict()
+        # a window is >= SHUFFLE_WINDOW_ROWS rows plus less than one group
+        self._cache_rows = SHUFFLE_WINDOW_ROWS + max(g.num_rows for g in self.row_groups)
+        self.groups_decoded = 0  # row groups read from disk so far (bench/data_scale.py, tests)
 
     def _add_file(self, file: str) -> None:
         if not os.path.isfile(file):
@@ -140,24 +142,38 @@ class ParquetSource:
 
     def read(self, rows: np.ndarray) -> list[tuple]:
         """(prompt, response, row id), or (messages, template kwargs, row id), for each global row id,
-        in the given order."""
-        out = []
-        for row in rows.tolist():
-            g = int(np.searchsorted(self._starts, row, side="right")) - 1
-            first, second = self._group(g)
-            local = row - self.row_groups[g].first_row
-            out.append((first[local], second[local], row))
+        in the given order. The rows are taken group by group (one `take` and one conversion to
+        Python per row group touched), so a step's rows scattered over a shuffle window cost their
+        own size, not their groups'. Groups are visited in the order the rows first name them, so
+        that for a request in epoch order (a step's rows) the cache, trimmed after the read, drops
+        the groups of the window that ended, not those of the window that began: each group is
+        decoded once per epoch."""
+        rows = np.asarray(rows, dtype=np.int64)
+        groups = np.searchsorted(self._starts, rows, side="right") - 1
+        out: list = [None] * len(rows)
+        _, first = np.unique(groups, return_index=True)
+        for g in groups[np.sort(first)].tolist():
+            where = np.flatnonzero(groups == g)
+            group = self.row_groups[g]
+            locals_ = (rows[where] - group.first_row).tolist()
+            firsts, seconds = self.fields.decode(self._group(g).take(locals_), group, locals_)
+            for i, local, a, b in zip(where.tolist(), locals_, firsts, seconds):
+                out[i] = (a, b, group.first_row + local)
+        while sum(t.num_rows for t in self._cache.values()) > self._cache_rows and len(self._cache) > 1:
+            self._cache.popitem(last=False)  # after the read: no group of this request is evicted during it
         return out
 
-    def _group(self, g: int) -> tuple[list, list]:
+    def _group(self, g: int) -> pa.Table:
+        """Row group g's columns, decoded once and kept as Arrow buffers (about the text's own size,
+        not Python objects) while the cache holds at most a shuffle window: a window's rows are
+        read in random order, so each of its groups stays until the window is consumed."""
         if g in self._cache:
             self._cache.move_to_end(g)
             return self._cache[g]
         group = self.row_groups[g]
         table = pq.ParquetFile(group.file).read_row_group(group.index, columns=self._columns[group.file])
-        self._cache[g] = self.fields.decode(table, group)
-        if len(self._cache) > self._cache_groups:
-            self._cache.popitem(last=False)
+        self.groups_decoded += 1
+        self._cache[g] = table.combine_chunks()
         return self._cache[g]
 
 

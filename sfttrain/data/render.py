@@ -19,6 +19,7 @@ class RenderedSample:
     input_ids: list[int]
     loss_mask: list[int]  # 1 where token t is a training target (predicted from token t-1), else 0
     row: int  # global row id of the source row (for error messages)
+    full_length: int = 0  # tokens before truncation (> len(input_ids) where data.truncation cut the sample)
 
 
 def _as_id_list(out) -> list[int]:
@@ -118,4 +119,4 @@ class Renderer:
         # or with an empty prompt and no BOS). Keeping it out keeps sum(loss_mask) an exact count.
         if loss_mask and loss_mask[0]:
             loss_mask = [0] + loss_mask[1:]
-        return RenderedSample(input_ids=input_ids, loss_mask=loss_mask, row=row)
+        return RenderedSample(input_ids=input_ids, loss_mask=loss_mask, row=row, full_length=n)

@@ -1,0 +1,73 @@
+"""The data fingerprint: everything that decides which rows a run reads next and what they train on.
+
+Every checkpoint records it (trainer_state.json) and a resume compares it with the current run's
+(sfttrain.checkpoint.load): a difference would silently change the rows that come next or their
+tokens, so it is refused unless the user overrides it. Its files and rendering part (not the
+order, which does not change a row's tokens) also names the per-row length cache (loader.row_stats).
+
+A flat dict keyed by the config key the user would change, so a difference names its fix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict
+from typing import Optional
+
+from sfttrain.config import Config
+from sfttrain.data.parquet import ParquetSource
+
+ORDER_KEYS = ("trainer.seed", "data.shuffle", "data.train_batch_size")
+
+
+def data_fingerprint(cfg: Config, source: ParquetSource, tokenizer) -> dict:
+    d = cfg.data
+    template = (d.chat_template or getattr(tokenizer, "chat_template", None)) if d.apply_chat_template else None
+    return {
+        "data.train_files": _files(source),
+        "trainer.seed": cfg.trainer.seed,
+        "data.shuffle": d.shuffle,
+        "data.train_batch_size": d.train_batch_size,
+        "data.max_length": d.max_length,
+        "data.truncation": d.truncation,
+        "data.apply_chat_template": d.apply_chat_template,
+        "chat template (sha256)": _sha256(template) if template else None,
+        "data.prompt_key": [d.prompt_key, *(d.prompt_dict_keys or [])],
+        "data.response_key": [d.response_key, *(d.response_dict_keys or [])],
+        "data.multiturn": asdict(d.multiturn),
+        "tokenizer (sha256)": tokenizer_sha256(tokenizer),
+    }
+
+
+def rendering_key(fingerprint: dict) -> str:
+    """Names what a row's token counts depend on: the files (with their modification times, so
+    a file rewritten in place at the same size is not taken for the old one) and the rendering."""
+    parts = {k: v for k, v in fingerprint.items() if k not in ORDER_KEYS}
+    parts["mtimes"] = [os.stat(f["path"]).st_mtime_ns for f in fingerprint["data.train_files"]]
+    return _sha256(json.dumps(parts, sort_keys=True))[:16]
+
+
+def differences(saved: dict, current: dict) -> list[str]:
+    """'key: saved -> current' for each key both hold, with another value (a checkpoint of another
+    sfttrain version may record other keys; those cannot be compared)."""
+    return [f"{key}: {saved[key]} -> {current[key]}" for key in saved if key in current and saved[key] != current[key]]
+
+
+def tokenizer_sha256(tokenizer) -> str:
+    """The whole tokenizer (vocabulary, merges, normaliser, added tokens) and its special tokens."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    return _sha256(text + json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str))
+
+
+def _files(source: ParquetSource) -> list[dict]:
+    rows: dict[str, int] = {}
+    for group in source.row_groups:
+        rows[group.file] = rows.get(group.file, 0) + group.num_rows
+    return [{"path": os.path.abspath(f), "bytes": os.path.getsize(f), "rows": n} for f, n in rows.items()]
+
+
+def _sha256(text: Optional[str]) -> str:
+    return hashlib.sha256(str(text).encode()).hexdigest()

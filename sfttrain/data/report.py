@@ -1,0 +1,94 @@
+"""What the rendered training data holds, said before any compute is spent.
+
+From the start-up row scan (loader.row_stats): which rows truncation leaves with nothing to train
+on (refused, or dropped with data.no_loss_rows=drop), what truncation cut from the others (the
+EOS with truncation=right, the BOS and system prompt with truncation=left), and the data report:
+rows, token lengths, share truncated, supervised tokens per epoch. Printed by rank 0 and written
+to <run folder>/data_report.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+
+from sfttrain.config import ConfigError, DataConfig
+from sfttrain.data.loader import RowStats
+
+REPORT_FILE = "data_report.json"
+SHOWN_ROWS = 8  # row ids named in messages
+
+
+def select_rows(stats: RowStats, d: DataConfig) -> RowStats:
+    """Rows with no supervised token (truncation=right with a prompt at or over max_length) would
+    train on nothing: stop naming them (data.no_loss_rows=error), or drop them from every epoch."""
+    empty = np.flatnonzero(stats.loss_tokens == 0)
+    if len(empty) and d.no_loss_rows == "error":
+        raise ConfigError(
+            f"{len(empty)} training rows have no supervised token left after data.truncation={d.truncation} "
+            f"to data.max_length={d.max_length} (their prompt fills it), e.g. rows {_first(empty)}. Set "
+            "data.no_loss_rows=drop to train without them, or raise data.max_length (or data.truncation=left, "
+            "which keeps the response's end)")
+    return dataclasses.replace(stats, keep=stats.loss_tokens > 0)
+
+
+def data_report(stats: RowStats, epoch_rows: np.ndarray, d: DataConfig, cache_file: str | None) -> dict:
+    """stats: after select_rows. epoch_rows: the rows one epoch trains on (the first epoch's;
+    others differ only in the leftover rows a global batch does not fill)."""
+    cut = np.flatnonzero(stats.full_lengths > stats.lengths)
+    effect = {"right": "eos_cut", "left": "start_cut"}.get(d.truncation)  # what the cut removes
+    return {
+        "rows": len(stats.lengths),
+        "rows_trained": int(stats.keep.sum()),
+        "rows_dropped_no_loss": _rows(np.flatnonzero(~stats.keep)),
+        "tokens_before_truncation": _summary(stats.full_lengths),
+        "tokens": _summary(stats.lengths),
+        "truncated": {**_rows(cut), "share": len(cut) / max(1, len(stats.lengths)), "effect": effect},
+        "supervised_tokens_per_epoch": int(stats.loss_tokens[epoch_rows].sum()),
+        "rows_per_epoch": len(epoch_rows),
+        "rows_rendered_at_startup": stats.rendered,
+        "length_cache": cache_file,
+    }
+
+
+def describe(report: dict) -> str:
+    full, trunc = report["tokens_before_truncation"], report["truncated"]
+    lines = [
+        f"  data                : {report['rows']} rows, {report['rows_trained']} trained "
+        f"({report['rows_dropped_no_loss']['count']} dropped: no supervised token), "
+        f"{report['rows_per_epoch']} per epoch, {report['supervised_tokens_per_epoch']} supervised tokens per epoch",
+        f"  tokens per row      : mean {full['mean']:.1f}, p50 {full['p50']:.0f}, p99 {full['p99']:.0f}, "
+        f"max {full['max']} (before truncation)",
+        f"  truncated           : {trunc['count']} rows ({100 * trunc['share']:.2f}%)",
+        f"  row scan            : {report['rows_rendered_at_startup']} rows rendered, the others' lengths "
+        f"read from {report['length_cache']}",
+    ]
+    if trunc["count"] and trunc["effect"] == "eos_cut":
+        lines.append(f"  WARNING: data.truncation=right cut the end of {trunc['count']} responses, EOS "
+                     f"included (those samples never learn to stop), e.g. rows {trunc['rows']}")
+    if trunc["count"] and trunc["effect"] == "start_cut":
+        lines.append(f"  WARNING: data.truncation=left cut the start of {trunc['count']} samples (BOS, system "
+                     f"prompt and the prompt's beginning), e.g. rows {trunc['rows']}")
+    return "\n".join(lines)
+
+
+def write_report(report: dict, run_dir: str) -> None:
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, REPORT_FILE), "w") as f:
+        json.dump(report, f, indent=1)
+
+
+def _summary(values: np.ndarray) -> dict:
+    return {"mean": float(values.mean()), "p50": float(np.percentile(values, 50)),
+            "p99": float(np.percentile(values, 99)), "max": int(values.max())}
+
+
+def _rows(rows) -> dict:
+    return {"count": len(rows), "rows": _first(rows)}
+
+
+def _first(rows) -> list[int]:
+    return [int(r) for r in rows[:SHOWN_ROWS]]

@@ -1,0 +1,92 @@
+"""The start-up data pass: rows that would train on nothing (refused, or dropped on 2 real ranks),
+the data report against counts made here straight from the tokenizer, and the length cache."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from transformers import AutoTokenizer
+
+from tests.conftest import BASE_OVERRIDES, STORIES, read_metrics, run_sfttrain
+
+ROWS, BATCH, MAX_LENGTH = 40, 8, 256
+LONG_PROMPTS = (5, 17, 30)  # planted: prompts far over MAX_LENGTH
+
+
+@pytest.fixture(scope="module")
+def data(gsm8k_dir, tmp_path_factory) -> Path:
+    rows = pq.read_table(gsm8k_dir / "train.parquet").slice(0, ROWS).to_pylist()
+    for i in LONG_PROMPTS:
+        rows[i]["question"] = " ".join([rows[i]["question"]] * 4)
+    out = tmp_path_factory.mktemp("trunc") / "train.parquet"
+    pq.write_table(pa.Table.from_pylist(rows).select(["question", "answer"]), out, row_group_size=16)
+    return out
+
+
+@pytest.fixture(scope="module")
+def expected(data) -> dict:
+    """Per row, straight from the tokenizer: tokens before truncation, and supervised tokens once
+    truncation=right keeps the first MAX_LENGTH (the response and its EOS come after the prompt)."""
+    tok = AutoTokenizer.from_pretrained(STORIES)
+    full, loss = [], []
+    for row in pq.read_table(data).to_pylist():
+        prompt = len(tok(row["question"])["input_ids"])  # BOS + the question
+        response = len(tok(row["answer"], add_special_tokens=False)["input_ids"]) + 1  # + EOS
+        full.append(prompt + response)
+        loss.append(max(0, min(prompt + response, MAX_LENGTH) - prompt))
+    return {"full": np.array(full), "loss": np.array(loss)}
+
+
+def job(data: Path, run_dir: Path, *extra: str) -> list[str]:
+    return [*BASE_OVERRIDES, f"data.train_files={data}", f"trainer.default_local_dir={run_dir}",
+            f"data.max_length={MAX_LENGTH}", "data.truncation=right", f"data.train_batch_size={BATCH}",
+            "data.micro_batch_size_per_gpu=2", *extra]
+
+
+def test_rows_with_nothing_to_train_stop_the_run(data, expected, tmp_path):
+    empty = np.flatnonzero(expected["loss"] == 0)
+    assert set(LONG_PROMPTS) <= set(empty.tolist())
+    out = run_sfttrain(1, job(data, tmp_path / "run"), check=False)
+    assert out.returncode != 0
+    assert f"{len(empty)} training rows have no supervised token" in out.stdout
+    assert f"rows {empty.tolist()}" in out.stdout
+    assert "data.no_loss_rows=drop" in out.stdout and "raise data.max_length" in out.stdout
+    assert not (tmp_path / "run" / "global_step_1").exists()
+
+
+def test_dropped_rows_never_train_and_the_report_counts(data, expected, tmp_path):
+    """2 ranks, drop: each step's token count is that of the next BATCH kept rows in file order
+    (shuffle off), so the rows left out are exactly the empty ones and the plan counts from the
+    kept rows; the report's numbers equal the ones computed here."""
+    run_dir = tmp_path / "run"
+    out = run_sfttrain(2, job(data, run_dir, "data.no_loss_rows=drop")).stdout
+    kept = np.flatnonzero(expected["loss"] > 0)
+    steps = len(kept) // BATCH
+    assert f"{ROWS} rows -> {steps} steps per epoch" not in out  # the plan is not of all rows ...
+    assert f"{len(kept)} rows -> {steps} steps per epoch" in out  # ... but of the kept ones
+    trained = np.minimum(expected["full"], MAX_LENGTH)
+    logged = [m for m in read_metrics(run_dir) if "loss" in m]
+    assert [m["tokens"] for m in logged] == [int(trained[kept[i * BATCH:(i + 1) * BATCH]].sum()) for i in range(steps)]
+    assert [m["loss_tokens"] for m in logged] == \
+        [int(expected["loss"][kept[i * BATCH:(i + 1) * BATCH]].sum()) for i in range(steps)]
+
+    report = json.loads((run_dir / "data_report.json").read_text())
+    full = expected["full"]
+    cut = np.flatnonzero(full > MAX_LENGTH)
+    assert report["rows"] == ROWS and report["rows_trained"] == len(kept)
+    assert report["rows_dropped_no_loss"] == {"count": ROWS - len(kept),
+                                              "rows": np.flatnonzero(expected["loss"] == 0)[:8].tolist()}
+    assert report["tokens_before_truncation"]["max"] == full.max()
+    assert report["tokens_before_truncation"]["mean"] == pytest.approx(full.mean())
+    assert report["tokens_before_truncation"]["p50"] == pytest.approx(np.median(full))
+    assert report["tokens"]["max"] == MAX_LENGTH
+    assert report["truncated"]["count"] == len(cut) and report["truncated"]["share"] == pytest.approx(len(cut) / ROWS)
+    assert report["truncated"]["effect"] == "eos_cut"
+    assert report["supervised_tokens_per_epoch"] == sum(m["loss_tokens"] for m in logged)
+    assert report["rows_rendered_at_startup"] == ROWS
+    assert "data.truncation=right cut the end of" in out and "EOS" in out

@@ -1,0 +1,113 @@
+"""What a resume does with a changed config: the optimizer and LR schedule follow the new config
+(each difference printed), a schedule that ends before the checkpoint is refused, and a data
+change is refused unless overridden. Real torchrun jobs on stories260K; the LR is checked against
+the cosine written out here."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from sfttrain import checkpoint
+from sfttrain.config import ConfigError, load_config
+from tests.conftest import BASE_OVERRIDES, read_metrics, run_sfttrain
+
+SAVED_STEP = 3
+
+
+@pytest.fixture(scope="module")
+def data(gsm8k_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("resume_rules") / "train.parquet"
+    pq.write_table(pq.read_table(gsm8k_dir / "train.parquet").slice(0, 52), out, row_group_size=16)
+    return out
+
+
+def job(data: Path, run_dir: Path, *extra: str) -> list[str]:
+    return [*BASE_OVERRIDES, f"data.train_files={data}", f"trainer.default_local_dir={run_dir}",
+            "data.shuffle=true", "data.max_length=128", "data.train_batch_size=8", "data.micro_batch_size_per_gpu=4",
+            "optim.lr_scheduler=cosine", "optim.lr_warmup_steps_ratio=0.2", "optim.min_lr_ratio=0.1", *extra]
+
+
+@pytest.fixture(scope="module")
+def saved(data, tmp_path_factory) -> Path:
+    """A run folder whose last checkpoint is step 3 of a 3-step schedule."""
+    run_dir = tmp_path_factory.mktemp("saved") / "run"
+    run_sfttrain(1, job(data, run_dir, f"trainer.total_training_steps={SAVED_STEP}"))
+    return run_dir
+
+
+def copy_of(saved: Path, tmp_path: Path) -> Path:
+    run_dir = tmp_path / "run"
+    shutil.copytree(saved, run_dir)
+    return run_dir
+
+
+def test_raised_total_steps_follow_the_new_schedule(data, saved, tmp_path):
+    """The first resumed step runs at the new schedule's LR for step 3 (the old restore gave the
+    old schedule's last LR, and the next step jumped), and the start-up lines say what changed.
+    The row scan is not repeated: the lengths come from the run folder's cache."""
+    run_dir = copy_of(saved, tmp_path)
+    out = run_sfttrain(1, job(data, run_dir, "trainer.total_training_steps=8", "optim.lr=2e-3")).stdout
+    assert "optim.lr: 0.001 -> 0.002" in out and "total steps: 3 -> 8" in out
+    warmup, total = int(0.2 * 8), 8
+    lrs = {m["step"]: m["lr"] for m in read_metrics(run_dir) if "lr" in m}
+    for step in range(SAVED_STEP, total):  # lr of 0-based step s is logged as step s + 1
+        progress = (step - warmup) / (total - warmup)
+        assert lrs[step + 1] == pytest.approx(2e-3 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))))
+    assert sorted(lrs) == list(range(1, total + 1))
+    first = json.loads((saved / "data_report.json").read_text())
+    again = json.loads((run_dir / "data_report.json").read_text())
+    assert first["rows_rendered_at_startup"] == 52 and again["rows_rendered_at_startup"] == 0
+    same = ("rows_rendered_at_startup", "length_cache")  # the copy's cache is in the copied folder
+    assert {k: v for k, v in again.items() if k not in same} == {k: v for k, v in first.items() if k not in same}
+    assert again["length_cache"].startswith(str(run_dir))
+    state = json.loads((run_dir / "global_step_8" / "trainer_state.json").read_text())
+    assert state["schedule"]["optim.lr"] == 2e-3 and state["schedule"]["total steps"] == 8
+
+
+def test_lowered_total_steps_refused(data, saved, tmp_path):
+    run_dir = copy_of(saved, tmp_path)
+    out = run_sfttrain(1, job(data, run_dir, "trainer.total_training_steps=2"), check=False)
+    assert out.returncode != 0
+    assert "is at step 3, but this run's schedule ends at step 2" in out.stdout
+    assert "trainer.total_training_steps above 3" in out.stdout and "trainer.resume_mode=disable" in out.stdout
+
+
+def test_finished_run_started_again_trains_nothing_and_says_so(data, saved, tmp_path):
+    run_dir = copy_of(saved, tmp_path)
+    out = run_sfttrain(1, job(data, run_dir, f"trainer.total_training_steps={SAVED_STEP}")).stdout
+    assert "nothing left to train" in out
+
+
+def test_changed_data_refused_then_allowed(data, saved, tmp_path):
+    run_dir = copy_of(saved, tmp_path)
+    changed = job(data, run_dir, "trainer.total_training_steps=5", "data.max_length=100", "data.shuffle=false")
+    out = run_sfttrain(1, changed, check=False)
+    assert out.returncode != 0
+    assert "data.max_length: 128 -> 100" in out.stdout and "data.shuffle: True -> False" in out.stdout
+    assert "trainer.resume_allow_data_change=true" in out.stdout
+    out = run_sfttrain(1, [*changed, "trainer.resume_allow_data_change=true"]).stdout
+    assert "allowed by trainer.resume_allow_data_change" in out
+    assert [m["step"] for m in read_metrics(run_dir) if "loss" in m] == [1, 2, 3, 4, 5]
+
+
+def test_checkpoint_of_an_older_sfttrain(tmp_path):
+    """No fingerprint nor schedule recorded: resumed with a note; the batch size and seed, which
+    it does record, are still checked."""
+    cfg = load_config(overrides=["data.train_files=x.parquet", "model.partial_pretrain=m"])
+    ckpt = tmp_path / "global_step_4"
+    ckpt.mkdir()
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 4, "global_batch": 256, "seed": 1}))
+    current = checkpoint.TrainState(data={"data.train_batch_size": 256, "trainer.seed": 1, "data.max_length": 9},
+                                    schedule={"optim.lr": 1e-5, "total steps": 10})
+    notes = checkpoint.check_resume(str(ckpt), cfg, current)
+    assert any("records no data fingerprint" in n for n in notes)
+    assert any("records no optimizer settings" in n for n in notes)
+    current.data["trainer.seed"] = 2
+    with pytest.raises(ConfigError, match="trainer.seed: 1 -> 2"):
+        checkpoint.check_resume(str(ckpt), cfg, current)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
+from sfttrain import sequence_parallel
 from sfttrain.config import Config, ConfigError, mixed_precision_dtypes
 from sfttrain.distributed import World
 from sfttrain.loss import CausalLMLoss
@@ -26,11 +27,18 @@ def parallelize(lm: CausalLMLoss, world: World, cfg: Config) -> bool:
     offload = fsdp.cpu_offload or fsdp.offload_params
     if offload and world.device.type != "cuda":
         raise ConfigError("model.fsdp_config.cpu_offload/offload_params need a CUDA device; set them to false")
+    apply_sequence_parallel(lm, world)
     if world.world_size == 1 and not offload:
         single_device(lm, world, cfg)
         return False
     shard(lm, world, cfg, offload)
     return True
+
+
+def apply_sequence_parallel(lm: CausalLMLoss, world: World) -> None:
+    """Ulysses' all-to-all around attention, over the mesh's sp dimension (sfttrain.sequence_parallel)."""
+    if world.sp_size > 1:
+        sequence_parallel.apply(lm, world.mesh["sp"].get_group(), world.sp_size)
 
 
 def single_device(lm: CausalLMLoss, world: World, cfg: Config) -> None:
@@ -52,8 +60,7 @@ def shard(lm: CausalLMLoss, world: World, cfg: Config, offload: bool) -> None:
     fsdp = cfg.model.fsdp_config
     dtypes = mixed_precision_dtypes(fsdp)
     # 1-D mesh: plain FSDP; 2-D (replicate x shard): HSDP, shards within a group, replicas across
-    mesh = world.mesh if world.mesh["dp_replicate"].size() > 1 else world.mesh["dp_shard"]
-    common = dict(mesh=mesh, reshard_after_forward=fsdp.sharding_strategy != "SHARD_GRAD_OP")
+    common = dict(mesh=world.fsdp_mesh(), reshard_after_forward=fsdp.sharding_strategy != "SHARD_GRAD_OP")
     if dtypes:
         common["mp_policy"] = MixedPrecisionPolicy(param_dtype=DTYPE[dtypes[0]], reduce_dtype=DTYPE[dtypes[1]])
     if offload:

@@ -69,9 +69,10 @@ class FSDPSFTTrainer:
         self.optimizer = build_optimizer(self.lm, cfg.optim, world.device)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.plan.total_steps)
         self.data = TrainData(train_source, renderer, self.plan, stats, world.dp_rank, t.seed, d.shuffle,
-                              self.model_shape.attention_coefficient, d.pad_to_multiple)
+                              self.model_shape.attention_coefficient, d.pad_to_multiple, world.row_slice)
         self.val_batches = (validation_batches(val_samples, d.micro_batch_size_per_gpu, d.max_token_len_per_gpu,
-                                               d.pad_to_multiple, world.device) if val_samples is not None else None)
+                                               d.pad_to_multiple, world.device, world.row_slice)
+                            if val_samples is not None else None)
 
         self.state = checkpoint.TrainState(global_batch=d.train_batch_size, seed=t.seed)
         if world.is_main:
@@ -151,7 +152,7 @@ class FSDPSFTTrainer:
         loss_sum = torch.zeros((), device=self.world.device)
         for micro in batch.micro_batches:
             micro_loss = self.lm(micro.to(self.world.device))
-            normalised(micro_loss, batch.num_loss_tokens, self.world.dp_size).backward()
+            normalised(micro_loss, batch.num_loss_tokens, self.world.grad_ranks).backward()
             loss_sum += micro_loss.detach()
         return loss_sum
 

@@ -20,6 +20,7 @@ from sfttrain.data.pack import MicroBatch, budget_bins, empty_micro_batch, loss_
 from sfttrain.data.parquet import ParquetSource
 from sfttrain.data.plan import BatchPlan
 from sfttrain.data.render import RenderedSample, Renderer
+from sfttrain.sequence_parallel import local_slice
 
 
 @dataclass
@@ -44,9 +45,10 @@ class RowStats:
 
 class TrainData:
     def __init__(self, source: ParquetSource, renderer: Renderer, plan: BatchPlan, stats: RowStats, dp_rank: int,
-                 seed: int, shuffle: bool, attn_coef: float, pad_to: int):
+                 seed: int, shuffle: bool, attn_coef: float, pad_to: int, row_slice: tuple[int, int] = (0, 1)):
         self.source, self.renderer, self.plan, self.stats, self.dp_rank = source, renderer, plan, stats, dp_rank
         self.seed, self.shuffle, self.pad_to = seed, shuffle, pad_to
+        self.row_slice = row_slice  # (this rank's slice, slices per row): Ulysses sequence parallelism
         # balancing cost of a sample of s tokens: s + attn_coef * s^2 (linear layers + attention)
         self.attn_coef = attn_coef
 
@@ -67,7 +69,8 @@ class TrainData:
         reads and renders only its own share."""
         lengths = self.stats.lengths[rows].tolist()
         costs = [n + self.attn_coef * n * n for n in lengths]
-        micro = [pack([self.renderer.render(p, r, row) for p, r, row in self.source.read(rows[idx])], self.pad_to)
+        micro = [local_slice(pack([self.renderer.render(p, r, row) for p, r, row in self.source.read(rows[idx])],
+                                  self.pad_to), *self.row_slice)
                  for idx in self.plan.split(lengths, costs)[self.dp_rank]]
         return StepBatch(epoch, consumed, micro, int(self.stats.loss_tokens[rows].sum()), lengths, rows.tolist())
 
@@ -130,7 +133,7 @@ def _scan(source: ParquetSource, renderer: Renderer, rank: int, world: int,
         stats.append((row, len(sample.input_ids), loss_tokens(sample)))
         if keep:
             samples.append(sample)
-    errors = [None] * world
+    errors = [None] * dist.get_world_size()  # all ranks, also when `world` counts data-parallel ranks only
     dist.all_gather_object(errors, error)
     first = next((e for e in errors if e), None)
     if first:
@@ -139,9 +142,9 @@ def _scan(source: ParquetSource, renderer: Renderer, rank: int, world: int,
 
 
 def validation_batches(samples: list[RenderedSample], micro_batch: int, token_budget: int | None, pad_to: int,
-                       device: torch.device) -> list[MicroBatch]:
-    """This rank's validation micro-batches, padded with empty ones to the count of the busiest
-    rank (every rank must run the same number of forwards)."""
+                       device: torch.device, row_slice: tuple[int, int] = (0, 1)) -> list[MicroBatch]:
+    """This rank's validation micro-batches (its slice of each row, see TrainData), padded with
+    empty ones to the count of the busiest rank (every rank must run the same number of forwards)."""
     if token_budget:
         groups = budget_bins([len(s.input_ids) for s in samples], token_budget)
     else:
@@ -149,4 +152,5 @@ def validation_batches(samples: list[RenderedSample], micro_batch: int, token_bu
     batches = [pack([samples[i] for i in g], pad_to) for g in groups]
     count = torch.tensor([len(batches)], device=device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
-    return batches + [empty_micro_batch() for _ in range(int(count.item()) - len(batches))]
+    batches += [empty_micro_batch() for _ in range(int(count.item()) - len(batches))]
+    return [local_slice(b, *row_slice) for b in batches]

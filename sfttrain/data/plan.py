@@ -1,7 +1,9 @@
 """The batch arithmetic, checked and explained before any compute is spent.
 
 data.train_batch_size is the GLOBAL batch: samples per optimizer step over all data-parallel
-ranks. Each rank gets train_batch_size / dp_size of them and runs them as micro-batches of
+ranks. With Ulysses sequence parallelism (ulysses_sequence_parallel_size = sp) the data-parallel
+ranks are world / sp groups of sp ranks that share every micro-batch, each rank one slice of its
+tokens. Each data-parallel rank gets train_batch_size / dp_size of them and runs them as micro-batches of
 data.micro_batch_size_per_gpu samples (gradient accumulation follows), or, with
 data.max_token_len_per_gpu, as packed micro-batches of at most that many tokens.
 """
@@ -24,6 +26,7 @@ class BatchPlan:
     num_rows: int
     steps_per_epoch: int
     total_steps: int
+    sp_size: int = 1  # ulysses_sequence_parallel_size: ranks per data-parallel rank
 
     @property
     def samples_per_rank(self) -> int:
@@ -41,7 +44,7 @@ class BatchPlan:
             micro = (f"{self.micro_batch} samples/micro-batch x {self.accum_steps} accumulation steps "
                      f"= {self.samples_per_rank} samples per rank")
         return "\n".join([
-            f"  data-parallel ranks : {self.dp_size}",
+            f"  data-parallel       : {describe_dp(self.dp_size, self.sp_size)}",
             f"  global batch        : {self.global_batch} samples per optimizer step (data.train_batch_size)",
             f"  per rank            : {micro}",
             f"  dataset             : {self.num_rows} rows -> {self.steps_per_epoch} steps per epoch "
@@ -63,15 +66,24 @@ class BatchPlan:
                 for r in ranks]
 
 
+def describe_dp(dp_size: int, sp_size: int) -> str:
+    """E.g. "4 data-parallel ranks (8 ranks = 4 data-parallel x 2 sequence-parallel)"."""
+    ranks = f"{dp_size} data-parallel ranks"
+    if sp_size == 1:
+        return ranks
+    return f"{ranks} ({dp_size * sp_size} ranks = {dp_size} data-parallel x {sp_size} sequence-parallel)"
+
+
 def make_plan(cfg: Config, dp_size: int, num_rows: int) -> BatchPlan:
     d, t = cfg.data, cfg.trainer
-    b, mb = d.train_batch_size, d.micro_batch_size_per_gpu
+    b, mb, sp = d.train_batch_size, d.micro_batch_size_per_gpu, cfg.ulysses_sequence_parallel_size
     if b % dp_size:
-        raise ConfigError(f"data.train_batch_size={b} is not divisible by the {dp_size} data-parallel ranks; "
+        raise ConfigError(f"data.train_batch_size={b} is not divisible by the {describe_dp(dp_size, sp)}; "
                           f"use a multiple of {dp_size}, e.g. {_nearest_multiple(b, dp_size)}")
     if not d.max_token_len_per_gpu and (b // dp_size) % mb:
         per_rank = b // dp_size
-        raise ConfigError(f"data.train_batch_size={b} gives {per_rank} samples per rank over {dp_size} ranks, "
+        raise ConfigError(f"data.train_batch_size={b} gives {per_rank} samples per data-parallel rank over "
+                          f"{describe_dp(dp_size, sp)}, "
                           f"not divisible by data.micro_batch_size_per_gpu={mb}; use a train_batch_size that "
                           f"is a multiple of {dp_size * mb} (e.g. {_nearest_multiple(b, dp_size * mb)}) or a "
                           f"micro_batch_size_per_gpu that divides {per_rank}")
@@ -80,7 +92,7 @@ def make_plan(cfg: Config, dp_size: int, num_rows: int) -> BatchPlan:
         raise ConfigError(f"the training data has {num_rows} rows, fewer than data.train_batch_size={b}: "
                           "lower the batch size or add data")
     total = t.total_training_steps or steps_per_epoch * t.total_epochs
-    return BatchPlan(dp_size, b, mb, d.max_token_len_per_gpu, num_rows, steps_per_epoch, total)
+    return BatchPlan(dp_size, b, mb, d.max_token_len_per_gpu, num_rows, steps_per_epoch, total, sp)
 
 
 def _nearest_multiple(value: int, base: int) -> int:

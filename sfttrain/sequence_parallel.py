@@ -63,6 +63,8 @@ class SequenceParallel:
         out, _ = attention.varlen_attention_forward(module, query, key, value, attention_mask, **kwargs)
         return self._scatter_sequence(out), None
 
+    # the exchanges stay eager under model.compile: a graph break around a collective, not a trace of it
+    @torch.compiler.disable
     def _gather_sequence(self, x: torch.Tensor) -> torch.Tensor:
         """[1, H, T/sp, D] -> [1, H/sp, T, D]: all tokens of the row, this rank's heads."""
         heads, local, dim = x.shape[1:]
@@ -71,6 +73,7 @@ class SequenceParallel:
         recv = AllToAll.apply(send, self.group)  # [sp, H/sp, T/sp, D], first dim = source rank
         return recv.transpose(0, 1).reshape(1, heads // self.size, self.size * local, dim)
 
+    @torch.compiler.disable
     def _scatter_sequence(self, out: torch.Tensor) -> torch.Tensor:
         """[1, T, H/sp, D] -> [1, T/sp, H, D]: this rank's tokens, all heads."""
         tokens, heads, dim = out.shape[1:]

@@ -138,8 +138,8 @@ def test_sequence_parallel_trains_like_data_parallel(runs, name):
 
 
 def test_start_up_plan_names_the_sequence_parallel_ranks(runs):
-    assert "1 data-parallel ranks (2 ranks = 1 data-parallel x 2 sequence-parallel)" in runs["sp2.stdout"]
-    assert "2 data-parallel ranks (4 ranks = 2 data-parallel x 2 sequence-parallel)" in runs["dp2_sp2.stdout"]
+    assert "data-parallel ranks : 1 (2 ranks = 1 data-parallel x 2 sequence-parallel)" in runs["sp2.stdout"]
+    assert "data-parallel ranks : 2 (4 ranks = 2 data-parallel x 2 sequence-parallel)" in runs["dp2_sp2.stdout"]
     assert "mesh (1, 2, 2) ('dp_replicate', 'dp_shard', 'sp')" in runs["dp2_sp2.stdout"]
 
 

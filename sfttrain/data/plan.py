@@ -44,7 +44,7 @@ class BatchPlan:
             micro = (f"{self.micro_batch} samples/micro-batch x {self.accum_steps} accumulation steps "
                      f"= {self.samples_per_rank} samples per rank")
         return "\n".join([
-            f"  data-parallel       : {describe_dp(self.dp_size, self.sp_size)}",
+            f"  data-parallel ranks : {self.dp_size}{sequence_parallel_note(self.dp_size, self.sp_size)}",
             f"  global batch        : {self.global_batch} samples per optimizer step (data.train_batch_size)",
             f"  per rank            : {micro}",
             f"  dataset             : {self.num_rows} rows -> {self.steps_per_epoch} steps per epoch "
@@ -66,24 +66,23 @@ class BatchPlan:
                 for r in ranks]
 
 
-def describe_dp(dp_size: int, sp_size: int) -> str:
-    """E.g. "4 data-parallel ranks (8 ranks = 4 data-parallel x 2 sequence-parallel)"."""
-    ranks = f"{dp_size} data-parallel ranks"
-    if sp_size == 1:
-        return ranks
-    return f"{ranks} ({dp_size * sp_size} ranks = {dp_size} data-parallel x {sp_size} sequence-parallel)"
+def sequence_parallel_note(dp_size: int, sp_size: int) -> str:
+    """What the data-parallel ranks are made of under Ulysses, e.g. " (8 ranks = 4 data-parallel x
+    2 sequence-parallel)"; nothing without it."""
+    return f" ({dp_size * sp_size} ranks = {dp_size} data-parallel x {sp_size} sequence-parallel)" if sp_size > 1 else ""
 
 
 def make_plan(cfg: Config, dp_size: int, num_rows: int) -> BatchPlan:
     d, t = cfg.data, cfg.trainer
     b, mb, sp = d.train_batch_size, d.micro_batch_size_per_gpu, cfg.ulysses_sequence_parallel_size
     if b % dp_size:
-        raise ConfigError(f"data.train_batch_size={b} is not divisible by the {describe_dp(dp_size, sp)}; "
+        raise ConfigError(f"data.train_batch_size={b} is not divisible by the {dp_size} data-parallel ranks"
+                          f"{sequence_parallel_note(dp_size, sp)}; "
                           f"use a multiple of {dp_size}, e.g. {_nearest_multiple(b, dp_size)}")
     if not d.max_token_len_per_gpu and (b // dp_size) % mb:
         per_rank = b // dp_size
         raise ConfigError(f"data.train_batch_size={b} gives {per_rank} samples per data-parallel rank over "
-                          f"{describe_dp(dp_size, sp)}, "
+                          f"{dp_size} data-parallel ranks{sequence_parallel_note(dp_size, sp)}, "
                           f"not divisible by data.micro_batch_size_per_gpu={mb}; use a train_batch_size that "
                           f"is a multiple of {dp_size * mb} (e.g. {_nearest_multiple(b, dp_size * mb)}) or a "
                           f"micro_batch_size_per_gpu that divides {per_rank}")

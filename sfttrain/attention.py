@@ -150,11 +150,12 @@ def select_backend(requested: str = "auto", device_type: str | None = None) -> s
     return requested
 
 
-def register() -> None:
-    """Register ATTN_IMPLEMENTATION with transformers (idempotent; also done at import)."""
+def register(forward=None) -> None:
+    """Register ATTN_IMPLEMENTATION with transformers (idempotent; also done at import). forward:
+    a wrapper of varlen_attention_forward to call instead (sfttrain.sequence_parallel's)."""
     from transformers import AttentionInterface
 
-    AttentionInterface.register(ATTN_IMPLEMENTATION, varlen_attention_forward)
+    AttentionInterface.register(ATTN_IMPLEMENTATION, forward or varlen_attention_forward)
     # Deliberately no AttentionMaskInterface.register: see the module docstring.
 
 

@@ -136,7 +136,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
-    ulysses_sequence_parallel_size: int = 1
+    ulysses_sequence_parallel_size: int = 1  # ranks sharing each packed row, attention heads split over them (Ulysses)
     use_remove_padding: bool = True  # verl key; sfttrain is always padding-free
 
 
@@ -145,6 +145,8 @@ ALIASES = {
     "trainer.save_interval": "trainer.save_freq",
     "optim.warmup_steps_ratio": "optim.lr_warmup_steps_ratio",
     "optim.warmup_style": "optim.lr_scheduler",
+    "model.ulysses_sequence_parallel_size": "ulysses_sequence_parallel_size",  # verl's actor/model block spelling
+    "model.use_remove_padding": "use_remove_padding",
 }
 
 # Keys whose value may be a nested dict of their own (validated where they are used).
@@ -308,9 +310,8 @@ def validate(cfg: Config) -> None:
     for name in logger_names(t):
         _choice("trainer.logger", name, ("console", "wandb"))
     _validate_lora(m)
-    if cfg.ulysses_sequence_parallel_size != 1:
-        raise ConfigError("ulysses_sequence_parallel_size > 1: Ulysses sequence parallelism is not implemented "
-                          "yet; set it to 1")
+    if cfg.ulysses_sequence_parallel_size < 1:
+        raise ConfigError(f"ulysses_sequence_parallel_size must be >= 1 (1: off), got {cfg.ulysses_sequence_parallel_size}")
     if not cfg.use_remove_padding:
         raise ConfigError("use_remove_padding=false: sfttrain always trains padding-free (packed rows give the "
                           "same loss as padded ones, without the pad compute); remove the key")

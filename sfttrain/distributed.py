@@ -1,7 +1,9 @@
 """Ranks, the process group and the DeviceMesh.
 
 The mesh has named dimensions so that later parallelisms slot in without rewrites:
-`dp_replicate` (HSDP replicas) x `dp_shard` (FSDP shards). Sequence parallelism will add `sp`.
+`dp_replicate` (HSDP replicas) x `dp_shard` (FSDP shards) x `sp` (Ulysses sequence parallelism,
+innermost: the ranks of one sp group are neighbours, on one node). The data is split over the
+data-parallel ranks, world / sp of them; FSDP shards over dp_shard x sp flattened (`fsdp_mesh`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class World:
     world_size: int
     device: torch.device
     mesh: DeviceMesh
+    sp_size: int = 1  # ulysses_sequence_parallel_size: ranks that share each micro-batch
 
     @property
     def is_main(self) -> bool:
@@ -31,12 +34,33 @@ class World:
 
     @property
     def dp_size(self) -> int:
-        # every rank is a data-parallel rank until sequence parallelism exists
-        return self.world_size
+        return self.world_size // self.sp_size
 
     @property
     def dp_rank(self) -> int:
-        return self.rank
+        return self.rank // self.sp_size  # sp is the mesh's innermost dimension
+
+    @property
+    def sp_rank(self) -> int:
+        return self.rank % self.sp_size
+
+    @property
+    def row_slice(self) -> tuple[int, int]:
+        """(this rank's slice, slices) of every packed row (sfttrain.sequence_parallel.local_slice)."""
+        return (self.sp_rank, self.sp_size)
+
+    @property
+    def grad_ranks(self) -> int:
+        """Ranks whose gradients FSDP averages: all of them (sp ranks each hold a share)."""
+        return self.world_size
+
+    def fsdp_mesh(self) -> DeviceMesh:
+        """FSDP's mesh: the shard dimension is dp_shard x sp (each sp rank holds a slice's share
+        of the gradients, summed by the reduce-scatter); 2-D with HSDP replicas."""
+        shard = self.mesh["dp_shard"] if self.sp_size == 1 else self.mesh["dp_shard", "sp"]._flatten("dp_shard_sp")
+        if self.mesh["dp_replicate"].size() == 1:
+            return shard
+        return self.mesh["dp_replicate", shard.mesh_dim_names[0]]
 
 
 def init_world(cfg: Config) -> World:
@@ -62,8 +86,13 @@ def init_world(cfg: Config) -> World:
         dist.init_process_group(_backend(cfg, use_cuda), rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(minutes=30),
                                 device_id=device if use_cuda else None)
-    mesh = init_device_mesh(device.type, mesh_shape, mesh_dim_names=("dp_replicate", "dp_shard"))
-    return World(rank, local_rank, world_size, device, mesh)
+    sp = cfg.ulysses_sequence_parallel_size
+    replicate, shard = mesh_shape
+    if sp == 1:
+        mesh = init_device_mesh(device.type, (replicate, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
+    else:
+        mesh = init_device_mesh(device.type, (replicate, shard, sp), mesh_dim_names=("dp_replicate", "dp_shard", "sp"))
+    return World(rank, local_rank, world_size, device, mesh, sp)
 
 
 def check_world(cfg: Config, world_size: int) -> tuple[int, int]:
@@ -83,15 +112,22 @@ def _backend(cfg: Config, use_cuda: bool) -> str:
 
 
 def _mesh_shape(cfg: Config, world_size: int) -> tuple[int, int]:
-    fsdp = cfg.model.fsdp_config
-    shard = world_size if fsdp.fsdp_size in (-1, 0) else fsdp.fsdp_size
-    if shard > world_size or world_size % shard:
-        raise ConfigError(f"model.fsdp_config.fsdp_size={fsdp.fsdp_size} must divide the world size "
-                          f"{world_size} (or be -1 for all ranks)")
-    if fsdp.sharding_strategy == "HYBRID_SHARD" and shard == world_size:
-        raise ConfigError("sharding_strategy=HYBRID_SHARD needs model.fsdp_config.fsdp_size smaller than the "
-                          f"world size {world_size} (e.g. the GPUs of one node)")
-    return (world_size // shard, shard)
+    """(replicas, shards) of the data-parallel ranks, world / sp of them."""
+    fsdp, sp = cfg.model.fsdp_config, cfg.ulysses_sequence_parallel_size
+    if world_size % sp:
+        raise ConfigError(f"ulysses_sequence_parallel_size={sp} must divide the world size {world_size}: "
+                          f"each group of {sp} ranks shares one sequence")
+    dp = world_size // sp
+    ranks = f"{dp} data-parallel ranks ({world_size} ranks / ulysses_sequence_parallel_size={sp})" if sp > 1 else \
+        f"world size {world_size}"
+    shard = dp if fsdp.fsdp_size in (-1, 0) else fsdp.fsdp_size
+    if shard > dp or dp % shard:
+        raise ConfigError(f"model.fsdp_config.fsdp_size={fsdp.fsdp_size} must divide the {ranks} "
+                          "(or be -1 for all of them)")
+    if fsdp.sharding_strategy == "HYBRID_SHARD" and shard == dp:
+        raise ConfigError(f"sharding_strategy=HYBRID_SHARD needs model.fsdp_config.fsdp_size smaller than the "
+                          f"{ranks} (e.g. the GPUs of one node)")
+    return (dp // shard, shard)
 
 
 def _check_verl_world_keys(cfg: Config, world_size: int) -> None:

@@ -254,10 +254,11 @@ def _add_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         acc += (a.float() @ b.float())
 
 
-def normalised(loss_sum: torch.Tensor, global_loss_tokens: int, dp_size: int) -> torch.Tensor:
+def normalised(loss_sum: torch.Tensor, global_loss_tokens: int, grad_ranks: int) -> torch.Tensor:
     """The micro-batch's share of the step loss: sum / (loss tokens of the WHOLE step, all ranks).
 
-    FSDP averages gradients over the dp_size ranks; multiplying by dp_size turns that average
-    into the sum, so the update equals that of one rank running the whole step at once,
-    however the step is split into ranks and micro-batches."""
-    return loss_sum * (dp_size / max(global_loss_tokens, 1))
+    FSDP averages gradients over the grad_ranks ranks (all of them: the data-parallel ranks and,
+    with Ulysses, the sequence-parallel ranks, each holding its slice's share); multiplying by
+    grad_ranks turns that average into the sum, so the update equals that of one rank running the
+    whole step at once, however the step is split into ranks, slices and micro-batches."""
+    return loss_sum * (grad_ranks / max(global_loss_tokens, 1))

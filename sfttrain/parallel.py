@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from sfttrain import sequence_parallel
 from sfttrain.config import Config, ConfigError, mixed_precision_dtypes
 from sfttrain.distributed import World
 from sfttrain.loss import CausalLMLoss
@@ -27,6 +28,7 @@ def parallelize(lm: CausalLMLoss, world: World, cfg: Config) -> bool:
     offload = fsdp.cpu_offload or fsdp.offload_params
     if offload and world.device.type != "cuda":
         raise ConfigError("model.fsdp_config.cpu_offload/offload_params need a CUDA device; set them to false")
+    apply_sequence_parallel(lm, world)
     if world.world_size == 1 and not offload:
         single_device(lm, world, cfg)
         return False
@@ -50,15 +52,22 @@ def describe_sharding(world: World, cfg: Config, sharded: bool) -> str:
     if not sharded:
         return "one device, not sharded"
     fsdp = cfg.model.fsdp_config
-    replicas, shards = world.mesh["dp_replicate"].size(), world.mesh["dp_shard"].size()
+    replicas, dp_shards = world.mesh["dp_replicate"].size(), world.mesh["dp_shard"].size()
+    shards = dp_shards * world.sp_size  # FSDP shards over the sequence-parallel ranks too
     kind = "ZeRO-2 style: kept gathered from forward to backward" if fsdp.sharding_strategy == "SHARD_GRAD_OP" else \
         "resharded after forward"
     offload = ", parameters/gradients/optimizer offloaded to CPU" if fsdp.cpu_offload or fsdp.offload_params else ""
     if replicas > 1:
-        return (f"HSDP: {replicas} replicas x {shards} shards (model.fsdp_config.fsdp_size={shards} < "
-                f"{world.world_size} ranks; gradients reduce-scattered in a shard group, all-reduced across "
+        return (f"HSDP: {replicas} replicas x {shards} shards (model.fsdp_config.fsdp_size={dp_shards} < "
+                f"{world.dp_size} data-parallel ranks; gradients reduce-scattered in a shard group, all-reduced across "
                 f"replicas), {kind}{offload}")
     return f"FSDP2 over {shards} ranks, {kind}{offload}"
+
+
+def apply_sequence_parallel(lm: CausalLMLoss, world: World) -> None:
+    """Ulysses' all-to-all around attention, over the mesh's sp dimension (sfttrain.sequence_parallel)."""
+    if world.sp_size > 1:
+        sequence_parallel.apply(lm, world.mesh["sp"].get_group(), world.sp_size)
 
 
 def single_device(lm: CausalLMLoss, world: World, cfg: Config) -> None:
@@ -80,8 +89,7 @@ def shard(lm: CausalLMLoss, world: World, cfg: Config, offload: bool) -> None:
     fsdp = cfg.model.fsdp_config
     dtypes = mixed_precision_dtypes(fsdp)
     # 1-D mesh: plain FSDP; 2-D (replicate x shard): HSDP, shards within a group, replicas across
-    mesh = world.mesh if world.mesh["dp_replicate"].size() > 1 else world.mesh["dp_shard"]
-    common = dict(mesh=mesh, reshard_after_forward=fsdp.sharding_strategy != "SHARD_GRAD_OP")
+    common = dict(mesh=world.fsdp_mesh(), reshard_after_forward=fsdp.sharding_strategy != "SHARD_GRAD_OP")
     if dtypes:
         common["mp_policy"] = MixedPrecisionPolicy(param_dtype=DTYPE[dtypes[0]], reduce_dtype=DTYPE[dtypes[1]])
     if offload:

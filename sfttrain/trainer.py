@@ -76,9 +76,10 @@ class FSDPSFTTrainer:
         self.optimizer = build_optimizer(self.lm, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.plan.total_steps)
         self.data = TrainData(train_source, renderer, self.plan, prepared.stats, world.dp_rank, t.seed, d.shuffle,
-                              self.model_shape.attention_coefficient, d.pad_to_multiple)
+                              self.model_shape.attention_coefficient, d.pad_to_multiple, world.row_slice)
         self.val_batches = (validation_batches(val_samples, d.micro_batch_size_per_gpu, d.max_token_len_per_gpu,
-                                               d.pad_to_multiple, world.device) if val_samples is not None else None)
+                                               d.pad_to_multiple, world.device, world.row_slice)
+                            if val_samples is not None else None)
 
         if resume_from:
             self.state = checkpoint.load(resume_from, self.lm.model, self.optimizer, self.scheduler, world, cfg,
@@ -170,7 +171,7 @@ class FSDPSFTTrainer:
         for i, micro in enumerate(batch.micro_batches):
             gradient_sync(self.lm, last_micro_batch=i == len(batch.micro_batches) - 1)
             micro_loss = self.lm(micro.to(self.world.device))
-            normalised(micro_loss, batch.num_loss_tokens, self.world.dp_size).backward()
+            normalised(micro_loss, batch.num_loss_tokens, self.world.grad_ranks).backward()
             loss_sum += micro_loss.detach()
         return loss_sum
 

@@ -120,15 +120,13 @@ RECIPES = {
     "llama3.1-8b_lora_1gpu": (1, "llama8b", []), "qwen2.5-0.5b_multiturn_chat": (8, "qwen0.5b", []),
     "qwen2.5-7b_long_context_ulysses": (8, "qwen7b", []),
 }
-PENDING = {"qwen2.5-7b_long_context_ulysses": "until the ulysses branch lands"}
 
 
 def test_every_recipe_is_planned():
     assert sorted(RECIPES) == sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(reason=PENDING[n], strict=False))
-                                  if n in PENDING else n for n in RECIPES])
+@pytest.mark.parametrize("name", RECIPES)
 def test_recipe_preflight(name, tmp_path, monkeypatch):
     nproc, model, extra = RECIPES[name]
     folders = {"stories": STORIES, "qwen0.5b": config_only_folder(tmp_path / "q", QWEN25_05B),

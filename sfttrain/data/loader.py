@@ -21,6 +21,7 @@ from sfttrain.data.pack import MicroBatch, budget_bins, empty_micro_batch, loss_
 from sfttrain.data.parquet import ParquetSource
 from sfttrain.data.plan import BatchPlan
 from sfttrain.data.render import RenderedSample, Renderer
+from sfttrain.sequence_parallel import local_slice
 
 
 @dataclass
@@ -58,9 +59,10 @@ def epoch_rows(source: ParquetSource, stats: RowStats, seed: int, epoch: int, sh
 
 class TrainData:
     def __init__(self, source: ParquetSource, renderer: Renderer, plan: BatchPlan, stats: RowStats, dp_rank: int,
-                 seed: int, shuffle: bool, attn_coef: float, pad_to: int):
+                 seed: int, shuffle: bool, attn_coef: float, pad_to: int, row_slice: tuple[int, int] = (0, 1)):
         self.source, self.renderer, self.plan, self.stats, self.dp_rank = source, renderer, plan, stats, dp_rank
         self.seed, self.shuffle, self.pad_to = seed, shuffle, pad_to
+        self.row_slice = row_slice  # (this rank's slice, slices per row): Ulysses sequence parallelism
         # balancing cost of a sample of s tokens: s + attn_coef * s^2 (linear layers + attention)
         self.attn_coef = attn_coef
 
@@ -84,7 +86,7 @@ class TrainData:
         micro_idx = self.plan.split(lengths, costs)[self.dp_rank]
         mine = sorted(i for idx in micro_idx for i in idx)  # one read, in epoch order (see ParquetSource.read)
         rendered = dict(zip(mine, (self.renderer.render(*text) for text in self.source.read(rows[mine]))))
-        micro = [pack([rendered[i] for i in idx], self.pad_to) for idx in micro_idx]
+        micro = [local_slice(pack([rendered[i] for i in idx], self.pad_to), *self.row_slice) for idx in micro_idx]
         return StepBatch(epoch, consumed, micro, int(self.stats.loss_tokens[rows].sum()), lengths, rows.tolist())
 
 
@@ -182,7 +184,7 @@ def _scan(source: ParquetSource, renderer: Renderer, rank: int, world: int,
         stats.append((row, len(sample.input_ids), loss_tokens(sample), sample.full_length))
         if keep:
             samples.append(sample)
-    errors = [None] * world
+    errors = [None] * dist.get_world_size()  # all ranks, also when `world` counts data-parallel ranks only
     dist.all_gather_object(errors, error)
     first = next((e for e in errors if e), None)
     if first:
@@ -191,9 +193,9 @@ def _scan(source: ParquetSource, renderer: Renderer, rank: int, world: int,
 
 
 def validation_batches(samples: list[RenderedSample], micro_batch: int, token_budget: int | None, pad_to: int,
-                       device: torch.device) -> list[MicroBatch]:
-    """This rank's validation micro-batches, padded with empty ones to the count of the busiest
-    rank (every rank must run the same number of forwards)."""
+                       device: torch.device, row_slice: tuple[int, int] = (0, 1)) -> list[MicroBatch]:
+    """This rank's validation micro-batches (its slice of each row, see TrainData), padded with
+    empty ones to the count of the busiest rank (every rank must run the same number of forwards)."""
     if token_budget:
         groups = budget_bins([len(s.input_ids) for s in samples], token_budget)
     else:
@@ -201,4 +203,5 @@ def validation_batches(samples: list[RenderedSample], micro_batch: int, token_bu
     batches = [pack([samples[i] for i in g], pad_to) for g in groups]
     count = torch.tensor([len(batches)], device=device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
-    return batches + [empty_micro_batch() for _ in range(int(count.item()) - len(batches))]
+    batches += [empty_micro_batch() for _ in range(int(count.item()) - len(batches))]
+    return [local_slice(b, *row_slice) for b in batches]

@@ -66,14 +66,21 @@ def pack(samples: list[RenderedSample], pad_to: int = 1) -> MicroBatch:
         bounds.append(bounds[-1] + len(s.input_ids))
     num_loss = sum(label != IGNORE_INDEX for label in labels)
     max_seqlen = max(len(s.input_ids) for s in samples)
-    if pad := -len(input_ids) % pad_to:
-        input_ids += [0] * pad  # any valid id: no target, no attention to or from real samples
-        labels += [IGNORE_INDEX] * pad
-        positions += range(pad)
-        bounds.append(bounds[-1] + pad)
-        max_seqlen = max(max_seqlen, pad)
-    return MicroBatch(torch.tensor([input_ids]), torch.tensor([labels]), torch.tensor([positions]),
-                      torch.tensor(bounds, dtype=torch.int32), max_seqlen, num_loss)
+    return pad_row(MicroBatch(torch.tensor([input_ids]), torch.tensor([labels]), torch.tensor([positions]),
+                              torch.tensor(bounds, dtype=torch.int32), max_seqlen, num_loss), pad_to)
+
+
+def pad_row(batch: MicroBatch, pad_to: int) -> MicroBatch:
+    """The row padded to a multiple of pad_to tokens by one more segment with no targets."""
+    pad = -batch.input_ids.shape[1] % pad_to
+    if not pad:
+        return batch
+    # any valid id: no target, no attention to or from real samples
+    return MicroBatch(torch.cat([batch.input_ids, batch.input_ids.new_zeros(1, pad)], 1),
+                      torch.cat([batch.labels, batch.labels.new_full((1, pad), IGNORE_INDEX)], 1),
+                      torch.cat([batch.position_ids, torch.arange(pad, dtype=batch.position_ids.dtype)[None]], 1),
+                      torch.cat([batch.cu_seqlens, batch.cu_seqlens[-1:] + pad]),
+                      max(batch.max_seqlen, pad), batch.num_loss_tokens)
 
 
 def max_segment_length(max_length: int, pad_to: int) -> int:

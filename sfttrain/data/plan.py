@@ -1,7 +1,9 @@
 """The batch arithmetic, checked and explained before any compute is spent.
 
 data.train_batch_size is the GLOBAL batch: samples per optimizer step over all data-parallel
-ranks. Each rank gets train_batch_size / dp_size of them and runs them as micro-batches of
+ranks. With Ulysses sequence parallelism (ulysses_sequence_parallel_size = sp) the data-parallel
+ranks are world / sp groups of sp ranks that share every micro-batch, each rank one slice of its
+tokens. Each data-parallel rank gets train_batch_size / dp_size of them and runs them as micro-batches of
 data.micro_batch_size_per_gpu samples (gradient accumulation follows), or, with
 data.max_token_len_per_gpu, as packed micro-batches of at most that many tokens.
 """
@@ -24,6 +26,7 @@ class BatchPlan:
     num_rows: int
     steps_per_epoch: int
     total_steps: int
+    sp_size: int = 1  # ulysses_sequence_parallel_size: ranks per data-parallel rank
 
     @property
     def samples_per_rank(self) -> int:
@@ -41,7 +44,7 @@ class BatchPlan:
             micro = (f"{self.micro_batch} samples/micro-batch x {self.accum_steps} accumulation steps "
                      f"= {self.samples_per_rank} samples per rank")
         return "\n".join([
-            f"  data-parallel ranks : {self.dp_size}",
+            f"  data-parallel ranks : {self.dp_size}{sequence_parallel_note(self.dp_size, self.sp_size)}",
             f"  global batch        : {self.global_batch} samples per optimizer step (data.train_batch_size)",
             f"  per rank            : {micro}",
             f"  dataset             : {self.num_rows} rows -> {self.steps_per_epoch} steps per epoch "
@@ -63,10 +66,16 @@ class BatchPlan:
                 for r in ranks]
 
 
+def sequence_parallel_note(dp_size: int, sp_size: int) -> str:
+    """What the data-parallel ranks are made of under Ulysses, e.g. " (8 ranks = 4 data-parallel x
+    2 sequence-parallel)"; nothing without it."""
+    return f" ({dp_size * sp_size} ranks = {dp_size} data-parallel x {sp_size} sequence-parallel)" if sp_size > 1 else ""
+
+
 def make_plan(cfg: Config, dp_size: int, num_rows: int) -> BatchPlan:
     d, t = cfg.data, cfg.trainer
-    b, mb = d.train_batch_size, d.micro_batch_size_per_gpu
-    problem = batch_problem(b, mb, dp_size, d.max_token_len_per_gpu)
+    b, mb, sp = d.train_batch_size, d.micro_batch_size_per_gpu, cfg.ulysses_sequence_parallel_size
+    problem = batch_problem(b, mb, dp_size, d.max_token_len_per_gpu, sp_size=sp)
     if problem:
         raise ConfigError(problem)
     steps_per_epoch = num_rows // b
@@ -74,18 +83,19 @@ def make_plan(cfg: Config, dp_size: int, num_rows: int) -> BatchPlan:
         raise ConfigError(f"the training data has {num_rows} rows, fewer than data.train_batch_size={b}: "
                           "lower the batch size or add data")
     total = t.total_training_steps or steps_per_epoch * t.total_epochs
-    return BatchPlan(dp_size, b, mb, d.max_token_len_per_gpu, num_rows, steps_per_epoch, total)
+    return BatchPlan(dp_size, b, mb, d.max_token_len_per_gpu, num_rows, steps_per_epoch, total, sp)
 
 
 def batch_problem(b: int, mb: int, dp_size: int, token_budget: Optional[int],
-                  suggest: bool = True) -> Optional[str]:
+                  suggest: bool = True, sp_size: int = 1) -> Optional[str]:
     """What is wrong with global batch b (None if it splits), with the nearest valid sizes."""
     per_rank = b // dp_size
     other_fix = ""
+    ranks = f"{dp_size} data-parallel ranks{sequence_parallel_note(dp_size, sp_size)}"
     if b % dp_size:
-        problem = f"data.train_batch_size={b} is not divisible by the {dp_size} data-parallel ranks"
+        problem = f"data.train_batch_size={b} is not divisible by the {ranks}"
     elif not token_budget and per_rank % mb:
-        problem = (f"data.train_batch_size={b} gives {per_rank} samples per rank over {dp_size} ranks, "
+        problem = (f"data.train_batch_size={b} gives {per_rank} samples per data-parallel rank over {ranks}, "
                    f"not divisible by data.micro_batch_size_per_gpu={mb}")
         other_fix = f", or a data.micro_batch_size_per_gpu that divides {per_rank}"
     else:

@@ -1,0 +1,166 @@
+"""Ulysses sequence parallelism: the same numbers as without it, computed another way.
+
+The attention exchange is checked against whole-row attention on 2 gloo processes (outputs and
+gradients, grouped-query heads split and repeated); whole runs with sp=2 (2 ranks, and 4 ranks as
+2 data-parallel x 2 sequence-parallel with FSDP sharding over them, gradient checkpointing on)
+against sp=1 on the real stories260K model, fp32: losses, the first step's grad norm, validation
+loss and weights; checkpoints resume across sp sizes."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from sfttrain import attention
+from sfttrain.config import ConfigError, load_config
+from sfttrain.data.plan import make_plan
+from sfttrain.distributed import _mesh_shape
+from sfttrain.data.pack import IGNORE_INDEX, MicroBatch
+from sfttrain.sequence_parallel import SequenceParallel, check_heads, local_slice
+from tests.conftest import BASE_OVERRIDES, STORIES, free_port, load_checkpoint_model, read_metrics, run_sfttrain
+
+SP = 2
+STEPS = 3
+# fp32 with the same reductions in another order (the attention of a head on another rank,
+# FSDP's reduce-scatter over 2 or 4 ranks): agreement to ~1e-6 relative; 1e-5 leaves room.
+TOL = 1e-5
+
+
+# ------------------------------------------------------------------ the attention exchange alone
+def _attention_worker(rank: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=SP)
+    attention.configure("sdpa_blockmask", "cpu")
+    for kv_heads in (4, 2, 1):  # split over the ranks (4, 2), repeated to them (1)
+        _check_attention(rank, kv_heads)
+    dist.destroy_process_group()
+
+
+def _check_attention(rank: int, kv_heads: int) -> None:
+    torch.manual_seed(kv_heads)  # the same row on both ranks
+    heads, length, dim = 4, 24, 8
+    q, k, v = (torch.randn(1, h, length, dim, dtype=torch.float64) for h in (heads, kv_heads, kv_heads))
+    weight = torch.randn(1, length, heads, dim, dtype=torch.float64)  # a loss that weighs every output
+    cu = torch.tensor([0, 5, 17, 24], dtype=torch.int32)  # a sample crosses the slice boundary at 12
+    kwargs = dict(cu_seq_lens_q=cu, max_length_q=12, scaling=dim ** -0.5)
+
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    out, _ = attention.varlen_attention_forward(nn.Module(), *whole, None, **kwargs)
+    (out * weight).sum().backward()
+
+    part = slice(rank * length // SP, (rank + 1) * length // SP)
+    local = [t[:, :, part].clone().requires_grad_() for t in (q, k, v)]
+    local_out, _ = SequenceParallel(dist.group.WORLD, SP).attention_forward(nn.Module(), *local, None, **kwargs)
+    (local_out * weight[:, part]).sum().backward()
+
+    torch.testing.assert_close(local_out, out[:, part], rtol=1e-12, atol=1e-12)
+    for mine, ref in zip(local, whole):
+        torch.testing.assert_close(mine.grad, ref.grad[:, :, part], rtol=1e-12, atol=1e-12)
+
+
+def test_ulysses_attention_equals_whole_row_attention():
+    """Each rank's slice of the output and of the q/k/v gradients equals the whole row's (fp64),
+    for 4 query heads with 4 and 2 KV heads (split over the ranks) and 1 (repeated to them)."""
+    # fork: the children need not import torch and transformers again
+    mp.start_processes(_attention_worker, args=(free_port(),), nprocs=SP, join=True, start_method="fork")
+
+
+def test_local_slices_cover_the_row():
+    """Slices are contiguous, padded to equal length with untrained tokens, keep the true
+    positions and the whole row's boundaries, and their loss tokens add up."""
+    labels = torch.tensor([[5, IGNORE_INDEX, 7, 8, 9]])
+    row = MicroBatch(torch.arange(5)[None], labels, torch.tensor([[0, 1, 2, 0, 1]]),
+                     torch.tensor([0, 3, 5], dtype=torch.int32), 3, 4)
+    parts = [local_slice(row, r, SP) for r in range(SP)]
+    assert [p.input_ids.tolist() for p in parts] == [[[0, 1, 2]], [[3, 4, 0]]]
+    assert [p.position_ids.tolist() for p in parts] == [[[0, 1, 2]], [[0, 1, 0]]]
+    assert parts[1].labels.tolist() == [[8, 9, IGNORE_INDEX]]
+    assert all(p.cu_seqlens.tolist() == [0, 3, 5, 6] for p in parts)
+    assert sum(p.num_loss_tokens for p in parts) == row.num_loss_tokens
+
+
+def test_head_counts_that_do_not_split_are_refused():
+    class Shape:
+        num_attention_heads, num_key_value_heads = 6, 3
+
+    check_heads(Shape, 3)
+    with pytest.raises(ConfigError, match="6 attention heads do not split over 4"):
+        check_heads(Shape, 4)
+    with pytest.raises(ConfigError, match="3 key/value heads neither split over 2"):
+        check_heads(Shape, 2)
+
+
+# ------------------------------------------------------------------ whole runs
+def _job(gsm8k_dir, run_dir, *extra):
+    return [*BASE_OVERRIDES, f"data.train_files={gsm8k_dir}/train.parquet", f"data.val_files={gsm8k_dir}/test.parquet",
+            f"trainer.default_local_dir={run_dir}", "data.train_batch_size=8", "data.micro_batch_size_per_gpu=2",
+            f"trainer.total_training_steps={STEPS}", "trainer.save_freq=2", *extra]
+
+
+@pytest.fixture(scope="module")
+def runs(gsm8k_dir, tmp_path_factory):
+    """sp=1 on 2 ranks (the reference); sp=2 on 2 ranks with gradient checkpointing; 2 x 2 on 4
+    ranks with token-budget packing (FSDP shards over all 4)."""
+    root = tmp_path_factory.mktemp("sp")
+    jobs = {"ref": (2, []),
+            "sp2": (2, [f"ulysses_sequence_parallel_size={SP}", "model.enable_gradient_checkpointing=true"]),
+            "dp2_sp2": (4, [f"model.ulysses_sequence_parallel_size={SP}", "model.use_remove_padding=true",
+                            "model.enable_gradient_checkpointing=true", "data.max_token_len_per_gpu=600"])}
+    out = {}
+    for name, (nproc, extra) in jobs.items():
+        out[name] = root / name
+        out[name + ".stdout"] = run_sfttrain(nproc, _job(gsm8k_dir, out[name], *extra)).stdout
+    return out
+
+
+def _by_step(run_dir, key):
+    return {m["step"]: m[key] for m in read_metrics(run_dir) if key in m}
+
+
+def _max_rel_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(((a[k] - b[k]).norm() / b[k].norm().clamp(min=1e-12)).item() for k in a)
+
+
+@pytest.mark.parametrize("name", ["sp2", "dp2_sp2"])
+def test_sequence_parallel_trains_like_data_parallel(runs, name):
+    ref, run = runs["ref"], runs[name]
+    for key in ("loss", "val/loss"):
+        assert _by_step(run, key) == pytest.approx(_by_step(ref, key), rel=TOL), key
+    assert _by_step(run, "grad_norm")[1] == pytest.approx(_by_step(ref, "grad_norm")[1], rel=TOL)
+    final, expected = (load_checkpoint_model(r / f"global_step_{STEPS}") for r in (run, ref))
+    assert _max_rel_diff(final, expected) < TOL
+    # the weights moved: a comparison that cannot fail is no test
+    assert _max_rel_diff(load_checkpoint_model(ref / "global_step_2"), expected) > 1e-3
+
+
+def test_start_up_plan_names_the_sequence_parallel_ranks(runs):
+    assert "data-parallel ranks : 1 (2 ranks = 1 data-parallel x 2 sequence-parallel)" in runs["sp2.stdout"]
+    assert "data-parallel ranks : 2 (4 ranks = 2 data-parallel x 2 sequence-parallel)" in runs["dp2_sp2.stdout"]
+    assert "mesh (1, 2, 2) ('dp_replicate', 'dp_shard', 'sp')" in runs["dp2_sp2.stdout"]
+
+
+def test_checkpoint_resumes_with_another_sp_size(runs, gsm8k_dir, tmp_path):
+    """sp=2's step-2 checkpoint (2 ranks) resumed without sequence parallelism on 1 rank (DCP
+    reshards; the data position is global): the reference's last step and weights."""
+    run_dir = tmp_path / "resumed"
+    run_sfttrain(1, _job(gsm8k_dir, run_dir, "trainer.resume_mode=resume_path",
+                         f"trainer.resume_from_path={runs['sp2'] / 'global_step_2'}"))
+    assert _by_step(run_dir, "loss") == pytest.approx({s: v for s, v in _by_step(runs["ref"], "loss").items() if s > 2},
+                                                      rel=TOL)
+    assert _max_rel_diff(load_checkpoint_model(run_dir / f"global_step_{STEPS}"),
+                         load_checkpoint_model(runs["ref"] / f"global_step_{STEPS}")) < TOL
+
+
+def test_world_and_batch_not_divisible_are_refused_in_data_parallel_ranks(tmp_path):
+    cfg = load_config(overrides=[f"model.partial_pretrain={STORIES}", f"data.train_files={tmp_path}/x.parquet",
+                                 f"model.ulysses_sequence_parallel_size={SP}", "data.train_batch_size=6"])
+    with pytest.raises(ConfigError, match="ulysses_sequence_parallel_size=2 must divide the world size 3"):
+        _mesh_shape(cfg, 3)
+    assert _mesh_shape(cfg, 8) == (1, 4)
+    with pytest.raises(ConfigError, match=r"not divisible by the 4 data-parallel ranks \(8 ranks = 4 data-parallel x "
+                                          r"2 sequence-parallel\); use a multiple of 4"):
+        make_plan(cfg, 4, 100)

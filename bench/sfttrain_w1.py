@@ -34,6 +34,8 @@ VARIANTS = {
     "grad_ckpt": ["model.enable_gradient_checkpointing=true"],
     # the seed article's LoRA keys; LoRA adapts saved weights (W1's, drawn once by prepare)
     "lora": ["model.random_init=false", "model.lora_rank=64", "model.lora_alpha=32", "model.target_modules=all-linear"],
+    "lora_2micro": ["model.random_init=false", "model.lora_rank=64", "model.lora_alpha=32", "model.target_modules=all-linear",
+                    "data.max_token_len_per_gpu=8192"],
     "lora_grad_ckpt": ["model.random_init=false", "model.lora_rank=64", "model.lora_alpha=32",
                        "model.target_modules=all-linear", "model.enable_gradient_checkpointing=true"],
 }

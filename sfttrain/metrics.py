@@ -6,8 +6,10 @@ between the completions of consecutive steps on the device; MFU by the formula i
 
 from __future__ import annotations
 
+import collections
 import json
 import os
+import statistics
 import sys
 import time
 from typing import Optional
@@ -105,14 +107,20 @@ class ProgressBar:
 
     def __init__(self, start_step: int, total_steps: int, interactive: bool):
         self.total = total_steps
-        self.step_time = None  # exponential moving average of the step time, seconds
+        # the median of the recent step times: the first step after a start (compilation) or a
+        # checkpoint is an outlier that an average would carry for dozens of steps
+        self.recent: collections.deque[float] = collections.deque(maxlen=20)
         self.bar = None
         if interactive:
             self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True,
                             bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} {postfix}")
 
+    @property
+    def step_time(self) -> float | None:
+        return statistics.median(self.recent) if self.recent else None
+
     def advance(self, step: int, seconds: float) -> None:
-        self.step_time = seconds if self.step_time is None else 0.9 * self.step_time + 0.1 * seconds
+        self.recent.append(seconds)
         if self.bar is not None:
             self.bar.update(step - self.bar.n)
             self.bar.set_postfix_str(self.eta(step), refresh=True)

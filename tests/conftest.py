@@ -76,15 +76,21 @@ def launch(nproc: int, overrides: list[str], log: Path, cwd: Path = REPO, env: d
     """Starts `torchrun --nproc_per_node=nproc -m sfttrain.run ...` as a user would, output to `log`."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", "sfttrain.run", *overrides]
-    # one thread per rank unless the caller's environment says otherwise (the suite is also run with
-    # OMP_NUM_THREADS=2: results must not depend on the BLAS thread count)
-    python_path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONPATH": python_path,
-           "WANDB_MODE": "offline",
-           "CUDA_VISIBLE_DEVICES": "",  # CPU ranks (gloo) also on a machine with fewer GPUs than ranks
-           **(env or {})}
     with open(log, "w") as f:
-        return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(cmd, cwd=cwd, env=rank_env(env), stdout=f, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def rank_env(extra: dict | None = None) -> dict:
+    """The environment of a test's torchrun job: CPU ranks (gloo), also on a machine with fewer GPUs
+    than ranks; one thread per rank unless the caller's environment says otherwise (the suite is
+    also run with OMP_NUM_THREADS=2: results must not depend on the BLAS thread count); this
+    checkout first on the import path, then the caller's PYTHONPATH entries (`extra`'s first)."""
+    extra = dict(extra or {})
+    paths = (extra.pop("PYTHONPATH", None), str(REPO), os.environ.get("PYTHONPATH"))
+    return {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+            "PYTHONPATH": os.pathsep.join(p for p in paths if p), "WANDB_MODE": "offline", "CUDA_VISIBLE_DEVICES": "",
+            **extra}
 
 
 def run_sfttrain(nproc: int, overrides: list[str], check: bool = True, timeout: int = 300, cwd: Path = REPO,

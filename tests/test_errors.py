@@ -47,7 +47,7 @@ def catalogue(tmp: Path) -> dict[str, Case]:
                                                          "pip install wandb", "trainer.logger=console"],
                               DEPENDENCY, env={"PYTHONPATH": f"{shim}:{REPO}"}),
         "non_divisible_batch": Case(["data.train_batch_size=10", "data.micro_batch_size_per_gpu=4"], [
-            "data.train_batch_size=10 gives 5 samples per rank over 2 ranks, not divisible by "
+            "data.train_batch_size=10 gives 5 samples per data-parallel rank over 2 data-parallel ranks, not divisible by "
             "data.micro_batch_size_per_gpu=4; use data.train_batch_size=8 or 16"], CONFIG, nproc=2),
         "missing_model": Case([f"model.partial_pretrain={tmp}/no_model"], ["no_model", "not a local model folder"],
                               CONFIG),

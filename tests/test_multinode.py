@@ -10,12 +10,11 @@ float32 terms does not depend on their order). fp32 on CPU, so losses and weight
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import (BASE_OVERRIDES, REPO, free_port, kill_job, load_checkpoint_model, run_sfttrain,
+from tests.conftest import (BASE_OVERRIDES, REPO, free_port, kill_job, load_checkpoint_model, rank_env, run_sfttrain,
                             train_losses)
 
 TOL = 1e-6
@@ -36,7 +35,7 @@ def run_two_nodes(overrides: list[str], logs: Path, node_env: list[dict], timeou
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
                "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=test", "--max_restarts=0",
                "-m", "sfttrain.run", *overrides]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **extra}
+        env = rank_env(extra)
         with open(logs / f"node{node}.log", "w") as f:
             procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
                                           start_new_session=True))

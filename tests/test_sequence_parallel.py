@@ -162,5 +162,5 @@ def test_world_and_batch_not_divisible_are_refused_in_data_parallel_ranks(tmp_pa
         _mesh_shape(cfg, 3)
     assert _mesh_shape(cfg, 8) == (1, 4)
     with pytest.raises(ConfigError, match=r"not divisible by the 4 data-parallel ranks \(8 ranks = 4 data-parallel x "
-                                          r"2 sequence-parallel\); use a multiple of 4"):
+                                          r"2 sequence-parallel\); use data.train_batch_size=16"):
         make_plan(cfg, 4, 100)

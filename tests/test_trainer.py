@@ -44,7 +44,7 @@ def test_update_invariant_to_ranks_and_micro_batches(gsm8k_dir, tmp_path):
         losses[name] = train_losses(run_dir)
         weights[name] = load_checkpoint_model(run_dir / "global_step_2")
     assert "mesh (2, 2) ('dp_replicate', 'dp_shard')" in proc.stdout + proc.stderr
-    assert "HSDP: 2 replicas x 2 shards (model.fsdp_config.fsdp_size=2 < 4 ranks" in proc.stdout
+    assert "HSDP: 2 replicas x 2 shards (model.fsdp_config.fsdp_size=2 < 4 data-parallel ranks" in proc.stdout
     assert len(losses["1x16"]) == 2
     start = _start()
     start = {k: start[k] for k in weights["1x16"]}

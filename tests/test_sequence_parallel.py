@@ -64,8 +64,9 @@ def _check_attention(rank: int, kv_heads: int) -> None:
 def test_ulysses_attention_equals_whole_row_attention():
     """Each rank's slice of the output and of the q/k/v gradients equals the whole row's (fp64),
     for 4 query heads with 4 and 2 KV heads (split over the ranks) and 1 (repeated to them)."""
-    # fork: the children need not import torch and transformers again
-    mp.start_processes(_attention_worker, args=(free_port(),), nprocs=SP, join=True, start_method="fork")
+    # spawn, not fork: a child forked from a process whose OpenMP thread pool has run (any earlier
+    # test) can deadlock in its first parallel region
+    mp.start_processes(_attention_worker, args=(free_port(),), nprocs=SP, join=True, start_method="spawn")
 
 
 def test_local_slices_cover_the_row():

@@ -231,7 +231,7 @@ class Checkpointer:
         self.write_group = dist.new_group(backend="gloo")
         self.agree_group = dist.new_group(backend="gloo")
 
-    def save(self, state: TrainState, model, optimizer, scheduler, tokenizer, wandb_id: Optional[str] = None,
+    def save(self, state: TrainState, model, optimizer, tokenizer, wandb_id: Optional[str] = None,
              final: bool = False, export_hf: bool = False) -> None:
         """Collective: every rank calls it. With export_hf, the checkpoint also holds
         `huggingface/` (written by all ranks, shard by shard)."""
@@ -239,7 +239,7 @@ class Checkpointer:
         self.wait()
         background = self.cfg.trainer.async_save and not final
         tmp = os.path.join(self.run_dir, f".global_step_{state.step}.tmp")
-        future = self._start_write(tmp, state, model, optimizer, scheduler, tokenizer, wandb_id, background)
+        future = self._start_write(tmp, state, model, optimizer, tokenizer, wandb_id, background)
         self.pending = PendingSave(state.step, tmp, os.path.join(self.run_dir, f"global_step_{state.step}"), future,
                                    started, time.perf_counter() - started, background, export_hf)
         future.add_done_callback(self.pending.mark_written)
@@ -260,7 +260,7 @@ class Checkpointer:
             self._all_written(True)
             self._commit()
 
-    def _start_write(self, tmp: str, state: TrainState, model, optimizer, scheduler, tokenizer,
+    def _start_write(self, tmp: str, state: TrainState, model, optimizer, tokenizer,
                      wandb_id: Optional[str], background: bool) -> Future:
         """Every rank writes into `tmp`; returns the future of the DCP write (done unless background)."""
         world, cfg = self.world, self.cfg
@@ -282,8 +282,7 @@ class Checkpointer:
         del model_sd, optim_sd
         _torch_save_synced(_rng_state(), os.path.join(tmp, "rng", f"rank_{world.rank}.pt"))
         if world.is_main:
-            extra = {**asdict(state), "wandb_id": wandb_id, "world_size": world.world_size,
-                     "scheduler": scheduler.state_dict()}
+            extra = {**asdict(state), "wandb_id": wandb_id, "world_size": world.world_size}
             _write(os.path.join(tmp, "trainer_state.json"), json.dumps(extra, indent=1))
             _write(os.path.join(tmp, "config.yaml"), to_yaml(cfg))
             hf = os.path.join(tmp, "hf")

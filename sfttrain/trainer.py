@@ -224,5 +224,5 @@ class FSDPSFTTrainer:
 
     def save(self) -> None:
         final = self.state.step == self.plan.total_steps
-        self.checkpointer.save(self.state, self.lm.model, self.optimizer, self.scheduler, self.tokenizer,
+        self.checkpointer.save(self.state, self.lm.model, self.optimizer, self.tokenizer,
                                wandb_id=self.logger.wandb_id, final=final, export_hf=self.cfg.trainer.save_hf and final)

@@ -18,6 +18,7 @@ import sys
 
 import torch
 
+from bench.common import add_sfttrain_args, emit
 from bench.sfttrain_w1 import RECIPE, prepare
 
 SAVE_KEYS = ("step", "async", "bytes", "stall_s", "written_s", "commit_s", "gb_per_s")  # of a checkpoint record
@@ -46,23 +47,15 @@ def run(setting: bool, args, model_dir: str, parquet: str) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default="assets/data/gsm8k/train.jsonl")
-    p.add_argument("--tokenizer", default="assets/tokenizers/qwen2.5-instruct")
-    p.add_argument("--out", required=True)
-    p.add_argument("--work", default="/tmp/sfttrain_ckpt")
+    add_sfttrain_args(p, work="/tmp/sfttrain_ckpt")
     p.add_argument("--gpus", type=int, default=1)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--save_freq", type=int, default=10)
-    p.add_argument("--rows", type=int)
     p.add_argument("--tiny", action="store_true", help="CPU-sized model (still needs CUDA)")
-    p.add_argument("--override", nargs="*", default=[], help="extra key=value for both runs")
     args = p.parse_args()
     model_dir, parquet = prepare(args)
     for setting in (True, False):
-        record = run(setting, args, model_dir, parquet)
-        print(json.dumps(record), flush=True)
-        with open(args.out, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        emit(run(setting, args, model_dir, parquet), args.out)
 
 
 if __name__ == "__main__":

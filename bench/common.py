@@ -159,6 +159,24 @@ def result(system: str, args: argparse.Namespace, model: torch.nn.Module, clock:
     }
 
 
+def add_sfttrain_args(parser: argparse.ArgumentParser, work: str) -> None:
+    """Flags of the benchmarks that run sfttrain itself as a user would (`python -m sfttrain.run`)."""
+    parser.add_argument("--data", default="assets/data/gsm8k/train.jsonl")
+    parser.add_argument("--tokenizer", default="assets/tokenizers/qwen2.5-instruct")
+    parser.add_argument("--out", required=True, help="JSON lines file to append the results to")
+    parser.add_argument("--work", default=work, help="model folder, Parquet and run folders")
+    parser.add_argument("--rows", type=int)
+    parser.add_argument("--override", nargs="*", default=[], help="extra key=value for every sfttrain run")
+
+
+def timed_mfu(steps: list[dict]) -> float | None:
+    """The MFU of sfttrain's timed steps (metrics.jsonl records), weighted by step time; None where
+    sfttrain logs none (CPU, or a GPU without a known peak)."""
+    if not steps or any("mfu" not in m for m in steps):
+        return None
+    return round(sum(m["mfu"] * m["step_time_s"] for m in steps) / sum(m["step_time_s"] for m in steps), 4)
+
+
 def emit(record: dict, out: str) -> None:
     """Print the record as one JSON line and append it to ``out``."""
     line = json.dumps(record)

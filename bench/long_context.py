@@ -30,7 +30,7 @@ import torch
 import transformers
 from transformers import LlamaConfig
 
-from bench.common import MFU_FORMULA
+from bench.common import MFU_FORMULA, timed_mfu
 from bench.w1_data import load_rows, load_tokenizer, model_config, write_parquet
 
 # W2b: W2's Llama-3-8B shape with the Qwen2.5 tokenizer's vocabulary (8,224,247,808 parameters);
@@ -143,7 +143,7 @@ def summary(steps: list[dict]) -> dict:
     return {"timed_steps": [m["step"] for m in steps], "real_tokens_per_s": round(sum(m["tokens"] for m in steps) / seconds, 1),
             "s_per_step": round(seconds / len(steps), 3),
             # per-step MFU weighted by step time = MFU of the whole timed window
-            "mfu": round(sum(m["mfu"] * m["step_time_s"] for m in steps) / seconds, 4),
+            "mfu": timed_mfu(steps),
             "peak_allocated_gib": round(max(m.get("mem_peak_alloc_gib", 0) for m in steps), 2),
             "mfu_formula": MFU_FORMULA}
 

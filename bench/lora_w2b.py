@@ -14,7 +14,6 @@ Fewer steps than W2's 11-30 so that one call fits in 8 minutes; say so beside th
 """
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -22,6 +21,7 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from bench.common import add_sfttrain_args, emit
 from bench.sfttrain_w1 import run_variant
 from bench.w1_data import load_rows, load_tokenizer, write_parquet
 
@@ -68,18 +68,13 @@ def run_trl(args, model_dir: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default="assets/data/gsm8k/train.jsonl")
-    p.add_argument("--tokenizer", default="assets/tokenizers/qwen2.5-instruct")
-    p.add_argument("--out", required=True)
-    p.add_argument("--work", default="/tmp/sfttrain_w2b")
+    add_sfttrain_args(p, work="/tmp/sfttrain_w2b")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--systems", nargs="*", default=["sfttrain", "trl"], choices=["sfttrain", "trl"])
     p.add_argument("--steps", type=int, default=16, help="sfttrain's optimizer steps in all")
     p.add_argument("--warmup", type=int, default=5, help="sfttrain's untimed steps")
     p.add_argument("--trl_steps", type=int, default=8)
     p.add_argument("--trl_warmup", type=int, default=3)
-    p.add_argument("--rows", type=int)
-    p.add_argument("--override", nargs="*", default=[], help="extra key=value for sfttrain")
     p.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny model, batch of 8")
     args = p.parse_args()
     if args.tiny:
@@ -90,10 +85,7 @@ def main() -> None:
     parquet = os.path.join(args.work, "train.parquet")
     write_parquet(load_rows(args.data, args.rows), parquet)
     if "sfttrain" in args.systems:
-        record = run_sfttrain(args, model_dir, parquet)
-        print(json.dumps(record), flush=True)
-        with open(args.out, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        emit(run_sfttrain(args, model_dir, parquet), args.out)
     if "trl" in args.systems:
         run_trl(args, model_dir)
 

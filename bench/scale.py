@@ -29,7 +29,7 @@ import time
 
 from transformers import LlamaConfig
 
-from bench.common import MFU_FORMULA
+from bench.common import MFU_FORMULA, timed_mfu
 from bench.w1_data import TINY_SHAPE, load_rows, load_tokenizer, model_config, write_parquet
 
 RECIPE = os.path.join(os.path.dirname(__file__), "..", "recipes", "w1_qwen2.5-0.5b.yaml")
@@ -183,7 +183,7 @@ def _summary(run_dir: str, log_path: str, spec: dict) -> dict:
         tokens = sum(m["tokens"] for m in timed)
         out.update(timed_steps=f"{timed[0]['step']}-{timed[-1]['step']}", real_tokens_per_s=round(tokens / seconds, 1),
                    real_tokens_per_s_per_gpu=round(tokens / seconds / spec["gpus"], 1),
-                   mfu=round(sum(m["mfu"] * m["step_time_s"] for m in timed) / seconds, 4),
+                   mfu=timed_mfu(timed),
                    median_step_s=round(sorted(m["step_time_s"] for m in timed)[len(timed) // 2], 4),
                    peak_alloc_gib=max(m.get("mem_peak_alloc_gib", 0) for m in timed),
                    peak_reserved_gib=max(m.get("mem_peak_reserved_gib", 0) for m in timed),

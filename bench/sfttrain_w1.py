@@ -18,7 +18,7 @@ import sys
 import torch
 import transformers
 
-from bench.common import MFU_FORMULA
+from bench.common import MFU_FORMULA, add_sfttrain_args, emit, timed_mfu
 from bench.w1_data import build_model, load_rows, load_tokenizer, model_config, write_parquet
 
 RECIPE = os.path.join(os.path.dirname(__file__), "..", "recipes", "w1_qwen2.5-0.5b.yaml")
@@ -80,7 +80,7 @@ def run_variant(name: str, args, model_dir: str, parquet: str, variant: list[str
         "peak_allocated_gib": round(max(m.get("mem_peak_alloc_gib", 0) for m in steps), 2),
         "peak_reserved_gib": round(max(m.get("mem_peak_reserved_gib", 0) for m in steps), 2),
         # per-step MFU weighted by step time = MFU of the whole timed window
-        "mfu": round(sum(m["mfu"] * m["step_time_s"] for m in steps) / seconds, 4),
+        "mfu": timed_mfu(steps),
         "data_wait_s_per_step": round(sum(m["data_wait_s"] for m in steps) / len(steps), 5),
         "mfu_formula": MFU_FORMULA,
     }
@@ -88,24 +88,16 @@ def run_variant(name: str, args, model_dir: str, parquet: str, variant: list[str
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default="assets/data/gsm8k/train.jsonl")
-    p.add_argument("--tokenizer", default="assets/tokenizers/qwen2.5-instruct")
-    p.add_argument("--out", required=True)
-    p.add_argument("--work", default="/tmp/sfttrain_w1")
+    add_sfttrain_args(p, work="/tmp/sfttrain_w1")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--variant", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
-    p.add_argument("--override", nargs="*", default=[], help="extra key=value for every variant")
-    p.add_argument("--rows", type=int)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny model")
     args = p.parse_args()
     model_dir, parquet = prepare(args)
     for name in args.variant:
-        record = run_variant(name, args, model_dir, parquet)
-        print(json.dumps(record), flush=True)
-        with open(args.out, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        emit(run_variant(name, args, model_dir, parquet), args.out)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ TINY_SHAPE = dict(W2B_SHAPE, hidden_size=64, intermediate_size=128, num_hidden_l
                   num_key_value_heads=2)
 LORA = ["model.lora_rank=64", "model.lora_alpha=32", "model.target_modules=all-linear"]
 SFTTRAIN = ["model.random_init=false", "model.enable_gradient_checkpointing=true", "data.max_length=4096",
-            "data.train_batch_size=128", "data.max_token_len_per_gpu=16384", *LORA]
+            "data.train_batch_size=128", "data.max_token_len_per_gpu=8192", *LORA]
 
 
 def save_model(args, tokenizer) -> str:

@@ -77,7 +77,7 @@ class ModelConfig:
     gradient_checkpointing_ratio: float = 1.0  # share of the decoder layers whose activations are recomputed (spread evenly; 0.5: every other layer), the rest kept
     attn_implementation: str = "auto"  # auto | flash_attn | torch_varlen | sdpa_blockmask
     use_liger: bool = False  # Liger's fused RMSNorm/SwiGLU/RoPE and fused linear cross-entropy
-    compile: bool = False  # torch.compile the decoder (dynamic shapes): whole on one rank, per layer under FSDP
+    compile: bool = False  # torch.compile each decoder layer (dynamic shapes; compiled once, shared by the layers)
     # tokens per chunk of sfttrain's linear cross-entropy: a chunk's logits are held at once (chunk x
     # vocab in bf16; twice that with loss_kernel=torch); larger chunks pass fewer times over the fp32
     # lm_head gradient (W1 on an H200, liger kernel: 2048 ran 1.2% faster, peaked 0.58 GiB higher)

@@ -80,9 +80,18 @@ def single_device(lm: CausalLMLoss, world: World, cfg: Config) -> None:
         # (and be saved for backward in fp32)
         lm.model.get_input_embeddings().register_forward_hook(lambda _module, _args, out: out.to(dtype))
     if cfg.model.compile:
-        # the whole decoder at once, not layer by layer (dynamic: every step's packed row has
-        # another length, and a specialise-then-recompile cycle per length would be a storm)
-        lm.model.get_decoder().compile(dynamic=True)
+        compile_layers(lm)
+
+
+def compile_layers(lm: CausalLMLoss) -> None:
+    """torch.compile each decoder layer. The layers share one forward, so dynamo traces and inductor
+    compiles it once and every other layer reuses that code: start-up pays for one layer, where the
+    whole decoder as one graph took ~190 s on W1 (the only fusions lost are at the layer
+    boundaries, docs/benchmarks.md). Dynamic shapes: every step's packed row has another length, and a
+    specialise-then-recompile cycle per length would be a storm. Under FSDP the per-layer graphs
+    also leave FSDP's hooks between the layers."""
+    for layer in decoder_layers(lm.model):
+        layer.compile(dynamic=True)
 
 
 def shard(lm: CausalLMLoss, world: World, cfg: Config, offload: bool) -> None:
@@ -95,9 +104,9 @@ def shard(lm: CausalLMLoss, world: World, cfg: Config, offload: bool) -> None:
     if offload:
         common["offload_policy"] = CPUOffloadPolicy()
     layers = decoder_layers(lm.model)
+    if cfg.model.compile:
+        compile_layers(lm)
     for i, layer in enumerate(layers):
-        if cfg.model.compile:
-            layer.compile(dynamic=True)  # per layer: FSDP's hooks run between the layers
         # the last layer's parameters are needed again at once by backward (as torchtitan does)
         last = i == len(layers) - 1
         fully_shard(layer, **{**common, "reshard_after_forward": common["reshard_after_forward"] and not last})

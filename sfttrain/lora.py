@@ -51,7 +51,15 @@ def apply_lora(model: nn.Module, cfg: ModelConfig) -> nn.Module:
     """Injects the adapters into `model` (in place), everything else frozen; returns `model`.
     On a meta-device model the adapters are empty too: `sfttrain.weights` draws them
     (`init_adapter`) from the seed, so every rank and every rerun gets the same ones."""
-    return wrap(model, cfg).get_base_model()
+    model = wrap(model, cfg).get_base_model()
+    if mixed_precision_dtypes(cfg.fsdp_config):
+        # autocast (one device) or FSDP's param_dtype sets the GEMMs' dtype. peft would first cast
+        # each adapter's bf16 input up to the fp32 adapter's dtype, which autocast casts straight
+        # back down: two kernels per adapted layer, and a copy of the input saved for backward
+        for module in model.modules():
+            if hasattr(module, "cast_input_dtype_enabled"):
+                module.cast_input_dtype_enabled = False
+    return model
 
 
 def wrap(model: nn.Module, cfg: ModelConfig):

@@ -166,3 +166,30 @@ def test_target_modules_are_checked_against_the_model():
                         ("model.lora_rank=-1", "lora_rank")):
         with pytest.raises(ConfigError, match=needle):
             load_config(overrides=[*common, bad])
+
+
+def test_adapters_read_their_input_without_a_copy():
+    """Mixed precision: a bf16 frozen base, fp32 adapters, bf16 GEMMs by autocast. peft would cast
+    an adapter's bf16 input up to the adapters' fp32 (and autocast straight back down), so every
+    adapted layer would save a second copy of its input for backward; sfttrain turns that cast off.
+    What an adapted layer saves of the input's size must be the input itself."""
+    from transformers import AutoModelForCausalLM
+
+    from sfttrain.lora import apply_lora
+
+    model = AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.bfloat16)
+    cfg = load_config(overrides=["data.train_files=x.parquet", f"model.partial_pretrain={STORIES}",
+                                 "model.lora_rank=4", "model.fsdp_config.mixed_precision=true"])
+    apply_lora(model, cfg.model)
+    layer = model.model.layers[0].mlp.down_proj
+    assert layer.lora_A["default"].weight.dtype == torch.float32
+    x = torch.randn(5, layer.in_features, dtype=torch.bfloat16, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = layer(x)
+    out.float().sum().backward()  # and the layer still trains
+    assert layer.lora_B["default"].weight.grad is not None
+    inputs = [t for t in saved if t.shape == x.shape]
+    assert inputs and all(t.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for t in inputs), \
+        [t.dtype for t in inputs]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from tests.conftest import (BASE_OVERRIDES, REPO, free_port, kill_job, load_checkpoint_model, rank_env, run_sfttrain,
@@ -28,7 +29,10 @@ def job(gsm8k_dir: Path, run_dir: str) -> list[str]:
 
 
 def run_two_nodes(overrides: list[str], logs: Path, node_env: list[dict], timeout: int = 300) -> tuple[list[str], list[int]]:
-    """Starts one torchrun agent per "node" (its own environment), waits for both; returns their logs."""
+    """Starts one torchrun agent per "node" (its own environment), waits for both; returns their logs
+    and exit codes. Once one agent has failed, the other is killed 5 s later, as srun's
+    --kill-on-bad-exit does on a cluster (left alone, its rank would wait sfttrain.run's
+    WAIT_FOR_RANK0_S for rank 0 to end the job, which torchrun cannot do across nodes)."""
     port = free_port()
     procs = []
     for node, extra in enumerate(node_env):
@@ -40,8 +44,11 @@ def run_two_nodes(overrides: list[str], logs: Path, node_env: list[dict], timeou
             procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
                                           start_new_session=True))
     try:
-        for proc in procs:
-            proc.wait(timeout=timeout)
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if any(p.poll() not in (None, 0) for p in procs):
+                deadline = min(deadline, time.monotonic() + 5)
+            time.sleep(0.2)
     finally:
         for proc in procs:
             kill_job(proc)
@@ -69,9 +76,11 @@ def test_run_folder_not_shared_between_nodes_is_refused(gsm8k_dir, tmp_path):
     nodes = [{"TMPDIR": str(tmp_path / f"scratch{node}")} for node in range(2)]
     for env in nodes:
         Path(env["TMPDIR"]).mkdir()
-    outs, codes = run_two_nodes(job(gsm8k_dir, "${oc.env:TMPDIR}/run"), tmp_path, nodes)
-    assert codes[0] != 0 and codes[1] != 0
+    outs, _ = run_two_nodes(job(gsm8k_dir, "${oc.env:TMPDIR}/run"), tmp_path, nodes)
     both = "".join(outs)
+    # rank 0's agent reports its exit code 2, a configuration error (sfttrain.errors); the other rank
+    # waits for rank 0 to end the job (sfttrain.run.stop) and is killed with its node
+    assert "exitcode  : 2 " in both, both[-3000:]
     # once per node log at most (each node's launcher writes its own; the rank that knows says it),
     # as its own line
     per_node = [[line for line in out.splitlines() if line.startswith("sfttrain: ")] for out in outs]

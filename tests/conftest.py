@@ -72,10 +72,14 @@ def update_error(trained: dict, reference: dict, start: dict) -> float:
     return (diff / update).sqrt().item()
 
 
-def launch(nproc: int, overrides: list[str], log: Path, cwd: Path = REPO, env: dict | None = None) -> subprocess.Popen:
-    """Starts `torchrun --nproc_per_node=nproc -m sfttrain.run ...` as a user would, output to `log`."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", "sfttrain.run", *overrides]
+def launch(nproc: int, overrides: list[str], log: Path, cwd: Path = REPO, env: dict | None = None,
+           torchrun: bool | None = None) -> subprocess.Popen:
+    """Starts `torchrun --nproc_per_node=nproc -m sfttrain.run ...` as a user would, output to `log`.
+    One rank runs as `python -m sfttrain.run ...` (also a user's way; the ~2 s of torchrun's own
+    start-up, over the suite's many one-rank jobs, is time spent testing nothing) unless torchrun."""
+    launcher = (["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
+                 "--master_port", str(free_port())] if torchrun or (torchrun is None and nproc > 1) else [])
+    cmd = [sys.executable, *launcher, "-m", "sfttrain.run", *overrides]
     with open(log, "w") as f:
         return subprocess.Popen(cmd, cwd=cwd, env=rank_env(env), stdout=f, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -94,10 +98,10 @@ def rank_env(extra: dict | None = None) -> dict:
 
 
 def run_sfttrain(nproc: int, overrides: list[str], check: bool = True, timeout: int = 300, cwd: Path = REPO,
-                 env: dict | None = None) -> subprocess.CompletedProcess:
-    """Runs a job to its end; on timeout every rank is killed (none is left running)."""
+                 env: dict | None = None, torchrun: bool | None = None) -> subprocess.CompletedProcess:
+    """Runs a job to its end (`launch`); on timeout every rank is killed (none is left running)."""
     with tempfile.NamedTemporaryFile(suffix=".log") as log:
-        proc = launch(nproc, overrides, Path(log.name), cwd, env)
+        proc = launch(nproc, overrides, Path(log.name), cwd, env, torchrun)
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -78,7 +78,7 @@ def _run(name: str, case: Case, tmp: Path, gsm8k_dir: Path):
         recipe = tmp / f"{name}.yaml"
         recipe.write_text(case.yaml)
         args.insert(0, str(recipe))
-    return run_sfttrain(case.nproc, args, check=False, env=case.env, timeout=400)
+    return run_sfttrain(case.nproc, args, check=False, env=case.env, timeout=400, torchrun=True)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,10 @@
 """Where a W1 step's time goes: torch.profiler over a few sfttrain steps after warm-up.
 
     python3 -m bench.profile_w1 --work /tmp/sfttrain_w1 [key=value ...]
+    torchrun --standalone --nproc_per_node=2 -m bench.profile_w1 --work /tmp/sfttrain_w1 [key=value ...]
+
+Under torchrun every rank profiles itself: each prints its one-line summary and writes its own
+trace; rank 0 prints the tables and the idle gaps.
 
 Uses the model folder and Parquet that bench.sfttrain_w1 prepared in --work. Prints wall time
 per step, GPU kernel time per step (busy fraction), the top kernels, the host's top operators, and
@@ -50,15 +54,17 @@ def main() -> None:
     events = prof.key_averages()
     # device kernels only: annotated ranges (Optimizer.step, ...) would count their kernels twice
     gpu = sum(e.self_device_time_total for e in events if e.cpu_time_total == 0) / 1e6 / args.steps
-    print(f"overrides {args.overrides}: wall {wall * 1e3:.1f} ms/step, GPU kernels {gpu * 1e3:.1f} ms/step "
-          f"({100 * gpu / wall:.0f}% busy)")
-    print(events.table(sort_by="self_device_time_total", row_limit=22, max_name_column_width=70))
-    print(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
-    # inclusive host time of the step's phases (compiled forward/backward, loss, optimizer, waits)
-    print(events.table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=70))
-    trace = args.trace or "/tmp/profile_w1_trace.json"
+    print(f"rank {world.rank}, overrides {args.overrides}: wall {wall * 1e3:.1f} ms/step, GPU kernels "
+          f"{gpu * 1e3:.1f} ms/step ({100 * gpu / wall:.0f}% busy)", flush=True)
+    trace = (args.trace or "/tmp/profile_w1_trace.json").replace(".json", f".rank{world.rank}.json"
+                                                                 if world.world_size > 1 else ".json")
     prof.export_chrome_trace(trace)
-    print_idle_gaps(trace, args.steps)
+    if world.is_main:
+        print(events.table(sort_by="self_device_time_total", row_limit=22, max_name_column_width=70))
+        print(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
+        # inclusive host time of the step's phases (compiled forward/backward, loss, optimizer, waits)
+        print(events.table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=70))
+        print_idle_gaps(trace, args.steps)
     shutdown(world)
 
 
@@ -69,6 +75,9 @@ def print_idle_gaps(trace: str, steps: int, top: int = 12) -> None:
         events = json.load(f)["traceEvents"]
     device = sorted((e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events
                     if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    if not device:
+        print("no device activity in the trace (a CPU run)")
+        return
     gaps, end, before = [], device[0][1], device[0][2]
     for start, stop, name in device[1:]:
         if start > end:

@@ -56,8 +56,9 @@ def main() -> None:
     gpu = sum(e.self_device_time_total for e in events if e.cpu_time_total == 0) / 1e6 / args.steps
     print(f"rank {world.rank}, overrides {args.overrides}: wall {wall * 1e3:.1f} ms/step, GPU kernels "
           f"{gpu * 1e3:.1f} ms/step ({100 * gpu / wall:.0f}% busy)", flush=True)
-    trace = (args.trace or "/tmp/profile_w1_trace.json").replace(".json", f".rank{world.rank}.json"
-                                                                 if world.world_size > 1 else ".json")
+    trace = args.trace or "/tmp/profile_w1_trace.json"
+    if world.world_size > 1:
+        trace = trace.removesuffix(".json") + f".rank{world.rank}.json"
     prof.export_chrome_trace(trace)
     if world.is_main:
         print(events.table(sort_by="self_device_time_total", row_limit=22, max_name_column_width=70))

@@ -80,10 +80,10 @@ def single_device(lm: CausalLMLoss, world: World, cfg: Config) -> None:
         # (and be saved for backward in fp32)
         lm.model.get_input_embeddings().register_forward_hook(lambda _module, _args, out: out.to(dtype))
     if cfg.model.compile:
-        compile_layers(lm)
+        compile_layers(decoder_layers(lm.model))
 
 
-def compile_layers(lm: CausalLMLoss) -> None:
+def compile_layers(layers: list[torch.nn.Module]) -> None:
     """torch.compile each decoder layer. The layers share one forward, so dynamo traces and inductor
     compiles it once and every other layer reuses that code: W1 reaches its first step 29.5 s after
     launch, against 178.7 s with the whole decoder as one graph, at the same step time (the only
@@ -91,7 +91,7 @@ def compile_layers(lm: CausalLMLoss) -> None:
     per layer and pass: docs/benchmarks.md). Dynamic shapes: every step's packed row has another
     length, and a specialise-then-recompile cycle per length would be a storm. Under FSDP the
     per-layer graphs also leave FSDP's hooks between the layers."""
-    for layer in decoder_layers(lm.model):
+    for layer in layers:
         layer.compile(dynamic=True)
 
 
@@ -106,7 +106,7 @@ def shard(lm: CausalLMLoss, world: World, cfg: Config, offload: bool) -> None:
         common["offload_policy"] = CPUOffloadPolicy()
     layers = decoder_layers(lm.model)
     if cfg.model.compile:
-        compile_layers(lm)
+        compile_layers(layers)
     for i, layer in enumerate(layers):
         # the last layer's parameters are needed again at once by backward (as torchtitan does)
         last = i == len(layers) - 1

@@ -73,12 +73,12 @@ def update_error(trained: dict, reference: dict, start: dict) -> float:
 
 
 def launch(nproc: int, overrides: list[str], log: Path, cwd: Path = REPO, env: dict | None = None,
-           torchrun: bool | None = None) -> subprocess.Popen:
+           torchrun: bool = False) -> subprocess.Popen:
     """Starts `torchrun --nproc_per_node=nproc -m sfttrain.run ...` as a user would, output to `log`.
     One rank runs as `python -m sfttrain.run ...` (also a user's way; the ~2 s of torchrun's own
     start-up, over the suite's many one-rank jobs, is time spent testing nothing) unless torchrun."""
     launcher = (["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
-                 "--master_port", str(free_port())] if torchrun or (torchrun is None and nproc > 1) else [])
+                 "--master_port", str(free_port())] if torchrun or nproc > 1 else [])
     cmd = [sys.executable, *launcher, "-m", "sfttrain.run", *overrides]
     with open(log, "w") as f:
         return subprocess.Popen(cmd, cwd=cwd, env=rank_env(env), stdout=f, stderr=subprocess.STDOUT,
@@ -98,7 +98,7 @@ def rank_env(extra: dict | None = None) -> dict:
 
 
 def run_sfttrain(nproc: int, overrides: list[str], check: bool = True, timeout: int = 300, cwd: Path = REPO,
-                 env: dict | None = None, torchrun: bool | None = None) -> subprocess.CompletedProcess:
+                 env: dict | None = None, torchrun: bool = False) -> subprocess.CompletedProcess:
     """Runs a job to its end (`launch`); on timeout every rank is killed (none is left running)."""
     with tempfile.NamedTemporaryFile(suffix=".log") as log:
         proc = launch(nproc, overrides, Path(log.name), cwd, env, torchrun)

@@ -1,4 +1,5 @@
-"""End-to-end runs with real ranks (torchrun, gloo) on the real stories260K model."""
+"""End-to-end runs with real ranks (torchrun and gloo; one rank as python -m sfttrain.run) on the real
+stories260K model."""
 
 import re
 from collections import Counter
@@ -88,8 +89,8 @@ def test_compiled_decoder_matches_eager(gsm8k_dir, tmp_path):
     specialised on its layer (a per-layer constant it must bake in, as a float handed to SDPA's
     scale did in a probe) would be recompiled for each further layer, 4 times for stories260K's 5
     (and past dynamo's cache limit, 8, the remaining layers of a larger model would silently run
-    eager). Recompiles for other reasons (how a torch or transformers version wraps a forward, the
-    first layer's input needing no gradient under LoRA) stay under that count."""
+    eager). Recompiles for other reasons (how a torch or transformers version wraps a forward) stay
+    under that count."""
     common = ["data.train_batch_size=8", "data.micro_batch_size_per_gpu=4", "trainer.total_training_steps=3",
               "data.pad_to_multiple=1"]
     run_sfttrain(1, _job(gsm8k_dir, tmp_path / "eager", *common))

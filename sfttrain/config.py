@@ -58,8 +58,11 @@ class DataConfig:
 class FSDPConfig:
     model_dtype: str = "fp32"  # dtype of the master weights and optimizer state
     mixed_precision: Any = True  # true: bf16 compute, fp32 reduce; false: compute in model_dtype
-    sharding_strategy: str = "FULL_SHARD"  # FULL_SHARD | SHARD_GRAD_OP | HYBRID_SHARD
-    fsdp_size: int = -1  # shard group size; -1 = all data-parallel ranks (HSDP below that)
+    # FULL_SHARD | SHARD_GRAD_OP | HYBRID_SHARD | NO_SHARD (DDP, as fsdp_size=1: every rank holds the
+    # whole model, nothing gathered per layer, gradients all-reduced during backward; for a model whose
+    # weights, gradients and AdamW state fit one GPU)
+    sharding_strategy: str = "FULL_SHARD"
+    fsdp_size: int = -1  # shard group size; -1 = all data-parallel ranks (HSDP below that; 1: DDP)
     cpu_offload: bool = False  # offload parameters, gradients and optimizer state to CPU
     offload_params: bool = False  # verl's spelling of the same switch
     backward_prefetch: Optional[str] = "BACKWARD_PRE"  # FSDP2 always prefetches in backward
@@ -279,7 +282,8 @@ def validate(cfg: Config) -> None:
             ("auto", "flash_attn", "torch_varlen", "sdpa_blockmask"))
     _choice("model.fsdp_config.model_dtype", m.fsdp_config.model_dtype, DTYPES)
     _choice("model.fsdp_config.sharding_strategy", m.fsdp_config.sharding_strategy,
-            ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD"))
+            ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"))
+    _check_no_shard(cfg)
     if m.fsdp_config.backward_prefetch not in (None, "BACKWARD_PRE"):
         raise ConfigError("model.fsdp_config.backward_prefetch: FSDP2 always prefetches the next layer's "
                           "all-gather in backward (BACKWARD_PRE); remove the key or set it to BACKWARD_PRE")
@@ -365,6 +369,30 @@ def _validate_lora(m: ModelConfig) -> None:
 def logger_names(t: TrainerConfig) -> list[str]:
     value = t.logger
     return [value] if isinstance(value, str) else list(value)
+
+
+def _check_no_shard(cfg: Config) -> None:
+    """NO_SHARD is DDP: every rank holds the whole model, so nothing that needs FSDP's shards."""
+    f = cfg.model.fsdp_config
+    if f.sharding_strategy != "NO_SHARD":
+        return
+    key = "model.fsdp_config.sharding_strategy=NO_SHARD (every rank holds the whole model)"
+    if f.fsdp_size not in (-1, 0, 1):
+        raise ConfigError(f"{key} contradicts fsdp_size={f.fsdp_size}; remove fsdp_size, or use HYBRID_SHARD for "
+                          "shard groups of that size")
+    if f.cpu_offload or f.offload_params:
+        raise ConfigError(f"{key}: CPU offload moves FSDP's shards to the host; use FULL_SHARD with cpu_offload=true")
+    if cfg.ulysses_sequence_parallel_size > 1:
+        raise ConfigError(f"{key}: Ulysses ranks share one copy of the weights through FSDP; use FULL_SHARD with "
+                          "ulysses_sequence_parallel_size > 1")
+
+
+def shard_group_size(f: FSDPConfig, dp_size: int) -> int:
+    """Ranks that share one copy of the weights, each holding a shard: fsdp_size (-1 or 0: all
+    dp_size data-parallel ranks); 1 with NO_SHARD (every rank holds all of it)."""
+    if f.sharding_strategy == "NO_SHARD":
+        return 1
+    return dp_size if f.fsdp_size in (-1, 0) else f.fsdp_size
 
 
 def mixed_precision_dtypes(f: FSDPConfig) -> Optional[tuple[str, str]]:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from sfttrain.config import Config, ConfigError
+from sfttrain.config import Config, ConfigError, shard_group_size
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,7 @@ def _mesh_shape(cfg: Config, world_size: int) -> tuple[int, int]:
     dp = world_size // sp
     ranks = f"{dp} data-parallel ranks ({world_size} ranks / ulysses_sequence_parallel_size={sp})" if sp > 1 else \
         f"world size {world_size}"
-    shard = dp if fsdp.fsdp_size in (-1, 0) else fsdp.fsdp_size
+    shard = shard_group_size(fsdp, dp)
     if shard > dp or dp % shard:
         raise ConfigError(f"model.fsdp_config.fsdp_size={fsdp.fsdp_size} must divide the {ranks} "
                           "(or be -1 for all of them)")

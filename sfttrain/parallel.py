@@ -1,16 +1,27 @@
 """Parallelism applied to the unmodified model: activation checkpointing, compilation and FSDP2,
 then the weights materialised into it (the model arrives with its parameters on the meta device).
 
-Several ranks (or CPU offload): every decoder layer is one `fully_shard` unit (its all-gather
-overlaps the previous layer's compute); the root (`CausalLMLoss`) holds the rest: embeddings,
-final norm, lm_head. One rank: FSDP would shard nothing and reduce nothing, yet still run its
-per-layer copy/cast hooks in Python twice per step, so the model runs unwrapped with mixed
-precision by autocast (as torchtitan does on one device); checkpoints are the same DCP format.
+Three layouts (`Layout`):
+- sharded (several ranks, or CPU offload): every decoder layer is one `fully_shard` unit (its
+  all-gather overlaps the previous layer's compute); the root (`CausalLMLoss`) holds the rest:
+  embeddings, final norm, lm_head.
+- single (one rank): FSDP would shard nothing and reduce nothing, yet still run its per-layer
+  copy/cast hooks in Python twice per step, so the model runs unwrapped with mixed precision by
+  autocast (as torchtitan does on one device).
+- replicated (shard groups of one rank: fsdp_size=1 or NO_SHARD): each rank runs the one-device
+  model, and DDP all-reduces the gradients in buckets while backward still runs (as torchtitan
+  does without a shard dimension). FSDP's replicas of a one-rank shard would run the same
+  per-layer hooks as on one rank, and gather nothing.
+Checkpoints are the same DCP format in all three, and resume in any other.
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
+from torch.distributed._composable.replicate import DDP, replicate
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from sfttrain import sequence_parallel
@@ -20,8 +31,10 @@ from sfttrain.loss import CausalLMLoss
 from sfttrain.model import DTYPE, decoder_layers, materialise_model
 
 
-def parallelize(lm: CausalLMLoss, world: World, cfg: Config) -> bool:
-    """Returns whether the model is FSDP-sharded."""
+Layout = Literal["single", "replicated", "sharded"]
+
+
+def parallelize(lm: CausalLMLoss, world: World, cfg: Config) -> Layout:
     fsdp = cfg.model.fsdp_config
     if cfg.model.enable_gradient_checkpointing:
         checkpoint_layers(lm, cfg.model.gradient_checkpointing_ratio)
@@ -31,9 +44,13 @@ def parallelize(lm: CausalLMLoss, world: World, cfg: Config) -> bool:
     apply_sequence_parallel(lm, world)
     if world.world_size == 1 and not offload:
         single_device(lm, world, cfg)
-        return False
+        return "single"
+    if world.mesh["dp_shard"].size() == 1 and world.sp_size == 1 and not offload:
+        single_device(lm, world, cfg)
+        replicate_model(lm, world, cfg)
+        return "replicated"
     shard(lm, world, cfg, offload)
-    return True
+    return "sharded"
 
 
 def checkpoint_layers(lm: CausalLMLoss, ratio: float) -> None:
@@ -46,12 +63,17 @@ def checkpoint_layers(lm: CausalLMLoss, ratio: float) -> None:
         layer.gradient_checkpointing = int((i + 1) * ratio) > int(i * ratio)  # transformers' per-layer switch
 
 
-def describe_sharding(world: World, cfg: Config, sharded: bool) -> str:
+def describe_sharding(world: World, cfg: Config, layout: Layout) -> str:
     """One start-up line on how the weights are laid out; HSDP in particular, which a verl user gets
     from fsdp_size below the world size even with sharding_strategy=FULL_SHARD."""
-    if not sharded:
-        return "one device, not sharded"
     fsdp = cfg.model.fsdp_config
+    if layout == "single":
+        return "one device, not sharded"
+    if layout == "replicated":
+        dtypes = mixed_precision_dtypes(fsdp)
+        return (f"DDP: the whole model on each of {world.dp_size} ranks (model.fsdp_config.sharding_strategy="
+                f"{fsdp.sharding_strategy}, fsdp_size={fsdp.fsdp_size}), gradients all-reduced in "
+                f"{dtypes[1] if dtypes else fsdp.model_dtype} buckets during backward")
     replicas, dp_shards = world.mesh["dp_replicate"].size(), world.mesh["dp_shard"].size()
     shards = dp_shards * world.sp_size  # FSDP shards over the sequence-parallel ranks too
     kind = "ZeRO-2 style: kept gathered from forward to backward" if fsdp.sharding_strategy == "SHARD_GRAD_OP" else \
@@ -81,6 +103,22 @@ def single_device(lm: CausalLMLoss, world: World, cfg: Config) -> None:
         lm.model.get_input_embeddings().register_forward_hook(lambda _module, _args, out: out.to(dtype))
     if cfg.model.compile:
         compile_layers(decoder_layers(lm.model))
+
+
+def replicate_model(lm: CausalLMLoss, world: World, cfg: Config) -> None:
+    """DDP over the data-parallel ranks, on the one-device model (`single_device`). Gradients are
+    all-reduced (averaged, as FSDP's reduce-scatter averages) in 100 MB buckets as backward
+    produces them; the buckets are the gradients' own storage (no second copy). A bf16 reduce
+    dtype halves the traffic through DDP's bf16 compression hook (NCCL only)."""
+    dtypes = mixed_precision_dtypes(cfg.model.fsdp_config)
+    bf16_reduce = dtypes is not None and dtypes[1] == "bf16"
+    if bf16_reduce and world.device.type != "cuda":
+        raise ConfigError("model.fsdp_config.mixed_precision.reduce_dtype=bf16 with DDP (NO_SHARD or fsdp_size=1) "
+                          "compresses gradients through NCCL, on GPUs only; set reduce_dtype=fp32")
+    replicate(lm, process_group=world.mesh["dp_replicate"].get_group(), bucket_cap_mb=100,
+              gradient_as_bucket_view=True)
+    if bf16_reduce:
+        lm.register_comm_hook(None, bf16_compress_hook)
 
 
 def compile_layers(layers: list[torch.nn.Module]) -> None:
@@ -125,6 +163,9 @@ def gradient_sync(lm: CausalLMLoss, last_micro_batch: bool) -> None:
     """HSDP: gradients are reduce-scattered within the shard group after every micro-batch, but
     all-reduced across the replicas only after the step's last one (FSDP2 accumulates the
     reduce-scattered partial sums meanwhile): one all-reduce per step instead of one per
-    micro-batch, the same sum. No-op without FSDP."""
+    micro-batch, the same sum. DDP: gradients accumulate locally and are all-reduced in the last
+    micro-batch's backward. No-op on one device."""
     if isinstance(lm, FSDPModule):
         lm.set_requires_all_reduce(last_micro_batch)
+    elif isinstance(lm, DDP):
+        lm.set_requires_gradient_sync(last_micro_batch)

@@ -16,7 +16,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from sfttrain.config import Config, ConfigError, as_list, load_config
+from sfttrain.config import Config, ConfigError, as_list, load_config, mixed_precision_dtypes, shard_group_size
 from sfttrain.data.plan import batch_problem, make_plan
 from sfttrain.errors import UserError
 
@@ -94,10 +94,11 @@ def activation_bytes(shape: DenseShape, tokens: int, checkpointing: bool) -> int
 def memory_per_rank(cfg: Config, shape: DenseShape, dp_size: int) -> dict[str, float]:
     """GiB per rank, by what holds it. FSDP shards parameters, gradients and AdamW's two moments
     over the shard group; compute runs on bf16 copies of one layer at a time (plus the prefetched
-    next one); the loss holds one chunk of logits, never the whole [tokens, vocab]."""
+    next one). Unsharded (one GPU, NO_SHARD), autocast's bf16 copy of every weight is kept from
+    forward to backward. The loss holds one chunk of logits, never the whole [tokens, vocab]."""
     m = cfg.model
     fsdp = m.fsdp_config
-    shard = dp_size if fsdp.fsdp_size in (-1, 0) else fsdp.fsdp_size
+    shard = shard_group_size(fsdp, dp_size)
     master = DTYPE_BYTES[fsdp.model_dtype]
     n = shape.num_params
     # with LoRA only the fp32 adapters are trained: the frozen base has no gradient or optimizer state
@@ -105,10 +106,12 @@ def memory_per_rank(cfg: Config, shape: DenseShape, dp_size: int) -> dict[str, f
     trained_bytes = 4 if m.lora_rank > 0 else master
     activations = activation_bytes(shape, micro_batch_tokens(cfg), m.enable_gradient_checkpointing)
     logits = m.loss_chunk_tokens * shape.vocab * 2 * (2 if m.loss_kernel == "torch" else 1)
-    gathered = 2 * shape.layer_params * 2 if shard > 1 else 0  # bf16 all-gathered layers
+    autocast = mixed_precision_dtypes(fsdp) is not None and m.lora_rank == 0  # LoRA's base is bf16 already
+    copies = 2 * shape.layer_params * 2 if shard > 1 else (n * 2 if autocast else 0)
     base = 0 if m.lora_rank == 0 else n * master
     out = {"parameters": (base + trained * trained_bytes) / shard, "gradients": trained * trained_bytes / shard,
-           "optimizer (AdamW m, v)": 2 * trained * trained_bytes / shard, "gathered layers (bf16)": gathered,
+           "optimizer (AdamW m, v)": 2 * trained * trained_bytes / shard,
+           "bf16 weights " + ("(gathered layers)" if shard > 1 else "(autocast copies)"): copies,
            f"activations ({'with' if m.enable_gradient_checkpointing else 'without'} checkpointing)": activations,
            f"logits / loss chunk ({m.loss_chunk_tokens} tokens x {shape.vocab} vocab)": logits}
     return {k: v / GIB for k, v in out.items()}

@@ -72,7 +72,7 @@ class FSDPSFTTrainer:
                                compiled_max_seqlen=max_segment_length(d.max_length, d.pad_to_multiple)
                                if cfg.model.compile else None,
                                chunk_loss=chunk_loss, chunk_tokens=cfg.model.loss_chunk_tokens)
-        self.sharded = parallelize(self.lm, world, cfg)
+        self.layout = parallelize(self.lm, world, cfg)
         self.optimizer = build_optimizer(self.lm, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.plan.total_steps)
         self.data = TrainData(train_source, renderer, self.plan, prepared.stats, world.dp_rank, t.seed, d.shuffle,
@@ -106,7 +106,7 @@ class FSDPSFTTrainer:
             *lora.describe(cfg.model),
             f"  loss                : {loss}",
             f"  precision           : weights/optimizer {fsdp.model_dtype}, mixed precision {fsdp.mixed_precision}",
-            f"  sharding            : {describe_sharding(self.world, cfg, self.sharded)}",
+            f"  sharding            : {describe_sharding(self.world, cfg, self.layout)}",
             f"  lr                  : {cfg.optim.lr} {cfg.optim.lr_scheduler}, "
             f"{warmup_steps(cfg.optim, self.plan.total_steps)} warmup steps",
             f"  run folder          : {self.run_dir}",

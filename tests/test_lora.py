@@ -90,6 +90,22 @@ def test_resume_on_another_world_size(data, ref, tmp_path):
     assert max_rel_diff(final["optim"]["state"], expected["optim"]["state"]) <= REL_TOL
 
 
+def test_ddp_resumes_fsdp_adapters(data, ref, tmp_path):
+    """Ref's step-2 checkpoint (FSDP2, 2 ranks) resumed by 2 DDP ranks (NO_SHARD: each holds the
+    frozen base and all adapters; only the adapters' gradients are all-reduced): steps 3-4 and the
+    final adapters as ref's."""
+    run_dir, _ = ref
+    resumed = tmp_path / "run"
+    proc = run_sfttrain(2, lora_job(data, resumed, "model.fsdp_config.sharding_strategy=NO_SHARD",
+                                    "trainer.resume_mode=resume_path",
+                                    f"trainer.resume_from_path={run_dir / 'global_step_2'}"))
+    assert "DDP: the whole model on each of 2 ranks" in proc.stdout
+    want = losses_by_step(run_dir)
+    assert losses_by_step(resumed) == pytest.approx({s: want[s] for s in (3, 4)}, rel=REL_TOL)
+    final, expected = state(resumed / f"global_step_{STEPS}"), state(run_dir / f"global_step_{STEPS}")
+    assert max_rel_diff(final["model"], expected["model"]) <= REL_TOL
+
+
 def _export(ckpt: Path, out: Path) -> Path:
     from sfttrain.export import export
 

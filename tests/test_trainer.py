@@ -36,23 +36,28 @@ def _update_error(run_dir, ref_dir, step: int) -> float:
 
 def test_update_invariant_to_ranks_and_micro_batches(gsm8k_dir, tmp_path):
     """Same global batch of 16, split as 1 rank x 1 micro-batch, 2 ranks x 1, 2 ranks x 4 micro-batches,
-    and 4 ranks as HSDP (2 replicas x 2 shards, 2 micro-batches each, all-reduced across the
-    replicas once per step): loss normalised by the step's global token count makes the updates equal."""
+    4 ranks as HSDP (2 replicas x 2 shards, 2 micro-batches each, all-reduced across the replicas
+    once per step), and 2 DDP ranks x 4 micro-batches (gradients accumulated locally, all-reduced in
+    the last one's backward): loss normalised by the step's global token count makes the updates
+    equal. A rank that skipped the all-reduce would step on its own half of the gradient."""
     hsdp = ["model.fsdp_config.sharding_strategy=HYBRID_SHARD", "model.fsdp_config.fsdp_size=2"]
-    runs = {"1x16": (1, 16, []), "2x8": (2, 8, []), "2x2": (2, 2, []), "hsdp_2x2": (4, 2, hsdp)}
-    losses, weights = {}, {}
+    runs = {"1x16": (1, 16, []), "2x8": (2, 8, []), "2x2": (2, 2, []), "hsdp_2x2": (4, 2, hsdp),
+            "ddp_2x2": (2, 2, ["model.fsdp_config.fsdp_size=1"])}
+    losses, weights, logs = {}, {}, {}
     for name, (nproc, micro, extra) in runs.items():
         run_dir = tmp_path / name
-        proc = run_sfttrain(nproc, _job(gsm8k_dir, run_dir, "data.train_batch_size=16", *extra,
-                                        f"data.micro_batch_size_per_gpu={micro}", "trainer.total_training_steps=2"))
+        logs[name] = run_sfttrain(nproc, _job(gsm8k_dir, run_dir, "data.train_batch_size=16", *extra,
+                                              f"data.micro_batch_size_per_gpu={micro}",
+                                              "trainer.total_training_steps=2")).stdout
         losses[name] = train_losses(run_dir)
         weights[name] = load_checkpoint_model(run_dir / "global_step_2")
-    assert "mesh (2, 2) ('dp_replicate', 'dp_shard')" in proc.stdout + proc.stderr
-    assert "HSDP: 2 replicas x 2 shards (model.fsdp_config.fsdp_size=2 < 4 data-parallel ranks" in proc.stdout
+    assert "mesh (2, 2) ('dp_replicate', 'dp_shard')" in logs["hsdp_2x2"]
+    assert "HSDP: 2 replicas x 2 shards (model.fsdp_config.fsdp_size=2 < 4 data-parallel ranks" in logs["hsdp_2x2"]
+    assert "DDP: the whole model on each of 2 ranks" in logs["ddp_2x2"]
     assert len(losses["1x16"]) == 2
     start = _start()
     start = {k: start[k] for k in weights["1x16"]}
-    for name in ("2x8", "2x2", "hsdp_2x2"):
+    for name in ("2x8", "2x2", "hsdp_2x2", "ddp_2x2"):
         assert losses[name] == pytest.approx(losses["1x16"], rel=LOSS_TOL)
         assert update_error(weights[name], weights["1x16"], start) < UPDATE_TOL, name
 
@@ -67,19 +72,21 @@ def test_token_budget_micro_batches_give_the_same_update(gsm8k_dir, tmp_path):
     assert _update_error(budget, ref, 2) < UPDATE_TOL
 
 
-def test_mixed_precision_one_device_and_fsdp_agree(gsm8k_dir, tmp_path):
-    """bf16 compute two ways: one rank runs unsharded under autocast, two ranks under FSDP2's
-    MixedPrecisionPolicy; both keep fp32 master weights and must train alike. bf16 rounds each
-    product and activation to 2^-8 ~ 4e-3 relative, in other places on the two paths (per-rank
-    micro-batches, where the casts sit): losses within 5e-3, updates within 5e-2 relative (a wrong
-    cast or a dropped reduction is off by O(1))."""
+def test_mixed_precision_one_device_fsdp_and_ddp_agree(gsm8k_dir, tmp_path):
+    """bf16 compute three ways: one rank runs unsharded under autocast, two ranks under FSDP2's
+    MixedPrecisionPolicy, two DDP ranks under autocast (gradients all-reduced in fp32); all keep
+    fp32 master weights and must train alike. bf16 rounds each product and activation to
+    2^-8 ~ 4e-3 relative, in other places on each path: losses within 5e-3, updates within 5e-2
+    relative (a wrong cast or a dropped reduction is off by O(1))."""
     mp = ["model.fsdp_config.mixed_precision=true", "data.train_batch_size=8", "data.micro_batch_size_per_gpu=4",
           "trainer.total_training_steps=3"]
-    for nproc in (1, 2):
-        run_sfttrain(nproc, _job(gsm8k_dir, tmp_path / f"mp{nproc}", *mp))
-    one, two = train_losses(tmp_path / "mp1"), train_losses(tmp_path / "mp2")
-    assert one == pytest.approx(two, rel=5e-3)
-    assert _update_error(tmp_path / "mp2", tmp_path / "mp1", 3) < 5e-2
+    runs = {"one": (1, []), "fsdp": (2, []), "ddp": (2, ["model.fsdp_config.sharding_strategy=NO_SHARD"])}
+    for name, (nproc, extra) in runs.items():
+        out = run_sfttrain(nproc, _job(gsm8k_dir, tmp_path / name, *mp, *extra)).stdout
+    assert "gradients all-reduced in fp32 buckets" in out
+    for name in ("fsdp", "ddp"):
+        assert train_losses(tmp_path / name) == pytest.approx(train_losses(tmp_path / "one"), rel=5e-3), name
+        assert _update_error(tmp_path / name, tmp_path / "one", 3) < 5e-2, name
 
 
 def test_compiled_decoder_matches_eager(gsm8k_dir, tmp_path):

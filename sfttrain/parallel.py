@@ -115,6 +115,9 @@ def replicate_model(lm: CausalLMLoss, world: World, cfg: Config) -> None:
     if bf16_reduce and world.device.type != "cuda":
         raise ConfigError("model.fsdp_config.mixed_precision.reduce_dtype=bf16 with DDP (NO_SHARD or fsdp_size=1) "
                           "compresses gradients through NCCL, on GPUs only; set reduce_dtype=fp32")
+    # each compiled layer is an autograd node of its own, so the buckets' all-reduces already start
+    # layer by layer during backward; dynamo's DDP optimizer would only split the layers' graphs
+    torch._dynamo.config.optimize_ddp = False
     replicate(lm, process_group=world.mesh["dp_replicate"].get_group(), bucket_cap_mb=100,
               gradient_as_bucket_view=True)
     if bf16_reduce:

@@ -81,9 +81,9 @@ def test_mixed_precision_one_device_fsdp_and_ddp_agree(gsm8k_dir, tmp_path):
     mp = ["model.fsdp_config.mixed_precision=true", "data.train_batch_size=8", "data.micro_batch_size_per_gpu=4",
           "trainer.total_training_steps=3"]
     runs = {"one": (1, []), "fsdp": (2, []), "ddp": (2, ["model.fsdp_config.sharding_strategy=NO_SHARD"])}
-    for name, (nproc, extra) in runs.items():
-        out = run_sfttrain(nproc, _job(gsm8k_dir, tmp_path / name, *mp, *extra)).stdout
-    assert "gradients all-reduced in fp32 buckets" in out
+    logs = {name: run_sfttrain(nproc, _job(gsm8k_dir, tmp_path / name, *mp, *extra)).stdout
+            for name, (nproc, extra) in runs.items()}
+    assert "gradients all-reduced in fp32 buckets" in logs["ddp"]
     for name in ("fsdp", "ddp"):
         assert train_losses(tmp_path / name) == pytest.approx(train_losses(tmp_path / "one"), rel=5e-3), name
         assert _update_error(tmp_path / name, tmp_path / "one", 3) < 5e-2, name

@@ -97,7 +97,11 @@ def main() -> None:
     args = p.parse_args()
     model_dir, parquet = prepare(args)
     for name in args.variant:
-        emit(run_variant(name, args, model_dir, parquet), args.out)
+        try:
+            emit(run_variant(name, args, model_dir, parquet), args.out)
+        except subprocess.CalledProcessError as e:  # the other variants still run; the failure is recorded
+            emit({"system": "sfttrain", "variant": name, "overrides": VARIANTS[name] + args.override, "rc": e.returncode},
+                 args.out)
 
 
 if __name__ == "__main__":

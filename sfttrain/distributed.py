@@ -81,9 +81,10 @@ def init_world(cfg: Config) -> World:
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # lets `python -m sfttrain.run` work without torchrun
-        os.environ.setdefault("MASTER_PORT", "29500")
-        dist.init_process_group(_backend(cfg, use_cuda), rank=rank, world_size=world_size,
+        # `python -m sfttrain.run` without torchrun: one process, whose rendezvous needs no port (a
+        # fixed one would collide with any other such job on the machine, one per GPU say)
+        store = dist.HashStore() if world_size == 1 and "MASTER_PORT" not in os.environ else None
+        dist.init_process_group(_backend(cfg, use_cuda), store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(minutes=30),
                                 device_id=device if use_cuda else None)
     sp = cfg.ulysses_sequence_parallel_size

@@ -2,13 +2,14 @@
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import REPO, read_metrics, run_sfttrain
+from tests.conftest import BASE_OVERRIDES, REPO, read_metrics, run_sfttrain
 
 
 @pytest.fixture()
@@ -75,6 +76,17 @@ def test_article_lora_keys_run_and_export(home_with_gsm8k, tiny_qwen_dir, tmp_pa
     base = AutoModelForCausalLM.from_pretrained(tiny_qwen_dir, dtype=torch.float32)
     assert PeftModel.from_pretrained(base, out / "adapter").peft_config["default"].r == 64
     assert (out / "model.safetensors").exists()
+
+
+def test_one_process_job_takes_no_port(gsm8k_dir, tmp_path):
+    """`python -m sfttrain.run` (no torchrun) while torch's default rendezvous port is taken, as by
+    another such job on the machine (one per GPU): it trains. It used to bind 29500 and fail."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 29500))  # an OSError here: 29500 is taken already, as this test wants
+        held.listen()
+        run_sfttrain(1, [*BASE_OVERRIDES, f"data.train_files={gsm8k_dir / 'train.parquet'}", "data.train_batch_size=4",
+                         "trainer.total_training_steps=1", f"trainer.default_local_dir={tmp_path / 'run'}"])
+    assert read_metrics(tmp_path / "run")[0]["step"] == 1
 
 
 def test_help_lists_every_key_with_its_default():

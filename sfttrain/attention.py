@@ -35,8 +35,8 @@ flash-attn / SDPA / flex capability checks or to Hub-kernel loading.
 Backends (``select_backend``/``configure``)
 -------------------------------------------
 * ``flash_attn``: ``flash_attn.flash_attn_varlen_func`` (CUDA, package must import).
-* ``torch_varlen``: PyTorch's ``torch.nn.attention.varlen.varlen_attn`` (CUDA only: the CPU build
-  has no ``aten::_flash_attention_forward`` kernel).
+* ``torch_varlen``: PyTorch's own varlen flash attention, ``aten::_flash_attention_forward`` (the
+  op ``torch.nn.attention.varlen.varlen_attn`` wraps; CUDA only: the CPU build has no kernel for it).
 * ``sdpa_blockmask``: exact fallback for any device: one causal
   ``scaled_dot_product_attention`` per sample over slices given by ``cu_seqlens`` (one host sync
   per layer to read the boundaries; fine on CPU and for debugging, slow on GPU).
@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import inspect
 from typing import Any
 
 import torch
@@ -86,21 +85,10 @@ def _flash_attn_importable() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _torch_varlen_fn():
-    """`varlen_attn` and whether it takes `enable_gqa`, or None if this torch has no such module."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except Exception:
-        return None
-    try:
-        params = inspect.signature(varlen_attn).parameters
-    except (TypeError, ValueError):
-        params = {}
-    if "window_size" not in params:  # older prototypes had is_causal; we only speak window_size
-        return None
-    # torch 2.11 has no `enable_gqa` and accepts fewer KV heads natively (measured on the H200:
-    # 14 q heads / 2 kv heads); torch >= 2.13 raises on Hq != Hkv unless enable_gqa=True.
-    return varlen_attn, "enable_gqa" in params
+def _torch_varlen_available() -> bool:
+    """Whether this torch's aten flash-attention op takes a window (torch >= 2.11 does)."""
+    op = getattr(torch.ops.aten, "_flash_attention_forward", None)
+    return op is not None and any(a.name == "window_size_left" for a in op.default._schema.arguments)
 
 
 def _unavailable_reason(backend: str, device_type: str) -> str | None:
@@ -112,8 +100,8 @@ def _unavailable_reason(backend: str, device_type: str) -> str | None:
     if backend == "flash_attn":
         return None if _flash_attn_importable() else "the flash_attn package is not importable"
     if backend == "torch_varlen":
-        if _torch_varlen_fn() is None:
-            return f"torch {torch.__version__} has no usable torch.nn.attention.varlen.varlen_attn"
+        if not _torch_varlen_available():
+            return f"torch {torch.__version__}'s aten::_flash_attention_forward takes no attention window"
         return None
     raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
 
@@ -188,20 +176,18 @@ def _run_flash_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, softcap):
 
 
 def _run_torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, softcap):
-    fn = _torch_varlen_fn()
-    if fn is None:
-        raise RuntimeError(_unavailable_reason("torch_varlen", "cuda"))
     if softcap is not None:
         raise ValueError(SOFTCAP_UNSUPPORTED)
-    varlen_attn, takes_enable_gqa = fn
-    extra = {"enable_gqa": k.shape[1] != q.shape[1]} if takes_enable_gqa else {}
-    # TRAP: varlen_attn has no `is_causal` argument. Causality is window_size=(-1, 0) (or (W, 0)
-    # for a sliding window); the default (-1, -1) is bidirectional -- every token would see the
-    # future of its own sample -- and silently gives different numbers. It must be a *tuple*:
-    # torch derives is_causal from `window_size == (-1, 0)`, which a list never equals.
-    return varlen_attn(
-        q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=tuple(window), **extra
-    )
+    # The aten op that torch.nn.attention.varlen.varlen_attn wraps, called directly: it is
+    # differentiable itself (FlashAttentionBackward0, window included), handles fewer KV heads
+    # natively, and inductor's C++ wrapper calls it without Python. varlen_attn's custom op takes
+    # its window as a list, which that wrapper cannot pass (torch 2.11).
+    # TRAP, as in varlen_attn: causal is the window (-1, 0) with is_causal; a window (-1, -1)
+    # without is_causal is bidirectional, every token seeing the future of its own sample.
+    return torch.ops.aten._flash_attention_forward(
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, tuple(window) == (-1, 0), False,
+        scale=scale, window_size_left=window[0], window_size_right=window[1],
+    )[0]
 
 
 def _run_sdpa_blockmask(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, softcap):

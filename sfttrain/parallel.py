@@ -102,7 +102,7 @@ def single_device(lm: CausalLMLoss, world: World, cfg: Config) -> None:
         # (and be saved for backward in fp32)
         lm.model.get_input_embeddings().register_forward_hook(lambda _module, _args, out: out.to(dtype))
     if cfg.model.compile:
-        compile_layers(decoder_layers(lm.model))
+        compile_layers(decoder_layers(lm.model), cpp_wrapper(cfg, world))
 
 
 def replicate_model(lm: CausalLMLoss, world: World, cfg: Config) -> None:
@@ -124,16 +124,35 @@ def replicate_model(lm: CausalLMLoss, world: World, cfg: Config) -> None:
         lm.register_comm_hook(None, bf16_compress_hook)
 
 
-def compile_layers(layers: list[torch.nn.Module]) -> None:
+def compile_layers(layers: list[torch.nn.Module], cpp_wrapper: bool) -> None:
     """torch.compile each decoder layer. The layers share one forward, so dynamo traces and inductor
     compiles it once and every other layer reuses that code: W1 reaches its first step 29.5 s after
     launch, against 178.7 s with the whole decoder as one graph, at the same step time (the only
-    fusions lost are at the layer boundaries; a host-bound step, as W1 with LoRA, pays a graph call
-    per layer and pass: docs/benchmarks.md). Dynamic shapes: every step's packed row has another
-    length, and a specialise-then-recompile cycle per length would be a storm. Under FSDP the
-    per-layer graphs also leave FSDP's hooks between the layers."""
+    fusions lost are at the layer boundaries; docs/benchmarks.md). Dynamic shapes: every step's
+    packed row has another length, and a specialise-then-recompile cycle per length would be a
+    storm. Under FSDP the per-layer graphs also leave FSDP's hooks between the layers.
+    cpp_wrapper: the compiled code launches its kernels from C++ (model.compile_cpp_wrapper)."""
+    options = {"cpp_wrapper": True} if cpp_wrapper else None
     for layer in layers:
-        layer.compile(dynamic=True)
+        layer.compile(dynamic=True, options=options)
+
+
+def cpp_wrapper(cfg: Config, world: World) -> bool:
+    """Whether inductor's C++ wrapper launches the compiled layers' kernels (model.compile_cpp_wrapper).
+    GPUs only: there the host just launches kernels and can fall behind them; on CPU the kernels
+    are the host's own work, and the wrapper's C++ build would only cost start-up."""
+    if world.device.type != "cuda":
+        return False
+    setting = cfg.model.compile_cpp_wrapper
+    return cfg.model.lora_rank > 0 if setting == "auto" else setting
+
+
+def describe_compile(cfg: Config, world: World) -> str:
+    """The start-up line on compilation."""
+    if not cfg.model.compile:
+        return "off (eager)"
+    wrapper = "C++" if cpp_wrapper(cfg, world) else "Python"
+    return f"each decoder layer, dynamic shapes, kernels launched by inductor's {wrapper} wrapper"
 
 
 def shard(lm: CausalLMLoss, world: World, cfg: Config, offload: bool) -> None:
@@ -147,7 +166,7 @@ def shard(lm: CausalLMLoss, world: World, cfg: Config, offload: bool) -> None:
         common["offload_policy"] = CPUOffloadPolicy()
     layers = decoder_layers(lm.model)
     if cfg.model.compile:
-        compile_layers(layers)
+        compile_layers(layers, cpp_wrapper(cfg, world))
     for i, layer in enumerate(layers):
         # the last layer's parameters are needed again at once by backward (as torchtitan does)
         last = i == len(layers) - 1

@@ -25,7 +25,7 @@ from sfttrain.metrics import (MetricsLogger, StepEnd, StepTimer, describe_host_m
                               throughput)
 from sfttrain.model import load_model, load_tokenizer
 from sfttrain.optim import build_optimizer, build_scheduler, clipped_step, schedule_settings, warmup_steps
-from sfttrain.parallel import describe_sharding, gradient_sync, parallelize
+from sfttrain.parallel import describe_compile, describe_sharding, gradient_sync, parallelize
 
 
 @dataclass
@@ -107,6 +107,7 @@ class FSDPSFTTrainer:
             f"  loss                : {loss}",
             f"  precision           : weights/optimizer {fsdp.model_dtype}, mixed precision {fsdp.mixed_precision}",
             f"  sharding            : {describe_sharding(self.world, cfg, self.layout)}",
+            f"  compile             : {describe_compile(cfg, self.world)}",
             f"  lr                  : {cfg.optim.lr} {cfg.optim.lr_scheduler}, "
             f"{warmup_steps(cfg.optim, self.plan.total_steps)} warmup steps",
             f"  run folder          : {self.run_dir}",

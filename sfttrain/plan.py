@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from sfttrain.config import Config, ConfigError, as_list, load_config, mixed_precision_dtypes, shard_group_size
 from sfttrain.data.plan import batch_problem, make_plan
 from sfttrain.errors import UserError
+from sfttrain.moe import MoeShape
 
 GIB = 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -26,7 +27,8 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 @dataclass(frozen=True)
 class DenseShape:
-    """A dense decoder (Llama, Qwen2/2.5/3, Mistral) as its config.json describes it."""
+    """A decoder (Llama, Qwen2/2.5/3, Mistral; Qwen2/3-MoE and Mixtral with `moe`) as its config.json
+    describes it. Memory counts every expert: each is held, gathered, updated."""
     vocab: int
     hidden: int
     intermediate: int
@@ -37,6 +39,7 @@ class DenseShape:
     tied: bool
     qkv_bias: bool
     qk_norm: bool
+    moe: MoeShape | None = None  # None: a dense decoder
 
     @classmethod
     def from_config_json(cls, folder: str) -> "DenseShape":
@@ -48,21 +51,32 @@ class DenseShape:
                    layers=c["num_hidden_layers"], heads=heads, kv_heads=c.get("num_key_value_heads") or heads,
                    head_dim=c.get("head_dim") or c["hidden_size"] // heads,
                    tied=c.get("tie_word_embeddings", False),
-                   qkv_bias=c.get("attention_bias", c.get("model_type") == "qwen2"),
-                   qk_norm=c.get("model_type") == "qwen3")
+                   qkv_bias=c.get("attention_bias", c.get("model_type") in ("qwen2", "qwen2_moe")),
+                   qk_norm=c.get("model_type") in ("qwen3", "qwen3_moe"), moe=MoeShape.from_config(c))
 
     @property
-    def layer_params(self) -> int:
+    def sparse_layers(self) -> int:
+        return self.moe.sparse_layers if self.moe else 0
+
+    def _layer_params(self, sparse: bool) -> int:
         h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
         attention = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0)
-        mlp = 3 * h * self.intermediate  # gate, up, down
+        mlp = self.moe.mlp_params(h) if sparse else 3 * h * self.intermediate  # dense: gate, up, down
         norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
         return attention + mlp + norms
 
     @property
+    def layer_params(self) -> int:
+        """The largest layer (what one gathered FSDP unit holds)."""
+        return self._layer_params(sparse=self.sparse_layers > 0)
+
+    @property
     def num_params(self) -> int:
         embeddings = self.vocab * self.hidden * (1 if self.tied else 2)
-        return embeddings + self.layers * self.layer_params + self.hidden  # + the final norm
+        layers = (self.layers - self.sparse_layers) * self._layer_params(sparse=False)
+        if self.sparse_layers:
+            layers += self.sparse_layers * self._layer_params(sparse=True)
+        return embeddings + layers + self.hidden  # + the final norm
 
     def lora_params(self, rank: int) -> int:
         """Adapter parameters with target_modules=all-linear: rank x (in + out) per projection."""
@@ -75,7 +89,8 @@ class DenseShape:
         input, gate and up outputs and their product (a common approximation; flash attention
         keeps no score matrix)."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return 4 * self.hidden + 2 * q + 2 * kv + 3 * self.intermediate
+        mlp = self.moe.mlp_activations_per_token() if self.sparse_layers else 3 * self.intermediate
+        return 4 * self.hidden + 2 * q + 2 * kv + mlp
 
 
 def micro_batch_tokens(cfg: Config) -> int:

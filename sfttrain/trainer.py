@@ -101,7 +101,7 @@ class FSDPSFTTrainer:
             f"mesh {tuple(self.world.mesh.shape)} {self.world.mesh.mesh_dim_names}",
             self.plan.describe(),
             f"  model               : {cfg.model.partial_pretrain} ({shape.num_params / 1e6:.2f}M params, "
-            f"{shape.trainable_params / 1e6:.2f}M trainable, {shape.num_layers} layers), "
+            f"{shape.trainable_params / 1e6:.2f}M trainable{shape.describe_active()}, {shape.num_layers} layers), "
             f"attention {self.attn_backend}, liger {self.liger}",
             *lora.describe(cfg.model),
             f"  loss                : {loss}",

@@ -5,13 +5,33 @@ Qwen2-MoE, Qwen3-MoE and Mixtral (transformers 5) hold each layer's routed exper
 parameters under `mlp.experts` (`gate_up_proj` [E, 2F, D], `down_proj` [E, D, F]); a router
 (`mlp.gate`) picks top_k of the E experts per token. Qwen2-MoE adds a shared expert
 (`mlp.shared_expert`, with a sigmoid gate) that runs for every token.
+
+The router's load-balancing loss (config.json's output_router_logits=true, `RouterBalance`) is
+Hugging Face's `load_balancing_loss_func` (Switch Transformer's
+aux = E sum_e f_e P_e, with f_e the share of top-k picks and P_e the mean router probability of
+expert e over all sparse layers' tokens), taken per sample (each packed document) and
+token-weighted over the step:
+
+    step loss = sum_t CE_t / (loss tokens of the step) + coef x sum_s T_s aux_s / (real tokens of the step)
+
+Why per sample: aux is a product of two means, not a sum over tokens, so any definition over a
+group of tokens depends on the group; a sample is the only group no split of the step into ranks
+and micro-batches cuts (packing keeps samples whole), so the update does not depend on the split.
+For a batch of one sample it is exactly the model's own `loss + router_aux_loss_coef x aux_loss`;
+HF's value for a padded batch of several samples instead pools them (and depends on which samples
+share the batch). Pad tokens (the packed row's pad segment, an idle rank's empty micro-batch) are
+no sample and count nowhere.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
+
+from sfttrain.config import ConfigError
+from sfttrain.data.pack import MicroBatch
 
 EXPERTS = ".experts."  # in the name of every routed-expert parameter (and of adapters peft puts on them)
 
@@ -78,3 +98,73 @@ class MoeShape:
         (gate, up and their product per routed expert), the shared expert's, the router's logits."""
         return (3 * self.routing.top_k * self.expert_intermediate + 3 * self.shared_intermediate
                 + self.routing.num_experts)
+
+
+class RouterBalance:
+    """The router's load-balancing loss of the micro-batches of a step, and the experts' load.
+
+    `record` is called with each training forward's router logits; `take` hands the last
+    micro-batch's sum_s T_s aux_s to its objective (sfttrain.loss.step_objective); `step_stats`
+    hands the step's totals to the trainer's one all-reduce, `metrics` turns them into numbers."""
+
+    def __init__(self, config):
+        self.routing = routing(config)
+        self.coef = float(config.router_aux_loss_coef)
+        self.pending: torch.Tensor | None = None
+        self.aux_sum: torch.Tensor | float = 0.0  # sum over the step's samples of T_s aux_s (this rank's)
+        self.load: torch.Tensor | float = 0.0  # [sparse layers, experts] top-k picks of real tokens
+
+    @classmethod
+    def of(cls, config) -> RouterBalance | None:
+        """For a config with output_router_logits=true (None without)."""
+        if not getattr(config, "output_router_logits", False):
+            return None
+        if routing(config) is None or getattr(config, "router_aux_loss_coef", None) is None:
+            raise ConfigError(f"{config.model_type}: output_router_logits=true but the config names no experts "
+                              "and router_aux_loss_coef; set output_router_logits=false in the model's config.json")
+        return cls(config)
+
+    def record(self, router_logits: tuple[torch.Tensor, ...], batch: MicroBatch) -> None:
+        lengths = batch.cu_seqlens.diff().long()
+        tokens = batch.input_ids.shape[1]
+        samples = len(lengths) if batch.num_samples is None else batch.num_samples
+        # each token's segment; output_size: no device-to-host sync for the result's length
+        segment = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths,
+                                          output_size=tokens)
+        real = (segment < samples).float()
+        experts = self.routing.num_experts
+        picks = torch.zeros(len(lengths), experts, device=lengths.device)
+        probs = torch.zeros(len(lengths), experts, device=lengths.device)
+        load = []
+        for logits in router_logits:
+            p = torch.softmax(logits.float(), dim=-1)
+            chosen = torch.zeros_like(p).scatter_(1, p.topk(self.routing.top_k, dim=-1).indices, 1.0)
+            picks.index_add_(0, segment, chosen)
+            probs = probs.index_add(0, segment, p)
+            load.append(real @ chosen)
+        # per sample: E sum_e (picks_e / (L T)) (probs_e / (L T)), weighted by T
+        scale = len(router_logits) ** 2 * lengths.clamp(min=1).float()
+        per_sample = experts * (picks * probs).sum(-1) / scale
+        self.pending = per_sample[:samples].sum()
+        self.aux_sum = self.aux_sum + self.pending.detach()
+        self.load = self.load + torch.stack(load)
+
+    def take(self) -> torch.Tensor:
+        pending, self.pending = self.pending, None
+        return pending
+
+    def step_stats(self, device: torch.device) -> torch.Tensor:
+        """This rank's [sum_s T_s aux_s, load...] of the step (summed over ranks, they are the
+        step's), and a fresh start for the next step."""
+        load = torch.as_tensor(self.load, dtype=torch.float32, device=device).flatten()
+        stats = torch.cat([torch.as_tensor(self.aux_sum, dtype=torch.float32, device=device).reshape(1), load])
+        self.aux_sum, self.load = 0.0, 0.0
+        return stats
+
+    def metrics(self, stats: list[float], real_tokens: int) -> dict:
+        """router_aux: the step's token-weighted mean of aux; expert_load: the busiest expert's
+        picks over the mean expert's, in the most unbalanced layer (1: balanced; E / top_k: all
+        tokens on the same top_k experts)."""
+        load = torch.tensor(stats[1:]).view(-1, self.routing.num_experts)
+        balance = load.max(-1).values / load.mean(-1).clamp(min=1e-9)
+        return {"router_aux": stats[0] / max(real_tokens, 1), "expert_load": balance.max().item()}

@@ -20,7 +20,7 @@ from sfttrain.data.report import describe
 from sfttrain.distributed import World
 from sfttrain.errors import NonFiniteLossError
 from sfttrain.flops import ModelShape
-from sfttrain.loss import CausalLMLoss, normalised, select_chunk_loss
+from sfttrain.loss import CausalLMLoss, router_metrics, router_stats, select_chunk_loss, step_objective
 from sfttrain.metrics import (MetricsLogger, StepEnd, StepTimer, describe_host_memory, host_memory_gib, memory_stats,
                               throughput)
 from sfttrain.model import load_model, load_tokenizer
@@ -172,13 +172,15 @@ class FSDPSFTTrainer:
         for i, micro in enumerate(batch.micro_batches):
             gradient_sync(self.lm, last_micro_batch=i == len(batch.micro_batches) - 1)
             micro_loss = self.lm(micro.to(self.world.device))
-            normalised(micro_loss, batch.num_loss_tokens, self.world.grad_ranks).backward()
+            step_objective(self.lm, micro_loss, batch, self.world.grad_ranks).backward()
             loss_sum += micro_loss.detach()
         return loss_sum
 
     def update(self, batch: StepBatch, loss_sum: torch.Tensor, data_wait: float) -> QueuedStep:
         """Queues the clipped update (skipped on the device if the loss or the norm is not finite)."""
-        dist.all_reduce(loss_sum)
+        totals = torch.cat([loss_sum.reshape(1), router_stats(self.lm, loss_sum.device)])
+        dist.all_reduce(totals)  # one all-reduce: the loss and the router's statistics
+        loss_sum = totals[0]
         lr = self.scheduler.get_last_lr()[0]
         params = [p for p in self.lm.parameters() if p.grad is not None]
         max_norm = self.cfg.optim.clip_grad if self.cfg.optim.clip_grad > 0 else math.inf
@@ -186,12 +188,12 @@ class FSDPSFTTrainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.advance(batch)
-        end = StepEnd(self.world.device, torch.stack([loss_sum, grad_norm.float(), stepped.float()]))
+        end = StepEnd(self.world.device, torch.cat([totals, grad_norm.float().reshape(1), stepped.float().reshape(1)]))
         return QueuedStep(self.state.step, batch, lr, data_wait, end)
 
     def finish(self, queued: QueuedStep) -> None:
         """Waits for a queued step's update, stops on a non-finite one, logs it."""
-        total, grad_norm, stepped = queued.end.read()
+        total, *router, grad_norm, stepped = queued.end.read()
         batch = queued.batch
         loss = total / max(batch.num_loss_tokens, 1)
         if not stepped:
@@ -199,7 +201,7 @@ class FSDPSFTTrainer:
                 f"non-finite loss ({loss}) or grad norm ({grad_norm}) at step {queued.step} "
                 f"(epoch {batch.epoch}); the update was NOT applied. Rows of this step: {batch.rows[:16]}... "
                 f"Lower optim.lr, keep optim.clip_grad > 0, or check those rows; {self._restart_hint()}")
-        metrics = {"loss": loss, "lr": queued.lr, "grad_norm": grad_norm}
+        metrics = {"loss": loss, "lr": queued.lr, "grad_norm": grad_norm, **router_metrics(self.lm, router, batch)}
         seconds = self.timer.lap(queued.end)
         metrics.update(throughput(batch.sample_lengths, batch.num_loss_tokens, seconds, self.model_shape,
                                   self.world.world_size, self.world.device))

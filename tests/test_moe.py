@@ -60,3 +60,68 @@ def test_w4_counts(tmp_path):
     assert shape.active_params == 6_853_538_304 - experts + experts * 8 // 128 == 1_191_227_904
     config.save_pretrained(tmp_path)
     assert DenseShape.from_config_json(str(tmp_path)).num_params == 6_853_538_304
+
+
+ROUTER = dict(output_router_logits=True, router_aux_loss_coef=0.1)  # a coefficient that shows in the gradients
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "qwen2_moe"])
+def test_router_loss_equals_the_models_own(name):
+    """The step's objective with output_router_logits=true against the Hugging Face model's own:
+    each sample alone through model(..., labels, output_router_logits=True) gives its mean
+    cross-entropy + coef x aux (the model's `loss`, `aux_loss`); the step weights the
+    cross-entropy by loss tokens and aux by tokens (sfttrain.moe). Values and every parameter's
+    gradient (routers included) agree; the packed row's pad segment counts in no expert's load.
+    fp32 both sides, random parameters."""
+    from sfttrain import attention
+    from sfttrain.data.loader import StepBatch
+    from sfttrain.data.pack import IGNORE_INDEX, pack
+    from sfttrain.data.render import RenderedSample
+    from sfttrain.loss import CausalLMLoss, step_objective
+
+    attention.configure("sdpa_blockmask", "cpu")
+    config = _config(name, vocab_size=96, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
+                     eos_token_id=2, **ROUTER)
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.normal_(0.0, 0.3)
+    model = AutoModelForCausalLM.from_config(_config(name, vocab_size=96, max_position_embeddings=256, **ROUTER),
+                                             attn_implementation=attention.ATTN_IMPLEMENTATION).float()
+    model.load_state_dict(ref.state_dict())
+
+    g = torch.Generator().manual_seed(1)
+    samples = [RenderedSample(torch.randint(3, 96, (n,), generator=g).tolist(), [0] * 4 + [1] * (n - 4), i)
+               for i, n in enumerate([17, 30, 9])]
+    lengths = [len(s.input_ids) for s in samples]
+    targets = [n - 4 for n in lengths]
+    coef = config.router_aux_loss_coef
+    ref_objective, ref_aux = 0.0, 0.0
+    for s, n_tokens, n_targets in zip(samples, lengths, targets):
+        labels = torch.tensor([[t if m else IGNORE_INDEX for t, m in zip(s.input_ids, s.loss_mask)]])
+        out = ref(input_ids=torch.tensor([s.input_ids]), labels=labels, output_router_logits=True)
+        cross_entropy = out.loss - coef * out.aux_loss
+        ref_objective = (ref_objective + cross_entropy * n_targets / sum(targets)
+                         + coef * out.aux_loss * n_tokens / sum(lengths))
+        ref_aux += out.aux_loss.item() * n_tokens / sum(lengths)
+    ref_objective.backward()
+
+    lm = CausalLMLoss(model, fused=False, chunk_tokens=16)
+    row = pack(samples, pad_to=16)  # 56 tokens + a pad segment of 8
+    assert row.input_ids.shape[1] == 64
+    step = StepBatch(0, 0, [row], sum(targets), lengths, [0, 1, 2])
+    objective = step_objective(lm, lm(row), step, grad_ranks=1)
+    objective.backward()
+    torch.testing.assert_close(objective, ref_objective.detach(), rtol=1e-5, atol=0)
+    stats = lm.router.step_stats(torch.device("cpu")).tolist()
+    metrics = lm.router.metrics(stats, sum(lengths))
+    assert metrics["router_aux"] == pytest.approx(ref_aux, rel=1e-5)
+    # every real token picks top_k experts in each sparse layer; the 8 pad tokens none
+    load = torch.tensor(stats[1:]).view(-1, 4)
+    assert load.sum(-1).tolist() == [2 * 56] * load.shape[0]
+    assert metrics["expert_load"] == pytest.approx((load.max(-1).values / load.mean(-1)).max().item())
+    ref_params = dict(ref.named_parameters())
+    for pname, p in model.named_parameters():
+        want = ref_params[pname].grad
+        assert (p.grad - want).norm() <= 1e-5 * want.norm(), (pname, (p.grad - want).norm() / want.norm())

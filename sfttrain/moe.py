@@ -25,6 +25,7 @@ no sample and count nowhere.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -168,3 +169,36 @@ class RouterBalance:
         load = torch.tensor(stats[1:]).view(-1, self.routing.num_experts)
         balance = load.max(-1).values / load.mean(-1).clamp(min=1e-9)
         return {"router_aux": stats[0] / max(real_tokens, 1), "expert_load": balance.max().item()}
+
+
+# How checkpoints store what transformers 5 fuses (its conversion_mapping.py): one linear weight
+# per expert, `experts.{e}.gate_proj.weight` etc.; Mixtral's under `block_sparse_moe` as w1 (gate),
+# w3 (up), w2 (down), its router too. (module rename, gate, up, down)
+PER_EXPERT_LAYOUTS = ((".mlp.", "gate_proj", "up_proj", "down_proj"),
+                      (".block_sparse_moe.", "w1", "w3", "w2"))
+
+
+def read_per_expert(files: dict[str, str], name: str, index: tuple[slice, ...],
+                    read: Callable[[str, str, tuple], torch.Tensor]) -> torch.Tensor | None:
+    """The slice `index` of the model's parameter `name` from a checkpoint that stores its experts
+    one by one (or Mixtral's router under its old name); None when the checkpoint has neither.
+    files: tensor name -> file; read(file, tensor name, index) reads a slice (() : all). Only
+    the experts of `index` (this rank's shard) are read, one at a time."""
+    for module, gate, up, down in PER_EXPERT_LAYOUTS:
+        key = name.replace(".mlp.", module)
+        if key in files:  # renamed only (Mixtral's router)
+            return read(files[key], key, index)
+        prefix, _, param = key.rpartition(".")
+        parts = {"gate_up_proj": (gate, up), "down_proj": (down,)}.get(param)
+        if parts is None or not prefix.endswith(".experts"):
+            continue
+        experts = range(index[0].start, index[0].stop)
+        keys = [[f"{prefix}.{e}.{part}.weight" for part in parts] for e in experts]
+        if not all(k in files for per_expert in keys for k in per_expert):
+            continue
+        if not keys:  # this rank holds no expert of this layer
+            return torch.empty([s.stop - s.start for s in index])
+        # gate_up_proj[e] is gate_proj's [F, D] above up_proj's; down_proj[e] is down_proj's [D, F]
+        return torch.stack([torch.cat([read(files[k], k, ()) for k in per_expert])[index[1:]]
+                            for per_expert in keys])
+    return None

@@ -3,6 +3,7 @@ load-balancing loss, LoRA on fused experts, FSDP2 over the experts."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -125,3 +126,70 @@ def test_router_loss_equals_the_models_own(name):
     for pname, p in model.named_parameters():
         want = ref_params[pname].grad
         assert (p.grad - want).norm() <= 1e-5 * want.norm(), (pname, (p.grad - want).norm() / want.norm())
+
+
+@pytest.fixture(scope="module")
+def tiny_moe_dir(tmp_path_factory) -> Path:
+    """A Qwen3-MoE of random weights (4 experts, 2 per token, the router's loss on) beside
+    stories260K's tokenizer."""
+    from transformers import AutoTokenizer
+
+    from tests.conftest import STORIES
+
+    out = tmp_path_factory.mktemp("tiny_moe")
+    tok = AutoTokenizer.from_pretrained(STORIES)
+    config = _config("qwen3_moe", vocab_size=len(tok), num_hidden_layers=2, max_position_embeddings=512,
+                     bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **ROUTER)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def _job(gsm8k_dir, model_dir, run_dir, *extra):
+    from tests.conftest import BASE_OVERRIDES, LINEAR_ADAM
+
+    return [*BASE_OVERRIDES, *LINEAR_ADAM, f"model.partial_pretrain={model_dir}",
+            f"data.train_files={gsm8k_dir}/train.parquet", f"trainer.default_local_dir={run_dir}",
+            "data.train_batch_size=16", "trainer.total_training_steps=3", *extra]
+
+
+def test_sharded_moe_trains_like_one_rank(gsm8k_dir, tiny_moe_dir, tmp_path):
+    """FSDP2 over the fused expert tensors, the router's loss on, fp32: 2 ranks x 2 micro-batches
+    train as 1 rank x 1 (losses, router_aux, updates: the objective's normalisation does not
+    depend on the split; tolerances as tests/test_trainer.py's, sums in another order only).
+    The 2-rank step-1 checkpoint resumed on 1 rank continues like the reference, and the 2-rank
+    run's export has the trained weights and logits."""
+    from tests.conftest import load_checkpoint_model, read_metrics, run_sfttrain, update_error
+
+    one, two, resumed = tmp_path / "one", tmp_path / "two", tmp_path / "resumed"
+    log = run_sfttrain(1, _job(gsm8k_dir, tiny_moe_dir, one, "data.micro_batch_size_per_gpu=16")).stdout
+    run_sfttrain(2, _job(gsm8k_dir, tiny_moe_dir, two, "data.micro_batch_size_per_gpu=4", "trainer.save_freq=1",
+                         "trainer.save_hf=true"))
+    run_sfttrain(1, _job(gsm8k_dir, tiny_moe_dir, resumed, "data.micro_batch_size_per_gpu=8",
+                         "trainer.resume_mode=resume_path", f"trainer.resume_from_path={two / 'global_step_1'}"))
+    assert "active per token (2 of 4 experts" in log
+    assert re.search(r"router_aux \S+ \| expert_load \S+", log)
+    steps = {name: [m for m in read_metrics(d) if "loss" in m] for name, d in
+             (("one", one), ("two", two), ("resumed", resumed))}
+    assert [m["step"] for m in steps["resumed"]] == [2, 3]
+    for key in ("loss", "router_aux", "expert_load"):
+        ref = [m[key] for m in steps["one"]]
+        assert [m[key] for m in steps["two"]] == pytest.approx(ref, rel=1e-5), key
+        assert [m[key] for m in steps["resumed"]] == pytest.approx(ref[1:], rel=1e-5), key
+    assert all(1 <= m["expert_load"] <= 2 for m in steps["one"])  # 4 experts, 2 per token: at most 4 / 2
+
+    start = AutoModelForCausalLM.from_pretrained(tiny_moe_dir).state_dict()
+    weights = {name: load_checkpoint_model(d / "global_step_3") for name, d in
+               (("one", one), ("two", two), ("resumed", resumed))}
+    start = {k: start[k] for k in weights["one"]}
+    assert any(".experts." in k for k in start)
+    for name in ("two", "resumed"):
+        assert update_error(weights[name], weights["one"], start) < 1e-4, name
+
+    exported = AutoModelForCausalLM.from_pretrained(two / "global_step_3" / "huggingface").eval()
+    trained = AutoModelForCausalLM.from_pretrained(tiny_moe_dir).eval()
+    trained.load_state_dict(weights["two"], strict=True)
+    ids = torch.arange(3, 40)[None]
+    with torch.no_grad():
+        assert torch.equal(exported(ids).logits, trained(ids).logits)

@@ -193,3 +193,26 @@ def test_sharded_moe_trains_like_one_rank(gsm8k_dir, tiny_moe_dir, tmp_path):
     ids = torch.arange(3, 40)[None]
     with torch.no_grad():
         assert torch.equal(exported(ids).logits, trained(ids).logits)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "qwen2_moe"])
+def test_per_expert_checkpoint_fills_fused_experts(name, tmp_path):
+    """Checkpoints store one weight per expert (Mixtral's under block_sparse_moe, w1/w3/w2), the
+    model fuses them: sfttrain's reader fills the fused tensors as transformers' own loader does,
+    and a shard's slice of experts alone equals the slice of the whole."""
+    from sfttrain import moe, weights
+
+    config = _config(name)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path)
+    with weights.parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config)
+    weights.materialise(model, torch.device("cpu"), torch.device("cpu"), 0, str(tmp_path))
+    for pname, p in ref.state_dict().items():
+        assert torch.equal(model.state_dict()[pname], p), pname
+    fused = "model.layers.1.mlp.experts.gate_up_proj"  # sparse in every family here
+    half = (slice(2, 4), slice(0, ref.state_dict()[fused].shape[1]), slice(0, 32))
+    files = weights._tensor_files(str(tmp_path))
+    assert fused not in files
+    assert torch.equal(moe.read_per_expert(files, fused, half, weights._read_slice), ref.state_dict()[fused][half])

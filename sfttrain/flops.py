@@ -129,8 +129,11 @@ class ModelShape:
         num_params, trainable = count_params(model), count_trainable(model)
         routing = moe.routing(c)
         idle = 1 - routing.active_fraction if routing else 0.0  # the share of routed experts a token skips
-        active = num_params - round(moe.routed_expert_params(model) * idle)
-        active_trainable = trainable - round(moe.routed_expert_params(model, trainable_only=True) * idle)
+        routed, routed_trainable = moe.routed_expert_params(model), moe.routed_expert_params(model, trainable_only=True)
+        active = num_params - round(routed * idle)
+        # trained experts (full fine-tuning, or LoRA on them: the adapted weight W + BA gets a weight
+        # gradient in each expert GEMM) cost 6 per active parameter; frozen ones 4
+        active_trainable = trainable - routed_trainable + (round(routed * (1 - idle)) if routed_trainable else 0)
         return cls(num_params, c.num_hidden_layers, c.num_attention_heads, head_dim, trainable, active,
                    active_trainable, routing)
 

@@ -202,3 +202,54 @@ def read_per_expert(files: dict[str, str], name: str, index: tuple[slice, ...],
         return torch.stack([torch.cat([read(files[k], k, ()) for k in per_expert])[index[1:]]
                             for per_expert in keys])
     return None
+
+
+FUSED_EXPERTS = ("gate_up_proj", "down_proj")  # transformers 5's 3-D expert parameters
+
+
+def expert_lora_targets(model: nn.Module, cfg) -> tuple[list[str], str | None]:
+    """peft's target_parameters for LoRA on the fused experts (`mlp.experts.gate_up_proj`, ...),
+    and why there are none where a MoE model gets none (None: a dense model, or adapted).
+    all-linear does not reach them (they are no nn.Linear); peft >= 0.17 adapts a 3-D parameter
+    with a rank-r pair per expert (its ParamWrapper, which refuses dropout)."""
+    if routing(model.config) is None:
+        return [], None
+    # "model.layers.0.mlp.experts.gate_up_proj" -> "mlp.experts.gate_up_proj" (peft matches the end)
+    targets = sorted({".".join(name.replace(".base_layer", "").split(".")[-3:])
+                      for name, p in model.named_parameters()
+                      if is_routed_expert(name) and name.endswith(FUSED_EXPERTS) and p.dim() == 3})
+    if not targets:
+        return [], "this transformers keeps no fused 3-D expert parameters"
+    if cfg.target_modules != "all-linear":
+        return [], f"model.target_modules={cfg.target_modules} names linear layers only; all-linear adds the experts"
+    from peft import LoraConfig
+
+    if "target_parameters" not in LoraConfig.__dataclass_fields__:
+        import peft
+
+        return [], f"peft {peft.__version__} cannot adapt parameters (target_parameters needs peft >= 0.17)"
+    if cfg.lora_dropout:
+        return [], f"peft adapts fused parameters only without dropout (model.lora_dropout={cfg.lora_dropout}; set 0)"
+    return targets, None
+
+
+def describe_lora(model: nn.Module, cfg) -> list[str]:
+    """The start-up line on what LoRA adapts in the MoE parts of a model (none for a dense model
+    or without LoRA): the fused experts with their ranks (peft doubles gate_up_proj's where it
+    converts gate_proj + up_proj itself), the routers, or why the experts are not adapted."""
+    if cfg.lora_rank <= 0 or routing(model.config) is None:
+        return []
+    experts, routers = {}, False
+    for name, module in model.named_modules():
+        if not hasattr(module, "lora_A"):
+            continue
+        if getattr(module, "parameter_name", None) in FUSED_EXPERTS:  # peft's ParamWrapper on a 3-D parameter
+            experts[module.parameter_name] = module.r.get("default")
+        routers |= name.endswith(".mlp.gate")
+    router_words = "routers adapted too (peft's choice for this family)" if routers else "routers not adapted"
+    if experts:
+        ranks = ", ".join(f"{param} rank {r}" for param, r in sorted(experts.items()))
+        return [f"  lora on experts     : routed experts adapted per expert ({ranks}; peft target_parameters); "
+                f"{router_words}"]
+    _, reason = expert_lora_targets(model, cfg)
+    return [f"  lora on experts     : routed experts NOT adapted ({reason}); {router_words}"]

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from sfttrain import checkpoint, lora
+from sfttrain import checkpoint, lora, moe
 from sfttrain.config import Config, as_list
 from sfttrain.data.chat import build_renderer
 from sfttrain.data.loader import StepBatch, TrainData, render_share, step_batches, validation_batches
@@ -104,6 +104,7 @@ class FSDPSFTTrainer:
             f"{shape.trainable_params / 1e6:.2f}M trainable{shape.describe_active()}, {shape.num_layers} layers), "
             f"attention {self.attn_backend}, liger {self.liger}",
             *lora.describe(cfg.model),
+            *moe.describe_lora(self.lm.model, cfg.model),
             f"  loss                : {loss}",
             f"  precision           : weights/optimizer {fsdp.model_dtype}, mixed precision {fsdp.mixed_precision}",
             f"  sharding            : {describe_sharding(self.world, cfg, self.layout)}",

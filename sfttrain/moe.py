@@ -94,6 +94,15 @@ class MoeShape:
         shared = 3 * hidden * self.shared_intermediate + hidden if self.shared_intermediate else 0
         return r.num_experts * hidden + r.num_experts * 3 * hidden * self.expert_intermediate + shared
 
+    def lora_params(self, hidden: int, rank: int) -> int:
+        """One sparse layer's MLP adapters under all-linear (sfttrain.lora): a rank-r pair per expert
+        on gate_up_proj and down_proj, and the shared expert's linears. (peft >= 0.21 doubles
+        gate_up_proj's rank and adapts the router too for some families: a few parameters more.)"""
+        f, s, e = self.expert_intermediate, self.shared_intermediate, self.routing.num_experts
+        experts = rank * e * ((hidden + 2 * f) + (f + hidden))
+        shared = rank * (3 * (hidden + s) + hidden + 1) if s else 0  # gate, up, down; the sigmoid gate D -> 1
+        return experts + shared
+
     def mlp_activations_per_token(self) -> int:
         """bf16 values one sparse MLP keeps for backward per token: top_k copies of the token
         (gate, up and their product per routed expert), the shared expert's, the router's logits."""
@@ -211,7 +220,7 @@ def expert_lora_targets(model: nn.Module, cfg) -> tuple[list[str], str | None]:
     """peft's target_parameters for LoRA on the fused experts (`mlp.experts.gate_up_proj`, ...),
     and why there are none where a MoE model gets none (None: a dense model, or adapted).
     all-linear does not reach them (they are no nn.Linear); peft >= 0.17 adapts a 3-D parameter
-    with a rank-r pair per expert (its ParamWrapper, which refuses dropout)."""
+    with a rank-r pair per expert (its ParamWrapper, which refuses dropout: a ConfigError)."""
     if routing(model.config) is None:
         return [], None
     # "model.layers.0.mlp.experts.gate_up_proj" -> "mlp.experts.gate_up_proj" (peft matches the end)
@@ -228,8 +237,10 @@ def expert_lora_targets(model: nn.Module, cfg) -> tuple[list[str], str | None]:
         import peft
 
         return [], f"peft {peft.__version__} cannot adapt parameters (target_parameters needs peft >= 0.17)"
-    if cfg.lora_dropout:
-        return [], f"peft adapts fused parameters only without dropout (model.lora_dropout={cfg.lora_dropout}; set 0)"
+    if cfg.lora_dropout:  # peft >= 0.21 adapts the experts under all-linear itself: it would fail later
+        raise ConfigError(f"model.lora_dropout={cfg.lora_dropout} with target_modules=all-linear on "
+                          f"{model.config.model_type}: peft adapts the fused experts only without dropout; set "
+                          "model.lora_dropout=0, or list model.target_modules (the experts then stay frozen)")
     return targets, None
 
 

@@ -81,7 +81,11 @@ class DenseShape:
     def lora_params(self, rank: int) -> int:
         """Adapter parameters with target_modules=all-linear: rank x (in + out) per projection."""
         h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
-        return self.layers * rank * ((h + q) * 2 + (h + kv) * 2 + (h + i) * 3)
+        dense = self.layers - self.sparse_layers
+        total = self.layers * rank * ((h + q) * 2 + (h + kv) * 2) + dense * rank * (h + i) * 3
+        if self.sparse_layers:
+            total += self.sparse_layers * self.moe.lora_params(h, rank)
+        return total
 
     def activation_elements_per_token(self) -> int:
         """bf16 values one layer keeps for backward, per token: the two norms' inputs, the

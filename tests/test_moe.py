@@ -253,3 +253,48 @@ def test_lora_adapts_the_fused_experts(gsm8k_dir, tiny_moe_dir, tmp_path):
         want = with_adapter(ids).logits
         torch.testing.assert_close(merged(ids).logits, want, rtol=1e-4, atol=1e-5)
         assert not torch.allclose(AutoModelForCausalLM.from_pretrained(tiny_moe_dir)(ids).logits, want, atol=1e-3)
+
+
+def _lora_model(family: str, **lora):
+    from sfttrain import lora as sft_lora
+    from sfttrain.config import ModelConfig
+
+    cfg = ModelConfig(**{"lora_rank": 4, "lora_alpha": 8, **lora})
+    return sft_lora.apply_lora(AutoModelForCausalLM.from_config(_config(family)), cfg), cfg
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
+def test_lora_on_experts_says_what_it_adapts(family):
+    """all-linear reaches the fused experts in every MoE family (peft's own conversion only covers
+    some); FLOPs count the adapted experts' active share at 6 (their weight W + BA gets a weight
+    gradient) and the idle ones not at all; a list of linear names leaves the experts frozen and
+    says so; dropout, which peft's parameter adapters refuse, is a ConfigError naming the fix."""
+    from sfttrain import moe
+    from sfttrain.config import ConfigError
+
+    model, cfg = _lora_model(family)
+    line = " ".join(moe.describe_lora(model, cfg))
+    assert "routed experts adapted per expert (down_proj rank 4, gate_up_proj rank" in line
+    shape = ModelShape.of(model)
+    routed = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n and "lora_" not in n)
+    adapters = sum(p.numel() for n, p in model.named_parameters() if p.requires_grad)
+    expert_adapters = sum(p.numel() for n, p in model.named_parameters() if p.requires_grad and ".experts." in n)
+    assert expert_adapters > 0
+    assert shape.active_trainable == adapters - expert_adapters + round((routed + expert_adapters) * 2 / 4)
+
+    model, cfg = _lora_model(family, target_modules=["q_proj", "v_proj"])
+    assert "routed experts NOT adapted (model.target_modules=['q_proj', 'v_proj'] names linear layers only" in \
+        " ".join(moe.describe_lora(model, cfg))
+    assert all(".experts." not in n for n, p in model.named_parameters() if p.requires_grad)
+    with pytest.raises(ConfigError, match="model.lora_dropout=0.1 .* set model.lora_dropout=0"):
+        _lora_model(family, lora_dropout=0.1)
+
+
+def test_preflight_lora_params_match_peft(tmp_path):
+    """The preflight's adapter count on a MoE (experts adapted per expert, the shared expert's
+    linears, a dense layer's MLP) against the adapters sfttrain.lora puts in (Qwen2-MoE: peft
+    adds nothing of its own there)."""
+    model, _ = _lora_model("qwen2_moe")
+    _config("qwen2_moe").save_pretrained(tmp_path)
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert DenseShape.from_config_json(str(tmp_path)).lora_params(4) == adapters

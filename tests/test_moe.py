@@ -298,3 +298,15 @@ def test_preflight_lora_params_match_peft(tmp_path):
     _config("qwen2_moe").save_pretrained(tmp_path)
     adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert DenseShape.from_config_json(str(tmp_path)).lora_params(4) == adapters
+
+
+def test_router_loss_under_ulysses_is_refused():
+    """Per-sample router statistics would need each sample's tokens from every sp rank: refused
+    at start-up, naming both ways out."""
+    from sfttrain import sequence_parallel
+    from sfttrain.config import ConfigError
+    from sfttrain.loss import CausalLMLoss
+
+    lm = CausalLMLoss(AutoModelForCausalLM.from_config(_config("qwen3_moe", **ROUTER)), fused=False)
+    with pytest.raises(ConfigError, match="ulysses_sequence_parallel_size=2.*output_router_logits=false"):
+        sequence_parallel.apply(lm, None, 2)

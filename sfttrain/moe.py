@@ -1,5 +1,8 @@
-"""Mixture-of-experts specifics: which parameters are routed experts, how many of them run per
-token, and the shape of a MoE decoder as its config.json describes it.
+"""Mixture-of-experts specifics: which parameters are routed experts and how many of them run per
+token (MFU, sfttrain.flops), the shape of a MoE decoder as its config.json describes it (the
+preflight, sfttrain.plan), the router's load-balancing loss, reading checkpoints that store one
+weight per expert (sfttrain.weights), and what LoRA adapts in the experts (sfttrain.lora).
+(How the experts compute is sfttrain.experts'.)
 
 Qwen2-MoE, Qwen3-MoE and Mixtral (transformers 5) hold each layer's routed experts as fused 3-D
 parameters under `mlp.experts` (`gate_up_proj` [E, 2F, D], `down_proj` [E, D, F]); a router

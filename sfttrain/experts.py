@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from sfttrain.moe import routing
+
 IMPLEMENTATION = "sfttrain_grouped_mm"
 
 
@@ -64,7 +66,7 @@ def implementation_for(config) -> str | None:
     """The experts implementation to build a model of `config` with: this module's for a MoE
     model under a transformers whose experts take one (5.x); None otherwise (transformers 4 keeps
     each expert as plain linear layers, which autocast already runs in bf16)."""
-    if not (getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0)):
+    if routing(config) is None:
         return None
     try:
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS

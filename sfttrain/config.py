@@ -3,7 +3,7 @@
 Precedence: defaults <- YAML file <- command-line `key=value` overrides (omegaconf dotlist).
 Every key lives in a dataclass below with its default and a comment; an unknown key is an
 error that names the closest known one, and omegaconf type-checks every value.
-Batch arithmetic that needs the world size is checked in `sfttrain.data.plan`.
+Batch arithmetic that needs the world size is checked in `sfttrain.data.batching`.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
     python -m sfttrain.plan [recipe.yaml] key=value ... --nproc N [--nnodes M]
 
-Prints the batch arithmetic (sfttrain.data.plan, the trainer's own), steps per epoch from the
+Prints the batch arithmetic (sfttrain.data.batching, the trainer's own), steps per epoch from the
 training data's row count when the Parquet files are reachable, an estimate of GPU memory per
 rank from the model folder's config.json alone (no weights, no GPU), and every misconfiguration
 found, each with a fix that is itself valid. Exits 0 when nothing is wrong, else 2.
@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass
 
 from sfttrain.config import Config, ConfigError, as_list, load_config, mixed_precision_dtypes, shard_group_size
-from sfttrain.data.plan import batch_problem, make_plan
+from sfttrain.data.batching import batch_problem, make_plan
 from sfttrain.errors import UserError
 
 GIB = 2**30

@@ -5,13 +5,14 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 import torch
 
-from sfttrain.data.plan import batch_problem, nearest_valid_batches
+from sfttrain.data.batching import batch_problem, nearest_valid_batches
 from sfttrain.plan import DenseShape, main
 from tests.conftest import REPO, STORIES
 
@@ -127,8 +128,13 @@ def test_every_recipe_is_planned():
 
 
 @pytest.mark.parametrize("name", RECIPES)
-def test_recipe_preflight(name, tmp_path, monkeypatch):
+def test_recipe_preflight(name, tmp_path, monkeypatch, gsm8k_dir):
+    """Run from a folder of its own (not the checkout, whatever ran there before), where the demo's
+    relative data/ paths find the GSM8K sample as after `make demo`: steps and memory both print."""
     nproc, model, extra = RECIPES[name]
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "gsm8k_sample").symlink_to(gsm8k_dir)
+    monkeypatch.chdir(tmp_path)
     folders = {"stories": STORIES, "qwen0.5b": config_only_folder(tmp_path / "q", QWEN25_05B),
                "llama8b": config_only_folder(tmp_path / "l", LLAMA31_8B),
                "qwen7b": config_only_folder(tmp_path / "q7", dict(QWEN25_05B, hidden_size=3584, intermediate_size=18944,
@@ -139,5 +145,8 @@ def test_recipe_preflight(name, tmp_path, monkeypatch):
     code, out = run_plan(str(REPO / "recipes" / f"{name}.yaml"), f"model.partial_pretrain={folders[model]}",
                          *extra, "--nproc", str(nproc))
     assert code == 0, out
-    total = float(out.split("total")[1].split()[0])
+    assert name != "demo_cpu" or "steps per epoch" in out and "total steps" in out, out
+    totals = re.findall(r"^ +total +([0-9.]+) GiB$", out, re.MULTILINE)  # the memory table's last row
+    assert len(totals) == 1, out
+    total = float(totals[0])
     assert 0 < total < 75, out  # fits an 80 GB GPU with room for the CUDA context

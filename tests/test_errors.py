@@ -33,6 +33,10 @@ def catalogue(tmp: Path) -> dict[str, Case]:
     empty, zero = tmp / "empty.parquet", tmp / "zero.parquet"
     pq.write_table(pa.table({"question": pa.array([], pa.string()), "answer": pa.array([], pa.string())}), empty)
     zero.write_bytes(b"")
+    messages = tmp / "messages.parquet"
+    pq.write_table(pa.table({"messages": [[{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]]}),
+                   messages)
+    (tmp / "broken.jinja").write_text("{% for m in messages %}{{ m.content }}")  # no endfor
     shim = tmp / "no_wandb"
     shim.mkdir()
     (shim / "wandb.py").write_text("raise ImportError('No module named wandb (test shim)')\n")
@@ -53,6 +57,18 @@ def catalogue(tmp: Path) -> dict[str, Case]:
                               CONFIG),
         "missing_chat_template": Case(["data.apply_chat_template=true"], [
             "the tokenizer has no chat template", "data.apply_chat_template=false"], CONFIG),
+        # a template file that does not parse; the template text itself on the command line (YAML
+        # cannot read it: it must reach the check as text, not end in a ScannerError)
+        "template_file_fails": Case(["data.apply_chat_template=true", f"data.chat_template={tmp}/broken.jinja"], [
+            "data.chat_template=", "broken.jinja", "does not parse or render", "TemplateSyntaxError"], CONFIG),
+        "template_text_fails": Case(["data.apply_chat_template=true",
+                                     "data.chat_template={% for m in messages %}{{ m.content }"],
+                                    ["data.chat_template='{% for m in messages %}{{ m.content }'",
+                                     "does not parse or render"], CONFIG),
+        "multiturn_without_template": Case(["data.multiturn.enable=true", "data.apply_chat_template=true"], [
+            "the tokenizer has none: set data.chat_template"], CONFIG),
+        "messages_read_as_prompt": Case([f"data.train_files={messages}"], [
+            "no column 'question'", "data.multiturn.enable=true"], DATA),
         "missing_column": Case(["data.prompt_key=prompt"], ["train.parquet", "no column 'prompt'", "'question'"],
                                DATA),
         "missing_path": Case([f"data.val_files={tmp}/nope.parquet"], [f"{tmp}/nope.parquet", "does not exist"], DATA),
@@ -103,7 +119,8 @@ def launcher_traceback_only(out: str) -> bool:
 
 
 CASES = ["misspelled_key", "wrong_type", "yaml_syntax", "nan_lr", "missing_wandb", "non_divisible_batch",
-         "missing_model", "missing_chat_template", "missing_column", "missing_path", "empty_file",
+         "missing_model", "missing_chat_template", "template_file_fails", "template_text_fails",
+         "multiturn_without_template", "messages_read_as_prompt", "missing_column", "missing_path", "empty_file",
          "zero_byte_parquet", "over_length_row", "non_finite_loss"]
 
 

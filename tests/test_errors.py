@@ -133,6 +133,8 @@ def test_user_mistake_ends_in_one_clean_message(outcomes, name):
     assert len(printed) == 1, out[-3000:]  # once, by rank 0, at the start of its own line
     for needle in case.needles:
         assert needle in printed[0], out[-3000:]
+    summary = out.split("sfttrain.run FAILED")[1]
+    assert summary.count(printed[0]) == 1, summary  # only the rank that reports it wrote its error file
     root_cause = out.split("Root Cause (first observed failure):")[1]
     assert f"traceback : {printed[0]}" in root_cause, out[-3000:]
     codes = [int(c) for c in re.findall(r"exitcode\s+: (-?\d+)", out)]

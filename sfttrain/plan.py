@@ -26,6 +26,7 @@ from sfttrain.config import (Config, ConfigError, ModelConfig, as_list, load_con
 from sfttrain.data.batching import batch_problem, make_plan
 from sfttrain.errors import UserError
 from sfttrain.hub import cached_folder, is_repo_id
+from sfttrain.rope import check_rope
 
 GIB = 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -271,6 +272,8 @@ def preflight(cfg: Config, nproc: int, nnodes: int) -> tuple[list[str], Findings
     for check in (lambda: validate(cfg), lambda: check_world(cfg, world), lambda: require_loggers(cfg)):
         found.check(check)
     folder = model_folder(cfg.model, found)
+    if folder is not None and os.path.isfile(os.path.join(folder, "config.json")):
+        found.check(lambda: check_rope(cfg, folder))
     lines = [f"sfttrain plan: {nnodes} node(s) x {nproc} rank(s)"]
     lines += batch_section(cfg, dp_size, folder, found)
     lines += memory_section(cfg, dp_size, folder, found)

@@ -23,9 +23,10 @@ from sfttrain.flops import ModelShape
 from sfttrain.loss import CausalLMLoss, normalised, select_chunk_loss
 from sfttrain.metrics import (MetricsLogger, StepEnd, StepTimer, describe_host_memory, host_memory_gib, memory_stats,
                               throughput)
-from sfttrain.model import load_model, load_tokenizer
+from sfttrain.model import load_model, load_tokenizer, local_model_folder
 from sfttrain.optim import build_optimizer, build_scheduler, clipped_step, schedule_settings, warmup_steps
 from sfttrain.parallel import describe_compile, describe_sharding, gradient_sync, parallelize
+from sfttrain.rope import check_rope
 
 
 @dataclass
@@ -48,6 +49,7 @@ class FSDPSFTTrainer:
 
         # data first: a bad file, column or batch size fails before the model is loaded
         self.tokenizer = load_tokenizer(cfg.model)
+        check_rope(cfg, local_model_folder(cfg.model))  # RoPE that packing would make depend on the batch
         renderer, fields = build_renderer(d, self.tokenizer), row_fields(d)  # prompt/response or conversations
         train_source = ParquetSource(as_list(d.train_files), fields)
         prepared = prepare_train_data(cfg, train_source, renderer, self.tokenizer, world, self.run_dir)

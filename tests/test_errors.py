@@ -5,7 +5,9 @@ one is allowed, and only that one)."""
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import BASE_OVERRIDES, REPO, run_sfttrain
+from tests.conftest import BASE_OVERRIDES, REPO, STORIES, run_sfttrain
 
 CONFIG, DATA, NON_FINITE, DEPENDENCY = 2, 3, 4, 5
 
@@ -37,6 +39,11 @@ def catalogue(tmp: Path) -> dict[str, Case]:
     pq.write_table(pa.table({"messages": [[{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]]}),
                    messages)
     (tmp / "broken.jinja").write_text("{% for m in messages %}{{ m.content }}")  # no endfor
+    dynamic = tmp / "dynamic_rope"  # stories260K with dynamic-NTK RoPE beyond 128 positions
+    shutil.copytree(STORIES, dynamic)
+    config = json.loads((dynamic / "config.json").read_text())
+    (dynamic / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 128,
+                                                     "rope_scaling": {"type": "dynamic", "factor": 2.0}}))
     shim = tmp / "no_wandb"
     shim.mkdir()
     (shim / "wandb.py").write_text("raise ImportError('No module named wandb (test shim)')\n")
@@ -69,6 +76,9 @@ def catalogue(tmp: Path) -> dict[str, Case]:
             "the tokenizer has none: set data.chat_template"], CONFIG),
         "messages_read_as_prompt": Case([f"data.train_files={messages}"], [
             "no column 'question'", "data.multiturn.enable=true"], DATA),
+        "batch_dependent_rope": Case([f"model.partial_pretrain={dynamic}"], [
+            "rope_scaling rope_type='dynamic'", "data.max_length=256 above original_max_position_embeddings=128",
+            "Set data.max_length<=128"], CONFIG),
         "missing_column": Case(["data.prompt_key=prompt"], ["train.parquet", "no column 'prompt'", "'question'"],
                                DATA),
         "missing_path": Case([f"data.val_files={tmp}/nope.parquet"], [f"{tmp}/nope.parquet", "does not exist"], DATA),
@@ -120,7 +130,7 @@ def launcher_traceback_only(out: str) -> bool:
 
 CASES = ["misspelled_key", "wrong_type", "yaml_syntax", "nan_lr", "missing_wandb", "non_divisible_batch",
          "missing_model", "missing_chat_template", "template_file_fails", "template_text_fails",
-         "multiturn_without_template", "messages_read_as_prompt", "missing_column", "missing_path", "empty_file",
+         "multiturn_without_template", "messages_read_as_prompt", "batch_dependent_rope", "missing_column", "missing_path", "empty_file",
          "zero_byte_parquet", "over_length_row", "non_finite_loss"]
 
 

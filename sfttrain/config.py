@@ -137,6 +137,9 @@ class TrainerConfig:
     nnodes: Optional[int] = None  # verl keys; if given they must match torchrun's world
     n_gpus_per_node: Optional[int] = None  # verl key, see nnodes
     device: str = "auto"  # auto | cuda | cpu
+    # seconds a collective may wait for the other ranks before the job stops (verl's nccl_timeout);
+    # each rank then says which phase it was in (start-up, step N, validation, save)
+    nccl_timeout: int = 1800
     resume_allow_data_change: bool = False  # resume although the checkpoint's data fingerprint differs (new rows/order)
 
 
@@ -374,6 +377,9 @@ def validate(cfg: Config) -> None:
     if t.resume_mode == "resume_path" and not t.resume_from_path:
         raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
     _choice("trainer.device", t.device, ("auto", "cuda", "cpu"))
+    if t.nccl_timeout <= 0:
+        raise ConfigError(f"trainer.nccl_timeout must be a positive number of seconds, got {t.nccl_timeout}; "
+                          "the default is 1800")
     for name in logger_names(t):
         _choice("trainer.logger", name, ("console", "wandb"))
     _validate_lora(m)

@@ -86,7 +86,7 @@ def init_world(cfg: Config) -> World:
         # fixed one would collide with any other such job on the machine, one per GPU say)
         store = dist.HashStore() if world_size == 1 and "MASTER_PORT" not in os.environ else None
         dist.init_process_group(_backend(cfg, use_cuda), store=store, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(minutes=30),
+                                timeout=datetime.timedelta(seconds=cfg.trainer.nccl_timeout),
                                 device_id=device if use_cuda else None)
     sp = cfg.ulysses_sequence_parallel_size
     replicate, shard = mesh_shape

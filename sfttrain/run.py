@@ -72,21 +72,29 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def train(cfg: Config) -> None:
+    from sfttrain import phase
     from sfttrain.distributed import init_world, shutdown
     from sfttrain.metrics import require_loggers
     from sfttrain.trainer import FSDPSFTTrainer
 
+    rank, timeout = int(os.environ.get("RANK", 0)), cfg.trainer.nccl_timeout
     try:
         require_loggers(cfg)
         world = init_world(cfg)
+        if world.device.type == "cuda":  # NCCL's own watchdog ends the process without a Python exception
+            phase.start_watchdog(rank, timeout)
         trainer = FSDPSFTTrainer(cfg, world)
         try:
             trainer.train()
         finally:
             trainer.logger.close()  # the bar ends before any error is printed
+        phase.enter("shutdown")
+        shutdown(world)
     except UserError as e:
         stop(e)
-    shutdown(world)
+    except Exception as e:  # a bug, or a collective's timeout: then where this rank was
+        phase.report_timeout(e, rank, timeout)
+        raise
     # Python's final garbage collection of torch's and transformers' object graphs costs seconds
     # of CPU per rank at exit; everything is written and closed by now, so skip it.
     gc.freeze()

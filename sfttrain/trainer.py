@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from sfttrain import checkpoint, lora
+from sfttrain import checkpoint, lora, phase
 from sfttrain.config import Config, as_list
 from sfttrain.data.chat import build_renderer
 from sfttrain.data.loader import StepBatch, TrainData, render_share, step_batches, validation_batches
@@ -139,6 +139,7 @@ class FSDPSFTTrainer:
         self.timer.restart()  # start-up is not step time
         queued = None  # the previous step: its update is queued on the device, its numbers not yet read
         while self.state.step < total:
+            phase.enter(f"step {self.state.step + 1}")
             wait_start = time.perf_counter()
             batch = next(batches)
             queued = self.step(batch, time.perf_counter() - wait_start, queued)
@@ -217,6 +218,7 @@ class FSDPSFTTrainer:
     @torch.no_grad()
     def validate(self) -> float:
         """Token-weighted loss over the whole validation set, all ranks."""
+        phase.enter(f"validation after step {self.state.step}")
         self.lm.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.world.device)
         for micro in self.val_batches:
@@ -226,6 +228,7 @@ class FSDPSFTTrainer:
         return (totals[0] / totals[1].clamp(min=1)).item()
 
     def save(self) -> None:
+        phase.enter(f"the save of step {self.state.step}")
         final = self.state.step == self.plan.total_steps
         self.checkpointer.save(self.state, self.lm.model, self.optimizer, self.tokenizer,
                                wandb_id=self.logger.wandb_id, final=final, export_hf=self.cfg.trainer.save_hf and final)

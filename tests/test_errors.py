@@ -6,8 +6,12 @@ one is allowed, and only that one)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import signal
+import subprocess
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import BASE_OVERRIDES, REPO, STORIES, run_sfttrain
+from tests.conftest import BASE_OVERRIDES, REPO, STORIES, _descendants, kill_job, launch, run_sfttrain
 
 CONFIG, DATA, NON_FINITE, DEPENDENCY = 2, 3, 4, 5
 
@@ -159,3 +163,43 @@ def test_each_kind_has_its_own_exit_code():
 
     codes = [cls.exit_code for cls in (ConfigError, DataError, NonFiniteLossError, DependencyError)]
     assert codes == [CONFIG, DATA, NON_FINITE, DEPENDENCY]
+
+
+def rank_pid(launcher: subprocess.Popen, rank: int) -> int | None:
+    """The pid of a torchrun job's rank (its environment says RANK)."""
+    for pid in _descendants(launcher.pid):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and b"sfttrain.run" in cmdline and b"torch.distributed.run" not in cmdline:
+            return pid
+    return None
+
+
+def test_collective_timeout_names_the_phase(gsm8k_dir, tmp_path):
+    """Two gloo ranks; rank 1 is frozen (SIGSTOP, a real stall) once training runs: rank 0's
+    collective times out after trainer.nccl_timeout and it says which rank it is and the step it
+    was in."""
+    run_dir, log = tmp_path / "run", tmp_path / "log"
+    proc = launch(2, [*BASE_OVERRIDES, f"data.train_files={gsm8k_dir}/train.parquet", f"trainer.default_local_dir={run_dir}",
+                      "data.train_batch_size=4", "data.micro_batch_size_per_gpu=2", "trainer.total_training_steps=100000",
+                      "trainer.nccl_timeout=20"],
+                  log, torchrun=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "metrics.jsonl").exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.5)
+        assert (run_dir / "metrics.jsonl").exists(), log.read_text()[-3000:]
+        os.kill(rank_pid(proc, 1), signal.SIGSTOP)
+        deadline = time.monotonic() + 200
+        while "sfttrain: rank 0 has been in" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.5)
+    finally:
+        kill_job(proc)
+    out = log.read_text()
+    said = [line for line in out.splitlines() if line.startswith("sfttrain: rank 0 has been in")]
+    assert len(said) == 1, out[-5000:]
+    assert re.match(r"sfttrain: rank 0 has been in step \d+ for \d+ s, the collective timeout "
+                    r"\(trainer.nccl_timeout=20\)", said[0]), said[0]

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from sfttrain import checkpoint, lora, phase
+from sfttrain.attention import fallback_warning
 from sfttrain.config import Config, as_list
 from sfttrain.data.chat import build_renderer
 from sfttrain.data.loader import StepBatch, TrainData, render_share, step_batches, validation_batches
@@ -105,6 +106,7 @@ class FSDPSFTTrainer:
             f"  model               : {cfg.model.partial_pretrain} ({shape.num_params / 1e6:.2f}M params, "
             f"{shape.trainable_params / 1e6:.2f}M trainable, {shape.num_layers} layers), "
             f"attention {self.attn_backend}, liger {self.liger}",
+            *fallback_warning(cfg.model.attn_implementation, self.attn_backend, self.world.device.type),
             *lora.describe(cfg.model),
             f"  loss                : {loss}",
             f"  precision           : weights/optimizer {fsdp.model_dtype}, mixed precision {fsdp.mixed_precision}",

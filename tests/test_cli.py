@@ -112,6 +112,7 @@ def test_help_lists_every_key_with_its_default():
         assert f"  {key}={default!r}" in out, key
     assert "GLOBAL batch in samples per optimizer step" in out  # a trailing comment
     assert "packed rows are padded to a multiple of this" in out  # a comment block above its key
+    assert "verl keys accepted and ignored (each said at start-up): trainer.default_hdfs_dir" in out
     optim = subprocess.run([sys.executable, "-m", "sfttrain.run", "--help", "optim"], cwd=REPO, capture_output=True,
                            text=True, check=True).stdout
     assert "optim.lr=1e-05" in optim and "data." not in optim

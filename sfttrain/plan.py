@@ -161,6 +161,8 @@ class Findings:
 def model_folder(m: ModelConfig, found: Findings) -> Optional[str]:
     """model.partial_pretrain as a folder on this machine: as given, or a hub id's snapshot in the
     local hub cache (never downloaded here); None with a note on how to point the preflight at one."""
+    if not m.partial_pretrain:  # the validation's problem already
+        return None
     if not is_repo_id(m.partial_pretrain):
         return m.partial_pretrain
     folder = cached_folder(m.partial_pretrain)
@@ -222,10 +224,10 @@ def batch_section(cfg: Config, dp_size: int, folder: Optional[str], found: Findi
     if missing:  # a missing file is often only missing here (the cluster's path): not a problem
         found.notes.append(f"data.train_files: {', '.join(missing)} not on this machine: steps per epoch and the rows "
                            "are not checked")
-    elif folder is not None and has_tokenizer(folder):
+    elif d.train_files and folder is not None and has_tokenizer(folder):
         rows = found.check(lambda: rows_trained(cfg, folder))
-    else:
-        if folder is not None:
+    elif d.train_files:  # (none given: the validation's problem)
+        if folder is not None and os.path.isdir(folder):
             found.notes.append(f"{folder} has no tokenizer: the rows are counted, not rendered")
         rows = found.check(lambda: row_count(cfg))
     plan = found.check(lambda: make_plan(cfg, dp_size, rows if rows is not None else d.train_batch_size))

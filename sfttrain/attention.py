@@ -57,6 +57,7 @@ __all__ = [
     "BACKENDS",
     "available_backends",
     "configure",
+    "fallback_warning",
     "get_backend",
     "register",
     "select_backend",
@@ -142,6 +143,17 @@ def select_backend(requested: str = "auto", device_type: str | None = None) -> s
             f"Available for {device_type!r}: {available_backends(device_type)}"
         )
     return requested
+
+
+def fallback_warning(requested: str, chosen: str, device_type: str) -> list[str]:
+    """The start-up line for `auto` on CUDA ending on sdpa_blockmask: the per-sample path (a host
+    sync per sample per layer) that would otherwise slow the run without a word; what to install."""
+    if requested != "auto" or device_type != "cuda" or chosen != "sdpa_blockmask":
+        return []
+    reasons = "; ".join(f"{b}: {_unavailable_reason(b, device_type)}" for b in ("flash_attn", "torch_varlen"))
+    return [f"  WARNING: model.attn_implementation=auto runs sdpa_blockmask on this GPU, one attention call per "
+            f"sample with a host sync per layer (several times slower than a varlen kernel) because {reasons}. "
+            "Install flash-attn (pip install 'sfttrain[gpu]') or torch>=2.11 (PyTorch's own varlen flash attention)"]
 
 
 def register(forward=None) -> None:

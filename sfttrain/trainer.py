@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from sfttrain import checkpoint, lora, moe
+from sfttrain import checkpoint, lora, moe, phase
+from sfttrain.attention import fallback_warning
 from sfttrain.config import Config, as_list
 from sfttrain.data.chat import build_renderer
 from sfttrain.data.loader import StepBatch, TrainData, render_share, step_batches, validation_batches
@@ -23,9 +24,10 @@ from sfttrain.flops import ModelShape
 from sfttrain.loss import CausalLMLoss, router_metrics, router_stats, select_chunk_loss, step_objective
 from sfttrain.metrics import (MetricsLogger, StepEnd, StepTimer, describe_host_memory, host_memory_gib, memory_stats,
                               throughput)
-from sfttrain.model import load_model, load_tokenizer
+from sfttrain.model import load_model, load_tokenizer, local_model_folder
 from sfttrain.optim import build_optimizer, build_scheduler, clipped_step, schedule_settings, warmup_steps
 from sfttrain.parallel import describe_compile, describe_sharding, gradient_sync, parallelize
+from sfttrain.rope import check_rope
 
 
 @dataclass
@@ -48,6 +50,7 @@ class FSDPSFTTrainer:
 
         # data first: a bad file, column or batch size fails before the model is loaded
         self.tokenizer = load_tokenizer(cfg.model)
+        check_rope(cfg, local_model_folder(cfg.model))  # RoPE that packing would make depend on the batch
         renderer, fields = build_renderer(d, self.tokenizer), row_fields(d)  # prompt/response or conversations
         train_source = ParquetSource(as_list(d.train_files), fields)
         prepared = prepare_train_data(cfg, train_source, renderer, self.tokenizer, world, self.run_dir)
@@ -103,6 +106,7 @@ class FSDPSFTTrainer:
             f"  model               : {cfg.model.partial_pretrain} ({shape.num_params / 1e6:.2f}M params, "
             f"{shape.trainable_params / 1e6:.2f}M trainable{shape.describe_active()}, {shape.num_layers} layers), "
             f"attention {self.attn_backend}, liger {self.liger}",
+            *fallback_warning(cfg.model.attn_implementation, self.attn_backend, self.world.device.type),
             *lora.describe(cfg.model),
             *moe.describe_lora(self.lm.model, cfg.model),
             f"  loss                : {loss}",
@@ -138,6 +142,7 @@ class FSDPSFTTrainer:
         self.timer.restart()  # start-up is not step time
         queued = None  # the previous step: its update is queued on the device, its numbers not yet read
         while self.state.step < total:
+            phase.enter(f"step {self.state.step + 1}")
             wait_start = time.perf_counter()
             batch = next(batches)
             queued = self.step(batch, time.perf_counter() - wait_start, queued)
@@ -218,6 +223,7 @@ class FSDPSFTTrainer:
     @torch.no_grad()
     def validate(self) -> float:
         """Token-weighted loss over the whole validation set, all ranks."""
+        phase.enter(f"validation after step {self.state.step}")
         self.lm.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.world.device)
         for micro in self.val_batches:
@@ -227,6 +233,7 @@ class FSDPSFTTrainer:
         return (totals[0] / totals[1].clamp(min=1)).item()
 
     def save(self) -> None:
+        phase.enter(f"the save of step {self.state.step}")
         final = self.state.step == self.plan.total_steps
         self.checkpointer.save(self.state, self.lm.model, self.optimizer, self.tokenizer,
                                wandb_id=self.logger.wandb_id, final=final, export_hf=self.cfg.trainer.save_hf and final)

@@ -171,18 +171,18 @@ def _rows_of(source: ParquetSource, rows: np.ndarray, block: int = 4096) -> Iter
 def _scan(source: ParquetSource, renderer: Renderer, rank: int, world: int,
           keep: bool) -> tuple[list[RenderedSample], np.ndarray]:
     """Renders this rank's share of the rows: (the samples if keep, [row, tokens, loss tokens,
-    tokens before truncation] per row). A render error on any rank stops every rank with the same
-    message (e.g. a sample over data.max_length with data.truncation=error)."""
+    tokens before truncation] per row). A bad cell (read) or a render error on any rank stops every
+    rank at once with the same message (e.g. a null response, a sample over data.max_length with
+    data.truncation=error): a rank that raised alone would leave the others waiting here."""
     error, samples, stats = None, [], []
-    for p, r, row in _rows_of(source, _share(source.num_rows, rank, world)):
-        try:
+    try:
+        for p, r, row in _rows_of(source, _share(source.num_rows, rank, world)):
             sample = renderer.render(p, r, row)
-        except ValueError as e:
-            error = str(e)
-            break
-        stats.append((row, len(sample.input_ids), loss_tokens(sample), sample.full_length))
-        if keep:
-            samples.append(sample)
+            stats.append((row, len(sample.input_ids), loss_tokens(sample), sample.full_length))
+            if keep:
+                samples.append(sample)
+    except ValueError as e:  # DataError (a bad cell) is one too
+        error = str(e)
     errors = [None] * dist.get_world_size()  # all ranks, also when `world` counts data-parallel ranks only
     dist.all_gather_object(errors, error)
     first = next((e for e in errors if e), None)

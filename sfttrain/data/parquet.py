@@ -187,7 +187,7 @@ def _text(value, key_path: list[str], group: RowGroup, local: int) -> str:
     if not isinstance(value, str):
         hint = "; for conversations set data.multiturn.enable=true" if isinstance(value, list) else ""
         raise DataError(f"{group.file} row {local + _rows_before(group)}: {'.'.join(key_path)} is "
-                          f"{type(value).__name__}, expected a string{hint}")
+                          f"{_kind(value)}, expected a string{hint}")
     return value
 
 
@@ -197,7 +197,7 @@ def _messages(value, key: str, group: RowGroup, local: int) -> list[dict]:
     defined`, not `is none`). A JSON string of the list is accepted too."""
     value = _json(value, key, group, local)
     if not isinstance(value, list) or not all(isinstance(m, dict) for m in value):
-        raise DataError(f"{group.file} row {local + _rows_before(group)}: {key} is {type(value).__name__}, "
+        raise DataError(f"{group.file} row {local + _rows_before(group)}: {key} is {_kind(value)}, "
                           "expected a list of {role, content} messages")
     return [{k: v for k, v in m.items() if v is not None} for m in value]
 
@@ -210,6 +210,10 @@ def _json(value, key: str, group: RowGroup, local: int):
         return json.loads(value)
     except json.JSONDecodeError as e:
         raise DataError(f"{group.file} row {local + _rows_before(group)}: {key} is a string but not JSON ({e})")
+
+
+def _kind(value) -> str:
+    return "null" if value is None else type(value).__name__
 
 
 def _rows_before(group: RowGroup) -> int:

@@ -126,9 +126,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 def train_rows(cfg: Config) -> int:
     """Rows of the training data (raises DataError when a file is missing or unreadable)."""
-    from sfttrain.data.parquet import ParquetSource, row_fields
+    from sfttrain.data.files import open_source
+    from sfttrain.data.parquet import row_fields
 
-    return ParquetSource(as_list(cfg.data.train_files), row_fields(cfg.data)).num_rows
+    return open_source(as_list(cfg.data.train_files), row_fields(cfg.data), cfg.trainer.default_local_dir).num_rows
 
 
 def batch_section(cfg: Config, dp_size: int, problems: list[str]) -> list[str]:
@@ -137,7 +138,7 @@ def batch_section(cfg: Config, dp_size: int, problems: list[str]) -> list[str]:
     if problem:
         problems.append(problem)
         return [f"  data-parallel ranks : {dp_size}", f"  global batch        : {d.train_batch_size} (does not split)"]
-    missing = [f for f in as_list(d.train_files) if not os.path.isfile(os.path.expanduser(f))]
+    missing = [f for f in as_list(d.train_files) if not os.path.exists(os.path.expanduser(f))]
     rows = None
     if not missing:  # a missing file is often only missing here (the cluster's path): not a problem
         try:

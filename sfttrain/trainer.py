@@ -14,7 +14,8 @@ from sfttrain.config import Config, as_list
 from sfttrain.data.chat import build_renderer
 from sfttrain.data.loader import StepBatch, TrainData, render_share, step_batches, validation_batches
 from sfttrain.data.pack import max_segment_length
-from sfttrain.data.parquet import ParquetSource, row_fields
+from sfttrain.data.files import open_source
+from sfttrain.data.parquet import row_fields
 from sfttrain.data.prepare import prepare_train_data
 from sfttrain.data.report import describe
 from sfttrain.distributed import World
@@ -49,7 +50,7 @@ class FSDPSFTTrainer:
         # data first: a bad file, column or batch size fails before the model is loaded
         self.tokenizer = load_tokenizer(cfg.model)
         renderer, fields = build_renderer(d, self.tokenizer), row_fields(d)  # prompt/response or conversations
-        train_source = ParquetSource(as_list(d.train_files), fields)
+        train_source = open_source(as_list(d.train_files), fields, self.run_dir)
         prepared = prepare_train_data(cfg, train_source, renderer, self.tokenizer, world, self.run_dir)
         self.plan, self.data_report = prepared.plan, prepared.report  # every row rendered, or stopped here
         self.state = checkpoint.TrainState(global_batch=d.train_batch_size, seed=t.seed, data=prepared.fingerprint,
@@ -60,7 +61,7 @@ class FSDPSFTTrainer:
         resume_notes = checkpoint.check_resume(resume_from, cfg, self.state) if resume_from else []
         val_samples = None
         if d.val_files:
-            val_samples = render_share(ParquetSource(as_list(d.val_files), fields),
+            val_samples = render_share(open_source(as_list(d.val_files), fields, self.run_dir),
                                        renderer, world.dp_rank, world.dp_size)
 
         self.host_rss_before_model = host_memory_gib().get("host_rss_gib")

@@ -30,7 +30,7 @@ class MultiturnConfig:
 
 @dataclass
 class DataConfig:
-    train_files: Any = None  # a Parquet path or a list of them
+    train_files: Any = None  # a Parquet, JSON Lines or JSON file, a directory of them, or a list (README: Your own data)
     val_files: Any = None  # optional; validation runs over all of it, nothing dropped
     prompt_key: str = "question"  # the column holding the prompt
     response_key: str = "answer"  # the column holding the response (the supervised tokens)
@@ -261,7 +261,8 @@ def validate(cfg: Config) -> None:
     """Checks that need no world size and no data. Messages say which key to change."""
     d, m, o, t = cfg.data, cfg.model, cfg.optim, cfg.trainer
     if d.train_files in (None, "", []):
-        raise ConfigError("data.train_files is required: a Parquet file or a list of them")
+        raise ConfigError("data.train_files is required: a Parquet, JSON Lines or JSON file, a directory of them, "
+                          "or a list of these")
     if m.partial_pretrain in (None, ""):
         raise ConfigError("model.partial_pretrain is required: a local Hugging Face model folder or a hub id")
     if d.micro_batch_size is not None:

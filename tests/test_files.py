@@ -3,6 +3,8 @@ same streaming Parquet reader, against the rows read here straight from the file
 
 import json
 import os
+import shlex
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pyarrow as pa
@@ -13,7 +15,7 @@ from sfttrain.data import files
 from sfttrain.data.files import CACHE_DIR, open_source, records
 from sfttrain.data.parquet import ChatMessages, PromptResponse
 from sfttrain.errors import DataError
-from tests.conftest import ASSETS
+from tests.conftest import ASSETS, REPO, read_metrics, run_sfttrain
 
 GSM8K = [json.loads(line) for line in (ASSETS / "data" / "gsm8k" / "test.jsonl").read_text().splitlines()]
 FIELDS = PromptResponse(["question"], ["answer"])
@@ -113,3 +115,29 @@ def test_an_empty_directory_is_named(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="a directory without data files"):
         open_source([str(tmp_path / "empty")], FIELDS, str(tmp_path / "run"))
+
+
+def readme_commands() -> list[list[str]]:
+    """The commands of the README's "Your own data" section, as argument lists."""
+    section = (REPO / "README.md").read_text().split("### Your own data")[1].split("\n### ")[0]
+    block = section.split("```bash\n")[1].split("```")[0].replace("\\\n", " ")
+    return [shlex.split(line) for line in block.splitlines() if line.strip()]
+
+
+def test_the_readme_commands_train_on_the_example_files(tiny_qwen_dir, tmp_path):
+    """Each command as the README gives it, from the repository root, with only the hub model
+    replaced by a tiny local Qwen2 (same tokenizer and template) and the run folder put here."""
+    commands = readme_commands()
+    assert len(commands) == 3 and all(c[:3] == ["python", "-m", "sfttrain.run"] for c in commands)
+
+    def run(i: int) -> None:
+        args = [a.replace("Qwen/Qwen2.5-0.5B-Instruct", str(tiny_qwen_dir)) for a in commands[i][3:]]
+        args = [f"trainer.default_local_dir={tmp_path / str(i)}" if a.startswith("trainer.default_local_dir=") else a
+                for a in args]
+        run_sfttrain(1, args, cwd=REPO)
+
+    with ThreadPoolExecutor(len(commands)) as pool:  # mostly start-up: overlapped
+        list(pool.map(run, range(len(commands))))
+    for i, command in enumerate(commands):
+        assert [m["step"] for m in read_metrics(tmp_path / str(i)) if "loss" in m] == [1, 2], command
+        assert len(list((tmp_path / str(i) / CACHE_DIR).glob("*.parquet"))) == 1  # the example converted once

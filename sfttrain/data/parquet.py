@@ -134,6 +134,11 @@ class ParquetSource:
             self.row_groups.append(RowGroup(file, i, first, n, source))
             first += n
 
+    def where(self, row: int) -> str:
+        """The user's file and row (or line) of a global row id, for messages."""
+        group = self.row_groups[int(np.searchsorted(self._starts, row, side="right")) - 1]
+        return _where(group, row - group.first_row)
+
     def epoch_order(self, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
         """Global row ids in the order the epoch consumes them."""
         if not shuffle:

@@ -44,6 +44,9 @@ class DataConfig:
     # per micro-batch): whole GEMM tiles, and a small set of shapes instead of a new one every step
     pad_to_multiple: int = 128
     max_length: int = 1024  # tokens per sample (prompt + response)
+    # max_length above the model's max_position_embeddings trains positions the model never saw
+    # (its RoPE was not trained there): refused at start-up unless this is true
+    allow_beyond_max_position: bool = False
     truncation: str = "error"  # error | left | right
     apply_chat_template: bool = True  # render the prompt as one user turn, generation prompt on
     chat_template: Optional[str] = None  # a Jinja template overriding the tokenizer's

@@ -12,7 +12,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from sfttrain import attention, lora, weights
-from sfttrain.config import ConfigError, ModelConfig
+from sfttrain.config import Config, ConfigError, ModelConfig
 from sfttrain.hub import local_model_path
 
 DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -24,6 +24,18 @@ def load_tokenizer(cfg: ModelConfig):
     logging.getLogger("transformers.tokenization_utils_base").setLevel(logging.ERROR)
     transformers.utils.logging.disable_progress_bar()
     return AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+
+
+def check_max_length(cfg: Config) -> None:
+    """Refuses data.max_length above the positions the model was trained on, before any data is read
+    (a packed row restarts its positions at each sample, so max_length is the longest position)."""
+    config = AutoConfig.from_pretrained(local_model_folder(cfg.model), trust_remote_code=cfg.model.trust_remote_code)
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit and cfg.data.max_length > limit and not cfg.data.allow_beyond_max_position:
+        raise ConfigError(f"data.max_length={cfg.data.max_length} is above the model's max_position_embeddings="
+                          f"{limit} ({cfg.model.partial_pretrain}): samples would train positions it never saw. Lower "
+                          f"data.max_length to {limit} (data.truncation cuts longer samples), or set "
+                          "data.allow_beyond_max_position=true if the model is meant to extend its context")
 
 
 @dataclass

@@ -24,7 +24,7 @@ from sfttrain.flops import ModelShape
 from sfttrain.loss import CausalLMLoss, normalised, select_chunk_loss
 from sfttrain.metrics import (MetricsLogger, StepEnd, StepTimer, describe_host_memory, host_memory_gib, memory_stats,
                               throughput)
-from sfttrain.model import load_model, load_tokenizer
+from sfttrain.model import check_max_length, load_model, load_tokenizer
 from sfttrain.optim import build_optimizer, build_scheduler, clipped_step, schedule_settings, warmup_steps
 from sfttrain.parallel import describe_compile, describe_sharding, gradient_sync, parallelize
 
@@ -48,6 +48,7 @@ class FSDPSFTTrainer:
         checkpoint.check_shared_run_dir(self.run_dir, world)  # every node writes its shards there
 
         # data first: a bad file, column or batch size fails before the model is loaded
+        check_max_length(cfg)
         self.tokenizer = load_tokenizer(cfg.model)
         renderer, fields = build_renderer(d, self.tokenizer), row_fields(d)  # prompt/response or conversations
         train_source = open_source(as_list(d.train_files), fields, self.run_dir)

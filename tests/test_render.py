@@ -8,6 +8,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from sfttrain.data.render import RenderedSample, Renderer
+from tests.conftest import STORIES
 
 ASSETS = Path(__file__).parents[1] / "assets"
 QWEN_TOKENIZERS = ["qwen2.5-instruct", "qwen3"]
@@ -207,3 +208,18 @@ def test_rendered_sample_is_frozen():
     s = RenderedSample(input_ids=[1, 2], loss_mask=[0, 1], row=0)
     with pytest.raises(dataclasses.FrozenInstanceError):
         s.row = 1
+
+
+def test_max_length_beyond_the_models_positions_is_refused():
+    """stories260K was trained on 512 positions: max_length=513 is refused naming both, unless allowed."""
+    from sfttrain.config import ConfigError, load_config
+    from sfttrain.model import check_max_length
+
+    def cfg(*extra):
+        return load_config(None, ["data.train_files=x.parquet", f"model.partial_pretrain={STORIES}", *extra])
+
+    check_max_length(cfg("data.max_length=512"))
+    with pytest.raises(ConfigError, match="data.max_length=513 is above the model's max_position_embeddings=512 "
+                                          r"\(.*stories260K\).*data.allow_beyond_max_position=true"):
+        check_max_length(cfg("data.max_length=513"))
+    check_max_length(cfg("data.max_length=513", "data.allow_beyond_max_position=true"))

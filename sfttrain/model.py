@@ -18,12 +18,17 @@ from sfttrain.hub import local_model_path
 DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def load_tokenizer(cfg: ModelConfig):
+def load_tokenizer(cfg: ModelConfig, chat_template: str | None = None):
+    """The model's tokenizer; `chat_template` (data.chat_template, the text) replaces its own, so
+    the tokenizer every checkpoint's hf/ and export saves renders as the training did."""
     path = local_model_folder(cfg)
     # samples longer than the tokenizer's model_max_length are handled by data.truncation
     logging.getLogger("transformers.tokenization_utils_base").setLevel(logging.ERROR)
     transformers.utils.logging.disable_progress_bar()
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
 
 
 def check_max_length(cfg: Config) -> None:

@@ -141,3 +141,24 @@ def test_the_readme_commands_train_on_the_example_files(tiny_qwen_dir, tmp_path)
     for i, command in enumerate(commands):
         assert [m["step"] for m in read_metrics(tmp_path / str(i)) if "loss" in m] == [1, 2], command
         assert len(list((tmp_path / str(i) / CACHE_DIR).glob("*.parquet"))) == 1  # the example converted once
+
+
+def test_a_row_that_does_not_render_is_named_with_its_line(tmp_path):
+    """The start-up scan (one real gloo rank) names a render error with the file and line first."""
+    import torch.distributed as dist
+    from transformers import AutoTokenizer
+
+    from sfttrain.data.loader import render_share
+    from sfttrain.data.render import Renderer
+    from tests.conftest import STORIES
+
+    path = tmp_path / "long.jsonl"
+    path.write_text('{"question": "q", "answer": "a"}\n\n' + json.dumps({"question": "q " * 100, "answer": "a"}) + "\n")
+    renderer = Renderer(AutoTokenizer.from_pretrained(STORIES), max_length=32, truncation="error",
+                        apply_chat_template=False)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(DataError, match=rf"{path} line 3: row 1 has \d+ tokens .* more than data.max_length=32"):
+            render_share(open_source([str(path)], FIELDS, str(tmp_path / "run")), renderer, 0, 1)
+    finally:
+        dist.destroy_process_group()

@@ -200,15 +200,17 @@ def _scan(source: ParquetSource, renderer: Renderer, rank: int, world: int,
     tokens before truncation] per row). A bad cell (read) or a render error on any rank stops every
     rank at once with the same message (e.g. a null response, a sample over data.max_length with
     data.truncation=error): a rank that raised alone would leave the others waiting here."""
-    error, samples, stats = None, [], []
+    error, samples, stats, row = None, [], [], None
     try:
         for p, r, row in _rows_of(source, _share(source.num_rows, rank, world)):
             sample = renderer.render(p, r, row)
             stats.append((row, len(sample.input_ids), loss_tokens(sample), sample.full_length))
             if keep:
                 samples.append(sample)
-    except ValueError as e:  # DataError (a bad cell) is one too
+    except DataError as e:  # a bad cell, named with its file
         error = str(e)
+    except ValueError as e:  # the rendering of `row` failed: its file and row (or line) go first
+        error = f"{source.where(row)}: {e}"
     errors = [None] * dist.get_world_size()  # all ranks, also when `world` counts data-parallel ranks only
     dist.all_gather_object(errors, error)
     first = next((e for e in errors if e), None)

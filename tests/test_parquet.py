@@ -1,5 +1,6 @@
 """The streaming reader over several files and row groups, and the per-epoch order."""
 
+import json
 import re
 
 import numpy as np
@@ -83,14 +84,15 @@ def test_bad_cells_name_file_row_and_column(tmp_path):
 def test_a_bad_cell_in_rank_1s_share_stops_every_rank_at_once(gsm8k_dir, tmp_path):
     """2 real ranks, a null answer in rows only rank 1 scans: rank 0 learns it in the start-up
     gather and reports it (torchrun's root cause is rank 0, exit code 3). Before, rank 0 waited in
-    the gather while rank 1 slept 60 s and then reported it alone."""
+    the gather while rank 1 slept 60 s and then reported it alone. The file is JSON Lines (rank 0
+    converts it while rank 1 waits, sfttrain/data/files.py), so the row is named by its line."""
     rows = pq.read_table(gsm8k_dir / "train.parquet").slice(0, 40).select(["question", "answer"]).to_pylist()
     rows[33]["answer"] = None
-    data = tmp_path / "nulls.parquet"
-    pq.write_table(pa.Table.from_pylist(rows), data, row_group_size=16)
+    data = tmp_path / "nulls.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     out = run_sfttrain(2, [*BASE_OVERRIDES, f"data.train_files={data}", f"trainer.default_local_dir={tmp_path / 'run'}",
                            "data.train_batch_size=8", "data.micro_batch_size_per_gpu=2"], check=False, timeout=240)
-    message = f"sfttrain: data error: {data} row 33: answer is null, expected a string"
+    message = f"sfttrain: data error: {data} line 34: answer is null, expected a string"
     assert out.returncode != 0, out.stdout[-3000:]  # torchrun exits 1 when a rank failed
     assert [line for line in out.stdout.splitlines() if line.startswith("sfttrain: ")] == [message], out.stdout[-3000:]
     root_cause = out.stdout.split("Root Cause (first observed failure):")[1]

@@ -118,12 +118,18 @@ def _table(batch: list[tuple[int, dict]], keys: list[str], schema: pa.Schema) ->
 def records(path: str) -> Iterator[tuple[int, dict]]:
     """(line, object) of each row of a JSON Lines file, or of a JSON file's list of objects."""
     with open(path, encoding="utf-8-sig") as f:
-        head = f.read(CHUNK_CHARS).lstrip()
-        f.seek(0)
-        if path.endswith(".json") and head.startswith("["):
+        if path.endswith(".json") and _first_char(f) == "[":
             yield from _list_records(f, path)
         else:
             yield from _line_records(f, path)
+
+
+def _first_char(f) -> str:
+    """The first character of the file that is not white space; the file is left at its start."""
+    while (chunk := f.read(CHUNK_CHARS)) and not chunk.strip():
+        pass
+    f.seek(0)
+    return chunk.lstrip()[:1]
 
 
 def _line_records(f, path: str) -> Iterator[tuple[int, dict]]:

@@ -102,7 +102,7 @@ def check_counts(samples, stats: RowStats, source: ParquetSource) -> None:
                 f"start-up row scan counted {then[0]} and {then[1]}; the loss is normalised by those counts, so "
                 "training on would rescale its gradients. Either the chat template does not render the same text "
                 "twice (e.g. it calls strftime_now: write the date into the template or the data) or the length "
-                f"cache (the run folder's row_stats/) is stale, e.g. the tokenizer files changed: delete row_stats/ "
+                "cache (the run folder's row_stats/) is stale, e.g. the tokenizer files changed: delete row_stats/ "
                 "and start again")
 
 

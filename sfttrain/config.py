@@ -33,7 +33,7 @@ class MultiturnConfig:
 
 @dataclass
 class DataConfig:
-    train_files: Any = None  # a Parquet path or a list of them
+    train_files: Any = None  # a Parquet, JSON Lines or JSON file, a directory of them, or a list (README: Your own data)
     val_files: Any = None  # optional; validation runs over all of it, nothing dropped
     prompt_key: str = "question"  # the column holding the prompt
     response_key: str = "answer"  # the column holding the response (the supervised tokens)
@@ -46,6 +46,9 @@ class DataConfig:
     # per micro-batch): whole GEMM tiles, and a small set of shapes instead of a new one every step
     pad_to_multiple: int = 128
     max_length: int = 1024  # tokens per sample (prompt + response)
+    # max_length above the model's max_position_embeddings trains positions the model never saw
+    # (its RoPE was not trained there): refused at start-up unless this is true
+    allow_beyond_max_position: bool = False
     truncation: str = "error"  # error | left | right
     apply_chat_template: bool = True  # render the prompt as one user turn, generation prompt on
     chat_template: Optional[str] = None  # the tokenizer's chat template replaced: a file (.jinja or any existing path) or the Jinja text
@@ -324,7 +327,8 @@ def validate(cfg: Config) -> None:
     """Checks that need no world size and no data. Messages say which key to change."""
     d, m, o, t = cfg.data, cfg.model, cfg.optim, cfg.trainer
     if d.train_files in (None, "", []):
-        raise ConfigError("data.train_files is required: a Parquet file or a list of them")
+        raise ConfigError("data.train_files is required: a Parquet, JSON Lines or JSON file, a directory of them, "
+                          "or a list of these")
     if m.partial_pretrain in (None, ""):
         raise ConfigError("model.partial_pretrain is required: a local Hugging Face model folder or a hub id")
     for key, value in (("data.train_batch_size", d.train_batch_size),

@@ -47,7 +47,7 @@ class World:
 
     @property
     def row_slice(self) -> tuple[int, int]:
-        """(this rank's slice, slices) of every packed row (sfttrain.sequence_parallel.local_slice)."""
+        """(this rank's slice, slices) of every packed row (sfttrain.data.pack.local_slice)."""
         return (self.sp_rank, self.sp_size)
 
     @property

@@ -12,18 +12,36 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from sfttrain import attention, experts, lora, weights
-from sfttrain.config import ConfigError, ModelConfig
+from sfttrain.config import Config, ConfigError, ModelConfig
 from sfttrain.hub import local_model_path
 
 DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def load_tokenizer(cfg: ModelConfig):
+def load_tokenizer(cfg: ModelConfig, chat_template: str | None = None):
+    """The model's tokenizer; `chat_template` (data.chat_template, the text) replaces its own, so
+    the tokenizer every checkpoint's hf/ and export saves renders as the training did."""
     path = local_model_folder(cfg)
     # samples longer than the tokenizer's model_max_length are handled by data.truncation
     logging.getLogger("transformers.tokenization_utils_base").setLevel(logging.ERROR)
     transformers.utils.logging.disable_progress_bar()
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def check_max_length(cfg: Config, folder: str) -> None:
+    """Refuses data.max_length above the positions the model (its config in `folder`) was trained on,
+    before any data is read (a packed row restarts its positions at each sample, so max_length is
+    the longest position)."""
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=cfg.model.trust_remote_code)
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit and cfg.data.max_length > limit and not cfg.data.allow_beyond_max_position:
+        raise ConfigError(f"data.max_length={cfg.data.max_length} is above the model's max_position_embeddings="
+                          f"{limit} ({cfg.model.partial_pretrain}): samples would train positions it never saw. Lower "
+                          f"data.max_length to {limit} (data.truncation cuts longer samples), or set "
+                          "data.allow_beyond_max_position=true if the model is meant to extend its context")
 
 
 @dataclass

@@ -205,31 +205,34 @@ def rows_trained(cfg: Config, folder: str) -> int:
     validation rows rendered too."""
     from sfttrain.data.chat import build_renderer
     from sfttrain.data.loader import render_share, row_stats
-    from sfttrain.data.parquet import ParquetSource, row_fields
+    from sfttrain.data.files import open_source
+    from sfttrain.data.parquet import row_fields
     from sfttrain.data.report import select_rows
     from sfttrain.distributed import one_rank_group
     from sfttrain.model import load_tokenizer
 
-    d = cfg.data
+    d, run_dir = cfg.data, cfg.trainer.default_local_dir
     tokenizer = load_tokenizer(dataclasses.replace(cfg.model, partial_pretrain=folder))
     renderer, fields = build_renderer(d, tokenizer), row_fields(d)
     with one_rank_group():
-        stats = select_rows(row_stats(ParquetSource(as_list(d.train_files), fields), renderer, 0, 1), d)
+        stats = select_rows(row_stats(open_source(as_list(d.train_files), fields, run_dir), renderer, 0, 1), d)
         if d.val_files and not missing_files(d.val_files):
-            render_share(ParquetSource(as_list(d.val_files), fields), renderer, 0, 1)
+            render_share(open_source(as_list(d.val_files), fields, run_dir), renderer, 0, 1)
     return int(stats.keep.sum())
 
 
 def row_count(cfg: Config) -> int:
     """Rows of the training data, unrendered (raises DataError when a file is unreadable or lacks
     the columns)."""
-    from sfttrain.data.parquet import ParquetSource, row_fields
+    from sfttrain.data.files import open_source
+    from sfttrain.data.parquet import row_fields
 
-    return ParquetSource(as_list(cfg.data.train_files), row_fields(cfg.data)).num_rows
+    return open_source(as_list(cfg.data.train_files), row_fields(cfg.data), cfg.trainer.default_local_dir).num_rows
 
 
 def missing_files(files) -> list[str]:
-    return [f for f in as_list(files) if not os.path.isfile(os.path.expanduser(f))]
+    """The entries (files or directories of files) not on this machine."""
+    return [f for f in as_list(files) if not os.path.exists(os.path.expanduser(f))]
 
 
 def batch_section(cfg: Config, dp_size: int, folder: Optional[str], found: Findings) -> list[str]:
@@ -286,6 +289,7 @@ def preflight(cfg: Config, nproc: int, nnodes: int) -> tuple[list[str], Findings
     """(report lines, what was found): the run's own checks, each problem listed, none stopping the rest."""
     from sfttrain.distributed import check_world
     from sfttrain.metrics import require_loggers
+    from sfttrain.model import check_max_length
 
     world = nproc * nnodes
     dp_size = world // max(cfg.ulysses_sequence_parallel_size, 1)
@@ -295,6 +299,7 @@ def preflight(cfg: Config, nproc: int, nnodes: int) -> tuple[list[str], Findings
     folder = model_folder(cfg.model, found)
     if folder is not None and os.path.isfile(os.path.join(folder, "config.json")):
         found.check(lambda: check_rope(cfg, folder))
+        found.check(lambda: check_max_length(cfg, folder))
     lines = [f"sfttrain plan: {nnodes} node(s) x {nproc} rank(s)"]
     lines += batch_section(cfg, dp_size, folder, found)
     lines += memory_section(cfg, dp_size, folder, found)

@@ -30,21 +30,6 @@ from torch import nn
 
 from sfttrain import attention
 from sfttrain.config import ConfigError
-from sfttrain.data.pack import IGNORE_INDEX, MicroBatch, pad_row
-
-
-def local_slice(batch: MicroBatch, rank: int, size: int) -> MicroBatch:
-    """Rank `rank`'s contiguous slice of the row (padded to split into `size` equal slices), cut
-    on the host before the copy to the device. The boundaries stay the whole row's (attention
-    sees the whole row again); the loss-token count is the slice's own."""
-    if size == 1:
-        return batch
-    batch = pad_row(batch, size)
-    length = batch.input_ids.shape[1] // size
-    part = slice(rank * length, (rank + 1) * length)
-    labels = batch.labels[:, part]
-    return MicroBatch(batch.input_ids[:, part], labels, batch.position_ids[:, part], batch.cu_seqlens,
-                      batch.max_seqlen, int((labels != IGNORE_INDEX).sum()))
 
 
 class SequenceParallel:
@@ -125,7 +110,7 @@ def check_heads(model_config, sp: int) -> None:
 
 def apply(lm: nn.Module, group: dist.ProcessGroup, size: int) -> SequenceParallel:
     """Installs Ulysses' attention on the model of `lm` (a CausalLMLoss); the data loader feeds
-    it `local_slice`s."""
+    it `sfttrain.data.pack.local_slice`s."""
     check_heads(lm.model.config, size)
     if lm.router is not None:  # its per-sample statistics would need each sample's tokens from all sp ranks
         raise ConfigError(f"ulysses_sequence_parallel_size={size}: the router's load-balancing loss "

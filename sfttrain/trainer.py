@@ -12,10 +12,11 @@ import torch.distributed as dist
 from sfttrain import checkpoint, lora, moe, phase
 from sfttrain.attention import fallback_warning
 from sfttrain.config import Config, as_list
-from sfttrain.data.chat import build_renderer
+from sfttrain.data.chat import build_renderer, resolve_chat_template
 from sfttrain.data.loader import StepBatch, TrainData, render_share, step_batches, validation_batches
 from sfttrain.data.pack import max_segment_length
-from sfttrain.data.parquet import ParquetSource, row_fields
+from sfttrain.data.files import open_source
+from sfttrain.data.parquet import row_fields
 from sfttrain.data.prepare import prepare_train_data
 from sfttrain.data.report import describe
 from sfttrain.distributed import World
@@ -24,7 +25,7 @@ from sfttrain.flops import ModelShape
 from sfttrain.loss import CausalLMLoss, router_metrics, router_stats, select_chunk_loss, step_objective
 from sfttrain.metrics import (MetricsLogger, StepEnd, StepTimer, describe_host_memory, host_memory_gib, memory_stats,
                               throughput)
-from sfttrain.model import load_model, load_tokenizer, local_model_folder
+from sfttrain.model import check_max_length, load_model, load_tokenizer, local_model_folder
 from sfttrain.optim import build_optimizer, build_scheduler, clipped_step, schedule_settings, warmup_steps
 from sfttrain.parallel import describe_compile, describe_sharding, gradient_sync, parallelize
 from sfttrain.rope import check_rope
@@ -49,10 +50,12 @@ class FSDPSFTTrainer:
         checkpoint.check_shared_run_dir(self.run_dir, world)  # every node writes its shards there
 
         # data first: a bad file, column or batch size fails before the model is loaded
-        self.tokenizer = load_tokenizer(cfg.model)
-        check_rope(cfg, local_model_folder(cfg.model))  # RoPE that packing would make depend on the batch
+        folder = local_model_folder(cfg.model)
+        check_max_length(cfg, folder)
+        check_rope(cfg, folder)  # RoPE that packing would make depend on the batch
+        self.tokenizer = load_tokenizer(cfg.model, resolve_chat_template(d) if d.apply_chat_template else None)
         renderer, fields = build_renderer(d, self.tokenizer), row_fields(d)  # prompt/response or conversations
-        train_source = ParquetSource(as_list(d.train_files), fields)
+        train_source = open_source(as_list(d.train_files), fields, self.run_dir)
         prepared = prepare_train_data(cfg, train_source, renderer, self.tokenizer, world, self.run_dir)
         self.plan, self.data_report = prepared.plan, prepared.report  # every row rendered, or stopped here
         self.state = checkpoint.TrainState(global_batch=d.train_batch_size, seed=t.seed, data=prepared.fingerprint,
@@ -63,7 +66,7 @@ class FSDPSFTTrainer:
         resume_notes = checkpoint.check_resume(resume_from, cfg, self.state) if resume_from else []
         val_samples = None
         if d.val_files:
-            val_samples = render_share(ParquetSource(as_list(d.val_files), fields),
+            val_samples = render_share(open_source(as_list(d.val_files), fields, self.run_dir),
                                        renderer, world.dp_rank, world.dp_size)
 
         self.host_rss_before_model = host_memory_gib().get("host_rss_gib")

@@ -134,10 +134,26 @@ def test_bad_conversations_are_named():
     cases = [([{"role": "user", "content": "hi"}], "row 2: the conversation has no assistant message"),
              ([{"role": "bot", "content": "hi"}], "row 2: message 0 has role 'bot'"),
              ([{"role": "assistant", "content": "hi"}], "row 2: message 0 is an assistant turn"),
-             ([{"role": "user", "content": 3}, {"role": "assistant", "content": "x"}], "message 0 content is int")]
+             ([{"role": "user", "content": 3}, {"role": "assistant", "content": "x"}], "message 0 content is int"),
+             ([{"role": "user", "content": "hi"}, {"role": "assistant"}],
+              "row 2: assistant message 1 has no content")]
     for messages, message in cases:
         with pytest.raises(ValueError, match=message):
             r.render(messages, {}, row=2)
+
+
+def test_assistant_message_with_null_content_is_named(tmp_path):
+    """A null content in a Parquet messages column (the reader drops null keys) is refused with
+    the row; a tool-calling turn with a null content is not."""
+    tok = AutoTokenizer.from_pretrained(TOKENIZERS / "qwen2.5-instruct")
+    null = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]
+    calls = [{**m, "content": None} if m.get("tool_calls") else m for m in CONVERSATION]
+    write_chat_parquet(tmp_path / "chat.parquet", [calls, null])
+    source = ParquetSource([str(tmp_path / "chat.parquet")], ChatMessages("messages", None, None))
+    (messages, kwargs, row), (null_messages, _, null_row) = source.read(np.array([0, 1]))
+    assert renderer(tok).render(messages, kwargs, row).loss_mask  # tool calls without content train
+    with pytest.raises(ValueError, match="row 1: assistant message 1 has no content"):
+        renderer(tok).render(null_messages, {}, null_row)
 
 
 def test_truncation(tokenizer):

@@ -90,3 +90,40 @@ def test_dropped_rows_never_train_and_the_report_counts(data, expected, tmp_path
     assert report["supervised_tokens_per_epoch"] == sum(m["loss_tokens"] for m in logged)
     assert report["rows_rendered_at_startup"] == ROWS
     assert "data.truncation=right cut the end of" in out and "EOS" in out
+
+
+def test_a_row_whose_counts_changed_since_the_scan_stops_the_run(data, tmp_path):
+    """The loss normaliser comes from the length cache; a cache that no longer matches the rows
+    (here one supervised count tampered with, row 3 of the first step) stops the step that renders
+    the row, naming it and what to do, also when a DataLoader worker builds the step."""
+    import torch.distributed as dist
+
+    from sfttrain.config import load_config
+    from sfttrain.data.chat import build_renderer
+    from sfttrain.data.files import open_source
+    from sfttrain.data.fingerprint import data_fingerprint, rendering_key
+    from sfttrain.data.loader import _save_stats
+    from sfttrain.data.pack import loss_tokens
+    from sfttrain.data.parquet import row_fields
+    from sfttrain.data.prepare import CACHE_DIR
+    from sfttrain.model import load_tokenizer
+
+    run_dir = tmp_path / "run"
+    overrides = job(data, run_dir, "data.truncation=left", "data.num_workers=1")
+    cfg = load_config(None, overrides)
+    tokenizer = load_tokenizer(cfg.model)
+    source = open_source([str(data)], row_fields(cfg.data), str(run_dir))
+    renderer = build_renderer(cfg.data, tokenizer)
+    samples = [renderer.render(*row) for row in source.read(np.arange(source.num_rows))]
+    columns = [np.array(c) for c in zip(*((len(s.input_ids), loss_tokens(s), s.full_length) for s in samples))]
+    columns[1][3] += 1
+    assert not dist.is_initialized()
+    _save_stats(str(run_dir / CACHE_DIR / f"{rendering_key(data_fingerprint(cfg, source, tokenizer))}.npz"), columns)
+    out = run_sfttrain(1, overrides, check=False)
+    assert out.returncode == 3, out.stdout[-3000:]
+    assert "0 rows rendered" in out.stdout  # the counts came from the cache
+    n, loss = len(samples[3].input_ids), loss_tokens(samples[3])
+    assert (f"{data} row 3 renders now to {n} tokens, {loss} supervised, but the start-up row scan "
+            f"counted {n} and {loss + 1}") in out.stdout, out.stdout[-3000:]
+    assert "delete row_stats/" in out.stdout and "Traceback" not in out.stdout
+    assert not (run_dir / "metrics.jsonl").exists() or not read_metrics(run_dir)

@@ -1,14 +1,16 @@
 """Packing properties on real tokenized GSM8K rows, and the balanced split of a step."""
 
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
 from transformers import AutoTokenizer
 
-from sfttrain.data.pack import IGNORE_INDEX, balanced_bins, budget_bins, pack
+from sfttrain.data.pack import IGNORE_INDEX, MicroBatch, balanced_bins, budget_bins, local_slice, pack
 from sfttrain.data.render import RenderedSample, Renderer
-from tests.conftest import ASSETS
+from tests.conftest import ASSETS, REPO, rank_env
 
 
 @pytest.fixture(scope="module")
@@ -134,3 +136,28 @@ def test_no_segment_exceeds_the_attention_bound(max_length, pad_to):
         assert max(segments) <= bound and mb.max_seqlen <= bound
         longest = max(longest, max(segments))
     assert longest > max_length or max_length >= pad_to - 1  # the pad segment did reach past max_length
+
+
+def test_local_slices_cover_the_row():
+    """Ulysses' slices of a packed row for 2 sp ranks are contiguous, padded to equal length with untrained tokens, keep the true
+    positions and the whole row's boundaries, and their loss tokens add up."""
+    labels = torch.tensor([[5, IGNORE_INDEX, 7, 8, 9]])
+    row = MicroBatch(torch.arange(5)[None], labels, torch.tensor([[0, 1, 2, 0, 1]]),
+                     torch.tensor([0, 3, 5], dtype=torch.int32), 3, 4)
+    parts = [local_slice(row, r, 2) for r in range(2)]
+    assert [p.input_ids.tolist() for p in parts] == [[[0, 1, 2]], [[3, 4, 0]]]
+    assert [p.position_ids.tolist() for p in parts] == [[[0, 1, 2]], [[0, 1, 0]]]
+    assert parts[1].labels.tolist() == [[8, 9, IGNORE_INDEX]]
+    assert all(p.cu_seqlens.tolist() == [0, 3, 5, 6] for p in parts)
+    assert sum(p.num_loss_tokens for p in parts) == row.num_loss_tokens
+
+
+def test_the_data_loader_does_not_import_attention():
+    """DataLoader workers import the loader: it must not pull in sfttrain.attention (which registers
+    with transformers at import) nor transformers' model code."""
+    code = ("import sys, sfttrain.data.loader; "
+            "print(sorted(m for m in sys.modules if m in ('sfttrain.attention', 'sfttrain.sequence_parallel', "
+            "'transformers.modeling_utils')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO,
+                         env=rank_env())
+    assert out.stdout.strip() == "[]"

@@ -1,12 +1,18 @@
 """The streaming reader over several files and row groups, and the per-epoch order."""
 
+import json
+import re
+
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from sfttrain.config import ConfigError
 from sfttrain.data import parquet
-from sfttrain.data.parquet import ParquetSource, PromptResponse, key_path
+from sfttrain.data.parquet import ChatMessages, ParquetSource, PromptResponse, key_path
+from sfttrain.errors import DataError
+from tests.conftest import BASE_OVERRIDES, run_sfttrain
 
 
 @pytest.fixture()
@@ -59,3 +65,35 @@ def test_shuffled_epoch_decodes_each_row_group_once(two_files, monkeypatch):
     assert [row for _, _, row in got] == order.tolist()
     assert all(prompt == rows[row]["question"] and response == rows[row]["answer"] for prompt, response, row in got)
     assert src.groups_decoded == len(src.row_groups)
+
+
+def test_bad_cells_name_file_row_and_column(tmp_path):
+    """A null, a non-string and a messages cell that is not JSON: each named with its file, its row
+    in that file and its column."""
+    path = tmp_path / "bad.parquet"
+    pq.write_table(pa.table({"q": ["a", None, "c"], "r": ["x", "y", "z"], "n": [1, 2, 3],
+                             "messages": ["[]", "[{", "[]"]}), path, row_group_size=2)
+    with pytest.raises(DataError, match=r"bad.parquet row 1: q is null, expected a string"):
+        ParquetSource([str(path)], PromptResponse(["q"], ["r"])).read(np.array([1]))
+    with pytest.raises(DataError, match=r"bad.parquet row 2: n is int, expected a string"):
+        ParquetSource([str(path)], PromptResponse(["q"], ["n"])).read(np.array([2]))
+    with pytest.raises(DataError, match=r"bad.parquet row 1: messages is a string but not JSON"):
+        ParquetSource([str(path)], ChatMessages("messages", None, None)).read(np.array([1]))
+
+
+def test_a_bad_cell_in_rank_1s_share_stops_every_rank_at_once(gsm8k_dir, tmp_path):
+    """2 real ranks, a null answer in rows only rank 1 scans: rank 0 learns it in the start-up
+    gather and reports it (torchrun's root cause is rank 0, exit code 3). Before, rank 0 waited in
+    the gather while rank 1 slept 60 s and then reported it alone. The file is JSON Lines (rank 0
+    converts it while rank 1 waits, sfttrain/data/files.py), so the row is named by its line."""
+    rows = pq.read_table(gsm8k_dir / "train.parquet").slice(0, 40).select(["question", "answer"]).to_pylist()
+    rows[33]["answer"] = None
+    data = tmp_path / "nulls.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = run_sfttrain(2, [*BASE_OVERRIDES, f"data.train_files={data}", f"trainer.default_local_dir={tmp_path / 'run'}",
+                           "data.train_batch_size=8", "data.micro_batch_size_per_gpu=2"], check=False, timeout=240)
+    message = f"sfttrain: data error: {data} line 34: answer is null, expected a string"
+    assert out.returncode != 0, out.stdout[-3000:]  # torchrun exits 1 when a rank failed
+    assert [line for line in out.stdout.splitlines() if line.startswith("sfttrain: ")] == [message], out.stdout[-3000:]
+    root_cause = out.stdout.split("Root Cause (first observed failure):")[1]
+    assert re.search(r"rank\s+: 0 \(local_rank: 0\)", root_cause) and "exitcode  : 3" in root_cause, root_cause

@@ -19,9 +19,11 @@ from tests.conftest import BASE_OVERRIDES, REPO, STORIES
 
 # Published sizes of two real models (their model cards: 494M and 8.03B parameters)
 QWEN25_05B = dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
-                  num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True)
+                  num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
+                  max_position_embeddings=32768)
 LLAMA31_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False)
+                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False,
+                  max_position_embeddings=131072)
 QWEN3_TINY = dict(model_type="qwen3", vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=24, tie_word_embeddings=False)
 
@@ -109,7 +111,7 @@ def test_plan_lists_every_problem_with_a_valid_fix(tmp_path):
     assert "data.train_batch_size=7 is not divisible by the 2 data-parallel ranks; use data.train_batch_size=8" in out
     assert "no readable config.json" in out
     code, out = run_plan(f"data.train_files={tmp_path}/absent.parquet", f"model.partial_pretrain={STORIES}",
-                         "data.train_batch_size=8", "--nproc", "2")
+                         "data.train_batch_size=8", "data.max_length=512", "--nproc", "2")
     assert code == 0 and "steps per epoch unknown" in out  # data only on the cluster: said, not an error
 
 
@@ -164,7 +166,7 @@ def test_preflight_lists_what_the_run_would_stop_on(gsm8k_dir, tmp_path):
                          "optim.lr=-1", "--nproc", "2")
     problems = out.split("problems:")[1]
     assert code == 2 and "optim.lr=-1.0 is negative" in problems, out
-    assert "null.parquet row 7: answer is NoneType, expected a string" in problems, out
+    assert "null.parquet row 7: answer is null, expected a string" in problems, out
     assert "host memory per rank" in out and "GPU" not in out and "bf16" not in out, out
 
     code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={gsm8k_dir / 'train.parquet'}", "data.response_key=nope",

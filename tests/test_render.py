@@ -8,6 +8,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from sfttrain.data.render import RenderedSample, Renderer
+from tests.conftest import STORIES
 
 ASSETS = Path(__file__).parents[1] / "assets"
 QWEN_TOKENIZERS = ["qwen2.5-instruct", "qwen3"]
@@ -207,3 +208,45 @@ def test_rendered_sample_is_frozen():
     s = RenderedSample(input_ids=[1, 2], loss_mask=[0, 1], row=0)
     with pytest.raises(dataclasses.FrozenInstanceError):
         s.row = 1
+
+
+def test_max_length_beyond_the_models_positions_is_refused():
+    """stories260K was trained on 512 positions: max_length=513 is refused naming both, unless allowed."""
+    from sfttrain.config import ConfigError, load_config
+    from sfttrain.model import check_max_length
+
+    def cfg(*extra):
+        return load_config(None, ["data.train_files=x.parquet", f"model.partial_pretrain={STORIES}", *extra])
+
+    check_max_length(cfg("data.max_length=512"), str(STORIES))
+    with pytest.raises(ConfigError, match="data.max_length=513 is above the model's max_position_embeddings=512 "
+                                          r"\(.*stories260K\).*data.allow_beyond_max_position=true"):
+        check_max_length(cfg("data.max_length=513"), str(STORIES))
+    check_max_length(cfg("data.max_length=513", "data.allow_beyond_max_position=true"), str(STORIES))
+
+
+def test_the_saved_tokenizer_carries_the_template_trained_with(stories, tmp_path):
+    """stories260K has no template; trained with data.chat_template, the checkpoint's hf/ tokenizer
+    and the export's render a prompt to the ids the training rendered it to."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from tests.conftest import BASE_OVERRIDES, REPO, rank_env, run_sfttrain
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({"data": {"chat_template": CUSTOM_TEMPLATE, "apply_chat_template": True}}))
+    run_dir = tmp_path / "run"
+    run_sfttrain(1, [str(recipe), *[o for o in BASE_OVERRIDES if not o.startswith("data.apply_chat_template")],
+                     f"data.train_files={ASSETS / 'data/gsm8k/test.jsonl'}", f"trainer.default_local_dir={run_dir}",
+                     "data.train_batch_size=4", "data.micro_batch_size_per_gpu=4", "trainer.total_training_steps=1"])
+    subprocess.run([sys.executable, "-m", "sfttrain.export", str(run_dir / "global_step_1"), str(tmp_path / "out")],
+                   check=True, capture_output=True, cwd=REPO, env=rank_env())
+    trained = Renderer(stories, max_length=4096, truncation="error", chat_template=CUSTOM_TEMPLATE).render("Hi", "Yo", 0)
+    prompt = trained.input_ids[:trained.loss_mask.index(1)]
+    for folder in (run_dir / "global_step_1" / "hf", tmp_path / "out"):
+        saved = AutoTokenizer.from_pretrained(folder)
+        assert saved.chat_template == CUSTOM_TEMPLATE
+        ids = saved.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=True)
+        assert list(ids["input_ids"] if hasattr(ids, "keys") else ids) == prompt, folder

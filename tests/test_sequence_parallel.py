@@ -19,7 +19,7 @@ from sfttrain.config import ConfigError, load_config
 from sfttrain.data.batching import make_plan
 from sfttrain.distributed import _mesh_shape
 from sfttrain.data.pack import IGNORE_INDEX, MicroBatch
-from sfttrain.sequence_parallel import SequenceParallel, check_heads, local_slice
+from sfttrain.sequence_parallel import SequenceParallel, check_heads
 from tests.conftest import BASE_OVERRIDES, STORIES, free_port, load_checkpoint_model, read_metrics, run_sfttrain
 
 SP = 2
@@ -67,20 +67,6 @@ def test_ulysses_attention_equals_whole_row_attention():
     # spawn, not fork: a child forked from a process whose OpenMP thread pool has run (any earlier
     # test) can deadlock in its first parallel region
     mp.start_processes(_attention_worker, args=(free_port(),), nprocs=SP, join=True, start_method="spawn")
-
-
-def test_local_slices_cover_the_row():
-    """Slices are contiguous, padded to equal length with untrained tokens, keep the true
-    positions and the whole row's boundaries, and their loss tokens add up."""
-    labels = torch.tensor([[5, IGNORE_INDEX, 7, 8, 9]])
-    row = MicroBatch(torch.arange(5)[None], labels, torch.tensor([[0, 1, 2, 0, 1]]),
-                     torch.tensor([0, 3, 5], dtype=torch.int32), 3, 4)
-    parts = [local_slice(row, r, SP) for r in range(SP)]
-    assert [p.input_ids.tolist() for p in parts] == [[[0, 1, 2]], [[3, 4, 0]]]
-    assert [p.position_ids.tolist() for p in parts] == [[[0, 1, 2]], [[0, 1, 0]]]
-    assert parts[1].labels.tolist() == [[8, 9, IGNORE_INDEX]]
-    assert all(p.cu_seqlens.tolist() == [0, 3, 5, 6] for p in parts)
-    assert sum(p.num_loss_tokens for p in parts) == row.num_loss_tokens
 
 
 def test_head_counts_that_do_not_split_are_refused():

@@ -132,7 +132,8 @@ def test_parity_with_a_plain_transformers_loop(gsm8k_dir, tmp_path):
     run_dir = tmp_path / "run"
     batch, steps = 4, 2
     run_sfttrain(2, _job(gsm8k_dir, run_dir, f"data.train_batch_size={batch}", "data.micro_batch_size_per_gpu=1",
-                         "data.max_length=2048", "data.truncation=error", f"trainer.total_training_steps={steps}"))
+                         "data.max_length=2048", "data.truncation=error", f"trainer.total_training_steps={steps}",
+                         "data.allow_beyond_max_position=true"))  # no row cut: the reference trains them whole
     tok = AutoTokenizer.from_pretrained(STORIES)
     model = AutoModelForCausalLM.from_pretrained(STORIES, attn_implementation="eager")
     start = {k: v.clone() for k, v in model.state_dict().items()}

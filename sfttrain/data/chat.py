@@ -113,12 +113,18 @@ class ChatRenderer(Renderer):
 
 def check_messages(messages: list[dict], row: int) -> None:
     """A conversation the templates can render: known roles, string contents, an assistant turn to
-    train, and a message before the first one (the prompt it answers)."""
+    train, each with content (or tool calls), and a message before the first one (the prompt it
+    answers). The reader has dropped null keys, so a null content arrives here as a missing one."""
     for i, m in enumerate(messages):
         if m.get("role") not in ROLES:
             raise ValueError(f"row {row}: message {i} has role {m.get('role')!r}; expected one of {list(ROLES)}")
         if not isinstance(m.get("content", ""), str):
             raise ValueError(f"row {row}: message {i} content is {type(m['content']).__name__}, expected a string")
+        # a turn that only calls tools has no text (OpenAI's format leaves content null); any other
+        # assistant turn without content would train an empty answer without a word
+        if m["role"] == "assistant" and "content" not in m and not m.get("tool_calls"):
+            raise ValueError(f"row {row}: assistant message {i} has no content (null or missing); give it the "
+                             "answer's text, or drop the turn (or the row)")
     roles = [m["role"] for m in messages]
     if "assistant" not in roles:
         raise ValueError(f"row {row}: the conversation has no assistant message, so nothing to train on")

@@ -64,9 +64,9 @@ def tokenizer_sha256(tokenizer) -> str:
 
 
 def _files(source: ParquetSource) -> list[dict]:
-    rows: dict[str, int] = {}
+    rows: dict[str, int] = {}  # per user's file (a JSON file's conversion is named by it)
     for group in source.row_groups:
-        rows[group.file] = rows.get(group.file, 0) + group.num_rows
+        rows[group.source] = rows.get(group.source, 0) + group.num_rows
     return [{"path": os.path.abspath(f), "bytes": os.path.getsize(f), "rows": n} for f, n in rows.items()]
 
 

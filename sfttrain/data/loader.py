@@ -16,12 +16,11 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from sfttrain.errors import DataError
-from sfttrain.data.pack import MicroBatch, budget_bins, empty_micro_batch, loss_tokens, pack
+from sfttrain.errors import DataError, UserError
+from sfttrain.data.pack import MicroBatch, budget_bins, empty_micro_batch, local_slice, loss_tokens, pack
 from sfttrain.data.parquet import ParquetSource
 from sfttrain.data.batching import BatchPlan
 from sfttrain.data.render import RenderedSample, Renderer
-from sfttrain.sequence_parallel import local_slice
 
 
 @dataclass
@@ -86,8 +85,25 @@ class TrainData:
         micro_idx = self.plan.split(lengths, costs)[self.dp_rank]
         mine = sorted(i for idx in micro_idx for i in idx)  # one read, in epoch order (see ParquetSource.read)
         rendered = dict(zip(mine, (self.renderer.render(*text) for text in self.source.read(rows[mine]))))
+        check_counts(rendered.values(), self.stats, self.source)
         micro = [local_slice(pack([rendered[i] for i in idx], self.pad_to), *self.row_slice) for idx in micro_idx]
         return StepBatch(epoch, consumed, micro, int(self.stats.loss_tokens[rows].sum()), lengths, rows.tolist())
+
+
+def check_counts(samples, stats: RowStats, source: ParquetSource) -> None:
+    """A step's loss is normalised by its rows' supervised-token counts from the start-up scan (or
+    the length cache), and its split by their lengths, while the step renders the rows again: a
+    row that renders now to other counts would rescale every gradient silently, so it stops the run."""
+    for s in samples:
+        now, then = (len(s.input_ids), loss_tokens(s)), (int(stats.lengths[s.row]), int(stats.loss_tokens[s.row]))
+        if now != then:
+            raise DataError(
+                f"{source.where(s.row)} renders now to {now[0]} tokens, {now[1]} supervised, but the "
+                f"start-up row scan counted {then[0]} and {then[1]}; the loss is normalised by those counts, so "
+                "training on would rescale its gradients. Either the chat template does not render the same text "
+                "twice (e.g. it calls strftime_now: write the date into the template or the data) or the length "
+                "cache (the run folder's row_stats/) is stale, e.g. the tokenizer files changed: delete row_stats/ "
+                "and start again")
 
 
 class StepStream(IterableDataset):
@@ -100,20 +116,29 @@ class StepStream(IterableDataset):
     def __init__(self, data: TrainData, epoch: int, consumed: int):
         self.data, self.epoch, self.consumed = data, epoch, consumed
 
-    def __iter__(self) -> Iterator[StepBatch]:
+    def __iter__(self) -> Iterator[StepBatch | UserError]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
         for i, position in enumerate(self.data.positions(self.epoch, self.consumed)):
             if i % workers == worker:
-                yield self.data.step(*position)
+                try:
+                    yield self.data.step(*position)
+                except UserError as e:  # passed on as an item: torch would re-raise it inside its traceback
+                    yield e
+                    return
 
 
-def step_batches(data: TrainData, epoch: int, consumed: int, num_workers: int, pin_memory: bool) -> DataLoader:
+def step_batches(data: TrainData, epoch: int, consumed: int, num_workers: int,
+                 pin_memory: bool) -> Iterator[StepBatch]:
     """The training stream from a data position; each item is one whole step (no collation).
     pin_memory (on CUDA): a thread of the loader takes each step from the workers and pins it
-    ahead of time, so the training loop neither waits for that nor for a synchronous copy."""
-    return DataLoader(StepStream(data, epoch, consumed), batch_size=None, num_workers=num_workers,
-                      prefetch_factor=2 if num_workers else None, pin_memory=pin_memory)
+    ahead of time, so the training loop neither waits for that nor for a synchronous copy. A
+    user's mistake found while a step is built is raised here, as itself."""
+    for item in DataLoader(StepStream(data, epoch, consumed), batch_size=None, num_workers=num_workers,
+                           prefetch_factor=2 if num_workers else None, pin_memory=pin_memory):
+        if isinstance(item, UserError):
+            raise item
+        yield item
 
 
 def render_share(source: ParquetSource, renderer: Renderer, rank: int, world: int) -> list[RenderedSample]:
@@ -172,18 +197,20 @@ def _rows_of(source: ParquetSource, rows: np.ndarray, block: int = 4096) -> Iter
 def _scan(source: ParquetSource, renderer: Renderer, rank: int, world: int,
           keep: bool) -> tuple[list[RenderedSample], np.ndarray]:
     """Renders this rank's share of the rows: (the samples if keep, [row, tokens, loss tokens,
-    tokens before truncation] per row). A render error on any rank stops every rank with the same
-    message (e.g. a sample over data.max_length with data.truncation=error)."""
-    error, samples, stats = None, [], []
-    for p, r, row in _rows_of(source, _share(source.num_rows, rank, world)):
-        try:
+    tokens before truncation] per row). A bad cell (read) or a render error on any rank stops every
+    rank at once with the same message (e.g. a null response, a sample over data.max_length with
+    data.truncation=error): a rank that raised alone would leave the others waiting here."""
+    error, samples, stats, row = None, [], [], None
+    try:
+        for p, r, row in _rows_of(source, _share(source.num_rows, rank, world)):
             sample = renderer.render(p, r, row)
-        except ValueError as e:
-            error = str(e)
-            break
-        stats.append((row, len(sample.input_ids), loss_tokens(sample), sample.full_length))
-        if keep:
-            samples.append(sample)
+            stats.append((row, len(sample.input_ids), loss_tokens(sample), sample.full_length))
+            if keep:
+                samples.append(sample)
+    except DataError as e:  # a bad cell, named with its file
+        error = str(e)
+    except ValueError as e:  # the rendering of `row` failed: its file and row (or line) go first
+        error = f"{source.where(row)}: {e}"
     errors = [None] * dist.get_world_size()  # all ranks, also when `world` counts data-parallel ranks only
     dist.all_gather_object(errors, error)
     first = next((e for e in errors if e), None)

@@ -87,6 +87,20 @@ def pad_row(batch: MicroBatch, pad_to: int) -> MicroBatch:
                       len(batch.cu_seqlens) - 1 if batch.num_samples is None else batch.num_samples)
 
 
+def local_slice(batch: MicroBatch, rank: int, size: int) -> MicroBatch:
+    """Rank `rank`'s contiguous slice of the row (padded to split into `size` equal slices), cut
+    on the host before the copy to the device. The boundaries stay the whole row's (attention
+    sees the whole row again); the loss-token count is the slice's own."""
+    if size == 1:
+        return batch
+    batch = pad_row(batch, size)
+    length = batch.input_ids.shape[1] // size
+    part = slice(rank * length, (rank + 1) * length)
+    labels = batch.labels[:, part]
+    return MicroBatch(batch.input_ids[:, part], labels, batch.position_ids[:, part], batch.cu_seqlens,
+                      batch.max_seqlen, int((labels != IGNORE_INDEX).sum()))
+
+
 def max_segment_length(max_length: int, pad_to: int) -> int:
     """The longest segment a packed row can hold: a sample (<= max_length tokens) or the pad
     segment (< pad_to tokens), which can be the longer one when max_length < pad_to. An attention

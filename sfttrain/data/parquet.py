@@ -24,6 +24,10 @@ from sfttrain.errors import DataError
 # row-group order plus a full shuffle inside windows of this many rows (and less than one group),
 # so that a reader holds one window's text (as Arrow buffers) and decodes each group once per epoch.
 SHUFFLE_WINDOW_ROWS = 200_000
+# a Parquet file converted from JSON (sfttrain.data.files) says so in its schema's metadata: its
+# cells hold JSON text, decoded when read, and LINE_COLUMN the source line of each row
+JSON_CELLS = "sfttrain.json_cells"
+LINE_COLUMN = "__sfttrain_line__"
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,7 @@ class RowGroup:
     index: int
     first_row: int  # global row id of its first row
     num_rows: int
+    source: str  # the user's file it comes from (`file`, unless converted from JSON)
 
 
 class PromptResponse:
@@ -51,7 +56,7 @@ class PromptResponse:
 
     def decode(self, table, group: RowGroup, locals_: list[int]) -> tuple[list, list]:
         """(prompts, responses) of rows of a row group (`locals_`: their numbers in the group)."""
-        return tuple([_text(v, path, group, i) for i, v in zip(locals_, table.column(path[0]).to_pylist())]
+        return tuple([_text(v, path, group, i) for i, v in zip(locals_, _cells(table, path[0]))]
                      for path in (self.prompt_path, self.response_path))
 
 
@@ -73,11 +78,11 @@ class ChatMessages:
     def decode(self, table, group: RowGroup, locals_: list[int]) -> tuple[list, list]:
         """(messages, template keyword arguments) of rows of a row group (`locals_`: their numbers in it)."""
         messages = [_messages(v, self.messages_key, group, i)
-                    for i, v in zip(locals_, table.column(self.messages_key).to_pylist())]
+                    for i, v in zip(locals_, _cells(table, self.messages_key))]
         kwargs = [{} for _ in messages]
         for key, kwarg in self.optional:
             if key in table.column_names:
-                for i, row_kwargs, value in zip(locals_, kwargs, table.column(key).to_pylist()):
+                for i, row_kwargs, value in zip(locals_, kwargs, _cells(table, key)):
                     if value is not None:  # a null cell: the template's default
                         row_kwargs[kwarg] = _json(value, key, group, i) if kwarg == "tools" else value
         return messages, kwargs
@@ -92,12 +97,15 @@ def row_fields(d) -> PromptResponse | ChatMessages:
 
 
 class ParquetSource:
-    """Rows of one or many Parquet files, addressed by a global row id."""
+    """Rows of one or many Parquet files, addressed by a global row id. `origins`: the user's file
+    of each Parquet file converted from one (named in messages and the data fingerprint)."""
 
-    def __init__(self, files: list[str], fields: PromptResponse | ChatMessages):
+    def __init__(self, files: list[str], fields: PromptResponse | ChatMessages,
+                 origins: Optional[dict[str, str]] = None):
         if not files:
             raise ConfigError("no Parquet files given")
         self.fields = fields
+        self.origins = origins or {}
         self.row_groups: list[RowGroup] = []
         self._columns: dict[str, list[str]] = {}  # per file: the columns its row groups are read with
         for file in files:
@@ -116,15 +124,22 @@ class ParquetSource:
             meta = pq.ParquetFile(file)
         except (pa.ArrowException, OSError) as e:
             raise DataError(f"{file}: not a readable Parquet file ({os.path.getsize(file)} bytes; {e}); "
-                            "rewrite it (e.g. python data_prep/gsm8k.py) or fix data.train_files / data.val_files")
-        self._columns[file] = self.fields.columns(file, meta.schema_arrow.names)
+                            "rewrite it (e.g. python data_prep/gsm8k.py) or fix data.train_files / data.val_files "
+                            "(JSON Lines and JSON files are read when named *.jsonl / *.json)")
+        source = self.origins.get(file, file)
+        self._columns[file] = self.fields.columns(source, [n for n in meta.schema_arrow.names if n != LINE_COLUMN])
         if meta.metadata.num_rows == 0:
-            raise DataError(f"{file}: the file has no rows; point data.train_files / data.val_files at a file with rows")
+            raise DataError(f"{source}: the file has no rows; point data.train_files / data.val_files at a file with rows")
         first = sum(g.num_rows for g in self.row_groups)
         for i in range(meta.num_row_groups):
             n = meta.metadata.row_group(i).num_rows
-            self.row_groups.append(RowGroup(file, i, first, n))
+            self.row_groups.append(RowGroup(file, i, first, n, source))
             first += n
+
+    def where(self, row: int) -> str:
+        """The user's file and row (or line) of a global row id, for messages."""
+        group = self.row_groups[int(np.searchsorted(self._starts, row, side="right")) - 1]
+        return _where(group, row - group.first_row)
 
     def epoch_order(self, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
         """Global row ids in the order the epoch consumes them."""
@@ -183,13 +198,13 @@ def _text(value, key_path: list[str], group: RowGroup, local: int) -> str:
     """Follows verl's nested keys (data.prompt_dict_keys) down to a string."""
     for key in key_path[1:]:
         if not isinstance(value, dict) or key not in value:
-            raise DataError(f"{group.file} row {local + _rows_before(group)}: no key {key!r} under "
+            raise DataError(f"{_where(group, local)}: no key {key!r} under "
                               f"{key_path[0]!r}; check data.prompt_dict_keys / data.response_dict_keys")
         value = value[key]
     if not isinstance(value, str):
         hint = "; for conversations set data.multiturn.enable=true" if isinstance(value, list) else ""
-        raise DataError(f"{group.file} row {local + _rows_before(group)}: {'.'.join(key_path)} is "
-                          f"{type(value).__name__}, expected a string{hint}")
+        raise DataError(f"{_where(group, local)}: {'.'.join(key_path)} is "
+                          f"{_kind(value)}, expected a string{hint}")
     return value
 
 
@@ -199,7 +214,7 @@ def _messages(value, key: str, group: RowGroup, local: int) -> list[dict]:
     defined`, not `is none`). A JSON string of the list is accepted too."""
     value = _json(value, key, group, local)
     if not isinstance(value, list) or not all(isinstance(m, dict) for m in value):
-        raise DataError(f"{group.file} row {local + _rows_before(group)}: {key} is {type(value).__name__}, "
+        raise DataError(f"{_where(group, local)}: {key} is {_kind(value)}, "
                           "expected a list of {role, content} messages")
     return [{k: v for k, v in m.items() if v is not None} for m in value]
 
@@ -211,13 +226,29 @@ def _json(value, key: str, group: RowGroup, local: int):
     try:
         return json.loads(value)
     except json.JSONDecodeError as e:
-        raise DataError(f"{group.file} row {local + _rows_before(group)}: {key} is a string but not JSON ({e})")
+        raise DataError(f"{_where(group, local)}: {key} is a string but not JSON ({e})")
 
 
-def _rows_before(group: RowGroup) -> int:
-    """Row number inside its own file of the row group's first row (for error messages)."""
+def _kind(value) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _cells(table: pa.Table, column: str) -> list:
+    """A column's values; those of a file converted from JSON decoded from their JSON text."""
+    values = table.column(column).to_pylist()
+    if JSON_CELLS.encode() not in (table.schema.metadata or {}):
+        return values
+    return [None if v is None else json.loads(v) for v in values]
+
+
+def _where(group: RowGroup, local: int) -> str:
+    """Where row `local` of a row group is in the user's file: its row number there (from 0), or
+    the line of a JSON file (for error messages)."""
+    if group.source != group.file:
+        lines = pq.ParquetFile(group.file).read_row_group(group.index, columns=[LINE_COLUMN]).column(0)
+        return f"{group.source} line {lines[local].as_py()}"
     meta = pq.ParquetFile(group.file).metadata
-    return sum(meta.row_group(i).num_rows for i in range(group.index))
+    return f"{group.file} row {local + sum(meta.row_group(i).num_rows for i in range(group.index))}"
 
 
 def key_path(key: str, dict_keys: Optional[list[str]]) -> list[str]:

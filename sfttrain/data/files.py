@@ -1,0 +1,215 @@
+"""What data.train_files / data.val_files name, as Parquet files for the streaming reader.
+
+An entry is a Parquet file, a JSON Lines file (`.jsonl`, one object per line), a JSON file (`.json`:
+a list of objects, or one object per line as pandas' `to_json(orient="records", lines=True)` and
+`datasets`' `to_json` write it), or a directory of such files (its data files in name order).
+
+A JSON file is converted once into a Parquet file in the run folder (`data_cache/`), named by the
+source's fingerprint (path, size, modification time): a later start, or a resume, reads that
+instead, and an edited source gets a conversion of its own. The conversion streams: one pass
+collects the keys, one writes row groups of ROW_GROUP_ROWS rows, so memory does not grow with the
+file. Each cell is stored as its JSON text and decoded again when read (sfttrain.data.parquet):
+rows of one file may hold different keys, nested structures of different shapes or a null where
+others hold a string, and the readers see exactly the values of the file, so a bad cell is named
+at the start-up scan as in a Parquet file (with its line).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch.distributed as dist
+
+from sfttrain.data.parquet import JSON_CELLS, LINE_COLUMN, ChatMessages, ParquetSource, PromptResponse
+from sfttrain.errors import DataError
+
+DATA_SUFFIXES = (".parquet", ".jsonl", ".json")
+JSON_SUFFIXES = (".jsonl", ".json")
+CACHE_DIR = "data_cache"  # in the run folder
+ROW_GROUP_ROWS = 1000  # rows per row group of a conversion (as data_prep/gsm8k.py writes)
+CHUNK_CHARS = 1 << 20  # a JSON list is read this many characters at a time
+FORMAT_VERSION = 1  # part of a conversion's name: a change of format converts again
+
+
+def open_source(paths: list[str], fields: PromptResponse | ChatMessages, run_dir: str) -> ParquetSource:
+    """The rows of `paths`, JSON files converted into run_dir/data_cache. Under a process group
+    rank 0 converts while the others wait for its verdict (the run folder is shared by every
+    node), so a malformed line stops every rank with the same message."""
+    files = data_files(paths)
+    targets = {f: cached_parquet(f, run_dir) for f in files if f.endswith(JSON_SUFFIXES)}
+    distributed = dist.is_initialized()
+    error = None
+    if not distributed or dist.get_rank() == 0:
+        try:
+            for source, target in targets.items():
+                if not os.path.isfile(target):
+                    convert(source, target)
+        except DataError as e:
+            error = str(e)
+    if distributed:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error:
+        raise DataError(error)
+    return ParquetSource([targets.get(f, f) for f in files], fields, origins={t: s for s, t in targets.items()})
+
+
+def data_files(paths: list[str]) -> list[str]:
+    """The files of the entries, a directory replaced by its data files (by name, hidden ones left out)."""
+    files = []
+    for path in map(os.path.expanduser, paths):
+        if not os.path.isdir(path):
+            files.append(path)
+            continue
+        found = sorted(os.path.join(path, name) for name in os.listdir(path)
+                       if name.endswith(DATA_SUFFIXES) and not name.startswith("."))
+        if not found:
+            raise DataError(f"{path}: a directory without data files ({', '.join('*' + s for s in DATA_SUFFIXES)}); "
+                            "point data.train_files / data.val_files at one that has them")
+        files += found
+    return files
+
+
+def cached_parquet(source: str, run_dir: str) -> str:
+    """Where the conversion of `source` lives: its name says which version of the file it holds."""
+    if not os.path.isfile(source):
+        raise DataError(f"data file {source!r} does not exist (check data.train_files / data.val_files)")
+    stat = os.stat(source)
+    key = json.dumps([os.path.abspath(source), stat.st_size, stat.st_mtime_ns, FORMAT_VERSION])
+    stem = os.path.splitext(os.path.basename(source))[0]
+    return os.path.join(run_dir, CACHE_DIR, f"{stem}.{hashlib.sha256(key.encode()).hexdigest()[:16]}.parquet")
+
+
+def convert(source: str, target: str) -> None:
+    """Writes the rows of a JSON (Lines) file to `target` in two streaming passes; a malformed line
+    raises before anything is written. Written whole or not at all (one rename)."""
+    keys = list(dict.fromkeys(key for _, row in records(source) for key in row))  # first-seen order
+    if not keys:
+        raise DataError(f"{source}: the file has no rows; point data.train_files / data.val_files at a file with rows")
+    schema = pa.schema([(key, pa.string()) for key in keys] + [(LINE_COLUMN, pa.int64())],
+                       metadata={JSON_CELLS: "1"})
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    tmp = f"{target}.{os.getpid()}.tmp"
+    with pq.ParquetWriter(tmp, schema) as writer:
+        batch: list[tuple[int, dict]] = []
+        for record in records(source):
+            batch.append(record)
+            if len(batch) == ROW_GROUP_ROWS:
+                writer.write_table(_table(batch, keys, schema))
+                batch = []
+        if batch:
+            writer.write_table(_table(batch, keys, schema))
+    os.replace(tmp, target)
+
+
+def _table(batch: list[tuple[int, dict]], keys: list[str], schema: pa.Schema) -> pa.Table:
+    """One row group: each cell as its JSON text (null where the row has no such key, or null)."""
+    columns = [[None if row.get(key) is None else json.dumps(row[key], ensure_ascii=False) for _, row in batch]
+               for key in keys]
+    return pa.table(columns + [[line for line, _ in batch]], schema=schema)
+
+
+def records(path: str) -> Iterator[tuple[int, dict]]:
+    """(line, object) of each row of a JSON Lines file, or of a JSON file's list of objects."""
+    with open(path, encoding="utf-8-sig") as f:
+        if path.endswith(".json") and _first_char(f) == "[":
+            yield from _list_records(f, path)
+        else:
+            yield from _line_records(f, path)
+
+
+def _first_char(f) -> str:
+    """The first character of the file that is not white space; the file is left at its start."""
+    while (chunk := f.read(CHUNK_CHARS)) and not chunk.strip():
+        pass
+    f.seek(0)
+    return chunk.lstrip()[:1]
+
+
+def _line_records(f, path: str) -> Iterator[tuple[int, dict]]:
+    for line, text in enumerate(f, start=1):
+        if not text.strip():
+            continue
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            hint = " (a .json file holds a list of objects, or one object per line)" if path.endswith(".json") else ""
+            raise DataError(f"{path} line {line}: not valid JSON ({e.msg}, column {e.colno}){hint}; fix or remove "
+                            "the line") from None
+        yield line, _row(value, path, line)
+
+
+def _list_records(f, path: str) -> Iterator[tuple[int, dict]]:
+    reader = _ListReader(f, path)
+    reader.expect("[")
+    if reader.peek() == "]":
+        return
+    while True:
+        line, value = reader.value()
+        yield line, _row(value, path, line)
+        if reader.peek() == "]":
+            return
+        reader.expect(",")
+
+
+class _ListReader:
+    """Reads a JSON list's items one by one, holding about one item's text at a time."""
+
+    def __init__(self, f, path: str):
+        self.f, self.path = f, path
+        self.text, self.pos, self.lines_before, self.eof = "", 0, 0, False  # lines_before: lines of text dropped
+        self.decoder = json.JSONDecoder()
+
+    def _read_more(self) -> None:
+        """Drops the text before pos and appends more (at least as much as held: an item much longer
+        than a chunk is decoded a bounded number of times)."""
+        self.lines_before += self.text.count("\n", 0, self.pos)
+        chunk = self.f.read(max(CHUNK_CHARS, len(self.text)))
+        self.text, self.pos, self.eof = self.text[self.pos:] + chunk, 0, not chunk
+
+    def line(self, pos: int) -> int:
+        return self.lines_before + self.text.count("\n", 0, pos) + 1
+
+    def peek(self) -> str:
+        """The next character that is not white space ('' at the end of the file)."""
+        while True:
+            while self.pos < len(self.text) and self.text[self.pos].isspace():
+                self.pos += 1
+            if self.pos < len(self.text) or self.eof:
+                return self.text[self.pos:self.pos + 1]
+            self._read_more()
+
+    def expect(self, char: str) -> None:
+        if self.peek() != char:
+            found = repr(self.peek()) if self.peek() else "the end of the file"
+            raise DataError(f"{self.path} line {self.line(self.pos)}: expected {char!r} in the list of rows, found "
+                            f"{found}; a .json file holds a list of objects, or one object per line")
+        self.pos += 1
+
+    def value(self) -> tuple[int, object]:
+        """(line, value) of the next item."""
+        self.peek()
+        while True:
+            try:
+                value, end = self.decoder.raw_decode(self.text, self.pos)
+                if end < len(self.text) or self.eof:  # else a number could go on in the next chunk
+                    line, self.pos = self.line(self.pos), end
+                    return line, value
+            except json.JSONDecodeError as e:
+                if self.eof:
+                    raise DataError(f"{self.path} line {self.line(e.pos)}: not valid JSON ({e.msg}); fix the "
+                                    "row there") from None
+            self._read_more()
+
+
+def _row(value, path: str, line: int) -> dict:
+    if not isinstance(value, dict):
+        raise DataError(f"{path} line {line}: a row is a JSON object ({{\"prompt\": ..., \"response\": ...}}), "
+                        f"not {type(value).__name__}")
+    return value

@@ -1,0 +1,166 @@
+"""The user's own data (sfttrain/data/files.py): JSON Lines, JSON and directories read through the
+same streaming Parquet reader, against the rows read here straight from the files."""
+
+import json
+import os
+import shlex
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from sfttrain.data import files
+from sfttrain.data.files import CACHE_DIR, open_source, records
+from sfttrain.data.fingerprint import _files as data_files_of
+from sfttrain.data.parquet import ChatMessages, PromptResponse
+from sfttrain.errors import DataError
+from tests.conftest import ASSETS, REPO, read_metrics, run_sfttrain
+
+GSM8K = [json.loads(line) for line in (ASSETS / "data" / "gsm8k" / "test.jsonl").read_text().splitlines()]
+FIELDS = PromptResponse(["question"], ["answer"])
+
+
+def read_all(source) -> list[tuple]:
+    return source.read(source.epoch_order(seed=0, epoch=0, shuffle=False))
+
+
+def test_jsonl_json_and_a_directory_read_as_their_rows(tmp_path, monkeypatch):
+    """The same rows as a JSON Lines file (a blank line in it), a JSON list (read in chunks of 7
+    characters, so items span chunks), a .json of one object per line and a directory holding a
+    Parquet file beside a .jsonl: each converted in row groups of 16 rows (memory is one group's)."""
+    monkeypatch.setattr(files, "ROW_GROUP_ROWS", 16)
+    monkeypatch.setattr(files, "CHUNK_CHARS", 7)
+    rows = GSM8K[:50]
+    lines = [json.dumps(r) for r in rows]
+    (tmp_path / "a.jsonl").write_text("\n".join(lines[:10] + [""] + lines[10:]) + "\n")
+    (tmp_path / "b.json").write_text(json.dumps(rows, indent=2))
+    (tmp_path / "c.json").write_text("\n".join(lines))
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    pq.write_table(pa.Table.from_pylist(rows[:20]), folder / "part-0.parquet")
+    (folder / "part-1.jsonl").write_text("\n".join(lines[20:]))
+    (folder / "notes.txt").write_text("not data")
+    want = [(r["question"], r["answer"]) for r in rows]
+    for path in ("a.jsonl", "b.json", "c.json", "folder"):
+        source = open_source([str(tmp_path / path)], FIELDS, str(tmp_path / "run"))
+        assert [(p, r) for p, r, _ in read_all(source)] == want, path
+    converted = sorted((tmp_path / "run" / CACHE_DIR).glob("*.parquet"))
+    assert len(converted) == 4 and all(pq.ParquetFile(f).num_row_groups >= 2 for f in converted)
+    assert [line for line, _ in records(str(tmp_path / "b.json"))][:2] == [2, 6]  # where each object starts
+
+
+def test_a_conversion_is_reused_until_the_source_changes(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in GSM8K[:5]))
+    run = str(tmp_path / "run")
+    first = open_source([str(path)], FIELDS, run).row_groups[0].file
+    mtime = os.stat(first).st_mtime_ns
+    assert open_source([str(path)], FIELDS, run).row_groups[0].file == first
+    assert os.stat(first).st_mtime_ns == mtime  # read, not written again
+    path.write_text("\n".join(json.dumps(r) for r in GSM8K[5:8]))
+    source = open_source([str(path)], FIELDS, run)
+    assert source.row_groups[0].file != first and source.num_rows == 3
+    # the data fingerprint (resume checks, the length cache's name) names the user's file
+    assert data_files_of(source) == [{"path": str(path), "bytes": path.stat().st_size, "rows": 3}]
+
+
+def test_nested_keys_and_messages_keep_their_json_values(tmp_path):
+    """Rows of one file with different keys, shapes and types: each row reads back as written."""
+    rows = [{"data": {"q": "one", "a": "1"}, "messages": [{"role": "user", "content": "hi"},
+                                                         {"role": "assistant", "content": "yo"}]},
+            {"data": {"q": "two", "a": "2", "extra": [1, 2]},
+             "messages": [{"role": "user", "content": "x"},
+                          {"role": "assistant", "content": "", "tool_calls": [{"arguments": {"n": 5}}]}],
+             "tools": [{"name": "calc", "parameters": {"x": "string"}}]}]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    nested = open_source([str(path)], PromptResponse(["data", "q"], ["data", "a"]), str(tmp_path / "run"))
+    assert [(p, r) for p, r, _ in read_all(nested)] == [("one", "1"), ("two", "2")]
+    chat = open_source([str(path)], ChatMessages("messages", "tools", None), str(tmp_path / "run"))
+    assert [(m, k) for m, k, _ in read_all(chat)] == [(rows[0]["messages"], {}),
+                                                      (rows[1]["messages"], {"tools": rows[1]["tools"]})]
+
+
+@pytest.mark.parametrize("name, text, message", [
+    ("bad.jsonl", '{"question": "q", "answer": "a"}\n\n{"question": "q", "answer": }\n',
+     r"bad.jsonl line 3: not valid JSON \(Expecting value, column 29\)"),
+    ("list.jsonl", '{"question": "q", "answer": "a"}\n[1, 2]\n', r"list.jsonl line 2: a row is a JSON object"),
+    ("bad.json", '[\n {"question": "q", "answer": "a"},\n {"question": "q" "answer": "a"}\n]',
+     r"bad.json line 3: not valid JSON \(Expecting ',' delimiter\)"),
+    ("comma.json", '[{"question": "q", "answer": "a"}\n {"question": "q", "answer": "a"}]',
+     r"comma.json line 2: expected ',' in the list of rows"),
+    ("object.json", '{\n "rows": []\n}', r"object.json line 1: not valid JSON .*a .json file holds a list of objects"),
+    ("empty.jsonl", "\n", r"empty.jsonl: the file has no rows"),
+])
+def test_malformed_files_are_named_with_their_line(tmp_path, monkeypatch, name, text, message):
+    monkeypatch.setattr(files, "CHUNK_CHARS", 5)
+    (tmp_path / name).write_text(text)
+    with pytest.raises(DataError, match=message):
+        open_source([str(tmp_path / name)], FIELDS, str(tmp_path / "run"))
+    assert not list((tmp_path / "run").rglob("*.parquet"))  # nothing written
+
+
+def test_a_bad_cell_is_named_with_its_line(tmp_path):
+    path = tmp_path / "cells.jsonl"
+    path.write_text('{"question": "q", "answer": "a"}\n\n{"question": "q", "answer": null}\n'
+                    '{"question": "q", "answer": 5}\n')
+    source = open_source([str(path)], FIELDS, str(tmp_path / "run"))
+    with pytest.raises(DataError, match=rf"{path} line 3: answer is null, expected a string"):
+        source.read(np.array([1]))
+    with pytest.raises(DataError, match=rf"{path} line 4: answer is int, expected a string"):
+        source.read(np.array([2]))
+
+
+def test_an_empty_directory_is_named(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="a directory without data files"):
+        open_source([str(tmp_path / "empty")], FIELDS, str(tmp_path / "run"))
+
+
+def readme_commands() -> list[list[str]]:
+    """The commands of the README's "Your own data" section, as argument lists."""
+    section = (REPO / "README.md").read_text().split("### Your own data")[1].split("\n### ")[0]
+    block = section.split("```bash\n")[1].split("```")[0].replace("\\\n", " ")
+    return [shlex.split(line) for line in block.splitlines() if line.strip()]
+
+
+def test_the_readme_commands_train_on_the_example_files(tiny_qwen_dir, tmp_path):
+    """Each command as the README gives it, from the repository root, with only the hub model
+    replaced by a tiny local Qwen2 (same tokenizer and template) and the run folder put here."""
+    commands = readme_commands()
+    assert len(commands) == 3 and all(c[:3] == ["python", "-m", "sfttrain.run"] for c in commands)
+
+    def run(i: int) -> None:
+        args = [a.replace("Qwen/Qwen2.5-0.5B-Instruct", str(tiny_qwen_dir)) for a in commands[i][3:]]
+        args = [f"trainer.default_local_dir={tmp_path / str(i)}" if a.startswith("trainer.default_local_dir=") else a
+                for a in args]
+        run_sfttrain(1, args, cwd=REPO)
+
+    with ThreadPoolExecutor(len(commands)) as pool:  # mostly start-up: overlapped
+        list(pool.map(run, range(len(commands))))
+    for i, command in enumerate(commands):
+        assert [m["step"] for m in read_metrics(tmp_path / str(i)) if "loss" in m] == [1, 2], command
+        assert len(list((tmp_path / str(i) / CACHE_DIR).glob("*.parquet"))) == 1  # the example converted once
+
+
+def test_a_row_that_does_not_render_is_named_with_its_line(tmp_path):
+    """The start-up scan (one real gloo rank) names a render error with the file and line first."""
+    import torch.distributed as dist
+    from transformers import AutoTokenizer
+
+    from sfttrain.data.loader import render_share
+    from sfttrain.data.render import Renderer
+    from tests.conftest import STORIES
+
+    path = tmp_path / "long.jsonl"
+    path.write_text('{"question": "q", "answer": "a"}\n\n' + json.dumps({"question": "q " * 100, "answer": "a"}) + "\n")
+    renderer = Renderer(AutoTokenizer.from_pretrained(STORIES), max_length=32, truncation="error",
+                        apply_chat_template=False)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(DataError, match=rf"{path} line 3: row 1 has \d+ tokens .* more than data.max_length=32"):
+            render_share(open_source([str(path)], FIELDS, str(tmp_path / "run")), renderer, 0, 1)
+    finally:
+        dist.destroy_process_group()

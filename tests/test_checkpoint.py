@@ -30,8 +30,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from sfttrain import checkpoint
+from sfttrain import checkpoint, checkpoint_folder, resume
 from sfttrain.config import ConfigError, TrainerConfig, load_config
+from sfttrain.metrics import REWOUND
 from tests.conftest import (BASE_OVERRIDES, LINEAR_ADAM, STORIES, kill_job, launch, read_metrics, run_sfttrain,
                             update_error)
 
@@ -64,7 +65,7 @@ def ref(data, tmp_path_factory) -> Path:
     """The uninterrupted run: a checkpoint after every step, all kept; wandb (offline) on."""
     run_dir = tmp_path_factory.mktemp("ref") / "run"
     run_sfttrain(2, job(data, run_dir, "trainer.save_freq=1", "trainer.logger=[console,wandb]"))
-    assert [s for s, _ in checkpoint.complete_checkpoints(str(run_dir))] == list(range(1, TOTAL + 1))
+    assert [s for s, _ in checkpoint_folder.complete_checkpoints(str(run_dir))] == list(range(1, TOTAL + 1))
     return run_dir
 
 
@@ -145,15 +146,19 @@ def trainer_state(ckpt: Path) -> dict:
 @pytest.fixture(scope="module")
 def resumed_mid_epoch(data, ref, tmp_path_factory) -> Path:
     """A run folder as a crash leaves it: checkpoints 1..4 (from an earlier attempt of the same
-    job), metrics logged up to step 5, and a half-written save of step 5. Then `auto` resume with
-    max_ckpt_to_keep=2."""
+    job), metrics logged up to step 5, and a half-written save of step 5. Step 4 is as a crash in
+    the middle of replacing it by a new save of step 4 leaves it: the committed one set aside
+    (`.global_step_4.old`), the new one complete in its `.tmp` but not renamed in. Then `auto`
+    resume with max_ckpt_to_keep=2: step 4 is put back and resumed from."""
     run_dir = tmp_path_factory.mktemp("mid") / "run"
     run_dir.mkdir()
-    for step in range(1, 5):
+    for step in range(1, 4):
         shutil.copytree(ref / f"global_step_{step}", run_dir / f"global_step_{step}")
+    shutil.copytree(ref / "global_step_4", run_dir / ".global_step_4.old")
+    shutil.copytree(ref / "global_step_4", run_dir / ".global_step_4.tmp")
     partial = run_dir / ".global_step_5.tmp"
     shutil.copytree(ref / "global_step_5", partial)
-    (partial / checkpoint.COMPLETE).unlink()
+    (partial / checkpoint_folder.COMPLETE).unlink()
     lines = (ref / "metrics.jsonl").read_text().splitlines(keepends=True)
     kept = [line for line in lines if json.loads(line)["step"] <= 5]
     (run_dir / "metrics.jsonl").write_text("".join(kept) + '{"step": 6, "lo')  # a torn last line
@@ -171,7 +176,7 @@ def test_exact_resume_mid_epoch(resumed_mid_epoch, ref):
     # (the crashed attempt's step-5 record and the torn line moved to metrics_rewound.jsonl)
     got = losses_by_step(run_dir)
     assert sorted(got) == list(range(1, TOTAL + 1))
-    rewound = (run_dir / checkpoint.REWOUND).read_text().splitlines()
+    rewound = (run_dir / REWOUND).read_text().splitlines()
     assert [json.loads(line)["step"] for line in rewound[:-1]] == [5, 5]  # its loss and its checkpoint's record
     assert rewound[-1] == '{"step": 6, "lo'
     assert_resumed_like_ref(run_dir, ref, 5, SAME_WORLD_TOL)
@@ -189,7 +194,7 @@ def test_retention_across_resumes(resumed_mid_epoch):
     assert sorted(p.name for p in run_dir.iterdir() if p.name.startswith((".global_step", "global_step"))) == \
         [f"global_step_{TOTAL - 1}", f"global_step_{TOTAL}"]
     for step in (TOTAL - 1, TOTAL):
-        assert checkpoint.is_complete(str(run_dir / f"global_step_{step}"))
+        assert checkpoint_folder.is_complete(str(run_dir / f"global_step_{step}"))
 
 
 def test_exact_resume_at_epoch_boundary(data, ref, tmp_path):
@@ -316,7 +321,7 @@ def check_checkpoints(run_dir: Path, ref: Path, world_size: int) -> list[int]:
         if not m:
             continue
         step = int(m.group(1))
-        assert checkpoint.is_complete(str(p)), f"{p} is visible but not complete"
+        assert checkpoint_folder.is_complete(str(p)), f"{p} is visible but not complete"
         st = trainer_state(p)
         assert st["step"] == step and st["world_size"] == world_size
         for name in [".metadata", "config.yaml", "hf/config.json", "hf/tokenizer_config.json",
@@ -387,37 +392,37 @@ def _fake(run_dir: Path, step: int, complete: bool = True) -> Path:
     p = run_dir / f"global_step_{step}"
     p.mkdir(parents=True)
     if complete:
-        (p / checkpoint.COMPLETE).write_text("")
+        (p / checkpoint_folder.COMPLETE).write_text("")
     return p
 
 
-def test_find_resume_modes_and_errors(tmp_path, caplog):
+def test_find_resume_modes_and_errors(tmp_path):
     run_dir = tmp_path / "run"
     for step in (2, 10):
         _fake(run_dir, step)
     _fake(run_dir, 12, complete=False)  # never picked
     (run_dir / ".global_step_14.tmp").mkdir()
     auto = TrainerConfig(default_local_dir=str(run_dir))
-    assert checkpoint.find_resume(auto, str(run_dir)) == str(run_dir / "global_step_10")
-    assert checkpoint.find_resume(TrainerConfig(resume_mode="disable"), str(run_dir)) is None
-    assert checkpoint.find_resume(TrainerConfig(), str(tmp_path / "empty")) is None
+    assert resume.find_resume(auto, str(run_dir)).path == str(run_dir / "global_step_10")
+    assert resume.find_resume(TrainerConfig(resume_mode="disable"), str(run_dir)).path is None
+    assert resume.find_resume(TrainerConfig(), str(tmp_path / "empty")).path is None
     by_path = TrainerConfig(resume_mode="resume_path", resume_from_path=str(run_dir / "global_step_2"))
-    assert checkpoint.find_resume(by_path, str(tmp_path / "elsewhere")) == str(run_dir / "global_step_2")
-    with caplog.at_level("WARNING", logger="sfttrain"):  # into its own run folder, which has step 10 already
-        assert checkpoint.find_resume(by_path, str(run_dir)) == str(run_dir / "global_step_2")
-    assert "global_step_10" in caplog.text
+    assert resume.find_resume(by_path, str(tmp_path / "elsewhere")).path == str(run_dir / "global_step_2")
+    branch = resume.find_resume(by_path, str(run_dir))  # into its own run folder, which has step 10 already
+    assert branch.path == str(run_dir / "global_step_2")
+    assert "steps 2..10 (2 checkpoints) of another run" in branch.notes[0], branch.notes
     # auto: the run folder's own latest first (crash recovery), resume_from_path only to start it
     seeded = TrainerConfig(resume_from_path=str(run_dir / "global_step_2"))
-    assert checkpoint.find_resume(seeded, str(run_dir)) == str(run_dir / "global_step_10")
-    assert checkpoint.find_resume(seeded, str(tmp_path / "new")) == str(run_dir / "global_step_2")
+    assert resume.find_resume(seeded, str(run_dir)).path == str(run_dir / "global_step_10")
+    assert resume.find_resume(seeded, str(tmp_path / "new")).path == str(run_dir / "global_step_2")
     by_run = TrainerConfig(resume_mode="resume_path", resume_from_path=str(run_dir))
-    assert checkpoint.find_resume(by_run, str(tmp_path)) == str(run_dir / "global_step_10")
+    assert resume.find_resume(by_run, str(tmp_path)).path == str(run_dir / "global_step_10")
     for bad in (run_dir / "global_step_12", run_dir / ".global_step_14.tmp", tmp_path / "missing"):
         with pytest.raises(ConfigError, match="resume_from_path"):
-            checkpoint.find_resume(TrainerConfig(resume_mode="resume_path", resume_from_path=str(bad)), str(run_dir))
-    checkpoint.remove_stale_tmp(str(run_dir))
+            resume.find_resume(TrainerConfig(resume_mode="resume_path", resume_from_path=str(bad)), str(run_dir))
+    checkpoint_folder.remove_stale_tmp(str(run_dir))
     assert not (run_dir / ".global_step_14.tmp").exists()
-    checkpoint.enforce_retention(str(run_dir), 1)
+    checkpoint_folder.enforce_retention(str(run_dir), 1)
     assert sorted(p.name for p in run_dir.iterdir()) == ["global_step_10", "global_step_12"]
 
 
@@ -427,9 +432,9 @@ def test_fresh_start_moves_old_metrics_aside(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n')
-    assert checkpoint.find_resume(TrainerConfig(), str(run_dir)) is None
+    assert resume.find_resume(TrainerConfig(), str(run_dir)).path is None
     assert (run_dir / "metrics.jsonl").read_text() == ""
-    assert len((run_dir / checkpoint.REWOUND).read_text().splitlines()) == 2
+    assert len((run_dir / REWOUND).read_text().splitlines()) == 2
 
 
 def test_config_spellings():

@@ -37,6 +37,7 @@ import logging
 import os
 import random
 import shutil
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -46,6 +47,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from sfttrain.checkpoint_folder import COMPLETE, STATE_FILE, complete_checkpoints, enforce_retention, fsync_dir, \
@@ -60,6 +62,8 @@ from sfttrain.optim import set_step
 # training changes, the trainable weights and their optimizer state (full fine-tuning: everything).
 # Not strict: loading sets the trainable weights only; _check_same_model has matched their names.
 STATE_DICT_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
+# what a failed write raises: DCP's CheckpointException (every rank's error) is a BaseException
+WRITE_ERRORS = (Exception, CheckpointException)
 
 
 @dataclass
@@ -108,6 +112,7 @@ class Checkpointer:
         self.write_group = dist.new_group(backend="gloo")
         self.agree_group = dist.new_group(backend="gloo")
         self.stager = _pinned_stager(cfg, world)
+        self.thread_errors = WriterThreadErrors()
         self.finisher = ThreadPoolExecutor(1, thread_name_prefix="ckpt-finish")  # fsyncs after DCP's write
         self.cleaner = ThreadPoolExecutor(1, thread_name_prefix="ckpt-delete")  # retention's deletions
 
@@ -123,7 +128,7 @@ class Checkpointer:
         future, error = None, None
         try:
             future = self._start_write(tmp, state, model, optimizer, tokenizer, wandb_id, background)
-        except Exception as e:  # noqa: BLE001 - any failure of any rank is agreed on below
+        except WRITE_ERRORS as e:  # noqa: BLE001 - any failure of any rank is agreed on below
             error = e
         self._agree(state.step, tmp, error, future)
         self.pending = PendingSave(state.step, tmp, os.path.join(self.run_dir, f"global_step_{state.step}"), future,
@@ -141,7 +146,7 @@ class Checkpointer:
     def wait(self) -> None:
         """Collective: waits for the save in flight, then commits it."""
         if self.pending is not None:
-            with contextlib.suppress(Exception):  # _all_written reports it on every rank
+            with contextlib.suppress(*WRITE_ERRORS):  # _all_written reports it on every rank
                 self.pending.future.result()
             self._all_written(True)
             self._commit()
@@ -169,6 +174,7 @@ class Checkpointer:
         world, cfg = self.world, self.cfg
         model_sd, optim_sd = _state_dicts(model, optimizer)
         writer = dcp.FileSystemWriter(tmp, thread_count=cfg.trainer.save_thread_count)
+        self.thread_errors.clear()
         if background:
             # without a stager of our own, FileSystemWriter stages itself: fresh host tensors each
             # save, a copy the next optimizer step cannot change, taken before async_save returns
@@ -190,7 +196,7 @@ class Checkpointer:
                 model.generation_config.save_pretrained(hf)
             tokenizer.save_pretrained(hf)
         # rank 0's fsyncs (folders, small files) run after the write, off the training thread
-        return self.finisher.submit(_finish_write, written, tmp if world.is_main else None)
+        return self.finisher.submit(_finish_write, written, self.thread_errors, tmp if world.is_main else None)
 
     def _all_written(self, done: bool) -> bool:
         """True when every rank's write has finished (each rank's shard, RNG file and, on rank 0,
@@ -200,7 +206,7 @@ class Checkpointer:
         status = torch.tensor([-1 if error is not None else int(done)])
         dist.all_reduce(status, op=dist.ReduceOp.MIN, group=self.agree_group)
         if status.item() < 0:
-            with contextlib.suppress(Exception):  # every rank's writer has stopped before the clean-up
+            with contextlib.suppress(*WRITE_ERRORS):  # every rank's writer has stopped before the clean-up
                 future.result()
             pending, self.pending = self.pending, None
             self._fail(pending.step, pending.tmp, error)
@@ -213,7 +219,7 @@ class Checkpointer:
         dist.all_reduce(status, op=dist.ReduceOp.MAX, group=self.agree_group)
         if status.item():
             if writing is not None:
-                with contextlib.suppress(Exception):
+                with contextlib.suppress(*WRITE_ERRORS):
                     writing.result()
             self._fail(step, tmp, error)
 
@@ -320,10 +326,38 @@ def _pinned_stager(cfg: Config, world: World):
     return BlockingAsyncStager(cache_staged_state_dict=True)
 
 
-def _finish_write(written: Future, tmp: Optional[str]) -> Optional[int]:
+class WriterThreadErrors:
+    """The errors of DCP's extra writer threads (FileSystemWriter's thread_count > 1). DCP does not
+    notice when one of them dies (torch 2.11-2.13 join them and keep the results that arrived, so a
+    checkpoint could be committed without that thread's files, and the thread's traceback is printed
+    beside the run's one message): they are kept here instead and fail the save."""
+
+    THREAD = "_write_files_from_queue"  # the target DCP's writer threads run, part of their name
+
+    def __init__(self):
+        self.errors: list[BaseException] = []
+        self.previous = threading.excepthook
+        threading.excepthook = self.hook
+
+    def hook(self, args) -> None:
+        if args.thread is not None and self.THREAD in args.thread.name:
+            self.errors.append(args.exc_value)
+        else:
+            self.previous(args)
+
+    def clear(self) -> None:
+        self.errors.clear()
+
+    def raise_first(self) -> None:
+        if self.errors:
+            raise self.errors[0]
+
+
+def _finish_write(written: Future, thread_errors: WriterThreadErrors, tmp: Optional[str]) -> Optional[int]:
     """Waits for this rank's DCP write; on rank 0 (tmp given) fsyncs what DCP does not and returns
     the checkpoint's size, so COMPLETE never reaches the disk before what it vouches for."""
     written.result()
+    thread_errors.raise_first()
     if tmp is None:
         return None
     fsync_tree(tmp)
@@ -339,7 +373,7 @@ def _done() -> Future:
 def _attempt(work: Callable[[], None]) -> Optional[BaseException]:
     try:
         work()
-    except Exception as e:  # noqa: BLE001 - reported to every rank by Checkpointer._agree
+    except WRITE_ERRORS as e:  # noqa: BLE001 - reported to every rank by Checkpointer._agree
         return e
     return None
 
@@ -354,6 +388,9 @@ def _one_line(error: BaseException) -> str:
     if isinstance(error, NotEnoughSpace):
         return str(error)
     lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
+    full = [line for line in lines if "No space left" in line]  # the cause, beside the zip writer's symptom
+    if full:
+        return full[-1][:300]
     text = lines[-1] if len(lines) > 1 else f"{type(error).__name__}: {lines[0]}"
     return text[:300]
 

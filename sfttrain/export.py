@@ -35,6 +35,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from sfttrain import lora
 from sfttrain.checkpoint_folder import fsync_dir, read_state, resolve, runs
@@ -189,7 +190,7 @@ def into_checkpoint(checkpoint_dir: str, rank: int, world_size: int, trust_remot
     try:
         export(checkpoint_dir, tmp, rank=rank, world_size=world_size, trust_remote_code=trust_remote_code,
                base_dir=base_dir)
-    except Exception as e:  # noqa: BLE001 - every rank learns of it below
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank learns of it below
         error = f"rank {rank}: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[-1]}"[:400]
     errors = [None] * world_size
     dist.all_gather_object(errors, error, group=group)

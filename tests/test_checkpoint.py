@@ -455,3 +455,104 @@ def test_resume_refuses_another_model(ref):
         checkpoint._check_same_model(ckpt, {k: v[:1] if v.ndim else v for k, v in sd.items()})
     with pytest.raises(ConfigError, match="1 weights missing"):
         checkpoint._check_same_model(ckpt, {**sd, "model.extra.weight": torch.zeros(2)})
+
+
+# --------------------------------------------------------------------------- several runs in one folder
+
+def test_runs_in_one_folder(data, ref, tmp_path, capsys):
+    """A fresh 6-step run (resume_mode=disable, max_ckpt_to_keep=2) in a folder that holds steps
+    2..10 of another run: retention counts this run's checkpoints only (the other run's 8 and 10
+    are kept, this run's 4 and 6 too), start-up says what it found, `auto` resume and the export
+    of the folder take this run's latest."""
+    from sfttrain import export
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    for step in (2, 4, 6, 8, 10):
+        shutil.copytree(ref / f"global_step_{step}", run_dir / f"global_step_{step}")
+    other = trainer_state(ref / "global_step_2")["run_id"]
+    proc = run_sfttrain(1, job(data, run_dir, "trainer.resume_mode=disable", "trainer.total_training_steps=6",
+                               "trainer.save_freq=2", "trainer.max_ckpt_to_keep=2"))
+    assert f"found steps 2..10 (5 checkpoints) of another run (id {other})" in proc.stdout
+    ids = {p.name: trainer_state(p)["run_id"] for p in run_dir.glob("global_step_*")}
+    mine = ids["global_step_6"]
+    assert ids == {"global_step_4": mine, "global_step_6": mine, "global_step_8": other, "global_step_10": other}
+    assert mine != other
+    assert resume.find_resume(TrainerConfig(), str(run_dir)).path == str(run_dir / "global_step_6")
+    export.main([str(run_dir), str(tmp_path / "hf")])
+    printed = capsys.readouterr().out
+    assert f"exporting the latest of the run that saved last (id {mine}), global_step_6" in printed
+    assert printed.strip().endswith(f"{run_dir / 'global_step_6'} -> {tmp_path / 'hf'}")
+
+
+# --------------------------------------------------------------------------- a full disk
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: int):
+    """A real size-limited filesystem (tmpfs) at `path`; needs root."""
+    path.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a size-limited tmpfs needs root (CI runs as root)")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield lambda new_size: subprocess.run(["mount", "-o", f"remount,size={new_size}", str(path)], check=True)
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def one_message(proc) -> str:
+    from tests.test_errors import launcher_traceback_only
+
+    printed = [line for line in proc.stdout.splitlines() if line.startswith("sfttrain: ")]
+    assert len(printed) == 1, proc.stdout[-4000:]
+    assert launcher_traceback_only(proc.stdout), proc.stdout[-4000:]  # no traceback but torchrun's own
+    return printed[0]
+
+
+def test_full_disk(data, ref, tmp_path):
+    """Saves into a tmpfs that really fills (2 ranks, nothing mocked). C is one checkpoint's size.
+    0.5 C: the first save (in the background) fails mid-write; 1.5 C: step 2 commits and the save
+    of step 4 is refused before it starts; 2.1 C: step 4 commits, its Hugging Face export (a
+    third of C) does not fit; 10 C: the same command resumes and exports. Each failure ends every
+    rank with one message and an exit code of its own, and leaves no partial folder."""
+    size = next(m["bytes"] for m in read_metrics(ref) if m.get("event") == "checkpoint")
+    run_dir = tmp_path / "disk"
+    command = job(data, run_dir / "run", "trainer.total_training_steps=4", "trainer.save_freq=2",
+                  "trainer.save_hf=true")
+    with tmpfs(run_dir, size // 2) as resize:
+        proc = run_sfttrain(2, command, check=False)
+        message = one_message(proc)
+        assert "checkpoint not saved: the checkpoint of step 2 was not saved: the disk is full" in message, message
+        assert "the last good checkpoint is none" in message and "starts afresh" in message, message
+        assert 6 in exit_codes(proc.stdout), proc.stdout[-3000:]
+        assert not [p.name for p in (run_dir / "run").iterdir() if "global_step" in p.name]
+
+        resize(size * 3 // 2)
+        proc = run_sfttrain(2, command, check=False)
+        message = one_message(proc)
+        last = run_dir / "run" / "global_step_2"
+        assert "the checkpoint of step 4 was not saved: it needs about" in message, message
+        assert f"the last good checkpoint is {last}" in message and f"resumes from {last}" in message, message
+        assert "the next save will not fit" in proc.stdout
+        assert 6 in exit_codes(proc.stdout)
+        assert sorted(p.name for p in (run_dir / "run").iterdir() if "global_step" in p.name) == ["global_step_2"]
+
+        resize(size * 21 // 10)
+        proc = run_sfttrain(2, command, check=False)
+        message = one_message(proc)
+        final = run_dir / "run" / "global_step_4"
+        assert f"export failed: the Hugging Face export of {final} failed" in message, message
+        assert 7 in exit_codes(proc.stdout)
+        assert checkpoint_folder.is_complete(str(final)) and not list(final.glob("*huggingface*"))
+
+        resize(size * 10)
+        proc = run_sfttrain(2, command)
+        assert (final / "huggingface" / "config.json").is_file()
+        resumed = [m for m in read_metrics(run_dir / "run") if m.get("event") == "resumed"]
+        assert [m["step"] for m in resumed] == [2, 4]
+
+
+def exit_codes(out: str) -> list[int]:
+    return [int(c) for c in re.findall(r"exitcode\s+: (-?\d+)", out)]

@@ -31,7 +31,8 @@ SETTINGS = {
                                "trainer.save_thread_count=1"],
     "sync": ["trainer.async_save=false", "trainer.save_thread_count=4"],
 }
-TINY = ["trainer.device=cpu", "data.train_batch_size=4", "data.max_token_len_per_gpu=2048"]
+TINY = ["trainer.device=cpu", "data.train_batch_size=2", "data.max_token_len_per_gpu=1024", "data.max_length=256",
+        "model.fsdp_config.mixed_precision=false"]
 
 
 def disk_write_gb_per_s(folder: str, gigabytes: float) -> dict:
@@ -88,10 +89,10 @@ def main() -> None:
     p.add_argument("--save_freq", type=int, default=10)
     p.add_argument("--setting", nargs="*", default=list(SETTINGS), choices=list(SETTINGS))
     p.add_argument("--dd_gb", type=float, default=8.0, help="GB dd writes to measure the disk")
-    p.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny model, 8 steps, a save every 2")
+    p.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny model, 5 steps, a save every 2")
     args = p.parse_args()
     if args.tiny:
-        args.steps, args.save_freq, args.dd_gb, args.rows = 8, 2, 0.0625, args.rows or 64
+        args.steps, args.save_freq, args.dd_gb, args.rows = 5, 2, 0.0625, args.rows or 16
     model_dir, parquet = prepare(args)
     disk = disk_write_gb_per_s(os.path.join(args.work, "runs"), args.dd_gb)
     print(f"disk: {disk['disk_gb_per_s']} GB/s sequential write ({' '.join(disk['dd_flags']) or 'page cache'})")

@@ -556,3 +556,20 @@ def test_full_disk(data, ref, tmp_path):
 
 def exit_codes(out: str) -> list[int]:
     return [int(c) for c in re.findall(r"exitcode\s+: (-?\d+)", out)]
+
+
+def test_non_finite_loss_lets_the_save_in_flight_commit(data, tmp_path):
+    """lr=1e30 without clipping: step 1's update is applied and saved in the background, step 2's
+    loss is not finite (exit 4). The save of step 1 commits before the run stops (when its write
+    is still in flight at that check, the trainer waits for it; on a small model it has often
+    finished and been committed by the step boundary's poll already), and the message sends
+    the user there."""
+    run_dir = tmp_path / "run"
+    proc = run_sfttrain(2, job(data, run_dir, "optim.lr=1e30", "optim.clip_grad=0", "trainer.save_freq=1"),
+                        check=False)
+    message = one_message(proc)
+    assert "non-finite loss" in message and "at step 2 " in message, message
+    assert f"then resume from {run_dir / 'global_step_1'}" in message, message
+    assert 4 in exit_codes(proc.stdout)
+    assert checkpoint_folder.is_complete(str(run_dir / "global_step_1"))
+    assert not [p.name for p in run_dir.iterdir() if p.name.startswith(".global_step")]

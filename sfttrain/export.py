@@ -325,8 +325,12 @@ def main(argv: Optional[list[str]] = None) -> None:
         sys.exit(f"sfttrain.export: {out} exists and is not empty; choose a new folder")
     tmp = out.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    export(ckpt, tmp, dtype=args.dtype, max_shard_size=args.max_shard_size, trust_remote_code=args.trust_remote_code,
-           base_dir=args.base)
+    try:
+        export(ckpt, tmp, dtype=args.dtype, max_shard_size=args.max_shard_size,
+               trust_remote_code=args.trust_remote_code, base_dir=args.base)
+    except ConfigError as e:  # e.g. a LoRA checkpoint onto another base
+        shutil.rmtree(tmp, ignore_errors=True)
+        sys.exit(f"sfttrain.export: {e}")
     if os.path.isdir(out):
         os.rmdir(out)
     os.replace(tmp, out)  # the folder appears complete or not at all

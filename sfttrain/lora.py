@@ -21,6 +21,7 @@ writes a peft adapter folder and a merged model.
 from __future__ import annotations
 
 import glob
+import hashlib
 import math
 import os
 
@@ -125,14 +126,24 @@ def init_adapter(name: str, module: nn.Module) -> None:
 
 def base_identity(name: str, folder: str) -> dict:
     """Which base a LoRA checkpoint adapts: model.partial_pretrain as given, the hub revision (the
-    snapshot's commit, for a folder in the hub cache) and a cheap fingerprint of the weights, the
-    names and sizes of the weight and index files (a file of other weights of the same shapes
-    has the same size: the revision catches a hub model's new commit)."""
+    snapshot's commit, for a folder in the hub cache) and a cheap fingerprint of the weights: per
+    weight or index file its size and a digest of three small samples of its bytes (start,
+    middle, end), so another base of the same shapes differs too, for a few hundred KB read."""
     folder = os.path.abspath(folder)
     in_hub_cache = os.path.basename(os.path.dirname(folder)) == "snapshots"
-    files = {os.path.basename(f): os.path.getsize(f) for pattern in ("*.safetensors", "*.bin", "*.index.json")
-             for f in glob.glob(os.path.join(folder, pattern))}
+    files = {os.path.basename(f): _file_fingerprint(f) for pattern in ("*.safetensors", "*.bin", "*.index.json")
+             for f in sorted(glob.glob(os.path.join(folder, pattern)))}
     return {"name": name, "revision": os.path.basename(folder) if in_hub_cache else None, "files": files}
+
+
+def _file_fingerprint(path: str, sample: int = 1 << 16) -> list:
+    size = os.path.getsize(path)
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for offset in sorted({0, max(0, size // 2 - sample // 2), max(0, size - sample)}):
+            f.seek(offset)
+            digest.update(f.read(sample))
+    return [size, digest.hexdigest()[:16]]
 
 
 def check_base(saved: dict | None, current: dict, what: str) -> None:
@@ -142,10 +153,11 @@ def check_base(saved: dict | None, current: dict, what: str) -> None:
     revisions = saved["revision"] and current["revision"] and saved["revision"] != current["revision"]
     if saved["files"] == current["files"] and not revisions:
         return
-    changed = sorted(set(saved["files"].items()) ^ set(current["files"].items()))
+    changed = sorted(name for name in set(saved["files"]) | set(current["files"])
+                     if saved["files"].get(name) != current["files"].get(name))
     raise ConfigError(f"{what}: the LoRA adapters were trained on {_named(saved)}, but the base here is "
-                      f"{_named(current)}, another model (weight files differ: {changed[:4]}). Adapters on "
-                      f"another base compute something else: use the base they were trained on")
+                      f"{_named(current)}, another model (weight files that differ: {changed[:4]}). Adapters "
+                      "on another base compute something else: use the base they were trained on")
 
 
 def _named(identity: dict) -> str:

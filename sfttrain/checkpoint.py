@@ -102,7 +102,6 @@ class Checkpointer:
     def __init__(self, run_dir: str, world: World, cfg: Config, run_id: str, report: Callable[[dict, str], None]):
         self.run_dir, self.world, self.cfg, self.run_id, self.report = run_dir, world, cfg, run_id, report
         self.pending: Optional[PendingSave] = None
-        self.committed: Optional[str] = None  # the last checkpoint this process committed
         own = complete_checkpoints(run_dir, run_id)
         self.last_bytes = tree_bytes(own[-1][1]) if own and world.is_main else None  # rank 0's space check
         # DCP's background thread runs collectives of its own; the main thread's agreement on
@@ -273,7 +272,6 @@ class Checkpointer:
             except OSError as e:
                 error = e
         self._agree(p.step, p.tmp, error)
-        self.committed = p.final
         if world.is_main:
             enforce_retention(self.run_dir, self.cfg.trainer.max_ckpt_to_keep, self.run_id,
                               delete=lambda path: self.cleaner.submit(shutil.rmtree, hide(path), True))

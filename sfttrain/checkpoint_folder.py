@@ -123,11 +123,13 @@ def enforce_retention(run_dir: str, keep: Optional[int], run_id: Optional[str] =
     return [step for step, _ in doomed]
 
 
-def remove_stale_tmp(run_dir: str) -> None:
+def remove_stale_tmp(run_dir: str) -> list[str]:
     """Deletes the debris of interrupted saves and deletions (never a committed checkpoint), and
-    puts back a checkpoint set aside by a replacement (`publish`) that did not finish."""
+    puts back a checkpoint set aside by a replacement (`publish`) that did not finish; returns a
+    line per checkpoint put back."""
+    restored = []
     if not os.path.isdir(run_dir):
-        return
+        return restored
     for name in os.listdir(run_dir):
         path = os.path.join(run_dir, name)
         if DEBRIS.match(name):
@@ -139,6 +141,8 @@ def remove_stale_tmp(run_dir: str) -> None:
             else:
                 os.replace(path, final)
                 fsync_dir(run_dir)
+                restored.append(f"put back {final}: a save replacing it had stopped before its commit")
+    return restored
 
 
 def remove(path: str) -> None:

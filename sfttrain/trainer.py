@@ -55,8 +55,7 @@ class FSDPSFTTrainer:
         train_source = ParquetSource(as_list(d.train_files), fields)
         prepared = prepare_train_data(cfg, train_source, renderer, self.tokenizer, world, self.run_dir)
         self.plan, self.data_report = prepared.plan, prepared.report  # every row rendered, or stopped here
-        if world.is_main:
-            remove_stale_tmp(self.run_dir)
+        restored = remove_stale_tmp(self.run_dir) if world.is_main else []
         resume = find_resume(t, self.run_dir)
         base = (lora.base_identity(cfg.model.partial_pretrain, local_model_folder(cfg.model))
                 if cfg.model.lora_rank > 0 else None)
@@ -64,7 +63,7 @@ class FSDPSFTTrainer:
                                            schedule=schedule_settings(cfg.optim, self.plan.total_steps),
                                            run_id=resume.run_id, base=base)
         resume_from = resume.path
-        resume_notes = resume.notes + (check_resume(resume_from, cfg, self.state) if resume_from else [])
+        resume_notes = restored + resume.notes + (check_resume(resume_from, cfg, self.state) if resume_from else [])
         val_samples = None
         if d.val_files:
             val_samples = render_share(ParquetSource(as_list(d.val_files), fields),

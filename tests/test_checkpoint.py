@@ -162,8 +162,9 @@ def resumed_mid_epoch(data, ref, tmp_path_factory) -> Path:
     lines = (ref / "metrics.jsonl").read_text().splitlines(keepends=True)
     kept = [line for line in lines if json.loads(line)["step"] <= 5]
     (run_dir / "metrics.jsonl").write_text("".join(kept) + '{"step": 6, "lo')  # a torn last line
-    run_sfttrain(2, job(data, run_dir, "trainer.save_freq=1", "trainer.max_ckpt_to_keep=2",
-                        "trainer.logger=[console,wandb]"))
+    proc = run_sfttrain(2, job(data, run_dir, "trainer.save_freq=1", "trainer.max_ckpt_to_keep=2",
+                               "trainer.logger=[console,wandb]"))
+    assert f"put back {run_dir / 'global_step_4'}" in proc.stdout
     return run_dir
 
 

@@ -20,7 +20,8 @@ from sfttrain.flops import ModelShape, mfu
 
 MFU_FORMULA = (
     "MFU = (6N + 6*L*H*Dh*sum(s_i^2)/sum(s_i)) * real_tokens_per_s / (989e12 * GPUs); "
-    "N all parameters (tied embedding once), s_i the lengths of the samples of the timed steps; "
+    "N all parameters (tied embedding once; a mixture of experts: the non-expert parameters, shared experts "
+    "included, + the routed experts' x top_k / num_experts), s_i the lengths of the samples of the timed steps; "
     "LoRA: 4 N_frozen + 6 N_adapters instead of 6N (no weight gradient for frozen weights)"
 )
 

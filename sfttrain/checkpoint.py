@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import json
 import logging
 import os
@@ -108,8 +109,9 @@ class Checkpointer:
         # "every rank has written" must not interleave with them, so each gets its own gloo group
         # (async_save needs a CPU backend also when training runs on nccl; gloo calls on host
         # tensors never wait for the GPU)
-        self.write_group = dist.new_group(backend="gloo")
-        self.agree_group = dist.new_group(backend="gloo")
+        timeout = datetime.timedelta(seconds=cfg.trainer.nccl_timeout)
+        self.write_group = dist.new_group(backend="gloo", timeout=timeout)
+        self.agree_group = dist.new_group(backend="gloo", timeout=timeout)
         self.stager = _pinned_stager(cfg, world)
         self.thread_errors = WriterThreadErrors()
         self.finisher = ThreadPoolExecutor(1, thread_name_prefix="ckpt-finish")  # fsyncs after DCP's write

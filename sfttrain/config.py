@@ -1,21 +1,24 @@
 """The one configuration schema: defaults, verl-compatible keys, validation, overrides.
 
-Precedence: defaults <- YAML file <- command-line `key=value` overrides (omegaconf dotlist).
-Every key lives in a dataclass below with its default and a comment; an unknown key is an
-error that names the closest known one, and omegaconf type-checks every value.
-Batch arithmetic that needs the world size is checked in `sfttrain.data.plan`.
+Precedence: defaults <- YAML file <- command-line `key=value` overrides (Hydra's `+key=value`
+too). Every key lives in a dataclass below with its default and a comment; an unknown key is an
+error that names the closest known one, and omegaconf type-checks every value. verl keys that
+mean nothing here are accepted with one line each saying why they are ignored (IGNORED_VERL_KEYS).
+Batch arithmetic that needs the world size is checked in `sfttrain.data.batching`.
 """
 
 from __future__ import annotations
 
 import difflib
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from yaml import YAMLError
+from omegaconf.nodes import StringNode
+from yaml import YAMLError, safe_load
 
 from sfttrain.errors import ConfigError  # raised by every module; imported from here by most
 
@@ -38,7 +41,6 @@ class DataConfig:
     response_dict_keys: Optional[list[str]] = None  # the same for the response column
     train_batch_size: int = 256  # GLOBAL batch in samples per optimizer step
     micro_batch_size_per_gpu: int = 4  # samples per forward/backward on one data-parallel rank
-    micro_batch_size: Optional[int] = None  # verl's deprecated global micro batch: rejected
     max_token_len_per_gpu: Optional[int] = None  # if set, micro-batches are token budgets instead
     # packed rows are padded to a multiple of this by a masked dummy segment (<= 127 wasted tokens
     # per micro-batch): whole GEMM tiles, and a small set of shapes instead of a new one every step
@@ -46,7 +48,7 @@ class DataConfig:
     max_length: int = 1024  # tokens per sample (prompt + response)
     truncation: str = "error"  # error | left | right
     apply_chat_template: bool = True  # render the prompt as one user turn, generation prompt on
-    chat_template: Optional[str] = None  # a Jinja template overriding the tokenizer's
+    chat_template: Optional[str] = None  # the tokenizer's chat template replaced: a file (.jinja or any existing path) or the Jinja text
     multiturn: MultiturnConfig = field(default_factory=MultiturnConfig)  # verl's multi-turn chat keys
     shuffle: bool = True  # per-epoch order from trainer.seed and the epoch number
     num_workers: int = 0  # >0: worker processes build the steps ahead of the training loop
@@ -139,6 +141,9 @@ class TrainerConfig:
     nnodes: Optional[int] = None  # verl keys; if given they must match torchrun's world
     n_gpus_per_node: Optional[int] = None  # verl key, see nnodes
     device: str = "auto"  # auto | cuda | cpu
+    # seconds a collective may wait for the other ranks before the job stops (verl's nccl_timeout);
+    # each rank then says which phase it was in (start-up, step N, validation, save)
+    nccl_timeout: int = 1800
     resume_allow_data_change: bool = False  # resume although the checkpoint's data fingerprint differs (new rows/order)
 
 
@@ -161,6 +166,19 @@ ALIASES = {
     "model.use_remove_padding": "use_remove_padding",
 }
 
+# verl keys that have no meaning here, accepted so that verl's own scripts run as they are; each
+# one is dropped with a line that says so and why (a key that is neither here nor in the schema
+# stays an error).
+IGNORED_VERL_KEYS = {
+    "trainer.default_hdfs_dir": "verl copies each checkpoint to HDFS; sfttrain writes checkpoints to "
+                                "trainer.default_local_dir only (copy that folder with your own tool)",
+    "data.micro_batch_size": "verl's deprecated global micro-batch, which its SFT trainer never reads either; "
+                             "the micro-batch is data.micro_batch_size_per_gpu",
+    "data.use_shm": "verl copies the data files through /dev/shm; sfttrain streams them where they are",
+    "model.use_shm": "verl copies the model to /dev/shm before loading it; sfttrain reads model.partial_pretrain "
+                     "where it is",
+}
+
 # Keys whose value may be a nested dict of their own (validated where they are used).
 FREE_FORM = ("model.fsdp_config.mixed_precision", "model.fsdp_config.wrap_policy")
 
@@ -168,8 +186,10 @@ DTYPES = ("fp32", "bf16", "fp16")
 LOSS_KERNELS = ("auto", "liger", "torch")  # model.loss_kernel (sfttrain.loss.select_chunk_loss)
 
 
-def load_config(yaml_path: Optional[str] = None, overrides: tuple[str, ...] | list[str] = ()) -> Config:
-    """Defaults <- YAML <- overrides, then validated. Returns a typed `Config` object."""
+def load_config(yaml_path: Optional[str] = None, overrides: tuple[str, ...] | list[str] = (),
+                check: bool = True) -> Config:
+    """Defaults <- YAML <- overrides, then validated (`check`; the preflight validates itself, to
+    list a bad value beside the other problems). Returns a typed `Config` object."""
     layers = []
     if yaml_path is not None:
         try:
@@ -181,11 +201,12 @@ def load_config(yaml_path: Optional[str] = None, overrides: tuple[str, ...] | li
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise ConfigError(f"overrides must look like key=value, got {bad}")
-    layers.append(OmegaConf.from_dotlist(list(overrides)))
-
     merged = OmegaConf.structured(Config)
+    layers.append(_dotlist(overrides, merged))
+
     for layer in layers:
         layer = _apply_aliases(layer)
+        _drop_ignored(layer)
         _check_known_keys(layer, merged)
         try:
             merged = OmegaConf.merge(merged, layer)
@@ -196,8 +217,50 @@ def load_config(yaml_path: Optional[str] = None, overrides: tuple[str, ...] | li
         cfg: Config = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         raise ConfigError(_value_problem(e)) from None
-    validate(cfg)
+    if check:
+        validate(cfg)
     return cfg
+
+
+def _dotlist(overrides: tuple[str, ...] | list[str], schema: DictConfig) -> DictConfig:
+    """`key=value` arguments as one layer. Hydra's `+key` / `++key` (add / force-add) name the same
+    key. A value is read as YAML (numbers, lists, null) where YAML reads it; a value that YAML
+    cannot parse is the text itself, and so is any value of a string key unless it is quoted or
+    null: a chat template on the command line stays the template, unfolded and unparsed."""
+    layer = OmegaConf.create()
+    for item in overrides:
+        key, _, text = item.partition("=")
+        key = key.lstrip("+")
+        try:
+            value = safe_load(text)
+        except YAMLError:
+            value = text
+        if _is_string_key(schema, ALIASES.get(key, key)) and value is not None and not (
+                isinstance(value, str) and text[:1] in "'\""):
+            value = text
+        OmegaConf.update(layer, key, value, force_add=True)
+    return layer
+
+
+def _is_string_key(schema: DictConfig, key: str) -> bool:
+    node: Any = schema
+    for part in key.split("."):
+        if not isinstance(node, DictConfig) or part not in node:
+            return False
+        node = node._get_node(part)
+    return isinstance(node, StringNode)
+
+
+def _drop_ignored(layer: DictConfig) -> None:
+    """Removes IGNORED_VERL_KEYS from the layer, saying so once (rank 0) for each."""
+    for key, why in IGNORED_VERL_KEYS.items():
+        value = OmegaConf.select(layer, key, default="__absent__", throw_on_missing=False)
+        if value == "__absent__":
+            continue
+        parent, _, leaf = key.rpartition(".")
+        OmegaConf.select(layer, parent).pop(leaf)
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"sfttrain: ignoring {key}={value!r}: {why}", flush=True)
 
 
 def _value_problem(e: OmegaConfBaseException) -> str:
@@ -268,9 +331,6 @@ def validate(cfg: Config) -> None:
         raise ConfigError("data.train_files is required: a Parquet file or a list of them")
     if m.partial_pretrain in (None, ""):
         raise ConfigError("model.partial_pretrain is required: a local Hugging Face model folder or a hub id")
-    if d.micro_batch_size is not None:
-        raise ConfigError("data.micro_batch_size (verl's deprecated global micro batch) is not supported: "
-                          "set data.micro_batch_size_per_gpu instead")
     for key, value in (("data.train_batch_size", d.train_batch_size),
                        ("data.micro_batch_size_per_gpu", d.micro_batch_size_per_gpu),
                        ("data.max_length", d.max_length), ("data.pad_to_multiple", d.pad_to_multiple),
@@ -323,6 +383,9 @@ def validate(cfg: Config) -> None:
     if t.save_thread_count < 1:
         raise ConfigError(f"trainer.save_thread_count must be >= 1, got {t.save_thread_count}")
     _choice("trainer.device", t.device, ("auto", "cuda", "cpu"))
+    if t.nccl_timeout <= 0:
+        raise ConfigError(f"trainer.nccl_timeout must be a positive number of seconds, got {t.nccl_timeout}; "
+                          "the default is 1800")
     for name in logger_names(t):
         _choice("trainer.logger", name, ("console", "wandb"))
     _validate_lora(m)

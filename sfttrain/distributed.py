@@ -8,6 +8,7 @@ data-parallel ranks, world / sp of them; FSDP shards over dp_shard x sp flattene
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import socket
@@ -90,7 +91,7 @@ def init_world(cfg: Config) -> World:
         # fixed one would collide with any other such job on the machine, one per GPU say)
         store = dist.HashStore() if world_size == 1 and "MASTER_PORT" not in os.environ else None
         dist.init_process_group(_backend(cfg, use_cuda), store=store, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(minutes=30),
+                                timeout=datetime.timedelta(seconds=cfg.trainer.nccl_timeout),
                                 device_id=device if use_cuda else None)
     sp = cfg.ulysses_sequence_parallel_size
     replicate, shard = mesh_shape
@@ -142,6 +143,20 @@ def _check_verl_world_keys(cfg: Config, world_size: int) -> None:
     if t.nnodes is not None and t.n_gpus_per_node is not None and t.nnodes * t.n_gpus_per_node != world_size:
         raise ConfigError(f"trainer.nnodes * trainer.n_gpus_per_node = {t.nnodes * t.n_gpus_per_node} but torchrun "
                           f"started {world_size} ranks; fix the keys or the torchrun flags (or remove the keys)")
+
+
+@contextlib.contextmanager
+def one_rank_group():
+    """A process group of this process alone, for code that runs collectives (the start-up row
+    scan) outside a job: the preflight. Nothing when a group is already up."""
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def barrier(world: World) -> None:

@@ -3,8 +3,10 @@
     flops per token = 6 N + 6 L H Dh (sum_i s_i^2) / (sum_i s_i)
     MFU             = flops per token x real tokens/s / (peak FLOP/s x GPUs)
 
-N counts every parameter once (a tied embedding once), L is the number of layers, H the number of
-attention heads, Dh the head size, and s_i the length of sample i. The dense term is 2 N for the
+N counts every parameter that runs for a token, once (a tied embedding once): in a mixture of
+experts the non-expert parameters (shared experts included) plus the routed experts' parameters
+x top_k / num_experts (sfttrain.moe). L is the number of layers, H the number of attention heads,
+Dh the head size, and s_i the length of sample i. The dense term is 2 N for the
 forward and 4 N for the backward. With LoRA the frozen weights need no weight gradient, only the
 input gradient, so their backward is 2 N: the dense term is 4 N_frozen + 6 N_trainable (the
 adapters, also counted in N, get the full 6).
@@ -16,6 +18,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from sfttrain import moe
 
 H200_BF16_PEAK_FLOPS = 989e12  # dense bf16 peak of one H100/H200 SXM, the workloads' reference
 
@@ -112,19 +116,40 @@ class ModelShape:
     num_heads: int
     head_dim: int
     trainable_params: int  # all of num_params in full fine-tuning; LoRA: the adapters
+    # what runs per token: a mixture of experts runs top_k of its num_experts routed experts; a
+    # dense model all of num_params / trainable_params
+    active_params: int
+    active_trainable: int
+    routing: moe.Routing | None  # None: a dense model
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> "ModelShape":
         c = model.config
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        return cls(count_params(model), c.num_hidden_layers, c.num_attention_heads, head_dim, count_trainable(model))
+        num_params, trainable = count_params(model), count_trainable(model)
+        routing = moe.routing(c)
+        idle = 1 - routing.active_fraction if routing else 0.0  # the share of routed experts a token skips
+        routed, routed_trainable = moe.routed_expert_params(model), moe.routed_expert_params(model, trainable_only=True)
+        active = num_params - round(routed * idle)
+        # trained experts (full fine-tuning, or LoRA on them: the adapted weight W + BA gets a weight
+        # gradient in each expert GEMM) cost 6 per active parameter; frozen ones 4
+        active_trainable = trainable - routed_trainable + (round(routed * (1 - idle)) if routed_trainable else 0)
+        return cls(num_params, c.num_hidden_layers, c.num_attention_heads, head_dim, trainable, active,
+                   active_trainable, routing)
+
+    def describe_active(self) -> str:
+        """What MFU counts for a mixture of experts, for the start-up line ("" for a dense model)."""
+        if self.routing is None:
+            return ""
+        return (f", {self.active_params / 1e6:.2f}M active per token ({self.routing.top_k} of "
+                f"{self.routing.num_experts} experts; MFU counts these)")
 
     def flops_per_token(self, sample_lengths: Iterable[int]) -> float:
-        return flops_per_token(self.num_params, self.num_layers, self.num_heads, self.head_dim, sample_lengths,
-                               self.trainable_params)
+        return flops_per_token(self.active_params, self.num_layers, self.num_heads, self.head_dim, sample_lengths,
+                               self.active_trainable)
 
     @property
     def attention_coefficient(self) -> float:
         """A sample of s tokens costs about s + coefficient * s^2 linear-layer-token equivalents
         (the two terms of flops_per_token): what balancing samples over ranks weighs."""
-        return self.num_layers * self.num_heads * self.head_dim / self.num_params
+        return self.num_layers * self.num_heads * self.head_dim / self.active_params

@@ -47,6 +47,15 @@ def local_model_path(name: str) -> str:
     return path
 
 
+def cached_folder(name: str) -> str | None:
+    """The local cache's snapshot folder of hub id `name` that holds its config.json, or None.
+    Never downloads (the preflight reads what this machine has)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(name, "config.json")
+    return os.path.dirname(found) if isinstance(found, str) else None
+
+
 def _download(name: str, revision: str | None = None, local_files_only: bool = False) -> tuple:
     """(snapshot folder, None) or (None, the message for the user)."""
     from huggingface_hub import constants, snapshot_download

@@ -24,10 +24,13 @@ import glob
 import hashlib
 import math
 import os
+import re
+import warnings
 
 import torch
 from torch import nn
 
+from sfttrain import moe
 from sfttrain.config import ConfigError, ModelConfig, mixed_precision_dtypes
 from sfttrain.dtypes import DTYPE
 
@@ -40,11 +43,13 @@ def base_dtype(cfg: ModelConfig) -> torch.dtype:
     return DTYPE[dtypes[0] if dtypes else cfg.fsdp_config.model_dtype]
 
 
-def lora_config(cfg: ModelConfig, target_modules):
+def lora_config(cfg: ModelConfig, target_modules, target_parameters: list[str] | None = None):
     from peft import LoraConfig
 
+    # target_parameters: a MoE's fused experts (sfttrain.moe.expert_lora_targets), only when there are some
+    extra = {"target_parameters": target_parameters} if target_parameters else {}
     return LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=target_modules, bias="none", task_type="CAUSAL_LM")
+                      target_modules=target_modules, bias="none", task_type="CAUSAL_LM", **extra)
 
 
 def apply_lora(model: nn.Module, cfg: ModelConfig) -> nn.Module:
@@ -70,7 +75,12 @@ def wrap(model: nn.Module, cfg: ModelConfig):
     except ImportError:
         raise ConfigError("model.lora_rank > 0 needs peft: pip install peft") from None
     target = check_target_modules(model, cfg.target_modules)
-    return get_peft_model(model, lora_config(cfg, target), autocast_adapter_dtype=True)
+    experts, _ = moe.expert_lora_targets(model, cfg)
+    with warnings.catch_warnings():
+        # peft >= 0.21 converts transformers 4's expert names itself and checks the rank pattern it
+        # adds for gate_up_proj against modules, not the parameters it applies to (it does apply)
+        warnings.filterwarnings("ignore", r"The following (rank|alpha)_pattern keys did not match", RuntimeWarning)
+        return get_peft_model(model, lora_config(cfg, target, experts), autocast_adapter_dtype=True)
 
 
 def describe(cfg: ModelConfig) -> list[str]:
@@ -112,7 +122,8 @@ def is_adapter_weight(name: str) -> bool:
 
 def base_name(name: str) -> str:
     """The base model's own name of a parameter peft wrapped: `q_proj.base_layer.weight` -> `q_proj.weight`."""
-    return name.replace(".base_layer.", ".")
+    # peft nests one wrapper per adapted parameter of a module (a MoE's experts.gate_up_proj and down_proj)
+    return re.sub(r"(\.base_layer)+\.", ".", name)
 
 
 def init_adapter(name: str, module: nn.Module) -> None:

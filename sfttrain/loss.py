@@ -16,6 +16,7 @@ from torch import nn
 
 from sfttrain.config import ConfigError
 from sfttrain.data.pack import IGNORE_INDEX, MicroBatch
+from sfttrain.moe import RouterBalance
 
 @dataclass(frozen=True)
 class OutputHead:
@@ -49,9 +50,6 @@ def output_head(config) -> OutputHead:
         raise ConfigError(f"model type {family!r}: sfttrain's loss is checked against the model's own loss only for "
                           f"{', '.join(HEAD_FAMILIES)}; training {family!r} could silently use another loss than "
                           "the model's (its head may scale, cap or bias the logits). Use a supported family")
-    if getattr(config, "output_router_logits", False):
-        raise ConfigError(f"{family}: output_router_logits=true adds the router's load-balancing loss to the "
-                          "model's loss, which sfttrain does not compute; set it to false in the model's config.json")
     scale = getattr(config, "logit_scale", None) or 1.0  # Cohere multiplies
     scale /= getattr(config, "logits_scaling", None) or 1.0  # Granite divides
     return OutputHead(scale=float(scale), softcap=getattr(config, "final_logit_softcapping", None))
@@ -75,6 +73,8 @@ class CausalLMLoss(nn.Module):
         self.autocast_dtype: torch.dtype | None = None
         self.chunk_loss = chunk_loss or chunk_loss_and_grad
         self.head = output_head(model.config)
+        # output_router_logits=true: the router's load-balancing loss joins the objective (sfttrain.moe)
+        self.router = RouterBalance.of(model.config)
         has_bias = getattr(model.get_output_embeddings(), "bias", None) is not None
         if fused and (self.head != OutputHead() or has_bias):
             raise ConfigError(f"model.use_liger=true: Liger's fused loss does not reproduce the "
@@ -88,7 +88,10 @@ class CausalLMLoss(nn.Module):
             inputs.update(max_length_q=self.compiled_max_seqlen, max_length_k=self.compiled_max_seqlen)
         device_type = batch.input_ids.device.type
         with torch.autocast(device_type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
-            hidden = self.model.get_decoder()(**inputs, use_cache=False).last_hidden_state
+            out = self.model.get_decoder()(**inputs, use_cache=False, output_router_logits=self.router is not None)
+        if self.router is not None and torch.is_grad_enabled():  # training: validation reports the loss alone
+            self.router.record(out.router_logits, batch)
+        hidden = out.last_hidden_state
         hidden = hidden.view(-1, hidden.shape[-1])
         head = self.model.get_output_embeddings()
         weight, bias = head.weight, getattr(head, "bias", None)
@@ -262,3 +265,24 @@ def normalised(loss_sum: torch.Tensor, global_loss_tokens: int, grad_ranks: int)
     grad_ranks turns that average into the sum, so the update equals that of one rank running the
     whole step at once, however the step is split into ranks, slices and micro-batches."""
     return loss_sum * (grad_ranks / max(global_loss_tokens, 1))
+
+
+def step_objective(lm: CausalLMLoss, loss_sum: torch.Tensor, batch, grad_ranks: int) -> torch.Tensor:
+    """The micro-batch's share of the step's objective (backward this): its summed loss
+    `normalised`; with the router's load-balancing loss also coef x its samples' sum_s T_s aux_s
+    over the real tokens of the WHOLE step (batch: the StepBatch), scaled like the loss so that
+    the update does not depend on the split (sfttrain.moe)."""
+    objective = normalised(loss_sum, batch.num_loss_tokens, grad_ranks)
+    if lm.router is None:
+        return objective
+    return objective + lm.router.take() * (lm.router.coef * grad_ranks / max(sum(batch.sample_lengths), 1))
+
+
+def router_stats(lm: CausalLMLoss, device: torch.device) -> torch.Tensor:
+    """The step's router statistics to sum over ranks (empty without the router's loss)."""
+    return lm.router.step_stats(device) if lm.router is not None else torch.zeros(0, device=device)
+
+
+def router_metrics(lm: CausalLMLoss, stats: list[float], batch) -> dict:
+    """router_aux and expert_load of a step from its summed `router_stats` ({} without)."""
+    return lm.router.metrics(stats, sum(batch.sample_lengths)) if lm.router is not None else {}

@@ -233,7 +233,7 @@ class MetricsLogger:
 
 
 def format_line(record: dict, total_steps: int) -> str:
-    keys = ("epoch", "loss", "val/loss", "lr", "grad_norm", "tokens_per_s", "loss_tokens_per_s", "mfu",
+    keys = ("epoch", "loss", "val/loss", "lr", "grad_norm", "router_aux", "expert_load", "tokens_per_s", "loss_tokens_per_s", "mfu",
             "step_time_s", "data_wait_s", "mem_peak_alloc_gib")
     parts = [f"step {record['step']}/{total_steps}"]
     for k in keys:

@@ -17,6 +17,7 @@ Checkpoints are the same DCP format in all three, and resume in any other.
 
 from __future__ import annotations
 
+import warnings
 from typing import Literal
 
 import torch
@@ -57,8 +58,12 @@ def checkpoint_layers(lm: CausalLMLoss, ratio: float) -> None:
     """Activation checkpointing on `ratio` of the decoder layers, spread evenly (layer i when
     floor((i + 1) * ratio) steps up): a model whose weights and optimizer state leave room for
     some activations recomputes only the layers that do not fit."""
-    # non-reentrant: works with FSDP2's hooks and with inputs that need no grad
-    lm.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # non-reentrant: works with FSDP2's hooks and with inputs that need no grad. The name is the one
+    # transformers 5.17 has; later 5.x call it an alias of activation_checkpointing_enable and warn
+    # on every run, which the user can do nothing about
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*gradient_checkpointing_enable.* deprecated", category=FutureWarning)
+        lm.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     for i, layer in enumerate(decoder_layers(lm.model)):
         layer.gradient_checkpointing = int((i + 1) * ratio) > int(i * ratio)  # transformers' per-layer switch
 

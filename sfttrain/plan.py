@@ -1,24 +1,33 @@
 """Preflight: what a run will do and need, before any GPU is asked for.
 
-    python -m sfttrain.plan [recipe.yaml] key=value ... --nproc N [--nnodes M]
+    python -m sfttrain.plan [recipe.yaml] [key=value ...] --nproc N [--nnodes M]
 
-Prints the batch arithmetic (sfttrain.data.plan, the trainer's own), steps per epoch from the
-training data's row count when the Parquet files are reachable, an estimate of GPU memory per
-rank from the model folder's config.json alone (no weights, no GPU), and every misconfiguration
-found, each with a fix that is itself valid. Exits 0 when nothing is wrong, else 2.
+Prints the batch arithmetic (sfttrain.data.batching, the trainer's own), steps per epoch, an
+estimate of memory per rank from the model folder's config.json alone (no weights, no GPU), and
+every problem the run would stop on, found by the run's own checks: the config's validation,
+the world's shape, the chat template, and the start-up pass over every row (rendered with the
+model's tokenizer as the run renders them: a bad cell, column or over-long row is named here).
+What it cannot check on this machine (data or model only on the cluster) is said, not counted.
+Exits 0 when nothing is wrong, else 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 from dataclasses import dataclass
+from typing import Callable, Optional
 
-from sfttrain.config import Config, ConfigError, as_list, load_config, mixed_precision_dtypes, shard_group_size
-from sfttrain.data.plan import batch_problem, make_plan
+from sfttrain.config import (Config, ConfigError, ModelConfig, as_list, load_config, mixed_precision_dtypes,
+                             shard_group_size, validate)
+from sfttrain.data.batching import batch_problem, make_plan
 from sfttrain.errors import UserError
+from sfttrain.hub import cached_folder, is_repo_id
+from sfttrain.moe import MoeShape
+from sfttrain.rope import check_rope
 
 GIB = 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -26,7 +35,8 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 @dataclass(frozen=True)
 class DenseShape:
-    """A dense decoder (Llama, Qwen2/2.5/3, Mistral) as its config.json describes it."""
+    """A decoder (Llama, Qwen2/2.5/3, Mistral; Qwen2/3-MoE and Mixtral with `moe`) as its config.json
+    describes it. Memory counts every expert: each is held, gathered, updated."""
     vocab: int
     hidden: int
     intermediate: int
@@ -37,6 +47,7 @@ class DenseShape:
     tied: bool
     qkv_bias: bool
     qk_norm: bool
+    moe: MoeShape | None = None  # None: a dense decoder
 
     @classmethod
     def from_config_json(cls, folder: str) -> "DenseShape":
@@ -48,26 +59,41 @@ class DenseShape:
                    layers=c["num_hidden_layers"], heads=heads, kv_heads=c.get("num_key_value_heads") or heads,
                    head_dim=c.get("head_dim") or c["hidden_size"] // heads,
                    tied=c.get("tie_word_embeddings", False),
-                   qkv_bias=c.get("attention_bias", c.get("model_type") == "qwen2"),
-                   qk_norm=c.get("model_type") == "qwen3")
+                   qkv_bias=c.get("attention_bias", c.get("model_type") in ("qwen2", "qwen2_moe")),
+                   qk_norm=c.get("model_type") in ("qwen3", "qwen3_moe"), moe=MoeShape.from_config(c))
 
     @property
-    def layer_params(self) -> int:
+    def sparse_layers(self) -> int:
+        return self.moe.sparse_layers if self.moe else 0
+
+    def _layer_params(self, sparse: bool) -> int:
         h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
         attention = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0)
-        mlp = 3 * h * self.intermediate  # gate, up, down
+        mlp = self.moe.mlp_params(h) if sparse else 3 * h * self.intermediate  # dense: gate, up, down
         norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
         return attention + mlp + norms
 
     @property
+    def layer_params(self) -> int:
+        """The largest layer (what one gathered FSDP unit holds)."""
+        return self._layer_params(sparse=self.sparse_layers > 0)
+
+    @property
     def num_params(self) -> int:
         embeddings = self.vocab * self.hidden * (1 if self.tied else 2)
-        return embeddings + self.layers * self.layer_params + self.hidden  # + the final norm
+        layers = (self.layers - self.sparse_layers) * self._layer_params(sparse=False)
+        if self.sparse_layers:
+            layers += self.sparse_layers * self._layer_params(sparse=True)
+        return embeddings + layers + self.hidden  # + the final norm
 
     def lora_params(self, rank: int) -> int:
         """Adapter parameters with target_modules=all-linear: rank x (in + out) per projection."""
         h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
-        return self.layers * rank * ((h + q) * 2 + (h + kv) * 2 + (h + i) * 3)
+        dense = self.layers - self.sparse_layers
+        total = self.layers * rank * ((h + q) * 2 + (h + kv) * 2) + dense * rank * (h + i) * 3
+        if self.sparse_layers:
+            total += self.sparse_layers * self.moe.lora_params(h, rank)
+        return total
 
     def activation_elements_per_token(self) -> int:
         """bf16 values one layer keeps for backward, per token: the two norms' inputs, the
@@ -75,7 +101,8 @@ class DenseShape:
         input, gate and up outputs and their product (a common approximation; flash attention
         keeps no score matrix)."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return 4 * self.hidden + 2 * q + 2 * kv + 3 * self.intermediate
+        mlp = self.moe.mlp_activations_per_token() if self.sparse_layers else 3 * self.intermediate
+        return 4 * self.hidden + 2 * q + 2 * kv + mlp
 
 
 def micro_batch_tokens(cfg: Config) -> int:
@@ -84,114 +111,194 @@ def micro_batch_tokens(cfg: Config) -> int:
     return (d.max_token_len_per_gpu or d.micro_batch_size_per_gpu * d.max_length) // cfg.ulysses_sequence_parallel_size
 
 
-def activation_bytes(shape: DenseShape, tokens: int, checkpointing: bool) -> int:
-    """What backward needs kept: with checkpointing every layer's bf16 input plus one layer's
+def compute_bytes(cfg: Config) -> int:
+    """Bytes per value of what the forward computes in: bf16 with mixed precision, else model_dtype."""
+    fsdp = cfg.model.fsdp_config
+    mixed = mixed_precision_dtypes(fsdp)
+    return DTYPE_BYTES[mixed[0] if mixed else fsdp.model_dtype]
+
+
+def activation_bytes(shape: DenseShape, tokens: int, checkpointing: bool, value_bytes: int) -> int:
+    """What backward needs kept: with checkpointing every layer's input plus one layer's
     activations (recomputed one layer at a time), else every layer's activations."""
-    per_layer = shape.activation_elements_per_token() * tokens * 2
-    return shape.layers * tokens * shape.hidden * 2 + per_layer if checkpointing else shape.layers * per_layer
+    per_layer = shape.activation_elements_per_token() * tokens * value_bytes
+    inputs = shape.layers * tokens * shape.hidden * value_bytes
+    return inputs + per_layer if checkpointing else shape.layers * per_layer
 
 
 def memory_per_rank(cfg: Config, shape: DenseShape, dp_size: int) -> dict[str, float]:
     """GiB per rank, by what holds it. FSDP shards parameters, gradients and AdamW's two moments
-    over the shard group; compute runs on bf16 copies of one layer at a time (plus the prefetched
-    next one). Unsharded (one GPU, NO_SHARD), autocast's bf16 copy of every weight is kept from
-    forward to backward. The loss holds one chunk of logits, never the whole [tokens, vocab]."""
+    over the shard group; compute runs on compute-dtype copies of one layer at a time (plus the
+    prefetched next one). Unsharded (one GPU, NO_SHARD), autocast's bf16 copy of every weight is
+    kept from forward to backward. The loss holds one chunk of logits, never the whole [tokens, vocab]."""
     m = cfg.model
     fsdp = m.fsdp_config
     shard = shard_group_size(fsdp, dp_size)
-    master = DTYPE_BYTES[fsdp.model_dtype]
+    master, compute = DTYPE_BYTES[fsdp.model_dtype], compute_bytes(cfg)
+    compute_name = "bf16" if compute == 2 else "fp32"
     n = shape.num_params
     # with LoRA only the fp32 adapters are trained: the frozen base has no gradient or optimizer state
     trained = shape.lora_params(m.lora_rank) if m.lora_rank > 0 else n
     trained_bytes = 4 if m.lora_rank > 0 else master
-    activations = activation_bytes(shape, micro_batch_tokens(cfg), m.enable_gradient_checkpointing)
-    logits = m.loss_chunk_tokens * shape.vocab * 2 * (2 if m.loss_kernel == "torch" else 1)
+    activations = activation_bytes(shape, micro_batch_tokens(cfg), m.enable_gradient_checkpointing, compute)
+    logits = m.loss_chunk_tokens * shape.vocab * compute * (2 if m.loss_kernel == "torch" else 1)
     autocast = mixed_precision_dtypes(fsdp) is not None and m.lora_rank == 0  # LoRA's base is bf16 already
-    copies = 2 * shape.layer_params * 2 if shard > 1 else (n * 2 if autocast else 0)
     base = 0 if m.lora_rank == 0 else n * master
     out = {"parameters": (base + trained * trained_bytes) / shard, "gradients": trained * trained_bytes / shard,
-           "optimizer (AdamW m, v)": 2 * trained * trained_bytes / shard,
-           "bf16 weights " + ("(gathered layers)" if shard > 1 else "(autocast copies)"): copies,
-           f"activations ({'with' if m.enable_gradient_checkpointing else 'without'} checkpointing)": activations,
-           f"logits / loss chunk ({m.loss_chunk_tokens} tokens x {shape.vocab} vocab)": logits}
+           "optimizer (AdamW m, v)": 2 * trained * trained_bytes / shard}
+    if shard > 1:
+        out[f"{compute_name} weights (gathered layers)"] = 2 * shape.layer_params * compute
+    elif autocast:
+        out["bf16 weights (autocast copies)"] = n * 2
+    out[f"activations ({'with' if m.enable_gradient_checkpointing else 'without'} checkpointing)"] = activations
+    out[f"logits / loss chunk ({m.loss_chunk_tokens} tokens x {shape.vocab} vocab)"] = logits
     return {k: v / GIB for k, v in out.items()}
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(prog="python -m sfttrain.plan", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m sfttrain.plan", description=__doc__.split("\n\n")[0],
+                                     usage="%(prog)s [recipe.yaml] [key=value ...] --nproc N [--nnodes M]")
     parser.add_argument("--nproc", type=int, required=True, help="GPUs (ranks) per node, as torchrun's --nproc_per_node")
     parser.add_argument("--nnodes", type=int, default=1, help="nodes, as torchrun's --nnodes")
     return parser.parse_known_args(argv)
 
 
-def train_rows(cfg: Config) -> int:
-    """Rows of the training data (raises DataError when a file is missing or unreadable)."""
+@dataclass
+class Findings:
+    problems: list[str] = dataclasses.field(default_factory=list)  # what the run would stop on
+    notes: list[str] = dataclasses.field(default_factory=list)  # what could not be checked on this machine
+
+    def check(self, run: Callable):
+        """run(), its problem (a UserError) recorded; its result or None."""
+        try:
+            return run()
+        except UserError as e:
+            self.problems.append(str(e))
+            return None
+
+
+def model_folder(m: ModelConfig, found: Findings) -> Optional[str]:
+    """model.partial_pretrain as a folder on this machine: as given, or a hub id's snapshot in the
+    local hub cache (never downloaded here); None with a note on how to point the preflight at one."""
+    if not m.partial_pretrain:  # the validation's problem already
+        return None
+    if not is_repo_id(m.partial_pretrain):
+        return m.partial_pretrain
+    folder = cached_folder(m.partial_pretrain)
+    if folder is None:
+        found.notes.append(f"model.partial_pretrain={m.partial_pretrain!r} is a hub id that is not in this machine's "
+                           "hub cache: memory and the rendering of the rows are not checked; fill the cache with "
+                           f"`hf download {m.partial_pretrain} --include '*.json' '*.model' '*.jinja'` or add "
+                           "model.partial_pretrain=/path/to/a/local/copy to this command")
+    return folder
+
+
+def has_tokenizer(folder: str) -> bool:
+    return any(os.path.isfile(os.path.join(folder, f)) for f in ("tokenizer.json", "tokenizer_config.json",
+                                                                 "tokenizer.model"))
+
+
+def rows_trained(cfg: Config, folder: str) -> int:
+    """The rows the run trains, found as its start-up finds them (sfttrain.data.prepare): the
+    tokenizer, the chat template, every row rendered (a bad cell or an over-long row is the
+    DataError the run would stop on), the rows without a supervised token selected; the
+    validation rows rendered too."""
+    from sfttrain.data.chat import build_renderer
+    from sfttrain.data.loader import render_share, row_stats
+    from sfttrain.data.parquet import ParquetSource, row_fields
+    from sfttrain.data.report import select_rows
+    from sfttrain.distributed import one_rank_group
+    from sfttrain.model import load_tokenizer
+
+    d = cfg.data
+    tokenizer = load_tokenizer(dataclasses.replace(cfg.model, partial_pretrain=folder))
+    renderer, fields = build_renderer(d, tokenizer), row_fields(d)
+    with one_rank_group():
+        stats = select_rows(row_stats(ParquetSource(as_list(d.train_files), fields), renderer, 0, 1), d)
+        if d.val_files and not missing_files(d.val_files):
+            render_share(ParquetSource(as_list(d.val_files), fields), renderer, 0, 1)
+    return int(stats.keep.sum())
+
+
+def row_count(cfg: Config) -> int:
+    """Rows of the training data, unrendered (raises DataError when a file is unreadable or lacks
+    the columns)."""
     from sfttrain.data.parquet import ParquetSource, row_fields
 
     return ParquetSource(as_list(cfg.data.train_files), row_fields(cfg.data)).num_rows
 
 
-def batch_section(cfg: Config, dp_size: int, problems: list[str]) -> list[str]:
+def missing_files(files) -> list[str]:
+    return [f for f in as_list(files) if not os.path.isfile(os.path.expanduser(f))]
+
+
+def batch_section(cfg: Config, dp_size: int, folder: Optional[str], found: Findings) -> list[str]:
     d = cfg.data
     problem = batch_problem(d.train_batch_size, d.micro_batch_size_per_gpu, dp_size, d.max_token_len_per_gpu)
     if problem:
-        problems.append(problem)
+        found.problems.append(problem)
         return [f"  data-parallel ranks : {dp_size}", f"  global batch        : {d.train_batch_size} (does not split)"]
-    missing = [f for f in as_list(d.train_files) if not os.path.isfile(os.path.expanduser(f))]
+    missing = missing_files(d.train_files)
     rows = None
-    if not missing:  # a missing file is often only missing here (the cluster's path): not a problem
-        try:
-            rows = train_rows(cfg)
-        except UserError as e:  # a file that is there but unreadable, empty or without the columns
-            problems.append(str(e))
-    try:
-        plan = make_plan(cfg, dp_size, rows if rows is not None else d.train_batch_size)
-    except ConfigError as e:  # fewer rows than one batch
-        problems.append(str(e))
+    if missing:  # a missing file is often only missing here (the cluster's path): not a problem
+        found.notes.append(f"data.train_files: {', '.join(missing)} not on this machine: steps per epoch and the rows "
+                           "are not checked")
+    elif d.train_files and folder is not None and has_tokenizer(folder):
+        rows = found.check(lambda: rows_trained(cfg, folder))
+    elif d.train_files:  # (none given: the validation's problem)
+        if folder is not None and os.path.isdir(folder):
+            found.notes.append(f"{folder} has no tokenizer: the rows are counted, not rendered")
+        rows = found.check(lambda: row_count(cfg))
+    plan = found.check(lambda: make_plan(cfg, dp_size, rows if rows is not None else d.train_batch_size))
+    if plan is None:  # fewer rows than one batch
         return []
     lines = plan.describe().splitlines()
-    if rows is None:  # the dataset and total-steps lines would be made up: say so instead
-        lines = lines[:3] + [f"  dataset             : not readable here ({', '.join(missing) or d.train_files}): "
-                              "steps per epoch unknown"]
+    if rows is None:  # the dataset and total-steps lines would be made up
+        reason = "not on this machine" if missing else "see the problems below"
+        lines = lines[:3] + [f"  dataset             : {reason}: steps per epoch unknown"]
     return lines
 
 
-def memory_section(cfg: Config, dp_size: int, problems: list[str]) -> list[str]:
-    folder = cfg.model.partial_pretrain
+def memory_section(cfg: Config, dp_size: int, folder: Optional[str], found: Findings) -> list[str]:
+    if folder is None:
+        return []
     try:
         shape = DenseShape.from_config_json(folder)
     except (OSError, KeyError, json.JSONDecodeError) as e:
-        problems.append(f"model.partial_pretrain={folder!r}: no readable config.json with a dense decoder's "
-                        f"sizes ({type(e).__name__}: {e}); point it at a Hugging Face model folder")
+        found.problems.append(f"model.partial_pretrain={folder!r}: no readable config.json with a dense decoder's "
+                              f"sizes ({type(e).__name__}: {e}); point it at a Hugging Face model folder")
         return []
     memory = memory_per_rank(cfg, shape, dp_size)
+    device = "host" if cfg.trainer.device == "cpu" else "GPU"
     lines = [f"  model               : {shape.num_params / 1e6:,.1f}M parameters, {shape.layers} layers "
-             f"(from {folder}/config.json)", "  GPU memory per rank (estimate; CUDA context and allocator slack "
-             "not included):"]
+             f"(from {folder}/config.json)", f"  {device} memory per rank (estimate; "
+             f"{'CUDA context and ' if device == 'GPU' else ''}allocator slack not included):"]
     lines += [f"    {name:<58} {gib:8.2f} GiB" for name, gib in memory.items()]
     lines.append(f"    {'total':<58} {sum(memory.values()):8.2f} GiB")
     checkpointing = cfg.model.enable_gradient_checkpointing
-    other = activation_bytes(shape, micro_batch_tokens(cfg), not checkpointing) / GIB
+    other = activation_bytes(shape, micro_batch_tokens(cfg), not checkpointing, compute_bytes(cfg)) / GIB
     lines.append(f"  activations of {micro_batch_tokens(cfg)} tokens per micro-batch; with "
                  f"model.enable_gradient_checkpointing={str(not checkpointing).lower()} they would take {other:.2f} GiB")
     return lines
 
 
-def preflight(cfg: Config, nproc: int, nnodes: int) -> tuple[list[str], list[str]]:
-    """(report lines, problems)."""
+def preflight(cfg: Config, nproc: int, nnodes: int) -> tuple[list[str], Findings]:
+    """(report lines, what was found): the run's own checks, each problem listed, none stopping the rest."""
     from sfttrain.distributed import check_world
+    from sfttrain.metrics import require_loggers
 
     world = nproc * nnodes
-    dp_size = world // cfg.ulysses_sequence_parallel_size
-    problems: list[str] = []
-    try:
-        check_world(cfg, world)
-    except ConfigError as e:
-        problems.append(str(e))
+    dp_size = world // max(cfg.ulysses_sequence_parallel_size, 1)
+    found = Findings()
+    for check in (lambda: validate(cfg), lambda: check_world(cfg, world), lambda: require_loggers(cfg)):
+        found.check(check)
+    folder = model_folder(cfg.model, found)
+    if folder is not None and os.path.isfile(os.path.join(folder, "config.json")):
+        found.check(lambda: check_rope(cfg, folder))
     lines = [f"sfttrain plan: {nnodes} node(s) x {nproc} rank(s)"]
-    lines += batch_section(cfg, dp_size, problems)
-    lines += memory_section(cfg, dp_size, problems)
-    return lines, problems
+    lines += batch_section(cfg, dp_size, folder, found)
+    lines += memory_section(cfg, dp_size, folder, found)
+    return lines, found
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -200,12 +307,15 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parse_args(sys.argv[1:] if argv is None else argv)
     yaml_path, overrides = parse_config_args(rest)
     try:
-        cfg = load_config(yaml_path, overrides)
-    except UserError as e:
+        cfg = load_config(yaml_path, overrides, check=False)
+    except UserError as e:  # an unknown key, a value of the wrong type, a YAML error: nothing to plan with
         print(f"sfttrain plan: {e.kind}: {e}")
         return 2
-    lines, problems = preflight(cfg, args.nproc, args.nnodes)
+    lines, found = preflight(cfg, args.nproc, args.nnodes)
     print("\n".join(lines))
+    if found.notes:
+        print("\n".join(["not checked here:"] + [f"  - {n}" for n in found.notes]))
+    problems = found.problems
     print("\n".join(["problems:"] + [f"  - {p}" for p in problems]) if problems else "no problems found")
     return 2 if problems else 0
 

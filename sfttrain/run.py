@@ -4,10 +4,9 @@ Parse the config, start the ranks, build the trainer, train, shut down cleanly.
 `python -m sfttrain.run --help [section]` lists every key (sfttrain/help.py).
 
 A mistake the user must fix (sfttrain/errors.py, which lists the exit codes: 2 config, 3 data,
-4 non-finite loss, 5 missing dependency, 6 checkpoint not saved,
-7 export failed) ends the run with one message, printed once by rank 0,
-and its exit code; under torchrun the same message is each rank's elastic error file, so
-torchrun's "Root Cause" shows it instead of `error_file: <N/A>`.
+4 non-finite loss, 5 missing dependency, 6 checkpoint not saved, 7 export failed) ends the run with
+one message, printed once by rank 0, and its exit code; under torchrun the same message is rank 0's
+elastic error file, so torchrun's "Root Cause" shows it (once) instead of `error_file: <N/A>`.
 """
 
 from __future__ import annotations
@@ -34,18 +33,20 @@ def parse_args(argv: list[str]) -> tuple[str | None, list[str]]:
 
 def stop(error: UserError) -> None:
     """Ends this rank on a user mistake: the message goes to the elastic error file (torchrun's
-    summary shows it) and, once, to stderr; the process exits with the code of its kind."""
+    summary shows it) and to stderr; the process exits with the code of its kind. Every rank
+    usually raises the same error (same config; data checks gather their verdicts): rank 0 reports
+    it, and torchrun stops the others when rank 0 exits, before they have written or printed
+    anything, so the summary holds the message once. A rank that outlives the wait is the one
+    that knows (an error of its own), and reports it itself."""
     message = f"sfttrain: {error.kind}: {error}"
+    if int(os.environ.get("RANK", 0)) != 0:
+        time.sleep(WAIT_FOR_RANK0_S)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
         with open(error_file, "w") as f:
             # torch's own layout (elastic/multiprocessing/errors), the traceback replaced by the message
             json.dump({"message": {"message": message, "extraInfo": {"py_callstack": message,
                                                                      "timestamp": str(int(time.time()))}}}, f)
-    if int(os.environ.get("RANK", 0)) != 0:
-        # every rank usually raises the same error (same config; data checks gather their verdicts):
-        # rank 0 says it, and torchrun stops this rank when rank 0 exits
-        time.sleep(WAIT_FOR_RANK0_S)
     print(message, file=sys.stderr, flush=True)
     sys.stdout.flush()
     # at once, without the interpreter's teardown of torch (seconds): a rank still tearing
@@ -71,21 +72,29 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def train(cfg: Config) -> None:
+    from sfttrain import phase
     from sfttrain.distributed import init_world, shutdown
     from sfttrain.metrics import require_loggers
     from sfttrain.trainer import FSDPSFTTrainer
 
+    rank, timeout = int(os.environ.get("RANK", 0)), cfg.trainer.nccl_timeout
     try:
         require_loggers(cfg)
         world = init_world(cfg)
+        if world.device.type == "cuda":  # NCCL's own watchdog ends the process without a Python exception
+            phase.start_watchdog(rank, timeout)
         trainer = FSDPSFTTrainer(cfg, world)
         try:
             trainer.train()
         finally:
             trainer.logger.close()  # the bar ends before any error is printed
+        phase.enter("shutdown")
+        shutdown(world)
     except UserError as e:
         stop(e)
-    shutdown(world)
+    except Exception as e:  # a bug, or a collective's timeout: then where this rank was
+        phase.report_timeout(e, rank, timeout)
+        raise
     # Python's final garbage collection of torch's and transformers' object graphs costs seconds
     # of CPU per rank at exit; everything is written and closed by now, so skip it.
     gc.freeze()

@@ -127,6 +127,10 @@ def apply(lm: nn.Module, group: dist.ProcessGroup, size: int) -> SequenceParalle
     """Installs Ulysses' attention on the model of `lm` (a CausalLMLoss); the data loader feeds
     it `local_slice`s."""
     check_heads(lm.model.config, size)
+    if lm.router is not None:  # its per-sample statistics would need each sample's tokens from all sp ranks
+        raise ConfigError(f"ulysses_sequence_parallel_size={size}: the router's load-balancing loss "
+                          "(output_router_logits=true) is computed per sample and does not run under sequence "
+                          "parallelism yet; set ulysses_sequence_parallel_size=1 or output_router_logits=false")
     sp = SequenceParallel(group, size)
     attention.register(sp.attention_forward)
     return sp

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from sfttrain import checkpoint, export, lora
+from sfttrain import checkpoint, export, lora, moe, phase
+from sfttrain.attention import fallback_warning
 from sfttrain.checkpoint_folder import complete_checkpoints, is_complete, remove_stale_tmp
 from sfttrain.config import Config, as_list
 from sfttrain.data.chat import build_renderer
@@ -22,13 +23,14 @@ from sfttrain.data.report import describe
 from sfttrain.distributed import World, check_shared_run_dir
 from sfttrain.errors import NonFiniteLossError
 from sfttrain.flops import ModelShape
-from sfttrain.loss import CausalLMLoss, normalised, select_chunk_loss
+from sfttrain.loss import CausalLMLoss, router_metrics, router_stats, select_chunk_loss, step_objective
 from sfttrain.metrics import (MetricsLogger, StepEnd, StepTimer, describe_host_memory, host_memory_gib, memory_stats,
                               throughput)
 from sfttrain.model import load_model, load_tokenizer, local_model_folder
 from sfttrain.optim import build_optimizer, build_scheduler, clipped_step, schedule_settings, warmup_steps
 from sfttrain.parallel import describe_compile, describe_sharding, gradient_sync, parallelize
 from sfttrain.resume import check_resume, find_resume
+from sfttrain.rope import check_rope
 
 
 @dataclass
@@ -51,6 +53,7 @@ class FSDPSFTTrainer:
 
         # data first: a bad file, column or batch size fails before the model is loaded
         self.tokenizer = load_tokenizer(cfg.model)
+        check_rope(cfg, local_model_folder(cfg.model))  # RoPE that packing would make depend on the batch
         renderer, fields = build_renderer(d, self.tokenizer), row_fields(d)  # prompt/response or conversations
         train_source = ParquetSource(as_list(d.train_files), fields)
         prepared = prepare_train_data(cfg, train_source, renderer, self.tokenizer, world, self.run_dir)
@@ -107,9 +110,11 @@ class FSDPSFTTrainer:
             f"mesh {tuple(self.world.mesh.shape)} {self.world.mesh.mesh_dim_names}",
             self.plan.describe(),
             f"  model               : {cfg.model.partial_pretrain} ({shape.num_params / 1e6:.2f}M params, "
-            f"{shape.trainable_params / 1e6:.2f}M trainable, {shape.num_layers} layers), "
+            f"{shape.trainable_params / 1e6:.2f}M trainable{shape.describe_active()}, {shape.num_layers} layers), "
             f"attention {self.attn_backend}, liger {self.liger}",
+            *fallback_warning(cfg.model.attn_implementation, self.attn_backend, self.world.device.type),
             *lora.describe(cfg.model),
+            *moe.describe_lora(self.lm.model, cfg.model),
             f"  loss                : {loss}",
             f"  precision           : weights/optimizer {fsdp.model_dtype}, mixed precision {fsdp.mixed_precision}",
             f"  sharding            : {describe_sharding(self.world, cfg, self.layout)}",
@@ -144,6 +149,7 @@ class FSDPSFTTrainer:
         self.timer.restart()  # start-up is not step time
         queued = None  # the previous step: its update is queued on the device, its numbers not yet read
         while self.state.step < total:
+            phase.enter(f"step {self.state.step + 1}")
             wait_start = time.perf_counter()
             batch = next(batches)
             queued = self.step(batch, time.perf_counter() - wait_start, queued)
@@ -182,13 +188,15 @@ class FSDPSFTTrainer:
         for i, micro in enumerate(batch.micro_batches):
             gradient_sync(self.lm, last_micro_batch=i == len(batch.micro_batches) - 1)
             micro_loss = self.lm(micro.to(self.world.device))
-            normalised(micro_loss, batch.num_loss_tokens, self.world.grad_ranks).backward()
+            step_objective(self.lm, micro_loss, batch, self.world.grad_ranks).backward()
             loss_sum += micro_loss.detach()
         return loss_sum
 
     def update(self, batch: StepBatch, loss_sum: torch.Tensor, data_wait: float) -> QueuedStep:
         """Queues the clipped update (skipped on the device if the loss or the norm is not finite)."""
-        dist.all_reduce(loss_sum)
+        totals = torch.cat([loss_sum.reshape(1), router_stats(self.lm, loss_sum.device)])
+        dist.all_reduce(totals)  # one all-reduce: the loss and the router's statistics
+        loss_sum = totals[0]
         lr = self.scheduler.get_last_lr()[0]
         params = [p for p in self.lm.parameters() if p.grad is not None]
         max_norm = self.cfg.optim.clip_grad if self.cfg.optim.clip_grad > 0 else math.inf
@@ -196,12 +204,12 @@ class FSDPSFTTrainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.state.advance(batch)
-        end = StepEnd(self.world.device, torch.stack([loss_sum, grad_norm.float(), stepped.float()]))
+        end = StepEnd(self.world.device, torch.cat([totals, grad_norm.float().reshape(1), stepped.float().reshape(1)]))
         return QueuedStep(self.state.step, batch, lr, data_wait, end)
 
     def finish(self, queued: QueuedStep) -> None:
         """Waits for a queued step's update, stops on a non-finite one, logs it."""
-        total, grad_norm, stepped = queued.end.read()
+        total, *router, grad_norm, stepped = queued.end.read()
         batch = queued.batch
         loss = total / max(batch.num_loss_tokens, 1)
         if not stepped:
@@ -210,7 +218,7 @@ class FSDPSFTTrainer:
                 f"non-finite loss ({loss}) or grad norm ({grad_norm}) at step {queued.step} "
                 f"(epoch {batch.epoch}); the update was NOT applied. Rows of this step: {batch.rows[:16]}... "
                 f"Lower optim.lr, keep optim.clip_grad > 0, or check those rows; {self._restart_hint()}")
-        metrics = {"loss": loss, "lr": queued.lr, "grad_norm": grad_norm}
+        metrics = {"loss": loss, "lr": queued.lr, "grad_norm": grad_norm, **router_metrics(self.lm, router, batch)}
         seconds = self.timer.lap(queued.end)
         metrics.update(throughput(batch.sample_lengths, batch.num_loss_tokens, seconds, self.model_shape,
                                   self.world.world_size, self.world.device))
@@ -226,6 +234,7 @@ class FSDPSFTTrainer:
     @torch.no_grad()
     def validate(self) -> float:
         """Token-weighted loss over the whole validation set, all ranks."""
+        phase.enter(f"validation after step {self.state.step}")
         self.lm.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.world.device)
         for micro in self.val_batches:
@@ -235,6 +244,7 @@ class FSDPSFTTrainer:
         return (totals[0] / totals[1].clamp(min=1)).item()
 
     def save(self) -> None:
+        phase.enter(f"the save of step {self.state.step}")
         final = self.state.step == self.plan.total_steps
         self.checkpointer.save(self.state, self.lm.model, self.optimizer, self.tokenizer,
                                wandb_id=self.logger.wandb_id, final=final)
@@ -245,6 +255,7 @@ class FSDPSFTTrainer:
         final = os.path.join(self.run_dir, f"global_step_{self.plan.total_steps}")
         if not is_complete(final) or os.path.isdir(os.path.join(final, export.HF_EXPORT_DIR)):
             return
+        phase.enter(f"the Hugging Face export of {final}")
         base = local_model_folder(self.cfg.model) if self.cfg.model.lora_rank > 0 else None
         out = export.into_checkpoint(final, self.world.rank, self.world.world_size,
                                      self.cfg.model.trust_remote_code, base)

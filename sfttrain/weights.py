@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from sfttrain import moe
 from sfttrain.lora import base_name, init_adapter, is_adapter_weight
 
 
@@ -97,6 +98,11 @@ def _read_checkpoint(model: nn.Module, path: str) -> None:
             continue
         name = base_name(name)
         if name not in files:
+            # transformers 5 fuses each layer's experts into one tensor; checkpoints keep one per expert
+            per_expert = moe.read_per_expert(files, name, _local_index(param), _read_slice)
+            if per_expert is not None:
+                _local(param).copy_(per_expert)
+                continue
             raise ValueError(f"{path}: no tensor {name!r} in its weight files (sfttrain reads the model's own "
                              "parameter names; checkpoints with renamed keys need converting first)")
         _local(param).copy_(_read_slice(files[name], name, _local_index(param)))

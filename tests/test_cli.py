@@ -1,10 +1,12 @@
 """The command lines users bring from verl (bad input: tests/test_errors.py), and --help."""
 
 import os
+import shlex
 import shutil
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -110,9 +112,174 @@ def test_help_lists_every_key_with_its_default():
         assert f"  {key}={default!r}" in out, key
     assert "GLOBAL batch in samples per optimizer step" in out  # a trailing comment
     assert "packed rows are padded to a multiple of this" in out  # a comment block above its key
+    assert "verl keys accepted and ignored (each said at start-up): trainer.default_hdfs_dir" in out
     optim = subprocess.run([sys.executable, "-m", "sfttrain.run", "--help", "optim"], cwd=REPO, capture_output=True,
                            text=True, check=True).stdout
     assert "optim.lr=1e-05" in optim and "data." not in optim
     bad = subprocess.run([sys.executable, "-m", "sfttrain.run", "--help", "nope"], cwd=REPO, capture_output=True,
                          text=True)
     assert bad.returncode == 2 and "sections: data, data.multiturn, model, model.fsdp_config, optim, trainer" in bad.stderr
+
+
+# verl's own SFT example scripts (volcengine/verl examples/sft/gsm8k/*.sh, the FSDP trainer's; the
+# NPU one, which also asks for FSDP1, is left out), their arguments after `-m verl.trainer.fsdp_sft_trainer`
+# copied as they are; only the model (a local stand-in) and the paths change. `$@` is where each
+# script puts the caller's extra arguments.
+VERL_SCRIPTS = {
+    "run_deepseek_6b7.sh": """
+    data.train_files=$HOME/data/gsm8k/train.parquet \\
+    data.val_files=$HOME/data/gsm8k/test.parquet \\
+    data.prompt_key=extra_info \\
+    data.response_key=extra_info \\
+    data.prompt_dict_keys=['question'] \\
+    +data.response_dict_keys=['answer'] \\
+    data.micro_batch_size_per_gpu=4 \\
+    model.partial_pretrain=$MODEL \\
+    trainer.default_local_dir=$save_path \\
+    trainer.project_name=gsm8k-sft \\
+    trainer.experiment_name=gsm8k-sft-deepseek-coder-6.7b-instruct \\
+    trainer.total_epochs=4 \\
+    trainer.logger='["console","wandb"]' $@""",
+    "run_gemma_2b.sh": """
+    data.train_files=$HOME/data/gsm8k/train.parquet \\
+    data.val_files=$HOME/data/gsm8k/test.parquet \\
+    data.prompt_key=extra_info \\
+    data.response_key=extra_info \\
+    data.prompt_dict_keys=['question'] \\
+    +data.response_dict_keys=['answer'] \\
+    data.micro_batch_size_per_gpu=4 \\
+    model.partial_pretrain=$MODEL \\
+    trainer.default_local_dir=$save_path \\
+    trainer.project_name=gsm8k-sft \\
+    trainer.experiment_name=gsm8k-sft-gemma-2b-it \\
+    trainer.total_epochs=2 \\
+    trainer.logger='["console","wandb"]' $@""",
+    "run_gemma_7b.sh": """
+    data.train_files=$HOME/data/gsm8k/train.parquet \\
+    data.val_files=$HOME/data/gsm8k/test.parquet \\
+    data.prompt_key=extra_info \\
+    data.response_key=extra_info \\
+    data.prompt_dict_keys=['question'] \\
+    data.response_dict_keys=['answer'] \\
+    data.micro_batch_size_per_gpu=4 \\
+    model.partial_pretrain=$MODEL \\
+    trainer.default_local_dir=$save_path \\
+    trainer.project_name=gsm8k-sft \\
+    trainer.experiment_name=gsm8k-sft-gemma-1.1-7b-it \\
+    trainer.total_epochs=4 \\
+    trainer.logger='["console","wandb"]' $@""",
+    "run_qwen_05_peft.sh": """
+    data.train_files=$HOME/data/gsm8k/train.parquet \\
+    data.val_files=$HOME/data/gsm8k/test.parquet \\
+    data.prompt_key=extra_info \\
+    data.response_key=extra_info \\
+    optim.lr=1e-4 \\
+    data.prompt_dict_keys=['question'] \\
+    +data.response_dict_keys=['answer'] \\
+    data.micro_batch_size_per_gpu=4 \\
+    model.partial_pretrain=$MODEL \\
+    trainer.default_local_dir=$save_path \\
+    trainer.project_name=gsm8k-sft \\
+    trainer.experiment_name=gsm8k-sft-qwen-2.5-0.5b-instruct \\
+    trainer.logger=console \\
+    trainer.total_epochs=1 $@ \\
+    model.lora_rank=32\\
+    model.lora_alpha=16 \\
+    model.target_modules=all-linear""",
+    "run_qwen_05_sp2.sh": """
+    data.train_files=$HOME/data/gsm8k/train.parquet \\
+    data.val_files=$HOME/data/gsm8k/test.parquet \\
+    data.prompt_key=extra_info \\
+    data.response_key=extra_info \\
+    optim.lr=1e-4 \\
+    data.prompt_dict_keys=['question'] \\
+    +data.response_dict_keys=['answer'] \\
+    data.micro_batch_size=4 \\
+    model.partial_pretrain=$MODEL \\
+    trainer.default_local_dir=$save_path \\
+    trainer.project_name=gsm8k-sft \\
+    trainer.experiment_name=gsm8k-sft-qwen-2.5-0.5b-instruct-sp2 \\
+    trainer.logger=console \\
+    trainer.total_training_steps=1 $@ \\
+    ulysses_sequence_parallel_size=2 \\
+    use_remove_padding=true""",
+    "run_qwen_05_sp2_liger.sh": """
+    data.train_files=$HOME/data/gsm8k/train.parquet \\
+    data.val_files=$HOME/data/gsm8k/test.parquet \\
+    data.prompt_key=extra_info \\
+    data.response_key=extra_info \\
+    optim.lr=1e-4 \\
+    data.prompt_dict_keys=['question'] \\
+    +data.response_dict_keys=['answer'] \\
+    data.micro_batch_size=4 \\
+    model.partial_pretrain=$MODEL \\
+    model.use_liger=True \\
+    trainer.default_local_dir=$save_path \\
+    trainer.project_name=gsm8k-sft \\
+    trainer.experiment_name=gsm8k-sft-qwen-2.5-0.5b-instruct-sp2-liger \\
+    trainer.logger=console $@ \\
+    ulysses_sequence_parallel_size=2 \\
+    use_remove_padding=true""",
+    "run_seed_oss_36b_sft.sh": """
+    data.train_files=$HOME/data/gsm8k/train.parquet \\
+    data.val_files=$HOME/data/gsm8k/test.parquet \\
+    data.prompt_key=extra_info \\
+    data.response_key=extra_info \\
+    optim.lr=1e-4 \\
+    data.prompt_dict_keys=['question'] \\
+    +data.response_dict_keys=['answer'] \\
+    data.micro_batch_size=4 \\
+    model.partial_pretrain=$MODEL \\
+    trainer.default_local_dir=$save_path \\
+    trainer.project_name=gsm8k-sft \\
+    trainer.experiment_name=gsm8k-sft-seed-oss-36b \\
+    trainer.logger=console \\
+    trainer.total_training_steps=1 \\
+    ulysses_sequence_parallel_size=2 \\
+    use_remove_padding=true $@""",
+}
+
+
+def verl_script_args(name: str, home: Path, model: Path, save_path: Path, *extra: str) -> list[str]:
+    """The script's arguments as bash passes them (shlex splits and unquotes the same way)."""
+    text = VERL_SCRIPTS[name].replace("\\\n", " ").replace("$HOME", str(home)).replace("$MODEL", str(model))
+    return [a for arg in shlex.split(text.replace("$save_path", str(save_path)))
+            for a in (extra if arg == "$@" else [arg])]
+
+
+@pytest.fixture()
+def small_verl_home(gsm8k_dir, tmp_path):
+    """~/data/gsm8k as verl's scripts expect it, cut to 64 training and 8 test rows."""
+    data = tmp_path / "home" / "data" / "gsm8k"
+    data.mkdir(parents=True)
+    for split, rows in (("train", 64), ("test", 8)):
+        pq.write_table(pq.read_table(gsm8k_dir / f"{split}.parquet").slice(0, rows), data / f"{split}.parquet")
+    return tmp_path / "home"
+
+
+def test_verl_example_scripts_pass_the_preflight(small_verl_home, tiny_qwen_dir, tmp_path, capsys):
+    """Every script's arguments load (Hydra's +key, verl keys without meaning here said once each)
+    and pass the preflight, which renders every row as the run would (the nested keys found)."""
+    from sfttrain.plan import main as preflight
+
+    for name in VERL_SCRIPTS:
+        args = verl_script_args(name, small_verl_home, tiny_qwen_dir, tmp_path / name, "data.train_batch_size=16")
+        assert preflight([*args, "--nproc", "2"]) == 0, (name, capsys.readouterr().out)
+        out = capsys.readouterr().out
+        assert "64 rows -> 4 steps per epoch" in out and "no problems found" in out, (name, out)
+        if "data.micro_batch_size=4" in args:
+            assert out.count("sfttrain: ignoring data.micro_batch_size=4: verl's deprecated") == 1, out
+
+
+def test_verl_example_script_trains(small_verl_home, tiny_qwen_dir, tmp_path):
+    """run_qwen_05_sp2.sh as torchrun runs it with 2 ranks (Ulysses sp=2, its own one step): it
+    trains, and says once that data.micro_batch_size is ignored; the start-up says nothing untrue
+    or unactionable."""
+    save_path = tmp_path / "sp2"
+    proc = run_sfttrain(2, verl_script_args("run_qwen_05_sp2.sh", small_verl_home, tiny_qwen_dir, save_path,
+                                            "data.train_batch_size=4"), timeout=600)
+    assert read_metrics(save_path)[0]["step"] == 1
+    assert proc.stdout.count("sfttrain: ignoring data.micro_batch_size=4") == 1, proc.stdout[-3000:]
+    # what is true of a fresh start, and no warning the user can do nothing about (checkpointing is on)
+    assert "row scan            : 64 rows rendered, lengths cached in" in proc.stdout, proc.stdout[-3000:]
+    assert "gradient_checkpointing_enable" not in proc.stdout, proc.stdout[-3000:]

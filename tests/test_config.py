@@ -34,3 +34,33 @@ def test_no_shard_refuses_what_needs_shards(overrides, message):
     """NO_SHARD is DDP: a shard size, offloaded shards or Ulysses' FSDP group cannot hold."""
     with pytest.raises(ConfigError, match=message):
         load_config(overrides=[*COMMON, "model.fsdp_config.sharding_strategy=NO_SHARD", *overrides])
+
+
+def test_hydra_append_syntax_and_ignored_verl_keys(capsys):
+    """`+key=value` sets a key sfttrain knows; verl keys without meaning here are dropped with one
+    line each saying why; a key that is neither stays an error, with or without the +."""
+    cfg = load_config(overrides=[*COMMON, "+data.response_dict_keys=[answer]", "++optim.lr=2e-5",
+                                 "trainer.default_hdfs_dir=null", "data.micro_batch_size=8"])
+    assert cfg.data.response_dict_keys == ["answer"] and cfg.optim.lr == 2e-5
+    out = capsys.readouterr().out
+    assert "ignoring trainer.default_hdfs_dir=None: verl copies each checkpoint to HDFS" in out
+    assert "ignoring data.micro_batch_size=8" in out
+    for key in ("+data.promt_key=x", "trainer.default_hdfs_dirs=x"):
+        with pytest.raises(ConfigError, match="unknown config key"):
+            load_config(overrides=[*COMMON, key])
+
+
+@pytest.mark.parametrize("text", [
+    "{% for m in messages %}{{ m['content'] }}{% endfor %}",  # YAML cannot scan it
+    "{{ bos_token }}{% for m in messages %}{{ m.content }}{% endfor %}",  # YAML would read a mapping
+    "<|im_start|>{{ messages[0].content }}\n<|im_end|> # not a comment",  # YAML would fold the line, drop the '#'
+])
+def test_string_values_on_the_command_line_are_the_text(text):
+    assert load_config(overrides=[*COMMON, f"data.chat_template={text}"]).data.chat_template == text
+
+
+def test_values_are_still_yaml_where_yaml_reads_them():
+    cfg = load_config(overrides=[*COMMON, "data.prompt_key='a b'", "data.val_files=null", "optim.betas=[0.8,0.9]",
+                                 "trainer.logger=[console,wandb]"])
+    assert (cfg.data.prompt_key, cfg.data.val_files, cfg.optim.betas) == ("a b", None, [0.8, 0.9])
+    assert cfg.trainer.logger == ["console", "wandb"]

@@ -5,7 +5,13 @@ one is allowed, and only that one)."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import shutil
+import signal
+import subprocess
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import BASE_OVERRIDES, REPO, run_sfttrain
+from tests.conftest import BASE_OVERRIDES, REPO, STORIES, _descendants, kill_job, launch, run_sfttrain
 
 CONFIG, DATA, NON_FINITE, DEPENDENCY = 2, 3, 4, 5
 
@@ -33,6 +39,15 @@ def catalogue(tmp: Path) -> dict[str, Case]:
     empty, zero = tmp / "empty.parquet", tmp / "zero.parquet"
     pq.write_table(pa.table({"question": pa.array([], pa.string()), "answer": pa.array([], pa.string())}), empty)
     zero.write_bytes(b"")
+    messages = tmp / "messages.parquet"
+    pq.write_table(pa.table({"messages": [[{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]]}),
+                   messages)
+    (tmp / "broken.jinja").write_text("{% for m in messages %}{{ m.content }}")  # no endfor
+    dynamic = tmp / "dynamic_rope"  # stories260K with dynamic-NTK RoPE beyond 128 positions
+    shutil.copytree(STORIES, dynamic)
+    config = json.loads((dynamic / "config.json").read_text())
+    (dynamic / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 128,
+                                                     "rope_scaling": {"type": "dynamic", "factor": 2.0}}))
     shim = tmp / "no_wandb"
     shim.mkdir()
     (shim / "wandb.py").write_text("raise ImportError('No module named wandb (test shim)')\n")
@@ -53,6 +68,21 @@ def catalogue(tmp: Path) -> dict[str, Case]:
                               CONFIG),
         "missing_chat_template": Case(["data.apply_chat_template=true"], [
             "the tokenizer has no chat template", "data.apply_chat_template=false"], CONFIG),
+        # a template file that does not parse; the template text itself on the command line (YAML
+        # cannot read it: it must reach the check as text, not end in a ScannerError)
+        "template_file_fails": Case(["data.apply_chat_template=true", f"data.chat_template={tmp}/broken.jinja"], [
+            "data.chat_template=", "broken.jinja", "does not parse or render", "TemplateSyntaxError"], CONFIG),
+        "template_text_fails": Case(["data.apply_chat_template=true",
+                                     "data.chat_template={% for m in messages %}{{ m.content }"],
+                                    ["data.chat_template='{% for m in messages %}{{ m.content }'",
+                                     "does not parse or render"], CONFIG),
+        "multiturn_without_template": Case(["data.multiturn.enable=true", "data.apply_chat_template=true"], [
+            "the tokenizer has none: set data.chat_template"], CONFIG),
+        "messages_read_as_prompt": Case([f"data.train_files={messages}"], [
+            "no column 'question'", "data.multiturn.enable=true"], DATA),
+        "batch_dependent_rope": Case([f"model.partial_pretrain={dynamic}"], [
+            "rope_scaling rope_type='dynamic'", "data.max_length=256 above original_max_position_embeddings=128",
+            "Set data.max_length<=128"], CONFIG),
         "missing_column": Case(["data.prompt_key=prompt"], ["train.parquet", "no column 'prompt'", "'question'"],
                                DATA),
         "missing_path": Case([f"data.val_files={tmp}/nope.parquet"], [f"{tmp}/nope.parquet", "does not exist"], DATA),
@@ -103,7 +133,8 @@ def launcher_traceback_only(out: str) -> bool:
 
 
 CASES = ["misspelled_key", "wrong_type", "yaml_syntax", "nan_lr", "missing_wandb", "non_divisible_batch",
-         "missing_model", "missing_chat_template", "missing_column", "missing_path", "empty_file",
+         "missing_model", "missing_chat_template", "template_file_fails", "template_text_fails",
+         "multiturn_without_template", "messages_read_as_prompt", "batch_dependent_rope", "missing_column", "missing_path", "empty_file",
          "zero_byte_parquet", "over_length_row", "non_finite_loss"]
 
 
@@ -116,6 +147,8 @@ def test_user_mistake_ends_in_one_clean_message(outcomes, name):
     assert len(printed) == 1, out[-3000:]  # once, by rank 0, at the start of its own line
     for needle in case.needles:
         assert needle in printed[0], out[-3000:]
+    summary = out.split("sfttrain.run FAILED")[1]
+    assert summary.count(printed[0]) == 1, summary  # only the rank that reports it wrote its error file
     root_cause = out.split("Root Cause (first observed failure):")[1]
     assert f"traceback : {printed[0]}" in root_cause, out[-3000:]
     codes = [int(c) for c in re.findall(r"exitcode\s+: (-?\d+)", out)]
@@ -130,3 +163,43 @@ def test_each_kind_has_its_own_exit_code():
 
     codes = [cls.exit_code for cls in (ConfigError, DataError, NonFiniteLossError, DependencyError)]
     assert codes == [CONFIG, DATA, NON_FINITE, DEPENDENCY]
+
+
+def rank_pid(launcher: subprocess.Popen, rank: int) -> int | None:
+    """The pid of a torchrun job's rank (its environment says RANK)."""
+    for pid in _descendants(launcher.pid):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and b"sfttrain.run" in cmdline and b"torch.distributed.run" not in cmdline:
+            return pid
+    return None
+
+
+def test_collective_timeout_names_the_phase(gsm8k_dir, tmp_path):
+    """Two gloo ranks; rank 1 is frozen (SIGSTOP, a real stall) once training runs: rank 0's
+    collective times out after trainer.nccl_timeout and it says which rank it is and the step it
+    was in."""
+    run_dir, log = tmp_path / "run", tmp_path / "log"
+    proc = launch(2, [*BASE_OVERRIDES, f"data.train_files={gsm8k_dir}/train.parquet", f"trainer.default_local_dir={run_dir}",
+                      "data.train_batch_size=4", "data.micro_batch_size_per_gpu=2", "trainer.total_training_steps=100000",
+                      "trainer.nccl_timeout=20"],
+                  log, torchrun=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "metrics.jsonl").exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.5)
+        assert (run_dir / "metrics.jsonl").exists(), log.read_text()[-3000:]
+        os.kill(rank_pid(proc, 1), signal.SIGSTOP)
+        deadline = time.monotonic() + 200
+        while "sfttrain: rank 0 has been in" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.5)
+    finally:
+        kill_job(proc)
+    out = log.read_text()
+    said = [line for line in out.splitlines() if line.startswith("sfttrain: rank 0 has been in")]
+    assert len(said) == 1, out[-5000:]
+    assert re.match(r"sfttrain: rank 0 has been in step \d+ for \d+ s, the collective timeout "
+                    r"\(trainer.nccl_timeout=20\)", said[0]), said[0]

@@ -105,3 +105,62 @@ def test_gpu_peak_table_names_are_reachable():
         assert next(p for key, p in GPU_BF16_PEAK_FLOPS if key in f"NVIDIA {name} 80GB") == peak, name
     assert [p for k, p in GPU_BF16_PEAK_FLOPS if k == "H200"] == [H200_BF16_PEAK_FLOPS]
     assert peak_flops(torch.device("cpu")) is None
+
+
+# Mixtures of experts: E experts of which TOP_K run per token, expert MLP size FE, shared expert FS
+E, TOP_K, FE, FS = 4, 2, 16, 24
+MOE_SHAPE = dict(**SHAPE, head_dim=DH, num_experts_per_tok=TOP_K)
+MOE_FAMILIES = {
+    # family: (config, q/k/v bias, q/k norm, expert size, shared expert size)
+    "qwen3_moe": (dict(num_experts=E, moe_intermediate_size=FE), False, True, FE, 0),
+    "mixtral": (dict(num_local_experts=E), False, False, F, 0),
+    "qwen2_moe": (dict(num_experts=E, moe_intermediate_size=FE, shared_expert_intermediate_size=FS), True, False,
+                  FE, FS),
+}
+
+
+def _moe_hand_count(family: str) -> tuple[int, int]:
+    """(all parameters, the parameters one token runs) of a MOE_FAMILIES model, untied."""
+    _, bias, qk_norm, fe, fs = MOE_FAMILIES[family]
+    attention = D * H * DH + 2 * D * K * DH + H * DH * D + ((H * DH + 2 * K * DH) if bias else 0)
+    norms = 2 * D + (2 * DH if qk_norm else 0)
+    router = E * D
+    shared = 3 * D * fs + D if fs else 0  # the shared expert's gate, up, down and its sigmoid gate (D -> 1)
+    experts = E * 3 * D * fe  # per layer: gate, up, down of each expert
+    other = L * (attention + norms + router + shared) + D + 2 * V * D  # + final norm, embedding, lm_head
+    return other + L * experts, other + L * experts * TOP_K // E
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_moe_flops_count_the_active_experts(family):
+    """MFU counts what runs for a token: every non-expert parameter (a shared expert in full) and
+    TOP_K / E of the routed experts; the memory-relevant total keeps all of them. Full fine-tuning
+    6 per active parameter; with the experts frozen they cost 4."""
+    from transformers import AutoConfig
+
+    from sfttrain.flops import ModelShape
+
+    config = AutoConfig.for_model(family, **MOE_SHAPE, **MOE_FAMILIES[family][0])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    total, active = _moe_hand_count(family)
+    shape = ModelShape.of(model)
+    assert (shape.num_params, shape.active_params, shape.active_trainable) == (total, active, active)
+    attention = 6 * L * H * DH * 10  # one sample of 10 tokens
+    assert shape.flops_per_token([10]) == pytest.approx(6 * active + attention)
+    assert shape.attention_coefficient == pytest.approx(L * H * DH / active)
+    assert "active per token (2 of 4 experts" in shape.describe_active()
+    for name, p in model.named_parameters():
+        p.requires_grad_(".experts." not in name)
+    shape = ModelShape.of(model)
+    assert shape.active_trainable == active - L * E * 3 * D * MOE_FAMILIES[family][3] * TOP_K // E
+    assert shape.flops_per_token([10]) == pytest.approx(
+        6 * shape.active_trainable + 4 * (active - shape.active_trainable) + attention)
+
+
+def test_dense_model_shape_has_no_routing():
+    from sfttrain.flops import ModelShape
+
+    shape = ModelShape.of(_model(LlamaConfig, tied=False))
+    assert shape.routing is None and shape.describe_active() == ""
+    assert shape.active_params == shape.num_params == _hand_count(False, False)

@@ -5,15 +5,17 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
 
-from sfttrain.data.plan import batch_problem, nearest_valid_batches
+from sfttrain.data.batching import batch_problem, nearest_valid_batches
 from sfttrain.plan import DenseShape, main
-from tests.conftest import REPO, STORIES
+from tests.conftest import BASE_OVERRIDES, REPO, STORIES
 
 # Published sizes of two real models (their model cards: 494M and 8.03B parameters)
 QWEN25_05B = dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
@@ -127,8 +129,13 @@ def test_every_recipe_is_planned():
 
 
 @pytest.mark.parametrize("name", RECIPES)
-def test_recipe_preflight(name, tmp_path, monkeypatch):
+def test_recipe_preflight(name, tmp_path, monkeypatch, gsm8k_dir):
+    """Run from a folder of its own (not the checkout, whatever ran there before), where the demo's
+    relative data/ paths find the GSM8K sample as after `make demo`: steps and memory both print."""
     nproc, model, extra = RECIPES[name]
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "gsm8k_sample").symlink_to(gsm8k_dir)
+    monkeypatch.chdir(tmp_path)
     folders = {"stories": STORIES, "qwen0.5b": config_only_folder(tmp_path / "q", QWEN25_05B),
                "llama8b": config_only_folder(tmp_path / "l", LLAMA31_8B),
                "qwen7b": config_only_folder(tmp_path / "q7", dict(QWEN25_05B, hidden_size=3584, intermediate_size=18944,
@@ -139,5 +146,61 @@ def test_recipe_preflight(name, tmp_path, monkeypatch):
     code, out = run_plan(str(REPO / "recipes" / f"{name}.yaml"), f"model.partial_pretrain={folders[model]}",
                          *extra, "--nproc", str(nproc))
     assert code == 0, out
-    total = float(out.split("total")[1].split()[0])
+    assert name != "demo_cpu" or "steps per epoch" in out and "total steps" in out, out
+    totals = re.findall(r"^ +total +([0-9.]+) GiB$", out, re.MULTILINE)  # the memory table's last row
+    assert len(totals) == 1, out
+    total = float(totals[0])
     assert 0 < total < 75, out  # fits an 80 GB GPU with room for the CUDA context
+
+
+def test_preflight_lists_what_the_run_would_stop_on(gsm8k_dir, tmp_path):
+    """The run's own checks, each problem listed and none stopping the others: a bad value, a null
+    response cell (found by rendering every row, as the run's start-up does), for a CPU fp32 config
+    whose memory table has no GPU or bf16 rows."""
+    table = pq.read_table(gsm8k_dir / "train.parquet").slice(0, 40).select(["question", "answer"]).to_pylist()
+    table[7]["answer"] = None
+    pq.write_table(pa.Table.from_pylist(table), tmp_path / "null.parquet", row_group_size=16)
+    code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={tmp_path / 'null.parquet'}", "data.train_batch_size=8",
+                         "optim.lr=-1", "--nproc", "2")
+    problems = out.split("problems:")[1]
+    assert code == 2 and "optim.lr=-1.0 is negative" in problems, out
+    assert "null.parquet row 7: answer is NoneType, expected a string" in problems, out
+    assert "host memory per rank" in out and "GPU" not in out and "bf16" not in out, out
+
+    code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={gsm8k_dir / 'train.parquet'}", "data.response_key=nope",
+                         "--nproc", "1")
+    assert code == 2 and "no column 'nope'" in out.split("problems:")[1] and "not on this machine" not in out, out
+
+
+def test_preflight_renders_with_the_template_the_run_would_use(gsm8k_dir, tiny_qwen_dir, tmp_path):
+    (tmp_path / "broken.jinja").write_text("{% for m in messages %}{{ m.content }}")  # no endfor
+    code, out = run_plan(f"data.train_files={gsm8k_dir / 'train.parquet'}", f"model.partial_pretrain={tiny_qwen_dir}",
+                         f"data.chat_template={tmp_path / 'broken.jinja'}", "data.train_batch_size=8", "--nproc", "1")
+    assert code == 2 and "broken.jinja' does not parse or render: TemplateSyntaxError" in out, out
+
+
+def test_readme_preflight_of_a_hub_model(tmp_path, monkeypatch):
+    """The README's `python -m sfttrain.plan recipes/llama3.1-8b_full_8gpu.yaml --nproc 8` on a
+    machine without the model or the data: it says what it could not check and how to point it
+    at them (exit 0); with the model's config.json in the hub cache it estimates the memory."""
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    recipe = str(REPO / "recipes" / "llama3.1-8b_full_8gpu.yaml")
+    code, out = run_plan(recipe, "--nproc", "8")
+    assert code == 0 and "is a hub id that is not in this machine's hub cache" in out, out
+    assert "model.partial_pretrain=/path/to/a/local/copy" in out and "no problems found" in out
+    repo = tmp_path / "hub" / "models--meta-llama--Llama-3.1-8B-Instruct"  # the hub cache's layout
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    config_only_folder(repo / "snapshots" / ("0" * 40), LLAMA31_8B)
+    code, out = run_plan(recipe, "--nproc", "8")
+    assert code == 0 and "8,030.3M parameters" in out and "GPU memory per rank" in out, out
+
+
+def test_preflight_usage_names_the_recipe_and_overrides(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "python -m sfttrain.plan [recipe.yaml] [key=value ...] --nproc N" in capsys.readouterr().out

@@ -16,7 +16,7 @@ from torch import nn
 
 from sfttrain import attention
 from sfttrain.config import ConfigError, load_config
-from sfttrain.data.plan import make_plan
+from sfttrain.data.batching import make_plan
 from sfttrain.distributed import _mesh_shape
 from sfttrain.data.pack import IGNORE_INDEX, MicroBatch
 from sfttrain.sequence_parallel import SequenceParallel, check_heads, local_slice

@@ -31,6 +31,8 @@ at that user message (one row per question) or drop the earlier turns' reasoning
 
 from __future__ import annotations
 
+import os
+
 from jinja2 import TemplateError
 
 from sfttrain.config import ConfigError
@@ -44,6 +46,10 @@ class ChatRenderer(Renderer):
     """Renders rows (messages, template kwargs, row) of data.multiturn data."""
 
     def __init__(self, tokenizer, *, max_length: int, truncation: str, chat_template: str | None = None):
+        if chat_template is None and not getattr(tokenizer, "chat_template", None):
+            raise ConfigError("data.multiturn.enable=true renders each conversation with a chat template, and the "
+                              "tokenizer has none: set data.chat_template to a template file (.jinja) or its text, "
+                              "e.g. the template of the model's instruct version")
         super().__init__(tokenizer, max_length=max_length, truncation=truncation, chat_template=chat_template)
         if not getattr(tokenizer, "is_fast", False):
             raise ConfigError("data.multiturn needs a fast tokenizer (character offsets of the rendered text); "
@@ -141,10 +147,40 @@ def _common_prefix(a: str, b: str, known: int) -> int:
     return next((k for k in range(known, n) if a[k] != b[k]), n)
 
 
+def resolve_chat_template(d) -> str | None:
+    """data.chat_template as template text: the file's contents where it names a file (any existing
+    path, or a name ending in .jinja), else the text itself; None: the tokenizer's own template."""
+    value = d.chat_template
+    if value is None:
+        return None
+    path = os.path.expanduser(value)
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    if value.endswith((".jinja", ".jinja2", ".j2")) or "{" not in value:  # a template without {{ }} or {% %}: a path
+        raise ConfigError(f"data.chat_template={value!r}: no such file; give an existing template file or the "
+                          "template text itself")
+    return value
+
+
 def build_renderer(d, tokenizer) -> Renderer:
     """The renderer the data config asks for (`sfttrain.config.DataConfig`): conversations with
-    data.multiturn.enable, else prompt/response pairs."""
-    if d.multiturn.enable:
-        return ChatRenderer(tokenizer, max_length=d.max_length, truncation=d.truncation, chat_template=d.chat_template)
-    return Renderer(tokenizer, max_length=d.max_length, truncation=d.truncation,
-                    apply_chat_template=d.apply_chat_template, chat_template=d.chat_template)
+    data.multiturn.enable, else prompt/response pairs. The chat template renders a probe
+    conversation here, so that one that does not parse or render stops the start (and the
+    preflight) naming the key, not the first row."""
+    template = resolve_chat_template(d)
+    try:
+        if d.multiturn.enable:  # renders a probe turn itself (its end-of-turn token)
+            return ChatRenderer(tokenizer, max_length=d.max_length, truncation=d.truncation, chat_template=template)
+        renderer = Renderer(tokenizer, max_length=d.max_length, truncation=d.truncation,
+                            apply_chat_template=d.apply_chat_template, chat_template=template)
+        if d.apply_chat_template:
+            renderer.render("hi", "hello", row=-1)
+        return renderer
+    except ConfigError:
+        raise
+    except (TemplateError, TypeError, KeyError, ValueError, IndexError) as e:
+        source = (f"data.chat_template={d.chat_template!r}" if d.chat_template is not None
+                  else "the tokenizer's chat template (data.chat_template=... replaces it)")
+        raise ConfigError(f"{source} does not parse or render: {type(e).__name__}: {str(e).splitlines()[0]}; fix "
+                          "the template") from None

@@ -17,6 +17,7 @@ from dataclasses import asdict
 from typing import Optional
 
 from sfttrain.config import Config
+from sfttrain.data.chat import resolve_chat_template
 from sfttrain.data.parquet import ParquetSource
 
 ORDER_KEYS = ("trainer.seed", "data.shuffle", "data.train_batch_size")
@@ -24,7 +25,7 @@ ORDER_KEYS = ("trainer.seed", "data.shuffle", "data.train_batch_size")
 
 def data_fingerprint(cfg: Config, source: ParquetSource, tokenizer) -> dict:
     d = cfg.data
-    template = (d.chat_template or getattr(tokenizer, "chat_template", None)) if d.apply_chat_template else None
+    template = (resolve_chat_template(d) or getattr(tokenizer, "chat_template", None)) if d.apply_chat_template else None
     return {
         "data.train_files": _files(source),
         "trainer.seed": cfg.trainer.seed,

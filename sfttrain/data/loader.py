@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from sfttrain.errors import DataError
 from sfttrain.data.pack import MicroBatch, budget_bins, empty_micro_batch, loss_tokens, pack
 from sfttrain.data.parquet import ParquetSource
-from sfttrain.data.plan import BatchPlan
+from sfttrain.data.batching import BatchPlan
 from sfttrain.data.render import RenderedSample, Renderer
 from sfttrain.sequence_parallel import local_slice
 

@@ -29,6 +29,9 @@ class MicroBatch:
     cu_seqlens: torch.Tensor  # [n + 1] int32 sample boundaries
     max_seqlen: int
     num_loss_tokens: int
+    # the real samples: the first num_samples segments of cu_seqlens (a pad segment may follow);
+    # None: every segment. What per-sample statistics (the router's balance, sfttrain.moe) read.
+    num_samples: int | None = None
 
     def to(self, device: torch.device) -> "MicroBatch":
         return self._map_tensors(lambda t: t.to(device, non_blocking=True))
@@ -40,7 +43,7 @@ class MicroBatch:
 
     def _map_tensors(self, fn) -> "MicroBatch":
         return MicroBatch(fn(self.input_ids), fn(self.labels), fn(self.position_ids), fn(self.cu_seqlens),
-                          self.max_seqlen, self.num_loss_tokens)
+                          self.max_seqlen, self.num_loss_tokens, self.num_samples)
 
     def model_inputs(self) -> dict:
         """Keyword arguments of the HF model call (transformers' FlashAttentionKwargs names)."""
@@ -67,7 +70,7 @@ def pack(samples: list[RenderedSample], pad_to: int = 1) -> MicroBatch:
     num_loss = sum(label != IGNORE_INDEX for label in labels)
     max_seqlen = max(len(s.input_ids) for s in samples)
     return pad_row(MicroBatch(torch.tensor([input_ids]), torch.tensor([labels]), torch.tensor([positions]),
-                              torch.tensor(bounds, dtype=torch.int32), max_seqlen, num_loss), pad_to)
+                              torch.tensor(bounds, dtype=torch.int32), max_seqlen, num_loss, len(samples)), pad_to)
 
 
 def pad_row(batch: MicroBatch, pad_to: int) -> MicroBatch:
@@ -80,7 +83,8 @@ def pad_row(batch: MicroBatch, pad_to: int) -> MicroBatch:
                       torch.cat([batch.labels, batch.labels.new_full((1, pad), IGNORE_INDEX)], 1),
                       torch.cat([batch.position_ids, torch.arange(pad, dtype=batch.position_ids.dtype)[None]], 1),
                       torch.cat([batch.cu_seqlens, batch.cu_seqlens[-1:] + pad]),
-                      max(batch.max_seqlen, pad), batch.num_loss_tokens)
+                      max(batch.max_seqlen, pad), batch.num_loss_tokens,
+                      len(batch.cu_seqlens) - 1 if batch.num_samples is None else batch.num_samples)
 
 
 def max_segment_length(max_length: int, pad_to: int) -> int:
@@ -94,7 +98,7 @@ def empty_micro_batch() -> MicroBatch:
     """One token with no target: runs the forward/backward (and so FSDP's collectives) at no loss,
     for a rank that has fewer micro-batches than its peers."""
     return MicroBatch(torch.zeros(1, 1, dtype=torch.long), torch.full((1, 1), IGNORE_INDEX),
-                      torch.zeros(1, 1, dtype=torch.long), torch.tensor([0, 1], dtype=torch.int32), 1, 0)
+                      torch.zeros(1, 1, dtype=torch.long), torch.tensor([0, 1], dtype=torch.int32), 1, 0, 0)
 
 
 def loss_tokens(sample: RenderedSample) -> int:

@@ -43,8 +43,10 @@ class PromptResponse:
     def columns(self, file: str, names: list[str]) -> list[str]:
         for key_path in (self.prompt_path, self.response_path):
             if key_path[0] not in names:
+                hint = ("; the file has a 'messages' column: for conversations set data.multiturn.enable=true"
+                        if "messages" in names else "")
                 raise DataError(f"{file}: no column {key_path[0]!r} (columns: {names}); set data.prompt_key / "
-                                  "data.response_key to the right columns")
+                                f"data.response_key to the right columns{hint}")
         return [self.prompt_path[0], self.response_path[0]]
 
     def decode(self, table, group: RowGroup, locals_: list[int]) -> tuple[list, list]:

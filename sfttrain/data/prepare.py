@@ -11,7 +11,7 @@ from sfttrain.config import Config
 from sfttrain.data.fingerprint import data_fingerprint, rendering_key
 from sfttrain.data.loader import RowStats, epoch_rows, row_stats
 from sfttrain.data.parquet import ParquetSource
-from sfttrain.data.plan import BatchPlan, make_plan
+from sfttrain.data.batching import BatchPlan, make_plan
 from sfttrain.data.render import Renderer
 from sfttrain.data.report import data_report, select_rows, write_report
 from sfttrain.distributed import World

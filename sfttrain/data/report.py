@@ -63,8 +63,7 @@ def describe(report: dict) -> str:
         f"  tokens per row      : mean {full['mean']:.1f}, p50 {full['p50']:.0f}, p99 {full['p99']:.0f}, "
         f"max {full['max']} (before truncation)",
         f"  truncated           : {trunc['count']} rows ({100 * trunc['share']:.2f}%)",
-        f"  row scan            : {report['rows_rendered_at_startup']} rows rendered, the others' lengths "
-        f"read from {report['length_cache']}",
+        f"  row scan            : {_row_scan(report)}",
     ]
     if trunc["count"] and trunc["effect"] == "eos_cut":
         lines.append(f"  WARNING: data.truncation=right cut the end of {trunc['count']} responses, EOS "
@@ -73,6 +72,14 @@ def describe(report: dict) -> str:
         lines.append(f"  WARNING: data.truncation=left cut the start of {trunc['count']} samples (BOS, system "
                      f"prompt and the prompt's beginning), e.g. rows {trunc['rows']}")
     return "\n".join(lines)
+
+
+def _row_scan(report: dict) -> str:
+    """What the start-up did to learn the lengths: rendered the rows, or read an earlier start's cache."""
+    rendered, cache = report["rows_rendered_at_startup"], report["length_cache"]
+    if rendered == 0:
+        return f"every row's length read from {cache} (an earlier start's)"
+    return f"{rendered} rows rendered" + (f", lengths cached in {cache} for the next start" if cache else "")
 
 
 def write_report(report: dict, run_dir: str) -> None:

@@ -1,0 +1,269 @@
+"""Mixture-of-experts specifics: which parameters are routed experts and how many of them run per
+token (MFU, sfttrain.flops), the shape of a MoE decoder as its config.json describes it (the
+preflight, sfttrain.plan), the router's load-balancing loss, reading checkpoints that store one
+weight per expert (sfttrain.weights), and what LoRA adapts in the experts (sfttrain.lora).
+(How the experts compute is sfttrain.experts'.)
+
+Qwen2-MoE, Qwen3-MoE and Mixtral (transformers 5) hold each layer's routed experts as fused 3-D
+parameters under `mlp.experts` (`gate_up_proj` [E, 2F, D], `down_proj` [E, D, F]); a router
+(`mlp.gate`) picks top_k of the E experts per token. Qwen2-MoE adds a shared expert
+(`mlp.shared_expert`, with a sigmoid gate) that runs for every token.
+
+The router's load-balancing loss (config.json's output_router_logits=true, `RouterBalance`) is
+Hugging Face's `load_balancing_loss_func` (Switch Transformer's
+aux = E sum_e f_e P_e, with f_e the share of top-k picks and P_e the mean router probability of
+expert e over all sparse layers' tokens), taken per sample (each packed document) and
+token-weighted over the step:
+
+    step loss = sum_t CE_t / (loss tokens of the step) + coef x sum_s T_s aux_s / (real tokens of the step)
+
+Why per sample: aux is a product of two means, not a sum over tokens, so any definition over a
+group of tokens depends on the group; a sample is the only group no split of the step into ranks
+and micro-batches cuts (packing keeps samples whole), so the update does not depend on the split.
+For a batch of one sample it is exactly the model's own `loss + router_aux_loss_coef x aux_loss`;
+HF's value for a padded batch of several samples instead pools them (and depends on which samples
+share the batch). Pad tokens (the packed row's pad segment, an idle rank's empty micro-batch) are
+no sample and count nowhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from sfttrain.config import ConfigError
+from sfttrain.data.pack import MicroBatch
+
+EXPERTS = ".experts."  # in the name of every routed-expert parameter (and of adapters peft puts on them)
+
+
+@dataclass(frozen=True)
+class Routing:
+    """top_k of num_experts routed experts run per token."""
+    top_k: int
+    num_experts: int
+
+    @property
+    def active_fraction(self) -> float:
+        return self.top_k / self.num_experts
+
+
+def routing(config) -> Routing | None:
+    """The model's routing from its config (a PretrainedConfig or a config.json dict); None for a
+    dense model."""
+    get = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
+    experts = get("num_experts") or get("num_local_experts")  # Qwen-MoE / Mixtral spelling
+    top_k = get("num_experts_per_tok")
+    return Routing(int(top_k), int(experts)) if experts and top_k else None
+
+
+def is_routed_expert(name: str) -> bool:
+    return EXPERTS in f".{name}."
+
+
+def routed_expert_params(model: nn.Module, trainable_only: bool = False) -> int:
+    """Parameters of the routed experts, each counted once (global sizes under FSDP2)."""
+    unique = {id(p): p for name, p in model.named_parameters()
+              if is_routed_expert(name) and (p.requires_grad or not trainable_only)}
+    return sum(p.numel() for p in unique.values())
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """The MoE part of a decoder's config.json: which layers are sparse and how large their experts are."""
+    routing: Routing
+    expert_intermediate: int
+    shared_intermediate: int  # Qwen2-MoE's shared expert; 0: none
+    sparse_layers: int  # layers whose MLP is the experts; the others keep a dense MLP (Qwen's mlp_only_layers)
+
+    @classmethod
+    def from_config(cls, c: dict) -> MoeShape | None:
+        r = routing(c)
+        if r is None:
+            return None
+        layers = c["num_hidden_layers"]
+        step = c.get("decoder_sparse_step") or 1
+        dense = set(c.get("mlp_only_layers") or [])
+        sparse = sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
+        return cls(r, c.get("moe_intermediate_size") or c["intermediate_size"],
+                   c.get("shared_expert_intermediate_size") or 0, sparse)
+
+    def mlp_params(self, hidden: int) -> int:
+        """One sparse layer's MLP: router, experts (gate, up, down each), shared expert and its gate."""
+        r = self.routing
+        shared = 3 * hidden * self.shared_intermediate + hidden if self.shared_intermediate else 0
+        return r.num_experts * hidden + r.num_experts * 3 * hidden * self.expert_intermediate + shared
+
+    def lora_params(self, hidden: int, rank: int) -> int:
+        """One sparse layer's MLP adapters under all-linear (sfttrain.lora): a rank-r pair per expert
+        on gate_up_proj and down_proj, and the shared expert's linears. (peft >= 0.21 doubles
+        gate_up_proj's rank and adapts the router too for some families: a few parameters more.)"""
+        f, s, e = self.expert_intermediate, self.shared_intermediate, self.routing.num_experts
+        experts = rank * e * ((hidden + 2 * f) + (f + hidden))
+        shared = rank * (3 * (hidden + s) + hidden + 1) if s else 0  # gate, up, down; the sigmoid gate D -> 1
+        return experts + shared
+
+    def mlp_activations_per_token(self) -> int:
+        """bf16 values one sparse MLP keeps for backward per token: top_k copies of the token
+        (gate, up and their product per routed expert), the shared expert's, the router's logits."""
+        return (3 * self.routing.top_k * self.expert_intermediate + 3 * self.shared_intermediate
+                + self.routing.num_experts)
+
+
+class RouterBalance:
+    """The router's load-balancing loss of the micro-batches of a step, and the experts' load.
+
+    `record` is called with each training forward's router logits; `take` hands the last
+    micro-batch's sum_s T_s aux_s to its objective (sfttrain.loss.step_objective); `step_stats`
+    hands the step's totals to the trainer's one all-reduce, `metrics` turns them into numbers."""
+
+    def __init__(self, config):
+        self.routing = routing(config)
+        self.coef = float(config.router_aux_loss_coef)
+        self.pending: torch.Tensor | None = None
+        self.aux_sum: torch.Tensor | float = 0.0  # sum over the step's samples of T_s aux_s (this rank's)
+        self.load: torch.Tensor | float = 0.0  # [sparse layers, experts] top-k picks of real tokens
+
+    @classmethod
+    def of(cls, config) -> RouterBalance | None:
+        """For a config with output_router_logits=true (None without)."""
+        if not getattr(config, "output_router_logits", False):
+            return None
+        if routing(config) is None or getattr(config, "router_aux_loss_coef", None) is None:
+            raise ConfigError(f"{config.model_type}: output_router_logits=true but the config names no experts "
+                              "and router_aux_loss_coef; set output_router_logits=false in the model's config.json")
+        return cls(config)
+
+    def record(self, router_logits: tuple[torch.Tensor, ...], batch: MicroBatch) -> None:
+        lengths = batch.cu_seqlens.diff().long()
+        tokens = batch.input_ids.shape[1]
+        samples = len(lengths) if batch.num_samples is None else batch.num_samples
+        # each token's segment; output_size: no device-to-host sync for the result's length
+        segment = torch.repeat_interleave(torch.arange(len(lengths), device=lengths.device), lengths,
+                                          output_size=tokens)
+        real = (segment < samples).float()
+        experts = self.routing.num_experts
+        picks = torch.zeros(len(lengths), experts, device=lengths.device)
+        probs = torch.zeros(len(lengths), experts, device=lengths.device)
+        load = []
+        for logits in router_logits:
+            p = torch.softmax(logits.float(), dim=-1)
+            chosen = torch.zeros_like(p).scatter_(1, p.topk(self.routing.top_k, dim=-1).indices, 1.0)
+            picks.index_add_(0, segment, chosen)
+            probs = probs.index_add(0, segment, p)
+            load.append(real @ chosen)
+        # per sample: E sum_e (picks_e / (L T)) (probs_e / (L T)), weighted by T
+        scale = len(router_logits) ** 2 * lengths.clamp(min=1).float()
+        per_sample = experts * (picks * probs).sum(-1) / scale
+        self.pending = per_sample[:samples].sum()
+        self.aux_sum = self.aux_sum + self.pending.detach()
+        self.load = self.load + torch.stack(load)
+
+    def take(self) -> torch.Tensor:
+        pending, self.pending = self.pending, None
+        return pending
+
+    def step_stats(self, device: torch.device) -> torch.Tensor:
+        """This rank's [sum_s T_s aux_s, load...] of the step (summed over ranks, they are the
+        step's), and a fresh start for the next step."""
+        load = torch.as_tensor(self.load, dtype=torch.float32, device=device).flatten()
+        stats = torch.cat([torch.as_tensor(self.aux_sum, dtype=torch.float32, device=device).reshape(1), load])
+        self.aux_sum, self.load = 0.0, 0.0
+        return stats
+
+    def metrics(self, stats: list[float], real_tokens: int) -> dict:
+        """router_aux: the step's token-weighted mean of aux; expert_load: the busiest expert's
+        picks over the mean expert's, in the most unbalanced layer (1: balanced; E / top_k: all
+        tokens on the same top_k experts)."""
+        load = torch.tensor(stats[1:]).view(-1, self.routing.num_experts)
+        balance = load.max(-1).values / load.mean(-1).clamp(min=1e-9)
+        return {"router_aux": stats[0] / max(real_tokens, 1), "expert_load": balance.max().item()}
+
+
+# How checkpoints store what transformers 5 fuses (its conversion_mapping.py): one linear weight
+# per expert, `experts.{e}.gate_proj.weight` etc.; Mixtral's under `block_sparse_moe` as w1 (gate),
+# w3 (up), w2 (down), its router too. (module rename, gate, up, down)
+PER_EXPERT_LAYOUTS = ((".mlp.", "gate_proj", "up_proj", "down_proj"),
+                      (".block_sparse_moe.", "w1", "w3", "w2"))
+
+
+def read_per_expert(files: dict[str, str], name: str, index: tuple[slice, ...],
+                    read: Callable[[str, str, tuple], torch.Tensor]) -> torch.Tensor | None:
+    """The slice `index` of the model's parameter `name` from a checkpoint that stores its experts
+    one by one (or Mixtral's router under its old name); None when the checkpoint has neither.
+    files: tensor name -> file; read(file, tensor name, index) reads a slice (() : all). Only
+    the experts of `index` (this rank's shard) are read, one at a time."""
+    for module, gate, up, down in PER_EXPERT_LAYOUTS:
+        key = name.replace(".mlp.", module)
+        if key in files:  # renamed only (Mixtral's router)
+            return read(files[key], key, index)
+        prefix, _, param = key.rpartition(".")
+        parts = {"gate_up_proj": (gate, up), "down_proj": (down,)}.get(param)
+        if parts is None or not prefix.endswith(".experts"):
+            continue
+        experts = range(index[0].start, index[0].stop)
+        keys = [[f"{prefix}.{e}.{part}.weight" for part in parts] for e in experts]
+        if not all(k in files for per_expert in keys for k in per_expert):
+            continue
+        if not keys:  # this rank holds no expert of this layer
+            return torch.empty([s.stop - s.start for s in index])
+        # gate_up_proj[e] is gate_proj's [F, D] above up_proj's; down_proj[e] is down_proj's [D, F]
+        return torch.stack([torch.cat([read(files[k], k, ()) for k in per_expert])[index[1:]]
+                            for per_expert in keys])
+    return None
+
+
+FUSED_EXPERTS = ("gate_up_proj", "down_proj")  # transformers 5's 3-D expert parameters
+
+
+def expert_lora_targets(model: nn.Module, cfg) -> tuple[list[str], str | None]:
+    """peft's target_parameters for LoRA on the fused experts (`mlp.experts.gate_up_proj`, ...),
+    and why there are none where a MoE model gets none (None: a dense model, or adapted).
+    all-linear does not reach them (they are no nn.Linear); peft >= 0.17 adapts a 3-D parameter
+    with a rank-r pair per expert (its ParamWrapper, which refuses dropout: a ConfigError)."""
+    if routing(model.config) is None:
+        return [], None
+    # "model.layers.0.mlp.experts.gate_up_proj" -> "mlp.experts.gate_up_proj" (peft matches the end)
+    targets = sorted({".".join(name.replace(".base_layer", "").split(".")[-3:])
+                      for name, p in model.named_parameters()
+                      if is_routed_expert(name) and name.endswith(FUSED_EXPERTS) and p.dim() == 3})
+    if not targets:
+        return [], "this transformers keeps no fused 3-D expert parameters"
+    if cfg.target_modules != "all-linear":
+        return [], f"model.target_modules={cfg.target_modules} names linear layers only; all-linear adds the experts"
+    from peft import LoraConfig
+
+    if "target_parameters" not in LoraConfig.__dataclass_fields__:
+        import peft
+
+        return [], f"peft {peft.__version__} cannot adapt parameters (target_parameters needs peft >= 0.17)"
+    if cfg.lora_dropout:  # peft >= 0.21 adapts the experts under all-linear itself: it would fail later
+        raise ConfigError(f"model.lora_dropout={cfg.lora_dropout} with target_modules=all-linear on "
+                          f"{model.config.model_type}: peft adapts the fused experts only without dropout; set "
+                          "model.lora_dropout=0, or list model.target_modules (the experts then stay frozen)")
+    return targets, None
+
+
+def describe_lora(model: nn.Module, cfg) -> list[str]:
+    """The start-up line on what LoRA adapts in the MoE parts of a model (none for a dense model
+    or without LoRA): the fused experts with their ranks (peft doubles gate_up_proj's where it
+    converts gate_proj + up_proj itself), the routers, or why the experts are not adapted."""
+    if cfg.lora_rank <= 0 or routing(model.config) is None:
+        return []
+    experts, routers = {}, False
+    for name, module in model.named_modules():
+        if not hasattr(module, "lora_A"):
+            continue
+        if getattr(module, "parameter_name", None) in FUSED_EXPERTS:  # peft's ParamWrapper on a 3-D parameter
+            experts[module.parameter_name] = module.r.get("default")
+        routers |= name.endswith(".mlp.gate")
+    router_words = "routers adapted too (peft's choice for this family)" if routers else "routers not adapted"
+    if experts:
+        ranks = ", ".join(f"{param} rank {r}" for param, r in sorted(experts.items()))
+        return [f"  lora on experts     : routed experts adapted per expert ({ranks}; peft target_parameters); "
+                f"{router_words}"]
+    _, reason = expert_lora_targets(model, cfg)
+    return [f"  lora on experts     : routed experts NOT adapted ({reason}); {router_words}"]

@@ -1,12 +1,13 @@
-"""Checkpoint stall: periodic saves with trainer.async_save=true against false, on W1's model.
+"""Checkpoint stall: W1 with a save every --save_freq steps, per save setting, beside the disk's
+own sequential write speed measured in the same call.
 
 Runs W1 (recipe w1_qwen2.5-0.5b.yaml, eager so that start-up is short) through torchrun on
---gpus GPUs, saving every --save_freq steps, once per setting, and prints per setting what each
-checkpoint's metrics.jsonl record says (bytes, seconds the loop stalled, seconds until written,
-GB/s, seconds to commit) and the median step time of the steps with and without a save in
-flight, as JSON lines.
+--gpus GPUs once per setting of SETTINGS, and prints per setting (as JSON lines) the periodic
+saves' median stall, the step after a save against the median step, and the write GB/s against
+the disk's (`dd oflag=direct` into the run folder's filesystem, before the runs).
 
-    python3 -m bench.async_ckpt --data assets/data/gsm8k/train.jsonl --out ckpt.jsonl [--gpus 2]
+    python3 -m bench.async_ckpt --out ckpt.jsonl [--gpus 2] [--setting async_pinned ...]
+    python3 -m bench.async_ckpt --tiny --out /tmp/ckpt.jsonl   # CPU smoke run: tiny model, a few steps
 """
 
 import argparse
@@ -15,6 +16,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -22,27 +24,61 @@ from bench.common import add_sfttrain_args, emit
 from bench.sfttrain_w1 import RECIPE, prepare
 
 SAVE_KEYS = ("step", "async", "bytes", "stall_s", "written_s", "commit_s", "gb_per_s")  # of a checkpoint record
+# name -> the save keys it runs with
+SETTINGS = {
+    "async_pinned": ["trainer.async_save=true", "trainer.async_save_pinned=true", "trainer.save_thread_count=4"],
+    "async_pageable_1thread": ["trainer.async_save=true", "trainer.async_save_pinned=false",
+                               "trainer.save_thread_count=1"],
+    "sync": ["trainer.async_save=false", "trainer.save_thread_count=4"],
+}
+TINY = ["trainer.device=cpu", "data.train_batch_size=2", "data.max_token_len_per_gpu=1024", "data.max_length=256",
+        "model.fsdp_config.mixed_precision=false"]
 
 
-def run(setting: bool, args, model_dir: str, parquet: str) -> dict:
-    run_dir = os.path.join(args.work, "runs", f"async_{setting}_{args.gpus}gpu")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gpus}",
-           "-m", "sfttrain.run", RECIPE, f"model.partial_pretrain={model_dir}", f"data.train_files={parquet}",
-           f"trainer.default_local_dir={run_dir}", "trainer.resume_mode=disable", "model.compile=false",
-           f"trainer.total_training_steps={args.steps}", f"trainer.save_freq={args.save_freq}",
-           f"trainer.async_save={str(setting).lower()}", "trainer.log_freq=5", *args.override]
+def disk_write_gb_per_s(folder: str, gigabytes: float) -> dict:
+    """Sequential write speed of the filesystem holding `folder`: dd with O_DIRECT (the page cache
+    would measure memory), fsynced; without O_DIRECT where the filesystem refuses it (tmpfs)."""
+    os.makedirs(folder, exist_ok=True)
+    target = os.path.join(folder, "dd.bin")
+    count = max(1, round(gigabytes * 1024 / 64))
+    for flags in (["oflag=direct"], []):
+        start = time.perf_counter()
+        done = subprocess.run(["dd", "if=/dev/zero", f"of={target}", "bs=64M", f"count={count}", "conv=fsync", *flags],
+                              capture_output=True, text=True)
+        seconds = time.perf_counter() - start
+        if done.returncode == 0:
+            os.remove(target)
+            return {"disk_gb_per_s": round(count * 64 * 2**20 / 1e9 / seconds, 3), "dd_flags": flags,
+                    "dd_bytes": count * 64 * 2**20}
+    raise RuntimeError(f"dd into {folder} failed: {done.stderr.strip()}")
+
+
+def run(name: str, args, model_dir: str, parquet: str, disk: dict) -> dict:
+    run_dir = os.path.join(args.work, "runs", f"{name}_{args.gpus}gpu")
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gpus}"] if args.gpus > 1 else []
+    cmd = [sys.executable, *launcher, "-m", "sfttrain.run", RECIPE, f"model.partial_pretrain={model_dir}",
+           f"data.train_files={parquet}", f"trainer.default_local_dir={run_dir}", "trainer.resume_mode=disable",
+           "model.compile=false", f"trainer.total_training_steps={args.steps}", f"trainer.save_freq={args.save_freq}",
+           "trainer.log_freq=5", *SETTINGS[name], *(TINY if args.tiny else []), *args.override]
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, env={**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1"})
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
-    saves = [m for m in records if m.get("event") == "checkpoint"]
+    periodic = [m for m in records if m.get("event") == "checkpoint" and m["step"] < args.steps]
     times = {m["step"]: m["step_time_s"] for m in records if "loss" in m and m["step"] > 2}
-    after_save = {s + 1 for s in range(args.save_freq, args.steps, args.save_freq)}  # a write in flight
-    return {"async_save": setting, "gpus": args.gpus, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    after_save = {m["step"] + 1 for m in periodic}
+    median_step = statistics.median(times.values())
+    after = statistics.median([t for s, t in times.items() if s in after_save])
+    write = statistics.median([m["gb_per_s"] for m in periodic])
+    return {"setting": name, "overrides": SETTINGS[name], "gpus": args.gpus,
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.tiny else "cpu",
             "torch": torch.__version__, "steps": args.steps, "save_freq": args.save_freq,
-            "saves": [{k: m[k] for k in SAVE_KEYS} for m in saves],
-            "median_step_s_after_save": statistics.median([t for s, t in times.items() if s in after_save]),
-            "median_step_s_other": statistics.median([t for s, t in times.items() if s not in after_save])}
+            "stall_s_median": round(statistics.median([m["stall_s"] for m in periodic]), 3),
+            "step_after_save_s_median": round(after, 4), "step_s_median": round(median_step, 4),
+            "step_after_save_vs_median": round(after / median_step, 3),
+            "write_gb_per_s_median": round(write, 3), **disk,
+            "write_vs_disk": round(write / disk["disk_gb_per_s"], 3),
+            "saves": [{k: m[k] for k in SAVE_KEYS} for m in periodic]}
 
 
 def main() -> None:
@@ -51,11 +87,21 @@ def main() -> None:
     p.add_argument("--gpus", type=int, default=1)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--save_freq", type=int, default=10)
-    p.add_argument("--tiny", action="store_true", help="CPU-sized model (still needs CUDA)")
+    p.add_argument("--setting", nargs="*", default=list(SETTINGS), choices=list(SETTINGS))
+    p.add_argument("--dd_gb", type=float, default=8.0, help="GB dd writes to measure the disk")
+    p.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny model, 5 steps, a save every 2")
     args = p.parse_args()
+    if args.tiny:
+        args.steps, args.save_freq, args.dd_gb, args.rows = 5, 2, 0.0625, args.rows or 16
     model_dir, parquet = prepare(args)
-    for setting in (True, False):
-        emit(run(setting, args, model_dir, parquet), args.out)
+    disk = disk_write_gb_per_s(os.path.join(args.work, "runs"), args.dd_gb)
+    print(f"disk: {disk['disk_gb_per_s']} GB/s sequential write ({' '.join(disk['dd_flags']) or 'page cache'})")
+    for name in args.setting:
+        result = run(name, args, model_dir, parquet, disk)
+        emit(result, args.out)
+        print(f"{name}: stall {result['stall_s_median']} s per periodic save (median), step after a save "
+              f"{result['step_after_save_vs_median']}x the median step, writes {result['write_gb_per_s_median']} "
+              f"GB/s = {result['write_vs_disk']:.0%} of the disk's {disk['disk_gb_per_s']} GB/s", flush=True)
 
 
 if __name__ == "__main__":

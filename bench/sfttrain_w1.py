@@ -41,10 +41,12 @@ VARIANTS = {
 }
 
 
-def prepare(args) -> tuple[str, str]:
+def prepare(args, saved_weights: bool = False) -> tuple[str, str]:
+    """The W1 model folder and Parquet in args.work. saved_weights: the folder gets weights (for
+    LoRA to adapt); otherwise a config only (the runs draw them with model.random_init)."""
     model_dir, parquet = os.path.join(args.work, "model"), os.path.join(args.work, "train.parquet")
     os.makedirs(model_dir, exist_ok=True)
-    if any(name.startswith("lora") for name in args.variant):
+    if saved_weights:
         # the weights W1 draws (seed 0, fp32, as bench.trl_w1 builds them), saved for LoRA to adapt
         build_model(model_config(tiny=args.tiny), "cpu").save_pretrained(model_dir)
     else:
@@ -100,7 +102,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny model")
     args = p.parse_args()
-    model_dir, parquet = prepare(args)
+    model_dir, parquet = prepare(args, saved_weights=any(name.startswith("lora") for name in args.variant))
     for name in args.variant:
         try:
             emit(run_variant(name, args, model_dir, parquet), args.out)

@@ -133,6 +133,10 @@ class TrainerConfig:
     save_freq: int = -1  # checkpoint every N steps (and always at the end); -1: only at the end
     max_ckpt_to_keep: Optional[int] = None  # None keeps all (counts committed checkpoints only)
     async_save: bool = True  # periodic saves written in the background from a host copy (+1 model/optimizer shard in RAM)
+    # CUDA, async_save: stage into pinned host buffers allocated once and reused by every save (no allocation
+    # per save, the device-to-host copy at full speed; the buffers stay allocated for the run)
+    async_save_pinned: bool = True
+    save_thread_count: int = 4  # writer threads per rank for a checkpoint's DCP shards (one file each)
     resume_mode: str = "auto"  # auto | disable | resume_path
     resume_from_path: Optional[str] = None  # a checkpoint, or a run folder (its latest checkpoint)
     save_hf: bool = False  # at the end of training, also export the model to <final checkpoint>/huggingface
@@ -380,6 +384,8 @@ def validate(cfg: Config) -> None:
     _choice("trainer.resume_mode", t.resume_mode, ("auto", "disable", "resume_path"))
     if t.resume_mode == "resume_path" and not t.resume_from_path:
         raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
+    if t.save_thread_count < 1:
+        raise ConfigError(f"trainer.save_thread_count must be >= 1, got {t.save_thread_count}")
     _choice("trainer.device", t.device, ("auto", "cuda", "cpu"))
     if t.nccl_timeout <= 0:
         raise ConfigError(f"trainer.nccl_timeout must be a positive number of seconds, got {t.nccl_timeout}; "

@@ -11,12 +11,17 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import socket
+import time
+import uuid
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from sfttrain.checkpoint_folder import write_synced
 from sfttrain.config import Config, ConfigError, shard_group_size
 
 
@@ -166,3 +171,49 @@ def shutdown(world: World) -> None:
     # checkpoint write can abort with "terminate called without an active exception".
     barrier(world)
     dist.destroy_process_group()
+
+
+def check_shared_run_dir(run_dir: str, world: World, patience_s: float = 10.0) -> None:
+    """Collective, at start-up: every rank must see the run folder rank 0 writes to (checkpoints are
+    written by all ranks into one folder and committed by rank 0). Rank 0 writes a file with a
+    fresh token; a rank that cannot read that token there (a node-local disk, or a path that
+    resolves differently on its node) makes every rank stop with a ConfigError naming it. A
+    rank waits up to patience_s for the file, for network filesystems' attribute caches."""
+    box = [_write_probe(run_dir) if world.is_main else None]
+    dist.broadcast_object_list(box, src=0)  # after rank 0's write: the others look for it now
+    token, error = box[0]
+    if error is not None:
+        raise ConfigError(f"trainer.default_local_dir={run_dir!r} cannot be written: {error}")
+    probe = os.path.join(run_dir, f".shared-check-{token}")
+    deadline = time.monotonic() + patience_s
+    while not _reads(probe, token) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    seen = [None] * world.world_size
+    dist.all_gather_object(seen, (_reads(probe, token), socket.gethostname(), os.path.abspath(run_dir)))
+    if world.is_main:
+        os.remove(probe)
+    blind = [f"rank {r} on {host} ({path})" for r, (ok, host, path) in enumerate(seen) if not ok]
+    if blind:
+        raise ConfigError(f"trainer.default_local_dir={run_dir!r} is not one folder shared by every node: "
+                          f"rank 0 on {seen[0][1]} wrote a file into {seen[0][2]} that {', '.join(blind[:4])} "
+                          "cannot see. Put the run folder on storage every node mounts (not a node-local "
+                          "disk such as /tmp or $TMPDIR), with a path that names it on every node")
+
+
+def _write_probe(run_dir: str) -> tuple[Optional[str], Optional[str]]:
+    """(token, None) once the probe file holds it, or (None, why it could not be written)."""
+    token = uuid.uuid4().hex
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        write_synced(os.path.join(run_dir, f".shared-check-{token}"), token)
+    except OSError as e:
+        return None, str(e)
+    return token, None
+
+
+def _reads(path: str, token: str) -> bool:
+    try:
+        with open(path) as f:
+            return f.read() == token
+    except OSError:
+        return False

@@ -5,6 +5,8 @@ under torchrun it is each rank's `exitcode` in the failure summary):
     3  data error: a data file or row (DataError)
     4  non-finite loss or grad norm; the update was not applied (NonFiniteLossError)
     5  missing dependency that the config asks for, e.g. wandb (DependencyError)
+    6  a checkpoint could not be saved, e.g. a full disk; nothing of it was committed (CheckpointError)
+    7  the Hugging Face export of a committed checkpoint failed (ExportError)
 
 Anything else is a bug in sfttrain and ends with its traceback (exit code 1).
 This module imports nothing, so the entry point can classify errors before torch loads.
@@ -39,3 +41,15 @@ class DependencyError(ConfigError):
     """The config asks for a package that is not installed (or does not import)."""
     exit_code = 5
     kind = "missing dependency"
+
+
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint could not be saved (a full disk, most often); nothing of it was committed."""
+    exit_code = 6
+    kind = "checkpoint not saved"
+
+
+class ExportError(UserError, RuntimeError):
+    """The Hugging Face export of a committed checkpoint failed; the checkpoint itself resumes."""
+    exit_code = 7
+    kind = "export failed"

@@ -22,6 +22,7 @@ base is read from the checkpoint's model.partial_pretrain, or from --base.
 from __future__ import annotations
 
 import argparse
+import datetime
 import gc
 import json
 import math
@@ -32,19 +33,27 @@ import warnings
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from sfttrain import lora
+from sfttrain.checkpoint_folder import fsync_dir, read_state, resolve, runs
 from sfttrain.config import ModelConfig
-from sfttrain.model import DTYPE
+from sfttrain.dtypes import DTYPE, HF_NAMES
+from sfttrain.errors import ConfigError, ExportError
+from sfttrain.hub import local_model_path
 from transformers.utils.hub import convert_file_size_to_int  # "5GB" -> bytes, as save_pretrained reads it
 
 MODEL_PREFIX = "model."  # the DCP state dict is {"model": hf_state_dict, "optim": ...}
-HF_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 LOAD_BUDGET_BYTES = 1 << 30  # checkpoint bytes read per dcp.load call
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 ADAPTER_DIR = "adapter"  # a LoRA export's peft adapter folder, inside the merged model's folder
+HF_EXPORT_DIR = "huggingface"  # trainer.save_hf's export, inside the final checkpoint
+# a LoRA merge runs on rank 0 alone (minutes for a large base) while the others wait for it on a
+# group of this timeout, not on the training's collective timeout
+EXPORT_TIMEOUT = datetime.timedelta(hours=6)
 
 
 def model_tensors(checkpoint_dir: str) -> list[tuple[str, TensorStorageMetadata]]:
@@ -165,6 +174,42 @@ def export(checkpoint_dir: str, out_dir: str, dtype: str = "auto", max_shard_siz
         _write_metadata_files(hf_dir, out_dir, final_dtype)
 
 
+def into_checkpoint(checkpoint_dir: str, rank: int, world_size: int, trust_remote_code: bool,
+                    base_dir: Optional[str]) -> str:
+    """Collective (trainer.save_hf): exports a committed checkpoint into its `huggingface/`, written
+    as a temporary folder and renamed into place. The ranks wait for each other on a group with
+    the export's own long timeout (a LoRA merge runs on rank 0 alone). Any rank's failure raises
+    ExportError on every rank; the checkpoint stays committed. Returns the exported folder."""
+    out = os.path.join(checkpoint_dir, HF_EXPORT_DIR)
+    tmp = os.path.join(checkpoint_dir, f".{HF_EXPORT_DIR}.tmp")
+    group = dist.new_group(backend="gloo", timeout=EXPORT_TIMEOUT)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # a failed export's debris
+    dist.barrier(group=group)
+    error = None
+    try:
+        export(checkpoint_dir, tmp, rank=rank, world_size=world_size, trust_remote_code=trust_remote_code,
+               base_dir=base_dir)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank learns of it below
+        error = f"rank {rank}: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[-1]}"[:400]
+    errors = [None] * world_size
+    dist.all_gather_object(errors, error, group=group)
+    failed = [e for e in errors if e is not None]
+    if not failed and rank == 0:
+        os.replace(tmp, out)
+        fsync_dir(checkpoint_dir)
+    elif rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier(group=group)  # the export is in place (or gone) for every rank
+    dist.destroy_process_group(group)
+    if failed:
+        base = f" --base {base_dir}" if base_dir else ""
+        raise ExportError(f"the Hugging Face export of {checkpoint_dir} failed ({'; '.join(failed)}). The checkpoint "
+                          "itself is committed: run the same command again (it resumes there and exports it), or "
+                          f"export it with `python -m sfttrain.export {checkpoint_dir} OUT_DIR{base}`")
+    return out
+
+
 def export_lora(checkpoint_dir: str, out_dir: str, dtype: str = "auto", max_shard_size: str | int = "5GB",
                 trust_remote_code: bool = False, base_dir: Optional[str] = None) -> None:
     """A LoRA checkpoint (adapters only) on its base model (model.partial_pretrain, or base_dir):
@@ -172,10 +217,13 @@ def export_lora(checkpoint_dir: str, out_dir: str, dtype: str = "auto", max_shar
     (`peft.PeftModel.from_pretrained(base, out_dir/adapter)`). The merge is done in fp32 on the
     CPU, so it holds the whole base model in fp32 (4 bytes per parameter)."""
     cfg = checkpoint_model_config(checkpoint_dir)
-    base_dir = base_dir or cfg.partial_pretrain
+    name = base_dir or cfg.partial_pretrain
+    base_dir = base_dir or local_model_path(cfg.partial_pretrain)  # a hub id: its snapshot in the local cache
     if not os.path.isfile(os.path.join(base_dir, "config.json")):
         raise FileNotFoundError(f"{checkpoint_dir} holds LoRA adapters only; their base model {base_dir!r} "
                                 "(model.partial_pretrain) is not a model folder here: pass --base DIR")
+    lora.check_base(read_state(checkpoint_dir).get("base"), lora.base_identity(name, base_dir),
+                    f"exporting {checkpoint_dir}")
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, trust_remote_code=trust_remote_code)
@@ -249,9 +297,6 @@ def _umask() -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    from sfttrain.checkpoint import resolve
-    from sfttrain.config import ConfigError
-
     p = argparse.ArgumentParser(prog="python -m sfttrain.export", description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint_dir", help="a global_step_N folder, or a run folder (its latest complete checkpoint)")
     p.add_argument("out_dir", help="the Hugging Face folder to create (must not exist or be empty)")
@@ -269,13 +314,23 @@ def main(argv: Optional[list[str]] = None) -> None:
         ckpt = resolve(args.checkpoint_dir)
     except ConfigError as e:
         sys.exit(f"sfttrain.export: {e}")
+    by_run = runs(os.path.abspath(args.checkpoint_dir))
+    if len(by_run) > 1:
+        print(f"sfttrain.export: {args.checkpoint_dir} holds the checkpoints of {len(by_run)} runs "
+              f"({', '.join(f'{run}: steps {steps}' for run, steps in by_run.items())}); exporting the latest of the "
+              f"run that saved last (id {list(by_run)[-1]}), {os.path.basename(ckpt)}. Give a global_step_N folder "
+              "to export another", flush=True)
     out = os.path.abspath(args.out_dir)
     if os.path.isdir(out) and os.listdir(out):
         sys.exit(f"sfttrain.export: {out} exists and is not empty; choose a new folder")
     tmp = out.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    export(ckpt, tmp, dtype=args.dtype, max_shard_size=args.max_shard_size, trust_remote_code=args.trust_remote_code,
-           base_dir=args.base)
+    try:
+        export(ckpt, tmp, dtype=args.dtype, max_shard_size=args.max_shard_size,
+               trust_remote_code=args.trust_remote_code, base_dir=args.base)
+    except ConfigError as e:  # e.g. a LoRA checkpoint onto another base
+        shutil.rmtree(tmp, ignore_errors=True)
+        sys.exit(f"sfttrain.export: {e}")
     if os.path.isdir(out):
         os.rmdir(out)
     os.replace(tmp, out)  # the folder appears complete or not at all

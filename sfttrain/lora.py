@@ -13,12 +13,17 @@ policy casts both to bf16 for the all-gather, and only the adapters get gradient
 reduced in fp32, so the group's all-gather and reduce-scatter each see one dtype.
 
 Checkpoints hold the trainable weights only (`sfttrain.checkpoint`); the base is
-model.partial_pretrain's. `sfttrain.export` writes a peft adapter folder and a merged model.
+model.partial_pretrain's, recorded by `base_identity` (name, hub revision, weight files' names and
+sizes): a resume or an export onto another base is refused (`check_base`). `sfttrain.export`
+writes a peft adapter folder and a merged model.
 """
 
 from __future__ import annotations
 
+import glob
+import hashlib
 import math
+import os
 import re
 import warnings
 
@@ -27,6 +32,7 @@ from torch import nn
 
 from sfttrain import moe
 from sfttrain.config import ConfigError, ModelConfig, mixed_precision_dtypes
+from sfttrain.dtypes import DTYPE
 
 ALL_LINEAR = "all-linear"  # peft's spelling: every nn.Linear except the output layer
 
@@ -34,13 +40,7 @@ ALL_LINEAR = "all-linear"  # peft's spelling: every nn.Linear except the output 
 def base_dtype(cfg: ModelConfig) -> torch.dtype:
     """The frozen base's dtype: the compute dtype (mixed precision's param dtype, else model_dtype)."""
     dtypes = mixed_precision_dtypes(cfg.fsdp_config)
-    return _dtypes()[dtypes[0] if dtypes else cfg.fsdp_config.model_dtype]
-
-
-def _dtypes() -> dict:
-    from sfttrain.model import DTYPE  # sfttrain.model applies LoRA: imported late, no import circle
-
-    return DTYPE
+    return DTYPE[dtypes[0] if dtypes else cfg.fsdp_config.model_dtype]
 
 
 def lora_config(cfg: ModelConfig, target_modules, target_parameters: list[str] | None = None):
@@ -87,7 +87,7 @@ def describe(cfg: ModelConfig) -> list[str]:
     """The start-up line for LoRA (none without it)."""
     if cfg.lora_rank <= 0:
         return []
-    base = {v: k for k, v in _dtypes().items()}[base_dtype(cfg)]
+    base = {v: k for k, v in DTYPE.items()}[base_dtype(cfg)]
     return [f"  lora                : rank {cfg.lora_rank}, alpha {cfg.lora_alpha} (scale "
             f"{cfg.lora_alpha / cfg.lora_rank:g}), targets {cfg.target_modules}, dropout {cfg.lora_dropout}; "
             f"frozen base in {base}, adapters and AdamW state in fp32"]
@@ -133,3 +133,43 @@ def init_adapter(name: str, module: nn.Module) -> None:
         nn.init.zeros_(module.weight)
     else:
         nn.init.kaiming_uniform_(module.weight, a=math.sqrt(5))
+
+
+def base_identity(name: str, folder: str) -> dict:
+    """Which base a LoRA checkpoint adapts: model.partial_pretrain as given, the hub revision (the
+    snapshot's commit, for a folder in the hub cache) and a cheap fingerprint of the weights: per
+    weight or index file its size and a digest of three small samples of its bytes (start,
+    middle, end), so another base of the same shapes differs too, for a few hundred KB read."""
+    folder = os.path.abspath(folder)
+    in_hub_cache = os.path.basename(os.path.dirname(folder)) == "snapshots"
+    files = {os.path.basename(f): _file_fingerprint(f) for pattern in ("*.safetensors", "*.bin", "*.index.json")
+             for f in sorted(glob.glob(os.path.join(folder, pattern)))}
+    return {"name": name, "revision": os.path.basename(folder) if in_hub_cache else None, "files": files}
+
+
+def _file_fingerprint(path: str, sample: int = 1 << 16) -> list:
+    size = os.path.getsize(path)
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for offset in sorted({0, max(0, size // 2 - sample // 2), max(0, size - sample)}):
+            f.seek(offset)
+            digest.update(f.read(sample))
+    return [size, digest.hexdigest()[:16]]
+
+
+def check_base(saved: dict | None, current: dict, what: str) -> None:
+    """Refuses `what` (a resume, an export) of adapters trained on `saved` onto the base `current`."""
+    if saved is None:  # written before checkpoints recorded their base
+        return
+    revisions = saved["revision"] and current["revision"] and saved["revision"] != current["revision"]
+    if saved["files"] == current["files"] and not revisions:
+        return
+    changed = sorted(name for name in set(saved["files"]) | set(current["files"])
+                     if saved["files"].get(name) != current["files"].get(name))
+    raise ConfigError(f"{what}: the LoRA adapters were trained on {_named(saved)}, but the base here is "
+                      f"{_named(current)}, another model (weight files that differ: {changed[:4]}). Adapters "
+                      "on another base compute something else: use the base they were trained on")
+
+
+def _named(identity: dict) -> str:
+    return identity["name"] + (f" (revision {identity['revision']})" if identity["revision"] else "")

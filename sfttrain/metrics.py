@@ -21,6 +21,9 @@ from sfttrain.config import Config, logger_names, to_yaml
 from sfttrain.errors import DependencyError
 from sfttrain.flops import ModelShape, mfu, peak_flops
 
+METRICS = "metrics.jsonl"
+REWOUND = "metrics_rewound.jsonl"
+
 
 class StepEnd:
     """The end of a step's work on the device: the step's numbers, copied to host memory behind
@@ -178,7 +181,7 @@ class MetricsLogger:
         os.makedirs(run_dir, exist_ok=True)
         with open(os.path.join(run_dir, "config.yaml"), "w") as f:
             f.write(to_yaml(cfg))
-        self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+        self.jsonl = open(os.path.join(run_dir, METRICS), "a")
         self.progress = ProgressBar(start_step, total_steps, interactive=sys.stderr.isatty())
         if "wandb" in logger_names(cfg.trainer):
             self._init_wandb(cfg, run_dir)
@@ -238,3 +241,34 @@ def format_line(record: dict, total_steps: int) -> str:
             v = record[k]
             parts.append(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}")
     return " | ".join(parts)
+
+
+def rewind_metrics(run_dir: str, step: int, note: Optional[dict] = None) -> None:
+    """Makes metrics.jsonl the history of the state being resumed: records of steps after `step`
+    (logged by an attempt that crashed or was stopped after its last checkpoint; the resumed run
+    logs those steps again) and a torn last line move to metrics_rewound.jsonl; `note` is appended."""
+    path = os.path.join(run_dir, METRICS)
+    if not os.path.isfile(path):
+        return
+    keep, dropped = [], []
+    with open(path) as f:
+        for line in f:
+            try:
+                record = json.loads(line) if line.endswith("\n") else None
+            except json.JSONDecodeError:
+                record = None
+            ok = isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step
+            (keep if ok else dropped).append(line if line.endswith("\n") else line + "\n")
+    if note is not None:
+        keep.append(json.dumps(note) + "\n")
+    if not dropped and note is None:
+        return
+    if dropped:
+        with open(os.path.join(run_dir, REWOUND), "a") as f:
+            f.writelines(dropped)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.writelines(keep)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

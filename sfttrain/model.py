@@ -13,9 +13,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from sfttrain import attention, experts, lora, weights
 from sfttrain.config import Config, ConfigError, ModelConfig
+from sfttrain.dtypes import DTYPE
 from sfttrain.hub import local_model_path
-
-DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def load_tokenizer(cfg: ModelConfig, chat_template: str | None = None):

@@ -3,23 +3,25 @@
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from sfttrain import checkpoint, lora, moe, phase
+from sfttrain import checkpoint, export, lora, moe, phase
 from sfttrain.attention import fallback_warning
+from sfttrain.checkpoint_folder import complete_checkpoints, is_complete, remove_stale_tmp
 from sfttrain.config import Config, as_list
 from sfttrain.data.chat import build_renderer, resolve_chat_template
 from sfttrain.data.loader import StepBatch, TrainData, render_share, step_batches, validation_batches
-from sfttrain.data.pack import max_segment_length
 from sfttrain.data.files import open_source
+from sfttrain.data.pack import max_segment_length
 from sfttrain.data.parquet import row_fields
 from sfttrain.data.prepare import prepare_train_data
 from sfttrain.data.report import describe
-from sfttrain.distributed import World
+from sfttrain.distributed import World, check_shared_run_dir
 from sfttrain.errors import NonFiniteLossError
 from sfttrain.flops import ModelShape
 from sfttrain.loss import CausalLMLoss, router_metrics, router_stats, select_chunk_loss, step_objective
@@ -28,6 +30,7 @@ from sfttrain.metrics import (MetricsLogger, StepEnd, StepTimer, describe_host_m
 from sfttrain.model import check_max_length, load_model, load_tokenizer, local_model_folder
 from sfttrain.optim import build_optimizer, build_scheduler, clipped_step, schedule_settings, warmup_steps
 from sfttrain.parallel import describe_compile, describe_sharding, gradient_sync, parallelize
+from sfttrain.resume import check_resume, find_resume
 from sfttrain.rope import check_rope
 
 
@@ -47,7 +50,7 @@ class FSDPSFTTrainer:
         self.cfg, self.world = cfg, world
         d, t = cfg.data, cfg.trainer
         self.run_dir = t.default_local_dir
-        checkpoint.check_shared_run_dir(self.run_dir, world)  # every node writes its shards there
+        check_shared_run_dir(self.run_dir, world)  # every node writes its shards there
 
         # data first: a bad file, column or batch size fails before the model is loaded
         folder = local_model_folder(cfg.model)
@@ -58,12 +61,14 @@ class FSDPSFTTrainer:
         train_source = open_source(as_list(d.train_files), fields, self.run_dir)
         prepared = prepare_train_data(cfg, train_source, renderer, self.tokenizer, world, self.run_dir)
         self.plan, self.data_report = prepared.plan, prepared.report  # every row rendered, or stopped here
+        restored = remove_stale_tmp(self.run_dir) if world.is_main else []
+        resume = find_resume(t, self.run_dir)
+        base = lora.base_identity(cfg.model.partial_pretrain, folder) if cfg.model.lora_rank > 0 else None
         self.state = checkpoint.TrainState(global_batch=d.train_batch_size, seed=t.seed, data=prepared.fingerprint,
-                                           schedule=schedule_settings(cfg.optim, self.plan.total_steps))
-        if world.is_main:
-            checkpoint.remove_stale_tmp(self.run_dir)
-        resume_from = checkpoint.find_resume(t, self.run_dir)
-        resume_notes = checkpoint.check_resume(resume_from, cfg, self.state) if resume_from else []
+                                           schedule=schedule_settings(cfg.optim, self.plan.total_steps),
+                                           run_id=resume.run_id, base=base)
+        resume_from = resume.path
+        resume_notes = restored + resume.notes + (check_resume(resume_from, cfg, self.state) if resume_from else [])
         val_samples = None
         if d.val_files:
             val_samples = render_share(open_source(as_list(d.val_files), fields, self.run_dir),
@@ -92,7 +97,7 @@ class FSDPSFTTrainer:
                                          self.state)
         self.logger = MetricsLogger(cfg, self.run_dir, world.is_main, self.plan.total_steps, self.state.step,
                                     wandb_id=self.state.wandb_id)
-        self.checkpointer = checkpoint.Checkpointer(self.run_dir, world, cfg, report=self.logger.event)
+        self.checkpointer = checkpoint.Checkpointer(self.run_dir, world, cfg, resume.run_id, report=self.logger.event)
         self.timer = StepTimer(world.device)
         self._print_startup(resume_from, resume_notes)
 
@@ -120,7 +125,8 @@ class FSDPSFTTrainer:
             f"{warmup_steps(cfg.optim, self.plan.total_steps)} warmup steps",
             f"  run folder          : {self.run_dir}",
             describe(self.data_report),
-            f"  resume              : {resume_from or 'fresh start'} (step {self.state.step})",
+            f"  resume              : {resume_from or 'fresh start'} (step {self.state.step}, run id "
+            f"{self.state.run_id})",
             *(f"    {note}" for note in resume_notes),
             f"  host memory         : {describe_host_memory(self._host_memory_per_rank())}",
         ]
@@ -163,6 +169,9 @@ class FSDPSFTTrainer:
                 self.save()
             if validate or save:
                 self.timer.restart()  # not training time; logging and data waits are (the next step's)
+        self.checkpointer.close()
+        if t.save_hf:
+            self.export_hf()
         self.logger.close()
 
     def step(self, batch: StepBatch, data_wait: float, previous: QueuedStep | None) -> QueuedStep:
@@ -206,6 +215,7 @@ class FSDPSFTTrainer:
         batch = queued.batch
         loss = total / max(batch.num_loss_tokens, 1)
         if not stepped:
+            self.checkpointer.wait()  # an earlier, finite step's save in flight commits first
             raise NonFiniteLossError(
                 f"non-finite loss ({loss}) or grad norm ({grad_norm}) at step {queued.step} "
                 f"(epoch {batch.epoch}); the update was NOT applied. Rows of this step: {batch.rows[:16]}... "
@@ -218,7 +228,7 @@ class FSDPSFTTrainer:
         self.logger.log(queued.step, metrics)
 
     def _restart_hint(self) -> str:
-        saved = checkpoint.complete_checkpoints(self.run_dir)
+        saved = complete_checkpoints(self.run_dir, self.state.run_id)
         if saved:
             return f"then resume from {saved[-1][1]} (trainer.resume_mode=auto does)."
         return "no checkpoint was written yet, so the run restarts from the beginning."
@@ -239,4 +249,16 @@ class FSDPSFTTrainer:
         phase.enter(f"the save of step {self.state.step}")
         final = self.state.step == self.plan.total_steps
         self.checkpointer.save(self.state, self.lm.model, self.optimizer, self.tokenizer,
-                               wandb_id=self.logger.wandb_id, final=final, export_hf=self.cfg.trainer.save_hf and final)
+                               wandb_id=self.logger.wandb_id, final=final)
+
+    def export_hf(self) -> None:
+        """trainer.save_hf: the final checkpoint, once committed, is exported into its huggingface/;
+        also when a resume finds it committed without one (its export had failed)."""
+        final = os.path.join(self.run_dir, f"global_step_{self.plan.total_steps}")
+        if not is_complete(final) or os.path.isdir(os.path.join(final, export.HF_EXPORT_DIR)):
+            return
+        phase.enter(f"the Hugging Face export of {final}")
+        base = local_model_folder(self.cfg.model) if self.cfg.model.lora_rank > 0 else None
+        out = export.into_checkpoint(final, self.world.rank, self.world.world_size,
+                                     self.cfg.model.trust_remote_code, base)
+        self.logger.info(f"exported the final model to {out}")

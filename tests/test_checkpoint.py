@@ -30,8 +30,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from sfttrain import checkpoint
+from sfttrain import checkpoint, checkpoint_folder, resume
 from sfttrain.config import ConfigError, TrainerConfig, load_config
+from sfttrain.metrics import REWOUND
 from tests.conftest import (BASE_OVERRIDES, LINEAR_ADAM, STORIES, kill_job, launch, read_metrics, run_sfttrain,
                             update_error)
 
@@ -64,7 +65,7 @@ def ref(data, tmp_path_factory) -> Path:
     """The uninterrupted run: a checkpoint after every step, all kept; wandb (offline) on."""
     run_dir = tmp_path_factory.mktemp("ref") / "run"
     run_sfttrain(2, job(data, run_dir, "trainer.save_freq=1", "trainer.logger=[console,wandb]"))
-    assert [s for s, _ in checkpoint.complete_checkpoints(str(run_dir))] == list(range(1, TOTAL + 1))
+    assert [s for s, _ in checkpoint_folder.complete_checkpoints(str(run_dir))] == list(range(1, TOTAL + 1))
     return run_dir
 
 
@@ -145,20 +146,25 @@ def trainer_state(ckpt: Path) -> dict:
 @pytest.fixture(scope="module")
 def resumed_mid_epoch(data, ref, tmp_path_factory) -> Path:
     """A run folder as a crash leaves it: checkpoints 1..4 (from an earlier attempt of the same
-    job), metrics logged up to step 5, and a half-written save of step 5. Then `auto` resume with
-    max_ckpt_to_keep=2."""
+    job), metrics logged up to step 5, and a half-written save of step 5. Step 4 is as a crash in
+    the middle of replacing it by a new save of step 4 leaves it: the committed one set aside
+    (`.global_step_4.old`), the new one complete in its `.tmp` but not renamed in. Then `auto`
+    resume with max_ckpt_to_keep=2: step 4 is put back and resumed from."""
     run_dir = tmp_path_factory.mktemp("mid") / "run"
     run_dir.mkdir()
-    for step in range(1, 5):
+    for step in range(1, 4):
         shutil.copytree(ref / f"global_step_{step}", run_dir / f"global_step_{step}")
+    shutil.copytree(ref / "global_step_4", run_dir / ".global_step_4.old")
+    shutil.copytree(ref / "global_step_4", run_dir / ".global_step_4.tmp")
     partial = run_dir / ".global_step_5.tmp"
     shutil.copytree(ref / "global_step_5", partial)
-    (partial / checkpoint.COMPLETE).unlink()
+    (partial / checkpoint_folder.COMPLETE).unlink()
     lines = (ref / "metrics.jsonl").read_text().splitlines(keepends=True)
     kept = [line for line in lines if json.loads(line)["step"] <= 5]
     (run_dir / "metrics.jsonl").write_text("".join(kept) + '{"step": 6, "lo')  # a torn last line
-    run_sfttrain(2, job(data, run_dir, "trainer.save_freq=1", "trainer.max_ckpt_to_keep=2",
-                        "trainer.logger=[console,wandb]"))
+    proc = run_sfttrain(2, job(data, run_dir, "trainer.save_freq=1", "trainer.max_ckpt_to_keep=2",
+                               "trainer.logger=[console,wandb]"))
+    assert f"put back {run_dir / 'global_step_4'}" in proc.stdout
     return run_dir
 
 
@@ -171,7 +177,7 @@ def test_exact_resume_mid_epoch(resumed_mid_epoch, ref):
     # (the crashed attempt's step-5 record and the torn line moved to metrics_rewound.jsonl)
     got = losses_by_step(run_dir)
     assert sorted(got) == list(range(1, TOTAL + 1))
-    rewound = (run_dir / checkpoint.REWOUND).read_text().splitlines()
+    rewound = (run_dir / REWOUND).read_text().splitlines()
     assert [json.loads(line)["step"] for line in rewound[:-1]] == [5, 5]  # its loss and its checkpoint's record
     assert rewound[-1] == '{"step": 6, "lo'
     assert_resumed_like_ref(run_dir, ref, 5, SAME_WORLD_TOL)
@@ -189,7 +195,7 @@ def test_retention_across_resumes(resumed_mid_epoch):
     assert sorted(p.name for p in run_dir.iterdir() if p.name.startswith((".global_step", "global_step"))) == \
         [f"global_step_{TOTAL - 1}", f"global_step_{TOTAL}"]
     for step in (TOTAL - 1, TOTAL):
-        assert checkpoint.is_complete(str(run_dir / f"global_step_{step}"))
+        assert checkpoint_folder.is_complete(str(run_dir / f"global_step_{step}"))
 
 
 def test_exact_resume_at_epoch_boundary(data, ref, tmp_path):
@@ -316,7 +322,7 @@ def check_checkpoints(run_dir: Path, ref: Path, world_size: int) -> list[int]:
         if not m:
             continue
         step = int(m.group(1))
-        assert checkpoint.is_complete(str(p)), f"{p} is visible but not complete"
+        assert checkpoint_folder.is_complete(str(p)), f"{p} is visible but not complete"
         st = trainer_state(p)
         assert st["step"] == step and st["world_size"] == world_size
         for name in [".metadata", "config.yaml", "hf/config.json", "hf/tokenizer_config.json",
@@ -387,37 +393,37 @@ def _fake(run_dir: Path, step: int, complete: bool = True) -> Path:
     p = run_dir / f"global_step_{step}"
     p.mkdir(parents=True)
     if complete:
-        (p / checkpoint.COMPLETE).write_text("")
+        (p / checkpoint_folder.COMPLETE).write_text("")
     return p
 
 
-def test_find_resume_modes_and_errors(tmp_path, caplog):
+def test_find_resume_modes_and_errors(tmp_path):
     run_dir = tmp_path / "run"
     for step in (2, 10):
         _fake(run_dir, step)
     _fake(run_dir, 12, complete=False)  # never picked
     (run_dir / ".global_step_14.tmp").mkdir()
     auto = TrainerConfig(default_local_dir=str(run_dir))
-    assert checkpoint.find_resume(auto, str(run_dir)) == str(run_dir / "global_step_10")
-    assert checkpoint.find_resume(TrainerConfig(resume_mode="disable"), str(run_dir)) is None
-    assert checkpoint.find_resume(TrainerConfig(), str(tmp_path / "empty")) is None
+    assert resume.find_resume(auto, str(run_dir)).path == str(run_dir / "global_step_10")
+    assert resume.find_resume(TrainerConfig(resume_mode="disable"), str(run_dir)).path is None
+    assert resume.find_resume(TrainerConfig(), str(tmp_path / "empty")).path is None
     by_path = TrainerConfig(resume_mode="resume_path", resume_from_path=str(run_dir / "global_step_2"))
-    assert checkpoint.find_resume(by_path, str(tmp_path / "elsewhere")) == str(run_dir / "global_step_2")
-    with caplog.at_level("WARNING", logger="sfttrain"):  # into its own run folder, which has step 10 already
-        assert checkpoint.find_resume(by_path, str(run_dir)) == str(run_dir / "global_step_2")
-    assert "global_step_10" in caplog.text
+    assert resume.find_resume(by_path, str(tmp_path / "elsewhere")).path == str(run_dir / "global_step_2")
+    branch = resume.find_resume(by_path, str(run_dir))  # into its own run folder, which has step 10 already
+    assert branch.path == str(run_dir / "global_step_2")
+    assert "steps 2..10 (2 checkpoints) of another run" in branch.notes[0], branch.notes
     # auto: the run folder's own latest first (crash recovery), resume_from_path only to start it
     seeded = TrainerConfig(resume_from_path=str(run_dir / "global_step_2"))
-    assert checkpoint.find_resume(seeded, str(run_dir)) == str(run_dir / "global_step_10")
-    assert checkpoint.find_resume(seeded, str(tmp_path / "new")) == str(run_dir / "global_step_2")
+    assert resume.find_resume(seeded, str(run_dir)).path == str(run_dir / "global_step_10")
+    assert resume.find_resume(seeded, str(tmp_path / "new")).path == str(run_dir / "global_step_2")
     by_run = TrainerConfig(resume_mode="resume_path", resume_from_path=str(run_dir))
-    assert checkpoint.find_resume(by_run, str(tmp_path)) == str(run_dir / "global_step_10")
+    assert resume.find_resume(by_run, str(tmp_path)).path == str(run_dir / "global_step_10")
     for bad in (run_dir / "global_step_12", run_dir / ".global_step_14.tmp", tmp_path / "missing"):
         with pytest.raises(ConfigError, match="resume_from_path"):
-            checkpoint.find_resume(TrainerConfig(resume_mode="resume_path", resume_from_path=str(bad)), str(run_dir))
-    checkpoint.remove_stale_tmp(str(run_dir))
+            resume.find_resume(TrainerConfig(resume_mode="resume_path", resume_from_path=str(bad)), str(run_dir))
+    checkpoint_folder.remove_stale_tmp(str(run_dir))
     assert not (run_dir / ".global_step_14.tmp").exists()
-    checkpoint.enforce_retention(str(run_dir), 1)
+    checkpoint_folder.enforce_retention(str(run_dir), 1)
     assert sorted(p.name for p in run_dir.iterdir()) == ["global_step_10", "global_step_12"]
 
 
@@ -427,9 +433,9 @@ def test_fresh_start_moves_old_metrics_aside(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n')
-    assert checkpoint.find_resume(TrainerConfig(), str(run_dir)) is None
+    assert resume.find_resume(TrainerConfig(), str(run_dir)).path is None
     assert (run_dir / "metrics.jsonl").read_text() == ""
-    assert len((run_dir / checkpoint.REWOUND).read_text().splitlines()) == 2
+    assert len((run_dir / REWOUND).read_text().splitlines()) == 2
 
 
 def test_config_spellings():
@@ -450,3 +456,121 @@ def test_resume_refuses_another_model(ref):
         checkpoint._check_same_model(ckpt, {k: v[:1] if v.ndim else v for k, v in sd.items()})
     with pytest.raises(ConfigError, match="1 weights missing"):
         checkpoint._check_same_model(ckpt, {**sd, "model.extra.weight": torch.zeros(2)})
+
+
+# --------------------------------------------------------------------------- several runs in one folder
+
+def test_runs_in_one_folder(data, ref, tmp_path, capsys):
+    """A fresh 6-step run (resume_mode=disable, max_ckpt_to_keep=2) in a folder that holds steps
+    2..10 of another run: retention counts this run's checkpoints only (the other run's 8 and 10
+    are kept, this run's 4 and 6 too), start-up says what it found, `auto` resume and the export
+    of the folder take this run's latest."""
+    from sfttrain import export
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    for step in (2, 4, 6, 8, 10):
+        shutil.copytree(ref / f"global_step_{step}", run_dir / f"global_step_{step}")
+    other = trainer_state(ref / "global_step_2")["run_id"]
+    proc = run_sfttrain(1, job(data, run_dir, "trainer.resume_mode=disable", "trainer.total_training_steps=6",
+                               "trainer.save_freq=2", "trainer.max_ckpt_to_keep=2"))
+    assert f"found steps 2..10 (5 checkpoints) of another run (id {other})" in proc.stdout
+    ids = {p.name: trainer_state(p)["run_id"] for p in run_dir.glob("global_step_*")}
+    mine = ids["global_step_6"]
+    assert ids == {"global_step_4": mine, "global_step_6": mine, "global_step_8": other, "global_step_10": other}
+    assert mine != other
+    assert resume.find_resume(TrainerConfig(), str(run_dir)).path == str(run_dir / "global_step_6")
+    export.main([str(run_dir), str(tmp_path / "hf")])
+    printed = capsys.readouterr().out
+    assert f"exporting the latest of the run that saved last (id {mine}), global_step_6" in printed
+    assert printed.strip().endswith(f"{run_dir / 'global_step_6'} -> {tmp_path / 'hf'}")
+
+
+# --------------------------------------------------------------------------- a full disk
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: int):
+    """A real size-limited filesystem (tmpfs) at `path`; needs root."""
+    path.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a size-limited tmpfs needs root (CI runs as root)")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield lambda new_size: subprocess.run(["mount", "-o", f"remount,size={new_size}", str(path)], check=True)
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def one_message(proc) -> str:
+    from tests.test_errors import launcher_traceback_only
+
+    printed = [line for line in proc.stdout.splitlines() if line.startswith("sfttrain: ")]
+    assert len(printed) == 1, proc.stdout[-4000:]
+    assert launcher_traceback_only(proc.stdout), proc.stdout[-4000:]  # no traceback but torchrun's own
+    return printed[0]
+
+
+def test_full_disk(data, ref, tmp_path):
+    """Saves into a tmpfs that really fills (2 ranks, nothing mocked). C is one checkpoint's size.
+    0.5 C: the first save (in the background) fails mid-write; 1.5 C: step 2 commits and the save
+    of step 4 is refused before it starts; 2.1 C: step 4 commits, its Hugging Face export (a
+    third of C) does not fit; 10 C: the same command resumes and exports. Each failure ends every
+    rank with one message and an exit code of its own, and leaves no partial folder."""
+    size = next(m["bytes"] for m in read_metrics(ref) if m.get("event") == "checkpoint")
+    run_dir = tmp_path / "disk"
+    command = job(data, run_dir / "run", "trainer.total_training_steps=4", "trainer.save_freq=2",
+                  "trainer.save_hf=true")
+    with tmpfs(run_dir, size // 2) as resize:
+        proc = run_sfttrain(2, command, check=False)
+        message = one_message(proc)
+        assert "checkpoint not saved: the checkpoint of step 2 was not saved: the disk is full" in message, message
+        assert "the last good checkpoint is none" in message and "starts afresh" in message, message
+        assert 6 in exit_codes(proc.stdout), proc.stdout[-3000:]
+        assert not [p.name for p in (run_dir / "run").iterdir() if "global_step" in p.name]
+
+        resize(size * 3 // 2)
+        proc = run_sfttrain(2, command, check=False)
+        message = one_message(proc)
+        last = run_dir / "run" / "global_step_2"
+        assert "the checkpoint of step 4 was not saved: it needs about" in message, message
+        assert f"the last good checkpoint is {last}" in message and f"resumes from {last}" in message, message
+        assert "the next save will not fit" in proc.stdout
+        assert 6 in exit_codes(proc.stdout)
+        assert sorted(p.name for p in (run_dir / "run").iterdir() if "global_step" in p.name) == ["global_step_2"]
+
+        resize(size * 21 // 10)
+        proc = run_sfttrain(2, command, check=False)
+        message = one_message(proc)
+        final = run_dir / "run" / "global_step_4"
+        assert f"export failed: the Hugging Face export of {final} failed" in message, message
+        assert 7 in exit_codes(proc.stdout)
+        assert checkpoint_folder.is_complete(str(final)) and not list(final.glob("*huggingface*"))
+
+        resize(size * 10)
+        proc = run_sfttrain(2, command)
+        assert (final / "huggingface" / "config.json").is_file()
+        resumed = [m for m in read_metrics(run_dir / "run") if m.get("event") == "resumed"]
+        assert [m["step"] for m in resumed] == [2, 4]
+
+
+def exit_codes(out: str) -> list[int]:
+    return [int(c) for c in re.findall(r"exitcode\s+: (-?\d+)", out)]
+
+
+def test_non_finite_loss_lets_the_save_in_flight_commit(data, tmp_path):
+    """lr=1e30 without clipping: step 1's update is applied and saved in the background, step 2's
+    loss is not finite (exit 4). The save of step 1 commits before the run stops (when its write
+    is still in flight at that check, the trainer waits for it; on a small model it has often
+    finished and been committed by the step boundary's poll already), and the message sends
+    the user there."""
+    run_dir = tmp_path / "run"
+    proc = run_sfttrain(2, job(data, run_dir, "optim.lr=1e30", "optim.clip_grad=0", "trainer.save_freq=1"),
+                        check=False)
+    message = one_message(proc)
+    assert "non-finite loss" in message and "at step 2 " in message, message
+    assert f"then resume from {run_dir / 'global_step_1'}" in message, message
+    assert 4 in exit_codes(proc.stdout)
+    assert checkpoint_folder.is_complete(str(run_dir / "global_step_1"))
+    assert not [p.name for p in run_dir.iterdir() if p.name.startswith(".global_step")]

@@ -11,6 +11,7 @@ over a few Adam steps: relative 1e-5 (per-tensor norm of the difference), as tes
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -209,3 +210,34 @@ def test_adapters_read_their_input_without_a_copy():
     inputs = [t for t in saved if t.shape == x.shape]
     assert inputs and all(t.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for t in inputs), \
         [t.dtype for t in inputs]
+
+
+def test_another_base_is_refused(ref, tmp_path):
+    """The checkpoint records the base it adapts (name, fingerprint of the weight files): resuming
+    or exporting it onto another base of the same shapes is refused naming both; the same
+    weights in another folder (a moved copy) are accepted."""
+    from transformers import AutoModelForCausalLM
+
+    from sfttrain import lora, resume
+    from sfttrain.checkpoint import TrainState
+    from sfttrain.export import export_lora
+
+    ckpt = ref[0] / f"global_step_{STEPS}"
+    saved = json.loads((ckpt / "trainer_state.json").read_text())
+    assert saved["base"]["name"] == str(STORIES) and saved["base"]["files"]
+    moved, other = tmp_path / "moved", tmp_path / "other"
+    shutil.copytree(STORIES, moved)
+    model = AutoModelForCausalLM.from_pretrained(STORIES)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1e-3)
+    model.save_pretrained(other)  # same shapes, same file sizes, other weights
+    assert lora.base_identity(str(moved), str(moved))["files"] == saved["base"]["files"]
+    export_lora(str(ckpt), str(tmp_path / "ok"), base_dir=str(moved))
+    with pytest.raises(ConfigError, match=f"trained on {STORIES}, but the base here is {other}"):
+        export_lora(str(ckpt), str(tmp_path / "no"), base_dir=str(other))
+    cfg = load_config(overrides=[f"model.partial_pretrain={other}", "data.train_files=x.parquet", "model.lora_rank=8"])
+    current = TrainState(data=saved["data"], schedule=saved["schedule"],
+                         base=lora.base_identity(str(other), str(other)))
+    with pytest.raises(ConfigError, match=f"resuming from {ckpt}: the LoRA adapters were trained on {STORIES}"):
+        resume.check_resume(str(ckpt), cfg, current)

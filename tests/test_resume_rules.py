@@ -13,7 +13,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from sfttrain import checkpoint
+from sfttrain import checkpoint, resume
 from sfttrain.config import ConfigError, load_config
 from tests.conftest import BASE_OVERRIDES, read_metrics, run_sfttrain
 
@@ -105,9 +105,9 @@ def test_checkpoint_of_an_older_sfttrain(tmp_path):
     (ckpt / "trainer_state.json").write_text(json.dumps({"step": 4, "global_batch": 256, "seed": 1}))
     current = checkpoint.TrainState(data={"data.train_batch_size": 256, "trainer.seed": 1, "data.max_length": 9},
                                     schedule={"optim.lr": 1e-5, "total steps": 10})
-    notes = checkpoint.check_resume(str(ckpt), cfg, current)
+    notes = resume.check_resume(str(ckpt), cfg, current)
     assert any("records no data fingerprint" in n for n in notes)
     assert any("records no optimizer settings" in n for n in notes)
     current.data["trainer.seed"] = 2
     with pytest.raises(ConfigError, match="trainer.seed: 1 -> 2"):
-        checkpoint.check_resume(str(ckpt), cfg, current)
+        resume.check_resume(str(ckpt), cfg, current)

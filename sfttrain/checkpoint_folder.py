@@ -1,0 +1,193 @@
+"""The run folder's checkpoint layout, as the checkpointer, the resume rules and the exporter all
+read it: which `global_step_N` folders are committed, the atomic renames that commit and delete
+them, retention, and the fsync helpers. A leaf: torch-free, it imports nothing of sfttrain's but
+its errors.
+
+A `global_step_N` either does not exist or is complete (it holds COMPLETE, written last). Saves
+are written into `.global_step_N.tmp`; deletions go through `.global_step_N.trash`; replacing a
+committed step moves the old one to `.global_step_N.old` first. At start-up `remove_stale_tmp`
+deletes `.tmp` and `.trash` debris and puts back an `.old` whose replacement never arrived.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from typing import Callable, Optional
+
+from sfttrain.errors import ConfigError
+
+COMPLETE = "COMPLETE"
+STATE_FILE = "trainer_state.json"
+STEP_DIR = re.compile(r"^global_step_(\d+)$")
+DEBRIS = re.compile(r"^\.global_step_\d+(\.old)?\.(tmp|trash)$")
+ASIDE = re.compile(r"^\.(global_step_\d+)\.old$")
+
+
+def is_complete(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, COMPLETE))
+
+
+def complete_checkpoints(run_dir: str, run_id: Optional[str] = None) -> list[tuple[int, str]]:
+    """(step, path) of every committed checkpoint in the run folder, oldest first; with run_id,
+    only that run's (see `run_id_of`)."""
+    if not os.path.isdir(run_dir):
+        return []
+    found = []
+    for name in os.listdir(run_dir):
+        m = STEP_DIR.match(name)
+        path = os.path.join(run_dir, name)
+        if m and is_complete(path) and (run_id is None or run_id_of(path) == run_id):
+            found.append((int(m.group(1)), path))
+    return sorted(found)
+
+
+def read_state(path: str) -> dict:
+    """A checkpoint's trainer_state.json."""
+    with open(os.path.join(path, STATE_FILE)) as f:
+        return json.load(f)
+
+
+def run_id_of(path: str) -> Optional[str]:
+    """The id of the run that wrote a checkpoint (None: written before checkpoints held one)."""
+    try:
+        return read_state(path).get("run_id")
+    except (OSError, ValueError):
+        return None
+
+
+def runs(run_dir: str) -> dict[Optional[str], list[int]]:
+    """run id -> the steps of its committed checkpoints, the run of the newest checkpoint last."""
+    by_run: dict[Optional[str], list[tuple[float, int]]] = {}
+    for step, path in complete_checkpoints(run_dir):
+        by_run.setdefault(run_id_of(path), []).append((os.path.getmtime(os.path.join(path, COMPLETE)), step))
+    ordered = sorted(by_run.items(), key=lambda item: max(item[1]))
+    return {run: sorted(step for _, step in marks) for run, marks in ordered}
+
+
+def latest_of_newest_run(run_dir: str) -> Optional[tuple[int, str]]:
+    """The latest checkpoint of the run that committed last (a folder may hold several runs)."""
+    by_run = runs(run_dir)
+    if not by_run:
+        return None
+    run_id = list(by_run)[-1]
+    step = by_run[run_id][-1]
+    return step, os.path.join(run_dir, f"global_step_{step}")
+
+
+def resolve(path: str) -> str:
+    """A checkpoint folder, or a run folder (the latest checkpoint of its newest run). Raises
+    ConfigError for anything that is not a complete sfttrain checkpoint."""
+    path = os.path.abspath(os.path.expanduser(path))
+    if is_complete(path):
+        return path
+    found = latest_of_newest_run(path)
+    if found:
+        return found[1]
+    raise ConfigError(f"{path!r} is neither a complete sfttrain checkpoint (a global_step_N folder with a "
+                      f"{COMPLETE} marker) nor a run folder that holds one")
+
+
+def step_of(path: str) -> int:
+    m = STEP_DIR.match(os.path.basename(path))
+    return int(m.group(1)) if m else int(read_state(path)["step"])
+
+
+def publish(tmp: str, final: str) -> None:
+    """The commit: `tmp` (complete, fsynced) becomes `final`. An older `final` (the same step of an
+    earlier save) is renamed aside first and deleted only once the new one is in place, so at
+    every moment one of them is committed (`remove_stale_tmp` puts an aside copy back if the
+    new one never arrived)."""
+    parent, name = os.path.split(final)
+    aside = os.path.join(parent, f".{name}.old")
+    if os.path.lexists(final):
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(final, aside)
+    os.replace(tmp, final)
+    fsync_dir(parent)
+    if os.path.lexists(aside):
+        remove(aside)
+
+
+def enforce_retention(run_dir: str, keep: Optional[int], run_id: Optional[str] = None,
+                      delete: Optional[Callable[[str], None]] = None) -> list[int]:
+    """Keeps the newest `keep` complete checkpoints of the run `run_id` (every checkpoint when
+    None), judged by what is on disk (so it holds across resumes); returns the steps deleted."""
+    if not keep or keep <= 0:
+        return []
+    doomed = complete_checkpoints(run_dir, run_id)[:-keep]
+    for _, path in doomed:
+        (delete or remove)(path)
+    return [step for step, _ in doomed]
+
+
+def remove_stale_tmp(run_dir: str) -> list[str]:
+    """Deletes the debris of interrupted saves and deletions (never a committed checkpoint), and
+    puts back a checkpoint set aside by a replacement (`publish`) that did not finish; returns a
+    line per checkpoint put back."""
+    restored = []
+    if not os.path.isdir(run_dir):
+        return restored
+    for name in os.listdir(run_dir):
+        path = os.path.join(run_dir, name)
+        if DEBRIS.match(name):
+            shutil.rmtree(path, ignore_errors=True)
+        elif ASIDE.match(name):
+            final = os.path.join(run_dir, ASIDE.match(name).group(1))
+            if os.path.lexists(final):
+                remove(path)  # the replacement is in place: the old one was being deleted
+            else:
+                os.replace(path, final)
+                fsync_dir(run_dir)
+                restored.append(f"put back {final}: a save replacing it had stopped before its commit")
+    return restored
+
+
+def remove(path: str) -> None:
+    """Atomically makes `path` invisible (one rename), then deletes it."""
+    shutil.rmtree(hide(path), ignore_errors=True)
+
+
+def hide(path: str) -> str:
+    """Renames `path` to its `.trash` name (which the next start deletes); returns that name."""
+    parent, name = os.path.split(path)
+    trash = os.path.join(parent, f".{name.lstrip('.')}.trash")
+    shutil.rmtree(trash, ignore_errors=True)
+    os.replace(path, trash)
+    fsync_dir(parent)
+    return trash
+
+
+def write_synced(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def tree_bytes(root: str) -> int:
+    return sum(os.path.getsize(os.path.join(folder, name)) for folder, _, files in os.walk(root) for name in files)
+
+
+def fsync_tree(root: str) -> None:
+    """fsyncs the small files written outside DCP (DCP fsyncs its own shards) and every folder,
+    so COMPLETE never reaches the disk before what it vouches for."""
+    for folder, _, files in os.walk(root):
+        for name in files:
+            if not name.endswith(".distcp"):
+                fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        fsync_dir(folder)
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

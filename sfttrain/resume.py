@@ -1,0 +1,158 @@
+"""The resume rules: which checkpoint a start resumes from, which run it continues, and what a
+resume with a changed config may change.
+
+A run folder can hold the checkpoints of several runs (a fresh start with
+trainer.resume_mode=disable, or a resume from an earlier step, in a folder that has later ones).
+Each checkpoint records the id of the run that wrote it (trainer_state.json's run_id): a fresh
+start makes a new id; a resume carries the checkpoint's id over, unless this run folder holds
+later steps of that run (the resume branches off it: a new id). Retention and `auto` resume act
+on the current run's checkpoints only; the others are kept, and said at start-up.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch.distributed as dist
+
+from sfttrain.checkpoint_folder import complete_checkpoints, latest_of_newest_run, read_state, resolve, run_id_of, \
+    runs, step_of
+from sfttrain.config import Config, ConfigError, TrainerConfig
+from sfttrain.data.fingerprint import differences
+from sfttrain.lora import check_base
+from sfttrain.metrics import rewind_metrics
+
+
+@dataclass
+class Resume:
+    path: Optional[str]  # the checkpoint to resume from; None: a fresh start
+    run_id: str  # the id this run's checkpoints get
+    notes: list[str] = field(default_factory=list)  # what start-up found in the run folder and did about it
+
+
+def find_resume(t: TrainerConfig, run_dir: str) -> Resume:
+    """The checkpoint to resume from (None for a fresh start) and this run's id. Rank 0 decides
+    and tells the others (every rank must load the same step). On a fresh start, metrics.jsonl
+    records left by an earlier attempt in this run folder are moved aside (see `rewind_metrics`)."""
+    result: tuple[Optional[Resume], Optional[str]] = (None, None)
+    if _rank() == 0:
+        try:
+            result = (_find_resume(t, run_dir), None)
+            if result[0].path is None:
+                rewind_metrics(run_dir, 0)
+        except ConfigError as e:
+            result = (None, str(e))
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [result]
+        dist.broadcast_object_list(box, src=0)
+        result = box[0]
+    if result[1] is not None:
+        raise ConfigError(result[1])
+    return result[0]
+
+
+def _find_resume(t: TrainerConfig, run_dir: str) -> Resume:
+    """disable: None. resume_path: trainer.resume_from_path. auto: the latest checkpoint of the run
+    folder's newest run (the run that committed last); if it has none, resume_from_path when given
+    (a run seeded from another run's checkpoint still resumes its own progress after a crash),
+    else None."""
+    newest = latest_of_newest_run(run_dir)
+    if t.resume_mode == "auto" and newest:
+        path = newest[1]
+    elif t.resume_mode == "disable" or not t.resume_from_path:
+        path = None
+    else:
+        try:
+            path = resolve(t.resume_from_path)
+        except ConfigError as e:
+            raise ConfigError(f"trainer.resume_from_path: {e}") from None
+    run_id = _run_id(path, run_dir)
+    return Resume(path, run_id, _describe_others(run_dir, run_id, step_of(path) if path else 0))
+
+
+def _run_id(path: Optional[str], run_dir: str) -> str:
+    """The resumed checkpoint's run id, or a new one: on a fresh start, for a checkpoint written
+    before run ids, and when this run folder holds later steps of its run (a branch)."""
+    carried = run_id_of(path) if path else None
+    if carried is None:
+        return uuid.uuid4().hex[:12]
+    later = [step for step, _ in complete_checkpoints(run_dir, carried) if step > step_of(path)]
+    return uuid.uuid4().hex[:12] if later else carried
+
+
+def _describe_others(run_dir: str, run_id: str, start: int) -> list[str]:
+    """One line per other run whose checkpoints are in the run folder."""
+    notes = []
+    for other, steps in runs(run_dir).items():
+        if other == run_id:
+            continue
+        replaced = [s for s in steps if s > start]
+        notes.append(f"found {_steps(steps)} of another run (id {other or 'none: an older sfttrain'}): kept, not "
+                     "counted for max_ckpt_to_keep nor resumed by resume_mode=auto" +
+                     (f"; a save of this run at one of steps {replaced} replaces that one" if replaced else "") +
+                     ". A new trainer.default_local_dir keeps runs apart")
+    return notes
+
+
+def _steps(steps: list[int]) -> str:
+    return f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}..{steps[-1]} ({len(steps)} checkpoints)"
+
+
+def check_resume(path: str, cfg: Config, current) -> list[str]:
+    """What resuming from `path` would change, said before the model is loaded: the lines to
+    print, or a ConfigError for what is refused. `current` (a checkpoint.TrainState) holds this
+    run's data fingerprint and optimizer/schedule settings.
+
+    The rule: the data must be what the checkpoint read (its fingerprint; a difference is refused
+    unless trainer.resume_allow_data_change=true); the optimizer and LR schedule follow the
+    current config (the LR is a pure function of the step and the config), every difference from
+    the checkpoint's is printed, and a schedule that ends before the checkpoint's step is refused."""
+    saved = read_state(path)
+    if current.base is not None:
+        check_base(saved.get("base"), current.base, f"resuming from {path}")
+    return (check_data(path, saved, current.data, cfg.trainer.resume_allow_data_change)
+            + check_schedule(path, saved, current.schedule))
+
+
+def check_data(path: str, saved: dict, fingerprint: dict, allow_change: bool) -> list[str]:
+    """A resume continues the checkpoint's data position: the same rows in the same order,
+    rendered the same way, or (trainer.resume_allow_data_change=true) the user's explicit choice."""
+    legacy = saved.get("data") is None  # written before checkpoints held the fingerprint
+    recorded = {"data.train_batch_size": saved["global_batch"], "trainer.seed": saved["seed"]} if legacy \
+        else saved["data"]
+    changed = differences(recorded, fingerprint)
+    notes = [f"data: {path} records no data fingerprint (an older sfttrain): only the batch size and seed "
+             "were checked"] if legacy else []
+    if changed and not allow_change:
+        raise ConfigError(f"{path} was written with other data settings; resuming would silently change which "
+                          "rows come next or how they are tokenized:\n    " + "\n    ".join(changed) +
+                          "\nUse the checkpoint's values; or set trainer.resume_allow_data_change=true to continue "
+                          "from its data position (epoch, samples consumed) on the new data; or "
+                          "trainer.resume_mode=disable (or a new trainer.default_local_dir) to start afresh")
+    return notes + [f"data (allowed by trainer.resume_allow_data_change) {c}" for c in changed]
+
+
+def check_schedule(path: str, saved: dict, schedule: dict) -> list[str]:
+    """The current optimizer and schedule settings apply; each difference is said. A schedule
+    that ends at or before the checkpoint's step (other than the checkpoint's own end: a
+    finished run started again) would train nothing."""
+    step, total = saved["step"], schedule["total steps"]
+    old = saved.get("schedule")
+    if step >= total and (old is None or old["total steps"] != total):
+        raise ConfigError(f"{path} is at step {step}, but this run's schedule ends at step {total} "
+                          "(trainer.total_training_steps, or trainer.total_epochs x steps per epoch): nothing "
+                          f"would be trained. Set trainer.total_training_steps above {step} to continue, or "
+                          "trainer.resume_mode=disable (or a new trainer.default_local_dir) to start afresh")
+    if old is None:
+        return [f"optimizer: {path} records no optimizer settings (an older sfttrain): the config's apply"]
+    notes = [f"optimizer (the config's apply) {c}" for c in differences(old, schedule)]
+    if step >= total:
+        notes.append(f"the checkpoint is this run's last step ({step}): nothing left to train")
+    return notes
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0

@@ -2,7 +2,7 @@
 # make test : set up .venv/ and run the test suite
 #
 # Everything is installed into the project virtualenv .venv/ (created with $(PYTHON) -m venv):
-# torch==2.13.0 from pip's configured index, then sfttrain in editable mode with its `test` extra.
+# torch==2.13.0 from pip's configured index, then sfttrain in editable mode with its test and bench extras.
 # The Python that runs make only creates .venv/; its own packages (a CUDA torch, say) stay as they are.
 PYTHON ?= python3
 VENV ?= .venv
@@ -30,7 +30,7 @@ $(PY):
 
 $(STAMP): setup.cfg pyproject.toml | $(PY)
 	$(PY) -m pip install -q $(TORCH) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test,bench]"
 	touch $(STAMP)
 
 $(WORK)/gsm8k_sample/train.parquet: | $(STAMP)

@@ -89,6 +89,11 @@ def run_variant(name: str, args, model_dir: str, parquet: str, variant: list[str
     cmd = [sys.executable, "-m", "sfttrain.run", RECIPE, *overrides]
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return summarise(name, args, run_dir, variant)
+
+
+def summarise(name: str, args, run_dir: str, variant: list[str]) -> dict:
+    """The record of a run's timed steps (args.warmup + 1 .. args.steps), from its metrics.jsonl."""
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         steps = [m for m in map(json.loads, f) if "loss" in m and args.warmup < m["step"] <= args.steps]
     times = [m["step_time_s"] for m in steps]

@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -65,9 +66,14 @@ __all__ = [
 ATTN_IMPLEMENTATION = "sfttrain_varlen"
 BACKENDS = ("flash_attn", "torch_varlen", "sdpa_blockmask")  # also the "auto" preference order
 
-# The one piece of module state: the backend chosen by `configure` at start-up. None means "not
-# configured": each call then uses select_backend("auto", <device of the query>).
+# The module's state: the backend chosen by `configure` at start-up (None means "not configured":
+# each call then uses select_backend("auto", <device of the query>)), and whether torch_varlen may
+# hand a long one-sample row to cuDNN (see _run_one_sample_cudnn).
 _backend: str | None = None
+_cudnn_one_sample = False
+# a row of one sample at least this long runs on cuDNN: there attention is most of the step, and
+# cuDNN builds an execution plan per new shape, which only long rows amortise
+CUDNN_MIN_TOKENS = 16384
 
 
 # --------------------------------------------------------------------------------------------
@@ -149,8 +155,10 @@ def register(forward=None) -> None:
 
 def configure(backend: str = "auto", device_type: str | None = None) -> str:
     """Select the backend once at start-up, register with transformers, return the chosen name."""
-    global _backend
+    global _backend, _cudnn_one_sample
     _backend = select_backend(backend, device_type)
+    _cudnn_one_sample = (_backend == "torch_varlen" and torch.backends.cudnn.is_available()
+                         and torch.cuda.get_device_capability()[0] >= 9)
     register()
     return _backend
 
@@ -178,6 +186,8 @@ def _run_flash_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, softcap):
 def _run_torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, softcap):
     if softcap is not None:
         raise ValueError(SOFTCAP_UNSUPPORTED)
+    if _cudnn_one_sample and cu_q.shape[0] == 2 and q.shape[0] >= CUDNN_MIN_TOKENS and window[0] < 0:
+        return _run_one_sample_cudnn(q, k, v, scale)
     # The aten op that torch.nn.attention.varlen.varlen_attn wraps, called directly: it is
     # differentiable itself (FlashAttentionBackward0, window included), handles fewer KV heads
     # natively, and inductor's C++ wrapper calls it without Python. varlen_attn's custom op takes
@@ -188,6 +198,15 @@ def _run_torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, softcap)
         q, k, v, cu_q, cu_k, max_q, max_k, 0.0, tuple(window) == (-1, 0), False,
         scale=scale, window_size_left=window[0], window_size_right=window[1],
     )[0]
+
+
+def _run_one_sample_cudnn(q, k, v, scale):
+    """A row that holds one sample (a long-context micro-batch) is plain causal attention, which
+    cuDNN's Hopper kernel runs faster than the flash kernel (docs/benchmarks.md, run Z)."""
+    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, T, D] views
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    return out[0].transpose(0, 1)
 
 
 def _run_sdpa_blockmask(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, softcap):

@@ -11,7 +11,7 @@ import transformers
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from sfttrain import attention, lora, weights
+from sfttrain import attention, experts, lora, weights
 from sfttrain.config import ConfigError, ModelConfig
 from sfttrain.hub import local_model_path
 
@@ -48,10 +48,11 @@ def load_model(cfg: ModelConfig, device: torch.device) -> LoadedModel:
         attention.check_model(config, backend)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    moe = {"experts_implementation": name} if (name := experts.implementation_for(config)) else {}
     with weights.parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=weights_dtype(cfg),
                                                  attn_implementation=attention.ATTN_IMPLEMENTATION,
-                                                 trust_remote_code=cfg.trust_remote_code)
+                                                 trust_remote_code=cfg.trust_remote_code, **moe)
     model.config.use_cache = False  # training never reuses a KV cache
     liger = cfg.use_liger and apply_liger(model, device, cfg.compile)
     if cfg.lora_rank > 0:

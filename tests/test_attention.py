@@ -377,3 +377,37 @@ def test_autocast_with_fp32_weights(backend, kind):
         want = _reference_logits(ref, samples)
     for i, (g, w) in enumerate(zip(got, want)):
         _assert_close(g, w, atol, rtol, f"{kind}/{backend} autocast sample {i}")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN attention runs on CUDA only")
+def test_long_one_sample_row_runs_on_cudnn_as_flash_would(monkeypatch):
+    """torch_varlen hands a row of one long sample to cuDNN's causal kernel: the same attention as
+    the flash kernel (GQA included), up to the two bf16 kernels' own rounding (norm-relative 1e-2;
+    a lost causal flag or scale is off by O(1))."""
+    attention.configure("torch_varlen", "cuda")
+    if not attention._cudnn_one_sample:
+        pytest.skip("cuDNN's one-sample path is used on Hopper or newer only")
+    torch.manual_seed(7)
+    t, h, hkv, d = attention.CUDNN_MIN_TOKENS, 14, 2, 64
+    q, k, v = (torch.randn(1, n, t, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for n in (h, hkv, hkv))
+    cu = torch.tensor([0, t], dtype=torch.int32, device="cuda")
+    w = torch.randn(1, t, h, d, device="cuda")
+    calls = []
+    cudnn = attention._run_one_sample_cudnn
+    monkeypatch.setattr(attention, "_run_one_sample_cudnn", lambda *a: calls.append(1) or cudnn(*a))
+
+    def run():
+        out, _ = attention.varlen_attention_forward(torch.nn.Module(), q, k, v, None, cu_seq_lens_q=cu,
+                                                    max_length_q=t)
+        (out.float() * w).sum().backward()
+        grads = [x.grad.float().clone() for x in (q, k, v)]
+        for x in (q, k, v):
+            x.grad = None
+        return [out.float()] + grads
+
+    on_cudnn = run()
+    monkeypatch.setattr(attention, "_cudnn_one_sample", False)
+    on_flash = run()
+    assert calls == [1]
+    for name, a, b in zip(("out", "dq", "dk", "dv"), on_cudnn, on_flash):
+        assert ((a - b).norm() / b.norm()).item() < 1e-2, name

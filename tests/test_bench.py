@@ -82,6 +82,13 @@ def test_lora_w2b_model_folder_is_keyed_by_shape():
     assert tiny != full and model_folder("work", w2b_config(tokenizer, tiny=True)) == tiny
 
 
+def test_moe_w4(tmp_path):
+    out = tmp_path / "w4.jsonl"
+    run_bench("bench.moe_w4", "--tiny", "--device", "cpu", "--data", SAMPLE, "--work", str(tmp_path), "--out", str(out))
+    (record,) = records(out)
+    assert record["variant"] == "w4" and record["timed_steps"] == "2-3" and record["real_tokens"] > 0, record
+
+
 def test_padded_w1(tmp_path):
     out = tmp_path / "padded.jsonl"
     run_bench("bench.padded_w1", "--tiny", "--device", "cpu", "--data", SAMPLE, "--out", str(out))

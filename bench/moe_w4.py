@@ -74,7 +74,7 @@ def main() -> None:
     if args.tiny:
         args.steps, args.warmup, args.rows = 3, 1, args.rows or 64
         args.override = ["data.train_batch_size=4", "data.max_length=256", "data.max_token_len_per_gpu=1024",
-                         "model.compile=false", *args.override]
+                         "model.compile=false", "model.fsdp_config.mixed_precision=false", *args.override]
     model_dir = save_model(args, load_tokenizer(args.tokenizer))
     parquet = os.path.join(args.work, "train.parquet")
     write_parquet(load_rows(args.data, args.rows), parquet)

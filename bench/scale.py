@@ -35,8 +35,9 @@ RECIPE = os.path.join(os.path.dirname(__file__), "..", "recipes", "w1_qwen2.5-0.
 W2B = ["data.max_length=4096", "data.train_batch_size=128", "data.max_token_len_per_gpu=16384",
        "model.enable_gradient_checkpointing=true"]
 
-# --tiny on CPU: eager, and steps of 2 short samples (a CPU computes 152k-vocab logits slowly)
-TINY = ["model.compile=false", "data.train_batch_size=2", "data.max_length=128", "data.max_token_len_per_gpu=1024",
+# --tiny on CPU: eager, fp32 (bf16 on a CPU is slow), and steps of 2 short samples (a CPU computes
+# 152k-vocab logits slowly)
+TINY = ["model.compile=false", "model.fsdp_config.mixed_precision=false", "data.train_batch_size=2", "data.max_length=128", "data.max_token_len_per_gpu=1024",
         "data.no_loss_rows=drop"]  # GSM8K prompts over 128 tokens
 
 

@@ -21,10 +21,10 @@ import sys
 import pyarrow.parquet as pq
 import torch
 import transformers
+from omegaconf import OmegaConf
 
 from bench.common import MFU_FORMULA, add_sfttrain_args, emit, require_samples, timed_mfu
 from bench.w1_data import build_model, load_rows, load_tokenizer, model_config, write_parquet
-from sfttrain.config import load_config
 
 RECIPE = os.path.join(os.path.dirname(__file__), "..", "recipes", "w1_qwen2.5-0.5b.yaml")
 # --tiny: a CPU smoke run of the same code paths, eager and fp32 (bf16 on a CPU is slow), 4 sequences a step
@@ -74,7 +74,7 @@ def apply_tiny(args, steps: int, warmup: int) -> None:
 
 def require_one_epoch(args, parquet: str, overrides: list[str]) -> None:
     """sfttrain would start a second epoch where the data runs out: refused, W1 is distinct samples."""
-    batch = load_config(RECIPE, overrides).data.train_batch_size
+    batch = OmegaConf.merge(OmegaConf.load(RECIPE), OmegaConf.from_dotlist(overrides)).data.train_batch_size
     require_samples(pq.ParquetFile(parquet).metadata.num_rows, args.steps, batch, args.data)
 
 

@@ -170,13 +170,10 @@ def test_parity_with_a_plain_transformers_loop(gsm8k_dir, tmp_path):
     assert update_error(trained, ref, {k: start[k] for k in trained}) < UPDATE_TOL
 
 
-def test_demo_model_learns_gsm8k(gsm8k_dir, tmp_path):
-    """The tiny real model's loss falls on GSM8K, and validation loss falls with it."""
-    run_dir = tmp_path / "run"
-    run_sfttrain(2, _job(gsm8k_dir, run_dir, "data.train_batch_size=16", "data.micro_batch_size_per_gpu=8",
-                         f"data.val_files={gsm8k_dir}/test.parquet", "data.shuffle=true",
-                         "optim.lr=3e-3", "optim.eps=1e-8",  # plain AdamW: this test is about learning
-                         "trainer.total_training_steps=24", "trainer.test_freq=12"))
+def test_demo_model_learns_gsm8k(demo_run):
+    """The tiny real model's loss falls on GSM8K, and validation loss falls with it (plain AdamW:
+    this test is about learning)."""
+    run_dir, _ = demo_run
     metrics = read_metrics(run_dir)
     losses = [m["loss"] for m in metrics if "loss" in m]
     val = [m["val/loss"] for m in metrics if "val/loss" in m]

@@ -1,27 +1,47 @@
-# make demo : set up this machine and train the tiny real model on a GSM8K sample, 2 CPU ranks
-# make test : set up this machine and run the test suite
-PY ?= python3
+# make demo : set up .venv/ and train the tiny real model on a GSM8K sample, 2 CPU ranks
+# make test : set up .venv/ and run the test suite
+#
+# Everything is installed into the project virtualenv .venv/ (created with $(PYTHON) -m venv):
+# torch==2.13.0 from pip's configured index, then sfttrain in editable mode with its test and bench extras.
+# The Python that runs make only creates .venv/; its own packages (a CUDA torch, say) stay as they are.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
 NPROC ?= 2
-STAMP := .make/installed
+# torch is pinned first: an unpinned torch would pull the newest build, CUDA's on PyPI for Linux.
+# On a CPU-only machine TORCH_INDEX=https://download.pytorch.org/whl/cpu fetches the CPU build.
+TORCH ?= torch==2.13.0
+TORCH_INDEX ?=
+# what make demo writes (data and run folder), in a folder whose name no sfttrain module has:
+# a `data/` here made `sfttrain.data` resolve to it when Python started in the folder above
+WORK := work
+STAMP := $(VENV)/.installed
 
 .PHONY: install demo test clean
 
 install: $(STAMP)
 
-# torch is pinned first: an unpinned torch would pull a multi-GB CUDA build on a CPU machine.
-$(STAMP): setup.cfg pyproject.toml
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test]"
-	mkdir -p .make && touch $(STAMP)
+# Debian's python3 may lack ensurepip (package python3-venv): then the venv is made without pip
+# and pip installs itself into it from the calling Python
+$(PY):
+	$(PYTHON) -m venv $(VENV) || { rm -rf $(VENV) && $(PYTHON) -m venv --without-pip $(VENV) && \
+	  $(PYTHON) -m pip --python $(PY) install -q pip; } || \
+	  { echo "cannot create $(VENV): install python3-venv (apt-get install python3-venv)" >&2; exit 1; }
 
-data/gsm8k_sample/train.parquet:
-	$(PY) data_prep/gsm8k.py --input_dir assets/data/gsm8k --local_dir data/gsm8k_sample
+$(STAMP): setup.cfg pyproject.toml | $(PY)
+	$(PY) -m pip install -q $(TORCH) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(PY) -m pip install -q -e ".[test,bench]"
+	touch $(STAMP)
 
-demo: $(STAMP) data/gsm8k_sample/train.parquet
+$(WORK)/gsm8k_sample/train.parquet: | $(STAMP)
+	$(PY) data_prep/gsm8k.py --input_dir assets/data/gsm8k --local_dir $(WORK)/gsm8k_sample
+
+demo: $(STAMP) $(WORK)/gsm8k_sample/train.parquet
 	$(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC) -m sfttrain.run recipes/demo_cpu.yaml
 
+# PYTEST_ARGS: extra pytest flags, e.g. PYTEST_ARGS="-k lora --durations=20"
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 clean:
-	rm -rf .make data runs
+	rm -rf $(VENV) $(WORK)

@@ -1,6 +1,6 @@
 """Timing and metrics shared by the W1 baselines, so that every system is measured one way.
 
-The rules (../shared/bench/WORKLOADS.md): optimizer steps ``warmup + 1 .. steps`` (11 to 60) are
+The rules (docs/workloads.md): optimizer steps ``warmup + 1 .. steps`` (11 to 60) are
 timed, the device synchronized before each clock read; a step's time runs from the clock read
 after the previous optimizer step to the one after its own, so it includes everything the system
 does in between (data loading, logging). Tokens are those of the samples the timed steps actually
@@ -9,6 +9,7 @@ trained on, counted from the batches the model received.
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -18,6 +19,22 @@ import transformers
 
 from sfttrain.flops import ModelShape, mfu
 
+REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+# GSM8K's whole train file (7473 rows), where this checkout finds one (docs/workloads.md, "The data"):
+# .bench_data/ on the GPU machines, the shared folder beside the checkouts here
+FULL_GSM8K = (os.path.join(REPO, ".bench_data", "train.jsonl"), os.path.join(REPO, "..", "shared", "data", "gsm8k",
+                                                                              "train.jsonl"))
+SAMPLE_GSM8K = os.path.join(REPO, "assets", "data", "gsm8k", "train.jsonl")  # its first 2000 rows
+
+# W2b: W2's Llama-3-8B shape with the Qwen2.5 tokenizer's vocabulary (8,224,247,808 parameters)
+W2B_SHAPE = dict(vocab_size=151936, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+                 rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
+# what --tiny changes in a workload's shape: the vocabulary stays (the tokenizer's ids must fit),
+# the rest is small enough for a CPU smoke run
+TINY_SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2)
+
 MFU_FORMULA = (
     "MFU = (6N + 6*L*H*Dh*sum(s_i^2)/sum(s_i)) * real_tokens_per_s / (989e12 * GPUs); "
     "N all parameters (tied embedding once; a mixture of experts: the non-expert parameters, shared experts "
@@ -26,15 +43,30 @@ MFU_FORMULA = (
 )
 
 
+def default_data() -> str:
+    """The full GSM8K train file where there is one, else the in-repo sample (enough for --tiny)."""
+    return next((path for path in FULL_GSM8K if os.path.isfile(path)), SAMPLE_GSM8K)
+
+
+def w2b_config(tokenizer, tiny: bool = False, **changes):
+    """W2b's LlamaConfig (or its --tiny sibling) with the tokenizer's special-token ids."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**{**W2B_SHAPE, **(TINY_SIZES if tiny else {}), **changes}, bos_token_id=tokenizer.bos_token_id,
+                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+
+
 def add_common_args(parser: argparse.ArgumentParser) -> None:
     """Flags every W1 baseline takes; defaults are W1's."""
-    parser.add_argument("--data", required=True,
-                        help="GSM8K train.jsonl: the full 7473 rows (W1 needs 60 x 64 = 3840 samples)")
+    parser.add_argument("--data", default=default_data(),
+                        help="GSM8K train.jsonl: the full 7473 rows (W1 needs 60 x 64 = 3840 samples; default: "
+                        "the full file where there is one, docs/workloads.md)")
     parser.add_argument("--tokenizer", default="assets/tokenizers/qwen2.5-instruct")
     parser.add_argument("--out", required=True, help="JSON lines file to append the result to")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--tiny", action="store_true",
-                        help="smoke mode: tiny model, first 64 rows, 2x2 sequences per step, 4 steps (1 warm-up)")
+                        help="smoke mode: tiny model, first 64 rows, 2x2 sequences per step, 4 steps (1 warm-up), "
+                        "max_length 256")
     parser.add_argument("--gradient_checkpointing", choices=["on", "off"], default="on")
     parser.add_argument("--micro_batch", type=int, default=16)
     parser.add_argument("--grad_accum", type=int, default=4)
@@ -46,18 +78,19 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
 
 
 def apply_tiny(args: argparse.Namespace) -> None:
-    """--tiny shrinks the run so that it finishes on a CPU in a few minutes."""
+    """--tiny shrinks the run so that it finishes on a CPU in a few minutes (max_length too: the padded
+    baseline pads every sequence to it, and the logits of 152k-token vocabulary rows are large)."""
     if args.tiny:
         args.micro_batch, args.grad_accum, args.steps, args.warmup = 2, 2, 4, 1
         args.rows = args.rows or 64
+        args.max_length = min(args.max_length, 256)
 
 
-def require_samples(available: int, args: argparse.Namespace) -> None:
-    """W1 trains on distinct samples: a second epoch would not be the workload."""
-    needed = args.steps * args.micro_batch * args.grad_accum
-    if available < needed:
-        raise ValueError(f"{args.steps} steps of {args.micro_batch} x {args.grad_accum} sequences need "
-                         f"{needed} samples, --data has {available}")
+def require_samples(available: int, steps: int, per_step: int, data: str) -> None:
+    """The workloads train on distinct samples: a second epoch would not be the workload."""
+    if available < steps * per_step:
+        raise SystemExit(f"{steps} steps of {per_step} sequences need {steps * per_step} samples, {data} has "
+                         f"{available}: pass GSM8K's full train file as --data (docs/workloads.md, \"The data\")")
 
 
 def synchronize(device: str) -> None:
@@ -162,7 +195,8 @@ def result(system: str, args: argparse.Namespace, model: torch.nn.Module, clock:
 
 def add_sfttrain_args(parser: argparse.ArgumentParser, work: str) -> None:
     """Flags of the benchmarks that run sfttrain itself as a user would (`python -m sfttrain.run`)."""
-    parser.add_argument("--data", default="assets/data/gsm8k/train.jsonl")
+    parser.add_argument("--data", default=default_data(), help="GSM8K train.jsonl (default: the full file where "
+                        "there is one, docs/workloads.md)")
     parser.add_argument("--tokenizer", default="assets/tokenizers/qwen2.5-instruct")
     parser.add_argument("--out", required=True, help="JSON lines file to append the results to")
     parser.add_argument("--work", default=work, help="model folder, Parquet and run folders")

@@ -1,4 +1,4 @@
-"""W3 (../shared/bench/WORKLOADS.md): long samples with Ulysses sequence parallelism on 2 GPUs.
+"""W3 (docs/workloads.md): long samples with Ulysses sequence parallelism on 2 GPUs.
 
 W2b's model (Llama-3-8B shape, Qwen2.5's vocabulary; config.json only, model.random_init=true).
 A sample joins consecutive GSM8K rows into one prompt (every question and answer but the last
@@ -28,17 +28,9 @@ import time
 
 import torch
 import transformers
-from transformers import LlamaConfig
-
-from bench.common import MFU_FORMULA, timed_mfu
+from bench.common import MFU_FORMULA, timed_mfu, w2b_config
 from bench.w1_data import load_rows, load_tokenizer, model_config, write_parquet
 
-# W2b: W2's Llama-3-8B shape with the Qwen2.5 tokenizer's vocabulary (8,224,247,808 parameters);
-# max_position_embeddings raised to the longest length (RoPE has no table: only the config's
-# stated limit changes, not the parameters or the flops)
-W2B_SHAPE = dict(vocab_size=151936, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                 num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0, rms_norm_eps=1e-5,
-                 tie_word_embeddings=False)
 LENGTHS = (16384, 32768, 65536, 131072)
 # the W2b measurement's settings (FULL_SHARD, activation checkpointing, bf16 compute, fp32 master
 # weights), one sample per micro-batch
@@ -50,10 +42,10 @@ COMMON = ["data.prompt_key=question", "data.response_key=answer", "data.truncati
 
 
 def save_model(kind: str, tokenizer, path: str, max_length: int) -> None:
+    # max_position_embeddings raised to the longest length (RoPE has no table: only the config's
+    # stated limit changes, not the parameters or the flops)
     if kind == "w2b":
-        specials = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                        pad_token_id=tokenizer.pad_token_id)
-        config = LlamaConfig(**W2B_SHAPE, max_position_embeddings=max(8192, max_length), **specials)
+        config = w2b_config(tokenizer, max_position_embeddings=max(8192, max_length))
     else:  # "small": W1's Qwen2.5-0.5B shape; "tiny": its CPU-sized sibling
         config = model_config(tiny=kind == "tiny")
         config.max_position_embeddings = max(config.max_position_embeddings, max_length)
@@ -167,7 +159,7 @@ def main() -> None:
     p.add_argument("--out", required=True, help="JSON lines file the results are appended to")
     p.add_argument("--work", default="/tmp/sfttrain_w3")
     p.add_argument("--model", default="w2b", choices=["w2b", "small", "tiny"])
-    p.add_argument("--lengths", type=int, nargs="*", default=list(LENGTHS))
+    p.add_argument("--lengths", type=int, nargs="*", help=f"sample lengths (default {LENGTHS}; --tiny: 256 512)")
     p.add_argument("--sp", type=int, nargs="*", default=[1, 2])
     p.add_argument("--gpus", type=int, default=2)
     p.add_argument("--steps", type=int, default=5, help="optimizer steps run; those after --warmup are timed")
@@ -178,11 +170,14 @@ def main() -> None:
                    help="seconds for the whole call's runs (each stopped by then; one stop may take 60 s more)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--override", nargs="*", default=[], help="extra key=value for every run")
-    p.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny model, 256/512 tokens, 2 gloo ranks")
+    p.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny model, eager, 256/512 tokens, 2 gloo ranks")
     args = p.parse_args()
     if args.tiny:
-        args.model, args.device, args.lengths, args.steps, args.warmup = "tiny", "cpu", [256, 512], 3, 1
+        # eager: inductor's C++ build on a CPU would take most of the smoke run
+        args.model, args.device, args.steps, args.warmup, args.compile = "tiny", "cpu", 3, 1, 0
+        args.lengths = args.lengths or [256, 512]
         args.override = [*args.override, "model.fsdp_config.mixed_precision=false"]  # bf16 on a CPU is slow
+    args.lengths = args.lengths or list(LENGTHS)
     start = time.monotonic()
     model_dir = os.path.join(args.work, f"model_{args.model}")
     save_model(args.model, load_tokenizer(args.tokenizer), model_dir, max(args.lengths))

@@ -1,4 +1,4 @@
-"""W2b (../shared/bench/WORKLOADS.md, 8.2B parameters) with the seed article's LoRA settings on ONE
+"""W2b (docs/workloads.md, 8.2B parameters) with the seed article's LoRA settings on ONE
 GPU: sfttrain, then TRL's SFTTrainer with peft on the same model and data, in one call.
 
 The seed article claims LoRA + FSDP2 trains a 7B model in under 25 GB; this measures peak memory
@@ -9,46 +9,52 @@ fp32 adapters; TRL: `from_pretrained(dtype=bfloat16)` with `peft_config`). Data:
 max_length 4096, 128 sequences per optimizer step; gradient checkpointing on (the article's).
 Fewer steps than W2's 11-30 so that one call fits in 8 minutes; say so beside the numbers.
 
-    python3 -m bench.lora_w2b --data ../shared/data/gsm8k/train.jsonl --out results.jsonl \\
+    python3 -m bench.lora_w2b --out results.jsonl [--data train.jsonl] \\
         [--systems sfttrain trl] [--steps 16 --warmup 5] [--trl_steps 8 --trl_warmup 3] [--device cpu --tiny]
+
+The model folder in --work is named by its shape (a --tiny run and a full one never share one); a
+run that would train a second epoch of --data is refused.
 """
 
 import argparse
+import hashlib
+import json
 import os
 import subprocess
 import sys
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM
 
-from bench.common import add_sfttrain_args, emit
-from bench.sfttrain_w1 import run_variant
+from bench.common import add_sfttrain_args, emit, w2b_config
+from bench.sfttrain_w1 import apply_tiny, require_one_epoch, run_variant
 from bench.w1_data import load_rows, load_tokenizer, write_parquet
 
-W2B_SHAPE = dict(vocab_size=151936, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                 num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
-                 rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
-TINY_SHAPE = dict(W2B_SHAPE, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2)
 LORA = ["model.lora_rank=64", "model.lora_alpha=32", "model.target_modules=all-linear"]
 SFTTRAIN = ["model.random_init=false", "model.enable_gradient_checkpointing=true", "data.max_length=4096",
             "data.train_batch_size=128", "data.max_token_len_per_gpu=8192", *LORA]
 
 
+def model_folder(work: str, config) -> str:
+    """The model's folder in --work, named by its config: a folder of another shape is never reused."""
+    fields = {k: v for k, v in config.to_diff_dict().items() if k != "transformers_version"}
+    return os.path.join(work, "model_" + hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12])
+
+
 def save_model(args, tokenizer) -> str:
-    """The W2b model folder, drawn on the device in bf16 (skipped if already there)."""
-    model_dir = os.path.join(args.work, "model")
-    if os.path.isfile(os.path.join(model_dir, "config.json")):
+    """The W2b model folder, drawn on the device in bf16 (skipped if one of this shape is there: 16 GB)."""
+    config = w2b_config(tokenizer, tiny=args.tiny)
+    model_dir = model_folder(args.work, config)
+    if os.path.isdir(model_dir):
         return model_dir
-    config = LlamaConfig(**(TINY_SHAPE if args.tiny else W2B_SHAPE), bos_token_id=tokenizer.bos_token_id,
-                         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-                         pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)
     with torch.device(args.device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
+    partial = model_dir + ".partial"  # renamed once complete: an interrupted save is never reused
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
     del model
+    os.replace(partial, model_dir)
     return model_dir
 
 
@@ -71,19 +77,19 @@ def main() -> None:
     add_sfttrain_args(p, work="/tmp/sfttrain_w2b")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--systems", nargs="*", default=["sfttrain", "trl"], choices=["sfttrain", "trl"])
-    p.add_argument("--steps", type=int, default=16, help="sfttrain's optimizer steps in all")
-    p.add_argument("--warmup", type=int, default=5, help="sfttrain's untimed steps")
+    p.add_argument("--steps", type=int, help="sfttrain's optimizer steps in all (default 16; --tiny: 4)")
+    p.add_argument("--warmup", type=int, help="sfttrain's untimed steps (default 5; --tiny: 1)")
     p.add_argument("--trl_steps", type=int, default=8)
     p.add_argument("--trl_warmup", type=int, default=3)
-    p.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny model, batch of 8")
+    p.add_argument("--tiny", action="store_true", help="smoke run: tiny model, 4 sequences a step (use with --device cpu)")
     args = p.parse_args()
-    if args.tiny:
-        args.override = ["data.train_batch_size=8", "data.max_token_len_per_gpu=4096", "model.compile=false",
-                         *args.override]
-    tokenizer = load_tokenizer(args.tokenizer)
-    model_dir = save_model(args, tokenizer)
+    apply_tiny(args, steps=16, warmup=5)
+    os.makedirs(args.work, exist_ok=True)
     parquet = os.path.join(args.work, "train.parquet")
     write_parquet(load_rows(args.data, args.rows), parquet)
+    if "sfttrain" in args.systems:  # before the model is drawn
+        require_one_epoch(args, parquet, [*SFTTRAIN, *args.override])
+    model_dir = save_model(args, load_tokenizer(args.tokenizer))
     if "sfttrain" in args.systems:
         emit(run_sfttrain(args, model_dir, parquet), args.out)
     if "trl" in args.systems:

@@ -7,6 +7,9 @@ Liger's in-place cross-entropy kernel) and the three lm_head GEMMs of a chunk.
 Prints milliseconds per chunk and, for the softmax, the bandwidth of its ideal traffic (read the
 bf16 logits twice, write the bf16 gradient once), after checking each result against an fp32
 eager computation.
+
+CUDA only, with no CPU smoke mode: it times CUDA kernels with CUDA events, and Liger's kernel is
+Triton's (tests/test_loss.py checks both kernels' results against PyTorch's where CUDA runs them).
 """
 
 import argparse
@@ -68,6 +71,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, nargs="*", default=[1024, 2048])
     args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench.loss_kernel times CUDA kernels: run it on a machine with a CUDA GPU")
     print(torch.__version__, torch.cuda.get_device_name())
     variants = {"torch (inductor)": select_chunk_loss("torch", "cuda", compile_torch=True)[0]}
     if liger_unavailable_reason("cuda") is None:

@@ -18,17 +18,16 @@ import sys
 
 from transformers import Qwen3MoeConfig
 
-from bench.common import add_sfttrain_args, emit
+from bench.common import TINY_SIZES, add_sfttrain_args, emit
 from bench.long_context import stop, wait_for_steps
-from bench.sfttrain_w1 import RECIPE, summarise
+from bench.sfttrain_w1 import RECIPE, require_one_epoch, summarise
 from bench.w1_data import load_rows, load_tokenizer, write_parquet
 
 W4_SHAPE = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
                 num_hidden_layers=10, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
                 num_experts_per_tok=8, norm_topk_prob=True, output_router_logits=False, tie_word_embeddings=False,
                 max_position_embeddings=8192, rope_theta=1e6)
-TINY_SHAPE = dict(W4_SHAPE, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2)
+TINY_SHAPE = dict(W4_SHAPE, **TINY_SIZES, moe_intermediate_size=32, head_dim=16, num_experts=8, num_experts_per_tok=2)
 W4 = ["model.random_init=true", "model.enable_gradient_checkpointing=true", "data.max_length=4096",
       "data.train_batch_size=128", "data.max_token_len_per_gpu=16384"]
 
@@ -50,6 +49,7 @@ def run(args, model_dir: str, parquet: str) -> dict:
     overrides = [f"model.partial_pretrain={model_dir}", f"data.train_files={parquet}", f"trainer.default_local_dir={run_dir}",
                  "trainer.resume_mode=disable", f"trainer.total_training_steps={args.steps + 1000}",
                  f"trainer.device={args.device}", *W4, *args.override]
+    require_one_epoch(args, parquet, overrides)  # the timed steps; the job is stopped after them
     cmd = [sys.executable, "-m", "sfttrain.run", RECIPE, *overrides]
     print("+", " ".join(cmd), flush=True)
     proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -74,7 +74,7 @@ def main() -> None:
     if args.tiny:
         args.steps, args.warmup, args.rows = 3, 1, args.rows or 64
         args.override = ["data.train_batch_size=4", "data.max_length=256", "data.max_token_len_per_gpu=1024",
-                         "model.compile=false", *args.override]
+                         "model.compile=false", "model.fsdp_config.mixed_precision=false", *args.override]
     model_dir = save_model(args, load_tokenizer(args.tokenizer))
     parquet = os.path.join(args.work, "train.parquet")
     write_parquet(load_rows(args.data, args.rows), parquet)

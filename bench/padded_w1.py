@@ -65,7 +65,7 @@ def main() -> None:
     apply_tiny(args)
 
     tokenizer, _, samples = load_w1(args.data, args.tokenizer, args.max_length, args.rows)
-    require_samples(len(samples), args)
+    require_samples(len(samples), args.steps, args.micro_batch * args.grad_accum, args.data)
     model = build_model(model_config(args.tiny), args.device)
     if args.gradient_checkpointing == "on":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # as verl

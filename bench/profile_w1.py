@@ -1,6 +1,7 @@
 """Where a W1 step's time goes: torch.profiler over a few sfttrain steps after warm-up.
 
     python3 -m bench.profile_w1 --work /tmp/sfttrain_w1 [key=value ...]
+    python3 -m bench.profile_w1 --work /tmp/sfttrain_w1 --tiny       # CPU smoke run after sfttrain_w1 --tiny
     torchrun --standalone --nproc_per_node=2 -m bench.profile_w1 --work /tmp/sfttrain_w1 [key=value ...]
 
 Under torchrun every rank profiles itself: each prints its one-line summary and writes its own
@@ -19,7 +20,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.sfttrain_w1 import RECIPE
+from bench.sfttrain_w1 import RECIPE, TINY
 from sfttrain.config import load_config
 from sfttrain.data.loader import step_batches
 from sfttrain.distributed import init_world, shutdown
@@ -32,8 +33,12 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--trace", help="write a Chrome trace here")
+    p.add_argument("--tiny", action="store_true", help="CPU smoke run: bench.sfttrain_w1 --tiny's folder, 1 + 1 steps")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
+    if args.tiny:
+        args.warmup, args.steps = 1, 1
+        args.overrides = [*TINY, "trainer.device=cpu", *args.overrides]
     cfg = load_config(RECIPE, [f"model.partial_pretrain={args.work}/model", f"data.train_files={args.work}/train.parquet",
                                f"trainer.default_local_dir={args.work}/runs/profile", "trainer.resume_mode=disable",
                                *args.overrides])
@@ -44,7 +49,8 @@ def main() -> None:
     for _ in range(args.warmup):
         queued = trainer.step(next(batches), 0.0, queued)
     trainer.finish(queued)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])]
+    with profile(activities=activities) as prof:
         start = time.perf_counter()
         queued = None
         for _ in range(args.steps):

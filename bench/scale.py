@@ -10,7 +10,7 @@ step, and every rank's peak host memory at start-up. Then summary lines: W1's 2-
     python3 -m bench.scale --part w2b --data .bench_data/train.jsonl --out $OUT/scale.jsonl   # ~8 min
     python3 -m bench.scale --tiny --part all --out /tmp/scale.jsonl                          # CPU smoke run
 
-W2b (../shared/bench/WORKLOADS.md): W2's Llama-3-8B shape with the Qwen2.5 vocabulary, a model
+W2b (docs/workloads.md): W2's Llama-3-8B shape with the Qwen2.5 vocabulary, a model
 folder of config.json and tokenizer only, weights from model.random_init (meta-device init: each
 rank draws only its shards).
 """
@@ -27,21 +27,17 @@ import subprocess
 import sys
 import time
 
-from transformers import LlamaConfig
-
-from bench.common import MFU_FORMULA, timed_mfu
-from bench.w1_data import TINY_SHAPE, load_rows, load_tokenizer, model_config, write_parquet
+from bench.common import MFU_FORMULA, default_data, timed_mfu, w2b_config
+from bench.w1_data import load_rows, load_tokenizer, model_config, write_parquet
 
 RECIPE = os.path.join(os.path.dirname(__file__), "..", "recipes", "w1_qwen2.5-0.5b.yaml")
-W2B_SHAPE = dict(vocab_size=151936, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                 num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
-                 rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
 # W2b on W1's recipe: W2's max_length and 128 sequences per step, FULL_SHARD over the 2 GPUs
 W2B = ["data.max_length=4096", "data.train_batch_size=128", "data.max_token_len_per_gpu=16384",
        "model.enable_gradient_checkpointing=true"]
 
-# --tiny on CPU: eager, and steps of 2 short samples (a CPU computes 152k-vocab logits slowly)
-TINY = ["model.compile=false", "data.train_batch_size=2", "data.max_length=128", "data.max_token_len_per_gpu=1024",
+# --tiny on CPU: eager, fp32 (bf16 on a CPU is slow), and steps of 2 short samples (a CPU computes
+# 152k-vocab logits slowly)
+TINY = ["model.compile=false", "model.fsdp_config.mixed_precision=false", "data.train_batch_size=2", "data.max_length=128", "data.max_token_len_per_gpu=1024",
         "data.no_loss_rows=drop"]  # GSM8K prompts over 128 tokens
 
 
@@ -82,10 +78,7 @@ def runs(tiny: bool) -> dict[str, dict]:
 def prepare(args) -> dict[str, str]:
     """The W1 and W2b model folders (config and tokenizer) and the data."""
     tokenizer = load_tokenizer(args.tokenizer)
-    sizes = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")
-    w2b = LlamaConfig(**{**W2B_SHAPE, **({key: TINY_SHAPE[key] for key in sizes} if args.tiny else {})},
-                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                      pad_token_id=tokenizer.pad_token_id)
+    w2b = w2b_config(tokenizer, tiny=args.tiny)
     paths = {"w1": os.path.join(args.work, "w1_model"), "w2b": os.path.join(args.work, "w2b_model"),
              "data": os.path.join(args.work, "train.parquet")}
     for name, config in (("w1", model_config(tiny=args.tiny)), ("w2b", w2b)):
@@ -215,7 +208,7 @@ def _resume_comparison(records: dict) -> dict | None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--part", choices=["w1", "w2b", "all"], required=True)
-    p.add_argument("--data", default=".bench_data/train.jsonl")
+    p.add_argument("--data", default=default_data(), help="GSM8K train.jsonl (docs/workloads.md)")
     p.add_argument("--tokenizer", default="assets/tokenizers/qwen2.5-instruct")
     p.add_argument("--out", required=True, help="JSON lines file to append to")
     p.add_argument("--work", default="/tmp/sfttrain_scale")
@@ -227,8 +220,6 @@ def main() -> None:
     args = p.parse_args()
     args.device = "cpu" if args.tiny else "cuda"
     args.rows = args.rows or (256 if args.tiny else None)
-    if args.tiny:
-        args.data = args.data if os.path.exists(args.data) else "assets/data/gsm8k/train.jsonl"
     start = time.monotonic()
     paths = prepare(args)
     records: dict[str, dict] = {}

@@ -1,27 +1,35 @@
-"""W1 (../shared/bench/WORKLOADS.md) for sfttrain itself, as a user would run it.
+"""W1 (docs/workloads.md) for sfttrain itself, as a user would run it.
 
 Builds the W1 model folder (Qwen2.5-0.5B config + tokenizer; weights drawn at start-up with
 model.random_init and trainer.seed=0) and the W1 Parquet, runs `python -m sfttrain.run` for each
 variant, and summarises optimizer steps 11-60 from the run's metrics.jsonl, where each step's time
 is read after a device synchronisation.
 
-    python3 -m bench.sfttrain_w1 --data train.jsonl --out results.jsonl [--variant NAME ...]
+    python3 -m bench.sfttrain_w1 --out results.jsonl [--data train.jsonl] [--variant NAME ...] [--device cpu --tiny]
+
+A run that would train a second epoch of --data (W1 is 3840 distinct samples) is refused.
 """
 
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 
+import pyarrow.parquet as pq
 import torch
 import transformers
+from omegaconf import OmegaConf
 
-from bench.common import MFU_FORMULA, add_sfttrain_args, emit, timed_mfu
+from bench.common import MFU_FORMULA, add_sfttrain_args, emit, require_samples, timed_mfu
 from bench.w1_data import build_model, load_rows, load_tokenizer, model_config, write_parquet
 
 RECIPE = os.path.join(os.path.dirname(__file__), "..", "recipes", "w1_qwen2.5-0.5b.yaml")
+# --tiny: a CPU smoke run of the same code paths, eager and fp32 (bf16 on a CPU is slow), 4 sequences a step
+TINY = ["model.compile=false", "model.fsdp_config.mixed_precision=false", "data.train_batch_size=4",
+        "data.max_token_len_per_gpu=4096"]
 
 # name -> overrides on top of the recipe (the recipe itself is the fastest setting)
 VARIANTS = {
@@ -45,7 +53,8 @@ def prepare(args, saved_weights: bool = False) -> tuple[str, str]:
     """The W1 model folder and Parquet in args.work. saved_weights: the folder gets weights (for
     LoRA to adapt); otherwise a config only (the runs draw them with model.random_init)."""
     model_dir, parquet = os.path.join(args.work, "model"), os.path.join(args.work, "train.parquet")
-    os.makedirs(model_dir, exist_ok=True)
+    shutil.rmtree(model_dir, ignore_errors=True)  # written anew: nothing of another shape's folder is left
+    os.makedirs(model_dir)
     if saved_weights:
         # the weights W1 draws (seed 0, fp32, as bench.trl_w1 builds them), saved for LoRA to adapt
         build_model(model_config(tiny=args.tiny), "cpu").save_pretrained(model_dir)
@@ -56,6 +65,21 @@ def prepare(args, saved_weights: bool = False) -> tuple[str, str]:
     return model_dir, parquet
 
 
+def apply_tiny(args, steps: int, warmup: int) -> None:
+    """Fills --steps/--warmup (the workload's, or a few for --tiny) and puts TINY before the user's overrides."""
+    args.steps = args.steps or (4 if args.tiny else steps)
+    args.warmup = args.warmup or (1 if args.tiny else warmup)
+    if args.tiny:
+        args.rows = args.rows or 64
+        args.override = [*TINY, *args.override]
+
+
+def require_one_epoch(args, parquet: str, overrides: list[str]) -> None:
+    """sfttrain would start a second epoch where the data runs out: refused, W1 is distinct samples."""
+    batch = OmegaConf.merge(OmegaConf.load(RECIPE), OmegaConf.from_dotlist(overrides)).data.train_batch_size
+    require_samples(pq.ParquetFile(parquet).metadata.num_rows, args.steps, batch, args.data)
+
+
 def run_variant(name: str, args, model_dir: str, parquet: str, variant: list[str] | None = None) -> dict:
     """Runs the recipe with the variant's overrides (default VARIANTS[name]) and summarises it."""
     run_dir = os.path.join(args.work, "runs", name)
@@ -63,6 +87,7 @@ def run_variant(name: str, args, model_dir: str, parquet: str, variant: list[str
     overrides = [f"model.partial_pretrain={model_dir}", f"data.train_files={parquet}",
                  f"trainer.default_local_dir={run_dir}", "trainer.resume_mode=disable", f"trainer.total_training_steps={args.steps}",
                  f"trainer.device={args.device}", *variant, *args.override]
+    require_one_epoch(args, parquet, overrides)
     cmd = [sys.executable, "-m", "sfttrain.run", RECIPE, *overrides]
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -98,10 +123,11 @@ def main() -> None:
     add_sfttrain_args(p, work="/tmp/sfttrain_w1")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--variant", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny model")
+    p.add_argument("--steps", type=int, help="optimizer steps in all (default 60; --tiny: 4)")
+    p.add_argument("--warmup", type=int, help="untimed steps at the start (default 10; --tiny: 1)")
+    p.add_argument("--tiny", action="store_true", help="smoke run: tiny model, 4 sequences a step (use with --device cpu)")
     args = p.parse_args()
+    apply_tiny(args, steps=60, warmup=10)
     model_dir, parquet = prepare(args, saved_weights=any(name.startswith("lora") for name in args.variant))
     for name in args.variant:
         try:

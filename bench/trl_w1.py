@@ -123,7 +123,7 @@ def main() -> None:
     apply_tiny(args)
 
     rows = load_rows(args.data, args.rows)
-    require_samples(len(rows), args)
+    require_samples(len(rows), args.steps, args.micro_batch * args.grad_accum, args.data)
     tokenizer = load_tokenizer(args.tokenizer)
     model = load_model(args.model_dir, args.device) if args.model_dir else build_model(model_config(args.tiny), args.device)
     clock, ledger = StepClock(args.device, args.warmup, args.steps), TokenLedger(args.warmup, args.steps)

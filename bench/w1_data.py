@@ -1,4 +1,4 @@
-"""Workload W1 of ../shared/bench/WORKLOADS.md: GSM8K on a Qwen2.5-0.5B-shaped model.
+"""Workload W1 of docs/workloads.md: GSM8K on a Qwen2.5-0.5B-shaped model.
 
 Prompt: the question as one user message, rendered with the tokenizer's chat template with the
 generation prompt. Response: the answer, then ``<|im_end|>``. Loss on response tokens only;
@@ -22,6 +22,8 @@ import pyarrow.parquet as pq
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
+from bench.common import TINY_SIZES
+
 MAX_LENGTH = 1024
 EOS = "<|im_end|>"
 
@@ -30,9 +32,7 @@ W1_SHAPE = dict(
     num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
     rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
 )
-# same vocabulary (the tokenizer's ids must fit) on a model small enough for a CPU smoke run
-TINY_SHAPE = dict(W1_SHAPE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2)
+TINY_SHAPE = dict(W1_SHAPE, **TINY_SIZES)
 
 
 @dataclass(frozen=True)

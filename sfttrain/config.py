@@ -87,17 +87,17 @@ class ModelConfig:
     use_liger: bool = False  # Liger's fused RMSNorm/SwiGLU/RoPE and fused linear cross-entropy
     compile: bool = False  # torch.compile each decoder layer (dynamic shapes; compiled once, shared by the layers)
     # with compile on CUDA, who launches the compiled layers' kernels: inductor's C++ wrapper (true) or its
-    # Python one (false: tens of us per launch). auto: C++ with LoRA (W1 LoRA launches ~1,300 small
-    # GEMMs a step and ran 26% faster), Python otherwise (W1 full: the same speed, and the C++ build
-    # took 56 s more start-up)
+    # Python one (false: tens of us per launch). auto: C++ with LoRA (many small adapter GEMMs a step:
+    # their launches are the step's cost), Python otherwise (GPU-bound steps gain nothing, and the C++
+    # build adds start-up); how much each way: docs/benchmarks.md
     compile_cpp_wrapper: Any = "auto"
     # tokens per chunk of sfttrain's linear cross-entropy: a chunk's logits are held at once (chunk x
     # vocab in bf16; twice that with loss_kernel=torch); larger chunks pass fewer times over the fp32
-    # lm_head gradient (W1 on an H200, liger kernel: 2048 ran 1.2% faster, peaked 0.58 GiB higher)
+    # lm_head gradient: a little faster for more peak memory (docs/benchmarks.md)
     loss_chunk_tokens: int = 1024
     # the chunk's softmax-and-gradient kernel: auto (liger where it can run) | liger (Liger's Triton
-    # kernel, gradient written over the logits; CUDA) | torch (compiled by inductor on CUDA: 2.7x
-    # slower per chunk on W1)
+    # kernel, gradient written over the logits; CUDA) | torch (compiled by inductor on CUDA: a second
+    # [chunk, vocab] buffer and slower per chunk, bench/loss_kernel.py)
     loss_kernel: str = "auto"
     lora_rank: int = 0  # > 0: train peft LoRA adapters of this rank on a frozen base (sfttrain/lora.py)
     lora_alpha: int = 16  # LoRA scaling numerator: the adapter's update is scaled by lora_alpha / lora_rank

@@ -114,7 +114,7 @@ def chunk_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor, with_grad: b
     softmax - onehot (zero on ignored rows) in the logits' dtype. Softmax in fp32; under
     torch.compile this is one kernel, two passes over the chunk and no fp32 [C, V] buffer.
     (Writing the gradient into the logits in place would save one buffer, but inductor then
-    emits kernels ~3x slower on the H200, torch 2.11.)"""
+    emits much slower kernels: docs/benchmarks.md, second session.)"""
     logits32 = logits.float()
     lse = torch.logsumexp(logits32, dim=-1)
     valid = labels != IGNORE_INDEX
@@ -131,8 +131,8 @@ def chunk_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor, with_grad: b
 def liger_chunk_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor, with_grad: bool):
     """chunk_loss_and_grad by Liger's cross-entropy Triton kernel (one program per row, two
     passes): the gradient is written over the logits, so a chunk needs one [C, V] buffer instead
-    of two, and it runs at memory bandwidth (W1's shape on an H200: 0.19 ms per 1024-token chunk
-    against 0.52 ms for inductor's kernel, `bench/loss_kernel.py`). Launched directly: Liger's
+    of two, and it runs at memory bandwidth, faster than inductor's kernel (`bench/loss_kernel.py`,
+    figures in docs/benchmarks.md). Launched directly: Liger's
     Python wrapper reads token counts on the host (a sync per chunk) and sums the loss in bf16."""
     rows, vocab = logits.shape
     losses = torch.zeros(rows, dtype=torch.float32, device=logits.device)  # ignored rows stay 0

@@ -131,9 +131,9 @@ def replicate_model(lm: CausalLMLoss, world: World, cfg: Config) -> None:
 
 def compile_layers(layers: list[torch.nn.Module], cpp_wrapper: bool) -> None:
     """torch.compile each decoder layer. The layers share one forward, so dynamo traces and inductor
-    compiles it once and every other layer reuses that code: W1 reaches its first step 29.5 s after
-    launch, against 178.7 s with the whole decoder as one graph, at the same step time (the only
-    fusions lost are at the layer boundaries; docs/benchmarks.md). Dynamic shapes: every step's
+    compiles it once and every other layer reuses that code: start-up is a fraction of compiling the
+    whole decoder as one graph, at the same step time (the only fusions lost are at the layer
+    boundaries; figures in docs/benchmarks.md). Dynamic shapes: every step's
     packed row has another length, and a specialise-then-recompile cycle per length would be a
     storm. Under FSDP the per-layer graphs also leave FSDP's hooks between the layers.
     cpp_wrapper: the compiled code launches its kernels from C++ (model.compile_cpp_wrapper)."""

@@ -186,6 +186,39 @@ def load_checkpoint_model(ckpt_dir: Path) -> dict:
     return torch.load(out, weights_only=False)["model"]
 
 
+# 2 ranks, 3 shuffled steps of 8 short samples, checkpoints at steps 2 and 3: the reference that
+# the same job launched another way (two nodes, the model by hub id) must reproduce
+TWO_RANK_STEPS = 3
+
+
+def two_rank_job(gsm8k_dir: Path, run_dir, *extra: str) -> list[str]:
+    return [*BASE_OVERRIDES, f"data.train_files={gsm8k_dir}/train.parquet", f"trainer.default_local_dir={run_dir}",
+            "data.max_length=128", "data.train_batch_size=8", "data.micro_batch_size_per_gpu=2",
+            f"trainer.total_training_steps={TWO_RANK_STEPS}", "trainer.save_freq=2", "data.shuffle=true", *extra]
+
+
+@pytest.fixture(scope="session")
+def two_rank_run(gsm8k_dir, tmp_path_factory) -> Path:
+    """two_rank_job on one node with torchrun, run once for the tests comparing other launches with it."""
+    run_dir = tmp_path_factory.mktemp("two_rank") / "run"
+    run_sfttrain(2, two_rank_job(gsm8k_dir, run_dir))
+    return run_dir
+
+
+@pytest.fixture(scope="session")
+def demo_run(gsm8k_dir, tmp_path_factory) -> tuple[Path, str]:
+    """The demo's settings, shortened (2 ranks, 24 steps of 16 shuffled samples, validation, a
+    checkpoint and a log line every 12 steps), run once for the tests of what a run learns, logs
+    and plots: (its run folder, its output)."""
+    run_dir = tmp_path_factory.mktemp("demo") / "run"
+    proc = run_sfttrain(2, [*BASE_OVERRIDES, f"data.train_files={gsm8k_dir}/train.parquet",
+                            f"data.val_files={gsm8k_dir}/test.parquet", f"trainer.default_local_dir={run_dir}",
+                            "data.train_batch_size=16", "data.micro_batch_size_per_gpu=8", "data.shuffle=true",
+                            "optim.lr=3e-3", "trainer.total_training_steps=24", "trainer.test_freq=12",
+                            "trainer.save_freq=12", "trainer.log_freq=12"])
+    return run_dir, proc.stdout
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen_dir(tmp_path_factory) -> Path:
     """A Qwen2-architecture model with random weights, tiny, beside the real Qwen2.5 tokenizer

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from sfttrain.hub import is_repo_id
-from tests.conftest import BASE_OVERRIDES, STORIES, run_sfttrain, train_losses
+from tests.conftest import STORIES, run_sfttrain, train_losses, two_rank_job
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -37,20 +37,18 @@ def hub_cache(tmp_path_factory) -> Path:
 
 
 def job(gsm8k_dir: Path, run_dir: Path, model: str) -> list[str]:
-    return [*BASE_OVERRIDES, f"model.partial_pretrain={model}", f"data.train_files={gsm8k_dir}/train.parquet",
-            f"trainer.default_local_dir={run_dir}", "data.max_length=128", "data.train_batch_size=4",
-            "data.micro_batch_size_per_gpu=2", "trainer.total_training_steps=2"]
+    return two_rank_job(gsm8k_dir, run_dir, f"model.partial_pretrain={model}")
 
 
-def test_hub_id_trains_from_the_local_cache(gsm8k_dir, hub_cache, tmp_path):
+def test_hub_id_trains_from_the_local_cache(gsm8k_dir, hub_cache, tmp_path, two_rank_run):
     """`org/name` resolves to the cached snapshot on both ranks: the run equals the same run
-    from the local folder (same model, same data, fp32), and its checkpoint holds the tokenizer."""
+    from the local folder (conftest's two_rank_run: same model, same data, fp32), and its
+    checkpoint holds the tokenizer."""
     offline = {"HF_HUB_CACHE": str(hub_cache), "HF_HUB_OFFLINE": "1"}
     proc = run_sfttrain(2, job(gsm8k_dir, tmp_path / "hub", "org/name"), env=offline)
-    run_sfttrain(2, job(gsm8k_dir, tmp_path / "folder", str(STORIES)))
     assert "model               : org/name" in proc.stdout
-    assert train_losses(tmp_path / "hub") == train_losses(tmp_path / "folder")
-    assert (tmp_path / "hub" / "global_step_2" / "hf" / "tokenizer_config.json").is_file()
+    assert train_losses(tmp_path / "hub") == train_losses(two_rank_run)
+    assert (tmp_path / "hub" / "global_step_3" / "hf" / "tokenizer_config.json").is_file()
 
 
 def test_offline_model_not_in_cache_is_one_clear_message(gsm8k_dir, hub_cache, tmp_path):

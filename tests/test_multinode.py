@@ -15,17 +15,11 @@ import sys
 import time
 from pathlib import Path
 
-from tests.conftest import (BASE_OVERRIDES, REPO, free_port, kill_job, load_checkpoint_model, rank_env, run_sfttrain,
-                            train_losses)
+from tests.conftest import (REPO, TWO_RANK_STEPS, free_port, kill_job, load_checkpoint_model, rank_env, train_losses,
+                            two_rank_job)
 
 TOL = 1e-6
-STEPS = 3
-
-
-def job(gsm8k_dir: Path, run_dir: str) -> list[str]:
-    return [*BASE_OVERRIDES, f"data.train_files={gsm8k_dir}/train.parquet", f"trainer.default_local_dir={run_dir}",
-            "data.max_length=128", "data.train_batch_size=8", "data.micro_batch_size_per_gpu=2",
-            f"trainer.total_training_steps={STEPS}", "trainer.save_freq=2", "data.shuffle=true"]
+STEPS = TWO_RANK_STEPS
 
 
 def run_two_nodes(overrides: list[str], logs: Path, node_env: list[dict], timeout: int = 300) -> tuple[list[str], list[int]]:
@@ -55,17 +49,17 @@ def run_two_nodes(overrides: list[str], logs: Path, node_env: list[dict], timeou
     return [(logs / f"node{node}.log").read_text() for node in range(len(node_env))], [p.returncode for p in procs]
 
 
-def test_two_nodes_train_as_one_node_with_two_ranks(gsm8k_dir, tmp_path):
-    outs, codes = run_two_nodes(job(gsm8k_dir, str(tmp_path / "two_nodes")), tmp_path, [{}, {}])
+def test_two_nodes_train_as_one_node_with_two_ranks(gsm8k_dir, tmp_path, two_rank_run):
+    outs, codes = run_two_nodes(two_rank_job(gsm8k_dir, str(tmp_path / "two_nodes")), tmp_path, [{}, {}])
     assert codes == [0, 0], "\n".join(out[-3000:] for out in outs)
-    run_sfttrain(2, job(gsm8k_dir, str(tmp_path / "one_node")))
-    two, one = train_losses(tmp_path / "two_nodes"), train_losses(tmp_path / "one_node")
+    one_node = two_rank_run  # the same job, one torchrun agent with 2 ranks
+    two, one = train_losses(tmp_path / "two_nodes"), train_losses(one_node)
     assert len(two) == STEPS and max(abs(a - b) for a, b in zip(two, one)) <= TOL, (two, one)
     for step in (2, STEPS):
         got = load_checkpoint_model(tmp_path / "two_nodes" / f"global_step_{step}")
-        want = load_checkpoint_model(tmp_path / "one_node" / f"global_step_{step}")
+        want = load_checkpoint_model(one_node / f"global_step_{step}")
         assert max((got[k] - want[k]).abs().max().item() for k in want) <= TOL
-    start = load_checkpoint_model(tmp_path / "one_node" / "global_step_2")
+    start = load_checkpoint_model(one_node / "global_step_2")
     assert max((want[k] - start[k]).abs().max().item() for k in want) > 1e-4  # the weights did move
 
 
@@ -76,7 +70,7 @@ def test_run_folder_not_shared_between_nodes_is_refused(gsm8k_dir, tmp_path):
     nodes = [{"TMPDIR": str(tmp_path / f"scratch{node}")} for node in range(2)]
     for env in nodes:
         Path(env["TMPDIR"]).mkdir()
-    outs, _ = run_two_nodes(job(gsm8k_dir, "${oc.env:TMPDIR}/run"), tmp_path, nodes)
+    outs, _ = run_two_nodes(two_rank_job(gsm8k_dir, "${oc.env:TMPDIR}/run"), tmp_path, nodes)
     both = "".join(outs)
     # rank 0's agent reports its exit code 2, a configuration error (sfttrain.errors); the other rank
     # waits for rank 0 to end the job (sfttrain.run.stop) and is killed with its node

@@ -5,25 +5,18 @@ import re
 import subprocess
 import sys
 
-import pyarrow.parquet as pq
 from PIL import Image
 
-from tests.conftest import BASE_OVERRIDES, REPO, read_metrics, run_sfttrain
+from tests.conftest import REPO, read_metrics
 
 
-def test_short_run_is_logged_and_plotted(gsm8k_dir, tmp_path):
-    val = tmp_path / "val.parquet"
-    pq.write_table(pq.read_table(gsm8k_dir / "test.parquet").slice(0, 16), val)
-    run_dir = tmp_path / "run"
-    proc = run_sfttrain(1, [*BASE_OVERRIDES, f"data.train_files={gsm8k_dir}/train.parquet", f"data.val_files={val}",
-                            f"trainer.default_local_dir={run_dir}", "data.train_batch_size=8",
-                            "data.micro_batch_size_per_gpu=4", "trainer.total_training_steps=6",
-                            "trainer.test_freq=3", "trainer.save_freq=3", "trainer.log_freq=2"])
-    out = proc.stdout
+def test_short_run_is_logged_and_plotted(demo_run):
+    """conftest's demo_run: 24 steps, validation, a checkpoint and a log line every 12 steps."""
+    run_dir, out = demo_run
     # output to a file: one plain line per log_freq steps with the step count and an ETA, no bar
-    assert [int(s) for s in re.findall(r"^step (\d)/6 \| epoch .* s/step, ETA \d+:\d\d:\d\d$", out, re.M)] == [2, 4, 6]
+    assert [int(s) for s in re.findall(r"^step (\d+)/24 \| epoch .* s/step, ETA \d+:\d\d:\d\d$", out, re.M)] == [12, 24]
     assert "train:" not in out and "\r" not in out  # no tqdm bar
-    assert re.search(r"^checkpoint global_step_3 committed: .* training stalled \d+\.\d+ s", out, re.M), out[-3000:]
+    assert re.search(r"^checkpoint global_step_12 committed: .* training stalled \d+\.\d+ s", out, re.M), out[-3000:]
     records = read_metrics(run_dir)
     assert all("mfu" not in r for r in records)  # CPU: no peak to compare with
     assert sum("val/loss" in r for r in records) == 2

@@ -23,6 +23,19 @@ def _job(gsm8k_dir, run_dir, *extra):
             f"trainer.default_local_dir={run_dir}", *extra]
 
 
+# the steps several tests split in other ways: 2 steps of 16 samples; one_rank_16 runs them unsplit
+BATCH_16 = ["data.train_batch_size=16", "trainer.total_training_steps=2"]
+
+
+@pytest.fixture(scope="module")
+def one_rank_16(gsm8k_dir, tmp_path_factory):
+    """BATCH_16 on one rank as one micro-batch: the reference of the tests that split the same steps
+    over ranks, micro-batches, token budgets or compiled kernels (one job for all of them)."""
+    run_dir = tmp_path_factory.mktemp("one_rank_16")
+    run_sfttrain(1, _job(gsm8k_dir, run_dir, *BATCH_16, "data.micro_batch_size_per_gpu=16"))
+    return run_dir
+
+
 def _start() -> dict:
     return AutoModelForCausalLM.from_pretrained(STORIES).state_dict()
 
@@ -34,21 +47,22 @@ def _update_error(run_dir, ref_dir, step: int) -> float:
     return update_error(trained, ref, {k: start[k] for k in ref})
 
 
-def test_update_invariant_to_ranks_and_micro_batches(gsm8k_dir, tmp_path):
+def test_update_invariant_to_ranks_and_micro_batches(gsm8k_dir, tmp_path, one_rank_16):
     """Same global batch of 16, split as 1 rank x 1 micro-batch, 2 ranks x 1, 2 ranks x 4 micro-batches,
     4 ranks as HSDP (2 replicas x 2 shards, 2 micro-batches each, all-reduced across the replicas
     once per step), and 2 DDP ranks x 4 micro-batches (gradients accumulated locally, all-reduced in
     the last one's backward): loss normalised by the step's global token count makes the updates
     equal. A rank that skipped the all-reduce would step on its own half of the gradient."""
     hsdp = ["model.fsdp_config.sharding_strategy=HYBRID_SHARD", "model.fsdp_config.fsdp_size=2"]
-    runs = {"1x16": (1, 16, []), "2x8": (2, 8, []), "2x2": (2, 2, []), "hsdp_2x2": (4, 2, hsdp),
+    runs = {"2x8": (2, 8, []), "2x2": (2, 2, []), "hsdp_2x2": (4, 2, hsdp),
             "ddp_2x2": (2, 2, ["model.fsdp_config.fsdp_size=1"])}
-    losses, weights, logs = {}, {}, {}
+    losses = {"1x16": train_losses(one_rank_16)}
+    weights = {"1x16": load_checkpoint_model(one_rank_16 / "global_step_2")}
+    logs = {}
     for name, (nproc, micro, extra) in runs.items():
         run_dir = tmp_path / name
-        logs[name] = run_sfttrain(nproc, _job(gsm8k_dir, run_dir, "data.train_batch_size=16", *extra,
-                                              f"data.micro_batch_size_per_gpu={micro}",
-                                              "trainer.total_training_steps=2")).stdout
+        logs[name] = run_sfttrain(nproc, _job(gsm8k_dir, run_dir, *BATCH_16, *extra,
+                                              f"data.micro_batch_size_per_gpu={micro}")).stdout
         losses[name] = train_losses(run_dir)
         weights[name] = load_checkpoint_model(run_dir / "global_step_2")
     assert "mesh (2, 2) ('dp_replicate', 'dp_shard')" in logs["hsdp_2x2"]
@@ -62,14 +76,11 @@ def test_update_invariant_to_ranks_and_micro_batches(gsm8k_dir, tmp_path):
         assert update_error(weights[name], weights["1x16"], start) < UPDATE_TOL, name
 
 
-def test_token_budget_micro_batches_give_the_same_update(gsm8k_dir, tmp_path):
-    ref, budget = tmp_path / "ref", tmp_path / "budget"
-    run_sfttrain(1, _job(gsm8k_dir, ref, "data.train_batch_size=8", "data.micro_batch_size_per_gpu=8",
-                         "trainer.total_training_steps=2"))
-    run_sfttrain(2, _job(gsm8k_dir, budget, "data.train_batch_size=8", "data.max_token_len_per_gpu=400",
-                         "trainer.total_training_steps=2"))
-    assert train_losses(budget) == pytest.approx(train_losses(ref), rel=LOSS_TOL)
-    assert _update_error(budget, ref, 2) < UPDATE_TOL
+def test_token_budget_micro_batches_give_the_same_update(gsm8k_dir, tmp_path, one_rank_16):
+    budget = tmp_path / "budget"
+    run_sfttrain(2, _job(gsm8k_dir, budget, *BATCH_16, "data.max_token_len_per_gpu=400"))
+    assert train_losses(budget) == pytest.approx(train_losses(one_rank_16), rel=LOSS_TOL)
+    assert _update_error(budget, one_rank_16, 2) < UPDATE_TOL
 
 
 def test_mixed_precision_one_device_fsdp_and_ddp_agree(gsm8k_dir, tmp_path):
@@ -89,26 +100,24 @@ def test_mixed_precision_one_device_fsdp_and_ddp_agree(gsm8k_dir, tmp_path):
         assert _update_error(tmp_path / name, tmp_path / "one", 3) < 5e-2, name
 
 
-def test_compiled_decoder_matches_eager(gsm8k_dir, tmp_path):
+def test_compiled_decoder_matches_eager(gsm8k_dir, tmp_path, one_rank_16):
     """model.compile on one rank compiles each decoder layer with dynamic shapes (and the loss
-    kernel): the same losses and updates as eager, no recompilation caused by a new packed length
-    (the 6 micro-batches all have other lengths), and one compilation shared by the layers: a graph
+    kernel): the same losses and updates as eager (one_rank_16: the same steps, unsplit), no
+    recompilation caused by a new packed length (the 8 micro-batches of 4 samples, unpadded, all
+    have other lengths), and one compilation shared by the layers: a graph
     specialised on its layer (a per-layer constant it must bake in, as a float handed to SDPA's
     scale did in a probe) would be recompiled for each further layer, 4 times for stories260K's 5
     (and past dynamo's cache limit, 8, the remaining layers of a larger model would silently run
     eager). Recompiles for other reasons (how a torch or transformers version wraps a forward) stay
     under that count."""
-    common = ["data.train_batch_size=8", "data.micro_batch_size_per_gpu=4", "trainer.total_training_steps=3",
-              "data.pad_to_multiple=1"]
-    run_sfttrain(1, _job(gsm8k_dir, tmp_path / "eager", *common))
-    proc = run_sfttrain(1, _job(gsm8k_dir, tmp_path / "compiled", *common, "model.compile=true"),
-                        env={"TORCH_LOGS": "recompiles"})
+    proc = run_sfttrain(1, _job(gsm8k_dir, tmp_path / "compiled", *BATCH_16, "data.micro_batch_size_per_gpu=4",
+                                "data.pad_to_multiple=1", "model.compile=true"), env={"TORCH_LOGS": "recompiles"})
     reasons = [line for line in proc.stdout.splitlines() if "size mismatch" in line or "size()" in line]
     assert reasons == [], reasons
     recompiled = Counter(re.findall(r"Recompiling function (\S+ in \S+)", proc.stdout))
     assert all(count < 4 for count in recompiled.values()), recompiled
-    assert train_losses(tmp_path / "compiled") == pytest.approx(train_losses(tmp_path / "eager"), rel=LOSS_TOL)
-    assert _update_error(tmp_path / "compiled", tmp_path / "eager", 3) < UPDATE_TOL
+    assert train_losses(tmp_path / "compiled") == pytest.approx(train_losses(one_rank_16), rel=LOSS_TOL)
+    assert _update_error(tmp_path / "compiled", one_rank_16, 2) < UPDATE_TOL
 
 
 def test_worker_processes_build_the_same_steps(gsm8k_dir, tmp_path):
@@ -162,13 +171,10 @@ def test_parity_with_a_plain_transformers_loop(gsm8k_dir, tmp_path):
     assert update_error(trained, ref, {k: start[k] for k in trained}) < UPDATE_TOL
 
 
-def test_demo_model_learns_gsm8k(gsm8k_dir, tmp_path):
-    """The tiny real model's loss falls on GSM8K, and validation loss falls with it."""
-    run_dir = tmp_path / "run"
-    run_sfttrain(2, _job(gsm8k_dir, run_dir, "data.train_batch_size=16", "data.micro_batch_size_per_gpu=8",
-                         f"data.val_files={gsm8k_dir}/test.parquet", "data.shuffle=true",
-                         "optim.lr=3e-3", "optim.eps=1e-8",  # plain AdamW: this test is about learning
-                         "trainer.total_training_steps=24", "trainer.test_freq=12"))
+def test_demo_model_learns_gsm8k(demo_run):
+    """The tiny real model's loss falls on GSM8K, and validation loss falls with it (plain AdamW:
+    this test is about learning)."""
+    run_dir, _ = demo_run
     metrics = read_metrics(run_dir)
     losses = [m["loss"] for m in metrics if "loss" in m]
     val = [m["val/loss"] for m in metrics if "val/loss" in m]

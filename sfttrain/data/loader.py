@@ -109,7 +109,7 @@ def check_counts(samples, stats: RowStats, source: ParquetSource) -> None:
 class StepStream(IterableDataset):
     """The steps from a data position, as a dataset for torch's DataLoader. With worker processes
     (data.num_workers > 0) the rendering (Jinja chat templates, tokenizer calls, packing: Python
-    that holds the GIL, ~35 ms per W1 step on a 2-core CPU, bench/data_cost_w1.py) runs beside
+    that holds the GIL; bench/data_cost_w1.py measures it per W1 step) runs beside
     the training loop instead of taking the interpreter from it. Worker w of W builds steps
     w, w + W, ...; the DataLoader collects from the workers round-robin, so they arrive in order."""
 

@@ -1,0 +1,155 @@
+"""Every bench/ script runs its smoke mode on CPU (tiny models, a few steps), so that none breaks
+unnoticed. bench.loss_kernel times CUDA kernels and has no CPU mode (its docstring says why): on a
+machine without CUDA its refusal is what runs. The records are checked for what each script
+measured, not for how fast: these are CPU runs of shapes no one benchmarks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import REPO, kill_job, rank_env
+
+SAMPLE = str(REPO / "assets" / "data" / "gsm8k" / "train.jsonl")  # 2000 rows: --tiny reads the first 64
+CUDA = torch.cuda.is_available()
+
+
+def run_bench(module: str, *args: str, timeout: int = 600) -> str:
+    """`python -m bench.X ...` from the checkout, on CPU ranks; its output, or a failure showing its end."""
+    with subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO, env=rank_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, start_new_session=True) as proc:
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_job(proc)  # the torchrun jobs it started go too
+            raise AssertionError(f"{module} timed out after {timeout}s")
+    assert proc.returncode == 0, f"{module} failed ({proc.returncode}):\n{out[-6000:]}"
+    return out
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_sfttrain_w1_then_profile_w1(tmp_path):
+    """sfttrain_w1 --tiny prepares the model folder and Parquet and runs sfttrain; profile_w1 --tiny
+    profiles steps of that folder, as on the GPU machine."""
+    out = tmp_path / "w1.jsonl"
+    run_bench("bench.sfttrain_w1", "--tiny", "--device", "cpu", "--variant", "eager", "--data", SAMPLE,
+              "--work", str(tmp_path), "--out", str(out))
+    (record,) = records(out)
+    assert record["variant"] == "eager" and record["timed_steps"] == "2-4" and record["real_tokens"] > 0
+    profile = run_bench("bench.profile_w1", "--tiny", "--work", str(tmp_path), "--trace", str(tmp_path / "trace.json"))
+    assert "ms/step" in profile and (tmp_path / "trace.json").is_file()
+
+
+def test_sfttrain_w1_refuses_a_second_epoch(tmp_path, monkeypatch):
+    """W1 is 60 steps of 64 distinct samples: on the 2000-row sample sfttrain would wrap an epoch."""
+    from bench import sfttrain_w1
+
+    monkeypatch.setattr(sys, "argv", ["sfttrain_w1", "--variant", "eager", "--data", SAMPLE, "--work", str(tmp_path),
+                                      "--out", str(tmp_path / "w1.jsonl")])
+    with pytest.raises(SystemExit, match="60 steps of 64 sequences need 3840 samples, .* has 2000"):
+        sfttrain_w1.main()
+    assert not (tmp_path / "runs").exists()
+
+
+def test_lora_w2b_and_trl_w1(tmp_path):
+    """sfttrain then TRL + peft (bench.trl_w1 --peft --model_dir) on one saved tiny W2b folder."""
+    pytest.importorskip("trl", reason="TRL comes with the bench extra: pip install -e '.[bench]'")
+    out = tmp_path / "w2b.jsonl"
+    run_bench("bench.lora_w2b", "--tiny", "--device", "cpu", "--data", SAMPLE, "--work", str(tmp_path),
+              "--out", str(out))
+    sfttrain, trl = records(out)
+    assert sfttrain["variant"] == "lora_w2b" and sfttrain["real_tokens"] > 0
+    assert trl["system"] == "trl" and trl["peft"]["r"] == 64 and trl["real_tokens"] > 0
+    assert trl["model_dir"] == str(next(tmp_path.glob("model_*")))  # the one folder both trained
+
+
+def test_lora_w2b_model_folder_is_keyed_by_shape():
+    """A --tiny run and a full one in the same --work never share a model folder."""
+    from bench.common import w2b_config
+    from bench.lora_w2b import model_folder
+    from bench.w1_data import load_tokenizer
+
+    tokenizer = load_tokenizer(str(REPO / "assets" / "tokenizers" / "qwen2.5-instruct"))
+    tiny, full = (model_folder("work", w2b_config(tokenizer, tiny=tiny)) for tiny in (True, False))
+    assert tiny != full and model_folder("work", w2b_config(tokenizer, tiny=True)) == tiny
+
+
+def test_moe_w4(tmp_path):
+    out = tmp_path / "w4.jsonl"
+    run_bench("bench.moe_w4", "--tiny", "--device", "cpu", "--data", SAMPLE, "--work", str(tmp_path), "--out", str(out))
+    (record,) = records(out)
+    assert record["variant"] == "w4" and record["timed_steps"] == "2-3" and record["real_tokens"] > 0, record
+
+
+def test_padded_w1(tmp_path):
+    out = tmp_path / "padded.jsonl"
+    run_bench("bench.padded_w1", "--tiny", "--device", "cpu", "--data", SAMPLE, "--out", str(out))
+    (record,) = records(out)
+    assert record["system"] == "padded" and record["timed_samples"] == 3 * 4  # 3 timed steps of 2 x 2
+
+
+def test_long_context(tmp_path):
+    """One sp=2 job (2 gloo ranks) on 256-token samples."""
+    out = tmp_path / "w3.jsonl"
+    run_bench("bench.long_context", "--tiny", "--sp", "2", "--lengths", "256", "--work", str(tmp_path),
+              "--out", str(out))
+    (record,) = records(out)
+    assert record["status"] == "trained" and record["sp"] == 2 and record["timed_steps"] == [2, 3]
+
+
+def test_scale(tmp_path):
+    """One run of the part (its W2b run: both model folders prepared, 2 ranks, FULL_SHARD)."""
+    out = tmp_path / "scale.jsonl"
+    run_bench("bench.scale", "--tiny", "--part", "w2b", "--run", "w2b_full_shard_ckpt", "--data", SAMPLE,
+              "--work", str(tmp_path), "--out", str(out))
+    (record,) = records(out)
+    assert record["steps_logged"] == 4 and record["real_tokens_per_s"] > 0, record
+
+
+def test_async_ckpt(tmp_path):
+    """A background and a synchronous setting, each a run with periodic saves, beside the disk's speed."""
+    out = tmp_path / "ckpt.jsonl"
+    run_bench("bench.async_ckpt", "--tiny", "--setting", "async_pinned", "sync", "--data", SAMPLE,
+              "--work", str(tmp_path), "--out", str(out))
+    background, synchronous = records(out)
+    assert (background["setting"], synchronous["setting"]) == ("async_pinned", "sync")
+    assert [s["async"] for s in background["saves"]] == [True, True] and not synchronous["saves"][0]["async"]
+    assert all(r["disk_gb_per_s"] > 0 and r["write_gb_per_s_median"] > 0 for r in (background, synchronous))
+
+
+def test_data_benches(tmp_path, monkeypatch, capsys):
+    """The scripts that run no training, in this process: W1's token statistics and Parquet, the
+    cost of building a W1 step, and the data-at-scale reader on a small file."""
+    from bench import data_cost_w1, data_scale, w1_data
+
+    tokenizer = str(REPO / "assets" / "tokenizers" / "qwen2.5-instruct")
+    for argv in (["w1_data", "--data", SAMPLE, "--tokenizer", tokenizer, "--parquet", str(tmp_path / "w1.parquet")],
+                 ["data_cost_w1", "--data", SAMPLE, "--tokenizer", tokenizer, "--steps", "1"],
+                 ["data_scale", "--rows", "2000", "--group_rows", "500", "--render_rows", "50", "--train_rows", "1000",
+                  "--batch", "64", "--budget_s", "30", "--data", str(tmp_path / "scale.parquet"),
+                  "--out", str(tmp_path / "scale.json")]):
+        monkeypatch.setattr(sys, "argv", argv)
+        {"w1_data": w1_data, "data_cost_w1": data_cost_w1, "data_scale": data_scale}[argv[0]].main()
+    stats = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert stats["samples"] == 2000 and stats["truncated"] == 0
+    assert json.loads((tmp_path / "scale.json").read_text())["scan_read"][0]["rows"] == 2000
+
+
+def test_loss_kernel(monkeypatch):
+    """On CUDA it runs (one chunk size); without, it refuses in one line instead of a traceback."""
+    if CUDA:
+        assert "ms" in run_bench("bench.loss_kernel", "--tokens", "1024")
+        return
+    from bench import loss_kernel
+
+    monkeypatch.setattr(sys, "argv", ["loss_kernel"])
+    with pytest.raises(SystemExit, match="CUDA"):
+        loss_kernel.main()

@@ -54,8 +54,8 @@ class FSDPSFTTrainer:
 
         # data first: a bad file, column or batch size fails before the model is loaded
         folder = local_model_folder(cfg.model)
+        check_rope(cfg, folder)  # RoPE that packing would make depend on the batch (the specific diagnosis first)
         check_max_length(cfg, folder)
-        check_rope(cfg, folder)  # RoPE that packing would make depend on the batch
         self.tokenizer = load_tokenizer(cfg.model, resolve_chat_template(d) if d.apply_chat_template else None)
         renderer, fields = build_renderer(d, self.tokenizer), row_fields(d)  # prompt/response or conversations
         train_source = open_source(as_list(d.train_files), fields, self.run_dir)

@@ -133,10 +133,10 @@ def test_every_recipe_is_planned():
 @pytest.mark.parametrize("name", RECIPES)
 def test_recipe_preflight(name, tmp_path, monkeypatch, gsm8k_dir):
     """Run from a folder of its own (not the checkout, whatever ran there before), where the demo's
-    relative data/ paths find the GSM8K sample as after `make demo`: steps and memory both print."""
+    relative work/ paths find the GSM8K sample as after `make demo`: steps and memory both print."""
     nproc, model, extra = RECIPES[name]
-    (tmp_path / "data").mkdir()
-    (tmp_path / "data" / "gsm8k_sample").symlink_to(gsm8k_dir)
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "gsm8k_sample").symlink_to(gsm8k_dir)
     monkeypatch.chdir(tmp_path)
     folders = {"stories": STORIES, "qwen0.5b": config_only_folder(tmp_path / "q", QWEN25_05B),
                "llama8b": config_only_folder(tmp_path / "l", LLAMA31_8B),

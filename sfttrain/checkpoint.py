@@ -122,7 +122,8 @@ class Checkpointer:
         """Collective: every rank calls it. Raises CheckpointError on every rank if any rank could
         not write its part (nothing is committed then)."""
         started = time.perf_counter()
-        self.wait()
+        self.wait()  # one save in flight: a save due before the last one is written waits for it
+        waited = time.perf_counter() - started
         background = self.cfg.trainer.async_save and not final
         tmp = os.path.join(self.run_dir, f".global_step_{state.step}.tmp")
         self._agree(state.step, tmp, _attempt(lambda: self._prepare(tmp)))
@@ -133,7 +134,7 @@ class Checkpointer:
             error = e
         self._agree(state.step, tmp, error, future)
         self.pending = PendingSave(state.step, tmp, os.path.join(self.run_dir, f"global_step_{state.step}"), future,
-                                   started, time.perf_counter() - started, background)
+                                   started, time.perf_counter() - started, waited, background)
         future.add_done_callback(self.pending.mark_written)
         if not background:
             self.wait()
@@ -292,9 +293,11 @@ class Checkpointer:
         stall = p.stall_s if p.background else seconds
         written = p.written_s or seconds  # None only if its callback has not run yet: it ended just now
         record = {"step": p.step, "event": "checkpoint", "path": p.final, "async": p.background, "bytes": size,
-                  "stall_s": stall, "written_s": written, "commit_s": seconds, "gb_per_s": size / 1e9 / written}
+                  "stall_s": stall, "waited_previous_s": p.waited_s, "written_s": written, "commit_s": seconds,
+                  "gb_per_s": size / 1e9 / written}
+        waited = f" ({p.waited_s:.2f} s of it for the previous save's write)" if p.waited_s >= 0.01 else ""
         self.report(record, f"checkpoint {os.path.basename(p.final)} committed: {size / 1e9:.3g} GB, training "
-                            f"stalled {stall:.2f} s, written in {written:.2f} s ({record['gb_per_s']:.3g} GB/s"
+                            f"stalled {stall:.2f} s{waited}, written in {written:.2f} s ({record['gb_per_s']:.3g} GB/s"
                             f"{', in the background' if p.background else ''}), committed {seconds:.2f} s after "
                             "the save began")
 
@@ -308,6 +311,7 @@ class PendingSave:
     future: Future  # the write and its fsyncs; rank 0's result: the checkpoint's size in bytes
     started: float  # perf_counter when save() began
     stall_s: float  # seconds the training loop waited for it (a background write: until it was staged)
+    waited_s: float  # of stall_s, the seconds spent waiting for the previous save's write to finish
     background: bool  # written by DCP's thread while training went on
     written_s: Optional[float] = None  # seconds from started until this rank's write finished
 

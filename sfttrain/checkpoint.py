@@ -30,6 +30,7 @@ order is a function of the seed and the epoch).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import datetime
@@ -49,6 +50,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from sfttrain.checkpoint_folder import COMPLETE, STATE_FILE, complete_checkpoints, enforce_retention, fsync_dir, \
@@ -88,33 +90,37 @@ class TrainState:
 class Checkpointer:
     """Writes `global_step_N` checkpoints of one run (`run_id`). With trainer.async_save, a periodic
     save returns once this rank's shard is copied to host memory (with trainer.async_save_pinned on
-    CUDA: into pinned host buffers kept from one save to the next); DCP writes it from a background
-    thread (trainer.save_thread_count writer threads per rank) while training goes on, and it is
-    committed at the first step boundary where every rank's write has finished (`poll`), at the
-    latest when the next save begins. One save is in flight at a time. The final save waits for
-    its write (nothing is left in flight when training ends). Retention keeps this run's newest
-    trainer.max_ckpt_to_keep; the deletions run on a thread of their own.
+    CUDA: into pinned host buffers allocated at the first saves and reused by the later ones); one
+    writer thread per rank then writes the saves in order (DCP, trainer.save_thread_count threads
+    per file set) while training goes on, and each is committed at the first step boundary where
+    every rank's write has finished (`poll`). Up to trainer.async_save_in_flight saves are staged or
+    being written at once, each holding a host copy of this rank's shard: saves that come faster
+    than the disk writes them queue there, and a save finding the queue full waits for the oldest.
+    The final save waits for every write (nothing is left in flight when training ends). Retention
+    keeps this run's newest trainer.max_ckpt_to_keep; the deletions run on a thread of their own.
 
     Per committed checkpoint, `report(record, line)` gets its size on disk and, counted from the
-    save's start, the seconds the training loop was stalled, the seconds until every rank's write
-    had finished (DCP's last step on rank 0 waits for all ranks) with the GB/s over that span,
-    and the seconds until the commit (at a step boundary)."""
+    save's start, the seconds the training loop was stalled (of them, the seconds waiting for an
+    older save's write to free a place), the seconds until every rank's write had finished (DCP's
+    last step on rank 0 waits for all ranks), the write's own seconds and GB/s (from when the writer
+    thread took it up), and the seconds until the commit (at a step boundary)."""
 
     def __init__(self, run_dir: str, world: World, cfg: Config, run_id: str, report: Callable[[dict, str], None]):
         self.run_dir, self.world, self.cfg, self.run_id, self.report = run_dir, world, cfg, run_id, report
-        self.pending: Optional[PendingSave] = None
+        self.pending: collections.deque[PendingSave] = collections.deque()  # oldest first
         own = complete_checkpoints(run_dir, run_id)
         self.last_bytes = tree_bytes(own[-1][1]) if own and world.is_main else None  # rank 0's space check
-        # DCP's background thread runs collectives of its own; the main thread's agreement on
-        # "every rank has written" must not interleave with them, so each gets its own gloo group
+        # DCP's writes run collectives of their own (on the writer thread); the main thread's agreement
+        # on "every rank has written" must not interleave with them, so each gets its own gloo group
         # (async_save needs a CPU backend also when training runs on nccl; gloo calls on host
         # tensors never wait for the GPU)
         timeout = datetime.timedelta(seconds=cfg.trainer.nccl_timeout)
         self.write_group = dist.new_group(backend="gloo", timeout=timeout)
         self.agree_group = dist.new_group(backend="gloo", timeout=timeout)
-        self.stager = _pinned_stager(cfg, world)
+        self.staging = Staging(cfg, world) if cfg.trainer.async_save else None
         self.thread_errors = WriterThreadErrors()
-        self.finisher = ThreadPoolExecutor(1, thread_name_prefix="ckpt-finish")  # fsyncs after DCP's write
+        # one writer: every rank writes its saves in the same order, so DCP's collectives pair up
+        self.writer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-write")
         self.cleaner = ThreadPoolExecutor(1, thread_name_prefix="ckpt-delete")  # retention's deletions
 
     def save(self, state: TrainState, model, optimizer, tokenizer, wandb_id: Optional[str] = None,
@@ -122,41 +128,46 @@ class Checkpointer:
         """Collective: every rank calls it. Raises CheckpointError on every rank if any rank could
         not write its part (nothing is committed then)."""
         started = time.perf_counter()
-        self.wait()  # one save in flight: a save due before the last one is written waits for it
-        waited = time.perf_counter() - started
         background = self.cfg.trainer.async_save and not final
+        room = self.cfg.trainer.async_save_in_flight - 1 if background else 0
+        while len(self.pending) > room:  # a full queue (or a final save) waits for the oldest write
+            self._wait_oldest()
+        waited = time.perf_counter() - started
         tmp = os.path.join(self.run_dir, f".global_step_{state.step}.tmp")
         self._agree(state.step, tmp, _attempt(lambda: self._prepare(tmp)))
-        future, error = None, None
+        (future, slot), error = (None, None), None
         try:
-            future = self._start_write(tmp, state, model, optimizer, tokenizer, wandb_id, background)
+            future, slot = self._start_write(tmp, state, model, optimizer, tokenizer, wandb_id, background)
         except WRITE_ERRORS as e:  # noqa: BLE001 - any failure of any rank is agreed on below
             error = e
         self._agree(state.step, tmp, error, future)
-        self.pending = PendingSave(state.step, tmp, os.path.join(self.run_dir, f"global_step_{state.step}"), future,
-                                   started, time.perf_counter() - started, waited, background)
-        future.add_done_callback(self.pending.mark_written)
+        self.pending.append(PendingSave(state.step, tmp, os.path.join(self.run_dir, f"global_step_{state.step}"),
+                                        future, slot, started, time.perf_counter() - started, waited, background))
+        future.add_done_callback(self.pending[-1].mark_written)
         if not background:
             self.wait()
 
     def poll(self) -> None:
-        """Commits the save in flight if every rank has finished writing it. Collective; one tiny
-        gloo all-reduce per call while a save is in flight, nothing otherwise."""
-        if self.pending is not None and self._all_written(self.pending.future.done()):
+        """Commits, oldest first, the saves in flight that every rank has finished writing.
+        Collective; one tiny gloo all-reduce per call while a save is in flight, nothing otherwise."""
+        while self.pending and self._all_written(self.pending[0].future.done()):
             self._commit()
 
     def wait(self) -> None:
-        """Collective: waits for the save in flight, then commits it."""
-        if self.pending is not None:
-            with contextlib.suppress(*WRITE_ERRORS):  # _all_written reports it on every rank
-                self.pending.future.result()
-            self._all_written(True)
-            self._commit()
+        """Collective: waits for every save in flight and commits them."""
+        while self.pending:
+            self._wait_oldest()
 
     def close(self) -> None:
         """Waits for retention's deletions (the next start would delete what is left of them)."""
         self.cleaner.shutdown(wait=True)
-        self.finisher.shutdown(wait=True)
+        self.writer.shutdown(wait=True)
+
+    def _wait_oldest(self) -> None:
+        with contextlib.suppress(*WRITE_ERRORS):  # _all_written reports it on every rank
+            self.pending[0].future.result()
+        self._all_written(True)
+        self._commit()
 
     def _prepare(self, tmp: str) -> None:
         """Rank 0: a fresh `tmp` folder, once the free space can take a checkpoint of the last one's size."""
@@ -170,23 +181,17 @@ class Checkpointer:
         os.makedirs(os.path.join(tmp, "rng"))
 
     def _start_write(self, tmp: str, state: TrainState, model, optimizer, tokenizer,
-                     wandb_id: Optional[str], background: bool) -> Future:
-        """Every rank writes into `tmp`; returns the future of the DCP write and its fsyncs (done
-        unless background)."""
+                     wandb_id: Optional[str], background: bool) -> tuple[Future, int]:
+        """Every rank writes into `tmp`: the small files here, the model and optimizer shard on the
+        writer thread (from a host copy if background). Returns the write's future and its staging slot."""
         world, cfg = self.world, self.cfg
         model_sd, optim_sd = _state_dicts(model, optimizer)
-        writer = dcp.FileSystemWriter(tmp, thread_count=cfg.trainer.save_thread_count)
-        self.thread_errors.clear()
+        state_dict, slot = {"model": model_sd, "optim": optim_sd}, None
         if background:
-            # without a stager of our own, FileSystemWriter stages itself: fresh host tensors each
-            # save, a copy the next optimizer step cannot change, taken before async_save returns
-            extra = {"async_stager": self.stager} if self.stager is not None else {}
-            written = dcp.async_save({"model": model_sd, "optim": optim_sd}, storage_writer=writer,
-                                     process_group=self.write_group, **extra)
-        else:
-            dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=writer)
-            written = _done()
-        del model_sd, optim_sd
+            # a host copy the next optimizer steps cannot change, taken before save() returns
+            state_dict, slot = self.staging.stage(state_dict, busy={p.slot for p in self.pending})
+        written = self.writer.submit(self._write, state_dict, tmp)
+        del model_sd, optim_sd, state_dict
         _torch_save_synced(_rng_state(), os.path.join(tmp, "rng", f"rank_{world.rank}.pt"))
         if world.is_main:
             extra = {**asdict(state), "wandb_id": wandb_id, "world_size": world.world_size}
@@ -197,21 +202,35 @@ class Checkpointer:
             if getattr(model, "generation_config", None) is not None:
                 model.generation_config.save_pretrained(hf)
             tokenizer.save_pretrained(hf)
-        # rank 0's fsyncs (folders, small files) run after the write, off the training thread
-        return self.finisher.submit(_finish_write, written, self.thread_errors, tmp if world.is_main else None)
+        return written, slot
+
+    def _write(self, state_dict: dict, tmp: str) -> tuple[Optional[int], float]:
+        """The writer thread: this rank's DCP write into `tmp`; rank 0 then fsyncs what DCP does not,
+        so COMPLETE never reaches the disk before what it vouches for. Returns the checkpoint's size
+        (rank 0; None elsewhere) and the write's seconds."""
+        started = time.perf_counter()
+        self.thread_errors.clear()
+        writer = dcp.FileSystemWriter(tmp, thread_count=self.cfg.trainer.save_thread_count)
+        dcp.save(state_dict, storage_writer=writer, process_group=self.write_group)
+        self.thread_errors.raise_first()
+        if not self.world.is_main:
+            return None, time.perf_counter() - started
+        fsync_tree(tmp)
+        return tree_bytes(tmp), time.perf_counter() - started
 
     def _all_written(self, done: bool) -> bool:
-        """True when every rank's write has finished (each rank's shard, RNG file and, on rank 0,
-        DCP's metadata are then on disk); a write that failed on any rank fails every rank."""
-        future = self.pending.future
+        """True when every rank's write of the oldest save in flight has finished (each rank's
+        shard, RNG file and, on rank 0, DCP's metadata are then on disk); a write that failed on any
+        rank fails every rank."""
+        future = self.pending[0].future
         error = future.exception() if done else None
         status = torch.tensor([-1 if error is not None else int(done)])
         dist.all_reduce(status, op=dist.ReduceOp.MIN, group=self.agree_group)
         if status.item() < 0:
             with contextlib.suppress(*WRITE_ERRORS):  # every rank's writer has stopped before the clean-up
                 future.result()
-            pending, self.pending = self.pending, None
-            self._fail(pending.step, pending.tmp, error)
+            failed = self.pending.popleft()
+            self._fail(failed.step, failed.tmp, error)
         return status.item() == 1
 
     def _agree(self, step: int, tmp: str, error: Optional[BaseException], writing: Optional[Future] = None) -> None:
@@ -227,7 +246,10 @@ class Checkpointer:
 
     def _fail(self, step: int, tmp: str, error: Optional[BaseException]) -> None:
         """Collective, once every rank has stopped writing: rank 0 removes the partial folder and
-        words the one message every rank raises."""
+        words the one message every rank raises. Later saves still queued are not started (their
+        `.tmp` folders are deleted at the next start)."""
+        for later in self.pending:
+            later.future.cancel()
         errors = [None] * self.world.world_size
         dist.all_gather_object(errors, _one_line(error) if error is not None else None, group=self.agree_group)
         box = [None]
@@ -263,22 +285,21 @@ class Checkpointer:
     def _commit(self) -> None:
         """After every rank's write: rank 0 writes COMPLETE and renames the folder (the commit),
         then applies retention to this run's checkpoints."""
-        p, world = self.pending, self.world
-        self.pending = None
+        p, world = self.pending.popleft(), self.world
         error = None
         if world.is_main:
             try:
                 write_synced(os.path.join(p.tmp, COMPLETE), "")
                 fsync_dir(p.tmp)
                 publish(p.tmp, p.final)  # the commit
-                self.last_bytes = p.future.result()
+                self.last_bytes = p.future.result()[0]
             except OSError as e:
                 error = e
         self._agree(p.step, p.tmp, error)
         if world.is_main:
             enforce_retention(self.run_dir, self.cfg.trainer.max_ckpt_to_keep, self.run_id,
                               delete=lambda path: self.cleaner.submit(shutil.rmtree, hide(path), True))
-            self._report(p, self.last_bytes, time.perf_counter() - p.started)
+            self._report(p, self.last_bytes, p.future.result()[1], time.perf_counter() - p.started)
             self._warn_if_next_will_not_fit()
 
     def _warn_if_next_will_not_fit(self) -> None:
@@ -289,15 +310,15 @@ class Checkpointer:
                 "will not fit (retention deletes the oldest only after the next commit). Free space now, or the "
                 "next save stops the run (it then resumes from the last checkpoint)")
 
-    def _report(self, p: PendingSave, size: int, seconds: float) -> None:
+    def _report(self, p: PendingSave, size: int, write_s: float, seconds: float) -> None:
         stall = p.stall_s if p.background else seconds
         written = p.written_s or seconds  # None only if its callback has not run yet: it ended just now
         record = {"step": p.step, "event": "checkpoint", "path": p.final, "async": p.background, "bytes": size,
-                  "stall_s": stall, "waited_previous_s": p.waited_s, "written_s": written, "commit_s": seconds,
-                  "gb_per_s": size / 1e9 / written}
-        waited = f" ({p.waited_s:.2f} s of it for the previous save's write)" if p.waited_s >= 0.01 else ""
+                  "stall_s": stall, "waited_previous_s": p.waited_s, "written_s": written, "write_s": write_s,
+                  "commit_s": seconds, "gb_per_s": size / 1e9 / write_s}
+        waited = f" ({p.waited_s:.2f} s of it for older saves' writes)" if p.waited_s >= 0.01 else ""
         self.report(record, f"checkpoint {os.path.basename(p.final)} committed: {size / 1e9:.3g} GB, training "
-                            f"stalled {stall:.2f} s{waited}, written in {written:.2f} s ({record['gb_per_s']:.3g} GB/s"
+                            f"stalled {stall:.2f} s{waited}, written in {write_s:.2f} s ({record['gb_per_s']:.3g} GB/s"
                             f"{', in the background' if p.background else ''}), committed {seconds:.2f} s after "
                             "the save began")
 
@@ -308,10 +329,11 @@ class PendingSave:
     step: int
     tmp: str
     final: str
-    future: Future  # the write and its fsyncs; rank 0's result: the checkpoint's size in bytes
+    future: Future  # the write and its fsyncs: (the checkpoint's size in bytes on rank 0, the write's seconds)
+    slot: Optional[int]  # the staging slot holding its host copy (Staging; None: not staged)
     started: float  # perf_counter when save() began
     stall_s: float  # seconds the training loop waited for it (a background write: until it was staged)
-    waited_s: float  # of stall_s, the seconds spent waiting for the previous save's write to finish
+    waited_s: float  # of stall_s, the seconds spent waiting for older saves' writes to free a place
     background: bool  # written by DCP's thread while training went on
     written_s: Optional[float] = None  # seconds from started until this rank's write finished
 
@@ -319,15 +341,33 @@ class PendingSave:
         self.written_s = time.perf_counter() - self.started
 
 
-def _pinned_stager(cfg: Config, world: World):
-    """trainer.async_save_pinned on CUDA: DCP's stager that copies into pinned host buffers
-    allocated at the first save and reused by every later one (the async save's device-to-host copy
-    at full PCIe speed, no allocation per save). Pinned memory needs an accelerator: None on CPU."""
-    if not (cfg.trainer.async_save and cfg.trainer.async_save_pinned and world.device.type == "cuda"):
-        return None
-    from torch.distributed.checkpoint.staging import BlockingAsyncStager
+class Staging:
+    """The host copies of async saves: one slot per save that may be in flight. With
+    trainer.async_save_pinned on CUDA each slot keeps pinned buffers, reused by every later save in
+    it (the device-to-host copy at full PCIe speed, no allocation per save). Allocating them is
+    slow (seconds per GB on an H200 host, page locking), so the first save's slot is allocated when
+    it stages and the other slots right after, on a thread of their own, while training goes on.
+    Otherwise (pinned memory needs an accelerator) each save gets a fresh host copy, freed once written."""
 
-    return BlockingAsyncStager(cache_staged_state_dict=True)
+    def __init__(self, cfg: Config, world: World):
+        self.pinned = cfg.trainer.async_save_pinned and world.device.type == "cuda"
+        slots = cfg.trainer.async_save_in_flight
+        self.stagers = [BlockingAsyncStager(cache_staged_state_dict=self.pinned) for _ in range(slots)]
+        self.allocating: dict[int, Future] = {}  # slot -> its buffers' allocation, until it is first used
+        self.allocator = ThreadPoolExecutor(1, thread_name_prefix="ckpt-pin")
+        self.started_allocating = False
+
+    def stage(self, state_dict: dict, busy: set) -> tuple[dict, int]:
+        """A host copy of `state_dict` in a slot not in `busy` (the slots of saves in flight)."""
+        slot = min(set(range(len(self.stagers))) - busy)
+        if slot in self.allocating:
+            self.allocating.pop(slot).result()  # its buffers are still being allocated
+        staged = self.stagers[slot].stage(state_dict)
+        if self.pinned and slot == 0 and not self.started_allocating:
+            self.started_allocating = True
+            for other in range(1, len(self.stagers)):  # shaped like this copy, its contents overwritten at use
+                self.allocating[other] = self.allocator.submit(self.stagers[other].stage, staged)
+        return staged, slot
 
 
 class WriterThreadErrors:
@@ -355,23 +395,6 @@ class WriterThreadErrors:
     def raise_first(self) -> None:
         if self.errors:
             raise self.errors[0]
-
-
-def _finish_write(written: Future, thread_errors: WriterThreadErrors, tmp: Optional[str]) -> Optional[int]:
-    """Waits for this rank's DCP write; on rank 0 (tmp given) fsyncs what DCP does not and returns
-    the checkpoint's size, so COMPLETE never reaches the disk before what it vouches for."""
-    written.result()
-    thread_errors.raise_first()
-    if tmp is None:
-        return None
-    fsync_tree(tmp)
-    return tree_bytes(tmp)
-
-
-def _done() -> Future:
-    future = Future()
-    future.set_result(None)
-    return future
 
 
 def _attempt(work: Callable[[], None]) -> Optional[BaseException]:

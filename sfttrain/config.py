@@ -136,6 +136,9 @@ class TrainerConfig:
     # CUDA, async_save: stage into pinned host buffers allocated once and reused by every save (no allocation
     # per save, the device-to-host copy at full speed; the buffers stay allocated for the run)
     async_save_pinned: bool = True
+    # async_save: saves staged or being written at once, each holding a host copy of this rank's shard; saves
+    # due faster than the disk writes them queue up to this many, then a save waits for the oldest write
+    async_save_in_flight: int = 2
     save_thread_count: int = 4  # writer threads per rank for a checkpoint's DCP shards (one file each)
     resume_mode: str = "auto"  # auto | disable | resume_path
     resume_from_path: Optional[str] = None  # a checkpoint, or a run folder (its latest checkpoint)
@@ -384,6 +387,9 @@ def validate(cfg: Config) -> None:
     _choice("trainer.resume_mode", t.resume_mode, ("auto", "disable", "resume_path"))
     if t.resume_mode == "resume_path" and not t.resume_from_path:
         raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
+    if t.async_save_in_flight < 1:
+        raise ConfigError(f"trainer.async_save_in_flight must be >= 1 (saves in flight at once), got "
+                          f"{t.async_save_in_flight}")
     if t.save_thread_count < 1:
         raise ConfigError(f"trainer.save_thread_count must be >= 1, got {t.save_thread_count}")
     _choice("trainer.device", t.device, ("auto", "cuda", "cpu"))

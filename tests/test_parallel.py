@@ -49,12 +49,15 @@ def test_checkpointing_ratio_recomputes_that_share_of_the_layers(ratio, recomput
 def test_cpp_wrapper_computes_what_the_python_wrapper_does(ratio):
     """stories260K with LoRA adapters (bf16 frozen base, fp32 adapters, bf16 autocast), `ratio` of the
     layers checkpointed, each layer compiled with inductor's Python wrapper, then recompiled with its
-    C++ wrapper (model.compile_cpp_wrapper, auto's choice with LoRA): the same kernels launched from
-    C++ give the same loss, bit for bit, and the same adapter gradients up to the order in which flash
-    attention's backward adds each key block's share of dq (float atomics; norm-relative 1e-3, where
-    a mis-passed argument, a lost causal flag or scale say, is off by O(1)). Compiled against eager,
-    bf16 rounds at other points: the loss within 1e-2. (On CPU, where both wrappers exist too, the two
-    agree bit for bit in loss and gradients, and differ from eager by 1.6% in the gradients' norm.)"""
+    C++ wrapper (model.compile_cpp_wrapper, auto's choice with LoRA): the two compilations give the
+    same loss and adapter gradients up to rounding, relative 1e-3, where a mis-passed argument (a lost
+    causal flag or scale, say) is off by O(1). Not bit for bit: each compilation picks its kernels'
+    launch configurations anew (on an H200 the losses differed by 5.5e-5 relative, 1721.9124 against
+    1722.0073, also with TORCHINDUCTOR_DETERMINISTIC=1), so a reduction's split, and with it where bf16
+    rounds, can differ; and flash attention's backward adds each key block's share of dq with float
+    atomics. Compiled against eager, bf16 rounds at other points: the loss within 1e-2. (On CPU, where
+    both wrappers exist too, the two agree bit for bit in loss and gradients, and differ from eager by
+    1.6% in the gradients' norm.)"""
     cfg, cuda = ModelConfig(partial_pretrain=str(STORIES), lora_rank=8, compile=True), torch.device("cuda")
     model = load_model(cfg, cuda).model
     materialise_model(model, cfg, cuda, cuda, seed=0)
@@ -83,6 +86,6 @@ def test_cpp_wrapper_computes_what_the_python_wrapper_does(ratio):
     torch._dynamo.reset()  # compiled again, now with the C++ wrapper
     compile_layers(decoder_layers(model), cpp_wrapper=True)
     cpp = loss_and_grads()
-    assert torch.equal(cpp[0], python[0])
+    torch.testing.assert_close(cpp[0], python[0], rtol=1e-3, atol=0)
     assert ((cpp[1] - python[1]).norm() / python[1].norm()).item() < 1e-3
     torch.testing.assert_close(python[0], eager[0], rtol=1e-2, atol=0)

@@ -53,8 +53,8 @@ def test_cpp_wrapper_computes_what_the_python_wrapper_does(ratio):
     same loss and adapter gradients up to rounding, relative 1e-3, where a mis-passed argument (a lost
     causal flag or scale, say) is off by O(1). Not bit for bit: each compilation picks its kernels'
     launch configurations anew (on an H200 the losses differed by 5.5e-5 relative, 1721.9124 against
-    1722.0073, also with TORCHINDUCTOR_DETERMINISTIC=1), so a reduction's split, and with it where bf16
-    rounds, can differ; and flash attention's backward adds each key block's share of dq with float
+    1722.0073; with TORCHINDUCTOR_DETERMINISTIC=1 the test failed too), so a reduction's split, and
+    with it where bf16 rounds, can differ; and flash attention's backward adds each key block's share of dq with float
     atomics. Compiled against eager, bf16 rounds at other points: the loss within 1e-2. (On CPU, where
     both wrappers exist too, the two agree bit for bit in loss and gradients, and differ from eager by
     1.6% in the gradients' norm.)"""

@@ -54,8 +54,9 @@ TRL_STOP_MARGIN_S = 60  # before its timeout, TRL stops at a step end: time for 
 
 def w4_config(tokenizer, tiny: bool) -> Qwen3MoeConfig:
     """W4's config (or its --tiny sibling) with the tokenizer's special-token ids."""
-    return Qwen3MoeConfig(**(TINY_SHAPE if tiny else W4_SHAPE), bos_token_id=tokenizer.bos_token_id,
-                          eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tokenizer.pad_token_id)
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    return Qwen3MoeConfig(**(TINY_SHAPE if tiny else W4_SHAPE), bos_token_id=tokenizer.bos_token_id, eos_token_id=eos,
+                          pad_token_id=tokenizer.pad_token_id)
 
 
 def run_sfttrain(args, model_dir: str, parquet: str) -> dict:
@@ -122,12 +123,12 @@ def main() -> None:
     p.add_argument("--systems", nargs="*", default=["sfttrain", "trl"], choices=["sfttrain", "trl"])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--run_timeout", type=float, default=240, help="seconds sfttrain's job may take, start-up included")
+    p.add_argument("--run_timeout", type=float, default=220, help="seconds sfttrain's job may take, start-up included")
     p.add_argument("--trl_steps", type=int, default=10)
     p.add_argument("--trl_warmup", type=int, default=3)
-    p.add_argument("--trl_timeout", type=float, default=240, help="seconds TRL's run may take, start-up included")
-    p.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny MoE, batch of 4, 3 steps (TRL: bench.trl_w1 "
-                   "--tiny's 2 x 2 sequences, 4 steps)")
+    p.add_argument("--trl_timeout", type=float, default=220, help="seconds TRL's run may take, start-up included")
+    p.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny MoE, batch of 4, 3 steps (TRL: "
+                   "bench.trl_w1 --tiny's 2 x 2 sequences, 4 steps)")
     args = p.parse_args()
     if args.tiny:
         args.steps, args.warmup, args.rows = 3, 1, args.rows or 64

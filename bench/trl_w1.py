@@ -100,7 +100,8 @@ class Timing(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         step = state.global_step
         self.clock.step_end(step)
-        if self.deadline is not None and time.monotonic() > self.deadline and self.clock.warmup < step < self.clock.steps:
+        past = self.deadline is not None and time.monotonic() > self.deadline
+        if past and self.clock.warmup < step < self.clock.steps:
             self.clock.end_at(step)
             self.ledger.end_at(step)
             self.stopped_at = step
@@ -135,14 +136,25 @@ def count_tokens(trainer: SFTTrainer, ledger: TokenLedger):
     return trainer.model.register_forward_pre_hook(hook, with_kwargs=True)
 
 
+def train(trainer: SFTTrainer, args: argparse.Namespace, variant: dict) -> bool:
+    """``trainer.train()``; False, with a record saying so in --out, where it ran out of GPU memory."""
+    try:
+        trainer.train()
+    except torch.OutOfMemoryError as e:
+        emit({"system": "trl", **variant, "status": "oom", "step": trainer.state.global_step + 1,
+              **memory_gib(args.device), "error": str(e).splitlines()[0]}, args.out)
+        return False
+    return True
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
     parser.add_argument("--liger", choices=["on", "off"], default="off", help="use_liger_kernel=True (needs CUDA)")
     parser.add_argument("--padding_free", action="store_true", help="TRL's padding_free=True (no packing)")
     parser.add_argument("--peft", action="store_true", help="LoRA (r 64, alpha 32, all-linear) through peft")
-    parser.add_argument("--model_dir", help="train this saved model (e.g. bench.lora_w2b's; loaded in bf16 with --peft, "
-                        "else in fp32) instead of building W1's")
+    parser.add_argument("--model_dir", help="train this saved model (e.g. bench.lora_w2b's; loaded in bf16 with "
+                        "--peft, else in fp32) instead of building W1's")
     parser.add_argument("--deadline", type=float, help="seconds after start-up past which training stops at the next "
                         "step end once a step has been timed (the record times the steps up to there)")
     args = parser.parse_args()
@@ -155,8 +167,10 @@ def main() -> None:
     variant = dict(trl_liger=args.liger, trl_padding_free=args.padding_free, peft=LORA if args.peft else None,
                    model_dir=args.model_dir,
                    precision="bf16 weights" if args.model_dir and args.peft else "fp32 weights + bf16 autocast")
-    model = load_model(args.model_dir, args.device, args.peft) if args.model_dir else build_model(model_config(args.tiny),
-                                                                                                 args.device)
+    if args.model_dir:
+        model = load_model(args.model_dir, args.device, args.peft)
+    else:
+        model = build_model(model_config(args.tiny), args.device)
     clock, ledger = StepClock(args.device, args.warmup, args.steps), TokenLedger(args.warmup, args.steps)
     timing = Timing(clock, ledger, deadline)
     with tempfile.TemporaryDirectory() as output_dir:
@@ -169,11 +183,7 @@ def main() -> None:
             peft_config=peft_config(args.peft),
         )
         count_tokens(trainer, ledger)
-        try:
-            trainer.train()
-        except torch.OutOfMemoryError as e:
-            emit({"system": "trl", **variant, "status": "oom", "step": trainer.state.global_step + 1,
-                  **memory_gib(args.device), "error": str(e).splitlines()[0]}, args.out)
+        if not train(trainer, args, variant):
             return
     emit(result("trl", args, trainer.model, clock, ledger, **variant, stopped_by_deadline_at=timing.stopped_at),
          args.out)

@@ -18,6 +18,7 @@ import time
 
 import torch
 import transformers
+from transformers import AutoModelForCausalLM
 
 from sfttrain.flops import ModelShape, mfu
 
@@ -68,8 +69,6 @@ def save_model(work: str, config, tokenizer, device: str) -> str:
     """The model of ``config`` drawn after torch.manual_seed(0) directly on ``device`` in bf16 (no
     fp32 copy anywhere) and saved with the tokenizer as a model folder in ``work``, for the systems
     of one call to load the same weights; skipped if one of this shape is there (W2b: 16 GB)."""
-    from transformers import AutoModelForCausalLM
-
     model_dir = model_folder(work, config)
     if os.path.isdir(model_dir):
         return model_dir

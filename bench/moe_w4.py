@@ -7,13 +7,14 @@ the tokenizer (13.7 GB; reused by a later call with the same --work); both syste
 would, into fp32 weights trained under bf16 autocast. W1's data and template, max_length 4096, 128
 sequences per optimizer step, full fine-tuning, activation checkpointing:
 
-- sfttrain: W1's recipe with a 16384-token micro-batch budget (two micro-batches a step), timed over
+- sfttrain: W1's recipe with a 16384-token micro-batch budget (about two micro-batches a step), timed over
   optimizer steps 6 to 20 (bench.sfttrain_w1's summary of metrics.jsonl). The job is stopped once
   the timed steps are logged: its final checkpoint (fp32 weights and AdamW state, ~110 GB) is not
   part of the workload and would fill the GPU machine's 64 GB disk.
 - TRL (bench.trl_w1 --model_dir --padding_free): 64 sequences per micro-batch, 2 per step (the same
-  128 sequences a step, ~13.6k tokens a micro-batch), transformers' own MoE code path, no
-  checkpoint saved; timed over steps 4 to 10, fewer than sfttrain's to fit the call (say so beside
+  128 sequences a step, ~13.6k tokens a micro-batch), transformers' own MoE code path, SDPA with
+  the packed-sequence mask transformers builds (the GPU image has no flash-attn: attention runs over
+  the whole micro-batch, masked; MFU counts only each sample's own), no checkpoint saved; timed over steps 4 to 10, fewer than sfttrain's to fit the call (say so beside
   the numbers). Its run is bounded twice: past --trl_timeout minus a minute it stops at the next step
   end with the steps timed so far, and at --trl_timeout it is killed; a model that does not fit in
   the GPU's memory is recorded as such (bench.trl_w1's "oom" record).

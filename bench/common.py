@@ -8,6 +8,8 @@ trained on, counted from the batches the model received.
 """
 
 import argparse
+import gc
+import hashlib
 import json
 import os
 import platform
@@ -16,6 +18,7 @@ import time
 
 import torch
 import transformers
+from transformers import AutoModelForCausalLM
 
 from sfttrain.flops import ModelShape, mfu
 
@@ -54,6 +57,33 @@ def w2b_config(tokenizer, tiny: bool = False, **changes):
 
     return LlamaConfig(**{**W2B_SHAPE, **(TINY_SIZES if tiny else {}), **changes}, bos_token_id=tokenizer.bos_token_id,
                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+
+
+def model_folder(work: str, config) -> str:
+    """A model's folder in --work, named by its config: a folder of another shape is never reused."""
+    fields = {k: v for k, v in config.to_diff_dict().items() if k != "transformers_version"}
+    return os.path.join(work, "model_" + hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12])
+
+
+def save_model(work: str, config, tokenizer, device: str) -> str:
+    """The model of ``config`` drawn after torch.manual_seed(0) directly on ``device`` in bf16 (no
+    fp32 copy anywhere) and saved with the tokenizer as a model folder in ``work``, for the systems
+    of one call to load the same weights; skipped if one of this shape is there (W2b: 16 GB)."""
+    model_dir = model_folder(work, config)
+    if os.path.isdir(model_dir):
+        return model_dir
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    partial = model_dir + ".partial"  # renamed once complete: an interrupted save is never reused
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    del model
+    gc.collect()
+    if device == "cuda":  # the trainers run next, in processes of their own: hand the cached blocks back
+        torch.cuda.empty_cache()
+    os.replace(partial, model_dir)
+    return model_dir
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
@@ -113,6 +143,10 @@ class StepClock:
             synchronize(self.device)
             self.marks.append(time.perf_counter())
 
+    def end_at(self, step: int) -> None:
+        """Training stopped after optimizer step ``step`` (a time budget ran out): the timed window ends there."""
+        self.steps = step
+
     def step_times(self) -> list[float]:
         expected = self.steps - self.warmup
         times = [b - a for a, b in zip(self.marks, self.marks[1:])]
@@ -140,6 +174,10 @@ class TokenLedger:
             self.lengths.append(lengths.detach().flatten())
             self.supervised.append(supervised.detach().reshape(()))
             self.steps_seen.add(step)
+
+    def end_at(self, step: int) -> None:
+        """As StepClock.end_at: the timed steps end with optimizer step ``step``."""
+        self.steps = step
 
     def totals(self) -> tuple[list[int], int]:
         """(sample lengths, supervised tokens) over the timed steps."""

@@ -17,45 +17,17 @@ run that would train a second epoch of --data is refused.
 """
 
 import argparse
-import hashlib
-import json
 import os
 import subprocess
 import sys
 
-import torch
-from transformers import AutoModelForCausalLM
-
-from bench.common import add_sfttrain_args, emit, w2b_config
+from bench.common import add_sfttrain_args, emit, save_model, w2b_config
 from bench.sfttrain_w1 import apply_tiny, require_one_epoch, run_variant
 from bench.w1_data import load_rows, load_tokenizer, write_parquet
 
 LORA = ["model.lora_rank=64", "model.lora_alpha=32", "model.target_modules=all-linear"]
 SFTTRAIN = ["model.random_init=false", "model.enable_gradient_checkpointing=true", "data.max_length=4096",
             "data.train_batch_size=128", "data.max_token_len_per_gpu=8192", *LORA]
-
-
-def model_folder(work: str, config) -> str:
-    """The model's folder in --work, named by its config: a folder of another shape is never reused."""
-    fields = {k: v for k, v in config.to_diff_dict().items() if k != "transformers_version"}
-    return os.path.join(work, "model_" + hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12])
-
-
-def save_model(args, tokenizer) -> str:
-    """The W2b model folder, drawn on the device in bf16 (skipped if one of this shape is there: 16 GB)."""
-    config = w2b_config(tokenizer, tiny=args.tiny)
-    model_dir = model_folder(args.work, config)
-    if os.path.isdir(model_dir):
-        return model_dir
-    torch.manual_seed(0)
-    with torch.device(args.device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    partial = model_dir + ".partial"  # renamed once complete: an interrupted save is never reused
-    model.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
-    del model
-    os.replace(partial, model_dir)
-    return model_dir
 
 
 def run_sfttrain(args, model_dir: str, parquet: str) -> dict:
@@ -89,7 +61,8 @@ def main() -> None:
     write_parquet(load_rows(args.data, args.rows), parquet)
     if "sfttrain" in args.systems:  # before the model is drawn
         require_one_epoch(args, parquet, [*SFTTRAIN, *args.override])
-    model_dir = save_model(args, load_tokenizer(args.tokenizer))
+    tokenizer = load_tokenizer(args.tokenizer)
+    model_dir = save_model(args.work, w2b_config(tokenizer, tiny=args.tiny), tokenizer, args.device)
     if "sfttrain" in args.systems:
         emit(run_sfttrain(args, model_dir, parquet), args.out)
     if "trl" in args.systems:

@@ -14,21 +14,31 @@ real length of each sample (attention mask, or the padding-free sequence boundar
 number of labelled tokens, as tensors read only after training.
 
     python3 -m bench.trl_w1 --data DATA.jsonl --tokenizer DIR --out RESULTS.jsonl \\
-        [--gradient_checkpointing {on,off}] [--liger {on,off}] [--padding_free] [--peft] [--device cpu --tiny]
+        [--gradient_checkpointing {on,off}] [--liger {on,off}] [--padding_free] [--peft] [--device cpu --tiny] \\
+        [--model_dir DIR] [--deadline SECONDS]
 
 --peft trains LoRA adapters through TRL's own peft integration (``SFTTrainer(peft_config=...)``)
 with the seed article's settings, the same as sfttrain's LoRA variant (`LORA` below); the base
 stays as built here (fp32 weights, bf16 autocast), as TRL does it by default.
+
+--model_dir trains a saved model folder (bench.lora_w2b's, bench.moe_w4's) instead of building W1's.
+--deadline bounds the run for a caller with a time budget (bench.moe_w4): past it, training stops at
+the end of the next optimizer step once a step has been timed, and the record times the steps up
+to there. A run that runs out of GPU memory writes a record saying so (``"status": "oom"``) instead
+of results: for a model that does not fit, that is the result.
 """
 
 import argparse
 import tempfile
+import time
 
+import torch
 from datasets import Dataset
 from transformers import TrainerCallback
 from trl import SFTConfig, SFTTrainer
 
-from bench.common import StepClock, TokenLedger, add_common_args, apply_tiny, emit, require_samples, result
+from bench.common import (StepClock, TokenLedger, add_common_args, apply_tiny, emit, memory_gib, require_samples,
+                          result)
 from bench.w1_data import build_model, load_rows, load_tokenizer, model_config
 
 
@@ -64,6 +74,10 @@ def sft_config(args: argparse.Namespace, output_dir: str) -> SFTConfig:
         max_length=None if args.padding_free else args.max_length,
         padding_free=args.padding_free,
         completion_only_loss=True,
+        # no router load-balancing loss, as the workloads define it (W4: output_router_logits=false) and
+        # sfttrain runs them: TRL 1.16 would add it to any MoE model whose config has a coefficient,
+        # whatever output_router_logits says; a dense model has none either way
+        router_aux_loss_coef=0.0,
         bf16=True,
         gradient_checkpointing=args.gradient_checkpointing == "on",
         use_liger_kernel=args.liger == "on",
@@ -75,22 +89,33 @@ def sft_config(args: argparse.Namespace, output_dir: str) -> SFTConfig:
 
 
 class Timing(TrainerCallback):
-    """Reads the clock at the end of every optimizer step (the clock synchronizes first)."""
+    """Reads the clock at the end of every optimizer step (the clock synchronizes first); past
+    ``deadline`` (time.monotonic(); None: none), ends training and the timed window at the first
+    step end after a timed step."""
 
-    def __init__(self, clock: StepClock):
-        self.clock = clock
+    def __init__(self, clock: StepClock, ledger: TokenLedger, deadline: float | None = None):
+        self.clock, self.ledger, self.deadline = clock, ledger, deadline
+        self.stopped_at: int | None = None
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.clock.step_end(state.global_step)
+        step = state.global_step
+        self.clock.step_end(step)
+        past = self.deadline is not None and time.monotonic() > self.deadline
+        if past and self.clock.warmup < step < self.clock.steps:
+            self.clock.end_at(step)
+            self.ledger.end_at(step)
+            self.stopped_at = step
+            control.should_training_stop = True
 
 
-def load_model(model_dir: str, device: str):
-    """A saved model as a LoRA user loads it: straight in bf16 (the frozen base), SDPA, no KV cache."""
-    import torch
+def load_model(model_dir: str, device: str, peft: bool):
+    """A saved model as a user loads it, SDPA, no KV cache: LoRA's frozen base straight in bf16;
+    for full fine-tuning fp32 weights (trained under bf16 autocast), which is also what TRL itself
+    loads a model path in (its default dtype) and what sfttrain keeps as master weights."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa",
-                                                 device_map=device)
+    dtype = torch.bfloat16 if peft else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa", device_map=device)
     model.config.use_cache = False
     return model
 
@@ -111,37 +136,57 @@ def count_tokens(trainer: SFTTrainer, ledger: TokenLedger):
     return trainer.model.register_forward_pre_hook(hook, with_kwargs=True)
 
 
+def train(trainer: SFTTrainer, args: argparse.Namespace, variant: dict) -> bool:
+    """``trainer.train()``; False, with a record saying so in --out, where it ran out of GPU memory."""
+    try:
+        trainer.train()
+    except torch.OutOfMemoryError as e:
+        emit({"system": "trl", **variant, "status": "oom", "step": trainer.state.global_step + 1,
+              **memory_gib(args.device), "error": str(e).splitlines()[0]}, args.out)
+        return False
+    return True
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
     parser.add_argument("--liger", choices=["on", "off"], default="off", help="use_liger_kernel=True (needs CUDA)")
     parser.add_argument("--padding_free", action="store_true", help="TRL's padding_free=True (no packing)")
     parser.add_argument("--peft", action="store_true", help="LoRA (r 64, alpha 32, all-linear) through peft")
-    parser.add_argument("--model_dir", help="train this saved model (bf16 weights, e.g. bench.lora_w2b's) instead "
-                        "of building W1's")
+    parser.add_argument("--model_dir", help="train this saved model (e.g. bench.lora_w2b's; loaded in bf16 with "
+                        "--peft, else in fp32) instead of building W1's")
+    parser.add_argument("--deadline", type=float, help="seconds after start-up past which training stops at the next "
+                        "step end once a step has been timed (the record times the steps up to there)")
     args = parser.parse_args()
+    deadline = None if args.deadline is None else time.monotonic() + args.deadline
     apply_tiny(args)
 
     rows = load_rows(args.data, args.rows)
     require_samples(len(rows), args.steps, args.micro_batch * args.grad_accum, args.data)
     tokenizer = load_tokenizer(args.tokenizer)
-    model = load_model(args.model_dir, args.device) if args.model_dir else build_model(model_config(args.tiny), args.device)
+    variant = dict(trl_liger=args.liger, trl_padding_free=args.padding_free, peft=LORA if args.peft else None,
+                   model_dir=args.model_dir,
+                   precision="bf16 weights" if args.model_dir and args.peft else "fp32 weights + bf16 autocast")
+    if args.model_dir:
+        model = load_model(args.model_dir, args.device, args.peft)
+    else:
+        model = build_model(model_config(args.tiny), args.device)
     clock, ledger = StepClock(args.device, args.warmup, args.steps), TokenLedger(args.warmup, args.steps)
+    timing = Timing(clock, ledger, deadline)
     with tempfile.TemporaryDirectory() as output_dir:
         trainer = SFTTrainer(
             model=model,
             args=sft_config(args, output_dir),
             train_dataset=prompt_completion(rows),
             processing_class=tokenizer,
-            callbacks=[Timing(clock)],
+            callbacks=[timing],
             peft_config=peft_config(args.peft),
         )
         count_tokens(trainer, ledger)
-        trainer.train()
-    emit(result("trl", args, trainer.model, clock, ledger, trl_liger=args.liger, trl_padding_free=args.padding_free,
-                peft=LORA if args.peft else None,
-                model_dir=args.model_dir,
-                precision="bf16 weights" if args.model_dir else "fp32 weights + bf16 autocast"), args.out)
+        if not train(trainer, args, variant):
+            return
+    emit(result("trl", args, trainer.model, clock, ledger, **variant, stopped_by_deadline_at=timing.stopped_at),
+         args.out)
 
 
 if __name__ == "__main__":

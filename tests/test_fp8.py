@@ -214,3 +214,19 @@ def test_fp8_run_on_a_gpu_trains_and_resumes_without_it(tmp_path, gsm8k_dir):
     assert "fp8                 : tensorwise scaling" in first.stdout
     second = run_sfttrain(1, [*common, "model.fp8=off", "trainer.total_training_steps=6"], env=env)
     assert "global_step_4" in second.stdout
+
+
+def test_preflight_lists_the_fp8_problems(tmp_path, monkeypatch):
+    """sfttrain.plan: a CPU run with FP8 and a missing torchao are problems, as at start-up; the
+    GPUs' FP8 support is a note (not checkable on the machine that plans)."""
+    from tests.test_plan import run_plan
+
+    common = [f"data.train_files={tmp_path}/absent.parquet", f"model.partial_pretrain={STORIES}",
+              "data.train_batch_size=8", "data.max_length=512", "model.fp8=tensorwise", "--nproc", "2"]
+    code, out = run_plan(*common, "trainer.device=cpu")
+    assert code == 2 and "model.fp8=tensorwise needs a CUDA GPU" in out.split("problems:")[1], out
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)
+    code, out = run_plan(*common)
+    assert code == 2 and "pip install -e '.[fp8]'" in out.split("problems:")[1], out
+    assert "whether the GPUs have FP8 tensor cores (compute capability >= 8.9: H100/H200, L40S) is checked at " \
+           "start-up" in out

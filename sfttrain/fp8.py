@@ -16,7 +16,17 @@ Under FSDP2 with tensorwise scaling the weights are all-gathered in FP8 (torchao
 `enable_fsdp_float8_all_gather`: each rank casts its fp32 shard, half of bf16's bytes cross the
 wire), and one fused amax over all layers' shards runs after each optimizer step
 (`precompute_float8_dynamic_scale_for_fsdp`) instead of one all-reduce per weight in forward.
-Rowwise scales are per row, which a shard does not hold: rowwise gathers in bf16.
+Rowwise scales the weight along one axis for the forward GEMM and along the other for the
+input-gradient GEMM, which one gathered FP8 copy cannot serve (torchao gathers FP8 for tensorwise
+only): rowwise gathers in bf16, as does an offloaded model.
+
+The casts and amax reductions around each GEMM are fused into the layer's compiled code with
+model.compile=true (the start-up line warns without it: eager, they are kernels of their own).
+Converting also applies torchao's workaround for a Triton FP8-store miscompile (inductor's min/max
+codegen in its `tl.where` form, numerically the same) for the whole process.
+
+LoRA is refused (config.py): torchao's float8 linear computes every weight's gradient, a frozen
+base's too, so the base's GEMMs would do a third more work in FP8 than they skip in bf16.
 
 `auto` turns FP8 on (tensorwise) only for layers wide enough to gain: the casts and amax
 reductions are memory-bound work added to every GEMM, and a GEMM of a Qwen2.5-0.5B-sized layer
@@ -110,13 +120,13 @@ def float8_api():
     return float8
 
 
-def apply(model: nn.Module, cfg: ModelConfig, sharded: bool) -> None:
+def apply(model: nn.Module, cfg: ModelConfig, fsdp_all_gather: bool) -> None:
     """model.fp8 applied to the (meta) model before it is compiled and sharded: its decoder layers'
-    convertible linear layers become Float8Linear; sharded: all-gathered in FP8 where the recipe
-    allows (tensorwise)."""
+    convertible linear layers become Float8Linear; fsdp_all_gather (FSDP2 shards the model, no
+    offload): their weights all-gathered in FP8 where the recipe allows (tensorwise)."""
     recipe = choose(cfg, hidden_size(model)).recipe
     if recipe is not None:
-        convert(decoder_layers(model), recipe, fsdp_all_gather=sharded)
+        convert(decoder_layers(model), recipe, fsdp_all_gather)
 
 
 def hidden_size(model: nn.Module) -> int:
@@ -160,12 +170,12 @@ def describe(model: nn.Module, cfg: ModelConfig) -> list[str]:
     if choice.recipe is None or not converted:
         why = choice.reason if choice.recipe is None else "no linear layer has dimensions that are multiples of 16"
         return [f"  fp8                 : off ({why})"]
-    gather = ("weights all-gathered in FP8" if converted[0].config.enable_fsdp_float8_all_gather else
-              "weights all-gathered (where sharded) in bf16")
+    gather = "; weights all-gathered in FP8" if converted[0].config.enable_fsdp_float8_all_gather else ""
     ids = {id(m) for m in converted}
     names = sorted({name for layer in layers for name, m in layer.named_modules() if id(m) in ids})
     skipped = convertible(layers)[1]  # the plain linear layers left: their dimensions do not fit
+    eager = "" if cfg.compile else "; WARNING: model.compile=false runs FP8's scaling casts as kernels of their own (slow)"
     stays = ["lm_head", *(["the experts' grouped GEMMs"] if routing(model.config) else []),
              *([f"{len(skipped)} linear layers with a dimension not a multiple of 16"] if skipped else [])]
     return [f"  fp8                 : {choice.recipe} scaling ({choice.reason}), {len(converted)} linear layers "
-            f"({', '.join(names)}); {gather}; bf16: {', '.join(stays)}"]
+            f"({', '.join(names)}){gather}; bf16: {', '.join(stays)}{eager}"]

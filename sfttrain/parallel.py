@@ -41,7 +41,8 @@ def parallelize(lm: CausalLMLoss, world: World, cfg: Config) -> Layout:
     if offload and world.device.type != "cuda":
         raise ConfigError("model.fsdp_config.cpu_offload/offload_params need a CUDA device; set them to false")
     layout = choose_layout(world, offload)
-    fp8.apply(lm.model, cfg.model, sharded=layout == "sharded")  # before FSDP wraps the weights it all-gathers
+    # before FSDP wraps the weights it all-gathers; offloaded shards are gathered as they are
+    fp8.apply(lm.model, cfg.model, fsdp_all_gather=layout == "sharded" and not offload)
     if cfg.model.enable_gradient_checkpointing:
         checkpoint_layers(lm, cfg.model.gradient_checkpointing_ratio)
     apply_sequence_parallel(lm, world)

@@ -165,14 +165,14 @@ def test_sharded_fp8_checkpoint_and_export_are_unchanged(tmp_path):
     from sfttrain import checkpoint, export
     from sfttrain.model import decoder_layers, load_model, materialise_model
 
-    cfg = ModelConfig(partial_pretrain=str(STORIES), fp8="tensorwise")
+    cfg = ModelConfig(partial_pretrain=str(STORIES), fp8="tensorwise", compile=True)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,))
         saved = {}
         for name, mode in (("plain", "off"), ("fp8", "tensorwise")):
             model = load_model(dataclasses.replace(cfg, fp8=mode), torch.device("cpu")).model
-            fp8.apply(model, dataclasses.replace(cfg, fp8=mode), sharded=True)
+            fp8.apply(model, dataclasses.replace(cfg, fp8=mode), fsdp_all_gather=True)
             for layer in decoder_layers(model):
                 fully_shard(layer, mesh=mesh)
             fully_shard(model, mesh=mesh)

@@ -230,3 +230,61 @@ def test_preflight_lists_the_fp8_problems(tmp_path, monkeypatch):
     assert code == 2 and "pip install -e '.[fp8]'" in out.split("problems:")[1], out
     assert "whether the GPUs have FP8 tensor cores (compute capability >= 8.9: H100/H200, L40S) is checked at " \
            "start-up" in out
+
+
+def _tiny_fp8_llama(fsdp_all_gather: bool):
+    from sfttrain.model import decoder_layers
+
+    model = llama()
+    fp8.convert(decoder_layers(model), "tensorwise", fsdp_all_gather=fsdp_all_gather, emulate=True)
+    return model
+
+
+def _fsdp_fp8_step(rank, world, init_file, ids, result):
+    from torch.distributed.fsdp import fully_shard
+
+    from sfttrain.model import decoder_layers
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        model = _tiny_fp8_llama(fsdp_all_gather=True)
+        for layer in decoder_layers(model):
+            fully_shard(layer)
+        fully_shard(model)
+        weight = model.model.layers[0].self_attn.q_proj.weight
+        assert type(weight.to_local()).__name__ == "WeightWithDynamicFloat8CastTensor"  # gathered in FP8
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        optimizer.register_step_post_hook(fp8.scale_precompute_hook(model))
+        losses = []
+        for _ in range(2):  # the second forward gathers with the scales the hook precomputed
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        result[rank] = losses
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fp8_all_gather_under_fsdp_matches_the_unsharded_fp8_model(tmp_path):
+    """FSDP2 over 2 ranks with FP8 all-gather (each rank casts its shard with the scale of the whole
+    weight, then gathers FP8) computes what the unsharded FP8 model computes: the same FP8 values
+    enter the same GEMMs, so the losses of two steps agree to fp32 rounding (emulated GEMMs, CPU)."""
+    pytest.importorskip("torchao.float8", reason="torchao: pip install -e '.[fp8]'")
+    import torch.multiprocessing as mp
+
+    ids = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(2))
+    result = mp.Manager().dict()
+    mp.spawn(_fsdp_fp8_step, args=(2, str(tmp_path / "pg"), ids, result), nprocs=2)
+    reference = _tiny_fp8_llama(fsdp_all_gather=False)
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    expected = []
+    for _ in range(2):
+        loss = reference(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        expected.append(loss.item())
+    assert result[0] == result[1]
+    assert result[0] == pytest.approx(expected, rel=1e-5), (result[0], expected)

@@ -16,7 +16,7 @@ from torch import nn
 from sfttrain import fp8
 from sfttrain.config import ConfigError, ModelConfig, load_config
 from sfttrain.errors import DependencyError
-from tests.conftest import STORIES, run_sfttrain
+from tests.conftest import STORIES, run_sfttrain, train_losses
 
 CUDA = torch.cuda.is_available()
 FP8_GPU = CUDA and torch.cuda.get_device_capability() >= fp8.FP8_CAPABILITY
@@ -204,16 +204,21 @@ def test_sharded_fp8_checkpoint_and_export_are_unchanged(tmp_path):
 
 @pytest.mark.skipif(not FP8_GPU, reason="a CUDA GPU with FP8 tensor cores (compute capability >= 8.9)")
 def test_fp8_run_on_a_gpu_trains_and_resumes_without_it(tmp_path, gsm8k_dir):
-    """W1's path on one GPU, layers compiled: FP8 on for 4 steps, then resumed with FP8 off."""
-    run_dir = tmp_path / "run"
+    """One GPU, layers compiled: 4 steps with FP8 GEMMs, close to the same 4 steps in bf16, then
+    the FP8 run's checkpoint resumed with FP8 off."""
     common = [f"model.partial_pretrain={STORIES}", f"data.train_files={gsm8k_dir}/train.parquet",
-              f"trainer.default_local_dir={run_dir}", "data.train_batch_size=16", "data.max_token_len_per_gpu=4096",
-              "model.compile=true", "trainer.device=cuda"]
+              "data.train_batch_size=16", "data.max_length=512", "data.max_token_len_per_gpu=4096",
+              "model.compile=true", "trainer.device=cuda", "trainer.total_training_steps=4"]
     env = {"CUDA_VISIBLE_DEVICES": "0"}
-    first = run_sfttrain(1, [*common, "model.fp8=tensorwise", "trainer.total_training_steps=4"], env=env)
+    first = run_sfttrain(1, [*common, f"trainer.default_local_dir={tmp_path}/fp8", "model.fp8=tensorwise"], env=env)
     assert "fp8                 : tensorwise scaling" in first.stdout
-    second = run_sfttrain(1, [*common, "model.fp8=off", "trainer.total_training_steps=6"], env=env)
-    assert "global_step_4" in second.stdout
+    run_sfttrain(1, [*common, f"trainer.default_local_dir={tmp_path}/bf16"], env=env)
+    fp8_losses, bf16_losses = train_losses(tmp_path / "fp8"), train_losses(tmp_path / "bf16")
+    # e4m3 rounding of the GEMM operands (3 mantissa bits) moves a loss by well under 5%
+    assert fp8_losses != bf16_losses and fp8_losses == pytest.approx(bf16_losses, rel=0.05)
+    second = run_sfttrain(1, [*common[:-1], f"trainer.default_local_dir={tmp_path}/fp8", "model.fp8=off",
+                              "trainer.total_training_steps=6"], env=env)
+    assert "global_step_4" in second.stdout and len(train_losses(tmp_path / "fp8")) == 6
 
 
 def test_preflight_lists_the_fp8_problems(tmp_path, monkeypatch):

@@ -165,17 +165,26 @@ def describe(model: nn.Module, cfg: ModelConfig) -> list[str]:
     """The start-up line on FP8 (none with model.fp8=off), read from the model as `apply` left it."""
     if cfg.fp8 == "off":
         return []
-    choice = choose(cfg, hidden_size(model))
-    layers, converted = decoder_layers(model), converted_layers(model)
+    choice, converted = choose(cfg, hidden_size(model)), converted_layers(model)
     if choice.recipe is None or not converted:
         why = choice.reason if choice.recipe is None else "no linear layer has dimensions that are multiples of 16"
         return [f"  fp8                 : off ({why})"]
-    gather = "; weights all-gathered in FP8" if converted[0].config.enable_fsdp_float8_all_gather else ""
     ids = {id(m) for m in converted}
-    names = sorted({name for layer in layers for name, m in layer.named_modules() if id(m) in ids})
-    skipped = convertible(layers)[1]  # the plain linear layers left: their dimensions do not fit
-    eager = "" if cfg.compile else "; WARNING: model.compile=false runs FP8's scaling casts as kernels of their own (slow)"
-    stays = ["lm_head", *(["the experts' grouped GEMMs"] if routing(model.config) else []),
-             *([f"{len(skipped)} linear layers with a dimension not a multiple of 16"] if skipped else [])]
+    names = sorted({name for layer in decoder_layers(model) for name, m in layer.named_modules() if id(m) in ids})
+    gather = "; weights all-gathered in FP8" if converted[0].config.enable_fsdp_float8_all_gather else ""
     return [f"  fp8                 : {choice.recipe} scaling ({choice.reason}), {len(converted)} linear layers "
-            f"({', '.join(names)}){gather}; bf16: {', '.join(stays)}{eager}"]
+            f"({', '.join(names)}){gather}; bf16: {', '.join(_left_in_bf16(model))}"
+            + "".join(f"; WARNING: {w}" for w in _warnings(model, cfg))]
+
+
+def _left_in_bf16(model: nn.Module) -> list[str]:
+    skipped = convertible(decoder_layers(model))[1]  # the plain linear layers left: their dimensions do not fit
+    return ["lm_head", *(["the experts' grouped GEMMs"] if routing(model.config) else []),
+            *([f"{len(skipped)} linear layers with a dimension not a multiple of 16"] if skipped else [])]
+
+
+def _warnings(model: nn.Module, cfg: ModelConfig) -> list[str]:
+    hidden = hidden_size(model)
+    return [*([] if cfg.compile else ["model.compile=false runs FP8's scaling casts as kernels of their own"]),
+            *([f"hidden_size {hidden} < {AUTO_MIN_HIDDEN}: GEMMs this small usually run slower in FP8 (model.fp8=auto "
+               "keeps it off)"] if hidden < AUTO_MIN_HIDDEN else [])]

@@ -185,7 +185,8 @@ def test_sharded_fp8_checkpoint_and_export_are_unchanged(tmp_path):
                 assert fp8.describe(model, cfg) == [
                     "  fp8                 : tensorwise scaling (model.fp8=tensorwise), 20 linear layers "
                     "(self_attn.k_proj, self_attn.o_proj, self_attn.q_proj, self_attn.v_proj); weights all-gathered "
-                    "in FP8; bf16: lm_head, 15 linear layers with a dimension not a multiple of 16"]
+                    "in FP8; bf16: lm_head, 15 linear layers with a dimension not a multiple of 16; WARNING: "
+                    "hidden_size 64 < 4096: GEMMs this small usually run slower in FP8 (model.fp8=auto keeps it off)"]
                 fp8.scale_precompute_hook(model)(optimizer, (), {})
             saved[name] = state_dict_keys(model, optimizer)
             model_sd, optim_sd = checkpoint._state_dicts(model, optimizer)

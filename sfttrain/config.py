@@ -400,7 +400,7 @@ def validate(cfg: Config) -> None:
     for name in logger_names(t):
         _choice("trainer.logger", name, ("console", "wandb"))
     _validate_lora(m)
-    _validate_fp8(m)
+    _validate_fp8(cfg)
     if cfg.ulysses_sequence_parallel_size < 1:
         raise ConfigError(f"ulysses_sequence_parallel_size must be >= 1 (1: off), got {cfg.ulysses_sequence_parallel_size}")
     if not cfg.use_remove_padding:
@@ -453,9 +453,16 @@ def _validate_lora(m: ModelConfig) -> None:
         raise ConfigError(f"model.target_modules must be all-linear or a list of linear layer names, got {targets!r}")
 
 
-def _validate_fp8(m: ModelConfig) -> None:
+def _validate_fp8(cfg: Config) -> None:
     """The device and torchao are checked at start-up (sfttrain.fp8.check_available)."""
+    m, sp = cfg.model, cfg.ulysses_sequence_parallel_size
     _choice("model.fp8", m.fp8, FP8_MODES)
+    # the weight gradient's FP8 GEMM runs over the tokens: a rank's tokens per micro-batch (its
+    # slice of the padded row) must be a multiple of 16, as every FP8 GEMM dimension
+    if m.fp8 != "off" and cfg.data.pad_to_multiple % (16 * sp) != 0:
+        raise ConfigError(f"model.fp8={m.fp8} needs data.pad_to_multiple={cfg.data.pad_to_multiple} to be a multiple "
+                          f"of {16 * sp} (16 tokens per rank{f' x {sp} Ulysses ranks' if sp > 1 else ''}: FP8 GEMMs "
+                          f"take dimensions that divide by 16); set data.pad_to_multiple={math.lcm(128, 16 * sp)}")
     if m.fp8 != "off" and m.lora_rank > 0:
         # torchao's float8 linear computes every weight's gradient, a frozen one's too: the base's
         # GEMMs would do a third more work in FP8 than they skip in bf16

@@ -39,6 +39,11 @@ def test_config_values_and_lora_are_refused():
         load_config(None, [*BASE, "model.fp8=fp8"])
     with pytest.raises(ConfigError, match="model.fp8=auto with model.lora_rank=8: .*set model.fp8=off for LoRA"):
         load_config(None, [*BASE, "model.fp8=auto", "model.lora_rank=8"])
+    # the weight gradient's GEMM runs over a rank's tokens, which must divide by 16
+    with pytest.raises(ConfigError, match=r"model.fp8=tensorwise needs data.pad_to_multiple=8 to be a multiple of 16 "):
+        load_config(None, [*BASE, "model.fp8=tensorwise", "data.pad_to_multiple=8"])
+    with pytest.raises(ConfigError, match=r"multiple of 64 \(16 tokens per rank x 4 Ulysses ranks.*pad_to_multiple=128"):
+        load_config(None, [*BASE, "model.fp8=tensorwise", "data.pad_to_multiple=32", "ulysses_sequence_parallel_size=4"])
 
 
 def test_help_documents_the_key():

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Fetches into .whl/ (git-ignored) every wheel the GPU image lacks for bench/ and sfttrain:
 # gpu-wheels' own omegaconf and liger-kernel, TRL for bench/trl_w1.py, datasets (TRL imports it)
-# and datasets' two needs the image lacks, dill and multiprocess. Every other Requires-Dist of
+# and datasets' two needs the image lacks, dill and multiprocess, and torchao for model.fp8
+# (bench/fp8_w2b.py; no Requires-Dist of its own). Every other Requires-Dist of
 # these wheels is in the image (/work/.library/device/KINDS.md, "Python packages already there"):
 # accelerate, transformers, pyarrow>=24 (25.0.1), huggingface-hub>=1.31 (1.33.0), pandas, fsspec
 # (<=2026.9.0, the newest release), xxhash, jinja2, psutil, pyyaml, torch, triton, ...
@@ -10,7 +11,7 @@ set -euo pipefail
 top=$(git rev-parse --show-toplevel)
 cd "$top"
 mkdir -p "$(git rev-parse --git-path info)"  # gpu-wheels appends /.whl/ to info/exclude there
-"$top/../shared/tools/gpu-wheels" trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 >/dev/null
+"$top/../shared/tools/gpu-wheels" trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 torchao==0.18.0 >/dev/null
 
 # pip refuses two versions of one package, so a stale wheel left in .whl/ must go first
 dups=$(for f in .whl/*.whl; do basename "$f" | cut -d- -f1 | tr 'A-Z-' 'a-z_'; done | sort | uniq -d)

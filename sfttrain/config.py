@@ -103,6 +103,12 @@ class ModelConfig:
     lora_alpha: int = 16  # LoRA scaling numerator: the adapter's update is scaled by lora_alpha / lora_rank
     target_modules: Any = "all-linear"  # all-linear (every linear layer but lm_head) or a list of layer names
     lora_dropout: float = 0.0  # dropout on the adapters' input (random: resumes exactly on the same world size only)
+    # FP8 GEMMs (CUDA, compute capability >= 8.9: Hopper, Ada) for the decoder layers' linear layers,
+    # torchao's float8 training (pip install -e '.[fp8]'; sfttrain/fp8.py): off | tensorwise (one scale
+    # per tensor; weights all-gathered in FP8 under FSDP) | rowwise (a scale per row) | auto (tensorwise
+    # where the layers are large enough to gain, hidden_size >= 4096; off below). Master weights,
+    # optimizer state and checkpoints are those of a run without it
+    fp8: str = "off"
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
 
@@ -190,6 +196,7 @@ FREE_FORM = ("model.fsdp_config.mixed_precision", "model.fsdp_config.wrap_policy
 
 DTYPES = ("fp32", "bf16", "fp16")
 LOSS_KERNELS = ("auto", "liger", "torch")  # model.loss_kernel (sfttrain.loss.select_chunk_loss)
+FP8_MODES = ("off", "auto", "tensorwise", "rowwise")  # model.fp8 (sfttrain.fp8)
 
 
 def load_config(yaml_path: Optional[str] = None, overrides: tuple[str, ...] | list[str] = (),
@@ -399,6 +406,7 @@ def validate(cfg: Config) -> None:
     for name in logger_names(t):
         _choice("trainer.logger", name, ("console", "wandb"))
     _validate_lora(m)
+    _validate_fp8(cfg)
     if cfg.ulysses_sequence_parallel_size < 1:
         raise ConfigError(f"ulysses_sequence_parallel_size must be >= 1 (1: off), got {cfg.ulysses_sequence_parallel_size}")
     if not cfg.use_remove_padding:
@@ -449,6 +457,24 @@ def _validate_lora(m: ModelConfig) -> None:
     targets = m.target_modules
     if not (isinstance(targets, str) or (isinstance(targets, list) and all(isinstance(t, str) for t in targets))):
         raise ConfigError(f"model.target_modules must be all-linear or a list of linear layer names, got {targets!r}")
+
+
+def _validate_fp8(cfg: Config) -> None:
+    """The device and torchao are checked at start-up (sfttrain.fp8.check_available)."""
+    m, sp = cfg.model, cfg.ulysses_sequence_parallel_size
+    _choice("model.fp8", m.fp8, FP8_MODES)
+    # the weight gradient's FP8 GEMM runs over the tokens: a rank's tokens per micro-batch (its
+    # slice of the padded row) must be a multiple of 16, as every FP8 GEMM dimension
+    if m.fp8 != "off" and cfg.data.pad_to_multiple % (16 * sp) != 0:
+        raise ConfigError(f"model.fp8={m.fp8} needs data.pad_to_multiple={cfg.data.pad_to_multiple} to be a multiple "
+                          f"of {16 * sp} (16 tokens per rank{f' x {sp} Ulysses ranks' if sp > 1 else ''}: FP8 GEMMs "
+                          f"take dimensions that divide by 16); set data.pad_to_multiple={math.lcm(128, 16 * sp)}")
+    if m.fp8 != "off" and m.lora_rank > 0:
+        # torchao's float8 linear computes every weight's gradient, a frozen one's too: the base's
+        # GEMMs would do a third more work in FP8 than they skip in bf16
+        raise ConfigError(f"model.fp8={m.fp8} with model.lora_rank={m.lora_rank}: FP8 linear layers compute the "
+                          "weight gradient of the frozen base too (work LoRA skips in bf16), so they would slow "
+                          "LoRA down; set model.fp8=off for LoRA")
 
 
 def logger_names(t: TrainerConfig) -> list[str]:

@@ -112,9 +112,10 @@ def apply_liger(model: nn.Module, device: torch.device, compile_layers: bool) ->
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The repeated transformer blocks (each becomes one FSDP unit)."""
+    """The repeated transformer blocks (each becomes one FSDP unit); found after sharding too
+    (fully_shard makes each one an instance of a subclass, FSDP<name>)."""
     names = set(getattr(model, "_no_split_modules", None) or [])
-    layers = [m for m in model.modules() if type(m).__name__ in names]
+    layers = [m for m in model.modules() if any(cls.__name__ in names for cls in type(m).__mro__)]
     if not layers:
         raise ValueError(f"cannot find the decoder layers of {type(model).__name__} (_no_split_modules={names})")
     return layers

@@ -25,7 +25,7 @@ from torch.distributed._composable.replicate import DDP, replicate
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from sfttrain import sequence_parallel
+from sfttrain import fp8, sequence_parallel
 from sfttrain.config import Config, ConfigError, mixed_precision_dtypes
 from sfttrain.distributed import World
 from sfttrain.loss import CausalLMLoss
@@ -37,20 +37,29 @@ Layout = Literal["single", "replicated", "sharded"]
 
 def parallelize(lm: CausalLMLoss, world: World, cfg: Config) -> Layout:
     fsdp = cfg.model.fsdp_config
-    if cfg.model.enable_gradient_checkpointing:
-        checkpoint_layers(lm, cfg.model.gradient_checkpointing_ratio)
     offload = fsdp.cpu_offload or fsdp.offload_params
     if offload and world.device.type != "cuda":
         raise ConfigError("model.fsdp_config.cpu_offload/offload_params need a CUDA device; set them to false")
+    layout = choose_layout(world, offload)
+    # before FSDP wraps the weights it all-gathers; offloaded shards are gathered as they are
+    fp8.apply(lm.model, cfg.model, fsdp_all_gather=layout == "sharded" and not offload)
+    if cfg.model.enable_gradient_checkpointing:
+        checkpoint_layers(lm, cfg.model.gradient_checkpointing_ratio)
     apply_sequence_parallel(lm, world)
+    if layout == "sharded":
+        shard(lm, world, cfg, offload)
+        return layout
+    single_device(lm, world, cfg)
+    if layout == "replicated":
+        replicate_model(lm, world, cfg)
+    return layout
+
+
+def choose_layout(world: World, offload: bool) -> Layout:
     if world.world_size == 1 and not offload:
-        single_device(lm, world, cfg)
         return "single"
     if world.mesh["dp_shard"].size() == 1 and world.sp_size == 1 and not offload:
-        single_device(lm, world, cfg)
-        replicate_model(lm, world, cfg)
         return "replicated"
-    shard(lm, world, cfg, offload)
     return "sharded"
 
 

@@ -285,6 +285,23 @@ def memory_section(cfg: Config, dp_size: int, folder: Optional[str], found: Find
     return lines
 
 
+def fp8_section(cfg: Config, found: Findings) -> None:
+    """model.fp8: torchao missing, or a CPU run, is a problem here as at start-up; the GPUs' FP8
+    tensor cores can only be checked on them."""
+    if cfg.model.fp8 == "off":
+        return
+    import torch
+
+    from sfttrain import fp8
+
+    if cfg.trainer.device == "cpu":
+        found.check(lambda: fp8.check_available(cfg.model, torch.device("cpu")))
+        return
+    found.check(fp8.float8_api)
+    found.notes.append(f"model.fp8={cfg.model.fp8}: whether the GPUs have FP8 tensor cores (compute capability >= "
+                       "8.9: H100/H200, L40S) is checked at start-up")
+
+
 def preflight(cfg: Config, nproc: int, nnodes: int) -> tuple[list[str], Findings]:
     """(report lines, what was found): the run's own checks, each problem listed, none stopping the rest."""
     from sfttrain.distributed import check_world
@@ -300,6 +317,7 @@ def preflight(cfg: Config, nproc: int, nnodes: int) -> tuple[list[str], Findings
     if folder is not None and os.path.isfile(os.path.join(folder, "config.json")):
         found.check(lambda: check_rope(cfg, folder))
         found.check(lambda: check_max_length(cfg, folder))
+    fp8_section(cfg, found)
     lines = [f"sfttrain plan: {nnodes} node(s) x {nproc} rank(s)"]
     lines += batch_section(cfg, dp_size, folder, found)
     lines += memory_section(cfg, dp_size, folder, found)

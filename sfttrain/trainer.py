@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from sfttrain import checkpoint, export, lora, moe, phase
+from sfttrain import checkpoint, export, fp8, lora, moe, phase
 from sfttrain.attention import fallback_warning
 from sfttrain.checkpoint_folder import complete_checkpoints, is_complete, remove_stale_tmp
 from sfttrain.config import Config, as_list
@@ -56,6 +56,7 @@ class FSDPSFTTrainer:
         folder = local_model_folder(cfg.model)
         check_rope(cfg, folder)  # RoPE that packing would make depend on the batch (the specific diagnosis first)
         check_max_length(cfg, folder)
+        fp8.check_available(cfg.model, world.device)  # a GPU without FP8 stops before the data is read
         self.tokenizer = load_tokenizer(cfg.model, resolve_chat_template(d) if d.apply_chat_template else None)
         renderer, fields = build_renderer(d, self.tokenizer), row_fields(d)  # prompt/response or conversations
         train_source = open_source(as_list(d.train_files), fields, self.run_dir)
@@ -85,6 +86,8 @@ class FSDPSFTTrainer:
                                chunk_loss=chunk_loss, chunk_tokens=cfg.model.loss_chunk_tokens)
         self.layout = parallelize(self.lm, world, cfg)
         self.optimizer = build_optimizer(self.lm, cfg.optim)
+        if hook := fp8.scale_precompute_hook(self.lm.model):
+            self.optimizer.register_step_post_hook(hook)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.plan.total_steps)
         self.data = TrainData(train_source, renderer, self.plan, prepared.stats, world.dp_rank, t.seed, d.shuffle,
                               self.model_shape.attention_coefficient, d.pad_to_multiple, world.row_slice)
@@ -121,6 +124,7 @@ class FSDPSFTTrainer:
             f"  precision           : weights/optimizer {fsdp.model_dtype}, mixed precision {fsdp.mixed_precision}",
             f"  sharding            : {describe_sharding(self.world, cfg, self.layout)}",
             f"  compile             : {describe_compile(cfg, self.world)}",
+            *fp8.describe(self.lm.model, cfg.model),
             f"  lr                  : {cfg.optim.lr} {cfg.optim.lr_scheduler}, "
             f"{warmup_steps(cfg.optim, self.plan.total_steps)} warmup steps",
             f"  run folder          : {self.run_dir}",

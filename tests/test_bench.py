@@ -203,3 +203,20 @@ def test_loss_kernel(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["loss_kernel"])
     with pytest.raises(SystemExit, match="CUDA"):
         loss_kernel.main()
+
+
+def test_fp8_w2b_runs_bf16_and_reports_the_fp8_refusal_on_cpu(tmp_path):
+    """bench.fp8_w2b --tiny (W2b's part; W1's runs the same code on another folder): the bf16 run
+    trains and is summarised (loss at the last step); the FP8 run stops at start-up with the CPU
+    refusal, which is recorded, and the summary says so."""
+    out = tmp_path / "fp8.jsonl"
+    run_bench("bench.fp8_w2b", "--tiny", "--device", "cpu", "--parts", "w2b", "--data", SAMPLE, "--work",
+              str(tmp_path), "--out", str(out))
+    bf16, fp8, summary = records(out)
+    assert bf16["status"] == "trained" and bf16["timed_steps"] == "2-3" and bf16["real_tokens"] > 0
+    assert bf16["loss_last_step"] > 0 and bf16["fp8_line"] is None  # model.fp8=off: no start-up line
+    assert fp8["status"] == "failed" and fp8["rc"] == 2
+    assert "model.fp8=tensorwise needs a CUDA GPU with FP8 tensor cores" in fp8["error"]
+    assert summary == {"summary": "w2b", "bf16_real_tokens_per_s": bf16["real_tokens_per_s"],
+                       "bf16_loss_last_step": bf16["loss_last_step"],
+                       "w2b_fp8_tensorwise": {"status": "failed", "error": fp8["error"]}}

@@ -39,7 +39,6 @@ import logging
 import os
 import random
 import shutil
-import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -212,8 +211,7 @@ class Checkpointer:
         started = time.perf_counter()
         self.thread_errors.clear()
         writer = dcp.FileSystemWriter(tmp, thread_count=self.cfg.trainer.save_thread_count)
-        with _yielding_gil():
-            dcp.save(state_dict, storage_writer=writer, process_group=self.write_group)
+        dcp.save(state_dict, storage_writer=writer, process_group=self.write_group)
         self.thread_errors.raise_first()
         if not self.world.is_main:
             return None, time.perf_counter() - started
@@ -397,21 +395,6 @@ class WriterThreadErrors:
     def raise_first(self) -> None:
         if self.errors:
             raise self.errors[0]
-
-
-@contextlib.contextmanager
-def _yielding_gil():
-    """While a background write runs: the training thread takes the GIL back from the writer
-    threads within 0.1 ms instead of Python's 5 ms. An eager step releases and retakes the GIL
-    around each of its thousands of kernel launches, and waits up to the whole interval each time
-    DCP's planning and serialisation hold it (the step after a save ran several times the median
-    step: docs/benchmarks.md, run AC). Process-wide; the writes run one at a time, so never nested."""
-    previous = sys.getswitchinterval()
-    sys.setswitchinterval(1e-4)
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(previous)
 
 
 def _attempt(work: Callable[[], None]) -> Optional[BaseException]:

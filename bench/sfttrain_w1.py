@@ -109,6 +109,10 @@ def summarise(name: str, args, run_dir: str, variant: list[str]) -> dict:
         "real_tokens_per_s": round(real / seconds, 1),
         "supervised_tokens_per_s": round(sum(m["loss_tokens"] for m in steps) / seconds, 1),
         "mean_s_per_step": round(seconds / len(times), 4), "median_s_per_step": round(statistics.median(times), 4),
+        # a step of the window over twice the median (a recompilation, say) counts in the window's figures;
+        # named here so that a mean far from the median explains itself
+        "slow_steps": {m["step"]: round(m["step_time_s"], 3) for m in steps
+                       if m["step_time_s"] > 2 * statistics.median(times)},
         "peak_allocated_gib": round(max(m.get("mem_peak_alloc_gib", 0) for m in steps), 2),
         "peak_reserved_gib": round(max(m.get("mem_peak_reserved_gib", 0) for m in steps), 2),
         # per-step MFU weighted by step time = MFU of the whole timed window

@@ -220,3 +220,22 @@ def test_fp8_w2b_runs_bf16_and_reports_the_fp8_refusal_on_cpu(tmp_path):
     assert summary == {"summary": "w2b", "bf16_real_tokens_per_s": bf16["real_tokens_per_s"],
                        "bf16_loss_last_step": bf16["loss_last_step"],
                        "w2b_fp8_tensorwise": {"status": "failed", "error": fp8["error"]}}
+
+
+def test_summary_names_the_slow_steps(tmp_path):
+    """A bench summary of a run whose timed window holds one slow step (W4's run AD: a ~16 s step
+    among 0.6 s ones): the window's figures count it, and the record names it."""
+    from types import SimpleNamespace
+
+    from bench.sfttrain_w1 import summarise
+
+    times = {1: 30.0, 2: 0.5, 3: 0.6, 4: 5.0, 5: 0.5, 6: 0.7}  # step 1: warm-up, not timed
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        for step, seconds in times.items():
+            f.write(json.dumps({"step": step, "loss": 1.0, "step_time_s": seconds, "tokens": 100, "loss_tokens": 50,
+                                "data_wait_s": 0.0, "mfu": 0.1}) + "\n")
+    args = SimpleNamespace(warmup=1, steps=6, override=[], device="cpu")
+    record = summarise("w1", args, str(tmp_path), [])
+    assert record["timed_steps"] == "2-6" and record["median_s_per_step"] == 0.6
+    assert record["real_tokens_per_s"] == round(500 / 7.3, 1)  # the slow step counts in the window
+    assert record["slow_steps"] == {4: 5.0}

@@ -51,6 +51,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from sfttrain.checkpoint_folder import COMPLETE, STATE_FILE, complete_checkpoints, enforce_retention, fsync_dir, \
@@ -118,6 +119,9 @@ class Checkpointer:
         self.write_group = dist.new_group(backend="gloo", timeout=timeout)
         self.agree_group = dist.new_group(backend="gloo", timeout=timeout)
         self.staging = Staging(cfg, world) if cfg.trainer.async_save else None
+        # saves that may be in flight at once: trainer.async_save_in_flight, or fewer where host memory
+        # holds fewer copies of the shards (agreed by all ranks at the first background save)
+        self.slots, self.slots_agreed = cfg.trainer.async_save_in_flight, False
         self.thread_errors = WriterThreadErrors()
         # one writer: every rank writes its saves in the same order, so DCP's collectives pair up
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-write")
@@ -129,7 +133,7 @@ class Checkpointer:
         not write its part (nothing is committed then)."""
         started = time.perf_counter()
         background = self.cfg.trainer.async_save and not final
-        room = self.cfg.trainer.async_save_in_flight - 1 if background else 0
+        room = self.slots - 1 if background else 0
         while len(self.pending) > room:  # a full queue (or a final save) waits for the oldest write
             self._wait_oldest()
         waited = time.perf_counter() - started
@@ -144,6 +148,8 @@ class Checkpointer:
         self.pending.append(PendingSave(state.step, tmp, os.path.join(self.run_dir, f"global_step_{state.step}"),
                                         future, slot, started, time.perf_counter() - started, waited, background))
         future.add_done_callback(self.pending[-1].mark_written)
+        if background and self.slots_agreed is False:
+            self._agree_slots()
         if not background:
             self.wait()
 
@@ -162,6 +168,25 @@ class Checkpointer:
         """Waits for retention's deletions (the next start would delete what is left of them)."""
         self.cleaner.shutdown(wait=True)
         self.writer.shutdown(wait=True)
+
+    def _agree_slots(self) -> None:
+        """Collective, after the first background save has staged: as many saves in flight as every
+        node's available memory holds host copies of its ranks' shards beside the first (at most
+        trainer.async_save_in_flight); then the pinned slots' buffers are allocated in the background."""
+        copy = self.staging.copy_bytes
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        # one copy's worth kept free: allocating a pinned slot briefly needs two (DCP copies, then pins)
+        fit = host_memory_available() // max(copy * local_ranks, 1) - 1
+        more = torch.tensor([max(0, min(self.slots - 1, fit))])
+        dist.all_reduce(more, op=dist.ReduceOp.MIN, group=self.agree_group)
+        wanted, self.slots, self.slots_agreed = self.slots, 1 + int(more.item()), True
+        if self.slots < wanted and self.world.is_main:
+            logging.getLogger("sfttrain").warning(
+                f"trainer.async_save_in_flight={wanted}, but host memory holds {self.slots}: a host copy of a rank's "
+                f"shard takes {_gb(copy)} ({local_ranks} ranks per node) and {_gb(host_memory_available())} are "
+                f"available. At most {self.slots} saves will be in flight; a save finding them all in flight "
+                "waits for the oldest write")
+        self.staging.allocate(self.slots)
 
     def _wait_oldest(self) -> None:
         with contextlib.suppress(*WRITE_ERRORS):  # _all_written reports it on every rank
@@ -346,28 +371,39 @@ class Staging:
     trainer.async_save_pinned on CUDA each slot keeps pinned buffers, reused by every later save in
     it (the device-to-host copy at full PCIe speed, no allocation per save). Allocating them is
     slow (seconds per GB on an H200 host, page locking), so the first save's slot is allocated when
-    it stages and the other slots right after, on a thread of their own, while training goes on.
+    it stages and the other slots (as many as host memory holds: Checkpointer._agree_slots) right
+    after, on a thread of their own, while training goes on.
     Otherwise (pinned memory needs an accelerator) each save gets a fresh host copy, freed once written."""
 
     def __init__(self, cfg: Config, world: World):
         self.pinned = cfg.trainer.async_save_pinned and world.device.type == "cuda"
-        slots = cfg.trainer.async_save_in_flight
-        self.stagers = [BlockingAsyncStager(cache_staged_state_dict=self.pinned) for _ in range(slots)]
+        self.stagers: dict[int, BlockingAsyncStager] = {}  # slot -> its stager, made at its first use
         self.allocating: dict[int, Future] = {}  # slot -> its buffers' allocation, until it is first used
         self.allocator = ThreadPoolExecutor(1, thread_name_prefix="ckpt-pin")
-        self.started_allocating = False
+        self.first: Optional[dict] = None  # pinned: the first host copy (slot 0), the shape of the others
+        self.copy_bytes = 0  # the bytes of one host copy
 
     def stage(self, state_dict: dict, busy: set) -> tuple[dict, int]:
         """A host copy of `state_dict` in a slot not in `busy` (the slots of saves in flight)."""
-        slot = min(set(range(len(self.stagers))) - busy)
+        slot = min(set(range(len(busy) + 1)) - busy)
         if slot in self.allocating:
             self.allocating.pop(slot).result()  # its buffers are still being allocated
-        staged = self.stagers[slot].stage(state_dict)
-        if self.pinned and slot == 0 and not self.started_allocating:
-            self.started_allocating = True
-            for other in range(1, len(self.stagers)):  # shaped like this copy, its contents overwritten at use
-                self.allocating[other] = self.allocator.submit(self.stagers[other].stage, staged)
+        staged = self.stager(slot).stage(state_dict)
+        if not self.copy_bytes:  # the first copy
+            self.copy_bytes = _tensor_bytes(staged)
+            self.first = staged if self.pinned else None  # pinned: slot 0's buffers, kept anyway
         return staged, slot
+
+    def allocate(self, slots: int) -> None:
+        """Pinned: the buffers of slots 1..slots-1, on a thread of their own (each shaped like the
+        first copy, its contents overwritten when the slot is used)."""
+        if self.pinned:
+            for slot in range(1, slots):
+                self.allocating[slot] = self.allocator.submit(self.stager(slot).stage, self.first)
+        self.first = None
+
+    def stager(self, slot: int) -> BlockingAsyncStager:
+        return self.stagers.setdefault(slot, BlockingAsyncStager(cache_staged_state_dict=self.pinned))
 
 
 class WriterThreadErrors:
@@ -395,6 +431,28 @@ class WriterThreadErrors:
     def raise_first(self) -> None:
         if self.errors:
             raise self.errors[0]
+
+
+def _tensor_bytes(state_dict: dict) -> int:
+    """The bytes of the tensors in a (nested) state dict, a DTensor's local shard only."""
+    total = 0
+    for value in state_dict.values():
+        if isinstance(value, dict):
+            total += _tensor_bytes(value)
+        elif isinstance(value, torch.Tensor):
+            local = value.to_local() if isinstance(value, DTensor) else value
+            total += local.numel() * local.element_size()
+    return total
+
+
+def host_memory_available() -> int:
+    """Bytes of host memory available to new allocations without swapping (Linux's MemAvailable:
+    free memory plus the page cache that can be dropped); elsewhere, the free pages."""
+    with contextlib.suppress(OSError, StopIteration, ValueError):
+        with open("/proc/meminfo") as f:
+            line = next(line for line in f if line.startswith("MemAvailable:"))
+        return int(line.split()[1]) * 1024
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _attempt(work: Callable[[], None]) -> Optional[BaseException]:

@@ -42,6 +42,7 @@ TOTAL = STEPS_PER_EPOCH * EPOCHS  # 12
 SAME_WORLD_TOL = 1e-6
 ELASTIC_TOL = 1e-5  # losses
 ELASTIC_UPDATE_TOL = 1e-4
+MANY_IN_FLIGHT = 10**9  # host copies of the tiny model's shards (~1.5 MB each): more than any host's memory holds
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +63,13 @@ def job(data: Path, run_dir: Path, *extra: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def ref(data, tmp_path_factory) -> Path:
-    """The uninterrupted run: a checkpoint after every step, all kept; wandb (offline) on."""
+    """The uninterrupted run: a checkpoint after every step, all kept; wandb (offline) on. Up to
+    10^9 saves may be in flight, more host copies of the shards than the host holds (its log
+    is kept beside the run folder as ref.log)."""
     run_dir = tmp_path_factory.mktemp("ref") / "run"
-    run_sfttrain(2, job(data, run_dir, "trainer.save_freq=1", "trainer.logger=[console,wandb]"))
+    proc = run_sfttrain(2, job(data, run_dir, "trainer.save_freq=1", "trainer.logger=[console,wandb]",
+                               f"trainer.async_save_in_flight={MANY_IN_FLIGHT}"))
+    (run_dir.parent / "ref.log").write_text(proc.stdout)
     assert [s for s, _ in checkpoint_folder.complete_checkpoints(str(run_dir))] == list(range(1, TOTAL + 1))
     return run_dir
 
@@ -234,6 +239,10 @@ def test_checkpoint_records(ref):
         assert 0 < m["write_s"] <= m["written_s"]
         assert m["gb_per_s"] == pytest.approx(m["bytes"] / 1e9 / m["write_s"])
     assert records[-1]["stall_s"] == records[-1]["commit_s"]
+    # the queue is cut to what host memory holds, at the first save, in one line
+    (cap,) = re.findall(rf"trainer.async_save_in_flight={MANY_IN_FLIGHT}, but host memory holds (\d+): .*",
+                        (ref.parent / "ref.log").read_text())
+    assert 1 <= int(cap) < MANY_IN_FLIGHT
 
 
 # --------------------------------------------------------------------------- elastic resume

@@ -24,12 +24,12 @@ ASSETS = REPO / "assets"
 STORIES = ASSETS / "models" / "stories260K"
 
 
-# The test files that take longest (make test's --durations on 2 cores, 2026-12-02: checkpoint ~5 min,
-# cli and bench ~4, errors ~3, trainer ~2, sequence_parallel ~1), slowest first. pytest-xdist
-# (--dist loadfile) hands a worker the next file when it runs short: started last, one of these
-# would leave the other worker idle for most of its length.
-SLOWEST_FILES = ["test_checkpoint.py", "test_cli.py", "test_bench.py", "test_errors.py", "test_trainer.py",
-                 "test_sequence_parallel.py"]
+# The test files that take longest (--durations of the suite on 2 workers, 2 cores, 2026-12-02:
+# checkpoint ~5.5 min, trainer with the demo run ~4.5, bench ~4, cli ~3.5, sequence_parallel and
+# errors ~2), slowest first. pytest-xdist (--dist loadfile) hands a worker the next file when it
+# runs short: started last, one of these would leave the other worker idle for most of its length.
+SLOWEST_FILES = ["test_checkpoint.py", "test_trainer.py", "test_bench.py", "test_cli.py", "test_sequence_parallel.py",
+                 "test_errors.py"]
 
 
 def pytest_collection_modifyitems(config, items):

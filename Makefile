@@ -40,8 +40,14 @@ demo: $(STAMP) $(WORK)/gsm8k_sample/train.parquet
 	$(PY) -m torch.distributed.run --standalone --nproc_per_node=$(NPROC) -m sfttrain.run recipes/demo_cpu.yaml
 
 # PYTEST_ARGS: extra pytest flags, e.g. PYTEST_ARGS="-k lora --durations=20"
+# TEST_WORKERS: pytest-xdist workers, each running whole test files (--dist loadfile: a file's
+# module-scoped runs are made once), in the order tests/conftest.py gives (slowest files first).
+# Two pay on 2 cores: interpreter start-ups, rendezvous and one-rank jobs leave a core idle that the
+# other worker's test uses (measured: 0.96 of 2 cores busy in one process, 1.7 on 2 workers).
+# TEST_WORKERS=0 runs the suite in one process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) $(WORK)

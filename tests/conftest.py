@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import contextlib
+import fcntl
+import shutil
 import signal
 import socket
 import subprocess
@@ -12,6 +14,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -21,12 +24,58 @@ ASSETS = REPO / "assets"
 STORIES = ASSETS / "models" / "stories260K"
 
 
+# The test files that take longest (--durations of the suite on 2 workers, 2 cores, 2026-12-02:
+# checkpoint ~5.5 min, trainer with the demo run ~4.5, bench ~4, cli ~3.5, sequence_parallel and
+# errors ~2), slowest first. pytest-xdist (--dist loadfile) hands a worker the next file when it
+# runs short: started last, one of these would leave the other worker idle for most of its length.
+SLOWEST_FILES = ["test_checkpoint.py", "test_trainer.py", "test_bench.py", "test_cli.py", "test_sequence_parallel.py",
+                 "test_errors.py"]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist, SLOWEST_FILES first (the rest keep their order); a run in one process
+    keeps the order it was given."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        first = {name: i for i, name in enumerate(SLOWEST_FILES)}
+        items.sort(key=lambda item: first.get(item.path.name, len(first)))
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (`make test` runs the suite on 2 workers), each worker's own torch
+    threads get the worker's share of the cores: 2 workers x all cores each would oversubscribe
+    them in the in-process tests. OMP_NUM_THREADS, where set, is the caller's choice and stays."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 1))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+def built_once(tmp_path_factory, name: str, build: Callable[[Path], None]) -> Path:
+    """The folder `name`, filled by `build` once for the whole test session. Under pytest-xdist each
+    worker is a process with session fixtures of its own: the folder lives where all workers see it
+    (beside their own base folders), and a worker that needs it while another builds it waits for
+    that build (a file lock) rather than repeating an expensive job. A failed build leaves no
+    done-marker, so the next worker tries again (and reports its own failure)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    out, done = root / name, root / f"{name}.done"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir()
+            build(out)
+            done.touch()
+    return out
+
+
 @pytest.fixture(scope="session")
 def gsm8k_dir(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("gsm8k")
-    subprocess.run([sys.executable, str(REPO / "data_prep" / "gsm8k.py"), "--input_dir",
-                    str(ASSETS / "data" / "gsm8k"), "--local_dir", str(out)], check=True, capture_output=True)
-    return out
+    def build(out: Path) -> None:
+        subprocess.run([sys.executable, str(REPO / "data_prep" / "gsm8k.py"), "--input_dir",
+                        str(ASSETS / "data" / "gsm8k"), "--local_dir", str(out)], check=True, capture_output=True)
+
+    return built_once(tmp_path_factory, "gsm8k", build)
 
 
 def free_port() -> int:
@@ -200,9 +249,10 @@ def two_rank_job(gsm8k_dir: Path, run_dir, *extra: str) -> list[str]:
 @pytest.fixture(scope="session")
 def two_rank_run(gsm8k_dir, tmp_path_factory) -> Path:
     """two_rank_job on one node with torchrun, run once for the tests comparing other launches with it."""
-    run_dir = tmp_path_factory.mktemp("two_rank") / "run"
-    run_sfttrain(2, two_rank_job(gsm8k_dir, run_dir))
-    return run_dir
+    def build(out: Path) -> None:
+        run_sfttrain(2, two_rank_job(gsm8k_dir, out / "run"))
+
+    return built_once(tmp_path_factory, "two_rank", build) / "run"
 
 
 @pytest.fixture(scope="session")
@@ -210,13 +260,16 @@ def demo_run(gsm8k_dir, tmp_path_factory) -> tuple[Path, str]:
     """The demo's settings, shortened (2 ranks, 24 steps of 16 shuffled samples, validation, a
     checkpoint and a log line every 12 steps), run once for the tests of what a run learns, logs
     and plots: (its run folder, its output)."""
-    run_dir = tmp_path_factory.mktemp("demo") / "run"
-    proc = run_sfttrain(2, [*BASE_OVERRIDES, f"data.train_files={gsm8k_dir}/train.parquet",
-                            f"data.val_files={gsm8k_dir}/test.parquet", f"trainer.default_local_dir={run_dir}",
-                            "data.train_batch_size=16", "data.micro_batch_size_per_gpu=8", "data.shuffle=true",
-                            "optim.lr=3e-3", "trainer.total_training_steps=24", "trainer.test_freq=12",
-                            "trainer.save_freq=12", "trainer.log_freq=12"])
-    return run_dir, proc.stdout
+    def build(out: Path) -> None:
+        proc = run_sfttrain(2, [*BASE_OVERRIDES, f"data.train_files={gsm8k_dir}/train.parquet",
+                                f"data.val_files={gsm8k_dir}/test.parquet", f"trainer.default_local_dir={out / 'run'}",
+                                "data.train_batch_size=16", "data.micro_batch_size_per_gpu=8", "data.shuffle=true",
+                                "optim.lr=3e-3", "trainer.total_training_steps=24", "trainer.test_freq=12",
+                                "trainer.save_freq=12", "trainer.log_freq=12"])
+        (out / "output.log").write_text(proc.stdout)
+
+    out = built_once(tmp_path_factory, "demo", build)
+    return out / "run", (out / "output.log").read_text()
 
 
 @pytest.fixture(scope="session")
@@ -226,12 +279,13 @@ def tiny_qwen_dir(tmp_path_factory) -> Path:
     import torch
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-    out = tmp_path_factory.mktemp("tiny_qwen")
-    tok = AutoTokenizer.from_pretrained(ASSETS / "tokenizers" / "qwen2.5-instruct")
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                         tie_word_embeddings=True, eos_token_id=tok.eos_token_id)
-    Qwen2ForCausalLM(config).save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
+    def build(out: Path) -> None:
+        tok = AutoTokenizer.from_pretrained(ASSETS / "tokenizers" / "qwen2.5-instruct")
+        torch.manual_seed(0)
+        config = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                             tie_word_embeddings=True, eos_token_id=tok.eos_token_id)
+        Qwen2ForCausalLM(config).save_pretrained(out)
+        tok.save_pretrained(out)
+
+    return built_once(tmp_path_factory, "tiny_qwen", build)

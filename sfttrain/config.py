@@ -142,8 +142,9 @@ class TrainerConfig:
     # CUDA, async_save: stage into pinned host buffers allocated once and reused by every save (no allocation
     # per save, the device-to-host copy at full speed; the buffers stay allocated for the run)
     async_save_pinned: bool = True
-    # async_save: saves staged or being written at once, each holding a host copy of this rank's shard; saves
-    # due faster than the disk writes them queue up to this many, then a save waits for the oldest write
+    # async_save: saves staged or being written at once, each holding a host copy of this rank's shard (fewer
+    # where host memory holds fewer: said at the first save); saves due faster than the disk writes them
+    # queue up to this many, then a save waits for the oldest write
     async_save_in_flight: int = 2
     save_thread_count: int = 4  # writer threads per rank for a checkpoint's DCP shards (one file each)
     resume_mode: str = "auto"  # auto | disable | resume_path

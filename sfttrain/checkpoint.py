@@ -148,7 +148,7 @@ class Checkpointer:
         self.pending.append(PendingSave(state.step, tmp, os.path.join(self.run_dir, f"global_step_{state.step}"),
                                         future, slot, started, time.perf_counter() - started, waited, background))
         future.add_done_callback(self.pending[-1].mark_written)
-        if background and self.slots_agreed is False:
+        if background and not self.slots_agreed:
             self._agree_slots()
         if not background:
             self.wait()
@@ -175,15 +175,16 @@ class Checkpointer:
         trainer.async_save_in_flight); then the pinned slots' buffers are allocated in the background."""
         copy = self.staging.copy_bytes
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        available = host_memory_available()
         # one copy's worth kept free: allocating a pinned slot briefly needs two (DCP copies, then pins)
-        fit = host_memory_available() // max(copy * local_ranks, 1) - 1
+        fit = available // max(copy * local_ranks, 1) - 1
         more = torch.tensor([max(0, min(self.slots - 1, fit))])
         dist.all_reduce(more, op=dist.ReduceOp.MIN, group=self.agree_group)
         wanted, self.slots, self.slots_agreed = self.slots, 1 + int(more.item()), True
         if self.slots < wanted and self.world.is_main:
             logging.getLogger("sfttrain").warning(
                 f"trainer.async_save_in_flight={wanted}, but host memory holds {self.slots}: a host copy of a rank's "
-                f"shard takes {_gb(copy)} ({local_ranks} ranks per node) and {_gb(host_memory_available())} are "
+                f"shard takes {_gb(copy)} ({local_ranks} ranks per node) and {_gb(available)} are "
                 f"available. At most {self.slots} saves will be in flight; a save finding them all in flight "
                 "waits for the oldest write")
         self.staging.allocate(self.slots)

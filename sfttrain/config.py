@@ -139,8 +139,8 @@ class TrainerConfig:
     save_freq: int = -1  # checkpoint every N steps (and always at the end); -1: only at the end
     max_ckpt_to_keep: Optional[int] = None  # None keeps all (counts committed checkpoints only)
     async_save: bool = True  # periodic saves written in the background from a host copy (+1 model/optimizer shard in RAM)
-    # CUDA, async_save: stage into pinned host buffers allocated once and reused by every save (no allocation
-    # per save, the device-to-host copy at full speed; the buffers stay allocated for the run)
+    # CUDA, async_save: stage into pinned host buffers allocated once per staging slot and reused by the later
+    # saves in it (no allocation per save, the device-to-host copy at full speed; they stay for the run)
     async_save_pinned: bool = True
     # async_save: saves staged or being written at once, each holding a host copy of this rank's shard (fewer
     # where host memory holds fewer: said at the first save); saves due faster than the disk writes them

@@ -30,6 +30,12 @@ SETTINGS = {
     # room for every periodic save of the default 40 steps: saves due faster than the disk writes them queue
     "async_pinned_4": ["trainer.async_save=true", "trainer.async_save_pinned=true", "trainer.save_thread_count=4",
                        "trainer.async_save_in_flight=4"],
+    # the same, written by a thread of the training process instead of a writer process (auto's choice on CUDA)
+    "async_pinned_4_thread": ["trainer.async_save=true", "trainer.async_save_pinned=true", "trainer.save_thread_count=4",
+                              "trainer.async_save_in_flight=4", "trainer.async_save_writer=thread"],
+    # 4 in flight, staged into pageable shared memory (no page locking to wait for; a slower copy)
+    "async_pageable_4": ["trainer.async_save=true", "trainer.async_save_pinned=false", "trainer.save_thread_count=4",
+                         "trainer.async_save_in_flight=4"],
     "async_pageable_1thread": ["trainer.async_save=true", "trainer.async_save_pinned=false",
                                "trainer.save_thread_count=1"],
     "sync": ["trainer.async_save=false", "trainer.save_thread_count=4"],

@@ -39,7 +39,6 @@ import logging
 import os
 import random
 import shutil
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -50,12 +49,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.staging import BlockingAsyncStager
-from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from sfttrain.checkpoint_folder import COMPLETE, STATE_FILE, complete_checkpoints, enforce_retention, fsync_dir, \
     fsync_tree, hide, publish, read_state, remove, tree_bytes, write_synced
+from sfttrain.checkpoint_writer import OneLineError, Staging, WriterProcess, WriterThreadErrors, one_line, \
+    tensor_bytes, write_shards, writer_kind
 from sfttrain.config import Config, ConfigError, to_yaml
 from sfttrain.distributed import World
 from sfttrain.errors import CheckpointError
@@ -93,7 +92,8 @@ class Checkpointer:
     save returns once this rank's shard is copied to host memory (with trainer.async_save_pinned on
     CUDA: into pinned host buffers allocated at the first saves and reused by the later ones); one
     writer thread per rank then writes the saves in order (DCP, trainer.save_thread_count threads
-    per file set) while training goes on, and each is committed at the first step boundary where
+    per file set; by default on CUDA through a writer process of the rank's own, which holds no GIL
+    that training needs: trainer.async_save_writer) while training goes on, and each is committed at the first step boundary where
     every rank's write has finished (`poll`). Up to trainer.async_save_in_flight saves are staged or
     being written at once, each holding a host copy of this rank's shard: saves that come faster
     than the disk writes them queue there, and a save finding the queue full waits for the oldest.
@@ -106,8 +106,10 @@ class Checkpointer:
     last step on rank 0 waits for all ranks), the write's own seconds and GB/s (from when the writer
     thread took it up), and the seconds until the commit (at a step boundary)."""
 
-    def __init__(self, run_dir: str, world: World, cfg: Config, run_id: str, report: Callable[[dict, str], None]):
+    def __init__(self, run_dir: str, world: World, cfg: Config, run_id: str, report: Callable[[dict, str], None],
+                 model, optimizer, tokenizer):
         self.run_dir, self.world, self.cfg, self.run_id, self.report = run_dir, world, cfg, run_id, report
+        self.model, self.optimizer, self.tokenizer = model, optimizer, tokenizer  # what each save holds
         self.pending: collections.deque[PendingSave] = collections.deque()  # oldest first
         own = complete_checkpoints(run_dir, run_id)
         self.last_bytes = tree_bytes(own[-1][1]) if own and world.is_main else None  # rank 0's space check
@@ -118,17 +120,21 @@ class Checkpointer:
         timeout = datetime.timedelta(seconds=cfg.trainer.nccl_timeout)
         self.write_group = dist.new_group(backend="gloo", timeout=timeout)
         self.agree_group = dist.new_group(backend="gloo", timeout=timeout)
-        self.staging = Staging(cfg, world) if cfg.trainer.async_save else None
+        # where background saves are written (sfttrain.checkpoint_writer): a writer process of this
+        # rank's own (made at the first background save), or the writer thread itself
+        self.in_process = writer_kind(cfg.trainer.async_save_writer, world.device) == "process"
+        self.process: Optional[WriterProcess] = None
+        pinned = cfg.trainer.async_save_pinned and world.device.type == "cuda"
+        self.staging = Staging(pinned, shared=self.in_process) if cfg.trainer.async_save else None
         # saves that may be in flight at once: trainer.async_save_in_flight, or fewer where host memory
-        # holds fewer copies of the shards (agreed by all ranks at the first background save)
+        # holds fewer copies of the shards (agreed by all ranks after the first step: _reserve_slots)
         self.slots, self.slots_agreed = cfg.trainer.async_save_in_flight, False
         self.thread_errors = WriterThreadErrors()
         # one writer: every rank writes its saves in the same order, so DCP's collectives pair up
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-write")
         self.cleaner = ThreadPoolExecutor(1, thread_name_prefix="ckpt-delete")  # retention's deletions
 
-    def save(self, state: TrainState, model, optimizer, tokenizer, wandb_id: Optional[str] = None,
-             final: bool = False) -> None:
+    def save(self, state: TrainState, wandb_id: Optional[str] = None, final: bool = False) -> None:
         """Collective: every rank calls it. Raises CheckpointError on every rank if any rank could
         not write its part (nothing is committed then)."""
         started = time.perf_counter()
@@ -139,23 +145,27 @@ class Checkpointer:
         waited = time.perf_counter() - started
         tmp = os.path.join(self.run_dir, f".global_step_{state.step}.tmp")
         self._agree(state.step, tmp, _attempt(lambda: self._prepare(tmp)))
-        (future, slot), error = (None, None), None
+        (state_dict, slot), error = (None, None), None
         try:
-            future, slot = self._start_write(tmp, state, model, optimizer, tokenizer, wandb_id, background)
+            state_dict, slot = self._prepare_write(tmp, state, wandb_id, background)
         except WRITE_ERRORS as e:  # noqa: BLE001 - any failure of any rank is agreed on below
             error = e
-        self._agree(state.step, tmp, error, future)
+        self._agree(state.step, tmp, error)  # before the write, whose collectives need every rank
+        future = self.writer.submit(self._write, state_dict, tmp, slot)
+        del state_dict
         self.pending.append(PendingSave(state.step, tmp, os.path.join(self.run_dir, f"global_step_{state.step}"),
                                         future, slot, started, time.perf_counter() - started, waited, background))
         future.add_done_callback(self.pending[-1].mark_written)
-        if background and not self.slots_agreed:
-            self._agree_slots()
         if not background:
             self.wait()
 
     def poll(self) -> None:
         """Commits, oldest first, the saves in flight that every rank has finished writing.
-        Collective; one tiny gloo all-reduce per call while a save is in flight, nothing otherwise."""
+        Collective, after every step; one tiny gloo all-reduce per call while a save is in flight,
+        nothing otherwise. After the first step (the optimizer's state exists from then on) it
+        reserves the host copies of the background saves to come."""
+        if self.staging is not None and not self.slots_agreed and self.cfg.trainer.save_freq > 0:
+            self._reserve_slots()
         while self.pending and self._all_written(self.pending[0].future.done()):
             self._commit()
 
@@ -168,31 +178,42 @@ class Checkpointer:
         """Waits for retention's deletions (the next start would delete what is left of them)."""
         self.cleaner.shutdown(wait=True)
         self.writer.shutdown(wait=True)
+        if self.process is not None:
+            self.process.close()
 
-    def _agree_slots(self) -> None:
-        """Collective, after the first background save has staged: as many saves in flight as every
-        node's available memory holds host copies of its ranks' shards beside the first (at most
-        trainer.async_save_in_flight); then the pinned slots' buffers are allocated in the background."""
-        copy = self.staging.copy_bytes
+    def _reserve_slots(self) -> None:
+        """Collective: as many saves in flight as every node's available memory holds host copies of
+        its ranks' shards (at most trainer.async_save_in_flight, at least one); then the staging
+        reserves them (pinned: allocated in the background, before the first save needs them)."""
+        model_sd, optim_sd = _state_dicts(self.model, self.optimizer)
+        live = {"model": model_sd, "optim": optim_sd}
+        copy = tensor_bytes(live)
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         available = host_memory_available()
-        # one copy's worth kept free: allocating a pinned slot briefly needs two (DCP copies, then pins)
+        # one copy's worth kept free for the rest of the node's work (data workers, the writes' page cache)
         fit = available // max(copy * local_ranks, 1) - 1
-        more = torch.tensor([max(0, min(self.slots - 1, fit))])
-        dist.all_reduce(more, op=dist.ReduceOp.MIN, group=self.agree_group)
-        wanted, self.slots, self.slots_agreed = self.slots, 1 + int(more.item()), True
+        slots = torch.tensor([max(1, min(self.slots, fit))])
+        dist.all_reduce(slots, op=dist.ReduceOp.MIN, group=self.agree_group)
+        wanted, self.slots, self.slots_agreed = self.slots, int(slots.item()), True
         if self.slots < wanted and self.world.is_main:
             logging.getLogger("sfttrain").warning(
                 f"trainer.async_save_in_flight={wanted}, but host memory holds {self.slots}: a host copy of a rank's "
                 f"shard takes {_gb(copy)} ({local_ranks} ranks per node) and {_gb(available)} are "
                 f"available. At most {self.slots} saves will be in flight; a save finding them all in flight "
                 "waits for the oldest write")
-        self.staging.allocate(self.slots)
+        if self.in_process:
+            # the writer process first, on every rank (making it is a collective of the writer threads);
+            # each pinned slot's copy is then sent to it once allocated, not with a save's write
+            self.writer.submit(self._writer_process)
+        self.staging.reserve(live, self.slots, allocated=self._send_when_allocated)
+
 
     def _wait_oldest(self) -> None:
-        with contextlib.suppress(*WRITE_ERRORS):  # _all_written reports it on every rank
-            self.pending[0].future.result()
-        self._all_written(True)
+        """Waits for the oldest save's write on every rank, then commits it. The ranks ask each other
+        every second: a rank whose write failed says so at once, and the others stop waiting for
+        their own writes (which may wait for that rank's in one of DCP's collectives)."""
+        while not self._all_written(_finished_within(self.pending[0].future, seconds=1.0)):
+            pass
         self._commit()
 
     def _prepare(self, tmp: str) -> None:
@@ -203,46 +224,57 @@ class Checkpointer:
         free = shutil.disk_usage(self.run_dir).free
         if self.last_bytes and free < self.last_bytes:
             raise NotEnoughSpace(f"it needs about {_gb(self.last_bytes)} (the size of the last checkpoint) and "
-                          f"{self.run_dir} has {_gb(free)} free, so it was not started")
+                          f"{self.run_dir} has {_gb(free)} free, {NOT_STARTED}")
         os.makedirs(os.path.join(tmp, "rng"))
 
-    def _start_write(self, tmp: str, state: TrainState, model, optimizer, tokenizer,
-                     wandb_id: Optional[str], background: bool) -> tuple[Future, int]:
-        """Every rank writes into `tmp`: the small files here, the model and optimizer shard on the
-        writer thread (from a host copy if background). Returns the write's future and its staging slot."""
-        world, cfg = self.world, self.cfg
-        model_sd, optim_sd = _state_dicts(model, optimizer)
+    def _prepare_write(self, tmp: str, state: TrainState, wandb_id: Optional[str],
+                       background: bool) -> tuple[dict, Optional[int]]:
+        """Every rank writes its small files into `tmp` and returns what the writer thread is to
+        write there: the model and optimizer state dict (a host copy if background) and its staging
+        slot. The small files come first: DCP's write ends on every rank only once every rank has
+        started it, so rank 0's size and fsync of the whole folder after its write (write_shards)
+        cover every rank's small files."""
+        model_sd, optim_sd = _state_dicts(self.model, self.optimizer)
         state_dict, slot = {"model": model_sd, "optim": optim_sd}, None
         if background:
             # a host copy the next optimizer steps cannot change, taken before save() returns
             state_dict, slot = self.staging.stage(state_dict, busy={p.slot for p in self.pending})
-        written = self.writer.submit(self._write, state_dict, tmp)
-        del model_sd, optim_sd, state_dict
+        self._write_small_files(tmp, state, wandb_id)
+        return state_dict, slot
+
+    def _write_small_files(self, tmp: str, state: TrainState, wandb_id: Optional[str]) -> None:
+        world, model = self.world, self.model
         _torch_save_synced(_rng_state(), os.path.join(tmp, "rng", f"rank_{world.rank}.pt"))
         if world.is_main:
             extra = {**asdict(state), "wandb_id": wandb_id, "world_size": world.world_size}
             write_synced(os.path.join(tmp, STATE_FILE), json.dumps(extra, indent=1))
-            write_synced(os.path.join(tmp, "config.yaml"), to_yaml(cfg))
+            write_synced(os.path.join(tmp, "config.yaml"), to_yaml(self.cfg))
             hf = os.path.join(tmp, "hf")
             model.config.save_pretrained(hf)
             if getattr(model, "generation_config", None) is not None:
                 model.generation_config.save_pretrained(hf)
-            tokenizer.save_pretrained(hf)
-        return written, slot
+            self.tokenizer.save_pretrained(hf)
 
-    def _write(self, state_dict: dict, tmp: str) -> tuple[Optional[int], float]:
-        """The writer thread: this rank's DCP write into `tmp`; rank 0 then fsyncs what DCP does not,
-        so COMPLETE never reaches the disk before what it vouches for. Returns the checkpoint's size
-        (rank 0; None elsewhere) and the write's seconds."""
-        started = time.perf_counter()
-        self.thread_errors.clear()
-        writer = dcp.FileSystemWriter(tmp, thread_count=self.cfg.trainer.save_thread_count)
-        dcp.save(state_dict, storage_writer=writer, process_group=self.write_group)
-        self.thread_errors.raise_first()
-        if not self.world.is_main:
-            return None, time.perf_counter() - started
-        fsync_tree(tmp)
-        return tree_bytes(tmp), time.perf_counter() - started
+    def _write(self, state_dict: dict, tmp: str, slot: Optional[int]) -> tuple[Optional[int], float]:
+        """The writer thread: write_shards here (a final or synchronous save: training waits for it
+        anyway), or a background save's in the writer process."""
+        threads = self.cfg.trainer.save_thread_count
+        if slot is None or not self.in_process:
+            return write_shards(state_dict, tmp, threads, self.write_group, self.world.is_main, self.thread_errors)
+        return self._writer_process().write(state_dict, tmp, threads, slot if self.staging.keeps else None)
+
+    def _send_when_allocated(self, slot: int) -> None:
+        """On the allocating thread, once a pinned slot's copy exists: the writer thread sends it."""
+        if self.in_process:
+            with contextlib.suppress(RuntimeError):  # the writer already shut down: nothing more to send
+                self.writer.submit(lambda: self._writer_process().keep(slot, self.staging.kept_copy(slot)))
+
+    def _writer_process(self) -> WriterProcess:
+        """Made on the writer thread, by every rank in the same order of its tasks."""
+        if self.process is None:
+            self.process = WriterProcess(self.world.rank, self.world.world_size, self.write_group,
+                                         self.cfg.trainer.nccl_timeout)
+        return self.process
 
     def _all_written(self, done: bool) -> bool:
         """True when every rank's write of the oldest save in flight has finished (each rank's
@@ -253,36 +285,40 @@ class Checkpointer:
         status = torch.tensor([-1 if error is not None else int(done)])
         dist.all_reduce(status, op=dist.ReduceOp.MIN, group=self.agree_group)
         if status.item() < 0:
+            self._stop_writer()
             with contextlib.suppress(*WRITE_ERRORS):  # every rank's writer has stopped before the clean-up
                 future.result()
             failed = self.pending.popleft()
             self._fail(failed.step, failed.tmp, error)
         return status.item() == 1
 
-    def _agree(self, step: int, tmp: str, error: Optional[BaseException], writing: Optional[Future] = None) -> None:
-        """Collective: raises CheckpointError on every rank if `error` is set on any (once this
-        rank's write in flight, if any, has stopped)."""
+    def _agree(self, step: int, tmp: str, error: Optional[BaseException]) -> None:
+        """Collective: raises CheckpointError on every rank if `error` is set on any."""
         status = torch.tensor([int(error is not None)])
         dist.all_reduce(status, op=dist.ReduceOp.MAX, group=self.agree_group)
         if status.item():
-            if writing is not None:
-                with contextlib.suppress(*WRITE_ERRORS):
-                    writing.result()
             self._fail(step, tmp, error)
 
+    def _stop_writer(self) -> None:
+        """A writer process is stopped when a save failed somewhere: a rank's write cannot finish
+        without every rank's. (A writer thread ends with DCP's own error, which DCP shares.)"""
+        if self.process is not None:
+            self.process.stop()
+
     def _fail(self, step: int, tmp: str, error: Optional[BaseException]) -> None:
-        """Collective, once every rank has stopped writing: rank 0 removes the partial folder and
-        words the one message every rank raises. Later saves still queued are not started (their
-        `.tmp` folders are deleted at the next start)."""
+        """Collective, once every rank has stopped writing: rank 0 removes the partial folder (and
+        those of later saves in the queue, which are not started or end with this run) and words the
+        one message every rank raises."""
         for later in self.pending:
             later.future.cancel()
         errors = [None] * self.world.world_size
-        dist.all_gather_object(errors, _one_line(error) if error is not None else None, group=self.agree_group)
+        dist.all_gather_object(errors, one_line(error) if error is not None else None, group=self.agree_group)
         box = [None]
         if self.world.is_main:
-            with contextlib.suppress(OSError):
-                if os.path.lexists(tmp):
-                    remove(tmp)
+            for partial in [tmp, *(later.tmp for later in self.pending)]:
+                with contextlib.suppress(OSError):
+                    if os.path.lexists(partial):
+                        remove(partial)
             box[0] = self._not_saved(step, errors)
         dist.broadcast_object_list(box, src=0, group=self.agree_group)
         raise CheckpointError(box[0])
@@ -290,8 +326,10 @@ class Checkpointer:
     def _not_saved(self, step: int, errors: list[Optional[str]]) -> str:
         """What failed, what is left, how much space there is, and what to do."""
         failed = [(rank, text) for rank, text in enumerate(errors) if text is not None]
-        full = any(_disk_full(text) for _, text in failed)
-        rank, text = failed[0]
+        # a rank that lost a peer inside a collective reports only that: the cause is the peer's error
+        causes = [(rank, text) for rank, text in failed if not _peer_lost(text)] or failed
+        full = [(rank, text) for rank, text in causes if _disk_full(text)]
+        rank, text = (full or causes)[0]
         why = (f"the disk is full ({text}, on rank {rank})" if full
                else f"{text} (rank {rank}{f' and {len(failed) - 1} other ranks' if len(failed) > 1 else ''})")
         own = complete_checkpoints(self.run_dir, self.run_id)
@@ -303,9 +341,10 @@ class Checkpointer:
             (f" (max_ckpt_to_keep={keep} needs room for {keep + 1}: the oldest is deleted after the next commit)"
              if keep and size else "")
         then = f"it resumes from {last}" if last else "no checkpoint of this run was committed yet, so it starts afresh"
+        fix = (f"{space}. Free space (or set trainer.default_local_dir on a larger disk, or lower "
+               "trainer.max_ckpt_to_keep)" if full or NOT_STARTED in text else "Fix what the error names")
         return (f"the checkpoint of step {step} was not saved: {why}. Nothing of it was committed (its partial "
-                f"folder was removed); the last good checkpoint is {last or 'none'}. {space}. Free space (or set "
-                "trainer.default_local_dir on a larger disk, or lower trainer.max_ckpt_to_keep), then run the same "
+                f"folder was removed); the last good checkpoint is {last or 'none'}. {fix}, then run the same "
                 f"command: with trainer.resume_mode=auto {then}")
 
     def _commit(self) -> None:
@@ -367,85 +406,6 @@ class PendingSave:
         self.written_s = time.perf_counter() - self.started
 
 
-class Staging:
-    """The host copies of async saves: one slot per save that may be in flight. With
-    trainer.async_save_pinned on CUDA each slot keeps pinned buffers, reused by every later save in
-    it (the device-to-host copy at full PCIe speed, no allocation per save). Allocating them is
-    slow (seconds per GB on an H200 host, page locking), so the first save's slot is allocated when
-    it stages and the other slots (as many as host memory holds: Checkpointer._agree_slots) right
-    after, on a thread of their own, while training goes on.
-    Otherwise (pinned memory needs an accelerator) each save gets a fresh host copy, freed once written."""
-
-    def __init__(self, cfg: Config, world: World):
-        self.pinned = cfg.trainer.async_save_pinned and world.device.type == "cuda"
-        self.stagers: dict[int, BlockingAsyncStager] = {}  # slot -> its stager, made at its first use
-        self.allocating: dict[int, Future] = {}  # slot -> its buffers' allocation, until it is first used
-        self.allocator = ThreadPoolExecutor(1, thread_name_prefix="ckpt-pin")
-        self.first: Optional[dict] = None  # pinned: the first host copy (slot 0), the shape of the others
-        self.copy_bytes = 0  # the bytes of one host copy
-
-    def stage(self, state_dict: dict, busy: set) -> tuple[dict, int]:
-        """A host copy of `state_dict` in a slot not in `busy` (the slots of saves in flight)."""
-        slot = min(set(range(len(busy) + 1)) - busy)
-        if slot in self.allocating:
-            self.allocating.pop(slot).result()  # its buffers are still being allocated
-        staged = self.stager(slot).stage(state_dict)
-        if not self.copy_bytes:  # the first copy
-            self.copy_bytes = _tensor_bytes(staged)
-            self.first = staged if self.pinned else None  # pinned: slot 0's buffers, kept anyway
-        return staged, slot
-
-    def allocate(self, slots: int) -> None:
-        """Pinned: the buffers of slots 1..slots-1, on a thread of their own (each shaped like the
-        first copy, its contents overwritten when the slot is used)."""
-        if self.pinned:
-            for slot in range(1, slots):
-                self.allocating[slot] = self.allocator.submit(self.stager(slot).stage, self.first)
-        self.first = None
-
-    def stager(self, slot: int) -> BlockingAsyncStager:
-        return self.stagers.setdefault(slot, BlockingAsyncStager(cache_staged_state_dict=self.pinned))
-
-
-class WriterThreadErrors:
-    """The errors of DCP's extra writer threads (FileSystemWriter's thread_count > 1). DCP does not
-    notice when one of them dies (torch 2.11-2.13 join them and keep the results that arrived, so a
-    checkpoint could be committed without that thread's files, and the thread's traceback is printed
-    beside the run's one message): they are kept here instead and fail the save."""
-
-    THREAD = "_write_files_from_queue"  # the target DCP's writer threads run, part of their name
-
-    def __init__(self):
-        self.errors: list[BaseException] = []
-        self.previous = threading.excepthook
-        threading.excepthook = self.hook
-
-    def hook(self, args) -> None:
-        if args.thread is not None and self.THREAD in args.thread.name:
-            self.errors.append(args.exc_value)
-        else:
-            self.previous(args)
-
-    def clear(self) -> None:
-        self.errors.clear()
-
-    def raise_first(self) -> None:
-        if self.errors:
-            raise self.errors[0]
-
-
-def _tensor_bytes(state_dict: dict) -> int:
-    """The bytes of the tensors in a (nested) state dict, a DTensor's local shard only."""
-    total = 0
-    for value in state_dict.values():
-        if isinstance(value, dict):
-            total += _tensor_bytes(value)
-        elif isinstance(value, torch.Tensor):
-            local = value.to_local() if isinstance(value, DTensor) else value
-            total += local.numel() * local.element_size()
-    return total
-
-
 def host_memory_available() -> int:
     """Bytes of host memory available to new allocations without swapping (Linux's MemAvailable:
     free memory plus the page cache that can be dropped); elsewhere, the free pages."""
@@ -456,6 +416,12 @@ def host_memory_available() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def _finished_within(future: Future, seconds: float) -> bool:
+    with contextlib.suppress(TimeoutError):
+        future.exception(timeout=seconds)  # waits; the error itself is read by _all_written
+    return future.done()
+
+
 def _attempt(work: Callable[[], None]) -> Optional[BaseException]:
     try:
         work()
@@ -464,26 +430,20 @@ def _attempt(work: Callable[[], None]) -> Optional[BaseException]:
     return None
 
 
-class NotEnoughSpace(OSError):
+NOT_STARTED = "so it was not started"  # how NotEnoughSpace's message ends
+
+
+class NotEnoughSpace(OneLineError):
     """A save not started: the free space is below the last checkpoint's size."""
-
-
-def _one_line(error: BaseException) -> str:
-    """An exception as one line: DCP's CheckpointException holds every rank's traceback; its last
-    line names the cause."""
-    if isinstance(error, NotEnoughSpace):
-        return str(error)
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
-    full = [line for line in lines if "No space left" in line]  # the cause, beside the zip writer's symptom
-    if full:
-        return full[-1][:300]
-    text = lines[-1] if len(lines) > 1 else f"{type(error).__name__}: {lines[0]}"
-    return text[:300]
 
 
 def _disk_full(text: str) -> bool:
     # ENOSPC, or the torch.save writer's symptom of it ("unexpected pos" in inline_container.cc)
     return "No space left" in text or "Errno 28" in text or "unexpected pos" in text
+
+
+def _peer_lost(text: str) -> bool:
+    return "Connection closed by peer" in text or "Connection reset by peer" in text
 
 
 def _gb(n: int) -> str:

@@ -146,6 +146,9 @@ class TrainerConfig:
     # where host memory holds fewer: said at the first save); saves due faster than the disk writes them
     # queue up to this many, then a save waits for the oldest write
     async_save_in_flight: int = 2
+    # async_save: where the background writes run: process (one writer process per rank, sharing no GIL with
+    # the training loop's kernel launches), thread (in the training process), auto (process on CUDA, thread on CPU)
+    async_save_writer: str = "auto"
     save_thread_count: int = 4  # writer threads per rank for a checkpoint's DCP shards (one file each)
     resume_mode: str = "auto"  # auto | disable | resume_path
     resume_from_path: Optional[str] = None  # a checkpoint, or a run folder (its latest checkpoint)
@@ -198,6 +201,7 @@ FREE_FORM = ("model.fsdp_config.mixed_precision", "model.fsdp_config.wrap_policy
 DTYPES = ("fp32", "bf16", "fp16")
 LOSS_KERNELS = ("auto", "liger", "torch")  # model.loss_kernel (sfttrain.loss.select_chunk_loss)
 FP8_MODES = ("off", "auto", "tensorwise", "rowwise")  # model.fp8 (sfttrain.fp8)
+WRITERS = ("auto", "process", "thread")  # trainer.async_save_writer (sfttrain.checkpoint_writer)
 
 
 def load_config(yaml_path: Optional[str] = None, overrides: tuple[str, ...] | list[str] = (),
@@ -398,6 +402,7 @@ def validate(cfg: Config) -> None:
     if t.async_save_in_flight < 1:
         raise ConfigError(f"trainer.async_save_in_flight must be >= 1 (saves in flight at once), got "
                           f"{t.async_save_in_flight}")
+    _choice("trainer.async_save_writer", t.async_save_writer, WRITERS)
     if t.save_thread_count < 1:
         raise ConfigError(f"trainer.save_thread_count must be >= 1, got {t.save_thread_count}")
     _choice("trainer.device", t.device, ("auto", "cuda", "cpu"))

@@ -100,7 +100,8 @@ class FSDPSFTTrainer:
                                          self.state)
         self.logger = MetricsLogger(cfg, self.run_dir, world.is_main, self.plan.total_steps, self.state.step,
                                     wandb_id=self.state.wandb_id)
-        self.checkpointer = checkpoint.Checkpointer(self.run_dir, world, cfg, resume.run_id, report=self.logger.event)
+        self.checkpointer = checkpoint.Checkpointer(self.run_dir, world, cfg, resume.run_id, self.logger.event,
+                                                    self.lm.model, self.optimizer, self.tokenizer)
         self.timer = StepTimer(world.device)
         self._print_startup(resume_from, resume_notes)
 
@@ -252,8 +253,7 @@ class FSDPSFTTrainer:
     def save(self) -> None:
         phase.enter(f"the save of step {self.state.step}")
         final = self.state.step == self.plan.total_steps
-        self.checkpointer.save(self.state, self.lm.model, self.optimizer, self.tokenizer,
-                               wandb_id=self.logger.wandb_id, final=final)
+        self.checkpointer.save(self.state, wandb_id=self.logger.wandb_id, final=final)
 
     def export_hf(self) -> None:
         """trainer.save_hf: the final checkpoint, once committed, is exported into its huggingface/;

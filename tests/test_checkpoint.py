@@ -22,6 +22,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -33,8 +34,8 @@ import torch
 from sfttrain import checkpoint, checkpoint_folder, resume
 from sfttrain.config import ConfigError, TrainerConfig, load_config
 from sfttrain.metrics import REWOUND
-from tests.conftest import (BASE_OVERRIDES, LINEAR_ADAM, STORIES, kill_job, launch, read_metrics, run_sfttrain,
-                            update_error)
+from tests.conftest import (BASE_OVERRIDES, LINEAR_ADAM, STORIES, _descendants, kill_job, launch, read_metrics,
+                            run_sfttrain, update_error)
 
 ROWS, BATCH, EPOCHS = 52, 8, 2
 STEPS_PER_EPOCH = ROWS // BATCH  # 6
@@ -65,10 +66,12 @@ def job(data: Path, run_dir: Path, *extra: str) -> list[str]:
 def ref(data, tmp_path_factory) -> Path:
     """The uninterrupted run: a checkpoint after every step, all kept; wandb (offline) on. Up to
     10^9 saves may be in flight, more host copies of the shards than the host holds (its log
-    is kept beside the run folder as ref.log)."""
+    is kept beside the run folder as ref.log). The background saves are written by each rank's
+    writer process (sfttrain.checkpoint_writer; the default on CUDA), from shared memory: the tests
+    that compare its checkpoints with other runs' (synchronous saves, other rank counts) check them."""
     run_dir = tmp_path_factory.mktemp("ref") / "run"
     proc = run_sfttrain(2, job(data, run_dir, "trainer.save_freq=1", "trainer.logger=[console,wandb]",
-                               f"trainer.async_save_in_flight={MANY_IN_FLIGHT}"))
+                               f"trainer.async_save_in_flight={MANY_IN_FLIGHT}", "trainer.async_save_writer=process"))
     (run_dir.parent / "ref.log").write_text(proc.stdout)
     assert [s for s, _ in checkpoint_folder.complete_checkpoints(str(run_dir))] == list(range(1, TOTAL + 1))
     return run_dir
@@ -243,6 +246,26 @@ def test_checkpoint_records(ref):
     (cap,) = re.findall(rf"trainer.async_save_in_flight={MANY_IN_FLIGHT}, but host memory holds (\d+): .*",
                         (ref.parent / "ref.log").read_text())
     assert 1 <= int(cap) < MANY_IN_FLIGHT
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned staging slots need CUDA")
+def test_pinned_slots_in_the_writer_process_hold_each_saves_step(data, tmp_path):
+    """On CUDA, background saves stage into pinned shared-memory slots; each rank's writer process
+    is sent a slot's copy once and reads it again at every later save in that slot. A save every
+    step with 2 slots: each checkpoint holds its own step's weights, as the synchronous saves of
+    the same run on the same GPU do. GPU kernels may differ in the last bits between two runs
+    (atomic adds): the bound is 1e-3 of the update between consecutive steps, and a stale slot
+    would be off by a whole update."""
+    env = {"CUDA_VISIBLE_DEVICES": "0"}
+    common = job(data, tmp_path / "unused", "trainer.device=cuda", "model.fsdp_config.mixed_precision=true",
+                 "trainer.total_training_steps=5", "trainer.save_freq=1")
+    run_sfttrain(1, [*common, f"trainer.default_local_dir={tmp_path}/async", "trainer.async_save_pinned=true",
+                     "trainer.async_save_writer=process", "trainer.async_save_in_flight=2"], env=env)
+    run_sfttrain(1, [*common, f"trainer.default_local_dir={tmp_path}/sync", "trainer.async_save=false"], env=env)
+    for step in range(2, 6):
+        got, want = (state(tmp_path / run / f"global_step_{step}")["model"] for run in ("async", "sync"))
+        before = state(tmp_path / "sync" / f"global_step_{step - 1}")["model"]
+        assert update_error(got, want, before) <= 1e-3, step
 
 
 # --------------------------------------------------------------------------- elastic resume
@@ -527,14 +550,14 @@ def one_message(proc) -> str:
 
 def test_full_disk(data, ref, tmp_path):
     """Saves into a tmpfs that really fills (2 ranks, nothing mocked). C is one checkpoint's size.
-    0.5 C: the first save (in the background) fails mid-write; 1.5 C: step 2 commits and the save
-    of step 4 is refused before it starts; 2.1 C: step 4 commits, its Hugging Face export (a
+    0.5 C: the first save (in the background, by each rank's writer process) fails mid-write;
+    1.5 C: step 2 commits and the save of step 4 is refused before it starts; 2.1 C: step 4 commits, its Hugging Face export (a
     third of C) does not fit; 10 C: the same command resumes and exports. Each failure ends every
     rank with one message and an exit code of its own, and leaves no partial folder."""
     size = next(m["bytes"] for m in read_metrics(ref) if m.get("event") == "checkpoint")
     run_dir = tmp_path / "disk"
     command = job(data, run_dir / "run", "trainer.total_training_steps=4", "trainer.save_freq=2",
-                  "trainer.save_hf=true")
+                  "trainer.save_hf=true", "trainer.async_save_writer=process")
     with tmpfs(run_dir, size // 2) as resize:
         proc = run_sfttrain(2, command, check=False)
         message = one_message(proc)
@@ -568,19 +591,45 @@ def test_full_disk(data, ref, tmp_path):
         assert [m["step"] for m in resumed] == [2, 4]
 
 
+def test_a_killed_writer_process_ends_the_job_with_one_message(data, tmp_path):
+    """A rank's writer process (trainer.async_save_writer=process) is a process the kernel's
+    out-of-memory killer may pick. Killed once the first checkpoint is committed, the next save fails
+    on every rank with one message naming it and the last good checkpoint (exit code 6), without a
+    wait for the collective timeout: the other rank's writer, waiting for the dead one in DCP's
+    collectives, is stopped."""
+    run_dir, log = tmp_path / "run", tmp_path / "job.log"
+    proc = launch(2, job(data, run_dir, "trainer.save_freq=1", "trainer.async_save_writer=process",
+                         "trainer.nccl_timeout=600"), log, torchrun=True)
+    try:
+        assert wait_until(lambda: (run_dir / "global_step_1").exists(), proc), log.read_text()[-3000:]
+        writers = [pid for pid in _descendants(proc.pid) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(writers) == 2, writers  # one per rank
+        os.kill(writers[0], signal.SIGKILL)
+        proc.wait(timeout=240)
+    finally:
+        kill_job(proc)
+    out = log.read_text()
+    message = one_message(subprocess.CompletedProcess(proc.args, proc.returncode, stdout=out))
+    assert re.search(r"the checkpoint of step \d+ was not saved: the checkpoint writer process of rank \d ended "
+                     r"\(exit code -9;", message), message
+    assert "the last good checkpoint is " + str(run_dir / "global_step_") in message, message
+    assert 6 in exit_codes(out), out[-3000:]
+    assert not [p.name for p in run_dir.iterdir() if p.name.startswith(".global_step")]
+
+
 def exit_codes(out: str) -> list[int]:
     return [int(c) for c in re.findall(r"exitcode\s+: (-?\d+)", out)]
 
 
 def test_non_finite_loss_lets_the_save_in_flight_commit(data, tmp_path):
     """lr=1e30 without clipping: step 1's update is applied and saved in the background, step 2's
-    loss is not finite (exit 4). The save of step 1 commits before the run stops (when its write
-    is still in flight at that check, the trainer waits for it; on a small model it has often
-    finished and been committed by the step boundary's poll already), and the message sends
-    the user there."""
+    loss is not finite (exit 4). The save of step 1 commits before the run stops, and the message
+    sends the user there. Its write is still in flight when step 2 ends: the first background save
+    of a run with writer processes starts them (a process each, importing torch: seconds), and
+    a step of this model takes a fraction of that."""
     run_dir = tmp_path / "run"
-    proc = run_sfttrain(2, job(data, run_dir, "optim.lr=1e30", "optim.clip_grad=0", "trainer.save_freq=1"),
-                        check=False)
+    proc = run_sfttrain(2, job(data, run_dir, "optim.lr=1e30", "optim.clip_grad=0", "trainer.save_freq=1",
+                               "trainer.async_save_writer=process"), check=False)
     message = one_message(proc)
     assert "non-finite loss" in message and "at step 2 " in message, message
     assert f"then resume from {run_dir / 'global_step_1'}" in message, message

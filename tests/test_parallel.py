@@ -50,12 +50,14 @@ def test_cpp_wrapper_computes_what_the_python_wrapper_does(ratio):
     """stories260K with LoRA adapters (bf16 frozen base, fp32 adapters, bf16 autocast), `ratio` of the
     layers checkpointed, each layer compiled with inductor's Python wrapper, then recompiled with its
     C++ wrapper (model.compile_cpp_wrapper, auto's choice with LoRA): the two compilations give the
-    same loss and adapter gradients up to rounding, relative 1e-3, where a mis-passed argument (a lost
-    causal flag or scale, say) is off by O(1). Not bit for bit: each compilation picks its kernels'
-    launch configurations anew (on an H200 the losses differed by 5.5e-5 relative, 1721.9124 against
-    1722.0073; with TORCHINDUCTOR_DETERMINISTIC=1 the test failed too), so a reduction's split, and
-    with it where bf16 rounds, can differ; and flash attention's backward adds each key block's share of dq with float
-    atomics. Compiled against eager, bf16 rounds at other points: the loss within 1e-2. (On CPU, where
+    same loss (relative 1e-3: a sum of fp32 losses) and adapter gradients (relative 2e-2 in norm: they
+    pass through bf16 activations, whose unit roundoff is 2^-8 = 3.9e-3, and differ where bf16 rounds
+    differently; an H200 measured 3.7e-3), where a mis-passed argument (a lost causal flag or scale,
+    say) is off by O(1). Not bit for bit: each compilation picks its kernels' launch configurations
+    anew (on an H200 the losses differed by 5.5e-5 relative, 1721.9124 against 1722.0073; with
+    TORCHINDUCTOR_DETERMINISTIC=1 the test failed too), so a reduction's split, and with it where
+    bf16 rounds, can differ; and flash attention's backward adds each key block's share of dq with
+    float atomics. Compiled against eager, bf16 rounds at other points: the loss within 1e-2. (On CPU, where
     both wrappers exist too, the two agree bit for bit in loss and gradients, and differ from eager by
     1.6% in the gradients' norm.)"""
     cfg, cuda = ModelConfig(partial_pretrain=str(STORIES), lora_rank=8, compile=True), torch.device("cuda")
@@ -87,5 +89,5 @@ def test_cpp_wrapper_computes_what_the_python_wrapper_does(ratio):
     compile_layers(decoder_layers(model), cpp_wrapper=True)
     cpp = loss_and_grads()
     torch.testing.assert_close(cpp[0], python[0], rtol=1e-3, atol=0)
-    assert ((cpp[1] - python[1]).norm() / python[1].norm()).item() < 1e-3
+    assert ((cpp[1] - python[1]).norm() / python[1].norm()).item() < 2e-2
     torch.testing.assert_close(python[0], eager[0], rtol=1e-2, atol=0)

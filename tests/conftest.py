@@ -125,13 +125,98 @@ def launch(nproc: int, overrides: list[str], log: Path, cwd: Path = REPO, env: d
            torchrun: bool = False) -> subprocess.Popen:
     """Starts `torchrun --nproc_per_node=nproc -m sfttrain.run ...` as a user would, output to `log`.
     One rank runs as `python -m sfttrain.run ...` (also a user's way; the ~2 s of torchrun's own
-    start-up, over the suite's many one-rank jobs, is time spent testing nothing) unless torchrun."""
+    start-up, over the suite's many one-rank jobs, is time spent testing nothing) unless torchrun.
+    The ranks of a job that needs neither torchrun (its summary, its error files) nor an environment
+    or folder of its own are forked from this process's rank server instead (ForkServer)."""
+    if FORK_RANKS and not torchrun and Path(cwd).resolve() == REPO:
+        server = ForkServer.get()
+        if server.accepts(rank_env(env)):
+            return server.launch(nproc, overrides, log)
     launcher = (["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
                  "--master_port", str(free_port())] if torchrun or nproc > 1 else [])
     cmd = [sys.executable, *launcher, "-m", "sfttrain.run", *overrides]
     with open(log, "w") as f:
         return subprocess.Popen(cmd, cwd=cwd, env=rank_env(env), stdout=f, stderr=subprocess.STDOUT,
                                 start_new_session=True)
+
+
+# SFTTRAIN_TEST_FORK=0 starts every rank the usual way (a check that no result depends on the start method)
+FORK_RANKS = os.environ.get("SFTTRAIN_TEST_FORK", "1") != "0"
+
+
+class ForkedJob(subprocess.Popen):
+    """The launcher of a job whose ranks the rank server forked (tests/forkrank.py): a Popen whose
+    wait/returncode/kill are the job's; `ranks()` are the pids kill_job must stop with it."""
+
+    def __init__(self, cmd: list[str], rank_pid_file: Path, **kwargs):
+        super().__init__(cmd, **kwargs)
+        self.rank_pid_file = rank_pid_file
+
+    def ranks(self) -> list[int]:
+        while not self.rank_pid_file.exists() and self.poll() is None:  # the server forks at once
+            time.sleep(0.01)
+        return json.loads(self.rank_pid_file.read_text()) if self.rank_pid_file.exists() else []
+
+
+class ForkServer:
+    """This pytest process's rank server (tests/forkserver.py: torch, transformers and sfttrain
+    imported once, one fork per rank), started at its first job, stopped when pytest ends (or dies:
+    it ends when the pipe it holds from this process closes)."""
+
+    _running: "ForkServer | None" = None
+
+    @classmethod
+    def get(cls) -> "ForkServer":
+        if cls._running is None:
+            cls._running = cls()
+        return cls._running
+
+    @classmethod
+    def stop(cls) -> None:
+        if cls._running is not None:
+            cls._running.proc.terminate()
+            cls._running.proc.wait()
+            shutil.rmtree(cls._running.dir, ignore_errors=True)
+            cls._running = None
+
+    def __init__(self):
+        self.dir = Path(tempfile.mkdtemp(prefix="sfttrain-fork-"))
+        self.socket = self.dir / "socket"
+        self.env = rank_env()
+        self.jobs = 0
+        # bound here: clients connect (and queue) at once, while the server still imports
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        listener.bind(str(self.socket))
+        listener.listen(64)
+        alive, self._alive = os.pipe()
+        with open(self.dir / "server.log", "w") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "tests.forkserver", str(listener.fileno()), str(alive)],
+                                         cwd=REPO, env=self.env, stdin=subprocess.DEVNULL, stdout=out,
+                                         stderr=subprocess.STDOUT, pass_fds=[listener.fileno(), alive])
+        listener.close()
+        os.close(alive)
+
+    def accepts(self, env: dict) -> bool:
+        """A rank forked from the server is one started with env only where their environments are
+        the same: torch, transformers and their libraries read theirs at import (OMP_NUM_THREADS,
+        HF_*, TORCH*, PYTHONPATH, HOME...). PYTEST_CURRENT_TEST, which pytest changes per test, is
+        read by none of them."""
+        def key(e: dict) -> dict:
+            return {k: v for k, v in e.items() if k != "PYTEST_CURRENT_TEST"}
+        return key(env) == key(self.env)
+
+    def launch(self, nproc: int, overrides: list[str], log: Path) -> ForkedJob:
+        self.jobs += 1
+        pids = self.dir / f"job{self.jobs}.pids"
+        cmd = [sys.executable, str(REPO / "tests" / "forkrank.py"), str(self.socket), str(nproc), str(pids), "--",
+               *overrides]
+        with open(log, "w") as f:
+            return ForkedJob(cmd, pids, cwd=REPO, env=rank_env(), stdout=f, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+
+
+def pytest_unconfigure(config):
+    ForkServer.stop()
 
 
 def rank_env(extra: dict | None = None) -> dict:
@@ -188,8 +273,10 @@ def kill_job(proc: subprocess.Popen) -> list[int]:
     if proc.poll() is not None:
         return []
     stopped: set[int] = set()
+    ranks = proc.ranks() if isinstance(proc, ForkedJob) else []  # not children of the launcher
     while True:
-        pids = [p for p in [proc.pid, *_descendants(proc.pid)] if p not in stopped]
+        pids = [p for p in [proc.pid, *_descendants(proc.pid), *ranks, *(d for r in ranks for d in _descendants(r))]
+                if p not in stopped]
         if not pids:
             break
         for pid in pids:

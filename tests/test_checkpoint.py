@@ -536,7 +536,7 @@ def test_full_disk(data, ref, tmp_path):
     command = job(data, run_dir / "run", "trainer.total_training_steps=4", "trainer.save_freq=2",
                   "trainer.save_hf=true")
     with tmpfs(run_dir, size // 2) as resize:
-        proc = run_sfttrain(2, command, check=False)
+        proc = run_sfttrain(2, command, check=False, torchrun=True)  # its summary: one_message, exit_codes
         message = one_message(proc)
         assert "checkpoint not saved: the checkpoint of step 2 was not saved: the disk is full" in message, message
         assert "the last good checkpoint is none" in message and "starts afresh" in message, message
@@ -544,7 +544,7 @@ def test_full_disk(data, ref, tmp_path):
         assert not [p.name for p in (run_dir / "run").iterdir() if "global_step" in p.name]
 
         resize(size * 3 // 2)
-        proc = run_sfttrain(2, command, check=False)
+        proc = run_sfttrain(2, command, check=False, torchrun=True)  # its summary: one_message, exit_codes
         message = one_message(proc)
         last = run_dir / "run" / "global_step_2"
         assert "the checkpoint of step 4 was not saved: it needs about" in message, message
@@ -554,7 +554,7 @@ def test_full_disk(data, ref, tmp_path):
         assert sorted(p.name for p in (run_dir / "run").iterdir() if "global_step" in p.name) == ["global_step_2"]
 
         resize(size * 21 // 10)
-        proc = run_sfttrain(2, command, check=False)
+        proc = run_sfttrain(2, command, check=False, torchrun=True)  # its summary: one_message, exit_codes
         message = one_message(proc)
         final = run_dir / "run" / "global_step_4"
         assert f"export failed: the Hugging Face export of {final} failed" in message, message
@@ -580,7 +580,7 @@ def test_non_finite_loss_lets_the_save_in_flight_commit(data, tmp_path):
     the user there."""
     run_dir = tmp_path / "run"
     proc = run_sfttrain(2, job(data, run_dir, "optim.lr=1e30", "optim.clip_grad=0", "trainer.save_freq=1"),
-                        check=False)
+                        check=False, torchrun=True)  # its summary: one_message, exit_codes
     message = one_message(proc)
     assert "non-finite loss" in message and "at step 2 " in message, message
     assert f"then resume from {run_dir / 'global_step_1'}" in message, message

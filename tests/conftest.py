@@ -19,17 +19,20 @@ from typing import Callable
 import pytest
 import torch
 
+from tests.forkrank import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 ASSETS = REPO / "assets"
 STORIES = ASSETS / "models" / "stories260K"
 
 
-# The test files that take longest (--durations of the suite on 2 workers, 2 cores, 2026-12-02:
-# checkpoint ~5.5 min, trainer with the demo run ~4.5, bench ~4, cli ~3.5, sequence_parallel and
-# errors ~2), slowest first. pytest-xdist (--dist loadfile) hands a worker the next file when it
-# runs short: started last, one of these would leave the other worker idle for most of its length.
-SLOWEST_FILES = ["test_checkpoint.py", "test_trainer.py", "test_bench.py", "test_cli.py", "test_sequence_parallel.py",
-                 "test_errors.py"]
+# The test files that take longest (--durations of the suite on 2 workers, 2 cores, ranks forked
+# from the rank server, 2026-12-02: bench ~6 min, cli, checkpoint and errors ~2 each, trainer ~1.5,
+# moe, sequence_parallel and multinode ~1), slowest first. pytest-xdist (--dist loadfile) hands a
+# worker the next file when it runs short: started last, one of these would leave the other worker
+# idle for most of its length.
+SLOWEST_FILES = ["test_bench.py", "test_cli.py", "test_checkpoint.py", "test_errors.py", "test_trainer.py", "test_moe.py",
+                 "test_sequence_parallel.py", "test_multinode.py"]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -76,12 +79,6 @@ def gsm8k_dir(tmp_path_factory) -> Path:
                         str(ASSETS / "data" / "gsm8k"), "--local_dir", str(out)], check=True, capture_output=True)
 
     return built_once(tmp_path_factory, "gsm8k", build)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # A small, fast CPU job on the real stories260K model: fp32, fixed order, constant LR.

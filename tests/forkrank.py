@@ -22,6 +22,13 @@ import sys
 MESSAGE_BYTES = 1 << 20
 
 
+def free_port() -> int:
+    """A free TCP port on this host: a job's rendezvous port (torchrun's or the forked ranks')."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def send(conn: socket.socket, message: dict, fds: list[int] = ()) -> None:
     socket.send_fds(conn, [json.dumps(message).encode()], list(fds))
 

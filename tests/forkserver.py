@@ -38,7 +38,7 @@ import sfttrain.phase  # noqa: F401
 import sfttrain.trainer  # noqa: F401
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: F401
 
-from tests.forkrank import receive, send
+from tests.forkrank import free_port, receive, send
 
 STOP_GRACE_S = 30  # torchrun's wait between SIGTERM and SIGKILL of the ranks left when one failed
 
@@ -51,12 +51,6 @@ class Job:
         self.running: dict[int, int] = {}
         self.status = 0
         self.kill_at: float | None = None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def signal_ranks(pids, sig: int) -> None:

@@ -125,10 +125,8 @@ def launch(nproc: int, overrides: list[str], log: Path, cwd: Path = REPO, env: d
     start-up, over the suite's many one-rank jobs, is time spent testing nothing) unless torchrun.
     The ranks of a job that needs neither torchrun (its summary, its error files) nor an environment
     or folder of its own are forked from this process's rank server instead (ForkServer)."""
-    if FORK_RANKS and not torchrun and Path(cwd).resolve() == REPO:
-        server = ForkServer.get()
-        if server.accepts(rank_env(env)):
-            return server.launch(nproc, overrides, log)
+    if FORK_RANKS and not torchrun and Path(cwd).resolve() == REPO and ForkServer.accepts(rank_env(env)):
+        return ForkServer.get().launch(nproc, overrides, log)
     launcher = (["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
                  "--master_port", str(free_port())] if torchrun or nproc > 1 else [])
     cmd = [sys.executable, *launcher, "-m", "sfttrain.run", *overrides]
@@ -193,14 +191,15 @@ class ForkServer:
         listener.close()
         os.close(alive)
 
-    def accepts(self, env: dict) -> bool:
+    @classmethod
+    def accepts(cls, env: dict) -> bool:
         """A rank forked from the server is one started with env only where their environments are
         the same: torch, transformers and their libraries read theirs at import (OMP_NUM_THREADS,
         HF_*, TORCH*, PYTHONPATH, HOME...). PYTEST_CURRENT_TEST, which pytest changes per test, is
-        read by none of them."""
+        read by none of them. (Before the server starts: the environment it would start with.)"""
         def key(e: dict) -> dict:
             return {k: v for k, v in e.items() if k != "PYTEST_CURRENT_TEST"}
-        return key(env) == key(self.env)
+        return key(env) == key(cls._running.env if cls._running else rank_env())
 
     def launch(self, nproc: int, overrides: list[str], log: Path) -> ForkedJob:
         self.jobs += 1

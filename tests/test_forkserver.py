@@ -42,7 +42,7 @@ def test_the_launchers_death_ends_its_ranks(gsm8k_dir, tmp_path):
 
 
 def test_only_the_servers_environment_is_forked():
-    server = ForkServer.get()
-    assert server.accepts(rank_env())
-    assert not server.accepts(rank_env({"HF_HUB_OFFLINE": "1"}))
-    assert not server.accepts(rank_env({"OMP_NUM_THREADS": "2"}))
+    ForkServer.get()
+    assert ForkServer.accepts(rank_env())
+    assert not ForkServer.accepts(rank_env({"HF_HUB_OFFLINE": "1"}))
+    assert not ForkServer.accepts(rank_env({"OMP_NUM_THREADS": "2"}))

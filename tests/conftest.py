@@ -6,12 +6,14 @@ import json
 import os
 import contextlib
 import fcntl
+import itertools
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -159,11 +161,13 @@ class ForkServer:
     it ends when the pipe it holds from this process closes)."""
 
     _running: "ForkServer | None" = None
+    _starting = threading.Lock()  # tests launch jobs from threads too (test_files, test_errors)
 
     @classmethod
     def get(cls) -> "ForkServer":
-        if cls._running is None:
-            cls._running = cls()
+        with cls._starting:
+            if cls._running is None:
+                cls._running = cls()
         return cls._running
 
     @classmethod
@@ -178,7 +182,7 @@ class ForkServer:
         self.dir = Path(tempfile.mkdtemp(prefix="sfttrain-fork-"))
         self.socket = self.dir / "socket"
         self.env = rank_env()
-        self.jobs = 0
+        self.job_ids = itertools.count(1)
         # bound here: clients connect (and queue) at once, while the server still imports
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         listener.bind(str(self.socket))
@@ -202,8 +206,7 @@ class ForkServer:
         return key(env) == key(cls._running.env if cls._running else rank_env())
 
     def launch(self, nproc: int, overrides: list[str], log: Path) -> ForkedJob:
-        self.jobs += 1
-        pids = self.dir / f"job{self.jobs}.pids"
+        pids = self.dir / f"job{next(self.job_ids)}.pids"
         cmd = [sys.executable, str(REPO / "tests" / "forkrank.py"), str(self.socket), str(nproc), str(pids), "--",
                *overrides]
         with open(log, "w") as f:

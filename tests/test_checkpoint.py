@@ -1,6 +1,6 @@
 """Checkpoints: atomic commit, retention, exact / elastic resume, and SIGKILL fault tolerance.
 
-Every run is a real torchrun job (gloo ranks) on the real stories260K model, fp32 on CPU, with a
+Every run is a real job (gloo ranks, conftest.launch) on the real stories260K model, fp32 on CPU, with a
 real schedule (cosine with warmup, weight decay, shuffled data). The job trains 2 epochs of a
 52-row set with a global batch of 8: 6 steps per epoch (4 rows left over each epoch), 12 steps.
 

@@ -28,6 +28,7 @@ import time
 # process group starts here: a forked child must start from what a fresh interpreter has (the one
 # thread besides this one is the jemalloc arena thread pyarrow starts at import, in every rank too;
 # jemalloc re-makes it after a fork).
+import numpy
 import pandas  # noqa: F401  (pyarrow's Parquet reader imports it at a rank's first read)
 import sfttrain.config  # noqa: F401
 import sfttrain.distributed  # noqa: F401
@@ -186,6 +187,11 @@ def become_rank(request: dict, rank: int, port: int | None, out_fd: int) -> None
     os.environ.clear()
     os.environ.update(env)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # numpy's global RNG (a rank saves its state in each checkpoint) is drawn from the OS in a fresh
+    # interpreter, as Python's `random` is (CPython reseeds that one in a forked child itself).
+    # The one thing a fork cannot redraw is str hashing's seed: forked ranks share it (the torchrun
+    # jobs, test_multinode's two agents for one, keep ranks with seeds of their own in the suite).
+    numpy.random.seed()
     sys.argv = [sys.argv[0], *request["argv"]]
 
 

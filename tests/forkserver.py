@@ -26,8 +26,8 @@ import time
 # What a rank imports before its first step (sfttrain.run and its train()). Not sfttrain.run itself:
 # runpy runs it as __main__ and warns when it is imported already. No torch op, OpenMP pool or
 # process group starts here: a forked child must start from what a fresh interpreter has (the one
-# thread besides this one is the jemalloc arena thread pyarrow starts at import, in every rank too;
-# jemalloc re-makes it after a fork).
+# thread besides this one is jemalloc's background thread, which pyarrow starts at import in every
+# rank too; jemalloc's own fork handlers keep its allocator sound in the child).
 import numpy
 import pandas  # noqa: F401  (pyarrow's Parquet reader imports it at a rank's first read)
 import sfttrain.config  # noqa: F401

@@ -6,12 +6,14 @@ import json
 import os
 import contextlib
 import fcntl
+import itertools
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -19,17 +21,20 @@ from typing import Callable
 import pytest
 import torch
 
+from tests.forkrank import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 ASSETS = REPO / "assets"
 STORIES = ASSETS / "models" / "stories260K"
 
 
-# The test files that take longest (--durations of the suite on 2 workers, 2 cores, 2026-12-02:
-# checkpoint ~5.5 min, trainer with the demo run ~4.5, bench ~4, cli ~3.5, sequence_parallel and
-# errors ~2), slowest first. pytest-xdist (--dist loadfile) hands a worker the next file when it
-# runs short: started last, one of these would leave the other worker idle for most of its length.
-SLOWEST_FILES = ["test_checkpoint.py", "test_trainer.py", "test_bench.py", "test_cli.py", "test_sequence_parallel.py",
-                 "test_errors.py"]
+# The test files that take longest (--durations of the suite on 2 workers, 2 cores busy with other
+# jobs too, ranks forked from the rank server, 2026-12-02, two runs: bench 6-10 min, cli and
+# checkpoint 2-3, errors ~2, trainer 1-1.5, moe, sequence_parallel and multinode up to 1), slowest first. pytest-xdist (--dist loadfile) hands a
+# worker the next file when it runs short: started last, one of these would leave the other worker
+# idle for most of its length.
+SLOWEST_FILES = ["test_bench.py", "test_cli.py", "test_checkpoint.py", "test_errors.py", "test_trainer.py", "test_moe.py",
+                 "test_sequence_parallel.py", "test_multinode.py"]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -78,12 +83,6 @@ def gsm8k_dir(tmp_path_factory) -> Path:
     return built_once(tmp_path_factory, "gsm8k", build)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # A small, fast CPU job on the real stories260K model: fp32, fixed order, constant LR.
 BASE_OVERRIDES = [
     f"model.partial_pretrain={STORIES}",
@@ -125,13 +124,98 @@ def launch(nproc: int, overrides: list[str], log: Path, cwd: Path = REPO, env: d
            torchrun: bool = False) -> subprocess.Popen:
     """Starts `torchrun --nproc_per_node=nproc -m sfttrain.run ...` as a user would, output to `log`.
     One rank runs as `python -m sfttrain.run ...` (also a user's way; the ~2 s of torchrun's own
-    start-up, over the suite's many one-rank jobs, is time spent testing nothing) unless torchrun."""
+    start-up, over the suite's many one-rank jobs, is time spent testing nothing) unless torchrun.
+    The ranks of a job that needs neither torchrun (its summary, its error files) nor an environment
+    or folder of its own are forked from this process's rank server instead (ForkServer)."""
+    if FORK_RANKS and not torchrun and Path(cwd).resolve() == REPO and ForkServer.accepts(rank_env(env)):
+        return ForkServer.get().launch(nproc, overrides, log)
     launcher = (["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
                  "--master_port", str(free_port())] if torchrun or nproc > 1 else [])
     cmd = [sys.executable, *launcher, "-m", "sfttrain.run", *overrides]
     with open(log, "w") as f:
         return subprocess.Popen(cmd, cwd=cwd, env=rank_env(env), stdout=f, stderr=subprocess.STDOUT,
                                 start_new_session=True)
+
+
+# SFTTRAIN_TEST_FORK=0 starts every rank the usual way (a check that no result depends on the start method)
+FORK_RANKS = os.environ.get("SFTTRAIN_TEST_FORK", "1") != "0"
+
+
+class ForkedJob(subprocess.Popen):
+    """The launcher of a job whose ranks the rank server forked (tests/forkrank.py): a Popen whose
+    wait/returncode/kill are the job's; `ranks()` are the pids kill_job must stop with it."""
+
+    def __init__(self, cmd: list[str], rank_pid_file: Path, **kwargs):
+        super().__init__(cmd, **kwargs)
+        self.rank_pid_file = rank_pid_file
+
+    def ranks(self) -> list[int]:
+        while not self.rank_pid_file.exists() and self.poll() is None:  # the server forks at once
+            time.sleep(0.01)
+        return json.loads(self.rank_pid_file.read_text()) if self.rank_pid_file.exists() else []
+
+
+class ForkServer:
+    """This pytest process's rank server (tests/forkserver.py: torch, transformers and sfttrain
+    imported once, one fork per rank), started at its first job, stopped when pytest ends (or dies:
+    it ends when the pipe it holds from this process closes)."""
+
+    _running: "ForkServer | None" = None
+    _starting = threading.Lock()  # tests launch jobs from threads too (test_files, test_errors)
+
+    @classmethod
+    def get(cls) -> "ForkServer":
+        with cls._starting:
+            if cls._running is None:
+                cls._running = cls()
+        return cls._running
+
+    @classmethod
+    def stop(cls) -> None:
+        if cls._running is not None:
+            cls._running.proc.terminate()
+            cls._running.proc.wait()
+            shutil.rmtree(cls._running.dir, ignore_errors=True)
+            cls._running = None
+
+    def __init__(self):
+        self.dir = Path(tempfile.mkdtemp(prefix="sfttrain-fork-"))
+        self.socket = self.dir / "socket"
+        self.env = rank_env()
+        self.job_ids = itertools.count(1)
+        # bound here: clients connect (and queue) at once, while the server still imports
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        listener.bind(str(self.socket))
+        listener.listen(64)
+        alive, self._alive = os.pipe()
+        with open(self.dir / "server.log", "w") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "tests.forkserver", str(listener.fileno()), str(alive)],
+                                         cwd=REPO, env=self.env, stdin=subprocess.DEVNULL, stdout=out,
+                                         stderr=subprocess.STDOUT, pass_fds=[listener.fileno(), alive])
+        listener.close()
+        os.close(alive)
+
+    @classmethod
+    def accepts(cls, env: dict) -> bool:
+        """A rank forked from the server is one started with env only where their environments are
+        the same: torch, transformers and their libraries read theirs at import (OMP_NUM_THREADS,
+        HF_*, TORCH*, PYTHONPATH, HOME...). PYTEST_CURRENT_TEST, which pytest changes per test, is
+        read by none of them. (Before the server starts: the environment it would start with.)"""
+        def key(e: dict) -> dict:
+            return {k: v for k, v in e.items() if k != "PYTEST_CURRENT_TEST"}
+        return key(env) == key(cls._running.env if cls._running else rank_env())
+
+    def launch(self, nproc: int, overrides: list[str], log: Path) -> ForkedJob:
+        pids = self.dir / f"job{next(self.job_ids)}.pids"
+        cmd = [sys.executable, str(REPO / "tests" / "forkrank.py"), str(self.socket), str(nproc), str(pids), "--",
+               *overrides]
+        with open(log, "w") as f:
+            return ForkedJob(cmd, pids, cwd=REPO, env=rank_env(), stdout=f, stderr=subprocess.STDOUT,
+                             start_new_session=True)
+
+
+def pytest_unconfigure(config):
+    ForkServer.stop()
 
 
 def rank_env(extra: dict | None = None) -> dict:
@@ -163,7 +247,7 @@ def run_sfttrain(nproc: int, overrides: list[str], check: bool = True, timeout: 
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout=out, stderr="")
 
 
-def _descendants(pid: int) -> list[int]:
+def descendants(pid: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -188,8 +272,10 @@ def kill_job(proc: subprocess.Popen) -> list[int]:
     if proc.poll() is not None:
         return []
     stopped: set[int] = set()
+    ranks = proc.ranks() if isinstance(proc, ForkedJob) else []  # not children of the launcher
     while True:
-        pids = [p for p in [proc.pid, *_descendants(proc.pid)] if p not in stopped]
+        pids = [p for p in [proc.pid, *descendants(proc.pid), *ranks, *(d for r in ranks for d in descendants(r))]
+                if p not in stopped]
         if not pids:
             break
         for pid in pids:

@@ -1,6 +1,6 @@
 """Checkpoints: atomic commit, retention, exact / elastic resume, and SIGKILL fault tolerance.
 
-Every run is a real torchrun job (gloo ranks) on the real stories260K model, fp32 on CPU, with a
+Every run is a real job (gloo ranks, conftest.launch) on the real stories260K model, fp32 on CPU, with a
 real schedule (cosine with warmup, weight decay, shuffled data). The job trains 2 epochs of a
 52-row set with a global batch of 8: 6 steps per epoch (4 rows left over each epoch), 12 steps.
 
@@ -34,7 +34,7 @@ import torch
 from sfttrain import checkpoint, checkpoint_folder, resume
 from sfttrain.config import ConfigError, TrainerConfig, load_config
 from sfttrain.metrics import REWOUND
-from tests.conftest import (BASE_OVERRIDES, LINEAR_ADAM, STORIES, _descendants, kill_job, launch, read_metrics,
+from tests.conftest import (BASE_OVERRIDES, LINEAR_ADAM, STORIES, descendants, kill_job, launch, read_metrics,
                             run_sfttrain, update_error)
 
 ROWS, BATCH, EPOCHS = 52, 8, 2
@@ -559,7 +559,7 @@ def test_full_disk(data, ref, tmp_path):
     command = job(data, run_dir / "run", "trainer.total_training_steps=4", "trainer.save_freq=2",
                   "trainer.save_hf=true", "trainer.async_save_writer=process")
     with tmpfs(run_dir, size // 2) as resize:
-        proc = run_sfttrain(2, command, check=False)
+        proc = run_sfttrain(2, command, check=False, torchrun=True)  # its summary: one_message, exit_codes
         message = one_message(proc)
         assert "checkpoint not saved: the checkpoint of step 2 was not saved: the disk is full" in message, message
         assert "the last good checkpoint is none" in message and "starts afresh" in message, message
@@ -567,7 +567,7 @@ def test_full_disk(data, ref, tmp_path):
         assert not [p.name for p in (run_dir / "run").iterdir() if "global_step" in p.name]
 
         resize(size * 3 // 2)
-        proc = run_sfttrain(2, command, check=False)
+        proc = run_sfttrain(2, command, check=False, torchrun=True)  # its summary: one_message, exit_codes
         message = one_message(proc)
         last = run_dir / "run" / "global_step_2"
         assert "the checkpoint of step 4 was not saved: it needs about" in message, message
@@ -577,7 +577,7 @@ def test_full_disk(data, ref, tmp_path):
         assert sorted(p.name for p in (run_dir / "run").iterdir() if "global_step" in p.name) == ["global_step_2"]
 
         resize(size * 21 // 10)
-        proc = run_sfttrain(2, command, check=False)
+        proc = run_sfttrain(2, command, check=False, torchrun=True)  # its summary: one_message, exit_codes
         message = one_message(proc)
         final = run_dir / "run" / "global_step_4"
         assert f"export failed: the Hugging Face export of {final} failed" in message, message
@@ -602,7 +602,7 @@ def test_a_killed_writer_process_ends_the_job_with_one_message(data, tmp_path):
                          "trainer.nccl_timeout=600"), log, torchrun=True)
     try:
         assert wait_until(lambda: (run_dir / "global_step_1").exists(), proc), log.read_text()[-3000:]
-        writers = [pid for pid in _descendants(proc.pid) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        writers = [pid for pid in descendants(proc.pid) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
         assert len(writers) == 2, writers  # one per rank
         os.kill(writers[0], signal.SIGKILL)
         proc.wait(timeout=240)
@@ -629,7 +629,8 @@ def test_non_finite_loss_lets_the_save_in_flight_commit(data, tmp_path):
     a step of this model takes a fraction of that."""
     run_dir = tmp_path / "run"
     proc = run_sfttrain(2, job(data, run_dir, "optim.lr=1e30", "optim.clip_grad=0", "trainer.save_freq=1",
-                               "trainer.async_save_writer=process"), check=False)
+                               "trainer.async_save_writer=process"),
+                        check=False, torchrun=True)  # its summary: one_message, exit_codes
     message = one_message(proc)
     assert "non-finite loss" in message and "at step 2 " in message, message
     assert f"then resume from {run_dir / 'global_step_1'}" in message, message

@@ -1,7 +1,7 @@
 """LoRA (sfttrain/lora.py): adapters learn on a frozen base, checkpoints hold the adapters only and
 resume on another number of ranks, export writes a peft adapter folder and a merged model.
 
-Real torchrun jobs (gloo ranks) on the real stories260K model, fp32, activation checkpointing on
+Real jobs (gloo ranks, conftest.launch) on the real stories260K model, fp32, activation checkpointing on
 (the frozen base's inputs need no grad). Three runs: `ref` on 2 ranks (4 steps, a checkpoint
 after each), `one` on 1 rank (the same job), and ref's step 2 resumed on 1 rank. Bounds: 1 rank
 against 2 sums each gradient in another order, so agreement is to float32 rounding compounded

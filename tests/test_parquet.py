@@ -91,7 +91,8 @@ def test_a_bad_cell_in_rank_1s_share_stops_every_rank_at_once(gsm8k_dir, tmp_pat
     data = tmp_path / "nulls.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     out = run_sfttrain(2, [*BASE_OVERRIDES, f"data.train_files={data}", f"trainer.default_local_dir={tmp_path / 'run'}",
-                           "data.train_batch_size=8", "data.micro_batch_size_per_gpu=2"], check=False, timeout=240)
+                           "data.train_batch_size=8", "data.micro_batch_size_per_gpu=2"], check=False, timeout=240,
+                       torchrun=True)  # its root cause
     message = f"sfttrain: data error: {data} line 34: answer is null, expected a string"
     assert out.returncode != 0, out.stdout[-3000:]  # torchrun exits 1 when a rank failed
     assert [line for line in out.stdout.splitlines() if line.startswith("sfttrain: ")] == [message], out.stdout[-3000:]

@@ -1,6 +1,6 @@
 """What a resume does with a changed config: the optimizer and LR schedule follow the new config
 (each difference printed), a schedule that ends before the checkpoint is refused, and a data
-change is refused unless overridden. Real torchrun jobs on stories260K; the LR is checked against
+change is refused unless overridden. Real jobs (conftest.launch) on stories260K; the LR is checked against
 the cosine written out here."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""End-to-end runs with real ranks (torchrun and gloo; one rank as python -m sfttrain.run) on the real
+"""End-to-end runs with real ranks (gloo; started as conftest.launch says) on the real
 stories260K model."""
 
 import re

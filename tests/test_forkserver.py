@@ -1,0 +1,48 @@
+"""The suite's forked ranks (tests/forkserver.py) behave where the tests rely on their launcher:
+a failing rank stops the others and gives the job its status; the launcher's death ends its
+ranks; a job whose environment differs from the server's is not forked. That a forked job trains
+what a spawned one does is test_multinode's comparison (torchrun agents vs two_rank_run, forked)."""
+
+from __future__ import annotations
+
+import time
+
+from tests.conftest import BASE_OVERRIDES, ForkServer, _alive, rank_env
+
+# a start-up error of every rank (no file needed): exit code 2, the config kind (sfttrain/errors.py)
+CONFIG_ERROR = [*BASE_OVERRIDES, "data.train_files=unused.parquet", "trainer.no_such_key=1"]
+
+
+def test_a_failing_rank_stops_the_others_and_gives_its_status(tmp_path):
+    """Rank 0 reports the config error and exits 2; rank 1, which waits 60 s for rank 0 to end the
+    job before it reports the error itself (sfttrain.run's stop), is stopped first: the message is
+    printed once, as under torchrun."""
+    log = tmp_path / "log"
+    proc = ForkServer.get().launch(2, CONFIG_ERROR, log)
+    assert proc.wait(timeout=300) == 2, log.read_text()[-3000:]
+    printed = [line for line in log.read_text().splitlines() if line.startswith("sfttrain: ")]
+    assert len(printed) == 1 and "trainer.no_such_key" in printed[0], log.read_text()[-3000:]
+
+
+def test_the_launchers_death_ends_its_ranks(gsm8k_dir, tmp_path):
+    """SIGKILL of the launcher alone (not kill_job) of a job that would run for minutes: the server
+    kills the job's ranks."""
+    log = tmp_path / "log"
+    proc = ForkServer.get().launch(2, [*BASE_OVERRIDES, f"data.train_files={gsm8k_dir}/train.parquet",
+                                       f"trainer.default_local_dir={tmp_path / 'run'}", "data.train_batch_size=8",
+                                       "data.micro_batch_size_per_gpu=2", "trainer.total_training_steps=1000"], log)
+    ranks = proc.ranks()
+    assert len(ranks) == 2 and all(map(_alive, ranks)), log.read_text()[-3000:]
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 60  # the server reacts at once; the bound only ends a failing test
+    while any(map(_alive, ranks)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(map(_alive, ranks)), log.read_text()[-3000:]
+
+
+def test_only_the_servers_environment_is_forked():
+    ForkServer.get()
+    assert ForkServer.accepts(rank_env())
+    assert not ForkServer.accepts(rank_env({"HF_HUB_OFFLINE": "1"}))
+    assert not ForkServer.accepts(rank_env({"OMP_NUM_THREADS": "2"}))

@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import BASE_OVERRIDES, REPO, STORIES, _descendants, kill_job, launch, run_sfttrain
+from tests.conftest import BASE_OVERRIDES, REPO, STORIES, descendants, kill_job, launch, run_sfttrain
 
 CONFIG, DATA, NON_FINITE, DEPENDENCY = 2, 3, 4, 5
 
@@ -167,7 +167,7 @@ def test_each_kind_has_its_own_exit_code():
 
 def rank_pid(launcher: subprocess.Popen, rank: int) -> int | None:
     """The pid of a torchrun job's rank (its environment says RANK)."""
-    for pid in _descendants(launcher.pid):
+    for pid in descendants(launcher.pid):
         try:
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()

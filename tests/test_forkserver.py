@@ -46,3 +46,9 @@ def test_only_the_servers_environment_is_forked():
     assert ForkServer.accepts(rank_env())
     assert not ForkServer.accepts(rank_env({"HF_HUB_OFFLINE": "1"}))
     assert not ForkServer.accepts(rank_env({"OMP_NUM_THREADS": "2"}))
+    # inductor exports its default cache folder into this process once a test compiles in it
+    from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
+
+    cache_dir()
+    assert ForkServer.accepts(rank_env()) and ForkServer.accepts(rank_env({"TORCHINDUCTOR_CACHE_DIR": default_cache_dir()}))
+    assert not ForkServer.accepts(rank_env({"TORCHINDUCTOR_CACHE_DIR": "/elsewhere"}))

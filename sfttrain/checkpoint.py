@@ -89,12 +89,13 @@ class TrainState:
 
 class Checkpointer:
     """Writes `global_step_N` checkpoints of one run (`run_id`). With trainer.async_save, a periodic
-    save returns once this rank's shard is copied to host memory (with trainer.async_save_pinned on
-    CUDA: into pinned host buffers allocated at the first saves and reused by the later ones); one
-    writer thread per rank then writes the saves in order (DCP, trainer.save_thread_count threads
-    per file set; by default on CUDA through a writer process of the rank's own, which holds no GIL
-    that training needs: trainer.async_save_writer) while training goes on, and each is committed at the first step boundary where
-    every rank's write has finished (`poll`). Up to trainer.async_save_in_flight saves are staged or
+    save returns once this rank's shard is copied to host memory (sfttrain.checkpoint_writer's
+    Staging; with trainer.async_save_pinned on CUDA into pinned copies allocated after the first step
+    and reused by the later saves); one writer thread per rank then writes the saves in order (DCP,
+    trainer.save_thread_count threads per file set; by default on CUDA through a writer process of
+    the rank's own, which holds no GIL that training needs: trainer.async_save_writer) while training
+    goes on, and each is committed at the first step boundary where every rank's write has finished
+    (`poll`). Up to trainer.async_save_in_flight saves are staged or
     being written at once, each holding a host copy of this rank's shard: saves that come faster
     than the disk writes them queue there, and a save finding the queue full waits for the oldest.
     The final save waits for every write (nothing is left in flight when training ends). Retention
@@ -121,7 +122,7 @@ class Checkpointer:
         self.write_group = dist.new_group(backend="gloo", timeout=timeout)
         self.agree_group = dist.new_group(backend="gloo", timeout=timeout)
         # where background saves are written (sfttrain.checkpoint_writer): a writer process of this
-        # rank's own (made at the first background save), or the writer thread itself
+        # rank's own (made after the first step: _reserve_slots), or the writer thread itself
         self.in_process = writer_kind(cfg.trainer.async_save_writer, world.device) == "process"
         self.process: Optional[WriterProcess] = None
         pinned = cfg.trainer.async_save_pinned and world.device.type == "cuda"
@@ -261,7 +262,7 @@ class Checkpointer:
         threads = self.cfg.trainer.save_thread_count
         if slot is None or not self.in_process:
             return write_shards(state_dict, tmp, threads, self.write_group, self.world.is_main, self.thread_errors)
-        return self._writer_process().write(state_dict, tmp, threads, slot if self.staging.keeps else None)
+        return self._writer_process().write(state_dict, tmp, threads, slot)  # its slot's copy: kept there
 
     def _send_when_allocated(self, slot: int) -> None:
         """On the allocating thread, once a pinned slot's copy exists: the writer thread sends it."""

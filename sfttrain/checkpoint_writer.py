@@ -2,12 +2,12 @@
 (Staging), and the write itself (DCP), on a thread of the training process or in a writer process
 of this rank's own (trainer.async_save_writer).
 
-Why a process: DCP's write holds the GIL for long stretches: it pickles the plans and metadata it
-gathers, and torch.save serialises each shard in Python (a py-spy of a 2.4 GB write found holds of
-0.2-0.6 s). On a thread, that stalls the training thread, whose every kernel launch needs the GIL:
-the step after a save ran 4x its median in run AC (docs/benchmarks.md). A writer process shares no
-GIL. It gets the host copy through shared memory (a pinned staging slot's copy is sent to it once
-and reused) and runs the same write; the training process's writer thread only waits for its answer.
+Why a process: DCP's write holds the GIL for long stretches (it pickles the plans and metadata it
+gathers, and torch.save serialises each shard in Python). On a thread, that stalls the training
+thread, whose every kernel launch needs the GIL: the steps that ran beside a write were several
+times slower (docs/benchmarks.md, runs AC and AF). A writer process shares no GIL. It gets the host
+copy through shared memory (a staging slot's copy is sent to it once and reused by the later saves
+in that slot) and runs the same write; the training process's writer thread only waits for its answer.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_st
 from torch.distributed.tensor import DTensor
 
 from sfttrain.checkpoint_folder import fsync_tree, tree_bytes
-
 
 
 def writer_kind(setting: str, device: torch.device) -> str:
@@ -110,8 +109,8 @@ class WriterThreadErrors:
 class WriterProcess:
     """This rank's writer process (spawned; it imports torch, not the model's code). The writer
     processes of all ranks form a gloo group of their own for DCP's collectives, met through a
-    TCPStore that rank 0's writer hosts. Made and used on the training process's writer thread:
-    every rank makes it at its first background save, in the same order as the writes."""
+    TCPStore that rank 0's writer hosts. Made and used on the training process's writer thread,
+    where every rank makes it at the same point of that thread's tasks (Checkpointer._writer_process)."""
 
     def __init__(self, rank: int, world_size: int, group, timeout_s: int):
         ctx = mp.get_context("spawn")  # the training process has CUDA and threads: no fork

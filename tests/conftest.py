@@ -30,9 +30,9 @@ STORIES = ASSETS / "models" / "stories260K"
 
 # The test files that take longest (--durations of the suite on 2 workers, 2 cores busy with other
 # jobs too, ranks forked from the rank server, 2026-12-02, two runs: bench 6-10 min, cli and
-# checkpoint 2-3, errors ~2, trainer 1-1.5, moe, sequence_parallel and multinode up to 1), slowest first. pytest-xdist (--dist loadfile) hands a
-# worker the next file when it runs short: started last, one of these would leave the other worker
-# idle for most of its length.
+# checkpoint 2-3, errors ~2, trainer 1-1.5, moe, sequence_parallel and multinode up to 1), slowest
+# first. pytest-xdist (--dist loadfile) hands a worker the next file when it runs short: started
+# last, one of these would leave the other worker idle for most of its length.
 SLOWEST_FILES = ["test_bench.py", "test_cli.py", "test_checkpoint.py", "test_errors.py", "test_trainer.py", "test_moe.py",
                  "test_sequence_parallel.py", "test_multinode.py"]
 

@@ -551,8 +551,9 @@ def one_message(proc) -> str:
 def test_full_disk(data, ref, tmp_path):
     """Saves into a tmpfs that really fills (2 ranks, nothing mocked). C is one checkpoint's size.
     0.5 C: the first save (in the background, by each rank's writer process) fails mid-write;
-    1.5 C: step 2 commits and the save of step 4 is refused before it starts; 2.1 C: step 4 commits, its Hugging Face export (a
-    third of C) does not fit; 10 C: the same command resumes and exports. Each failure ends every
+    1.5 C: step 2 commits and the save of step 4 is refused before it starts; 2.1 C: step 4
+    commits, its Hugging Face export (a third of C) does not fit; 10 C: the same command resumes
+    and exports. Each failure ends every
     rank with one message and an exit code of its own, and leaves no partial folder."""
     size = next(m["bytes"] for m in read_metrics(ref) if m.get("event") == "checkpoint")
     run_dir = tmp_path / "disk"

@@ -50,5 +50,6 @@ def test_only_the_servers_environment_is_forked():
     from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
 
     cache_dir()
-    assert ForkServer.accepts(rank_env()) and ForkServer.accepts(rank_env({"TORCHINDUCTOR_CACHE_DIR": default_cache_dir()}))
+    assert ForkServer.accepts(rank_env())
+    assert ForkServer.accepts(rank_env({"TORCHINDUCTOR_CACHE_DIR": default_cache_dir()}))
     assert not ForkServer.accepts(rank_env({"TORCHINDUCTOR_CACHE_DIR": "/elsewhere"}))

@@ -1,4 +1,4 @@
-"""Model FLOPs utilisation (MFU), as the benchmark workloads define it (bench/WORKLOADS.md).
+"""Model FLOPs utilisation (MFU), as the benchmark workloads define it (docs/workloads.md).
 
     flops per token = 6 N + 6 L H Dh (sum_i s_i^2) / (sum_i s_i)
     MFU             = flops per token x real tokens/s / (peak FLOP/s x GPUs)

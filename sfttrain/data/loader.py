@@ -131,14 +131,19 @@ class StepStream(IterableDataset):
 def step_batches(data: TrainData, epoch: int, consumed: int, num_workers: int,
                  pin_memory: bool) -> Iterator[StepBatch]:
     """The training stream from a data position; each item is one whole step (no collation).
-    pin_memory (on CUDA): a thread of the loader takes each step from the workers and pins it
-    ahead of time, so the training loop neither waits for that nor for a synchronous copy. A
-    user's mistake found while a step is built is raised here, as itself."""
+    pin_memory (on CUDA): each step is copied into page-locked memory here, on the training thread,
+    which asks for the next step while the GPU still runs the previous one, so that its host-to-device
+    copies do not wait for the host. Not by the DataLoader's pin-memory thread: that thread calls
+    torch.set_num_threads(1), which ATen also keeps as the thread count of every thread it starts
+    later (aten/src/ATen/ParallelOpenMP.cpp: init_num_threads), among them the autograd engine's
+    device thread; a compiled layer that activation checkpointing re-runs in backward then meets
+    another thread count than in forward, and torch.compile's guard on it compiles the layer again.
+    A user's mistake found while a step is built is raised here, as itself."""
     for item in DataLoader(StepStream(data, epoch, consumed), batch_size=None, num_workers=num_workers,
-                           prefetch_factor=2 if num_workers else None, pin_memory=pin_memory):
+                           prefetch_factor=2 if num_workers else None):
         if isinstance(item, UserError):
             raise item
-        yield item
+        yield item.pin_memory() if pin_memory else item
 
 
 def render_share(source: ParquetSource, renderer: Renderer, rank: int, world: int) -> list[RenderedSample]:

@@ -37,7 +37,7 @@ class MicroBatch:
         return self._map_tensors(lambda t: t.to(device, non_blocking=True))
 
     def pin_memory(self) -> "MicroBatch":
-        """Page-locked copies (torch's DataLoader calls this with pin_memory=True): a copy from
+        """Page-locked copies (sfttrain.data.loader.step_batches makes them on CUDA): a copy from
         them to the GPU is asynchronous, so the next step's batch moves while this one computes."""
         return self._map_tensors(torch.Tensor.pin_memory)
 

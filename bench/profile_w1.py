@@ -44,7 +44,7 @@ def main() -> None:
                                *args.overrides])
     world = init_world(cfg)
     trainer = FSDPSFTTrainer(cfg, world)
-    batches = iter(step_batches(trainer.data, 0, 0, cfg.data.num_workers, pin_memory=True))
+    batches = iter(step_batches(trainer.data, 0, 0, cfg.data.num_workers, pin_memory=world.device.type == "cuda"))
     queued = None
     for _ in range(args.warmup):
         queued = trainer.step(next(batches), 0.0, queued)

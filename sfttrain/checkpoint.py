@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from sfttrain.checkpoint_folder import COMPLETE, STATE_FILE, complete_checkpoints, enforce_retention, fsync_dir, \
-    fsync_tree, hide, publish, read_state, remove, tree_bytes, write_synced
+    hide, publish, read_state, remove, tree_bytes, write_synced
 from sfttrain.checkpoint_writer import OneLineError, Staging, WriterProcess, WriterThreadErrors, one_line, \
     tensor_bytes, write_shards, writer_kind
 from sfttrain.config import Config, ConfigError, to_yaml

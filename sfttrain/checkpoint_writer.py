@@ -30,6 +30,7 @@ import torch.multiprocessing as mp
 from multiprocessing.reduction import recv_handle, send_handle
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_leaves
 
 from sfttrain.checkpoint_folder import fsync_tree, tree_bytes
 
@@ -194,8 +195,10 @@ def _serve(conn, rank: int, world_size: int, timeout_s: int) -> None:
         while (request := conn.recv()) is not None:
             slot, tmp, thread_count = request
             state_dict = receive_shared(conn)
-            if slot is not None:  # a kept slot's copy: sent once, then only named
-                state_dict = kept[slot] = kept[slot] if state_dict is None else state_dict
+            if state_dict is None:  # a kept slot's copy: sent once, then only named
+                state_dict = kept[slot]
+            elif slot is not None:
+                kept[slot] = state_dict
             if tmp is None:  # sent ahead of its first save
                 conn.send(("ok", None))
                 continue
@@ -292,21 +295,8 @@ class Staging:
         return staged, slot
 
 
-def _tensors(obj: Any):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for value in obj.values():
-            yield from _tensors(value)
-    elif isinstance(obj, (list, tuple)):
-        for value in obj:
-            yield from _tensors(value)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def tensor_bytes(state_dict: dict) -> int:
     """The bytes of the tensors in a (nested) state dict, a DTensor's local shard only."""
-    return sum(_local(t).numel() * _local(t).element_size() for t in _tensors(state_dict))
+    tensors = [t for t in tree_leaves(state_dict) if isinstance(t, torch.Tensor)]
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    return sum(t.numel() * t.element_size() for t in local)

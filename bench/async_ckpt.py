@@ -28,8 +28,12 @@ SAVE_KEYS = ("step", "async", "bytes", "stall_s", "waited_previous_s", "written_
 SETTINGS = {
     "async_pinned": ["trainer.async_save=true", "trainer.async_save_pinned=true", "trainer.save_thread_count=4"],
     # room for every periodic save of the default 40 steps: saves due faster than the disk writes them queue
+    # (auto staging: each save's copy on the GPU where its memory holds 4, W1's case)
     "async_pinned_4": ["trainer.async_save=true", "trainer.async_save_pinned=true", "trainer.save_thread_count=4",
                        "trainer.async_save_in_flight=4"],
+    # the same, each save's copy taken straight into pinned host memory
+    "async_pinned_4_host": ["trainer.async_save=true", "trainer.async_save_pinned=true", "trainer.save_thread_count=4",
+                            "trainer.async_save_in_flight=4", "trainer.async_save_staging=host"],
     # the same, written by a thread of the training process instead of a writer process (auto's choice on CUDA)
     "async_pinned_4_thread": ["trainer.async_save=true", "trainer.async_save_pinned=true", "trainer.save_thread_count=4",
                               "trainer.async_save_in_flight=4", "trainer.async_save_writer=thread"],
@@ -74,6 +78,8 @@ def run(name: str, args, model_dir: str, parquet: str, disk: dict) -> dict:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
     periodic = [m for m in records if m.get("event") == "checkpoint" and m["step"] < args.steps]
+    staging = [{k: m[k] for k in ("where", "device", "copy_bytes", "in_flight")} for m in records
+               if m.get("event") == "save_staging"]
     times = {m["step"]: m["step_time_s"] for m in records if "loss" in m and m["step"] > 2}
     after_save = {m["step"] + 1 for m in periodic}
     median_step = statistics.median(times.values())
@@ -88,7 +94,7 @@ def run(name: str, args, model_dir: str, parquet: str, disk: dict) -> dict:
             "step_after_save_s_median": round(after, 4), "step_s_median": round(median_step, 4),
             "step_after_save_vs_median": round(after / median_step, 3),
             "write_gb_per_s_median": round(write, 3), **disk,
-            "write_vs_disk": round(write / disk["disk_gb_per_s"], 3),
+            "write_vs_disk": round(write / disk["disk_gb_per_s"], 3), "staging": staging,
             "saves": [{k: m[k] for k in SAVE_KEYS} for m in periodic]}
 
 

@@ -53,8 +53,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from sfttrain.checkpoint_folder import COMPLETE, STATE_FILE, complete_checkpoints, enforce_retention, fsync_dir, \
     hide, publish, read_state, remove, tree_bytes, write_synced
-from sfttrain.checkpoint_writer import OneLineError, Staging, WriterProcess, WriterThreadErrors, one_line, \
-    tensor_bytes, write_shards, writer_kind
+from sfttrain.checkpoint_writer import OneLineError, Staging, WriterProcess, WriterThreadErrors, cuda_room, \
+    one_line, tensor_bytes, write_shards, writer_kind
 from sfttrain.config import Config, ConfigError, to_yaml
 from sfttrain.distributed import World
 from sfttrain.errors import CheckpointError
@@ -89,8 +89,9 @@ class TrainState:
 
 class Checkpointer:
     """Writes `global_step_N` checkpoints of one run (`run_id`). With trainer.async_save, a periodic
-    save returns once this rank's shard is copied to host memory (sfttrain.checkpoint_writer's
-    Staging; with trainer.async_save_pinned on CUDA into pinned copies allocated after the first step
+    save returns once this rank's shard is copied (sfttrain.checkpoint_writer's Staging: on the GPU
+    where its memory allows, the writer thread then copying it to host memory; or straight to host
+    memory, with trainer.async_save_pinned on CUDA into pinned copies allocated after the first step
     and reused by the later saves); one writer thread per rank then writes the saves in order (DCP,
     trainer.save_thread_count threads per file set; by default on CUDA through a writer process of
     the rank's own, which holds no GIL that training needs: trainer.async_save_writer) while training
@@ -126,7 +127,7 @@ class Checkpointer:
         self.in_process = writer_kind(cfg.trainer.async_save_writer, world.device) == "process"
         self.process: Optional[WriterProcess] = None
         pinned = cfg.trainer.async_save_pinned and world.device.type == "cuda"
-        self.staging = Staging(pinned, shared=self.in_process) if cfg.trainer.async_save else None
+        self.staging = Staging(world.device, pinned, shared=self.in_process) if cfg.trainer.async_save else None
         # saves that may be in flight at once: trainer.async_save_in_flight, or fewer where host memory
         # holds fewer copies of the shards (agreed by all ranks after the first step: _reserve_slots)
         self.slots, self.slots_agreed = cfg.trainer.async_save_in_flight, False
@@ -160,13 +161,13 @@ class Checkpointer:
         if not background:
             self.wait()
 
-    def poll(self) -> None:
+    def poll(self, step: int) -> None:
         """Commits, oldest first, the saves in flight that every rank has finished writing.
         Collective, after every step; one tiny gloo all-reduce per call while a save is in flight,
         nothing otherwise. After the first step (the optimizer's state exists from then on) it
         reserves the host copies of the background saves to come."""
         if self.staging is not None and not self.slots_agreed and self.cfg.trainer.save_freq > 0:
-            self._reserve_slots()
+            self._reserve_slots(step)
         while self.pending and self._all_written(self.pending[0].future.done()):
             self._commit()
 
@@ -182,32 +183,54 @@ class Checkpointer:
         if self.process is not None:
             self.process.close()
 
-    def _reserve_slots(self) -> None:
-        """Collective: as many saves in flight as every node's available memory holds host copies of
-        its ranks' shards (at most trainer.async_save_in_flight, at least one); then the staging
-        reserves them (pinned: allocated in the background, before the first save needs them)."""
+    def _reserve_slots(self, step: int) -> None:
+        """Collective: where background saves are staged and how many may be in flight, agreed by
+        every rank. In host memory, as many as every node's available memory holds copies of its
+        ranks' shards (at most trainer.async_save_in_flight, at least one); on the device
+        (trainer.async_save_staging), as many as its free memory holds beside the first step's peak.
+        Then the staging reserves its host copies (pinned: allocated in the background, before the
+        first save needs them)."""
         model_sd, optim_sd = _state_dicts(self.model, self.optimizer)
         live = {"model": model_sd, "optim": optim_sd}
-        copy = tensor_bytes(live)
+        copy, device = max(tensor_bytes(live), 1), self.world.device
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         available = host_memory_available()
         # one copy's worth kept free for the rest of the node's work (data workers, the writes' page cache)
-        fit = available // max(copy * local_ranks, 1) - 1
-        slots = torch.tensor([max(1, min(self.slots, fit))])
-        dist.all_reduce(slots, op=dist.ReduceOp.MIN, group=self.agree_group)
-        wanted, self.slots, self.slots_agreed = self.slots, int(slots.item()), True
-        if self.slots < wanted and self.world.is_main:
-            logging.getLogger("sfttrain").warning(
-                f"trainer.async_save_in_flight={wanted}, but host memory holds {self.slots}: a host copy of a rank's "
-                f"shard takes {_gb(copy)} ({local_ranks} ranks per node) and {_gb(available)} are "
-                f"available. At most {self.slots} saves will be in flight; a save finding them all in flight "
-                "waits for the oldest write")
+        host_fit = available // (copy * local_ranks) - 1
+        # on CPU the device's memory is the host's, where the host slot takes one copy
+        device_fit = cuda_room(device) // copy if device.type == "cuda" else host_fit - 1
+        fits = torch.tensor([host_fit, device_fit])
+        dist.all_reduce(fits, op=dist.ReduceOp.MIN, group=self.agree_group)
+        host_fit, device_fit = fits.tolist()
+        wanted, setting = self.slots, self.cfg.trainer.async_save_staging
+        on_device = device_fit >= 1 and (setting == "device" or
+                                         setting == "auto" and device.type == "cuda" and device_fit >= wanted)
+        self.slots, self.slots_agreed = max(1, min(wanted, device_fit if on_device else host_fit)), True
+        if self.world.is_main:
+            self._say_staging(step, wanted, copy, local_ranks, available, on_device)
         if self.in_process:
             # the writer process first, on every rank (making it is a collective of the writer threads);
             # each pinned slot's copy is then sent to it once allocated, not with a save's write
             self.writer.submit(self._writer_process)
-        self.staging.reserve(live, self.slots, allocated=self._send_when_allocated)
+        self.staging.reserve(live, self.slots, on_device, allocated=self._send_when_allocated)
 
+    def _say_staging(self, step: int, wanted: int, copy: int, local_ranks: int, available: int,
+                     on_device: bool) -> None:
+        """A metrics.jsonl record and a line: where the saves' copies are taken, how many in flight."""
+        device, setting = self.world.device, self.cfg.trainer.async_save_staging
+        where = (f"on {device} (its free memory holds {self.slots} beside the first step's peak), then copied to "
+                 "host memory by the writer" if on_device else "in host memory")
+        record = {"step": step, "event": "save_staging", "where": "device" if on_device else "host",
+                  "device": str(device), "copy_bytes": copy, "in_flight": self.slots}
+        self.report(record, f"background saves: each takes a copy of a rank's model and optimizer shard ({_gb(copy)}) "
+                            f"{where} (trainer.async_save_staging={setting}); {self.slots} in flight at most")
+        if self.slots < wanted:
+            log = logging.getLogger("sfttrain")
+            holds = (f"the free memory of {device} holds {self.slots}" if on_device else
+                     f"host memory holds {self.slots}: a host copy of a rank's shard takes {_gb(copy)} "
+                     f"({local_ranks} ranks per node) and {_gb(available)} are available")
+            log.warning(f"trainer.async_save_in_flight={wanted}, but {holds}. At most {self.slots} saves will be in "
+                        "flight; a save finding them all in flight waits for the oldest write")
 
     def _wait_oldest(self) -> None:
         """Waits for the oldest save's write on every rank, then commits it. The ranks ask each other
@@ -260,6 +283,8 @@ class Checkpointer:
         """The writer thread: write_shards here (a final or synchronous save: training waits for it
         anyway), or a background save's in the writer process."""
         threads = self.cfg.trainer.save_thread_count
+        if slot is not None:  # a background save: its host copy (made now if it was staged on the device)
+            state_dict = self.staging.to_host(state_dict, slot)
         if slot is None or not self.in_process:
             return write_shards(state_dict, tmp, threads, self.write_group, self.world.is_main, self.thread_errors)
         return self._writer_process().write(state_dict, tmp, threads, slot)  # its slot's copy: kept there

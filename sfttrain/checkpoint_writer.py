@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 from multiprocessing.reduction import recv_handle, send_handle
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from sfttrain.checkpoint_folder import fsync_tree, tree_bytes
 
@@ -41,6 +41,13 @@ def writer_kind(setting: str, device: torch.device) -> str:
     if setting != "auto":
         return setting
     return "process" if device.type == "cuda" else "thread"
+
+
+def cuda_room(device: torch.device) -> int:
+    """Bytes a CUDA device can give staging copies after the first step: its free memory less a tenth
+    of the whole, left for later steps' higher peaks (longer packs) and the allocator's fragmentation."""
+    free, total = torch.cuda.mem_get_info(device)
+    return max(0, free - total // 10)
 
 
 def write_shards(state_dict: dict, tmp: str, thread_count: int, group, is_main: bool,
@@ -255,44 +262,100 @@ def receive_shared(conn) -> Any:
     return StoragesApart(io.BytesIO(payload)).load()
 
 
-class Staging:
-    """The host copies of background saves: one slot per save that may be in flight. A copy is in
-    shared memory where a writer process reads it, and page-locked where trainer.async_save_pinned
-    on CUDA asks for it (the device-to-host copy at full PCIe speed). Such copies are kept for the
-    run and reused by every later save in their slot (a writer process is sent each once). Page
-    locking is slow (seconds per GB on an H200 host), so pinned slots are reserved after the first
-    step and allocated one after another on a thread of their own; a save waits only for what is not
-    done yet. Otherwise (a writer thread on CPU) each save gets a fresh copy, freed once written."""
+class DeviceCopy:
+    """A background save's copy on the training device, taken on the training thread: a
+    device-to-device copy, milliseconds on a GPU, so the step goes on at once. The writer thread
+    copies it to host memory when the save's turn comes (Staging.to_host) and frees it."""
 
-    def __init__(self, pinned: bool, shared: bool):
-        self.pinned, self.shared = pinned, shared
+    def __init__(self, state_dict: dict, device: torch.device):
+        self.state_dict: Optional[dict] = tree_map_only(torch.Tensor, lambda t: t.detach().clone(), state_dict)
+        self.ready = None  # on CUDA: the training stream's point after the copies, which the host copy waits for
+        if device.type == "cuda":
+            self.ready = torch.cuda.Event()
+            self.ready.record(torch.cuda.current_stream(device))
+
+    def take(self) -> dict:
+        state_dict, self.state_dict = self.state_dict, None  # freed once copied to host memory
+        return state_dict
+
+
+class Staging:
+    """The copies of background saves, taken before save() returns so that the next optimizer steps
+    cannot change what is written; one per save that may be in flight. Where they live:
+
+    - host: each save copies the shards straight to host memory, in a slot of its own.
+    - device (trainer.async_save_staging; auto where the GPU's free memory holds every save in flight):
+      each save copies them on the GPU (DeviceCopy), and the writer thread copies that to host
+      memory, into one host slot that the saves use in turn (the writes run one after another), on a
+      stream of its own while training goes on. A save then never waits for page locking or for
+      a host copy.
+
+    A host copy is in shared memory where a writer process reads it, and page-locked where
+    trainer.async_save_pinned on CUDA asks for it (the device-to-host copy at full PCIe speed). Such
+    copies are kept for the run and reused by every later save in their slot (a writer process is
+    sent each once). Page locking is slow (seconds per GB on an H200 host), so pinned slots are
+    reserved after the first step and allocated one after another on a thread of their own; a save
+    waits only for what is not done yet. Otherwise (a writer thread on CPU) each save gets a fresh
+    host copy, freed once written."""
+
+    def __init__(self, device: torch.device, pinned: bool, shared: bool):
+        self.device, self.pinned, self.shared = device, pinned, shared
         self.keeps = pinned or shared
         self.kept: dict[int, Future] = {}  # slot -> its kept host copy (its allocation, until done)
+        self.on_device = False  # decided by reserve, after the first step
+        self.stream: Optional[torch.cuda.Stream] = None  # the writer thread's device-to-host copies
 
-    def reserve(self, template: dict, slots: int, allocated: Callable[[int], None]) -> None:
-        """Pinned: the copies of slots 0..slots-1, shaped like `template` (the live state dict),
-        allocated in the background; `allocated(slot)` is called as each is done."""
+    def reserve(self, template: dict, slots: int, on_device: bool, allocated: Callable[[int], None]) -> None:
+        """Stages on the device from now on if `on_device`, where one host slot serves every save;
+        pinned: the host copies of the slots, shaped like `template` (the live state dict), allocated
+        in the background; `allocated(slot)` is called as each is done."""
+        self.on_device = on_device
         if not self.pinned:
             return
         allocator = ThreadPoolExecutor(1, thread_name_prefix="ckpt-pin")  # one at a time: the steps go on
-        for slot in range(slots):
+        for slot in range(1 if on_device else slots):
             self.kept[slot] = allocator.submit(_create_cpu_state_dict, template, True, self.shared)
             self.kept[slot].add_done_callback(lambda _, slot=slot: allocated(slot))
         allocator.shutdown(wait=False)
 
     def kept_copy(self, slot: int) -> Optional[dict]:
-        """A slot's kept copy, once allocated (waits for it); None if it has none yet."""
+        """A slot's kept host copy, once allocated (waits for it); None if it has none yet."""
         return self.kept[slot].result() if slot in self.kept else None
 
-    def stage(self, state_dict: dict, busy: set) -> tuple[dict, int]:
-        """A host copy of `state_dict` in a slot not in `busy` (the slots of saves in flight)."""
+    def stage(self, state_dict: dict, busy: set) -> tuple[dict | DeviceCopy, int]:
+        """On the training thread: a copy of `state_dict` and its host slot, one not in `busy` (the
+        slots of saves in flight) where each save has its own."""
+        if self.on_device:
+            return DeviceCopy(state_dict, self.device), 0
         slot = min(set(range(len(busy) + 1)) - busy)
-        staged = self.kept_copy(slot) or _create_cpu_state_dict(state_dict, self.pinned, self.shared)
-        if self.keeps and slot not in self.kept:
-            self.kept[slot] = Future()
-            self.kept[slot].set_result(staged)
+        staged = self._host_copy(slot, like=state_dict)
         _copy_state_dict(state_dict, staged, type_check=False)
         return staged, slot
+
+    def to_host(self, staged: dict | DeviceCopy, slot: int) -> dict:
+        """On the writer thread, when the save's write begins: its host copy."""
+        if not isinstance(staged, DeviceCopy):
+            return staged
+        on_device = staged.take()
+        host = self._host_copy(slot, like=on_device)
+        if staged.ready is None:
+            _copy_state_dict(on_device, host, type_check=False)
+            return host
+        with torch.cuda.device(self.device):
+            self.stream = self.stream or torch.cuda.Stream()
+            with torch.cuda.stream(self.stream):  # not the training stream: its kernels go on beside the copy
+                self.stream.wait_event(staged.ready)
+                _copy_state_dict(on_device, host, non_blocking=True, type_check=False)
+            self.stream.synchronize()  # before the device copy is freed and the host copy written
+        return host
+
+    def _host_copy(self, slot: int, like: dict) -> dict:
+        """The slot's kept host copy, made now if it has none (and kept if copies are kept)."""
+        host = self.kept_copy(slot) or _create_cpu_state_dict(like, self.pinned, self.shared)
+        if self.keeps and slot not in self.kept:
+            self.kept[slot] = Future()
+            self.kept[slot].set_result(host)
+        return host
 
 
 def tensor_bytes(state_dict: dict) -> int:

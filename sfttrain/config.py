@@ -142,13 +142,18 @@ class TrainerConfig:
     # CUDA, async_save: stage into pinned host buffers allocated once per staging slot and reused by the later
     # saves in it (no allocation per save, the device-to-host copy at full speed; they stay for the run)
     async_save_pinned: bool = True
-    # async_save: saves staged or being written at once, each holding a host copy of this rank's shard (fewer
-    # where host memory holds fewer: said at the first save); saves due faster than the disk writes them
-    # queue up to this many, then a save waits for the oldest write
+    # async_save: saves staged or being written at once, each holding a copy of this rank's shard (on the GPU or
+    # in host memory: async_save_staging; fewer where that memory holds fewer: said after the first step); saves
+    # due faster than the disk writes them queue up to this many, then a save waits for the oldest write
     async_save_in_flight: int = 2
     # async_save: where the background writes run: process (one writer process per rank, sharing no GIL with
     # the training loop's kernel launches), thread (in the training process), auto (process on CUDA, thread on CPU)
     async_save_writer: str = "auto"
+    # async_save: where a save's copy is taken before the step goes on: device (a copy on the GPU, milliseconds;
+    # the writer copies it to host memory while training goes on; GPU memory per save in flight), host (straight
+    # to host memory: the step waits for the copy, and for page locking the first time a slot is used), auto
+    # (device on CUDA where its free memory after the first step holds every save in flight, else host)
+    async_save_staging: str = "auto"
     save_thread_count: int = 4  # writer threads per rank for a checkpoint's DCP shards (one file each)
     resume_mode: str = "auto"  # auto | disable | resume_path
     resume_from_path: Optional[str] = None  # a checkpoint, or a run folder (its latest checkpoint)
@@ -202,6 +207,7 @@ DTYPES = ("fp32", "bf16", "fp16")
 LOSS_KERNELS = ("auto", "liger", "torch")  # model.loss_kernel (sfttrain.loss.select_chunk_loss)
 FP8_MODES = ("off", "auto", "tensorwise", "rowwise")  # model.fp8 (sfttrain.fp8)
 WRITERS = ("auto", "process", "thread")  # trainer.async_save_writer (sfttrain.checkpoint_writer)
+STAGINGS = ("auto", "device", "host")  # trainer.async_save_staging (sfttrain.checkpoint_writer.Staging)
 
 
 def load_config(yaml_path: Optional[str] = None, overrides: tuple[str, ...] | list[str] = (),
@@ -403,6 +409,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"trainer.async_save_in_flight must be >= 1 (saves in flight at once), got "
                           f"{t.async_save_in_flight}")
     _choice("trainer.async_save_writer", t.async_save_writer, WRITERS)
+    _choice("trainer.async_save_staging", t.async_save_staging, STAGINGS)
     if t.save_thread_count < 1:
         raise ConfigError(f"trainer.save_thread_count must be >= 1, got {t.save_thread_count}")
     _choice("trainer.device", t.device, ("auto", "cuda", "cpu"))

@@ -49,8 +49,11 @@ def grouped_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torc
     y = y * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(dtype)
     back = torch.empty_like(order)
     back[order] = torch.arange(order.numel(), device=order.device)
-    # each token's K expert outputs summed in fp32 (a deterministic reduction, no atomics)
-    return y[back].view(num_tokens, top_k, -1).sum(dim=1, dtype=torch.float32).to(hidden_states.dtype)
+    # each token's K expert outputs summed in fp32 (a deterministic reduction, no atomics), returned in
+    # the compute dtype as a dense MLP's down_proj returns it under autocast: in the input's (fp32, the
+    # norm's output with fp32 weights) it would turn the residual stream fp32 after the first MoE layer,
+    # and the compiled layers, whose first call got it in bf16, would recompile for fp32
+    return y[back].view(num_tokens, top_k, -1).sum(dim=1, dtype=torch.float32).to(dtype)
 
 
 def _covers(experts) -> bool:

@@ -16,9 +16,11 @@ CONFIGS = {
 }
 
 
-def build(family: str, implementation: str) -> torch.nn.Module:
+def build(family: str, implementation: str, layers: int = SMALL["num_hidden_layers"]) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(CONFIGS[family](), experts_implementation=implementation)
+    config = CONFIGS[family]()
+    config.num_hidden_layers = layers
+    model = AutoModelForCausalLM.from_config(config, experts_implementation=implementation)
     with torch.no_grad():  # routers drawn wide enough that every expert gets tokens
         for p in model.parameters():
             p.normal_(std=0.3)
@@ -39,13 +41,21 @@ def test_grouped_experts_compute_what_the_per_expert_loop_does(family, autocast)
     """Same weights, same tokens: the loss and every gradient (the experts' fused weights, the
     router's) equal transformers' eager loop over experts. fp32: only the summation order differs
     (1e-5). bf16 autocast: both run bf16 GEMMs with fp32 accumulation, but round the per-expert
-    outputs at different points (the loop adds them into a bf16 buffer expert by expert, the
-    grouped path sums each token's K outputs in fp32): 2e-2 of each gradient's norm, where routing
-    a token to the wrong expert or dropping its weight is off by O(1)."""
+    outputs at different points (the loop adds them into a buffer of the input's dtype expert by
+    expert, the grouped path sums each token's K outputs in fp32): 2e-2 of each gradient's norm,
+    where routing a token to the wrong expert or dropping its weight is off by O(1). The grouped
+    path returns the compute dtype, as a dense MLP does under autocast (the next test); the loop's
+    output is cast to it too, so that both residual streams are bf16 and only the experts differ.
+    One layer under autocast: a second layer's router would see two residual streams that differ in
+    the last bf16 bit, where a token near a tie between two experts can go to either (an O(1)
+    difference that is no error)."""
     name = experts.implementation_for(CONFIGS[family]())
     assert name == experts.IMPLEMENTATION
-    grouped, loop = build(family, name), build(family, "eager")
+    layers = 1 if autocast else SMALL["num_hidden_layers"]
+    grouped, loop = build(family, name, layers), build(family, "eager", layers)
     assert grouped.config._experts_implementation == name
+    for layer in loop.model.layers:
+        layer.mlp.experts.register_forward_hook(lambda _module, _args, out: out.to(torch.bfloat16) if autocast else out)
     (loss_g, grads_g), (loss_l, grads_l) = loss_and_grads(grouped, autocast), loss_and_grads(loop, autocast)
     tol = 2e-2 if autocast else 1e-5
     torch.testing.assert_close(loss_g, loss_l, rtol=tol, atol=0)
@@ -59,3 +69,23 @@ def test_dense_models_keep_their_layers():
     from transformers import LlamaConfig
 
     assert experts.implementation_for(LlamaConfig(**SMALL)) is None
+
+
+@pytest.mark.parametrize("family", sorted(CONFIGS))
+def test_the_residual_stream_keeps_the_compute_dtype_through_moe_layers(family):
+    """On one device sfttrain computes under bf16 autocast with the embedding's output cast to bf16
+    (sfttrain.parallel.single_device), so that the residual stream is bf16 as in a dense model. The
+    grouped experts return the compute dtype, as a dense MLP's down_proj does under autocast: every
+    decoder layer gets its hidden states in bf16. (Before, the experts returned fp32, the dtype of
+    the norm's output, and every layer after the first got fp32: the compiled layers, one code
+    object, recompiled for it in W4's first steps.)"""
+    model = build(family, experts.implementation_for(CONFIGS[family]()))
+    model.get_input_embeddings().register_forward_hook(lambda _module, _args, out: out.to(torch.bfloat16))
+    seen = []
+    for layer in model.model.layers:
+        layer.register_forward_pre_hook(lambda _module, args, kwargs: seen.append(
+            (args[0] if args else kwargs["hidden_states"]).dtype), with_kwargs=True)
+    ids = torch.randint(0, 128, (1, 32), generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", torch.bfloat16):
+        model(input_ids=ids)
+    assert seen == [torch.bfloat16] * len(model.model.layers)

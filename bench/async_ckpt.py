@@ -84,6 +84,9 @@ def run(name: str, args, model_dir: str, parquet: str, disk: dict) -> dict:
     after_save = {m["step"] + 1 for m in periodic}
     median_step = statistics.median(times.values())
     after = statistics.median([t for s, t in times.items() if s in after_save])
+    # steps differ in length (packed tokens): the same comparison per token, as tokens/s
+    rates = {m["step"]: m["tokens_per_s"] for m in records if "loss" in m and m["step"] > 2}
+    rate_after = statistics.median([r for s, r in rates.items() if s in after_save])
     write = statistics.median([m["gb_per_s"] for m in periodic])
     return {"setting": name, "overrides": SETTINGS[name], "gpus": args.gpus,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.tiny else "cpu",
@@ -93,6 +96,7 @@ def run(name: str, args, model_dir: str, parquet: str, disk: dict) -> dict:
             "waited_previous_s_median": round(statistics.median([m["waited_previous_s"] for m in periodic]), 3),
             "step_after_save_s_median": round(after, 4), "step_s_median": round(median_step, 4),
             "step_after_save_vs_median": round(after / median_step, 3),
+            "tokens_per_s_after_save_vs_median": round(rate_after / statistics.median(rates.values()), 3),
             "write_gb_per_s_median": round(write, 3), **disk,
             "write_vs_disk": round(write / disk["disk_gb_per_s"], 3), "staging": staging,
             "saves": [{k: m[k] for k in SAVE_KEYS} for m in periodic]}
@@ -118,7 +122,8 @@ def main() -> None:
         emit(result, args.out)
         print(f"{name}: stall {result['stall_s_median']} s per periodic save (median; "
               f"{result['waited_previous_s_median']} s of it waiting for older saves' writes), step after a save "
-              f"{result['step_after_save_vs_median']}x the median step, writes {result['write_gb_per_s_median']} "
+              f"{result['step_after_save_vs_median']}x the median step (tokens/s: "
+              f"{result['tokens_per_s_after_save_vs_median']}x the median), writes {result['write_gb_per_s_median']} "
               f"GB/s = {result['write_vs_disk']:.0%} of the disk's {disk['disk_gb_per_s']} GB/s", flush=True)
 
 

@@ -197,9 +197,7 @@ class Checkpointer:
         available = host_memory_available()
         # one copy's worth kept free for the rest of the node's work (data workers, the writes' page cache)
         host_fit = available // (copy * local_ranks) - 1
-        # on CPU the device's memory is the host's, where the host slot takes one copy
-        device_fit = cuda_room(device) // copy if device.type == "cuda" else host_fit - 1
-        fits = torch.tensor([host_fit, device_fit])
+        fits = torch.tensor([host_fit, self._device_fit(live, copy, host_fit)])
         dist.all_reduce(fits, op=dist.ReduceOp.MIN, group=self.agree_group)
         host_fit, device_fit = fits.tolist()
         wanted, setting = self.slots, self.cfg.trainer.async_save_staging
@@ -213,6 +211,15 @@ class Checkpointer:
             # each pinned slot's copy is then sent to it once allocated, not with a save's write
             self.writer.submit(self._writer_process)
         self.staging.reserve(live, self.slots, on_device, allocated=self._send_when_allocated)
+
+    def _device_fit(self, live: dict, copy: int, host_fit: int) -> int:
+        """How many copies of the shard the training device holds beside the first step's peak."""
+        device = self.world.device
+        if device.type != "cuda":  # the device's memory is the host's, where the host slot takes one copy
+            return host_fit - 1
+        if copy - tensor_bytes(live, on="cuda") > copy // 100:
+            return 0  # offloaded to host memory (model.fsdp_config.cpu_offload): a "device" copy would be a host one
+        return cuda_room(device) // copy
 
     def _say_staging(self, step: int, wanted: int, copy: int, local_ranks: int, available: int,
                      on_device: bool) -> None:

@@ -358,8 +358,9 @@ class Staging:
         return host
 
 
-def tensor_bytes(state_dict: dict) -> int:
-    """The bytes of the tensors in a (nested) state dict, a DTensor's local shard only."""
+def tensor_bytes(state_dict: dict, on: Optional[str] = None) -> int:
+    """The bytes of the tensors in a (nested) state dict, a DTensor's local shard only; with `on`,
+    of those on that device type only."""
     tensors = [t for t in tree_leaves(state_dict) if isinstance(t, torch.Tensor)]
     local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
-    return sum(t.numel() * t.element_size() for t in local)
+    return sum(t.numel() * t.element_size() for t in local if on is None or t.device.type == on)

@@ -28,13 +28,18 @@ ASSETS = REPO / "assets"
 STORIES = ASSETS / "models" / "stories260K"
 
 
-# The test files that take longest (--durations of the suite on 2 workers, 2 cores busy with other
-# jobs too, ranks forked from the rank server, 2026-12-02, two runs: bench 6-10 min, cli and
-# checkpoint 2-3, errors ~2, trainer 1-1.5, moe, sequence_parallel and multinode up to 1), slowest
-# first. pytest-xdist (--dist loadfile) hands a worker the next file when it runs short: started
-# last, one of these would leave the other worker idle for most of its length.
-SLOWEST_FILES = ["test_bench.py", "test_cli.py", "test_checkpoint.py", "test_errors.py", "test_trainer.py", "test_moe.py",
-                 "test_sequence_parallel.py", "test_multinode.py"]
+# The test files that take longest, slowest first: the sums of their tests' --durations in two runs
+# of the suite on 2 workers (2026-12-02, the 2 cores shared with another suite's runs: these are
+# ~3x an idle machine's times), in minutes: bench_w1 9-11, checkpoint 5-8, bench_w2b 5-8, article
+# 5-6, bench_moe 5-6, bench_scale 3-4, errors 3, trainer 3, files 2-3, sequence_parallel 2, cli and
+# multinode 1-2, each of the rest ~1 or less (54-60 in all). pytest-xdist (--dist loadfile) hands a
+# worker the next file when it runs short: started last, one of these would leave the other worker
+# idle for most of its length. bench/'s tests are four files (tests/bench_run.py), the article's
+# jobs one apart from test_cli.py: as one file, bench's (~45% of the suite) decided when the suite
+# ended whenever its share grew past half.
+SLOWEST_FILES = ["test_bench_w1.py", "test_checkpoint.py", "test_bench_w2b.py", "test_article.py", "test_bench_moe.py",
+                 "test_bench_scale.py", "test_errors.py", "test_trainer.py", "test_files.py",
+                 "test_sequence_parallel.py", "test_cli.py", "test_multinode.py"]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,0 +1,79 @@
+"""The article's own configuration (article 003: verl's sft_fsdp2.yaml, its torchrun command line,
+its LoRA keys) runs unchanged but for local paths and a shorter run. A file apart from
+tests/test_cli.py: these jobs are among the suite's longest, and pytest-xdist's workers share
+files, not tests."""
+
+import shutil
+import subprocess
+import sys
+
+import pyarrow.parquet as pq
+import pytest
+
+from tests.conftest import REPO, read_metrics, run_sfttrain
+
+
+@pytest.fixture()
+def home_with_gsm8k(gsm8k_dir, tmp_path):
+    """A $HOME laid out as the article expects: ~/data/gsm8k/{train,test}.parquet (the test split
+    cut to 8 rows: the article's config is bf16 with a 151k vocabulary, and a CPU without bf16
+    instructions runs bf16 GEMMs ~9x slower than fp32)."""
+    data = tmp_path / "home" / "data" / "gsm8k"
+    data.mkdir(parents=True)
+    shutil.copy(gsm8k_dir / "train.parquet", data)
+    pq.write_table(pq.read_table(gsm8k_dir / "test.parquet").slice(0, 8), data / "test.parquet")
+    return tmp_path / "home"
+
+
+def test_article_yaml_runs_unchanged(home_with_gsm8k, tiny_qwen_dir, tmp_path):
+    """verl's sft_fsdp2.yaml (article 003, section 4.1): only the model path is local, and the run
+    is cut to one step of 16 samples to keep the suite fast."""
+    proc = run_sfttrain(4, [str(REPO / "recipes" / "verl_sft_fsdp2.yaml"), f"model.partial_pretrain={tiny_qwen_dir}",
+                            "trainer.total_training_steps=1", "data.train_batch_size=16"],
+                        cwd=tmp_path, env={"HOME": str(home_with_gsm8k)}, timeout=600)
+    metrics = read_metrics(tmp_path / "checkpoints")
+    assert metrics[0]["step"] == 1 and [m["val/loss"] for m in metrics if "val/loss" in m][-1] > 0
+    assert "WARNING: model_dtype=bf16" in proc.stdout + proc.stderr
+    assert (tmp_path / "checkpoints" / "global_step_1" / "COMPLETE").exists()
+
+
+def test_article_command_line_runs_unchanged(home_with_gsm8k, tiny_qwen_dir, tmp_path):
+    """The torchrun command of article 003, section 5.1, with the module name and local paths."""
+    home = home_with_gsm8k
+    save_path = tmp_path / "fsdp2_qwen_05b"
+    run_sfttrain(4, [f"data.train_files={home}/data/gsm8k/train.parquet",
+                     f"data.val_files={home}/data/gsm8k/test.parquet",
+                     "data.prompt_key=question", "data.response_key=answer", "data.micro_batch_size_per_gpu=4",
+                     f"model.partial_pretrain={tiny_qwen_dir}", "model.strategy=fsdp2",
+                     "model.enable_gradient_checkpointing=true", "model.use_liger=true", "optim.lr=1e-4",
+                     "trainer.total_epochs=3", f"trainer.default_local_dir={save_path}",
+                     "trainer.project_name=gsm8k-fsdp2", "trainer.experiment_name=qwen-05b-instruct-fsdp2",
+                     "trainer.logger=console", "trainer.total_training_steps=1", "data.train_batch_size=16"],
+                 timeout=600)
+    assert read_metrics(save_path)[0]["loss"] > 0
+
+
+def test_article_lora_keys_run_and_export(home_with_gsm8k, tiny_qwen_dir, tmp_path):
+    """Article 003, section 6.1: the article's YAML with its LoRA keys (bf16 base, fp32 adapters,
+    2 ranks); the checkpoint holds the adapters only and exports to a folder peft loads."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_checkpoint import state
+
+    proc = run_sfttrain(2, [str(REPO / "recipes" / "verl_sft_fsdp2.yaml"), f"model.partial_pretrain={tiny_qwen_dir}",
+                            "model.enable_gradient_checkpointing=true", "model.lora_rank=64", "model.lora_alpha=32",
+                            "model.target_modules=all-linear", "data.micro_batch_size_per_gpu=2",
+                            "trainer.total_training_steps=1", "data.train_batch_size=4"],
+                        cwd=tmp_path, env={"HOME": str(home_with_gsm8k)}, timeout=600)
+    assert "frozen base in bf16, adapters and AdamW state in fp32" in proc.stdout
+    assert "WARNING: model_dtype=bf16" not in proc.stdout  # the adapters' master weights are fp32
+    ckpt = tmp_path / "checkpoints" / "global_step_1"
+    assert all(".lora_" in name for name in state(ckpt)["model"])
+    out = tmp_path / "exported"
+    subprocess.run([sys.executable, "-m", "sfttrain.export", str(ckpt), str(out)], check=True, cwd=REPO,
+                   capture_output=True)
+    base = AutoModelForCausalLM.from_pretrained(tiny_qwen_dir, dtype=torch.float32)
+    assert PeftModel.from_pretrained(base, out / "adapter").peft_config["default"].r == 64
+    assert (out / "model.safetensors").exists()

@@ -1,0 +1,96 @@
+"""bench/'s W1 scripts (tests/bench_run.py says what the bench tests check): the padded baseline,
+sfttrain's W1 run and its profile, the data scripts, the summary, and loss_kernel's CPU refusal.
+The slowest test first: pytest-xdist hands a worker its next file while the last two tests of
+its current one still run."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from tests.bench_run import CUDA, SAMPLE, records, run_bench
+from tests.conftest import REPO
+
+
+def test_padded_w1(tmp_path):
+    """The suite's longest test: every sequence padded to 256 tokens and bf16 autocast, whose GEMMs a
+    CPU without bf16 instructions runs several times slower than fp32's (8 min on 2 cores shared
+    with another suite; past 10 min, the default limit, at the suite's start on busier ones)."""
+    out = tmp_path / "padded.jsonl"
+    run_bench("bench.padded_w1", "--tiny", "--device", "cpu", "--data", SAMPLE, "--out", str(out), timeout=1200)
+    (record,) = records(out)
+    assert record["system"] == "padded" and record["timed_samples"] == 3 * 4  # 3 timed steps of 2 x 2
+
+
+def test_sfttrain_w1_then_profile_w1(tmp_path):
+    """sfttrain_w1 --tiny prepares the model folder and Parquet and runs sfttrain; profile_w1 --tiny
+    profiles steps of that folder, as on the GPU machine."""
+    out = tmp_path / "w1.jsonl"
+    run_bench("bench.sfttrain_w1", "--tiny", "--device", "cpu", "--variant", "eager", "--data", SAMPLE,
+              "--work", str(tmp_path), "--out", str(out))
+    (record,) = records(out)
+    assert record["variant"] == "eager" and record["timed_steps"] == "2-4" and record["real_tokens"] > 0
+    profile = run_bench("bench.profile_w1", "--tiny", "--work", str(tmp_path), "--trace", str(tmp_path / "trace.json"))
+    assert "ms/step" in profile and (tmp_path / "trace.json").is_file()
+
+
+def test_sfttrain_w1_refuses_a_second_epoch(tmp_path, monkeypatch):
+    """W1 is 60 steps of 64 distinct samples: on the 2000-row sample sfttrain would wrap an epoch."""
+    from bench import sfttrain_w1
+
+    monkeypatch.setattr(sys, "argv", ["sfttrain_w1", "--variant", "eager", "--data", SAMPLE, "--work", str(tmp_path),
+                                      "--out", str(tmp_path / "w1.jsonl")])
+    with pytest.raises(SystemExit, match="60 steps of 64 sequences need 3840 samples, .* has 2000"):
+        sfttrain_w1.main()
+    assert not (tmp_path / "runs").exists()
+
+
+def test_data_benches(tmp_path, monkeypatch, capsys):
+    """The scripts that run no training, in this process: W1's token statistics and Parquet, the
+    cost of building a W1 step, and the data-at-scale reader on a small file."""
+    from bench import data_cost_w1, data_scale, w1_data
+
+    tokenizer = str(REPO / "assets" / "tokenizers" / "qwen2.5-instruct")
+    for argv in (["w1_data", "--data", SAMPLE, "--tokenizer", tokenizer, "--parquet", str(tmp_path / "w1.parquet")],
+                 ["data_cost_w1", "--data", SAMPLE, "--tokenizer", tokenizer, "--steps", "1"],
+                 ["data_scale", "--rows", "2000", "--group_rows", "500", "--render_rows", "50", "--train_rows", "1000",
+                  "--batch", "64", "--budget_s", "30", "--data", str(tmp_path / "scale.parquet"),
+                  "--out", str(tmp_path / "scale.json")]):
+        monkeypatch.setattr(sys, "argv", argv)
+        {"w1_data": w1_data, "data_cost_w1": data_cost_w1, "data_scale": data_scale}[argv[0]].main()
+    stats = json.loads(capsys.readouterr().out.splitlines()[0])
+    assert stats["samples"] == 2000 and stats["truncated"] == 0
+    assert json.loads((tmp_path / "scale.json").read_text())["scan_read"][0]["rows"] == 2000
+
+
+def test_loss_kernel(monkeypatch):
+    """On CUDA it runs (one chunk size); without, it refuses in one line instead of a traceback."""
+    if CUDA:
+        assert "ms" in run_bench("bench.loss_kernel", "--tokens", "1024")
+        return
+    from bench import loss_kernel
+
+    monkeypatch.setattr(sys, "argv", ["loss_kernel"])
+    with pytest.raises(SystemExit, match="CUDA"):
+        loss_kernel.main()
+
+
+def test_summary_names_the_slow_steps(tmp_path):
+    """A bench summary of a run whose timed window holds one slow step (W4's run AD: a ~16 s step
+    among 0.6 s ones): the window's figures count it, and the record names it."""
+    from types import SimpleNamespace
+
+    from bench.sfttrain_w1 import summarise
+
+    times = {1: 30.0, 2: 0.5, 3: 0.6, 4: 5.0, 5: 0.5, 6: 0.7}  # step 1: warm-up, not timed
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        for step, seconds in times.items():
+            f.write(json.dumps({"step": step, "loss": 1.0, "step_time_s": seconds, "tokens": 100, "loss_tokens": 50,
+                                "data_wait_s": 0.0, "mfu": 0.1}) + "\n")
+    args = SimpleNamespace(warmup=1, steps=6, override=[], device="cpu")
+    record = summarise("w1", args, str(tmp_path), [])
+    assert record["timed_steps"] == "2-6" and record["median_s_per_step"] == 0.6
+    assert record["real_tokens_per_s"] == round(500 / 7.3, 1)  # the slow step counts in the window
+    assert record["slow_steps"] == {4: 5.0}

@@ -78,8 +78,7 @@ def run(name: str, args, model_dir: str, parquet: str, disk: dict) -> dict:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
     periodic = [m for m in records if m.get("event") == "checkpoint" and m["step"] < args.steps]
-    staging = [{k: m[k] for k in ("where", "device", "copy_bytes", "in_flight")} for m in records
-               if m.get("event") == "save_staging"]
+    staging = sorted({m["staging"] for m in periodic})  # where their copies were taken: device | host
     times = {m["step"]: m["step_time_s"] for m in records if "loss" in m and m["step"] > 2}
     after_save = {m["step"] + 1 for m in periodic}
     median_step = statistics.median(times.values())

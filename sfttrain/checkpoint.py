@@ -131,6 +131,7 @@ class Checkpointer:
         # saves that may be in flight at once: trainer.async_save_in_flight, or fewer where host memory
         # holds fewer copies of the shards (agreed by all ranks after the first step: _reserve_slots)
         self.slots, self.slots_agreed = cfg.trainer.async_save_in_flight, False
+        self.staged_on: Optional[str] = None  # device | host, once agreed
         self.thread_errors = WriterThreadErrors()
         # one writer: every rank writes its saves in the same order, so DCP's collectives pair up
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-write")
@@ -161,13 +162,13 @@ class Checkpointer:
         if not background:
             self.wait()
 
-    def poll(self, step: int) -> None:
+    def poll(self) -> None:
         """Commits, oldest first, the saves in flight that every rank has finished writing.
         Collective, after every step; one tiny gloo all-reduce per call while a save is in flight,
         nothing otherwise. After the first step (the optimizer's state exists from then on) it
         reserves the host copies of the background saves to come."""
         if self.staging is not None and not self.slots_agreed and self.cfg.trainer.save_freq > 0:
-            self._reserve_slots(step)
+            self._reserve_slots()
         while self.pending and self._all_written(self.pending[0].future.done()):
             self._commit()
 
@@ -183,7 +184,7 @@ class Checkpointer:
         if self.process is not None:
             self.process.close()
 
-    def _reserve_slots(self, step: int) -> None:
+    def _reserve_slots(self) -> None:
         """Collective: where background saves are staged and how many may be in flight, agreed by
         every rank. In host memory, as many as every node's available memory holds copies of its
         ranks' shards (at most trainer.async_save_in_flight, at least one); on the device
@@ -204,8 +205,9 @@ class Checkpointer:
         on_device = device_fit >= 1 and (setting == "device" or
                                          setting == "auto" and device.type == "cuda" and device_fit >= wanted)
         self.slots, self.slots_agreed = max(1, min(wanted, device_fit if on_device else host_fit)), True
+        self.staged_on = "device" if on_device else "host"
         if self.world.is_main:
-            self._say_staging(step, wanted, copy, local_ranks, available, on_device)
+            self._say_staging(wanted, copy, local_ranks, available, on_device)
         if self.in_process:
             # the writer process first, on every rank (making it is a collective of the writer threads);
             # each pinned slot's copy is then sent to it once allocated, not with a save's write
@@ -221,15 +223,13 @@ class Checkpointer:
             return 0  # offloaded to host memory (model.fsdp_config.cpu_offload): a "device" copy would be a host one
         return cuda_room(device) // copy
 
-    def _say_staging(self, step: int, wanted: int, copy: int, local_ranks: int, available: int,
-                     on_device: bool) -> None:
-        """A metrics.jsonl record and a line: where the saves' copies are taken, how many in flight."""
+    def _say_staging(self, wanted: int, copy: int, local_ranks: int, available: int, on_device: bool) -> None:
+        """A line: where the saves' copies are taken, how many in flight (each background save's
+        metrics.jsonl record names the first: `staging`)."""
         device, setting = self.world.device, self.cfg.trainer.async_save_staging
         where = (f"on {device} (its free memory holds {self.slots} beside the first step's peak), then copied to "
                  "host memory by the writer" if on_device else "in host memory")
-        record = {"step": step, "event": "save_staging", "where": "device" if on_device else "host",
-                  "device": str(device), "copy_bytes": copy, "in_flight": self.slots}
-        self.report(record, f"background saves: each takes a copy of a rank's model and optimizer shard ({_gb(copy)}) "
+        self.report(None, f"background saves: each takes a copy of a rank's model and optimizer shard ({_gb(copy)}) "
                             f"{where} (trainer.async_save_staging={setting}); {self.slots} in flight at most")
         if self.slots < wanted:
             log = logging.getLogger("sfttrain")
@@ -413,7 +413,8 @@ class Checkpointer:
         written = p.written_s or seconds  # None only if its callback has not run yet: it ended just now
         record = {"step": p.step, "event": "checkpoint", "path": p.final, "async": p.background, "bytes": size,
                   "stall_s": stall, "waited_previous_s": p.waited_s, "written_s": written, "write_s": write_s,
-                  "commit_s": seconds, "gb_per_s": size / 1e9 / write_s}
+                  "commit_s": seconds, "gb_per_s": size / 1e9 / write_s,
+                  "staging": self.staged_on if p.background else None}
         waited = f" ({p.waited_s:.2f} s of it for older saves' writes)" if p.waited_s >= 0.01 else ""
         self.report(record, f"checkpoint {os.path.basename(p.final)} committed: {size / 1e9:.3g} GB, training "
                             f"stalled {stall:.2f} s{waited}, written in {write_s:.2f} s ({record['gb_per_s']:.3g} GB/s"

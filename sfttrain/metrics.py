@@ -210,11 +210,12 @@ class MetricsLogger:
             line = format_line(record, self.total_steps)
             self.progress.write(line if self.progress.bar is not None else f"{line} | {self.progress.eta(step)}")
 
-    def event(self, record: dict, line: str) -> None:
-        """A record that is not a step's metrics (a checkpoint committed): metrics.jsonl and one line."""
+    def event(self, record: Optional[dict], line: str) -> None:
+        """A record that is not a step's metrics (a checkpoint committed): metrics.jsonl (if any) and one line."""
         if self.enabled:
-            self.jsonl.write(json.dumps(record) + "\n")
-            self.jsonl.flush()
+            if record is not None:
+                self.jsonl.write(json.dumps(record) + "\n")
+                self.jsonl.flush()
             tqdm.write(line)
 
     def info(self, text: str) -> None:

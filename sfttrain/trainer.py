@@ -160,7 +160,7 @@ class FSDPSFTTrainer:
             wait_start = time.perf_counter()
             batch = next(batches)
             queued = self.step(batch, time.perf_counter() - wait_start, queued)
-            self.checkpointer.poll(self.state.step)  # commits a background save once every rank has written it
+            self.checkpointer.poll()  # commits a background save once every rank has written it
             step = self.state.step
             last = step == total
             validate = self.val_batches is not None and (last or (t.test_freq > 0 and step % t.test_freq == 0))

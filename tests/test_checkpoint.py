@@ -234,6 +234,7 @@ def test_checkpoint_records(ref):
     records = [m for m in read_metrics(ref) if m.get("event") == "checkpoint"]
     assert [m["step"] for m in records] == list(range(1, TOTAL + 1))
     assert [m["async"] for m in records] == [True] * (TOTAL - 1) + [False]
+    assert [m["staging"] for m in records] == ["host"] * (TOTAL - 1) + [None]  # auto on CPU: host memory
     for m in records:
         folder = Path(m["path"])
         assert m["bytes"] == sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) > 0

@@ -128,10 +128,10 @@ class Checkpointer:
         self.process: Optional[WriterProcess] = None
         pinned = cfg.trainer.async_save_pinned and world.device.type == "cuda"
         self.staging = Staging(world.device, pinned, shared=self.in_process) if cfg.trainer.async_save else None
-        # saves that may be in flight at once: trainer.async_save_in_flight, or fewer where host memory
-        # holds fewer copies of the shards (agreed by all ranks after the first step: _reserve_slots)
+        # saves that may be in flight at once: trainer.async_save_in_flight, or fewer where the memory they are
+        # staged in (the GPU's or the host's) holds fewer copies of the shards (agreed by all ranks after the
+        # first step: _reserve_slots)
         self.slots, self.slots_agreed = cfg.trainer.async_save_in_flight, False
-        self.staged_on: Optional[str] = None  # device | host, once agreed
         self.thread_errors = WriterThreadErrors()
         # one writer: every rank writes its saves in the same order, so DCP's collectives pair up
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-write")
@@ -205,7 +205,6 @@ class Checkpointer:
         on_device = device_fit >= 1 and (setting == "device" or
                                          setting == "auto" and device.type == "cuda" and device_fit >= wanted)
         self.slots, self.slots_agreed = max(1, min(wanted, device_fit if on_device else host_fit)), True
-        self.staged_on = "device" if on_device else "host"
         if self.world.is_main:
             self._say_staging(wanted, copy, local_ranks, available, on_device)
         if self.in_process:
@@ -224,8 +223,8 @@ class Checkpointer:
         return cuda_room(device) // copy
 
     def _say_staging(self, wanted: int, copy: int, local_ranks: int, available: int, on_device: bool) -> None:
-        """A line: where the saves' copies are taken, how many in flight (each background save's
-        metrics.jsonl record names the first: `staging`)."""
+        """A line: where the saves' copies are taken and how many may be in flight (the first is in
+        each background save's metrics.jsonl record too: `staging`)."""
         device, setting = self.world.device, self.cfg.trainer.async_save_staging
         where = (f"on {device} (its free memory holds {self.slots} beside the first step's peak), then copied to "
                  "host memory by the writer" if on_device else "in host memory")
@@ -414,7 +413,7 @@ class Checkpointer:
         record = {"step": p.step, "event": "checkpoint", "path": p.final, "async": p.background, "bytes": size,
                   "stall_s": stall, "waited_previous_s": p.waited_s, "written_s": written, "write_s": write_s,
                   "commit_s": seconds, "gb_per_s": size / 1e9 / write_s,
-                  "staging": self.staged_on if p.background else None}
+                  "staging": ("device" if self.staging.on_device else "host") if p.background else None}
         waited = f" ({p.waited_s:.2f} s of it for older saves' writes)" if p.waited_s >= 0.01 else ""
         self.report(record, f"checkpoint {os.path.basename(p.final)} committed: {size / 1e9:.3g} GB, training "
                             f"stalled {stall:.2f} s{waited}, written in {write_s:.2f} s ({record['gb_per_s']:.3g} GB/s"

@@ -98,7 +98,9 @@ def run(name: str, args, model_dir: str, parquet: str, disk: dict) -> dict:
             "tokens_per_s_after_save_vs_median": round(rate_after / statistics.median(rates.values()), 3),
             "write_gb_per_s_median": round(write, 3), **disk,
             "write_vs_disk": round(write / disk["disk_gb_per_s"], 3), "staging": staging,
-            "saves": [{k: m[k] for k in SAVE_KEYS} for m in periodic]}
+            "saves": [{k: m[k] for k in SAVE_KEYS} for m in periodic],
+            # each step's time and tokens/s (from step 3): what runs beside the saves shows where it lands
+            "step_s_tokens_per_s": {s: [round(times[s], 4), round(rates[s])] for s in sorted(times)}}
 
 
 def main() -> None:

@@ -30,6 +30,7 @@ both side by side with the ratio of real tokens/s.
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -68,6 +69,7 @@ def run_sfttrain(args, model_dir: str, parquet: str) -> dict:
                  f"trainer.device={args.device}", *W4, *args.override]
     cmd = [sys.executable, "-m", "sfttrain.run", RECIPE, *overrides]
     print("+", " ".join(cmd), flush=True)
+    shutil.rmtree(run_dir, ignore_errors=True)  # an earlier job's metrics.jsonl would read as this one's steps
     proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         status = wait_for_steps(proc, os.path.join(run_dir, "metrics.jsonl"), args.steps, args.run_timeout)

@@ -91,8 +91,8 @@ class Checkpointer:
     """Writes `global_step_N` checkpoints of one run (`run_id`). With trainer.async_save, a periodic
     save returns once this rank's shard is copied (sfttrain.checkpoint_writer's Staging: on the GPU
     where its memory allows, the writer thread then copying it to host memory; or straight to host
-    memory, with trainer.async_save_pinned on CUDA into pinned copies allocated after the first step
-    and reused by the later saves); one writer thread per rank then writes the saves in order (DCP,
+    memory, with trainer.async_save_pinned on CUDA into pinned copies allocated between the first and
+    the second step and reused by the later saves); one writer thread per rank then writes the saves in order (DCP,
     trainer.save_thread_count threads per file set; by default on CUDA through a writer process of
     the rank's own, which holds no GIL that training needs: trainer.async_save_writer) while training
     goes on, and each is committed at the first step boundary where every rank's write has finished
@@ -189,8 +189,7 @@ class Checkpointer:
         every rank. In host memory, as many as every node's available memory holds copies of its
         ranks' shards (at most trainer.async_save_in_flight, at least one); on the device
         (trainer.async_save_staging), as many as its free memory holds beside the first step's peak.
-        Then the staging reserves its host copies (pinned: allocated in the background, before the
-        first save needs them)."""
+        Then the staging reserves its host copies (pinned: allocated now, before the second step)."""
         model_sd, optim_sd = _state_dicts(self.model, self.optimizer)
         live = {"model": model_sd, "optim": optim_sd}
         copy, device = max(tensor_bytes(live), 1), self.world.device
@@ -205,13 +204,16 @@ class Checkpointer:
         on_device = device_fit >= 1 and (setting == "device" or
                                          setting == "auto" and device.type == "cuda" and device_fit >= wanted)
         self.slots, self.slots_agreed = max(1, min(wanted, device_fit if on_device else host_fit)), True
-        if self.world.is_main:
-            self._say_staging(wanted, copy, local_ranks, available, on_device)
         if self.in_process:
-            # the writer process first, on every rank (making it is a collective of the writer threads);
-            # each pinned slot's copy is then sent to it once allocated, not with a save's write
+            # the writer process first, on every rank (making it is a collective of the writer threads)
             self.writer.submit(self._writer_process)
-        self.staging.reserve(live, self.slots, on_device, allocated=self._send_when_allocated)
+        started = time.perf_counter()
+        pinned = self.staging.reserve(live, self.slots, on_device)
+        if self.in_process:  # each pinned slot's copy is sent to the writer process now, not with a save's write
+            for slot in pinned:
+                self.writer.submit(lambda slot=slot: self._writer_process().keep(slot, self.staging.kept[slot]))
+        if self.world.is_main:
+            self._say_staging(wanted, copy, local_ranks, available, on_device, pinned, time.perf_counter() - started)
 
     def _device_fit(self, live: dict, copy: int, host_fit: int) -> int:
         """How many copies of the shard the training device holds beside the first step's peak."""
@@ -222,14 +224,18 @@ class Checkpointer:
             return 0  # offloaded to host memory (model.fsdp_config.cpu_offload): a "device" copy would be a host one
         return cuda_room(device) // copy
 
-    def _say_staging(self, wanted: int, copy: int, local_ranks: int, available: int, on_device: bool) -> None:
-        """A line: where the saves' copies are taken and how many may be in flight (the first is in
-        each background save's metrics.jsonl record too: `staging`)."""
+    def _say_staging(self, wanted: int, copy: int, local_ranks: int, available: int, on_device: bool,
+                     pinned: list[int], pinning_s: float) -> None:
+        """A line: where the saves' copies are taken, how many may be in flight (the first is in
+        each background save's metrics.jsonl record too: `staging`) and the page-locked host memory
+        allocated for them (the pause before step 2)."""
         device, setting = self.world.device, self.cfg.trainer.async_save_staging
         where = (f"on {device} (its free memory holds {self.slots} beside the first step's peak), then copied to "
                  "host memory by the writer" if on_device else "in host memory")
+        locked = (f"; {len(pinned)} x {_gb(copy)} of page-locked host memory allocated in {pinning_s:.1f} s before "
+                  "step 2 (once: page locking beside the steps would slow them)" if pinned else "")
         self.report(None, f"background saves: each takes a copy of a rank's model and optimizer shard ({_gb(copy)}) "
-                            f"{where} (trainer.async_save_staging={setting}); {self.slots} in flight at most")
+                            f"{where} (trainer.async_save_staging={setting}); {self.slots} in flight at most{locked}")
         if self.slots < wanted:
             log = logging.getLogger("sfttrain")
             holds = (f"the free memory of {device} holds {self.slots}" if on_device else
@@ -294,12 +300,6 @@ class Checkpointer:
         if slot is None or not self.in_process:
             return write_shards(state_dict, tmp, threads, self.write_group, self.world.is_main, self.thread_errors)
         return self._writer_process().write(state_dict, tmp, threads, slot)  # its slot's copy: kept there
-
-    def _send_when_allocated(self, slot: int) -> None:
-        """On the allocating thread, once a pinned slot's copy exists: the writer thread sends it."""
-        if self.in_process:
-            with contextlib.suppress(RuntimeError):  # the writer already shut down: nothing more to send
-                self.writer.submit(lambda: self._writer_process().keep(slot, self.staging.kept_copy(slot)))
 
     def _writer_process(self) -> WriterProcess:
         """Made on the writer thread, by every rank in the same order of its tasks."""

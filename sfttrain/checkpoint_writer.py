@@ -20,8 +20,7 @@ import os
 import pickle
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -293,34 +292,29 @@ class Staging:
     A host copy is in shared memory where a writer process reads it, and page-locked where
     trainer.async_save_pinned on CUDA asks for it (the device-to-host copy at full PCIe speed). Such
     copies are kept for the run and reused by every later save in their slot (a writer process is
-    sent each once). Page locking is slow (seconds per GB on an H200 host), so pinned slots are
-    reserved after the first step and allocated one after another on a thread of their own; a save
-    waits only for what is not done yet. Otherwise (a writer thread on CPU) each save gets a fresh
-    host copy, freed once written."""
+    sent each once). Page locking is slow (about a second per GB on an H200 host) and slows every
+    step that runs beside it (W1's steps ran at half speed for the 5 s it took: docs/benchmarks.md,
+    run AN), so the pinned slots are allocated once, after the first step and before the second,
+    while nothing else runs. Otherwise (a writer thread on CPU) each save gets a fresh host copy,
+    freed once written."""
 
     def __init__(self, device: torch.device, pinned: bool, shared: bool):
         self.device, self.pinned, self.shared = device, pinned, shared
         self.keeps = pinned or shared
-        self.kept: dict[int, Future] = {}  # slot -> its kept host copy (its allocation, until done)
+        self.kept: dict[int, dict] = {}  # slot -> its kept host copy
         self.on_device = False  # decided by reserve, after the first step
         self.stream: Optional[torch.cuda.Stream] = None  # the writer thread's device-to-host copies
 
-    def reserve(self, template: dict, slots: int, on_device: bool, allocated: Callable[[int], None]) -> None:
+    def reserve(self, template: dict, slots: int, on_device: bool) -> list[int]:
         """Stages on the device from now on if `on_device`, where one host slot serves every save;
-        pinned: the host copies of the slots, shaped like `template` (the live state dict), allocated
-        in the background; `allocated(slot)` is called as each is done."""
+        pinned: allocates the host copies of the slots now, shaped like `template` (the live state
+        dict). Returns the slots allocated."""
         self.on_device = on_device
         if not self.pinned:
-            return
-        allocator = ThreadPoolExecutor(1, thread_name_prefix="ckpt-pin")  # one at a time: the steps go on
+            return []
         for slot in range(1 if on_device else slots):
-            self.kept[slot] = allocator.submit(_create_cpu_state_dict, template, True, self.shared)
-            self.kept[slot].add_done_callback(lambda _, slot=slot: allocated(slot))
-        allocator.shutdown(wait=False)
-
-    def kept_copy(self, slot: int) -> Optional[dict]:
-        """A slot's kept host copy, once allocated (waits for it); None if it has none yet."""
-        return self.kept[slot].result() if slot in self.kept else None
+            self.kept[slot] = _create_cpu_state_dict(template, True, self.shared)
+        return list(self.kept)
 
     def stage(self, state_dict: dict, busy: set) -> tuple[dict | DeviceCopy, int]:
         """On the training thread: a copy of `state_dict` and its host slot, one not in `busy` (the
@@ -351,10 +345,9 @@ class Staging:
 
     def _host_copy(self, slot: int, like: dict) -> dict:
         """The slot's kept host copy, made now if it has none (and kept if copies are kept)."""
-        host = self.kept_copy(slot) or _create_cpu_state_dict(like, self.pinned, self.shared)
-        if self.keeps and slot not in self.kept:
-            self.kept[slot] = Future()
-            self.kept[slot].set_result(host)
+        host = self.kept.get(slot) or _create_cpu_state_dict(like, self.pinned, self.shared)
+        if self.keeps:
+            self.kept[slot] = host
         return host
 
 

@@ -24,12 +24,14 @@ import torch
 from torch.distributed._composable.replicate import DDP, replicate
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.torch_version import TorchVersion
 
 from sfttrain import fp8, sequence_parallel
 from sfttrain.config import Config, ConfigError, mixed_precision_dtypes
 from sfttrain.distributed import World
 from sfttrain.loss import CausalLMLoss
 from sfttrain.model import DTYPE, decoder_layers, materialise_model
+from sfttrain.moe import routing
 
 
 Layout = Literal["single", "replicated", "sharded"]
@@ -116,7 +118,7 @@ def single_device(lm: CausalLMLoss, world: World, cfg: Config) -> None:
         # (and be saved for backward in fp32)
         lm.model.get_input_embeddings().register_forward_hook(lambda _module, _args, out: out.to(dtype))
     if cfg.model.compile:
-        compile_layers(decoder_layers(lm.model), cpp_wrapper(cfg, world))
+        compile_layers(decoder_layers(lm.model), cpp_wrapper(cfg, world, lm.model.config))
 
 
 def replicate_model(lm: CausalLMLoss, world: World, cfg: Config) -> None:
@@ -146,27 +148,46 @@ def compile_layers(layers: list[torch.nn.Module], cpp_wrapper: bool) -> None:
     packed row has another length, and a specialise-then-recompile cycle per length would be a
     storm. Under FSDP the per-layer graphs also leave FSDP's hooks between the layers.
     cpp_wrapper: the compiled code launches its kernels from C++ (model.compile_cpp_wrapper)."""
-    options = {"cpp_wrapper": True} if cpp_wrapper else None
+    # inductor fuses a norm's row and column reductions (its backward) only above a size it checks
+    # against the first compile's token count, and guards on that check: a later micro-batch on the
+    # other side of it (under 10240 tokens after one above, for a 512-wide k_norm) recompiles every
+    # layer mid-run. The non-strict mode skips those size checks, so one compilation serves all lengths
+    options = {"triton.mix_order_reduction_non_strict_mode": True, **({"cpp_wrapper": True} if cpp_wrapper else {})}
     for layer in layers:
         layer.compile(dynamic=True, options=options)
 
 
-def cpp_wrapper(cfg: Config, world: World) -> bool:
+def cpp_wrapper(cfg: Config, world: World, model_config) -> bool:
     """Whether inductor's C++ wrapper launches the compiled layers' kernels (model.compile_cpp_wrapper).
     GPUs only: there the host just launches kernels and can fall behind them; on CPU the kernels
-    are the host's own work, and the wrapper's C++ build would only cost start-up."""
+    are the host's own work, and the wrapper's C++ build would only cost start-up. Not for a
+    mixture of experts before torch 2.12, whose C++ wrapper cannot call the experts' grouped GEMM."""
     if world.device.type != "cuda":
         return False
-    setting = cfg.model.compile_cpp_wrapper
-    return cfg.model.lora_rank > 0 if setting == "auto" else setting
+    setting, blocked = cfg.model.compile_cpp_wrapper, _grouped_gemm_without_cpp_call(model_config)
+    if setting == "auto":
+        return cfg.model.lora_rank > 0 and not blocked
+    if setting and blocked:
+        raise ConfigError(f"model.compile_cpp_wrapper=true: inductor's C++ wrapper in torch {torch.__version__} has no "
+                          "call for the grouped GEMM this mixture of experts runs (torch >= 2.12 has one); set "
+                          "model.compile_cpp_wrapper=auto (the Python wrapper here)")
+    return setting
 
 
-def describe_compile(cfg: Config, world: World) -> str:
+def _grouped_gemm_without_cpp_call(model_config) -> bool:
+    """A MoE whose experts run torch._grouped_mm (sfttrain.experts) under a torch whose C++ wrapper
+    has no C shim for it (added in 2.12: torchgen/aoti/fallback_ops.py); its build fails there."""
+    return routing(model_config) is not None and TorchVersion(torch.__version__) < "2.12"
+
+
+def describe_compile(cfg: Config, world: World, model_config) -> str:
     """The start-up line on compilation."""
     if not cfg.model.compile:
         return "off (eager)"
-    wrapper = "C++" if cpp_wrapper(cfg, world) else "Python"
-    return f"each decoder layer, dynamic shapes, kernels launched by inductor's {wrapper} wrapper"
+    wrapper = "C++" if cpp_wrapper(cfg, world, model_config) else "Python"
+    why = (" (the C++ one cannot call this torch's grouped GEMM of the experts)" if wrapper == "Python"
+           and cfg.model.lora_rank > 0 and _grouped_gemm_without_cpp_call(model_config) else "")
+    return f"each decoder layer, dynamic shapes, kernels launched by inductor's {wrapper} wrapper{why}"
 
 
 def shard(lm: CausalLMLoss, world: World, cfg: Config, offload: bool) -> None:
@@ -180,7 +201,7 @@ def shard(lm: CausalLMLoss, world: World, cfg: Config, offload: bool) -> None:
         common["offload_policy"] = CPUOffloadPolicy()
     layers = decoder_layers(lm.model)
     if cfg.model.compile:
-        compile_layers(layers, cpp_wrapper(cfg, world))
+        compile_layers(layers, cpp_wrapper(cfg, world, lm.model.config))
     for i, layer in enumerate(layers):
         # the last layer's parameters are needed again at once by backward (as torchtitan does)
         last = i == len(layers) - 1

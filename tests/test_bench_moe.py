@@ -4,6 +4,7 @@ folder, and the deadline that bounds TRL's run."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import time
 from pathlib import Path
 
@@ -19,6 +20,9 @@ def test_moe_w4(tmp_path):
     a hand count of the tiny config."""
     trl = importlib.util.find_spec("trl") is not None
     out = tmp_path / "w4.jsonl"
+    stale = tmp_path / "runs" / "w4" / "metrics.jsonl"  # an earlier job's in the same --work (another setting)
+    stale.parent.mkdir(parents=True)
+    stale.write_text("".join(json.dumps({"step": step, "loss": 1.0}) + "\n" for step in (1, 2, 3)))
     run_bench("bench.moe_w4", "--tiny", "--device", "cpu", "--data", SAMPLE, "--work", str(tmp_path), "--out", str(out),
               "--systems", "sfttrain", *(["trl"] if trl else []))
     (model_dir,) = (str(path) for path in tmp_path.glob("model_*"))  # the one folder, with its weights

@@ -15,6 +15,9 @@ def test_async_ckpt(tmp_path):
     assert (background["setting"], synchronous["setting"]) == ("async_pinned", "sync")
     assert [s["async"] for s in background["saves"]] == [True, True] and not synchronous["saves"][0]["async"]
     assert all(r["disk_gb_per_s"] > 0 and r["write_gb_per_s_median"] > 0 for r in (background, synchronous))
+    # each step's time and tokens/s from step 3 on, the steps after the saves among them
+    timed = {int(step) for step in background["step_s_tokens_per_s"]}
+    assert min(timed) == 3 and {s["step"] + 1 for s in background["saves"]} <= timed, background
 
 
 def test_long_context(tmp_path):

@@ -1,6 +1,7 @@
 """Activation checkpointing (which decoder layers are recomputed in backward) and compiled layers."""
 
 import random
+import types
 
 import pytest
 import torch
@@ -91,3 +92,58 @@ def test_cpp_wrapper_computes_what_the_python_wrapper_does(ratio):
     torch.testing.assert_close(cpp[0], python[0], rtol=1e-3, atol=0)
     assert ((cpp[1] - python[1]).norm() / python[1].norm()).item() < 2e-2
     torch.testing.assert_close(python[0], eager[0], rtol=1e-2, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="inductor's mixed-order norm reductions are GPU (Triton) code")
+def test_compiled_layers_serve_every_packed_length_with_one_compilation(tmp_path):
+    """W4's shape of attention (Qwen3: 4 key/value heads of 128, so k_norm is 512 wide), one layer,
+    checkpointed and compiled as sfttrain compiles it, run on a packed micro-batch of 12288 tokens and
+    then of 8192. Without inductor's non-strict mixed-order reductions, the first compilation guards
+    on `tokens x 512 >= 5 MiB` (a size check inductor makes for fusing k_norm's backward reductions)
+    and the second micro-batch recompiles every layer: 22 s in the middle of a W4 run on an H200."""
+    from transformers import Qwen3Config
+
+    Qwen3Config(vocab_size=1024, hidden_size=2048, intermediate_size=1024, num_hidden_layers=1, num_attention_heads=16,
+                num_key_value_heads=4, head_dim=128).save_pretrained(tmp_path)
+    cfg, cuda = ModelConfig(partial_pretrain=str(tmp_path), random_init=True, compile=True), torch.device("cuda")
+    model = load_model(cfg, cuda).model
+    materialise_model(model, cfg, cuda, cuda, seed=0)
+    lm = CausalLMLoss(model, fused=False, compiled_max_seqlen=4096)
+    lm.autocast_dtype = torch.bfloat16
+    checkpoint_layers(lm, 1.0)
+    compile_layers(decoder_layers(model), cpp_wrapper=False)
+    gen = random.Random(0)
+    for samples in (3, 2):  # 12288 tokens, then 8192
+        batch = pack([RenderedSample([gen.randrange(1024) for _ in range(4096)], [1] * 4096, i)
+                      for i in range(samples)]).to(cuda)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            lm(batch).backward()
+
+
+@pytest.mark.parametrize("torch_version, moe_cpp", [("2.11.0+cu130", False), ("2.12.0", True)])
+def test_cpp_wrapper_is_chosen_only_where_it_can_call_the_experts_grouped_gemm(monkeypatch, torch_version, moe_cpp):
+    """model.compile_cpp_wrapper on CUDA: auto takes the C++ wrapper with LoRA, except for a mixture
+    of experts under a torch whose C++ wrapper has no call for torch._grouped_mm (before 2.12, per
+    torchgen's fallback table): W4 with LoRA failed to build its layers on an H200 with torch 2.11
+    (`aoti_torch_cuda__grouped_mm was not declared`). An explicit true there is refused, naming
+    the key; a dense model keeps the C++ wrapper."""
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    from sfttrain.config import Config, ConfigError
+    from sfttrain.parallel import cpp_wrapper
+
+    monkeypatch.setattr(torch, "__version__", torch_version)
+    cuda = types.SimpleNamespace(device=torch.device("cuda"))
+    cfg = Config()
+    cfg.model.lora_rank = 8
+    assert cpp_wrapper(cfg, cuda, Qwen3Config()) is True
+    assert cpp_wrapper(cfg, cuda, Qwen3MoeConfig()) is moe_cpp
+    cfg.model.compile_cpp_wrapper = True
+    if moe_cpp:
+        assert cpp_wrapper(cfg, cuda, Qwen3MoeConfig()) is True
+    else:
+        with pytest.raises(ConfigError, match="model.compile_cpp_wrapper=true"):
+            cpp_wrapper(cfg, cuda, Qwen3MoeConfig())
+    cfg.model.lora_rank = 0
+    cfg.model.compile_cpp_wrapper = "auto"
+    assert cpp_wrapper(cfg, cuda, Qwen3MoeConfig()) is False  # full fine-tuning: the Python wrapper

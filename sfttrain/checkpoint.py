@@ -42,7 +42,7 @@ import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -150,11 +150,12 @@ class Checkpointer:
         self._agree(state.step, tmp, _attempt(lambda: self._prepare(tmp)))
         (state_dict, slot), error = (None, None), None
         try:
-            state_dict, slot = self._prepare_write(tmp, state, wandb_id, background)
+            model_sd, optim_sd = _state_dicts(self.model, self.optimizer)
+            state_dict, slot = self._prepare_write({"model": model_sd, "optim": optim_sd}, background)
         except WRITE_ERRORS as e:  # noqa: BLE001 - any failure of any rank is agreed on below
             error = e
         self._agree(state.step, tmp, error)  # before the write, whose collectives need every rank
-        future = self.writer.submit(self._write, state_dict, tmp, slot)
+        future = self.writer.submit(self._write, state_dict, tmp, slot, self._small_files(state, wandb_id))
         del state_dict
         self.pending.append(PendingSave(state.step, tmp, os.path.join(self.run_dir, f"global_step_{state.step}"),
                                         future, slot, started, time.perf_counter() - started, waited, background))
@@ -263,37 +264,49 @@ class Checkpointer:
                           f"{self.run_dir} has {_gb(free)} free, {NOT_STARTED}")
         os.makedirs(os.path.join(tmp, "rng"))
 
-    def _prepare_write(self, tmp: str, state: TrainState, wandb_id: Optional[str],
-                       background: bool) -> tuple[dict, Optional[int]]:
-        """Every rank writes its small files into `tmp` and returns what the writer thread is to
-        write there: the model and optimizer state dict (a host copy if background) and its staging
-        slot. The small files come first: DCP's write ends on every rank only once every rank has
-        started it, so rank 0's size and fsync of the whole folder after its write (write_shards)
-        cover every rank's small files."""
-        model_sd, optim_sd = _state_dicts(self.model, self.optimizer)
-        state_dict, slot = {"model": model_sd, "optim": optim_sd}, None
-        if background:
-            # a host copy the next optimizer steps cannot change, taken before save() returns
-            state_dict, slot = self.staging.stage(state_dict, busy={p.slot for p in self.pending})
-        self._write_small_files(tmp, state, wandb_id)
-        return state_dict, slot
+    def _prepare_write(self, state_dict: dict, background: bool) -> tuple[dict, Optional[int]]:
+        """What the writer thread is to write: the model and optimizer state dict (a copy if
+        background, taken before save() returns: the next optimizer steps cannot change it) and
+        its staging slot."""
+        if not background:
+            return state_dict, None
+        return self.staging.stage(state_dict, busy={p.slot for p in self.pending})
 
-    def _write_small_files(self, tmp: str, state: TrainState, wandb_id: Optional[str]) -> None:
-        world, model = self.world, self.model
-        _torch_save_synced(_rng_state(), os.path.join(tmp, "rng", f"rank_{world.rank}.pt"))
+    def _small_files(self, state: TrainState, wandb_id: Optional[str]) -> dict[str, Any]:
+        """The save's small files, taken now (the RNG state and the step's position change with the
+        next step) and written by the writer thread: their fsyncs would stall training behind the
+        disk's queue of earlier writes."""
+        world = self.world
+        files: dict[str, Any] = {os.path.join("rng", f"rank_{world.rank}.pt"): _rng_state()}
         if world.is_main:
             extra = {**asdict(state), "wandb_id": wandb_id, "world_size": world.world_size}
-            write_synced(os.path.join(tmp, STATE_FILE), json.dumps(extra, indent=1))
-            write_synced(os.path.join(tmp, "config.yaml"), to_yaml(self.cfg))
+            files[STATE_FILE] = json.dumps(extra, indent=1)
+            files["config.yaml"] = to_yaml(self.cfg)
+        return files
+
+    def _write_small_files(self, tmp: str, files: dict[str, Any]) -> None:
+        """On the writer thread, before the shards: DCP's write ends on every rank only once every
+        rank has started it, so rank 0's size and fsync of the whole folder after its write
+        (write_shards) cover every rank's small files. Rank 0 also writes the model's config and
+        the tokenizer (hf/)."""
+        for name, content in files.items():
+            path = os.path.join(tmp, name)
+            if isinstance(content, str):
+                write_synced(path, content)
+            else:
+                _torch_save_synced(content, path)
+        if self.world.is_main:
             hf = os.path.join(tmp, "hf")
-            model.config.save_pretrained(hf)
-            if getattr(model, "generation_config", None) is not None:
-                model.generation_config.save_pretrained(hf)
+            self.model.config.save_pretrained(hf)
+            if getattr(self.model, "generation_config", None) is not None:
+                self.model.generation_config.save_pretrained(hf)
             self.tokenizer.save_pretrained(hf)
 
-    def _write(self, state_dict: dict, tmp: str, slot: Optional[int]) -> tuple[Optional[int], float]:
-        """The writer thread: write_shards here (a final or synchronous save: training waits for it
-        anyway), or a background save's in the writer process."""
+    def _write(self, state_dict: dict, tmp: str, slot: Optional[int],
+               small_files: dict[str, Any]) -> tuple[Optional[int], float]:
+        """The writer thread: the small files, then write_shards here (a final or synchronous save:
+        training waits for it anyway), or a background save's in the writer process."""
+        self._write_small_files(tmp, small_files)
         threads = self.cfg.trainer.save_thread_count
         if slot is not None:  # a background save: its host copy (made now if it was staged on the device)
             state_dict = self.staging.to_host(state_dict, slot)

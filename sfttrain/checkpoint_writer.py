@@ -292,11 +292,10 @@ class Staging:
     A host copy is in shared memory where a writer process reads it, and page-locked where
     trainer.async_save_pinned on CUDA asks for it (the device-to-host copy at full PCIe speed). Such
     copies are kept for the run and reused by every later save in their slot (a writer process is
-    sent each once). Page locking is slow (about a second per GB on an H200 host) and slows every
-    step that runs beside it (W1's steps ran at half speed for the 5 s it took: docs/benchmarks.md,
-    run AN), so the pinned slots are allocated once, after the first step and before the second,
-    while nothing else runs. Otherwise (a writer thread on CPU) each save gets a fresh host copy,
-    freed once written."""
+    sent each once). Page locking is slow (seconds per GB) and slows every step that runs beside it
+    (docs/benchmarks.md, run AO), so the pinned slots are allocated once, after the first step and
+    before the second, while nothing else runs. Otherwise (a writer thread on CPU) each save gets a
+    fresh host copy, freed once written."""
 
     def __init__(self, device: torch.device, pinned: bool, shared: bool):
         self.device, self.pinned, self.shared = device, pinned, shared

@@ -139,8 +139,9 @@ class TrainerConfig:
     save_freq: int = -1  # checkpoint every N steps (and always at the end); -1: only at the end
     max_ckpt_to_keep: Optional[int] = None  # None keeps all (counts committed checkpoints only)
     async_save: bool = True  # periodic saves written in the background from a host copy (+1 model/optimizer shard in RAM)
-    # CUDA, async_save: stage into pinned host buffers allocated once per staging slot (after step 1, a pause of
-    # about a second per GB) and reused by the later saves in it (the device-to-host copy at full speed)
+    # CUDA, async_save: stage into pinned host buffers allocated once per staging slot (after step 1: a one-time
+    # pause, said in the line on where saves stage) and reused by the later saves in it (the device-to-host copy
+    # at full speed)
     async_save_pinned: bool = True
     # async_save: saves staged or being written at once, each holding a copy of this rank's shard (on the GPU or
     # in host memory: async_save_staging; fewer where that memory holds fewer: said after the first step); saves

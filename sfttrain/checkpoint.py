@@ -92,10 +92,10 @@ class Checkpointer:
     save returns once this rank's shard is copied (sfttrain.checkpoint_writer's Staging: on the GPU
     where its memory allows, the writer thread then copying it to host memory; or straight to host
     memory, with trainer.async_save_pinned on CUDA into pinned copies allocated between the first and
-    the second step and reused by the later saves); one writer thread per rank then writes the saves in order (DCP,
-    trainer.save_thread_count threads per file set; by default on CUDA through a writer process of
-    the rank's own, which holds no GIL that training needs: trainer.async_save_writer) while training
-    goes on, and each is committed at the first step boundary where every rank's write has finished
+    the second step and reused by the later saves); one writer thread per rank then writes the saves
+    in order (DCP, trainer.save_thread_count threads per file set; by default on CUDA through a
+    writer process of the rank's own, which holds no GIL that training needs:
+    trainer.async_save_writer) while training goes on, and each is committed at the first step boundary where every rank's write has finished
     (`poll`). Up to trainer.async_save_in_flight saves are staged or
     being written at once, each holding a host copy of this rank's shard: saves that come faster
     than the disk writes them queue there, and a save finding the queue full waits for the oldest.

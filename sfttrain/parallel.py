@@ -175,8 +175,9 @@ def cpp_wrapper(cfg: Config, world: World, model_config) -> bool:
 
 
 def _grouped_gemm_without_cpp_call(model_config) -> bool:
-    """A MoE whose experts run torch._grouped_mm (sfttrain.experts) under a torch whose C++ wrapper
-    has no C shim for it (added in 2.12: torchgen/aoti/fallback_ops.py); its build fails there."""
+    """A MoE (transformers 5 runs its experts through sfttrain.experts' torch._grouped_mm) under a
+    torch whose C++ wrapper has no C shim for that op (added in 2.12: torchgen/aoti/fallback_ops.py):
+    the wrapper's build fails there."""
     return routing(model_config) is not None and TorchVersion(torch.__version__) < "2.12"
 
 

@@ -94,13 +94,13 @@ def test_cpp_wrapper_computes_what_the_python_wrapper_does(ratio):
     torch.testing.assert_close(python[0], eager[0], rtol=1e-2, atol=0)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="inductor's mixed-order norm reductions are GPU (Triton) code")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="mixed-order norm reductions are Triton (GPU) code")
 def test_compiled_layers_serve_every_packed_length_with_one_compilation(tmp_path):
     """W4's shape of attention (Qwen3: 4 key/value heads of 128, so k_norm is 512 wide), one layer,
     checkpointed and compiled as sfttrain compiles it, run on a packed micro-batch of 12288 tokens and
     then of 8192. Without inductor's non-strict mixed-order reductions, the first compilation guards
     on `tokens x 512 >= 5 MiB` (a size check inductor makes for fusing k_norm's backward reductions)
-    and the second micro-batch recompiles every layer: 22 s in the middle of a W4 run on an H200."""
+    and the second micro-batch recompiles every layer, mid-run (docs/benchmarks.md, runs AL and AN)."""
     from transformers import Qwen3Config
 
     Qwen3Config(vocab_size=1024, hidden_size=2048, intermediate_size=1024, num_hidden_layers=1, num_attention_heads=16,

@@ -57,6 +57,7 @@ def apply_lora(model: nn.Module, cfg: ModelConfig) -> nn.Module:
     On a meta-device model the adapters are empty too: `sfttrain.weights` draws them
     (`init_adapter`) from the seed, so every rank and every rerun gets the same ones."""
     model = wrap(model, cfg).get_base_model()
+    run_parameter_adapters_eager(model)
     if mixed_precision_dtypes(cfg.fsdp_config):
         # autocast (one device) or FSDP's param_dtype sets the GEMMs' dtype. peft would first cast
         # each adapter's bf16 input up to the fp32 adapter's dtype, which autocast casts straight
@@ -81,6 +82,20 @@ def wrap(model: nn.Module, cfg: ModelConfig):
         # adds for gate_up_proj against modules, not the parameters it applies to (it does apply)
         warnings.filterwarnings("ignore", r"The following (rank|alpha)_pattern keys did not match", RuntimeWarning)
         return get_peft_model(model, lora_config(cfg, target, experts), autocast_adapter_dtype=True)
+
+
+def run_parameter_adapters_eager(model: nn.Module) -> None:
+    """peft adapts a fused parameter (a MoE's experts) by registering a torch parametrization on the
+    module at every forward and removing it after: module surgery that dynamo cannot trace (torch
+    2.11 asserts in its guards on the parametrization's cache). The outermost such wrapper runs
+    outside the compiled layer, a graph break on each side of the experts; the rest of the layer
+    stays compiled. Eager runs are unchanged."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    nested = {id(m.base_layer) for m in model.modules() if isinstance(m, ParamWrapper)}
+    for module in model.modules():
+        if isinstance(module, ParamWrapper) and id(module) not in nested:
+            module.forward = torch.compiler.disable(module.forward)
 
 
 def describe(cfg: ModelConfig) -> list[str]:

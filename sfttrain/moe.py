@@ -263,7 +263,9 @@ def describe_lora(model: nn.Module, cfg) -> list[str]:
     router_words = "routers adapted too (peft's choice for this family)" if routers else "routers not adapted"
     if experts:
         ranks = ", ".join(f"{param} rank {r}" for param, r in sorted(experts.items()))
+        # sfttrain.lora.run_parameter_adapters_eager says why
+        eager = "; the adapted experts run eager, outside the compiled layers" if cfg.compile else ""
         return [f"  lora on experts     : routed experts adapted per expert ({ranks}; peft target_parameters); "
-                f"{router_words}"]
+                f"{router_words}{eager}"]
     _, reason = expert_lora_targets(model, cfg)
     return [f"  lora on experts     : routed experts NOT adapted ({reason}); {router_words}"]

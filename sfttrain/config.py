@@ -109,6 +109,10 @@ class ModelConfig:
     # where the layers are large enough to gain, hidden_size >= 4096; off below). Master weights,
     # optimizer state and checkpoints are those of a run without it
     fp8: str = "off"
+    # model.fp8: the two gradient GEMMs (input and weight gradients) accumulate in the FP8 tensor
+    # cores' fast mode too, as torchao's recipes do for the forward GEMM only; false: torchao's recipe
+    # as it is (slower; the loss at W2b's step 60 within 1% of bf16's either way: docs/benchmarks.md, AU)
+    fp8_fast_accum_grads: bool = True
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
 

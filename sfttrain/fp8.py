@@ -4,7 +4,9 @@ What runs in FP8: every `nn.Linear` inside a decoder layer (attention q/k/v/o, t
 gate/up/down) whose two dimensions divide by 16 (the FP8 GEMM's requirement; others stay bf16).
 torchao's `Float8Linear` replaces each one: forward and both backward GEMMs take FP8 operands
 (e4m3; e5m2 for the output gradient under tensorwise) with scales computed from each tensor's
-current amax, and produce bf16. What stays as it was: the embeddings, norms, attention itself,
+current amax, and produce bf16. All three accumulate in the tensor cores' fast mode: torchao's
+recipes keep the gradient GEMMs in the precise one, which W2b measured slower at no gain in its loss
+(model.fp8_fast_accum_grads=false restores it). What stays as it was: the embeddings, norms, attention itself,
 lm_head (the chunked loss reads its weight directly, sfttrain.loss) and a mixture of experts'
 experts (fused 3-D weights run by grouped GEMMs, sfttrain.experts: not linear layers) and router.
 
@@ -127,21 +129,26 @@ def apply(model: nn.Module, cfg: ModelConfig, fsdp_all_gather: bool) -> None:
     offload): their weights all-gathered in FP8 where the recipe allows (tensorwise)."""
     recipe = choose(cfg, hidden_size(model)).recipe
     if recipe is not None:
-        convert(decoder_layers(model), recipe, fsdp_all_gather)
+        convert(decoder_layers(model), recipe, fsdp_all_gather, cfg.fp8_fast_accum_grads)
 
 
 def hidden_size(model: nn.Module) -> int:
     return model.config.get_text_config().hidden_size
 
 
-def convert(layers: list[nn.Module], recipe: str, fsdp_all_gather: bool, emulate: bool = False) -> None:
+def convert(layers: list[nn.Module], recipe: str, fsdp_all_gather: bool, fast_accum_grads: bool,
+            emulate: bool = False) -> None:
     """Swaps the convertible linear layers of `layers` for torchao's Float8Linear, in place (meta
     parameters too: the weights are materialised afterwards). fsdp_all_gather (tensorwise only):
-    FSDP2 all-gathers the weights in FP8. emulate: FP8 arithmetic without FP8 GEMMs (any device;
-    for tests)."""
+    FSDP2 all-gathers the weights in FP8. fast_accum_grads: the gradient GEMMs accumulate in the
+    tensor cores' fast mode, as the forward's does in torchao's recipes (model.fp8_fast_accum_grads).
+    emulate: FP8 arithmetic without FP8 GEMMs (any device; for tests)."""
     float8 = float8_api()
     config = dataclasses.replace(float8.Float8LinearConfig.from_recipe_name(recipe), emulate=emulate,
                                  enable_fsdp_float8_all_gather=fsdp_all_gather and recipe == "tensorwise")
+    if fast_accum_grads:
+        fast = float8.config.Float8GemmConfig(use_fast_accum=True)
+        config = dataclasses.replace(config, gemm_config_grad_input=fast, gemm_config_grad_weight=fast)
     converted = set(convertible(layers)[0])
     for i, layer in enumerate(layers):
         float8.convert_to_float8_training(layer, config=config,
@@ -172,9 +179,12 @@ def describe(model: nn.Module, cfg: ModelConfig) -> list[str]:
         return [f"  fp8                 : off ({why})"]
     ids = {id(m) for m in converted}
     names = sorted({name for layer in decoder_layers(model) for name, m in layer.named_modules() if id(m) in ids})
-    gather = "; weights all-gathered in FP8" if converted[0].config.enable_fsdp_float8_all_gather else ""
+    config = converted[0].config
+    gather = "; weights all-gathered in FP8" if config.enable_fsdp_float8_all_gather else ""
+    accum = ("every GEMM" if config.gemm_config_grad_input.use_fast_accum else
+             "the forward GEMM only (model.fp8_fast_accum_grads=false)")
     return [f"  fp8                 : {choice.recipe} scaling ({choice.reason}), {len(converted)} linear layers "
-            f"({', '.join(names)}){gather}; bf16: {', '.join(_left_in_bf16(model))}"
+            f"({', '.join(names)}){gather}; fast accumulation in {accum}; bf16: {', '.join(_left_in_bf16(model))}"
             + "".join(f"; WARNING: {w}" for w in _warnings(model, cfg))]
 
 

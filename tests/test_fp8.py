@@ -94,6 +94,22 @@ def test_auto_turns_fp8_on_for_wide_layers_only():
     assert fp8.choose(ModelConfig(fp8="off"), 8192).recipe is None
 
 
+@pytest.mark.parametrize("fast_grads", [True, False])
+def test_fast_accumulation_reaches_the_gradient_gemms_unless_turned_off(fast_grads):
+    """model.fp8_fast_accum_grads: the gradient GEMMs' accumulation is the forward's fast mode, or
+    torchao's recipe as it is; the start-up line says which."""
+    pytest.importorskip("torchao.float8", reason="torchao: pip install -e '.[fp8]'")
+    model, cfg = llama(), ModelConfig(fp8="tensorwise", fp8_fast_accum_grads=fast_grads)
+    fp8.apply(model, cfg, fsdp_all_gather=False)
+    configs = [m.config for m in fp8.converted_layers(model)]
+    assert len(configs) == 2 * 7  # every linear layer of the two decoder layers
+    for config in configs:
+        assert config.gemm_config_output.use_fast_accum  # torchao's recipe
+        assert config.gemm_config_grad_input.use_fast_accum == config.gemm_config_grad_weight.use_fast_accum == fast_grads
+    expected = "every GEMM" if fast_grads else "the forward GEMM only (model.fp8_fast_accum_grads=false)"
+    assert f"; fast accumulation in {expected};" in fp8.describe(model, cfg)[0]
+
+
 def test_which_layers_convert():
     """The decoder layers' linear layers whose dimensions divide by 16; never lm_head; a MoE's
     experts and router are no linear layers."""
@@ -136,7 +152,7 @@ def test_emulated_fp8_trains_close_to_fp32_with_the_same_state():
 
     reference, model = llama(), llama()
     params = dict(model.named_parameters())
-    fp8.convert(decoder_layers(model), "tensorwise", fsdp_all_gather=False, emulate=True)
+    fp8.convert(decoder_layers(model), "tensorwise", fsdp_all_gather=False, fast_accum_grads=True, emulate=True)
     assert len(fp8.converted_layers(model)) == 2 * 7
     assert dict(model.named_parameters()) == params  # the very tensors
     ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
@@ -190,7 +206,7 @@ def test_sharded_fp8_checkpoint_and_export_are_unchanged(tmp_path):
                 assert fp8.describe(model, cfg) == [
                     "  fp8                 : tensorwise scaling (model.fp8=tensorwise), 20 linear layers "
                     "(self_attn.k_proj, self_attn.o_proj, self_attn.q_proj, self_attn.v_proj); weights all-gathered "
-                    "in FP8; bf16: lm_head, 15 linear layers with a dimension not a multiple of 16; WARNING: "
+                    "in FP8; fast accumulation in every GEMM; bf16: lm_head, 15 linear layers with a dimension not a multiple of 16; WARNING: "
                     "hidden_size 64 < 4096: GEMMs this small usually run slower in FP8 (model.fp8=auto keeps it off)"]
                 fp8.scale_precompute_hook(model)(optimizer, (), {})
             saved[name] = state_dict_keys(model, optimizer)
@@ -248,7 +264,8 @@ def _tiny_fp8_llama(fsdp_all_gather: bool):
     from sfttrain.model import decoder_layers
 
     model = llama()
-    fp8.convert(decoder_layers(model), "tensorwise", fsdp_all_gather=fsdp_all_gather, emulate=True)
+    fp8.convert(decoder_layers(model), "tensorwise", fsdp_all_gather=fsdp_all_gather, fast_accum_grads=True,
+                emulate=True)
     return model
 
 

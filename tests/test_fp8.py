@@ -105,7 +105,8 @@ def test_fast_accumulation_reaches_the_gradient_gemms_unless_turned_off(fast_gra
     assert len(configs) == 2 * 7  # every linear layer of the two decoder layers
     for config in configs:
         assert config.gemm_config_output.use_fast_accum  # torchao's recipe
-        assert config.gemm_config_grad_input.use_fast_accum == config.gemm_config_grad_weight.use_fast_accum == fast_grads
+        assert config.gemm_config_grad_input.use_fast_accum == fast_grads
+        assert config.gemm_config_grad_weight.use_fast_accum == fast_grads
     expected = "every GEMM" if fast_grads else "the forward GEMM only (model.fp8_fast_accum_grads=false)"
     assert f"; fast accumulation in {expected};" in fp8.describe(model, cfg)[0]
 
@@ -206,8 +207,9 @@ def test_sharded_fp8_checkpoint_and_export_are_unchanged(tmp_path):
                 assert fp8.describe(model, cfg) == [
                     "  fp8                 : tensorwise scaling (model.fp8=tensorwise), 20 linear layers "
                     "(self_attn.k_proj, self_attn.o_proj, self_attn.q_proj, self_attn.v_proj); weights all-gathered "
-                    "in FP8; fast accumulation in every GEMM; bf16: lm_head, 15 linear layers with a dimension not a multiple of 16; WARNING: "
-                    "hidden_size 64 < 4096: GEMMs this small usually run slower in FP8 (model.fp8=auto keeps it off)"]
+                    "in FP8; fast accumulation in every GEMM; bf16: lm_head, 15 linear layers with a dimension not "
+                    "a multiple of 16; WARNING: hidden_size 64 < 4096: GEMMs this small usually run slower in FP8 "
+                    "(model.fp8=auto keeps it off)"]
                 fp8.scale_precompute_hook(model)(optimizer, (), {})
             saved[name] = state_dict_keys(model, optimizer)
             model_sd, optim_sd = checkpoint._state_dicts(model, optimizer)

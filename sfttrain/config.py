@@ -111,7 +111,7 @@ class ModelConfig:
     fp8: str = "off"
     # model.fp8: the two gradient GEMMs (input and weight gradients) accumulate in the FP8 tensor
     # cores' fast mode too, as torchao's recipes do for the forward GEMM only; false: torchao's recipe
-    # as it is (slower; the loss at W2b's step 60 within 1% of bf16's either way: docs/benchmarks.md, AU)
+    # as it is (slower; the loss at W2b's step 60 within 1% of bf16's either way: docs/benchmarks.md, AK and AU)
     fp8_fast_accum_grads: bool = True
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 

@@ -205,13 +205,15 @@ class ForkServer:
         """A rank forked from the server is one started with env only where their environments are
         the same: torch, transformers and their libraries read theirs at import (OMP_NUM_THREADS,
         HF_*, TORCH*, PYTHONPATH, HOME...). PYTEST_CURRENT_TEST, which pytest changes per test, is
-        read by none of them; TORCHINDUCTOR_CACHE_DIR at its default is what inductor exports into
-        this process's environment once an in-process test compiles, and what every rank computes
-        anyway. (Before the server starts: the environment it would start with.)"""
+        read by none of them. Inductor exports two into this process's environment once an in-process
+        test compiles: TORCHINDUCTOR_CACHE_DIR at its default, what every rank computes anyway, and
+        _TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR, an address in this process that its C++ kernels
+        read (meaningless in a rank). Counted, every later job of the worker would start unforked.
+        (Before the server starts: the environment it would start with.)"""
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
         def key(e: dict) -> dict:
-            return {k: v for k, v in e.items() if k != "PYTEST_CURRENT_TEST"
+            return {k: v for k, v in e.items() if k not in ("PYTEST_CURRENT_TEST", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR")
                     and not (k == "TORCHINDUCTOR_CACHE_DIR" and v == default_cache_dir())}
         return key(env) == key(cls._running.env if cls._running else rank_env())
 

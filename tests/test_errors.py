@@ -1,7 +1,10 @@
-"""The catalogue of user mistakes, each run through torchrun: one clean message, printed once,
-torchrun's summary showing it as the root cause, the exit code of its kind (sfttrain/run.py), and
-no traceback from sfttrain's ranks (torchrun's launcher prints its own for any failed child: that
-one is allowed, and only that one)."""
+"""The catalogue of user mistakes: one clean message, printed once, the exit code of its kind
+(sfttrain/run.py), and no traceback from sfttrain's ranks. Every mistake ends through the one path,
+sfttrain.run.stop; the cases of two ranks and one case of each exit kind run under torchrun, whose
+summary must show the message as the root cause (torchrun's launcher prints its own traceback for
+any failed child: that one is allowed, and only that one). The rest run as one rank, `python -m
+sfttrain.run` (the suite's forked ranks: no torchrun start-up per case), and print no traceback.
+"""
 
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import BASE_OVERRIDES, REPO, STORIES, descendants, kill_job, launch, run_sfttrain
+from tests.conftest import BASE_OVERRIDES, REPO, STORIES, ForkedJob, descendants, kill_job, launch, run_sfttrain
 
 CONFIG, DATA, NON_FINITE, DEPENDENCY = 2, 3, 4, 5
 
@@ -33,6 +36,10 @@ class Case:
     nproc: int = 1  # 2 where ranks matter (said once; batch arithmetic)
     env: dict = field(default_factory=dict)
     yaml: str | None = None  # a recipe file's text, passed before the overrides
+    torchrun: bool = False  # launched by torchrun, its summary checked (two ranks always are)
+
+    def __post_init__(self):
+        self.torchrun = self.torchrun or self.nproc > 1
 
 
 def catalogue(tmp: Path) -> dict[str, Case]:
@@ -60,7 +67,7 @@ def catalogue(tmp: Path) -> dict[str, Case]:
         "nan_lr": Case(["optim.lr=nan"], ["optim.lr=nan is not a finite number"], CONFIG),
         "missing_wandb": Case(["trainer.logger=wandb"], ["trainer.logger includes wandb but `import wandb` fails",
                                                          "pip install wandb", "trainer.logger=console"],
-                              DEPENDENCY, env={"PYTHONPATH": f"{shim}:{REPO}"}),
+                              DEPENDENCY, env={"PYTHONPATH": f"{shim}:{REPO}"}, torchrun=True),
         "non_divisible_batch": Case(["data.train_batch_size=10", "data.micro_batch_size_per_gpu=4"], [
             "data.train_batch_size=10 gives 5 samples per data-parallel rank over 2 data-parallel ranks, not divisible by "
             "data.micro_batch_size_per_gpu=4; use data.train_batch_size=8 or 16"], CONFIG, nproc=2),
@@ -96,7 +103,7 @@ def catalogue(tmp: Path) -> dict[str, Case]:
         "non_finite_loss": Case(["optim.lr=1e30", "optim.clip_grad=0", "data.train_batch_size=4",
                                  "data.micro_batch_size_per_gpu=4"],
                                 ["non-finite loss", "at step 2 ", "NOT applied", "no checkpoint was written yet"],
-                                NON_FINITE),
+                                NON_FINITE, torchrun=True),
     }
 
 
@@ -108,13 +115,13 @@ def _run(name: str, case: Case, tmp: Path, gsm8k_dir: Path):
         recipe = tmp / f"{name}.yaml"
         recipe.write_text(case.yaml)
         args.insert(0, str(recipe))
-    return run_sfttrain(case.nproc, args, check=False, env=case.env, timeout=400, torchrun=True)
+    return run_sfttrain(case.nproc, args, check=False, env=case.env, timeout=400, torchrun=case.torchrun)
 
 
 @pytest.fixture(scope="module")
 def outcomes(gsm8k_dir, tmp_path_factory):
     """Every case's output, the cases run three at a time (most stop before the model loads, so
-    each is mostly interpreter start-up: overlapping them keeps the suite fast)."""
+    each is mostly start-up: overlapping them keeps the suite fast)."""
     tmp = tmp_path_factory.mktemp("errors")
     cases = catalogue(tmp)
     assert sorted(cases) == sorted(CASES)
@@ -147,14 +154,26 @@ def test_user_mistake_ends_in_one_clean_message(outcomes, name):
     assert len(printed) == 1, out[-3000:]  # once, by rank 0, at the start of its own line
     for needle in case.needles:
         assert needle in printed[0], out[-3000:]
-    summary = out.split("sfttrain.run FAILED")[1]
-    assert summary.count(printed[0]) == 1, summary  # only the rank that reports it wrote its error file
-    root_cause = out.split("Root Cause (first observed failure):")[1]
-    assert f"traceback : {printed[0]}" in root_cause, out[-3000:]
-    codes = [int(c) for c in re.findall(r"exitcode\s+: (-?\d+)", out)]
-    assert case.code in codes and set(codes) <= {case.code, -15}, codes  # -15: stopped by torchrun after the first
-    assert launcher_traceback_only(out), out[-5000:]
+    if case.torchrun:
+        summary = out.split("sfttrain.run FAILED")[1]
+        assert summary.count(printed[0]) == 1, summary  # only the rank that reports it wrote its error file
+        root_cause = out.split("Root Cause (first observed failure):")[1]
+        assert f"traceback : {printed[0]}" in root_cause, out[-3000:]
+        codes = [int(c) for c in re.findall(r"exitcode\s+: (-?\d+)", out)]
+        assert case.code in codes and set(codes) <= {case.code, -15}, codes  # -15: stopped by torchrun after the first
+        assert launcher_traceback_only(out), out[-5000:]
+    else:
+        assert proc.returncode == case.code, out[-3000:]
+        assert "Traceback" not in out, out[-5000:]
     assert not list(run_dir.glob("global_step_*"))  # nothing saved
+
+
+def test_every_exit_kind_and_rank_count_reaches_torchrun_summary(tmp_path):
+    """The catalogue runs under torchrun at least one case of each exit kind, of one rank and of two."""
+    cases = catalogue(tmp_path).values()
+    under_torchrun = [case for case in cases if case.torchrun]
+    assert {case.code for case in under_torchrun} == {case.code for case in cases}
+    assert {case.nproc for case in under_torchrun} == {1, 2}
 
 
 def test_each_kind_has_its_own_exit_code():
@@ -166,7 +185,10 @@ def test_each_kind_has_its_own_exit_code():
 
 
 def rank_pid(launcher: subprocess.Popen, rank: int) -> int | None:
-    """The pid of a torchrun job's rank (its environment says RANK)."""
+    """The pid of a job's rank: forked by the suite's rank server, or a torchrun child whose
+    environment says RANK (where SFTTRAIN_TEST_FORK=0 starts ranks the usual way)."""
+    if isinstance(launcher, ForkedJob):
+        return launcher.ranks()[rank]
     for pid in descendants(launcher.pid):
         try:
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
@@ -186,7 +208,7 @@ def test_collective_timeout_names_the_phase(gsm8k_dir, tmp_path):
     proc = launch(2, [*BASE_OVERRIDES, f"data.train_files={gsm8k_dir}/train.parquet", f"trainer.default_local_dir={run_dir}",
                       "data.train_batch_size=4", "data.micro_batch_size_per_gpu=2", "trainer.total_training_steps=100000",
                       "trainer.nccl_timeout=20"],
-                  log, torchrun=True)
+                  log)
     try:
         deadline = time.monotonic() + 300
         while not (run_dir / "metrics.jsonl").exists() and time.monotonic() < deadline and proc.poll() is None:

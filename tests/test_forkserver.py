@@ -42,14 +42,16 @@ def test_the_launchers_death_ends_its_ranks(gsm8k_dir, tmp_path):
 
 
 def test_only_the_servers_environment_is_forked():
-    ForkServer.get()
-    assert ForkServer.accepts(rank_env())
+    server, now = ForkServer.get(), rank_env()
+    assert ForkServer.accepts(now), {k for k in server.env.keys() | now.keys() if server.env.get(k) != now.get(k)}
     assert not ForkServer.accepts(rank_env({"HF_HUB_OFFLINE": "1"}))
     assert not ForkServer.accepts(rank_env({"OMP_NUM_THREADS": "2"}))
-    # inductor exports its default cache folder into this process once a test compiles in it
+    # inductor exports its default cache folder into this process once a test compiles in it, and
+    # an address in this process for its C++ kernels
     from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
 
     cache_dir()
     assert ForkServer.accepts(rank_env())
     assert ForkServer.accepts(rank_env({"TORCHINDUCTOR_CACHE_DIR": default_cache_dir()}))
     assert not ForkServer.accepts(rank_env({"TORCHINDUCTOR_CACHE_DIR": "/elsewhere"}))
+    assert ForkServer.accepts(rank_env({"_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR": "140265057340448"}))

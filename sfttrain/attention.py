@@ -37,6 +37,8 @@ Backends (``select_backend``/``configure``)
 * ``flash_attn``: ``flash_attn.flash_attn_varlen_func`` (CUDA, package must import).
 * ``torch_varlen``: PyTorch's own varlen flash attention, ``aten::_flash_attention_forward`` (the
   op ``torch.nn.attention.varlen.varlen_attn`` wraps; CUDA only: the CPU build has no kernel for it).
+  A row of ONE sample (long samples, one per micro-batch) runs on cuDNN's attention instead where the
+  GPU is a Hopper or newer, where it is the faster kernel (docs/benchmarks.md).
 * ``sdpa_blockmask``: exact fallback for any device: one causal
   ``scaled_dot_product_attention`` per sample over slices given by ``cu_seqlens`` (one host sync
   per layer to read the boundaries; fine on CPU and for debugging, slow on GPU).
@@ -56,8 +58,10 @@ __all__ = [
     "BACKENDS",
     "available_backends",
     "configure",
+    "describe_backend",
     "fallback_warning",
     "get_backend",
+    "kernel_ops",
     "register",
     "select_backend",
     "varlen_attention_forward",
@@ -66,9 +70,11 @@ __all__ = [
 ATTN_IMPLEMENTATION = "sfttrain_varlen"
 BACKENDS = ("flash_attn", "torch_varlen", "sdpa_blockmask")  # also the "auto" preference order
 
-# The one piece of module state: the backend chosen by `configure` at start-up. None means "not
-# configured": each call then uses select_backend("auto", <device of the query>).
+# The module state: the backend chosen by `configure` at start-up. None means "not configured":
+# each call then uses select_backend("auto", <device of the query>). And whether torch_varlen runs
+# a row of one sample on cuDNN (configure decides: a Hopper or newer GPU, cuDNN present).
 _backend: str | None = None
+_cudnn_rows: bool = False
 
 
 # --------------------------------------------------------------------------------------------
@@ -161,10 +167,37 @@ def register(forward=None) -> None:
 
 def configure(backend: str = "auto", device_type: str | None = None) -> str:
     """Select the backend once at start-up, register with transformers, return the chosen name."""
-    global _backend
+    global _backend, _cudnn_rows
     _backend = select_backend(backend, device_type)
+    _cudnn_rows = _backend == "torch_varlen" and cudnn_attention_available()
     register()
     return _backend
+
+
+def cudnn_attention_available() -> bool:
+    """cuDNN's fused attention on this process's GPU: a Hopper or newer (where it was measured)."""
+    return (torch.cuda.is_available() and torch.backends.cudnn.is_available()
+            and torch.cuda.get_device_capability() >= (9, 0))
+
+
+def describe_backend() -> str:
+    """The configured backend for the start-up line."""
+    return f"{_backend} (a row of one sample on cuDNN)" if _cudnn_rows else str(_backend)
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_ops() -> frozenset:
+    """The ops whose outputs are an attention's result (and its softmax statistics), for every
+    backend and device: what sfttrain.recompute keeps so that backward does not run them again."""
+    aten = torch.ops.aten
+    ops = {aten._flash_attention_forward.default, aten._scaled_dot_product_cudnn_attention.default,
+           aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
+           aten._scaled_dot_product_flash_attention_for_cpu.default}
+    if _flash_attn_importable():  # flash-attn >= 2.6 registers its kernels as torch ops
+        flash = getattr(torch.ops, "flash_attn", None)
+        ops.update(getattr(flash, name).default for name in ("_flash_attn_varlen_forward", "_flash_attn_forward")
+                   if flash is not None and hasattr(flash, name))
+    return frozenset(ops)
 
 
 def get_backend() -> str | None:
@@ -202,6 +235,13 @@ def _run_torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, softcap)
     )[0]
 
 
+def _run_cudnn_one_sample(q, k, v, scale):
+    """Causal attention of a row that is one sample, [T, H, D], on cuDNN (fewer KV heads native)."""
+    q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))  # [1, H, T, D], views
+    out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)[0]
+    return out[0].transpose(0, 1)
+
+
 def _run_sdpa_blockmask(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, softcap):
     # Exact fallback: one causal SDPA per sample, so nothing can cross a boundary and no [T, T]
     # mask exists. Reading the boundaries is a host sync per layer (fine on CPU).
@@ -219,7 +259,7 @@ def _run_sdpa_blockmask(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, softca
     for start, end in zip(bounds[:-1], bounds[1:]):
         if end == start:
             continue
-        # [L, H, D] -> [H, L, D]; SDPA takes any leading batch dims.
+        # [L, H, D] -> [H, L, D]
         qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))
         length = end - start
         if softcap is not None:
@@ -229,10 +269,11 @@ def _run_sdpa_blockmask(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, softca
             rel = i[:, None] - i[None, :]  # query index minus key index
             mask = (rel >= 0) & (rel <= window[0])
             o = F.scaled_dot_product_attention(
-                qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa
-            )
-        else:
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+                qs[None], ks[None], vs[None], attn_mask=mask, scale=scale, enable_gqa=gqa
+            )[0]
+        else:  # [1, H, L, D]: SDPA's fused kernels (on CPU too) take 4-D inputs only
+            o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], is_causal=True, scale=scale,
+                                               enable_gqa=gqa)[0]
         outs.append(o.transpose(0, 1))
     return torch.cat(outs, dim=0)
 
@@ -357,6 +398,9 @@ def varlen_attention_forward(
 
     # [1, H, T, D] -> [T, H, D] (a view; the last dim stays contiguous, which the kernels need).
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    # one sample fills the row: cu_seqlens's length is a shape, known without reading the tensor
+    if backend == "torch_varlen" and _cudnn_rows and cu_q.shape[0] == cu_k.shape[0] == 2 and window == (-1, 0):
+        return _run_cudnn_one_sample(q, k, v, scaling).unsqueeze(0), None
     out = _KERNELS[backend](q, k, v, cu_q, cu_k, max_q, max_k, scaling, window, softcap)
     return out.unsqueeze(0), None
 

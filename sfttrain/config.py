@@ -83,6 +83,9 @@ class ModelConfig:
     strategy: str = "fsdp2"  # verl key; sfttrain implements FSDP2 only (fsdp, FSDP1, is refused)
     enable_gradient_checkpointing: bool = True  # recompute each layer in backward: less memory, ~1/3 more compute
     gradient_checkpointing_ratio: float = 1.0  # share of the decoder layers whose activations are recomputed (spread evenly; 0.5: every other layer), the rest kept
+    # with checkpointing: true recomputes attention in backward too; false keeps each checkpointed layer's
+    # attention output (one more hidden state per token and layer) so that attention runs once (sfttrain/recompute.py)
+    recompute_attention: bool = False
     attn_implementation: str = "auto"  # auto | flash_attn | torch_varlen | sdpa_blockmask
     use_liger: bool = False  # Liger's fused RMSNorm/SwiGLU/RoPE and fused linear cross-entropy
     compile: bool = False  # torch.compile each decoder layer (dynamic shapes; compiled once, shared by the layers)

@@ -1,5 +1,6 @@
-"""Parallelism applied to the unmodified model: activation checkpointing, compilation and FSDP2,
-then the weights materialised into it (the model arrives with its parameters on the meta device).
+"""Parallelism applied to the unmodified model: activation checkpointing (sfttrain.recompute),
+compilation and FSDP2, then the weights materialised into it (the model arrives with its
+parameters on the meta device).
 
 Three layouts (`Layout`):
 - sharded (several ranks, or CPU offload): every decoder layer is one `fully_shard` unit (its
@@ -17,7 +18,6 @@ Checkpoints are the same DCP format in all three, and resume in any other.
 
 from __future__ import annotations
 
-import warnings
 from typing import Literal
 
 import torch
@@ -26,7 +26,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compr
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.torch_version import TorchVersion
 
-from sfttrain import fp8, sequence_parallel
+from sfttrain import fp8, recompute, sequence_parallel
 from sfttrain.config import Config, ConfigError, mixed_precision_dtypes
 from sfttrain.distributed import World
 from sfttrain.loss import CausalLMLoss
@@ -46,7 +46,7 @@ def parallelize(lm: CausalLMLoss, world: World, cfg: Config) -> Layout:
     # before FSDP wraps the weights it all-gathers; offloaded shards are gathered as they are
     fp8.apply(lm.model, cfg.model, fsdp_all_gather=layout == "sharded" and not offload)
     if cfg.model.enable_gradient_checkpointing:
-        checkpoint_layers(lm, cfg.model.gradient_checkpointing_ratio)
+        recompute.apply(lm.model, decoder_layers(lm.model), cfg.model)
     apply_sequence_parallel(lm, world)
     if layout == "sharded":
         shard(lm, world, cfg, offload)
@@ -63,20 +63,6 @@ def choose_layout(world: World, offload: bool) -> Layout:
     if world.mesh["dp_shard"].size() == 1 and world.sp_size == 1 and not offload:
         return "replicated"
     return "sharded"
-
-
-def checkpoint_layers(lm: CausalLMLoss, ratio: float) -> None:
-    """Activation checkpointing on `ratio` of the decoder layers, spread evenly (layer i when
-    floor((i + 1) * ratio) steps up): a model whose weights and optimizer state leave room for
-    some activations recomputes only the layers that do not fit."""
-    # non-reentrant: works with FSDP2's hooks and with inputs that need no grad. The name is the one
-    # transformers 5.17 has; later 5.x call it an alias of activation_checkpointing_enable and warn
-    # on every run, which the user can do nothing about
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*gradient_checkpointing_enable.* deprecated", category=FutureWarning)
-        lm.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    for i, layer in enumerate(decoder_layers(lm.model)):
-        layer.gradient_checkpointing = int((i + 1) * ratio) > int(i * ratio)  # transformers' per-layer switch
 
 
 def describe_sharding(world: World, cfg: Config, layout: Layout) -> str:

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from sfttrain import checkpoint, export, fp8, lora, moe, phase
-from sfttrain.attention import fallback_warning
+from sfttrain import checkpoint, export, fp8, lora, moe, phase, recompute
+from sfttrain.attention import describe_backend, fallback_warning
 from sfttrain.checkpoint_folder import complete_checkpoints, is_complete, remove_stale_tmp
 from sfttrain.config import Config, as_list
 from sfttrain.data.chat import build_renderer, resolve_chat_template
@@ -27,7 +27,7 @@ from sfttrain.flops import ModelShape
 from sfttrain.loss import CausalLMLoss, router_metrics, router_stats, select_chunk_loss, step_objective
 from sfttrain.metrics import (MetricsLogger, StepEnd, StepTimer, describe_host_memory, host_memory_gib, memory_stats,
                               throughput)
-from sfttrain.model import check_max_length, load_model, load_tokenizer, local_model_folder
+from sfttrain.model import check_max_length, decoder_layers, load_model, load_tokenizer, local_model_folder
 from sfttrain.optim import build_optimizer, build_scheduler, clipped_step, schedule_settings, warmup_steps
 from sfttrain.parallel import describe_compile, describe_sharding, gradient_sync, parallelize
 from sfttrain.resume import check_resume, find_resume
@@ -117,7 +117,7 @@ class FSDPSFTTrainer:
             self.plan.describe(),
             f"  model               : {cfg.model.partial_pretrain} ({shape.num_params / 1e6:.2f}M params, "
             f"{shape.trainable_params / 1e6:.2f}M trainable{shape.describe_active()}, {shape.num_layers} layers), "
-            f"attention {self.attn_backend}, liger {self.liger}",
+            f"attention {describe_backend()}, liger {self.liger}",
             *fallback_warning(cfg.model.attn_implementation, self.attn_backend, self.world.device.type),
             *lora.describe(cfg.model),
             *moe.describe_lora(self.lm.model, cfg.model),
@@ -125,6 +125,7 @@ class FSDPSFTTrainer:
             f"  precision           : weights/optimizer {fsdp.model_dtype}, mixed precision {fsdp.mixed_precision}",
             f"  sharding            : {describe_sharding(self.world, cfg, self.layout)}",
             f"  compile             : {describe_compile(cfg, self.world, self.lm.model.config)}",
+            recompute.describe(decoder_layers(self.lm.model), cfg.model),
             *fp8.describe(self.lm.model, cfg.model),
             f"  lr                  : {cfg.optim.lr} {cfg.optim.lr_scheduler}, "
             f"{warmup_steps(cfg.optim, self.plan.total_steps)} warmup steps",

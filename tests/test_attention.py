@@ -267,6 +267,51 @@ def test_kernel_matches_fp32_reference(backend):
         _assert_close(a.grad, b.grad, kernel_atol * 3, rtol, f"{backend} grad {name}")
 
 
+@pytest.mark.skipif(not attention.cudnn_attention_available(), reason="cuDNN attention rows: Hopper or newer GPUs")
+def test_a_row_of_one_sample_runs_on_cudnn_and_matches_fp32(monkeypatch):
+    """torch_varlen on a Hopper: a row that is one sample (cu_seqlens of two entries) runs on cuDNN's
+    kernel, counted at the dispatcher, and matches the fp32 reference as the flash kernel does (bf16
+    inputs: 3e-2, test_kernel_matches_fp32_reference's bound); a row of two samples stays on flash.
+    W1's heads: 14 of 64 over 2 key/value heads."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Kernels(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in attention.kernel_ops():
+                self.seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(attention, "_backend", "torch_varlen")
+    monkeypatch.setattr(attention, "_cudnn_rows", True)
+    torch.manual_seed(7)
+    t, h, hkv, d = 2048, 14, 2, 64
+    for bounds, kernel in (((0, t), torch.ops.aten._scaled_dot_product_cudnn_attention.default),
+                           ((0, 1000, t), torch.ops.aten._flash_attention_forward.default)):
+        q = torch.randn(1, h, t, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k, v = (torch.randn(1, hkv, t, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+        cu = torch.tensor(bounds, dtype=torch.int32, device="cuda")
+        longest = max(b - a for a, b in zip(bounds, bounds[1:]))
+        with Kernels() as kernels:
+            out, _ = attention.varlen_attention_forward(torch.nn.Module(), q, k, v, None, scaling=d ** -0.5,
+                                                        cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest,
+                                                        max_length_k=longest)
+        assert kernels.seen == [kernel]
+        w = torch.randn(out.shape, device="cuda")
+        (out.float() * w).sum().backward()
+        q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
+        want = torch.cat([F.scaled_dot_product_attention(
+            q32[:, :, a:b], k32[:, :, a:b].repeat_interleave(h // hkv, 1), v32[:, :, a:b].repeat_interleave(h // hkv, 1),
+            is_causal=True).transpose(1, 2) for a, b in zip(bounds, bounds[1:])], dim=1)
+        (want * w).sum().backward()
+        _assert_close(out, want, 3e-2, TOL["torch_varlen"][2], f"{kernel} output")
+        for name, a, b in (("q", q, q32), ("k", k, k32), ("v", v, v32)):
+            _assert_close(a.grad, b.grad, 9e-2, TOL["torch_varlen"][2], f"{kernel} grad {name}")
+
+
 def test_torch_varlen_default_window_is_bidirectional():
     """Documents the trap: varlen_attn without window_size=(-1, 0) is NOT causal."""
     try:

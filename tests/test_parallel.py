@@ -1,4 +1,4 @@
-"""Activation checkpointing (which decoder layers are recomputed in backward) and compiled layers."""
+"""Activation checkpointing (which decoder layers are recomputed in backward, what they keep) and compiled layers."""
 
 import random
 import types
@@ -11,38 +11,134 @@ from sfttrain.data.pack import pack
 from sfttrain.data.render import RenderedSample
 from sfttrain.loss import CausalLMLoss
 from sfttrain.model import decoder_layers, load_model, materialise_model
-from sfttrain.parallel import checkpoint_layers, compile_layers
+from sfttrain import recompute
+from sfttrain.parallel import compile_layers
 from tests.conftest import STORIES
+
+
+def checkpoint_layers(lm: CausalLMLoss, ratio: float, recompute_attention: bool = False) -> None:
+    cfg = ModelConfig(gradient_checkpointing_ratio=ratio, recompute_attention=recompute_attention, compile=True)
+    recompute.apply(lm.model, decoder_layers(lm.model), cfg)
+
+
+def stories_loss(samples: list[int]) -> tuple[CausalLMLoss, object]:
+    """stories260K (5 layers) on the CPU in fp32, and a packed row of samples of those lengths."""
+    cfg, cpu = ModelConfig(partial_pretrain=str(STORIES)), torch.device("cpu")
+    model = load_model(cfg, cpu).model
+    materialise_model(model, cfg, cpu, cpu, seed=0)
+    gen = random.Random(0)
+    batch = pack([RenderedSample([gen.randrange(512) for _ in range(n)], [1] * n, i) for i, n in enumerate(samples)])
+    return CausalLMLoss(model, fused=False).train(), batch
+
+
+def loss_and_grads(lm: CausalLMLoss, batch) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    lm.zero_grad()
+    loss = lm(batch)
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in lm.parameters()]
 
 
 @pytest.mark.parametrize("ratio, recomputed", [(1.0, [1, 1, 1, 1, 1]), (0.5, [0, 1, 0, 1, 0]), (0.2, [0, 0, 0, 0, 1])])
 def test_checkpointing_ratio_recomputes_that_share_of_the_layers(ratio, recomputed):
     """A layer's MLP is entered twice per step (forward, and again in backward) exactly when its
-    layer is checkpointed (a pre-hook: the recomputation stops early, inside the MLP); the loss and gradients are those of a run without checkpointing."""
-    cfg, cpu = ModelConfig(partial_pretrain=str(STORIES)), torch.device("cpu")
-    model = load_model(cfg, cpu).model
-    materialise_model(model, cfg, cpu, cpu, seed=0)
-    lm = CausalLMLoss(model, fused=False)
-    gen = random.Random(0)
-    batch = pack([RenderedSample([gen.randrange(512) for _ in range(n)], [1] * n, i) for i, n in enumerate([30, 50])])
-
-    def loss_and_grads():
-        lm.zero_grad()
-        loss = lm(batch)
-        loss.backward()
-        return loss.detach(), [p.grad.clone() for p in lm.parameters()]
-
-    lm.train()
-    plain = loss_and_grads()
+    layer is checkpointed (a pre-hook: the recomputation stops early, inside the MLP); the loss and
+    gradients are those of a run without checkpointing."""
+    lm, batch = stories_loss([30, 50])
+    plain = loss_and_grads(lm, batch)
     checkpoint_layers(lm, ratio)
-    calls = [0] * len(decoder_layers(model))
-    for i, layer in enumerate(decoder_layers(model)):
+    calls = [0] * len(decoder_layers(lm.model))
+    for i, layer in enumerate(decoder_layers(lm.model)):
         layer.mlp.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
-    checkpointed = loss_and_grads()
+    checkpointed = loss_and_grads(lm, batch)
     assert [c - 1 for c in calls] == recomputed
     torch.testing.assert_close(checkpointed[0], plain[0], rtol=0, atol=0)
     for a, b in zip(checkpointed[1], plain[1]):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("recompute_attention", [False, True])
+def test_checkpointed_layers_run_attention_once_unless_told_to_recompute_it(recompute_attention):
+    """Every layer checkpointed, a row of two samples (the CPU's attention: one SDPA flash kernel
+    call per sample and layer). The attention kernels run in forward only (10 calls), their outputs
+    kept for backward; with model.recompute_attention=true backward runs them again (20). Counted
+    at the dispatcher, below autograd and checkpointing. Either way the loss and gradients are those
+    of a run without checkpointing: the kept outputs are the very tensors the recomputation gives."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from sfttrain.attention import kernel_ops
+
+    class CountAttention(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            CountAttention.calls += func in kernel_ops()
+            return func(*args, **(kwargs or {}))
+
+    lm, batch = stories_loss([30, 50])
+    plain = loss_and_grads(lm, batch)
+    checkpoint_layers(lm, 1.0, recompute_attention)
+    with CountAttention():
+        checkpointed = loss_and_grads(lm, batch)
+    assert CountAttention.calls == 2 * 5 * (2 if recompute_attention else 1)
+    torch.testing.assert_close(checkpointed[0], plain[0], rtol=0, atol=0)
+    for a, b in zip(checkpointed[1], plain[1]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_the_recompute_line_says_what_a_layer_keeps_and_eager_parts_keep_the_old_way():
+    """The start-up line for each setting. A compiled layer with a part outside its graph
+    (torch.compiler.disable, as sfttrain.lora runs peft's expert adapters) recomputes everything
+    through transformers' per-layer switch, its forward untouched; eager, the same layer keeps its
+    attention output (there is no graph to break)."""
+    lm, _ = stories_loss([8])
+    layers = decoder_layers(lm.model)
+    line = recompute.describe(layers, ModelConfig(gradient_checkpointing_ratio=0.5))
+    assert "2 of 5 layers in backward, each keeping its input and its attention output" in line, line
+    assert "its input only (model.recompute_attention=true)" in recompute.describe(
+        layers, ModelConfig(recompute_attention=True))
+    assert "none" in recompute.describe(layers, ModelConfig(enable_gradient_checkpointing=False))
+    layers[0].mlp.forward = torch.compiler.disable(layers[0].mlp.forward)
+    assert "its attention output" in recompute.describe(layers, ModelConfig(compile=False))  # no graph to break
+    assert "parts outside it" in recompute.describe(layers, ModelConfig(compile=True))
+    recompute.apply(lm.model, layers, ModelConfig(compile=True))
+    assert all(layer.gradient_checkpointing and "forward" not in vars(layer) for layer in layers)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled layers' varlen attention runs on CUDA")
+@pytest.mark.parametrize("recompute_attention", [False, True])
+def test_compiled_checkpointed_layers_keep_attention_unless_told(recompute_attention):
+    """stories260K on the GPU (bf16 autocast, varlen flash attention), every layer checkpointed and
+    compiled as sfttrain does: the checkpoint's policy is inside each compiled layer, so the
+    partitioner keeps the attention output and one step runs the attention kernel once per layer
+    (5), or twice with model.recompute_attention=true (10), counted by the profiler; no graph
+    break. The loss is the eager, uncheckpointed model's within bf16 rounding (1e-2, as below)."""
+    from torch._dynamo.utils import counters
+    from torch.profiler import ProfilerActivity, profile
+
+    from sfttrain import attention
+
+    attention.configure("torch_varlen", "cuda")
+    cfg, cuda = ModelConfig(partial_pretrain=str(STORIES)), torch.device("cuda")
+    model = load_model(cfg, cuda).model
+    materialise_model(model, cfg, cuda, cuda, seed=0)
+    lm = CausalLMLoss(model, fused=False, compiled_max_seqlen=256).train()
+    lm.autocast_dtype = torch.bfloat16
+    gen = random.Random(0)
+    batch = pack([RenderedSample([gen.randrange(512) for _ in range(n)], [1] * n, i)
+                  for i, n in enumerate([30, 50, 17])]).to(cuda)
+    eager = lm(batch).detach()
+    checkpoint_layers(lm, 1.0, recompute_attention)
+    torch._dynamo.reset()
+    counters.clear()
+    compile_layers(decoder_layers(model), cpp_wrapper=False)
+    lm(batch).backward()  # compiles
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        loss = lm(batch)
+        loss.backward()
+    calls = sum(e.count for e in prof.key_averages() if e.key == "aten::_flash_attention_forward")
+    assert calls == 5 * (2 if recompute_attention else 1)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    torch.testing.assert_close(loss.detach(), eager, rtol=1e-2, atol=0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="inductor's C++ wrapper is used on CUDA only")

@@ -1,0 +1,92 @@
+"""Activation checkpointing: which decoder layers recompute their activations in backward, and what
+a recomputed layer keeps (model.enable_gradient_checkpointing, gradient_checkpointing_ratio,
+recompute_attention).
+
+A checkpointed layer keeps its input and, by default, its attention kernel's output (the output
+and its softmax statistics: about one hidden state per token, the size of the input again).
+Backward then recomputes the projections, norms and MLP, but not attention, which dominates a
+long sample's step (at 128k tokens, 85% of the FLOPs of W1's model) and whose forward a full
+recomputation runs a second time. model.recompute_attention=true keeps the input alone, for the
+least memory.
+
+Keeping the attention output is torch's selective checkpointing (a policy over the ops a layer
+runs), around the layer's `forward`: under torch.compile that is inside the compiled layer, where
+the partitioner follows the policy; FSDP2's hooks, around `forward`, stay outside and are not run
+again by the recomputation. A layer with code that must run outside the compiled graph
+(torch.compiler.disable: LoRA on a MoE's experts, sfttrain.lora) cannot hold such a checkpoint
+inside its graph, so it recomputes everything through transformers' own switch, which in
+transformers 5.17 places the checkpoint outside the compiled layer.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from sfttrain.attention import kernel_ops
+from sfttrain.config import ModelConfig
+
+
+def apply(model: nn.Module, layers: list[nn.Module], cfg: ModelConfig) -> None:
+    """Activation checkpointing on model.gradient_checkpointing_ratio of `layers`, spread evenly (a
+    model whose weights and optimizer state leave room for some activations recomputes only the
+    layers that do not fit), keeping what `keeps_attention` says."""
+    chosen = checkpointed(layers, cfg.gradient_checkpointing_ratio)
+    if keeps_attention(cfg, chosen):
+        policy = functools.partial(create_selective_checkpoint_contexts, keep_attention_outputs)
+        for layer in chosen:
+            layer.forward = functools.partial(checkpointed_forward, layer.forward, policy)
+    else:
+        transformers_checkpointing(model, layers, chosen)
+
+
+def checkpointed(layers: list[nn.Module], ratio: float) -> list[nn.Module]:
+    """Layer i is checkpointed when floor((i + 1) * ratio) steps up: `ratio` of them, spread evenly."""
+    return [layer for i, layer in enumerate(layers) if int((i + 1) * ratio) > int(i * ratio)]
+
+
+def keeps_attention(cfg: ModelConfig, chosen: list[nn.Module]) -> bool:
+    """A checkpointed layer keeps its attention output unless model.recompute_attention=true or,
+    compiled, it runs parts outside the graph (the module docstring says why)."""
+    return not cfg.recompute_attention and not (cfg.compile and any(has_eager_parts(layer) for layer in chosen))
+
+
+def describe(layers: list[nn.Module], cfg: ModelConfig) -> str:
+    """The start-up line: how many layers recompute in backward, and what each keeps."""
+    if not cfg.enable_gradient_checkpointing:
+        return "  recompute           : none (model.enable_gradient_checkpointing=false): every activation kept"
+    chosen = checkpointed(layers, cfg.gradient_checkpointing_ratio)
+    if keeps_attention(cfg, chosen):
+        kept = "its input and its attention output (model.recompute_attention=false)"
+    elif cfg.recompute_attention:
+        kept = "its input only (model.recompute_attention=true)"
+    else:
+        kept = "its input only: its compiled graph has parts outside it, which a selective checkpoint cannot hold"
+    return f"  recompute           : {len(chosen)} of {len(layers)} layers in backward, each keeping {kept}"
+
+
+def checkpointed_forward(forward, context_fn, *args, **kwargs):
+    # non-reentrant: works with FSDP2's hooks and with inputs that need no grad
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+
+def keep_attention_outputs(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in kernel_ops() else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def has_eager_parts(layer: nn.Module) -> bool:
+    """Whether a module of the layer runs outside torch.compile's graph (torch.compiler.disable)."""
+    return any(getattr(module.forward, "_torchdynamo_disable", False) for module in layer.modules())
+
+
+def transformers_checkpointing(model: nn.Module, layers: list[nn.Module], chosen: list[nn.Module]) -> None:
+    # The name is the one transformers 5.17 has; later 5.x call it an alias of
+    # activation_checkpointing_enable and warn on every run, which the user can do nothing about
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*gradient_checkpointing_enable.* deprecated", category=FutureWarning)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    for layer in layers:
+        layer.gradient_checkpointing = any(layer is c for c in chosen)  # transformers' per-layer switch

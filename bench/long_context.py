@@ -16,6 +16,7 @@ not tried at longer ones. Each result is appended to --out as it comes, and a ca
     python3 -m bench.long_context --out w3.jsonl                  # 8B, 16k..128k, sp 1 and 2
     python3 -m bench.long_context --out w3.jsonl --model small    # Qwen2.5-0.5B shape: a result within minutes
     python3 -m bench.long_context --out w3.jsonl --tiny           # CPU smoke run (2 gloo ranks)
+    python3 -m bench.long_context --out lora.jsonl --gpus 1 --sp 1 --lengths 65536 --lora   # W2b LoRA, one GPU
 """
 
 import argparse
@@ -28,7 +29,7 @@ import time
 
 import torch
 import transformers
-from bench.common import MFU_FORMULA, timed_mfu, w2b_config
+from bench.common import MFU_FORMULA, save_model as save_weights, timed_mfu, w2b_config
 from bench.w1_data import load_rows, load_tokenizer, model_config, write_parquet
 
 LENGTHS = (16384, 32768, 65536, 131072)
@@ -38,20 +39,31 @@ COMMON = ["data.prompt_key=question", "data.response_key=answer", "data.truncati
           "data.micro_batch_size_per_gpu=1", "model.random_init=true", "model.enable_gradient_checkpointing=true",
           "model.fsdp_config.model_dtype=fp32", "model.fsdp_config.mixed_precision=true", "optim.lr=1e-5",
           "optim.lr_warmup_steps_ratio=0", "optim.lr_scheduler=constant", "optim.weight_decay=0",
-          "trainer.seed=0", "trainer.resume_mode=disable", "trainer.save_freq=-1", "trainer.log_freq=1"]
+          "trainer.seed=0", "trainer.resume_mode=disable", "trainer.save_freq=-1", "trainer.log_freq=1",
+          # a worker renders the next sample while a step runs: rendered in the loop, a 128k-token
+          # sample took 0.6 s of each step
+          "data.num_workers=1"]
+# --lora: the seed article's adapters (bench.trl_w1's LORA) on pretrained-like weights: sfttrain refuses
+# LoRA on a random base (no checkpoint would hold it), so the model folder is saved with weights drawn once
+LORA = ["model.lora_rank=64", "model.lora_alpha=32", "model.target_modules=all-linear", "model.random_init=false"]
 
 
-def save_model(kind: str, tokenizer, path: str, max_length: int) -> None:
-    # max_position_embeddings raised to the longest length (RoPE has no table: only the config's
-    # stated limit changes, not the parameters or the flops)
-    if kind == "w2b":
+def save_model(args, tokenizer, max_length: int) -> str:
+    """The model folder in --work: config.json only (model.random_init=true), or with weights for
+    --lora. max_position_embeddings is raised to the longest length (RoPE has no table: only the
+    config's stated limit changes, not the parameters or the flops)."""
+    if args.model == "w2b":
         config = w2b_config(tokenizer, max_position_embeddings=max(8192, max_length))
     else:  # "small": W1's Qwen2.5-0.5B shape; "tiny": its CPU-sized sibling
-        config = model_config(tiny=kind == "tiny")
+        config = model_config(tiny=args.model == "tiny")
         config.max_position_embeddings = max(config.max_position_embeddings, max_length)
+    if args.lora:
+        return save_weights(args.work, config, tokenizer, args.device)
+    path = os.path.join(args.work, f"model_{args.model}")
     os.makedirs(path, exist_ok=True)
     config.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    return path
 
 
 def long_samples(rows: list[dict], tokenizer, length: int, count: int) -> list[dict]:
@@ -84,7 +96,7 @@ def run_one(args, model_dir: str, length: int, sp: int, timeout: float) -> dict:
                  f"ulysses_sequence_parallel_size={sp}", f"model.compile={str(args.compile).lower()}",
                  f"trainer.device={args.device}", f"trainer.default_local_dir={work}/run",
                  # beyond the timed steps: the job is stopped before it ends, so no final checkpoint
-                 f"trainer.total_training_steps={args.steps + 1000}", *args.override]
+                 f"trainer.total_training_steps={args.steps + 1000}", *(LORA if args.lora else []), *args.override]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gpus}",
            "-m", "sfttrain.run", *overrides]
     print("+", " ".join(cmd), flush=True)
@@ -97,7 +109,8 @@ def run_one(args, model_dir: str, length: int, sp: int, timeout: float) -> dict:
     steps = [m for m in read_jsonl(metrics) if "loss" in m and args.warmup < m["step"] <= args.steps]
     record = {"model": args.model, "length": length, "sp": sp, "dp": dp, "gpus": args.gpus, "status": status,
               "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-              "torch": torch.__version__, "transformers": transformers.__version__, "compile": args.compile}
+              "torch": torch.__version__, "transformers": transformers.__version__, "compile": args.compile,
+              "lora": args.lora, "override": args.override}
     if status == "trained":
         record.update(summary(steps))
     else:
@@ -114,7 +127,7 @@ def wait_for_steps(proc: subprocess.Popen, metrics: str, steps: int, timeout: fl
             return "trained"
         if proc.poll() is not None:
             return "failed"
-        time.sleep(2)
+        time.sleep(0.25)  # a read of a short file: a smoke run's job is stopped as soon as it is done
     stop(proc)
     return "timeout"
 
@@ -170,17 +183,18 @@ def main() -> None:
                    help="seconds for the whole call's runs (each stopped by then; one stop may take 60 s more)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--override", nargs="*", default=[], help="extra key=value for every run")
+    p.add_argument("--lora", action="store_true", help="train LoRA adapters (r64/a32, all-linear) on saved weights")
     p.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny model, eager, 256/512 tokens, 2 gloo ranks")
     args = p.parse_args()
     if args.tiny:
         # eager: inductor's C++ build on a CPU would take most of the smoke run
         args.model, args.device, args.steps, args.warmup, args.compile = "tiny", "cpu", 3, 1, 0
         args.lengths = args.lengths or [256, 512]
-        args.override = [*args.override, "model.fsdp_config.mixed_precision=false"]  # bf16 on a CPU is slow
+        # bf16 on a CPU is slow; a data worker would cost a process start per rank for 3 short samples
+        args.override = [*args.override, "model.fsdp_config.mixed_precision=false", "data.num_workers=0"]
     args.lengths = args.lengths or list(LENGTHS)
     start = time.monotonic()
-    model_dir = os.path.join(args.work, f"model_{args.model}")
-    save_model(args.model, load_tokenizer(args.tokenizer), model_dir, max(args.lengths))
+    model_dir = save_model(args, load_tokenizer(args.tokenizer), max(args.lengths))
     done = {(r["model"], r["sp"], r["length"]): r["status"] for r in read_jsonl(args.out)}
     failed_at = {sp: min([n for (m, s, n), st in done.items() if m == args.model and s == sp and st != "trained"],
                          default=None) for sp in args.sp}

@@ -118,11 +118,14 @@ def compute_bytes(cfg: Config) -> int:
     return DTYPE_BYTES[mixed[0] if mixed else fsdp.model_dtype]
 
 
-def activation_bytes(shape: DenseShape, tokens: int, checkpointing: bool, value_bytes: int) -> int:
-    """What backward needs kept: with checkpointing every layer's input plus one layer's
-    activations (recomputed one layer at a time), else every layer's activations."""
+def activation_bytes(shape: DenseShape, tokens: int, checkpointing: bool, value_bytes: int,
+                     keep_attention: bool) -> int:
+    """What backward needs kept: with checkpointing every layer's input (and its attention output
+    with fp32 softmax statistics, unless model.recompute_attention: sfttrain.recompute) plus one
+    layer's activations (recomputed one layer at a time), else every layer's activations."""
     per_layer = shape.activation_elements_per_token() * tokens * value_bytes
-    inputs = shape.layers * tokens * shape.hidden * value_bytes
+    attention = shape.heads * (shape.head_dim * value_bytes + 4) if keep_attention else 0
+    inputs = shape.layers * tokens * (shape.hidden * value_bytes + attention)
     return inputs + per_layer if checkpointing else shape.layers * per_layer
 
 
@@ -140,7 +143,8 @@ def memory_per_rank(cfg: Config, shape: DenseShape, dp_size: int) -> dict[str, f
     # with LoRA only the fp32 adapters are trained: the frozen base has no gradient or optimizer state
     trained = shape.lora_params(m.lora_rank) if m.lora_rank > 0 else n
     trained_bytes = 4 if m.lora_rank > 0 else master
-    activations = activation_bytes(shape, micro_batch_tokens(cfg), m.enable_gradient_checkpointing, compute)
+    activations = activation_bytes(shape, micro_batch_tokens(cfg), m.enable_gradient_checkpointing, compute,
+                                   not m.recompute_attention)
     logits = m.loss_chunk_tokens * shape.vocab * compute * (2 if m.loss_kernel == "torch" else 1)
     autocast = mixed_precision_dtypes(fsdp) is not None and m.lora_rank == 0  # LoRA's base is bf16 already
     base = 0 if m.lora_rank == 0 else n * master
@@ -279,7 +283,8 @@ def memory_section(cfg: Config, dp_size: int, folder: Optional[str], found: Find
     lines += [f"    {name:<58} {gib:8.2f} GiB" for name, gib in memory.items()]
     lines.append(f"    {'total':<58} {sum(memory.values()):8.2f} GiB")
     checkpointing = cfg.model.enable_gradient_checkpointing
-    other = activation_bytes(shape, micro_batch_tokens(cfg), not checkpointing, compute_bytes(cfg)) / GIB
+    other = activation_bytes(shape, micro_batch_tokens(cfg), not checkpointing, compute_bytes(cfg),
+                             not cfg.model.recompute_attention) / GIB
     lines.append(f"  activations of {micro_batch_tokens(cfg)} tokens per micro-batch; with "
                  f"model.enable_gradient_checkpointing={str(not checkpointing).lower()} they would take {other:.2f} GiB")
     return lines

@@ -62,17 +62,22 @@ def test_checkpointed_layers_run_attention_once_unless_told_to_recompute_it(reco
     call per sample and layer). The attention kernels run in forward only (10 calls), their outputs
     kept for backward; with model.recompute_attention=true backward runs them again (20). Counted
     at the dispatcher, below autograd and checkpointing. Either way the loss and gradients are those
-    of a run without checkpointing: the kept outputs are the very tensors the recomputation gives."""
+    of a run without checkpointing: the kept outputs are the very tensors the recomputation gives.
+    What they hold is what the preflight's memory estimate adds for them (sfttrain.plan)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from sfttrain.attention import kernel_ops
+    from sfttrain.plan import DenseShape, activation_bytes
 
     class CountAttention(TorchDispatchMode):
-        calls = 0
+        calls = outputs = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            CountAttention.calls += func in kernel_ops()
-            return func(*args, **(kwargs or {}))
+            out = func(*args, **(kwargs or {}))
+            if func in kernel_ops():
+                CountAttention.calls += 1
+                CountAttention.outputs += sum(t.numel() * t.element_size() for t in out if isinstance(t, torch.Tensor))
+            return out
 
     lm, batch = stories_loss([30, 50])
     plain = loss_and_grads(lm, batch)
@@ -83,6 +88,10 @@ def test_checkpointed_layers_run_attention_once_unless_told_to_recompute_it(reco
     torch.testing.assert_close(checkpointed[0], plain[0], rtol=0, atol=0)
     for a, b in zip(checkpointed[1], plain[1]):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    if not recompute_attention:  # fp32 on the CPU: 4-byte values
+        shape = DenseShape.from_config_json(str(STORIES))
+        kept = activation_bytes(shape, 80, True, 4, True) - activation_bytes(shape, 80, True, 4, False)
+        assert CountAttention.outputs == kept
 
 
 def test_the_recompute_line_says_what_a_layer_keeps_and_eager_parts_keep_the_old_way():

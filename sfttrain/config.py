@@ -84,8 +84,9 @@ class ModelConfig:
     enable_gradient_checkpointing: bool = True  # recompute each layer in backward: less memory, ~1/3 more compute
     gradient_checkpointing_ratio: float = 1.0  # share of the decoder layers whose activations are recomputed (spread evenly; 0.5: every other layer), the rest kept
     # with checkpointing: true recomputes attention in backward too; false keeps each checkpointed layer's
-    # attention output (one more hidden state per token and layer) so that attention runs once (sfttrain/recompute.py)
-    recompute_attention: bool = False
+    # attention output (one more hidden state per token and layer) so that attention runs once; auto: false for
+    # samples of data.max_length >= 8192 tokens, where attention is much of the step (sfttrain/recompute.py)
+    recompute_attention: Any = "auto"
     attn_implementation: str = "auto"  # auto | flash_attn | torch_varlen | sdpa_blockmask
     use_liger: bool = False  # Liger's fused RMSNorm/SwiGLU/RoPE and fused linear cross-entropy
     compile: bool = False  # torch.compile each decoder layer (dynamic shapes; compiled once, shared by the layers)
@@ -381,6 +382,7 @@ def validate(cfg: Config) -> None:
     _check_verl_switches(cfg)
     _choice("model.loss_kernel", m.loss_kernel, LOSS_KERNELS)
     _choice("model.compile_cpp_wrapper", m.compile_cpp_wrapper, ("auto", True, False))
+    _choice("model.recompute_attention", m.recompute_attention, ("auto", True, False))
     _choice("model.attn_implementation", m.attn_implementation,
             ("auto", "flash_attn", "torch_varlen", "sdpa_blockmask"))
     _choice("model.fsdp_config.model_dtype", m.fsdp_config.model_dtype, DTYPES)

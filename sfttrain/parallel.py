@@ -46,7 +46,7 @@ def parallelize(lm: CausalLMLoss, world: World, cfg: Config) -> Layout:
     # before FSDP wraps the weights it all-gathers; offloaded shards are gathered as they are
     fp8.apply(lm.model, cfg.model, fsdp_all_gather=layout == "sharded" and not offload)
     if cfg.model.enable_gradient_checkpointing:
-        recompute.apply(lm.model, decoder_layers(lm.model), cfg.model)
+        recompute.apply(lm.model, decoder_layers(lm.model), cfg.model, cfg.data.max_length)
     apply_sequence_parallel(lm, world)
     if layout == "sharded":
         shard(lm, world, cfg, offload)

@@ -27,6 +27,7 @@ from sfttrain.data.batching import batch_problem, make_plan
 from sfttrain.errors import UserError
 from sfttrain.hub import cached_folder, is_repo_id
 from sfttrain.moe import MoeShape
+from sfttrain.recompute import wants_attention_kept
 from sfttrain.rope import check_rope
 
 GIB = 2**30
@@ -144,7 +145,7 @@ def memory_per_rank(cfg: Config, shape: DenseShape, dp_size: int) -> dict[str, f
     trained = shape.lora_params(m.lora_rank) if m.lora_rank > 0 else n
     trained_bytes = 4 if m.lora_rank > 0 else master
     activations = activation_bytes(shape, micro_batch_tokens(cfg), m.enable_gradient_checkpointing, compute,
-                                   not m.recompute_attention)
+                                   wants_attention_kept(m, cfg.data.max_length))
     logits = m.loss_chunk_tokens * shape.vocab * compute * (2 if m.loss_kernel == "torch" else 1)
     autocast = mixed_precision_dtypes(fsdp) is not None and m.lora_rank == 0  # LoRA's base is bf16 already
     base = 0 if m.lora_rank == 0 else n * master
@@ -284,7 +285,7 @@ def memory_section(cfg: Config, dp_size: int, folder: Optional[str], found: Find
     lines.append(f"    {'total':<58} {sum(memory.values()):8.2f} GiB")
     checkpointing = cfg.model.enable_gradient_checkpointing
     other = activation_bytes(shape, micro_batch_tokens(cfg), not checkpointing, compute_bytes(cfg),
-                             not cfg.model.recompute_attention) / GIB
+                             wants_attention_kept(cfg.model, cfg.data.max_length)) / GIB
     lines.append(f"  activations of {micro_batch_tokens(cfg)} tokens per micro-batch; with "
                  f"model.enable_gradient_checkpointing={str(not checkpointing).lower()} they would take {other:.2f} GiB")
     return lines

@@ -2,12 +2,14 @@
 a recomputed layer keeps (model.enable_gradient_checkpointing, gradient_checkpointing_ratio,
 recompute_attention).
 
-A checkpointed layer keeps its input and, by default, its attention kernel's output (the output
-and its softmax statistics: about one hidden state per token, the size of the input again).
-Backward then recomputes the projections, norms and MLP, but not attention, which dominates a
-long sample's step (at 128k tokens, 85% of the FLOPs of W1's model) and whose forward a full
-recomputation runs a second time. model.recompute_attention=true keeps the input alone, for the
-least memory.
+A checkpointed layer keeps its input and, for long samples, its attention kernel's output (the
+output and its softmax statistics: about one hidden state per token, the size of the input
+again). Backward then recomputes the projections, norms and MLP, but not attention, which
+dominates a long sample's step (at 128k tokens, 85% of the FLOPs of W1's model) and whose forward
+a full recomputation runs a second time. model.recompute_attention: false keeps the output, true
+keeps the input alone (the least memory), auto keeps the output from data.max_length >= 8192
+(LONG_SAMPLE) on: for shorter samples recomputing attention costs little (W2b's 4096-token samples:
+under a tenth of a layer's forward), and the memory serves the batch.
 
 Keeping the attention output is torch's selective checkpointing (a policy over the ops a layer
 runs), around the layer's `forward`: under torch.compile that is inside the compiled layer, where
@@ -30,12 +32,15 @@ from sfttrain.attention import kernel_ops
 from sfttrain.config import ModelConfig
 
 
-def apply(model: nn.Module, layers: list[nn.Module], cfg: ModelConfig) -> None:
+LONG_SAMPLE = 8192  # data.max_length from which model.recompute_attention=auto keeps attention outputs
+
+
+def apply(model: nn.Module, layers: list[nn.Module], cfg: ModelConfig, max_length: int) -> None:
     """Activation checkpointing on model.gradient_checkpointing_ratio of `layers`, spread evenly (a
     model whose weights and optimizer state leave room for some activations recomputes only the
     layers that do not fit), keeping what `keeps_attention` says."""
     chosen = checkpointed(layers, cfg.gradient_checkpointing_ratio)
-    if keeps_attention(cfg, chosen):
+    if keeps_attention(cfg, max_length, chosen):
         policy = functools.partial(create_selective_checkpoint_contexts, keep_attention_outputs)
         for layer in chosen:
             layer.forward = functools.partial(checkpointed_forward, layer.forward, policy)
@@ -48,21 +53,30 @@ def checkpointed(layers: list[nn.Module], ratio: float) -> list[nn.Module]:
     return [layer for i, layer in enumerate(layers) if int((i + 1) * ratio) > int(i * ratio)]
 
 
-def keeps_attention(cfg: ModelConfig, chosen: list[nn.Module]) -> bool:
-    """A checkpointed layer keeps its attention output unless model.recompute_attention=true or,
-    compiled, it runs parts outside the graph (the module docstring says why)."""
-    return not cfg.recompute_attention and not (cfg.compile and any(has_eager_parts(layer) for layer in chosen))
+def wants_attention_kept(cfg: ModelConfig, max_length: int) -> bool:
+    """model.recompute_attention read: false, or auto with samples of LONG_SAMPLE tokens or more."""
+    return cfg.recompute_attention is False or (cfg.recompute_attention == "auto" and max_length >= LONG_SAMPLE)
 
 
-def describe(layers: list[nn.Module], cfg: ModelConfig) -> str:
+def keeps_attention(cfg: ModelConfig, max_length: int, chosen: list[nn.Module]) -> bool:
+    """A checkpointed layer keeps its attention output where the setting asks for it and it can:
+    not when, compiled, it runs parts outside the graph (the module docstring says why)."""
+    eager_parts = cfg.compile and any(has_eager_parts(layer) for layer in chosen)
+    return wants_attention_kept(cfg, max_length) and not eager_parts
+
+
+def describe(layers: list[nn.Module], cfg: ModelConfig, max_length: int) -> str:
     """The start-up line: how many layers recompute in backward, and what each keeps."""
     if not cfg.enable_gradient_checkpointing:
         return "  recompute           : none (model.enable_gradient_checkpointing=false): every activation kept"
     chosen = checkpointed(layers, cfg.gradient_checkpointing_ratio)
-    if keeps_attention(cfg, chosen):
-        kept = "its input and its attention output (model.recompute_attention=false)"
-    elif cfg.recompute_attention:
-        kept = "its input only (model.recompute_attention=true)"
+    setting = f"model.recompute_attention={str(cfg.recompute_attention).lower()}"
+    if cfg.recompute_attention == "auto":
+        setting += f", data.max_length {'>=' if max_length >= LONG_SAMPLE else '<'} {LONG_SAMPLE}"
+    if keeps_attention(cfg, max_length, chosen):
+        kept = f"its input and its attention output ({setting})"
+    elif not wants_attention_kept(cfg, max_length):
+        kept = f"its input only ({setting})"
     else:
         kept = "its input only: its compiled graph has parts outside it, which a selective checkpoint cannot hold"
     return f"  recompute           : {len(chosen)} of {len(layers)} layers in backward, each keeping {kept}"

@@ -125,7 +125,7 @@ class FSDPSFTTrainer:
             f"  precision           : weights/optimizer {fsdp.model_dtype}, mixed precision {fsdp.mixed_precision}",
             f"  sharding            : {describe_sharding(self.world, cfg, self.layout)}",
             f"  compile             : {describe_compile(cfg, self.world, self.lm.model.config)}",
-            recompute.describe(decoder_layers(self.lm.model), cfg.model),
+            recompute.describe(decoder_layers(self.lm.model), cfg.model, cfg.data.max_length),
             *fp8.describe(self.lm.model, cfg.model),
             f"  lr                  : {cfg.optim.lr} {cfg.optim.lr_scheduler}, "
             f"{warmup_steps(cfg.optim, self.plan.total_steps)} warmup steps",

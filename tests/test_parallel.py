@@ -18,7 +18,7 @@ from tests.conftest import STORIES
 
 def checkpoint_layers(lm: CausalLMLoss, ratio: float, recompute_attention: bool = False) -> None:
     cfg = ModelConfig(gradient_checkpointing_ratio=ratio, recompute_attention=recompute_attention, compile=True)
-    recompute.apply(lm.model, decoder_layers(lm.model), cfg)
+    recompute.apply(lm.model, decoder_layers(lm.model), cfg, max_length=256)
 
 
 def stories_loss(samples: list[int]) -> tuple[CausalLMLoss, object]:
@@ -95,21 +95,27 @@ def test_checkpointed_layers_run_attention_once_unless_told_to_recompute_it(reco
 
 
 def test_the_recompute_line_says_what_a_layer_keeps_and_eager_parts_keep_the_old_way():
-    """The start-up line for each setting. A compiled layer with a part outside its graph
-    (torch.compiler.disable, as sfttrain.lora runs peft's expert adapters) recomputes everything
-    through transformers' per-layer switch, its forward untouched; eager, the same layer keeps its
-    attention output (there is no graph to break)."""
+    """The start-up line for each setting: auto keeps the attention output for samples of 8192
+    tokens or more. A compiled layer with a part outside its graph (torch.compiler.disable, as
+    sfttrain.lora runs peft's expert adapters) recomputes everything through transformers'
+    per-layer switch, its forward untouched; eager, the same layer keeps its attention output
+    (there is no graph to break)."""
     lm, _ = stories_loss([8])
     layers = decoder_layers(lm.model)
-    line = recompute.describe(layers, ModelConfig(gradient_checkpointing_ratio=0.5))
-    assert "2 of 5 layers in backward, each keeping its input and its attention output" in line, line
+    line = recompute.describe(layers, ModelConfig(gradient_checkpointing_ratio=0.5), 8192)
+    assert ("2 of 5 layers in backward, each keeping its input and its attention output "
+            "(model.recompute_attention=auto, data.max_length >= 8192)") in line, line
+    assert "its input only (model.recompute_attention=auto, data.max_length < 8192)" in recompute.describe(
+        layers, ModelConfig(), 8191)
+    assert "its attention output (model.recompute_attention=false)" in recompute.describe(
+        layers, ModelConfig(recompute_attention=False), 256)
     assert "its input only (model.recompute_attention=true)" in recompute.describe(
-        layers, ModelConfig(recompute_attention=True))
-    assert "none" in recompute.describe(layers, ModelConfig(enable_gradient_checkpointing=False))
+        layers, ModelConfig(recompute_attention=True), 8192)
+    assert "none" in recompute.describe(layers, ModelConfig(enable_gradient_checkpointing=False), 8192)
     layers[0].mlp.forward = torch.compiler.disable(layers[0].mlp.forward)
-    assert "its attention output" in recompute.describe(layers, ModelConfig(compile=False))  # no graph to break
-    assert "parts outside it" in recompute.describe(layers, ModelConfig(compile=True))
-    recompute.apply(lm.model, layers, ModelConfig(compile=True))
+    assert "its attention output" in recompute.describe(layers, ModelConfig(compile=False), 8192)  # no graph
+    assert "parts outside it" in recompute.describe(layers, ModelConfig(compile=True), 8192)
+    recompute.apply(lm.model, layers, ModelConfig(compile=True), 8192)
     assert all(layer.gradient_checkpointing and "forward" not in vars(layer) for layer in layers)
 
 

@@ -103,4 +103,4 @@ def transformers_checkpointing(model: nn.Module, layers: list[nn.Module], chosen
         warnings.filterwarnings("ignore", message=".*gradient_checkpointing_enable.* deprecated", category=FutureWarning)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     for layer in layers:
-        layer.gradient_checkpointing = any(layer is c for c in chosen)  # transformers' per-layer switch
+        layer.gradient_checkpointing = layer in chosen  # transformers' per-layer switch

@@ -21,18 +21,16 @@ CUDA = torch.cuda.is_available()
 # glibc malloc settings for the bench jobs: keep freed memory in the process instead of handing it
 # back. A tiny model with Qwen's 151,936-entry vocabulary allocates logits and their gradients of
 # hundreds of MB at every step; glibc serves blocks that large by mmap and unmaps them when freed,
-# so every step faulted them in again, page by page (a bench.moe_w4 --tiny run: 14M page faults,
-# 38 s of system time against 53 s of user time). With mmap off (MALLOC_MMAP_MAX_=0) they come from
-# the heap, which the trim threshold keeps: the same run took 1.7M faults and 6.5 s of system time,
-# and the four bench test files 144 s instead of 218 s on 2 workers. Not for the rest of the
-# suite: the article's 4-rank jobs on the same vocabulary ran slower with it (45 s against 34 s).
+# so every step faulted them in again, page by page, in system time. With mmap off
+# (MALLOC_MMAP_MAX_=0) they come from the heap, which the trim threshold keeps. Not for the rest of
+# the suite, where it measured slower (the figures: docs/benchmarks.md, sixteenth session).
 KEEP_FREED_MEMORY = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 36)}
 
 
 def run_bench(module: str, *args: str, timeout: int = 600) -> str:
     """`python -m bench.X ...` from the checkout, on CPU ranks; its output, or a failure showing its end."""
-    with subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO, env=rank_env(KEEP_FREED_MEMORY), stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, start_new_session=True) as proc:
+    with subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO, env=rank_env(KEEP_FREED_MEMORY),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True) as proc:
         try:
             out, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -319,6 +319,23 @@ def read_metrics(run_dir: Path) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
+def running_records(run_dir: Path) -> list[dict]:
+    """metrics.jsonl as the running job leaves it (a line being written is skipped)."""
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    records = []
+    for line in lines:
+        with contextlib.suppress(json.JSONDecodeError):
+            records.append(json.loads(line))
+    return records
+
+
+def logged_steps(run_dir: Path) -> int:
+    return max([0] + [m["step"] for m in running_records(run_dir) if "loss" in m])
+
+
 def train_losses(run_dir: Path) -> list[float]:
     return [m["loss"] for m in read_metrics(run_dir) if "loss" in m]
 

@@ -35,7 +35,7 @@ from sfttrain import checkpoint, checkpoint_folder, resume
 from sfttrain.config import ConfigError, TrainerConfig, load_config
 from sfttrain.metrics import REWOUND
 from tests.conftest import (BASE_OVERRIDES, LINEAR_ADAM, STORIES, ForkedJob, descendants, kill_job, launch,
-                            read_metrics, run_sfttrain, update_error)
+                            logged_steps, read_metrics, run_sfttrain, running_records, update_error)
 
 ROWS, BATCH, EPOCHS = 52, 8, 2
 STEPS_PER_EPOCH = ROWS // BATCH  # 6
@@ -326,25 +326,8 @@ def test_resume_across_layouts(data, ref, tmp_path):
 
 # --------------------------------------------------------------------------- SIGKILL at random moments
 
-def _records(run_dir: Path) -> list[dict]:
-    """metrics.jsonl as the running job leaves it (a line being written is skipped)."""
-    try:
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    records = []
-    for line in lines:
-        with contextlib.suppress(json.JSONDecodeError):
-            records.append(json.loads(line))
-    return records
-
-
-def logged_steps(run_dir: Path) -> int:
-    return max([0] + [m["step"] for m in _records(run_dir) if "loss" in m])
-
-
 def step_time(run_dir: Path, step: int) -> float:
-    return [m["step_time_s"] for m in _records(run_dir) if m.get("step") == step and "step_time_s" in m][-1]
+    return [m["step_time_s"] for m in running_records(run_dir) if m.get("step") == step and "step_time_s" in m][-1]
 
 
 def wait_until(condition, proc: subprocess.Popen, timeout: float = 240) -> bool:

@@ -175,6 +175,9 @@ class TrainerConfig:
     # each rank then says which phase it was in (start-up, step N, validation, save)
     nccl_timeout: int = 1800
     resume_allow_data_change: bool = False  # resume although the checkpoint's data fingerprint differs (new rows/order)
+    # consecutive steps to profile with torch.profiler, e.g. [11, 12, 13]: a Chrome trace per rank and a summary
+    # (kernel time by kind, idle gaps, top kernels) in <run folder>/profile/ (sfttrain.profiling)
+    profile_steps: Optional[list[int]] = None
 
 
 @dataclass
@@ -426,6 +429,7 @@ def validate(cfg: Config) -> None:
     if t.nccl_timeout <= 0:
         raise ConfigError(f"trainer.nccl_timeout must be a positive number of seconds, got {t.nccl_timeout}; "
                           "the default is 1800")
+    _check_profile_steps(t.profile_steps)
     for name in logger_names(t):
         _choice("trainer.logger", name, ("console", "wandb"))
     _validate_lora(m)
@@ -435,6 +439,14 @@ def validate(cfg: Config) -> None:
     if not cfg.use_remove_padding:
         raise ConfigError("use_remove_padding=false: sfttrain always trains padding-free (packed rows give the "
                           "same loss as padded ones, without the pad compute); remove the key")
+
+
+def _check_profile_steps(steps: Optional[list[int]]) -> None:
+    if not steps:
+        return
+    if min(steps) < 1 or sorted(steps) != list(range(min(steps), max(steps) + 1)):
+        raise ConfigError(f"trainer.profile_steps={list(steps)}: give consecutive step numbers from 1 on, once each, "
+                          "e.g. [11, 12, 13] (one window is profiled)")
 
 
 def _default_of(key: str) -> Any:

@@ -27,6 +27,7 @@ from sfttrain.data.batching import batch_problem, make_plan
 from sfttrain.errors import UserError
 from sfttrain.hub import cached_folder, is_repo_id
 from sfttrain.moe import MoeShape
+from sfttrain.profiling import check_window
 from sfttrain.recompute import wants_attention_kept
 from sfttrain.rope import check_rope
 
@@ -263,7 +264,8 @@ def batch_section(cfg: Config, dp_size: int, folder: Optional[str], found: Findi
     lines = plan.describe().splitlines()
     if rows is None:  # the dataset and total-steps lines would be made up
         reason = "not on this machine" if missing else "see the problems below"
-        lines = lines[:3] + [f"  dataset             : {reason}: steps per epoch unknown"]
+        return lines[:3] + [f"  dataset             : {reason}: steps per epoch unknown"]
+    found.check(lambda: check_window(cfg.trainer.profile_steps, plan.total_steps))
     return lines
 
 

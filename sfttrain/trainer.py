@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from sfttrain import checkpoint, export, fp8, lora, moe, phase, recompute
+from sfttrain import checkpoint, export, fp8, lora, moe, phase, profiling, recompute
 from sfttrain.attention import describe_backend, fallback_warning
 from sfttrain.checkpoint_folder import complete_checkpoints, is_complete, remove_stale_tmp
 from sfttrain.config import Config, as_list
@@ -62,6 +62,7 @@ class FSDPSFTTrainer:
         train_source = open_source(as_list(d.train_files), fields, self.run_dir)
         prepared = prepare_train_data(cfg, train_source, renderer, self.tokenizer, world, self.run_dir)
         self.plan, self.data_report = prepared.plan, prepared.report  # every row rendered, or stopped here
+        profiling.check_window(t.profile_steps, self.plan.total_steps)
         restored = remove_stale_tmp(self.run_dir) if world.is_main else []
         resume = find_resume(t, self.run_dir)
         base = lora.base_identity(cfg.model.partial_pretrain, folder) if cfg.model.lora_rank > 0 else None
@@ -103,6 +104,7 @@ class FSDPSFTTrainer:
         self.checkpointer = checkpoint.Checkpointer(self.run_dir, world, cfg, resume.run_id, self.logger.event,
                                                     self.lm.model, self.optimizer, self.tokenizer)
         self.timer = StepTimer(world.device)
+        self.profiler = profiling.StepProfiler(t.profile_steps, self.run_dir, world.rank, world.device, self.logger.info)
         self._print_startup(resume_from, resume_notes)
 
     def _print_startup(self, resume_from: str | None, resume_notes: list[str]) -> None:
@@ -130,6 +132,7 @@ class FSDPSFTTrainer:
             f"  lr                  : {cfg.optim.lr} {cfg.optim.lr_scheduler}, "
             f"{warmup_steps(cfg.optim, self.plan.total_steps)} warmup steps",
             f"  run folder          : {self.run_dir}",
+            *profiling.describe(cfg.trainer.profile_steps, self.run_dir, self.state.step),
             describe(self.data_report),
             f"  resume              : {resume_from or 'fresh start'} (step {self.state.step}, run id "
             f"{self.state.run_id})",
@@ -159,8 +162,10 @@ class FSDPSFTTrainer:
         while self.state.step < total:
             phase.enter(f"step {self.state.step + 1}")
             wait_start = time.perf_counter()
+            self.profiler.before_step(self.state.step + 1)
             batch = next(batches)
             queued = self.step(batch, time.perf_counter() - wait_start, queued)
+            self.profiler.after_step(self.state.step)
             self.checkpointer.poll()  # commits a background save once every rank has written it
             step = self.state.step
             last = step == total

@@ -1,5 +1,5 @@
 """bench/'s W1 scripts (tests/bench_run.py says what the bench tests check): the padded baseline,
-sfttrain's W1 run and its profile, the data scripts, the summary, and loss_kernel's CPU refusal.
+sfttrain's W1 run (profiled), the data scripts, the summary, and loss_kernel's CPU refusal.
 The slowest test first: pytest-xdist hands a worker its next file while the last two tests of
 its current one still run."""
 
@@ -24,16 +24,16 @@ def test_padded_w1(tmp_path):
     assert record["system"] == "padded" and record["timed_samples"] == 3 * 4  # 3 timed steps of 2 x 2
 
 
-def test_sfttrain_w1_then_profile_w1(tmp_path):
-    """sfttrain_w1 --tiny prepares the model folder and Parquet and runs sfttrain; profile_w1 --tiny
-    profiles steps of that folder, as on the GPU machine."""
+def test_sfttrain_w1_profiled(tmp_path):
+    """sfttrain_w1 --tiny prepares the model folder and Parquet and runs sfttrain, with its last
+    two steps profiled as on the GPU machine (trainer.profile_steps)."""
     out = tmp_path / "w1.jsonl"
     run_bench("bench.sfttrain_w1", "--tiny", "--device", "cpu", "--variant", "eager", "--data", SAMPLE,
-              "--work", str(tmp_path), "--out", str(out))
+              "--work", str(tmp_path), "--out", str(out), "--override", "trainer.profile_steps=[3,4]")
     (record,) = records(out)
     assert record["variant"] == "eager" and record["timed_steps"] == "2-4" and record["real_tokens"] > 0
-    profile = run_bench("bench.profile_w1", "--tiny", "--work", str(tmp_path), "--trace", str(tmp_path / "trace.json"))
-    assert "ms/step" in profile and (tmp_path / "trace.json").is_file()
+    profile = tmp_path / "runs" / "eager" / "profile"
+    assert (profile / "steps_3-4_rank0.json").is_file() and "ms/step" in (profile / "summary.txt").read_text()
 
 
 def test_sfttrain_w1_refuses_a_second_epoch(tmp_path, monkeypatch):

@@ -93,6 +93,8 @@ def catalogue(tmp: Path) -> dict[str, Case]:
             "Set data.max_length<=128"], CONFIG),
         "missing_column": Case(["data.prompt_key=prompt"], ["train.parquet", "no column 'prompt'", "'question'"],
                                DATA),
+        "profile_beyond_the_run": Case(["trainer.profile_steps=[3,4]"], [
+            "trainer.profile_steps=[3, 4]: the run has 3 steps"], CONFIG),
         "missing_path": Case([f"data.val_files={tmp}/nope.parquet"], [f"{tmp}/nope.parquet", "does not exist"], DATA),
         "empty_file": Case([f"data.val_files={empty}"], [str(empty), "has no rows"], DATA),
         "zero_byte_parquet": Case([f"data.val_files={zero}"], [str(zero), "not a readable Parquet file (0 bytes"],
@@ -142,8 +144,8 @@ def launcher_traceback_only(out: str) -> bool:
 
 CASES = ["misspelled_key", "wrong_type", "yaml_syntax", "nan_lr", "missing_wandb", "non_divisible_batch",
          "missing_model", "missing_chat_template", "template_file_fails", "template_text_fails",
-         "multiturn_without_template", "messages_read_as_prompt", "batch_dependent_rope", "missing_column", "missing_path", "empty_file",
-         "zero_byte_parquet", "over_length_row", "non_finite_loss"]
+         "multiturn_without_template", "messages_read_as_prompt", "batch_dependent_rope", "profile_beyond_the_run",
+         "missing_column", "missing_path", "empty_file", "zero_byte_parquet", "over_length_row", "non_finite_loss"]
 
 
 @pytest.mark.parametrize("name", CASES)

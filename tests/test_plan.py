@@ -173,6 +173,10 @@ def test_preflight_lists_what_the_run_would_stop_on(gsm8k_dir, tmp_path):
                          "--nproc", "1")
     assert code == 2 and "no column 'nope'" in out.split("problems:")[1] and "not on this machine" not in out, out
 
+    code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={gsm8k_dir / 'train.parquet'}", "trainer.total_training_steps=3",
+                         "trainer.profile_steps=[3,4]", "--nproc", "1")
+    assert code == 2 and "trainer.profile_steps=[3, 4]: the run has 3 steps" in out.split("problems:")[1], out
+
 
 def test_preflight_renders_with_the_template_the_run_would_use(gsm8k_dir, tiny_qwen_dir, tmp_path):
     (tmp_path / "broken.jinja").write_text("{% for m in messages %}{{ m.content }}")  # no endfor

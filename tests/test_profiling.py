@@ -1,0 +1,75 @@
+"""trainer.profile_steps (sfttrain/profiling.py): a trace per rank and a summary of the window's
+steps, and training that computes what it computes unprofiled."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sfttrain.config import ConfigError, load_config
+import torch
+
+from sfttrain.profiling import StepProfiler, describe, idle_gaps, kernel_kind, kernel_kinds
+from tests.conftest import run_sfttrain, train_losses, two_rank_job
+
+
+def test_profiled_steps_leave_a_trace_per_rank_a_summary_and_the_same_losses(gsm8k_dir, tmp_path, two_rank_run):
+    """two_rank_job (3 steps) with steps 2-3 profiled: each rank's Chrome trace holds those two
+    steps' ranges (not step 1's) with the matrix products inside them, rank 0 prints and writes the
+    summary, and the losses are those of conftest's unprofiled run of the same job."""
+    run_dir = tmp_path / "run"
+    proc = run_sfttrain(2, two_rank_job(gsm8k_dir, run_dir, "trainer.profile_steps=[2,3]"))
+    assert f"profile             : steps 2-3 (torch.profiler), a trace per rank and a summary in {run_dir}/profile" \
+        in proc.stdout
+    for rank in (0, 1):
+        events = json.loads((run_dir / "profile" / f"steps_2-3_rank{rank}.json").read_text())["traceEvents"]
+        steps = sorted(e["name"] for e in events if e["name"].startswith("sfttrain step"))
+        assert steps == ["sfttrain step 2", "sfttrain step 3"]
+        assert sum(e["name"] in ("aten::mm", "aten::addmm") for e in events) > 0
+    summary = (run_dir / "profile" / "summary.txt").read_text()
+    assert summary.startswith("wall ") and "ms/step" in summary and "Self CPU" in summary
+    assert f"profile of steps 2-3 (trace {run_dir}/profile/steps_2-3_rank0.json)" in proc.stdout
+    assert train_losses(run_dir) == train_losses(two_rank_run)
+
+
+def test_a_resume_inside_the_window_profiles_the_steps_it_runs(tmp_path):
+    """Window 2-4, resumed after step 2: steps 3 and 4 are profiled (a matrix product each, standing
+    in for a step); resumed after step 4, nothing is, and start-up says so."""
+    said = []
+    profiler = StepProfiler([2, 3, 4], str(tmp_path), 0, torch.device("cpu"), said.append)
+    for step in (3, 4, 5):
+        profiler.before_step(step)
+        torch.randn(64, 64) @ torch.randn(64, 64)
+        profiler.after_step(step)
+    events = json.loads((tmp_path / "profile" / "steps_3-4_rank0.json").read_text())["traceEvents"]
+    assert sorted(e["name"] for e in events if e["name"].startswith("sfttrain step")) == ["sfttrain step 3",
+                                                                                           "sfttrain step 4"]
+    assert sum(e["name"] == "aten::mm" for e in events) == 2
+    assert len(said) == 1 and said[0].startswith(f"profile of steps 3-4 (trace {tmp_path}/profile/steps_3-4_rank0.json)")
+    assert describe([2, 3, 4], str(tmp_path), 4) == [
+        "  profile             : steps 2-4 ran before this resume (after step 4): nothing is profiled"]
+
+
+@pytest.mark.parametrize("steps", ["[0,1]", "[2,4]", "[3,3]"])
+def test_profile_steps_must_be_one_window(steps):
+    with pytest.raises(ConfigError, match=r"trainer.profile_steps=.*consecutive step numbers"):
+        load_config(None, ["data.train_files=x", "model.partial_pretrain=y", f"trainer.profile_steps={steps}"])
+
+
+def test_kernels_are_grouped_by_kind_and_idle_gaps_measured():
+    """A made-up timeline of one step (microseconds): a GEMM, a gap of 50, attention, a gap of 200, a
+    Triton kernel overlapping an NCCL kernel; the kinds by name (cuDNN's attention says sdpa)."""
+    names = ["sm90_xmma_gemm_bf16bf16", "cudnn_generated_fort_native_sdpa_sm90_flash_fprop", "triton_poi_fused_add_0",
+             "ncclDevKernel_AllReduce_Sum_f32", "Memcpy DtoH (Device -> Pinned)", "void at::native::elementwise_kernel"]
+    assert [kernel_kind(n) for n in names] == ["gemm", "attention", "triton", "communication", "copy", "other"]
+    timeline = [{"name": names[0], "ts": 0, "dur": 100}, {"name": names[1], "ts": 150, "dur": 100},
+                {"name": names[2], "ts": 450, "dur": 100}, {"name": names[3], "ts": 500, "dur": 300}]
+    assert kernel_kinds(timeline, 1)[1:] == ["  communication       0.30 ms        1 kernels",
+                                             "  gemm                0.10 ms        1 kernels",
+                                             "  attention           0.10 ms        1 kernels",
+                                             "  triton              0.10 ms        1 kernels"]
+    gaps = idle_gaps(timeline, 1)
+    assert gaps[0] == "GPU idle between kernels: 0.2 ms/step (1 gaps over 100 us per step); largest:"
+    assert gaps[1].strip().startswith("0.20 ms after 'cudnn_generated") and "before 'triton_poi" in gaps[1]
+    assert gaps[2].strip().startswith("0.05 ms after 'sm90_xmma")

@@ -28,7 +28,8 @@ from sfttrain.errors import UserError
 from sfttrain.hub import cached_folder, is_repo_id
 from sfttrain.moe import MoeShape
 from sfttrain.profiling import check_window
-from sfttrain.recompute import wants_attention_kept
+from sfttrain.lora import base_dtype
+from sfttrain.recompute import checkpointed, wants_attention_kept
 from sfttrain.rope import check_rope
 
 GIB = 2**30
@@ -103,8 +104,12 @@ class DenseShape:
         input, gate and up outputs and their product (a common approximation; flash attention
         keeps no score matrix)."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        mlp = self.moe.mlp_activations_per_token() if self.sparse_layers else 3 * self.intermediate
-        return 4 * self.hidden + 2 * q + 2 * kv + mlp
+        return 4 * self.hidden + 2 * q + 2 * kv + self.mlp_activations_per_token()
+
+    def mlp_activations_per_token(self) -> int:
+        """The MLP's values per token (gate, up, their product; a MoE's routed share): the largest
+        part of a layer, and of its backward's gradients."""
+        return self.moe.mlp_activations_per_token() if self.sparse_layers else 3 * self.intermediate
 
 
 def micro_batch_tokens(cfg: Config) -> int:
@@ -131,6 +136,23 @@ def activation_bytes(shape: DenseShape, tokens: int, checkpointing: bool, value_
     return inputs + per_layer if checkpointing else shape.layers * per_layer
 
 
+def backward_bytes(shape: DenseShape, tokens: int, value_bytes: int) -> int:
+    """The gradients a layer's backward holds beside its activations: those of its MLP's values."""
+    return shape.mlp_activations_per_token() * tokens * value_bytes
+
+
+def autocast_copy_params(cfg: ModelConfig, shape: DenseShape) -> int:
+    """Weights whose compute-dtype copy (one device, autocast) lives from forward to backward: every
+    weight, saved for backward; but a recomputed layer's copies when compiled are made and freed
+    inside its graph, in forward and again in its recomputation (eager, autocast's cache holds
+    every copy until the forward ends)."""
+    m = cfg.model
+    if not (m.enable_gradient_checkpointing and m.compile):
+        return shape.num_params
+    recomputed = len(checkpointed(list(range(shape.layers)), m.gradient_checkpointing_ratio))
+    return (shape.layers - recomputed) * shape.layer_params
+
+
 def memory_per_rank(cfg: Config, shape: DenseShape, dp_size: int) -> dict[str, float]:
     """GiB per rank, by what holds it. FSDP shards parameters, gradients and AdamW's two moments
     over the shard group; compute runs on compute-dtype copies of one layer at a time (plus the
@@ -149,14 +171,15 @@ def memory_per_rank(cfg: Config, shape: DenseShape, dp_size: int) -> dict[str, f
                                    wants_attention_kept(m, cfg.data.max_length))
     logits = m.loss_chunk_tokens * shape.vocab * compute * (2 if m.loss_kernel == "torch" else 1)
     autocast = mixed_precision_dtypes(fsdp) is not None and m.lora_rank == 0  # LoRA's base is bf16 already
-    base = 0 if m.lora_rank == 0 else n * master
+    base = 0 if m.lora_rank == 0 else n * base_dtype(m).itemsize
     out = {"parameters": (base + trained * trained_bytes) / shard, "gradients": trained * trained_bytes / shard,
            "optimizer (AdamW m, v)": 2 * trained * trained_bytes / shard}
     if shard > 1:
         out[f"{compute_name} weights (gathered layers)"] = 2 * shape.layer_params * compute
     elif autocast:
-        out["bf16 weights (autocast copies)"] = n * 2
+        out["bf16 weights (autocast copies)"] = autocast_copy_params(cfg, shape) * 2
     out[f"activations ({'with' if m.enable_gradient_checkpointing else 'without'} checkpointing)"] = activations
+    out["backward: one layer's MLP gradients"] = backward_bytes(shape, micro_batch_tokens(cfg), compute)
     out[f"logits / loss chunk ({m.loss_chunk_tokens} tokens x {shape.vocab} vocab)"] = logits
     return {k: v / GIB for k, v in out.items()}
 

@@ -72,6 +72,41 @@ def test_lora_params_match_peft(tmp_path):
     assert DenseShape.from_config_json(str(folder)).lora_params(8) == trainable
 
 
+@pytest.mark.parametrize("lora", [[], ["model.lora_rank=8", "model.target_modules=all-linear"]], ids=["full", "lora"])
+def test_memory_rows_of_the_weights_are_what_a_step_holds(lora):
+    """The preflight's parameter, gradient and optimizer rows against stories260K as sfttrain loads it
+    on one device (fp32 master weights, bf16 compute; LoRA: the frozen base in bf16, fp32 adapters),
+    after a step: the bytes of its parameters, their gradients and AdamW's state."""
+    from sfttrain.config import load_config
+    from sfttrain.data.pack import pack
+    from sfttrain.data.render import RenderedSample
+    from sfttrain.loss import CausalLMLoss
+    from sfttrain.model import load_model, materialise_model
+    from sfttrain.optim import build_optimizer
+    from sfttrain.plan import memory_per_rank
+
+    cfg = load_config(None, [f"model.partial_pretrain={STORIES}", "data.train_files=x", "model.fsdp_config.model_dtype=fp32",
+                             "model.fsdp_config.mixed_precision=true", *lora])
+    cpu = torch.device("cpu")
+    model = load_model(cfg.model, cpu).model
+    materialise_model(model, cfg.model, cpu, cpu, seed=0)
+    optimizer = build_optimizer(model, cfg.optim)
+    lm = CausalLMLoss(model, fused=False)
+    lm.autocast_dtype = torch.bfloat16  # as sfttrain.parallel.single_device sets it
+    lm(pack([RenderedSample(list(range(1, 65)), [1] * 64, 0)])).backward()
+    optimizer.step()
+
+    def gib(tensors) -> float:
+        return sum(t.numel() * t.element_size() for t in tensors) / 2**30
+
+    rows = memory_per_rank(cfg, DenseShape.from_config_json(str(STORIES)), 1)
+    params = list(model.parameters())
+    assert rows["parameters"] == pytest.approx(gib(params), rel=1e-9)
+    assert rows["gradients"] == pytest.approx(gib(p.grad for p in params if p.grad is not None), rel=1e-9)
+    moments = [state[k] for state in optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")]
+    assert rows["optimizer (AdamW m, v)"] == pytest.approx(gib(moments), rel=1e-9)
+
+
 @pytest.mark.parametrize("mb", [1, 3, 4])
 @pytest.mark.parametrize("dp", [1, 2, 3, 8])
 @pytest.mark.parametrize("budget", [None, 4096])

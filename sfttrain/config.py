@@ -178,6 +178,9 @@ class TrainerConfig:
     # consecutive steps to profile with torch.profiler, e.g. [11, 12, 13]: a Chrome trace per rank and a summary
     # (kernel time by kind, idle gaps, top kernels) in <run folder>/profile/ (sfttrain.profiling)
     profile_steps: Optional[list[int]] = None
+    # with profile_steps, on CUDA: also record the allocator's history over them, saved as a snapshot (for
+    # https://pytorch.org/memory_viz), and the summary lists what the window's peak holds (slows the host)
+    profile_memory: bool = False
 
 
 @dataclass
@@ -430,6 +433,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"trainer.nccl_timeout must be a positive number of seconds, got {t.nccl_timeout}; "
                           "the default is 1800")
     _check_profile_steps(t.profile_steps)
+    if t.profile_memory and not t.profile_steps:
+        raise ConfigError("trainer.profile_memory=true records memory over trainer.profile_steps: name those steps "
+                          "too, e.g. trainer.profile_steps=[11]")
     for name in logger_names(t):
         _choice("trainer.logger", name, ("console", "wandb"))
     _validate_lora(m)

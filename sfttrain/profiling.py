@@ -6,6 +6,12 @@ prints a summary: wall time and kernel time per step, kernel time by kind (GEMM,
 Triton, communication, copies), the top kernels, and where the GPU sat idle between them. Each
 step is a range of its own in the trace ("sfttrain step N").
 
+trainer.profile_memory (CUDA) also records the caching allocator's history over the window (each
+allocation and free with its Python stack, torch.cuda.memory._record_memory_history), saves it as
+a snapshot for https://pytorch.org/memory_viz, and the summary replays it: the window's peak
+allocated memory and what the window's own allocations live at that moment hold, by the line
+that made them. Recording the stacks slows the host, so the timings of such a window run slow.
+
 The window ends with a device synchronisation, so that its last kernels are in the trace: the step
 after it starts with an empty queue (one step's worth of the host/device overlap is lost).
 """
@@ -15,15 +21,19 @@ from __future__ import annotations
 import collections
 import json
 import os
+import pickle
 import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from sfttrain.config import TrainerConfig
 from sfttrain.errors import ConfigError
 
 PROFILE_DIR = "profile"
 SUMMARY = "summary.txt"
+MEMORY_EVENTS = 1_000_000  # the allocator's history kept at most (several KB each, with their stacks)
+GIB = 2**30
 # kernel kinds by name, first match wins (cuDNN's attention kernels are named ...sdpa...; cuBLAS's
 # GEMMs nvjet/sm90_xmma/cutlass; inductor's own kernels triton_...)
 KINDS = (("attention", ("flash", "fmha", "sdpa", "attn")), ("communication", ("nccl",)),
@@ -37,16 +47,20 @@ def check_window(steps: list[int] | None, total_steps: int) -> None:
         raise ConfigError(f"trainer.profile_steps={steps}: the run has {total_steps} steps; name steps within it")
 
 
-def describe(steps: list[int] | None, run_dir: str, steps_done: int) -> list[str]:
+def describe(t: TrainerConfig, run_dir: str, steps_done: int, device: torch.device) -> list[str]:
     """The start-up line (none when off)."""
+    steps = t.profile_steps
     if not steps:
         return []
-    where = os.path.join(run_dir, PROFILE_DIR)
     if max(steps) <= steps_done:
         return [f"  profile             : steps {window_name(steps)} ran before this resume (after step {steps_done}): "
                 "nothing is profiled"]
-    return [f"  profile             : steps {window_name(steps)} (torch.profiler), a trace per rank and a summary in "
-            f"{where}"]
+    memory = ""
+    if t.profile_memory:
+        memory = (", the allocator's history (trainer.profile_memory)" if device.type == "cuda" else
+                  "; trainer.profile_memory records a CUDA allocator's history: none on this CPU run")
+    return [f"  profile             : steps {window_name(steps)} (torch.profiler{memory}), a trace per rank and a "
+            f"summary in {os.path.join(run_dir, PROFILE_DIR)}"]
 
 
 def window_name(steps: list[int]) -> str:
@@ -57,24 +71,31 @@ class StepProfiler:
     """Starts the profiler before the window's first step run (a resume may start inside it) and
     stops it after its last."""
 
-    def __init__(self, steps: list[int] | None, run_dir: str, rank: int, device: torch.device, info):
-        self.steps = sorted(steps or [])
+    def __init__(self, t: TrainerConfig, run_dir: str, rank: int, device: torch.device, info):
+        self.steps = sorted(t.profile_steps or [])
+        self.memory = t.profile_memory and device.type == "cuda"
         self.folder = os.path.join(run_dir, PROFILE_DIR)
         self.rank, self.device, self.info = rank, device, info
         self.prof = self.step_range = None
-        self.start, self.profiled = 0.0, []
+        self.start, self.profiled, self.allocated_before = 0.0, [], 0
 
     def before_step(self, step: int) -> None:
         if step not in self.steps:
             return
         if self.prof is None:
-            activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])]
-            self.prof = profile(activities=activities)
-            self.prof.__enter__()
-            self.start = time.perf_counter()
+            self.start_window()
         self.step_range = record_function(f"sfttrain step {step}")
         self.step_range.__enter__()
         self.profiled.append(step)
+
+    def start_window(self) -> None:
+        if self.memory:
+            self.allocated_before = torch.cuda.memory_allocated(self.device)
+            torch.cuda.memory._record_memory_history(stacks="python", max_entries=MEMORY_EVENTS)
+        activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])]
+        self.prof = profile(activities=activities)
+        self.prof.__enter__()
+        self.start = time.perf_counter()
 
     def after_step(self, step: int) -> None:
         if self.step_range is None:
@@ -93,12 +114,68 @@ class StepProfiler:
         name = window_name(self.profiled)
         trace = os.path.join(self.folder, f"steps_{name}_rank{self.rank}.json")
         self.prof.export_chrome_trace(trace)
+        memory = self.stop_memory(name) if self.memory else []
         if self.rank == 0:
-            text = summarise(self.prof, trace, wall, len(self.profiled))
+            text = "\n".join([summarise(self.prof, trace, wall, len(self.profiled)), *memory])
             with open(os.path.join(self.folder, SUMMARY), "w") as f:
                 f.write(text + "\n")
             self.info(f"profile of steps {name} (trace {trace}):\n{text}")
         self.prof = None
+
+    def stop_memory(self, name: str) -> list[str]:
+        """Saves the allocator's history as a snapshot file and returns the summary's lines on it."""
+        snapshot = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        path = os.path.join(self.folder, f"memory_steps_{name}_rank{self.rank}.pickle")
+        with open(path, "wb") as f:
+            pickle.dump(snapshot, f)
+        events = snapshot["device_traces"][self.device.index or 0]
+        return [f"memory snapshot {path} (open it in https://pytorch.org/memory_viz)",
+                *describe_peak(events, self.allocated_before)]
+
+
+def describe_peak(events: list[dict], allocated_before: int, top: int = 10) -> list[str]:
+    """The window's peak allocated memory and, by where they were made, its allocations live then."""
+    peak, live = live_at_peak(events)
+    by_place: dict[str, list[int]] = collections.defaultdict(list)
+    for event in live:
+        by_place[allocation_site(event.get("frames", []))].append(event["size"])
+    lines = [f"peak allocated in the window {(allocated_before + peak) / GIB:.2f} GiB ({allocated_before / GIB:.2f} "
+             f"GiB allocated before it); of the window's own allocations live at the peak, by where they were made:"]
+    largest = sorted(by_place.items(), key=lambda item: -sum(item[1]))[:top]
+    lines += [f"  {sum(sizes) / GIB:8.2f} GiB in {len(sizes):5d} blocks  {place}" for place, sizes in largest]
+    return lines
+
+
+def live_at_peak(events: list[dict]) -> tuple[int, list[dict]]:
+    """Replays the allocator's history (alloc and free_requested events, as memory_allocated counts
+    them): the most bytes allocated beyond the window's start at any moment, and the allocations
+    made in the window that were live then. A free of an older block lowers the count."""
+    def replay(stop: int | None):
+        live, current, peak, peak_at = {}, 0, 0, -1
+        for i, event in enumerate(events[:stop]):
+            if event["action"] == "alloc":
+                live[event["addr"]] = event
+                current += event["size"]
+            elif event["action"] == "free_requested":
+                live.pop(event["addr"], None)
+                current -= event["size"]
+            if current > peak:
+                peak, peak_at = current, i
+        return live, peak, peak_at
+
+    _, peak, peak_at = replay(None)
+    live, _, _ = replay(peak_at + 1)
+    return peak, list(live.values())
+
+
+def allocation_site(frames: list[dict]) -> str:
+    """The innermost frame outside torch itself (a model's code, sfttrain's, inductor's generated
+    code), as file:line function."""
+    for frame in frames:
+        if f"{os.sep}torch{os.sep}" not in frame["filename"]:
+            return f"{frame['filename']}:{frame['line']} {frame['name']}"
+    return "torch" if frames else "(no stack)"
 
 
 def summarise(prof, trace: str, wall: float, steps: int) -> str:

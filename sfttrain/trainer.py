@@ -104,7 +104,7 @@ class FSDPSFTTrainer:
         self.checkpointer = checkpoint.Checkpointer(self.run_dir, world, cfg, resume.run_id, self.logger.event,
                                                     self.lm.model, self.optimizer, self.tokenizer)
         self.timer = StepTimer(world.device)
-        self.profiler = profiling.StepProfiler(t.profile_steps, self.run_dir, world.rank, world.device, self.logger.info)
+        self.profiler = profiling.StepProfiler(t, self.run_dir, world.rank, world.device, self.logger.info)
         self._print_startup(resume_from, resume_notes)
 
     def _print_startup(self, resume_from: str | None, resume_notes: list[str]) -> None:
@@ -132,7 +132,7 @@ class FSDPSFTTrainer:
             f"  lr                  : {cfg.optim.lr} {cfg.optim.lr_scheduler}, "
             f"{warmup_steps(cfg.optim, self.plan.total_steps)} warmup steps",
             f"  run folder          : {self.run_dir}",
-            *profiling.describe(cfg.trainer.profile_steps, self.run_dir, self.state.step),
+            *profiling.describe(cfg.trainer, self.run_dir, self.state.step, self.world.device),
             describe(self.data_report),
             f"  resume              : {resume_from or 'fresh start'} (step {self.state.step}, run id "
             f"{self.state.run_id})",

@@ -4,13 +4,14 @@ steps, and training that computes what it computes unprofiled."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
-
-from sfttrain.config import ConfigError, load_config
 import torch
 
-from sfttrain.profiling import StepProfiler, describe, idle_gaps, kernel_kind, kernel_kinds
+from sfttrain.config import ConfigError, TrainerConfig, load_config
+from sfttrain.profiling import (StepProfiler, allocation_site, describe, idle_gaps, kernel_kind, kernel_kinds,
+                                live_at_peak)
 from tests.conftest import run_sfttrain, train_losses, two_rank_job
 
 
@@ -37,7 +38,8 @@ def test_a_resume_inside_the_window_profiles_the_steps_it_runs(tmp_path):
     """Window 2-4, resumed after step 2: steps 3 and 4 are profiled (a matrix product each, standing
     in for a step); resumed after step 4, nothing is, and start-up says so."""
     said = []
-    profiler = StepProfiler([2, 3, 4], str(tmp_path), 0, torch.device("cpu"), said.append)
+    window = TrainerConfig(profile_steps=[2, 3, 4])
+    profiler = StepProfiler(window, str(tmp_path), 0, torch.device("cpu"), said.append)
     for step in (3, 4, 5):
         profiler.before_step(step)
         torch.randn(64, 64) @ torch.randn(64, 64)
@@ -47,8 +49,47 @@ def test_a_resume_inside_the_window_profiles_the_steps_it_runs(tmp_path):
                                                                                            "sfttrain step 4"]
     assert sum(e["name"] == "aten::mm" for e in events) == 2
     assert len(said) == 1 and said[0].startswith(f"profile of steps 3-4 (trace {tmp_path}/profile/steps_3-4_rank0.json)")
-    assert describe([2, 3, 4], str(tmp_path), 4) == [
+    assert describe(window, str(tmp_path), 4, torch.device("cpu")) == [
         "  profile             : steps 2-4 ran before this resume (after step 4): nothing is profiled"]
+
+
+def test_the_allocators_history_replays_to_its_peak():
+    """Made-up allocator events: 100 allocated and freed, then 50 and 80 (130, the peak, both live),
+    a block from before the window freed (40: the count goes to 90) and 30 allocated (120)."""
+    events = [{"action": "alloc", "addr": 1, "size": 100}, {"action": "free_requested", "addr": 1, "size": 100},
+              {"action": "free_completed", "addr": 1, "size": 100}, {"action": "alloc", "addr": 2, "size": 50},
+              {"action": "alloc", "addr": 3, "size": 80}, {"action": "free_requested", "addr": 9, "size": 40},
+              {"action": "alloc", "addr": 4, "size": 30}]
+    peak, live = live_at_peak(events)
+    assert peak == 130 and sorted(e["addr"] for e in live) == [2, 3]
+    peak, live = live_at_peak(events + [{"action": "alloc", "addr": 5, "size": 11}])  # 131: a later peak
+    assert peak == 131 and sorted(e["addr"] for e in live) == [2, 3, 4, 5]
+    frames = [{"filename": "/site/torch/nn/modules/linear.py", "line": 125, "name": "forward"},
+              {"filename": "/site/transformers/models/llama/modeling_llama.py", "line": 171, "name": "forward"}]
+    assert allocation_site(frames) == "/site/transformers/models/llama/modeling_llama.py:171 forward"
+    assert allocation_site(frames[:1]) == "torch" and allocation_site([]) == "(no stack)"
+
+
+def test_profile_memory_needs_the_window_and_a_gpu():
+    with pytest.raises(ConfigError, match=r"trainer.profile_memory=true records memory over trainer.profile_steps"):
+        load_config(None, ["data.train_files=x", "model.partial_pretrain=y", "trainer.profile_memory=true"])
+    memory = TrainerConfig(profile_steps=[3], profile_memory=True)
+    assert "none on this CPU run" in describe(memory, "run", 0, torch.device("cpu"))[0]
+    assert "the allocator's history (trainer.profile_memory)" in describe(memory, "run", 0, torch.device("cuda", 0))[0]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the allocator's history is CUDA's")
+def test_profile_memory_on_a_gpu_names_the_peak(gsm8k_dir, tmp_path):
+    """One GPU, steps 2-3 with the allocator's history: a snapshot file, and the summary's peak no
+    lower than what was allocated before the window, with the window's allocations by site."""
+    run_dir = tmp_path / "run"
+    proc = run_sfttrain(1, two_rank_job(gsm8k_dir, run_dir, "trainer.device=cuda", "trainer.profile_steps=[2,3]",
+                                        "trainer.profile_memory=true"))
+    assert (run_dir / "profile" / "memory_steps_2-3_rank0.pickle").is_file()
+    summary = (run_dir / "profile" / "summary.txt").read_text()
+    peak, before = map(float, re.search(r"peak allocated in the window ([\d.]+) GiB \(([\d.]+) GiB", summary).groups())
+    assert peak >= before > 0 and "blocks" in summary, summary
+    assert "GPU kernels" in summary and "gemm" in summary, proc.stdout[-3000:]
 
 
 @pytest.mark.parametrize("steps", ["[0,1]", "[2,4]", "[3,3]"])

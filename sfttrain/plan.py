@@ -26,9 +26,9 @@ from sfttrain.config import (Config, ConfigError, ModelConfig, as_list, load_con
 from sfttrain.data.batching import batch_problem, make_plan
 from sfttrain.errors import UserError
 from sfttrain.hub import cached_folder, is_repo_id
+from sfttrain.lora import base_dtype
 from sfttrain.moe import MoeShape
 from sfttrain.profiling import check_window
-from sfttrain.lora import base_dtype
 from sfttrain.recompute import checkpointed, wants_attention_kept
 from sfttrain.rope import check_rope
 

@@ -34,11 +34,11 @@ PROFILE_DIR = "profile"
 SUMMARY = "summary.txt"
 MEMORY_EVENTS = 1_000_000  # the allocator's history kept at most (several KB each, with their stacks)
 GIB = 2**30
-# kernel kinds by name, first match wins (cuDNN's attention kernels are named ...sdpa...; cuBLAS's
-# GEMMs nvjet/sm90_xmma/cutlass; inductor's own kernels triton_...)
-KINDS = (("attention", ("flash", "fmha", "sdpa", "attn")), ("communication", ("nccl",)),
-         ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "splitk")), ("triton", ("triton",)),
-         ("copy", ("memcpy", "memset")))
+# kernel kinds by name, first match wins: inductor's own kernels are triton_... (named after the ops
+# they fuse, which may include the attention op whose input they prepare); cuDNN's attention kernels
+# are named ...sdpa...; cuBLAS's GEMMs nvjet/sm90_xmma/cutlass
+KINDS = (("triton", ("triton",)), ("attention", ("flash", "fmha", "sdpa", "attn")), ("communication", ("nccl",)),
+         ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "splitk")), ("copy", ("memcpy", "memset")))
 
 
 def check_window(steps: list[int] | None, total_steps: int) -> None:

@@ -101,7 +101,8 @@ def test_profile_steps_must_be_one_window(steps):
 def test_kernels_are_grouped_by_kind_and_idle_gaps_measured():
     """A made-up timeline of one step (microseconds): a GEMM, a gap of 50, attention, a gap of 200, a
     Triton kernel overlapping an NCCL kernel; the kinds by name (cuDNN's attention says sdpa)."""
-    names = ["sm90_xmma_gemm_bf16bf16", "cudnn_generated_fort_native_sdpa_sm90_flash_fprop", "triton_poi_fused_add_0",
+    names = ["sm90_xmma_gemm_bf16bf16", "cudnn_generated_fort_native_sdpa_sm90_flash_fprop",
+             "triton_poi_fused__scaled_dot_product_cudnn_attention_transpose_0",
              "ncclDevKernel_AllReduce_Sum_f32", "Memcpy DtoH (Device -> Pinned)", "void at::native::elementwise_kernel"]
     assert [kernel_kind(n) for n in names] == ["gemm", "attention", "triton", "communication", "copy", "other"]
     timeline = [{"name": names[0], "ts": 0, "dur": 100}, {"name": names[1], "ts": 150, "dur": 100},

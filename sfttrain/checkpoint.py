@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from sfttrain.checkpoint_folder import COMPLETE, STATE_FILE, complete_checkpoints, enforce_retention, fsync_dir, \
-    hide, publish, read_state, remove, tree_bytes, write_synced
+    hide, publish, read_state, remove, room_problem, size_text, tree_bytes, write_synced
 from sfttrain.checkpoint_writer import OneLineError, Staging, WriterProcess, WriterThreadErrors, cuda_room, \
     one_line, tensor_bytes, write_shards, writer_kind
 from sfttrain.config import Config, ConfigError, to_yaml
@@ -136,6 +136,19 @@ class Checkpointer:
         # one writer: every rank writes its saves in the same order, so DCP's collectives pair up
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-write")
         self.cleaner = ThreadPoolExecutor(1, thread_name_prefix="ckpt-delete")  # retention's deletions
+        self._check_room()
+
+    def _check_room(self) -> None:
+        """Collective, at start-up: the run folder's disk takes the next save (the size of this run's
+        last checkpoint, or before its first an estimate), else every rank stops now."""
+        problem = None
+        if self.world.is_main:
+            need = self.last_bytes or estimated_bytes(self.model)
+            problem = room_problem(self.run_dir, shutil.disk_usage(self.run_dir).free, need, not self.last_bytes)
+        box = [problem]
+        dist.broadcast_object_list(box, src=0)
+        if box[0] is not None:
+            raise ConfigError(box[0])
 
     def save(self, state: TrainState, wandb_id: Optional[str] = None, final: bool = False) -> None:
         """Collective: every rank calls it. Raises CheckpointError on every rank if any rank could
@@ -233,15 +246,16 @@ class Checkpointer:
         device, setting = self.world.device, self.cfg.trainer.async_save_staging
         where = (f"on {device} (its free memory holds {self.slots} beside the first step's peak), then copied to "
                  "host memory by the writer" if on_device else "in host memory")
-        locked = (f"; {len(pinned)} x {_gb(copy)} of page-locked host memory allocated in {pinning_s:.1f} s before "
-                  "step 2 (once: page locking beside the steps would slow them)" if pinned else "")
-        self.report(None, f"background saves: each takes a copy of a rank's model and optimizer shard ({_gb(copy)}) "
-                            f"{where} (trainer.async_save_staging={setting}); {self.slots} in flight at most{locked}")
+        locked = (f"; {len(pinned)} x {size_text(copy)} of page-locked host memory allocated in {pinning_s:.1f} s "
+                  "before step 2 (once: page locking beside the steps would slow them)" if pinned else "")
+        self.report(None, f"background saves: each takes a copy of a rank's model and optimizer shard "
+                          f"({size_text(copy)}) {where} (trainer.async_save_staging={setting}); {self.slots} in flight "
+                          f"at most{locked}")
         if self.slots < wanted:
             log = logging.getLogger("sfttrain")
             holds = (f"the free memory of {device} holds {self.slots}" if on_device else
-                     f"host memory holds {self.slots}: a host copy of a rank's shard takes {_gb(copy)} "
-                     f"({local_ranks} ranks per node) and {_gb(available)} are available")
+                     f"host memory holds {self.slots}: a host copy of a rank's shard takes {size_text(copy)} "
+                     f"({local_ranks} ranks per node) and {size_text(available)} are available")
             log.warning(f"trainer.async_save_in_flight={wanted}, but {holds}. At most {self.slots} saves will be in "
                         "flight; a save finding them all in flight waits for the oldest write")
 
@@ -260,8 +274,8 @@ class Checkpointer:
         shutil.rmtree(tmp, ignore_errors=True)  # debris of a crashed save of the same step
         free = shutil.disk_usage(self.run_dir).free
         if self.last_bytes and free < self.last_bytes:
-            raise NotEnoughSpace(f"it needs about {_gb(self.last_bytes)} (the size of the last checkpoint) and "
-                          f"{self.run_dir} has {_gb(free)} free, {NOT_STARTED}")
+            raise NotEnoughSpace(f"it needs about {size_text(self.last_bytes)} (the size of the last checkpoint) "
+                                 f"and {self.run_dir} has {size_text(free)} free, {NOT_STARTED}")
         os.makedirs(os.path.join(tmp, "rng"))
 
     def _prepare_write(self, state_dict: dict, background: bool) -> tuple[dict, Optional[int]]:
@@ -382,7 +396,8 @@ class Checkpointer:
         size = self.last_bytes or (tree_bytes(last) if last else None)
         free = shutil.disk_usage(self.run_dir).free
         keep = self.cfg.trainer.max_ckpt_to_keep
-        space = f"{self.run_dir} has {_gb(free)} free" + (f"; a checkpoint takes {_gb(size)}" if size else "") + \
+        space = f"{self.run_dir} has {size_text(free)} free" + \
+            (f"; a checkpoint takes {size_text(size)}" if size else "") + \
             (f" (max_ckpt_to_keep={keep} needs room for {keep + 1}: the oldest is deleted after the next commit)"
              if keep and size else "")
         then = f"it resumes from {last}" if last else "no checkpoint of this run was committed yet, so it starts afresh"
@@ -416,9 +431,9 @@ class Checkpointer:
         free = shutil.disk_usage(self.run_dir).free
         if free < self.last_bytes:
             logging.getLogger("sfttrain").warning(
-                f"{self.run_dir} has {_gb(free)} free and a checkpoint takes {_gb(self.last_bytes)}: the next save "
-                "will not fit (retention deletes the oldest only after the next commit). Free space now, or the "
-                "next save stops the run (it then resumes from the last checkpoint)")
+                f"{self.run_dir} has {size_text(free)} free and a checkpoint takes {size_text(self.last_bytes)}: the "
+                "next save will not fit (retention deletes the oldest only after the next commit). Free space now, or "
+                "the next save stops the run (it then resumes from the last checkpoint)")
 
     def _report(self, p: PendingSave, size: int, write_s: float, seconds: float) -> None:
         stall = p.stall_s if p.background else seconds
@@ -450,6 +465,17 @@ class PendingSave:
 
     def mark_written(self, _future: Future) -> None:
         self.written_s = time.perf_counter() - self.started
+
+
+def estimated_bytes(model) -> int:
+    """A checkpoint's size before the first is written: each trained weight under each of its names
+    (a tied weight is saved under both) and AdamW's two moments of each, in the weight's dtype; a
+    DTensor whole (its shape is global: DCP writes each element once). DCP's own overhead (a few KB
+    per tensor) and the small files are left out."""
+    named = model.state_dict(keep_vars=True)
+    trained = [t for t in named.values() if isinstance(t, torch.nn.Parameter) and t.requires_grad]
+    unique = {id(t): t for t in trained}.values()
+    return sum(t.numel() * t.element_size() for t in trained) + 2 * sum(t.numel() * t.element_size() for t in unique)
 
 
 def host_memory_available() -> int:
@@ -490,10 +516,6 @@ def _disk_full(text: str) -> bool:
 
 def _peer_lost(text: str) -> bool:
     return "Connection closed by peer" in text or "Connection reset by peer" in text
-
-
-def _gb(n: int) -> str:
-    return f"{n / 1e9:.3g} GB" if n >= 1e8 else f"{n / 1e6:.3g} MB"
 
 
 def load(path: str, model, optimizer, scheduler, world: World, cfg: Config, current: TrainState) -> TrainState:

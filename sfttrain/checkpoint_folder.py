@@ -191,3 +191,20 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def size_text(n: int) -> str:
+    return f"{n / 1e9:.3g} GB" if n >= 1e8 else f"{n / 1e6:.3g} MB"
+
+
+def room_problem(run_dir: str, free: int, need: int, estimated: bool) -> Optional[str]:
+    """What stops a run whose folder's disk cannot take its next checkpoint (None if it can): at
+    start-up, not at that save, when the training before it would be lost. `estimated`: no
+    checkpoint of the run exists yet, `need` is the estimate of the first."""
+    if free >= need:
+        return None
+    size = (f"this run's first checkpoint will take about {size_text(need)} (the trained weights and their AdamW "
+            "moments)" if estimated else f"this run's checkpoints take {size_text(need)}")
+    return (f"trainer.default_local_dir={run_dir!r} has {size_text(free)} free and {size}: the next save would fail, "
+            "and the training before it would be lost. Free space there, or set trainer.default_local_dir to a "
+            "folder on a larger disk")

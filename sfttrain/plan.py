@@ -17,10 +17,12 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import sys
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from sfttrain.checkpoint_folder import room_problem, size_text
 from sfttrain.config import (Config, ConfigError, ModelConfig, as_list, load_config, mixed_precision_dtypes,
                              shard_group_size, validate)
 from sfttrain.data.batching import batch_problem, make_plan
@@ -316,6 +318,37 @@ def memory_section(cfg: Config, dp_size: int, folder: Optional[str], found: Find
     return lines
 
 
+def checkpoint_bytes(cfg: Config, shape: DenseShape) -> int:
+    """A checkpoint's tensors, as the start-up estimates them (sfttrain.checkpoint.estimated_bytes):
+    the trained weights (a tied embedding under both its names) and AdamW's two moments; LoRA: the
+    fp32 adapters only."""
+    m = cfg.model
+    if m.lora_rank > 0:
+        return 3 * shape.lora_params(m.lora_rank) * 4
+    master = DTYPE_BYTES[m.fsdp_config.model_dtype]
+    return (shape.num_params + (shape.vocab * shape.hidden if shape.tied else 0)) * master + 2 * shape.num_params * master
+
+
+def checkpoint_section(cfg: Config, folder: Optional[str], found: Findings) -> list[str]:
+    """A checkpoint's size, and whether the run folder's disk takes one (a problem where the run
+    folder exists here; else the free space of its nearest existing parent is a note)."""
+    if folder is None or not os.path.isfile(os.path.join(folder, "config.json")):
+        return []
+    need = checkpoint_bytes(cfg, DenseShape.from_config_json(folder))
+    run_dir = os.path.abspath(os.path.expanduser(cfg.trainer.default_local_dir))
+    there = run_dir
+    while not os.path.isdir(there):
+        there = os.path.dirname(there)
+    free = shutil.disk_usage(there).free
+    if there == run_dir and (problem := room_problem(run_dir, free, need, estimated=True)):
+        found.problems.append(problem)
+    elif there != run_dir:
+        found.notes.append(f"trainer.default_local_dir={cfg.trainer.default_local_dir!r} does not exist yet: the "
+                           f"free space of {there} ({size_text(free)}) is what a run started on this machine gets")
+    return [f"  checkpoint          : about {size_text(need)} each (trained weights and AdamW moments); "
+            f"{size_text(free)} free in {there}"]
+
+
 def fp8_section(cfg: Config, found: Findings) -> None:
     """model.fp8: torchao missing, or a CPU run, is a problem here as at start-up; the GPUs' FP8
     tensor cores can only be checked on them."""
@@ -352,6 +385,7 @@ def preflight(cfg: Config, nproc: int, nnodes: int) -> tuple[list[str], Findings
     lines = [f"sfttrain plan: {nnodes} node(s) x {nproc} rank(s)"]
     lines += batch_section(cfg, dp_size, folder, found)
     lines += memory_section(cfg, dp_size, folder, found)
+    lines += checkpoint_section(cfg, folder, found)
     return lines, found
 
 

@@ -340,6 +340,18 @@ def train_losses(run_dir: Path) -> list[float]:
     return [m["loss"] for m in read_metrics(run_dir) if "loss" in m]
 
 
+def checkpoint_tensor_bytes(ckpt_dir: Path) -> int:
+    """The bytes of the tensors a DCP checkpoint's metadata lists, AdamW's step counters aside."""
+    import math
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    entries = dcp.FileSystemReader(str(ckpt_dir)).read_metadata().state_dict_metadata.items()
+    return sum(math.prod(meta.size) * meta.properties.dtype.itemsize for name, meta in entries
+               if isinstance(meta, TensorStorageMetadata) and not name.endswith(".step"))
+
+
 def load_checkpoint_model(ckpt_dir: Path) -> dict:
     """The model weights of a DCP checkpoint as full tensors, read without a process group."""
     import torch

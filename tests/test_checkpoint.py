@@ -549,17 +549,26 @@ def one_message(proc, code: int) -> str:
 
 
 def test_full_disk(data, ref, tmp_path):
-    """Saves into a tmpfs that really fills (2 ranks, nothing mocked). C is one checkpoint's size.
-    0.5 C: the first save (in the background, by each rank's writer process) fails mid-write;
-    1.5 C: step 2 commits and the save of step 4 is refused before it starts; 2.1 C: step 4
-    commits, its Hugging Face export (a third of C) does not fit; 10 C: the same command resumes
-    and exports. Each failure ends every
-    rank with one message and an exit code of its own, and leaves no partial folder."""
+    """Saves into a tmpfs that really fills (2 ranks, nothing mocked). C is one checkpoint's size, E
+    the start-up's estimate of it (the tensors' bytes: below C by DCP's overhead and the small files).
+    0.5 C: refused at start-up, before a step; free space between E and C: the first save (in the
+    background, by each rank's writer process) fails mid-write; 1.5 C: step 2 commits and the save
+    of step 4 is refused before it starts; 2.1 C: step 4 commits, its Hugging Face export (a third
+    of C) does not fit; 10 C: the same command resumes and exports. Each failure ends every rank
+    with one message and an exit code of its own, and leaves no partial folder."""
     size = next(m["bytes"] for m in read_metrics(ref) if m.get("event") == "checkpoint")
     run_dir = tmp_path / "disk"
     command = job(data, run_dir / "run", "trainer.total_training_steps=4", "trainer.save_freq=2",
                   "trainer.save_hf=true", "trainer.async_save_writer=process")
     with tmpfs(run_dir, size // 2) as resize:
+        message = one_message(run_sfttrain(2, command, check=False), 2)
+        estimate = re.search(r"this run's first checkpoint will take about ([\d.]+) MB", message)
+        assert estimate and "the next save would fail, and the training before it would be lost" in message, message
+        assert not any("loss" in m for m in read_metrics(run_dir / "run"))  # stopped before step 1
+        estimate = float(estimate.group(1)) * 1e6
+        assert estimate < size, (estimate, size)
+
+        resize(shutil.disk_usage(run_dir).used + int(estimate + size) // 2)  # the run folder's files stay
         message = one_message(run_sfttrain(2, command, check=False), 6)
         assert "checkpoint not saved: the checkpoint of step 2 was not saved: the disk is full" in message, message
         assert "the last good checkpoint is none" in message and "starts afresh" in message, message

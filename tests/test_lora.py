@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from sfttrain.config import ConfigError, load_config
-from tests.conftest import STORIES, read_metrics, run_sfttrain
+from tests.conftest import STORIES, checkpoint_tensor_bytes, read_metrics, run_sfttrain
 from tests.test_checkpoint import data, job, losses_by_step, max_rel_diff, state  # noqa: F401 (data: fixture)
 
 STEPS = 4
@@ -47,6 +47,15 @@ def one(data, tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("lora_one") / "run"
     run_sfttrain(1, lora_job(data, run_dir, "trainer.save_freq=1"))
     return run_dir
+
+
+def test_the_preflights_checkpoint_size_is_what_a_lora_checkpoint_holds(ref, data):
+    """The fp32 adapters and their AdamW moments, as the checkpoint's metadata lists them."""
+    from sfttrain.plan import DenseShape, checkpoint_bytes
+
+    run_dir, _ = ref
+    held = checkpoint_tensor_bytes(run_dir / f"global_step_{STEPS}")
+    assert checkpoint_bytes(load_config(None, lora_job(data, run_dir)), DenseShape.from_config_json(str(STORIES))) == held
 
 
 def test_lora_learns_and_checkpoints_hold_adapters_only(ref):

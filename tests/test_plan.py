@@ -15,7 +15,7 @@ import torch
 
 from sfttrain.data.batching import batch_problem, nearest_valid_batches
 from sfttrain.plan import DenseShape, main
-from tests.conftest import BASE_OVERRIDES, REPO, STORIES
+from tests.conftest import BASE_OVERRIDES, REPO, STORIES, checkpoint_tensor_bytes
 
 # Published sizes of two real models (their model cards: 494M and 8.03B parameters)
 QWEN25_05B = dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
@@ -105,6 +105,40 @@ def test_memory_rows_of_the_weights_are_what_a_step_holds(lora):
     assert rows["gradients"] == pytest.approx(gib(p.grad for p in params if p.grad is not None), rel=1e-9)
     moments = [state[k] for state in optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")]
     assert rows["optimizer (AdamW m, v)"] == pytest.approx(gib(moments), rel=1e-9)
+
+
+def test_checkpoint_size_estimates_are_the_tensors_a_checkpoint_holds(two_rank_run):
+    """The preflight's checkpoint size (from config.json) and the start-up's (from the loaded model)
+    against the tensors the metadata of conftest's two-rank FSDP checkpoint lists (fp32 stories260K,
+    its tied embedding saved under both names, AdamW's two moments)."""
+    from sfttrain.checkpoint import estimated_bytes
+    from sfttrain.config import load_config
+    from sfttrain.model import load_model, materialise_model
+    from sfttrain.plan import checkpoint_bytes
+
+    cfg = load_config(None, [*BASE_OVERRIDES, "data.train_files=x"])
+    cpu = torch.device("cpu")
+    model = load_model(cfg.model, cpu).model
+    materialise_model(model, cfg.model, cpu, cpu, seed=0)
+    held = checkpoint_tensor_bytes(two_rank_run / "global_step_3")
+    assert checkpoint_bytes(cfg, DenseShape.from_config_json(str(STORIES))) == estimated_bytes(model) == held
+
+
+def test_preflight_says_when_the_run_folder_cannot_take_a_checkpoint(tmp_path):
+    """The checkpoint line, and a problem where the run folder is on a disk with less free space
+    than a checkpoint (a real 1 MB tmpfs; stories260K's checkpoint: 3.25 MB)."""
+    from tests.test_checkpoint import tmpfs
+
+    code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={tmp_path}/absent.parquet",
+                         f"trainer.default_local_dir={tmp_path}", "--nproc", "1")
+    assert code == 0 and re.search(r"checkpoint +: about 3.25 MB each \(trained weights and AdamW moments\); "
+                                   rf"[\d.]+ [GM]B free in {tmp_path}", out), out
+    with tmpfs(tmp_path / "small", 10**6):
+        code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={tmp_path}/absent.parquet",
+                             f"trainer.default_local_dir={tmp_path}/small", "--nproc", "1")
+    problems = out.split("problems:")[1]
+    assert code == 2 and re.search(rf"trainer.default_local_dir='{tmp_path}/small' has [\d.]+ MB free and this "
+                                   r"run's first checkpoint will take about 3.25 MB", problems), out
 
 
 @pytest.mark.parametrize("mb", [1, 3, 4])

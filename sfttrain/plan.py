@@ -163,12 +163,10 @@ def memory_per_rank(cfg: Config, shape: DenseShape, dp_size: int) -> dict[str, f
     m = cfg.model
     fsdp = m.fsdp_config
     shard = shard_group_size(fsdp, dp_size)
-    master, compute = DTYPE_BYTES[fsdp.model_dtype], compute_bytes(cfg)
+    compute = compute_bytes(cfg)
     compute_name = "bf16" if compute == 2 else "fp32"
     n = shape.num_params
-    # with LoRA only the fp32 adapters are trained: the frozen base has no gradient or optimizer state
-    trained = shape.lora_params(m.lora_rank) if m.lora_rank > 0 else n
-    trained_bytes = 4 if m.lora_rank > 0 else master
+    trained, trained_bytes = trained_params(cfg, shape)
     activations = activation_bytes(shape, micro_batch_tokens(cfg), m.enable_gradient_checkpointing, compute,
                                    wants_attention_kept(m, cfg.data.max_length))
     logits = m.loss_chunk_tokens * shape.vocab * compute * (2 if m.loss_kernel == "torch" else 1)
@@ -318,15 +316,21 @@ def memory_section(cfg: Config, dp_size: int, folder: Optional[str], found: Find
     return lines
 
 
-def checkpoint_bytes(cfg: Config, shape: DenseShape) -> int:
-    """A checkpoint's tensors, as the start-up estimates them (sfttrain.checkpoint.estimated_bytes):
-    the trained weights (a tied embedding under both its names) and AdamW's two moments; LoRA: the
-    fp32 adapters only."""
+def trained_params(cfg: Config, shape: DenseShape) -> tuple[int, int]:
+    """(count, bytes per value) of the parameters training updates: every one in model_dtype, or
+    with LoRA only the fp32 adapters (the frozen base has no gradient or optimizer state)."""
     m = cfg.model
     if m.lora_rank > 0:
-        return 3 * shape.lora_params(m.lora_rank) * 4
-    master = DTYPE_BYTES[m.fsdp_config.model_dtype]
-    return (shape.num_params + (shape.vocab * shape.hidden if shape.tied else 0)) * master + 2 * shape.num_params * master
+        return shape.lora_params(m.lora_rank), 4
+    return shape.num_params, DTYPE_BYTES[m.fsdp_config.model_dtype]
+
+
+def checkpoint_bytes(cfg: Config, shape: DenseShape) -> int:
+    """A checkpoint's tensors, as the start-up estimates them (sfttrain.checkpoint.estimated_bytes):
+    the trained weights (a tied embedding under both its names) and AdamW's two moments."""
+    count, value_bytes = trained_params(cfg, shape)
+    tied_copy = shape.vocab * shape.hidden if shape.tied and cfg.model.lora_rank == 0 else 0
+    return (3 * count + tied_copy) * value_bytes
 
 
 def checkpoint_section(cfg: Config, folder: Optional[str], found: Findings) -> list[str]:

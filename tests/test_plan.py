@@ -72,6 +72,16 @@ def test_lora_params_match_peft(tmp_path):
     assert DenseShape.from_config_json(str(folder)).lora_params(8) == trainable
 
 
+def loaded_stories(cfg):
+    """stories260K as sfttrain loads it on one CPU device under `cfg` (its weights materialised)."""
+    from sfttrain.model import load_model, materialise_model
+
+    cpu = torch.device("cpu")
+    model = load_model(cfg.model, cpu).model
+    materialise_model(model, cfg.model, cpu, cpu, seed=0)
+    return model
+
+
 @pytest.mark.parametrize("lora", [[], ["model.lora_rank=8", "model.target_modules=all-linear"]], ids=["full", "lora"])
 def test_memory_rows_of_the_weights_are_what_a_step_holds(lora):
     """The preflight's parameter, gradient and optimizer rows against stories260K as sfttrain loads it
@@ -81,15 +91,12 @@ def test_memory_rows_of_the_weights_are_what_a_step_holds(lora):
     from sfttrain.data.pack import pack
     from sfttrain.data.render import RenderedSample
     from sfttrain.loss import CausalLMLoss
-    from sfttrain.model import load_model, materialise_model
     from sfttrain.optim import build_optimizer
     from sfttrain.plan import memory_per_rank
 
     cfg = load_config(None, [f"model.partial_pretrain={STORIES}", "data.train_files=x", "model.fsdp_config.model_dtype=fp32",
                              "model.fsdp_config.mixed_precision=true", *lora])
-    cpu = torch.device("cpu")
-    model = load_model(cfg.model, cpu).model
-    materialise_model(model, cfg.model, cpu, cpu, seed=0)
+    model = loaded_stories(cfg)
     optimizer = build_optimizer(model, cfg.optim)
     lm = CausalLMLoss(model, fused=False)
     lm.autocast_dtype = torch.bfloat16  # as sfttrain.parallel.single_device sets it
@@ -113,13 +120,10 @@ def test_checkpoint_size_estimates_are_the_tensors_a_checkpoint_holds(two_rank_r
     its tied embedding saved under both names, AdamW's two moments)."""
     from sfttrain.checkpoint import estimated_bytes
     from sfttrain.config import load_config
-    from sfttrain.model import load_model, materialise_model
     from sfttrain.plan import checkpoint_bytes
 
     cfg = load_config(None, [*BASE_OVERRIDES, "data.train_files=x"])
-    cpu = torch.device("cpu")
-    model = load_model(cfg.model, cpu).model
-    materialise_model(model, cfg.model, cpu, cpu, seed=0)
+    model = loaded_stories(cfg)
     held = checkpoint_tensor_bytes(two_rank_run / "global_step_3")
     assert checkpoint_bytes(cfg, DenseShape.from_config_json(str(STORIES))) == estimated_bytes(model) == held
 

@@ -296,10 +296,15 @@ SOFTCAP_UNSUPPORTED = ("this model soft-caps its attention logits (attn_logit_so
                        "model.attn_implementation=sdpa_blockmask (exact, slow on GPU)")
 
 
-def check_model(config, backend: str) -> None:
-    """Start-up check that `backend` can compute this model's attention as its own code does."""
+def check_model(config, backend: str, compute_dtype: torch.dtype) -> None:
+    """Start-up check that `backend` can compute this model's attention as its own code does, in
+    the run's compute dtype (the flash kernels take fp16/bf16 only)."""
     if getattr(config, "attn_logit_softcapping", None) is not None and backend == "torch_varlen":
         raise ValueError(SOFTCAP_UNSUPPORTED)
+    if backend != "sdpa_blockmask" and compute_dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"model.attn_implementation: {backend} computes in fp16/bf16 only, and this run computes in "
+                         f"{str(compute_dtype).removeprefix('torch.')}: set model.fsdp_config.mixed_precision=true (bf16 "
+                         "compute, fp32 weights), or model.attn_implementation=sdpa_blockmask (slow on a GPU)")
 
 
 _KERNELS = {
@@ -398,7 +403,8 @@ def varlen_attention_forward(
 
     # [1, H, T, D] -> [T, H, D] (a view; the last dim stays contiguous, which the kernels need).
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
-    # one sample fills the row: cu_seqlens's length is a shape, known without reading the tensor
+    # one sample (and the row's pad: sfttrain.data.pack) fills the row: cu_seqlens's length is a
+    # shape, known without reading the tensor
     if backend == "torch_varlen" and _cudnn_rows and cu_q.shape[0] == cu_k.shape[0] == 2 and window == (-1, 0):
         return _run_cudnn_one_sample(q, k, v, scaling).unsqueeze(0), None
     out = _KERNELS[backend](q, k, v, cu_q, cu_k, max_q, max_k, scaling, window, softcap)

@@ -62,7 +62,7 @@ def load_model(cfg: ModelConfig, device: torch.device) -> LoadedModel:
     attention.configure(backend)
     config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
     try:
-        attention.check_model(config, backend)
+        attention.check_model(config, backend, lora.base_dtype(cfg))
     except ValueError as e:
         raise ConfigError(str(e)) from None
     moe = {"experts_implementation": name} if (name := experts.implementation_for(config)) else {}

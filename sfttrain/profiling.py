@@ -13,7 +13,8 @@ allocated memory and what the window's own allocations live at that moment hold,
 that made them. Recording the stacks slows the host, so the timings of such a window run slow.
 
 The window ends with a device synchronisation, so that its last kernels are in the trace: the step
-after it starts with an empty queue (one step's worth of the host/device overlap is lost).
+after it starts with an empty queue (one step's worth of the host/device overlap is lost). Writing
+the trace takes seconds; the trainer leaves them out of the next step's time, as it does a save's.
 """
 
 from __future__ import annotations
@@ -97,13 +98,17 @@ class StepProfiler:
         self.prof.__enter__()
         self.start = time.perf_counter()
 
-    def after_step(self, step: int) -> None:
+    def after_step(self, step: int) -> bool:
+        """Closes the step's range; True once the window has ended (its trace written: seconds that
+        are not the next step's time)."""
         if self.step_range is None:
-            return
+            return False
         self.step_range.__exit__(None, None, None)
         self.step_range = None
         if step == self.steps[-1]:
             self.stop()
+            return True
+        return False
 
     def stop(self) -> None:
         if self.device.type == "cuda":

@@ -82,7 +82,7 @@ class FSDPSFTTrainer:
         self.model_shape = ModelShape.of(model)
         chunk_loss, self.loss_kernel = select_chunk_loss(cfg.model.loss_kernel, world.device.type, cfg.model.compile)
         self.lm = CausalLMLoss(model, fused=self.liger,
-                               compiled_max_seqlen=max_segment_length(d.max_length, d.pad_to_multiple)
+                               compiled_max_seqlen=max_segment_length(d.max_length, d.pad_to_multiple, world.row_slice[1])
                                if cfg.model.compile else None,
                                chunk_loss=chunk_loss, chunk_tokens=cfg.model.loss_chunk_tokens)
         self.layout = parallelize(self.lm, world, cfg)
@@ -165,20 +165,20 @@ class FSDPSFTTrainer:
             self.profiler.before_step(self.state.step + 1)
             batch = next(batches)
             queued = self.step(batch, time.perf_counter() - wait_start, queued)
-            self.profiler.after_step(self.state.step)
+            profiled = self.profiler.after_step(self.state.step)  # the window's end writes its trace
             self.checkpointer.poll()  # commits a background save once every rank has written it
             step = self.state.step
             last = step == total
             validate = self.val_batches is not None and (last or (t.test_freq > 0 and step % t.test_freq == 0))
             save = last or (t.save_freq > 0 and step % t.save_freq == 0)
-            if validate or save:
+            if validate or save or profiled:
                 self.finish(queued)  # checkpoints only of steps known to be finite
                 queued = None
             if validate:
                 self.logger.log(step, {"val/loss": self.validate()})
             if save:
                 self.save()
-            if validate or save:
+            if validate or save or profiled:
                 self.timer.restart()  # not training time; logging and data waits are (the next step's)
         self.checkpointer.close()
         if t.save_hf:

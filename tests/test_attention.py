@@ -395,6 +395,20 @@ def test_errors(monkeypatch):
         packed(**kw)
 
 
+def test_the_flash_backends_refuse_an_fp32_run_at_start_up():
+    """An fp32 run (no mixed precision) would fail in its first forward on a flash backend: refused
+    before, naming the keys; the per-sample path and bf16 compute pass. Gemma 2's soft-cap likewise."""
+    config = LlamaConfig()
+    for backend in ("flash_attn", "torch_varlen"):
+        with pytest.raises(ValueError, match="model.fsdp_config.mixed_precision=true"):
+            attention.check_model(config, backend, torch.float32)
+        attention.check_model(config, backend, torch.bfloat16)
+    attention.check_model(config, "sdpa_blockmask", torch.float32)
+    config.attn_logit_softcapping = 50.0
+    with pytest.raises(ValueError, match="soft-caps"):
+        attention.check_model(config, "torch_varlen", torch.bfloat16)
+
+
 def test_select_backend():
     assert attention.select_backend("auto", "cpu") == "sdpa_blockmask"
     assert attention.select_backend("sdpa_blockmask", "cpu") == "sdpa_blockmask"

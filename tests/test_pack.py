@@ -86,6 +86,12 @@ def test_padding_is_one_extra_segment_without_targets(samples):
     assert padded.position_ids[0, real:].tolist() == list(range(padded.input_ids.shape[1] - real))
     assert padded.num_loss_tokens == plain.num_loss_tokens
     assert pack(samples, pad_to=real).input_ids.shape[1] == real  # already a multiple: no pad segment
+    # the attention's segments: the pad joins the last sample, and a row of one sample stays one
+    # segment (what cuDNN's attention runs, sfttrain.attention)
+    assert padded.attention_bounds().tolist() == plain.cu_seqlens.tolist()[:-1] + [padded.input_ids.shape[1]]
+    one = pack(samples[:1], pad_to=1000)
+    assert one.attention_bounds().tolist() == [0, one.input_ids.shape[1]] and len(one.cu_seqlens) == 3
+    assert one.max_seqlen == one.input_ids.shape[1]
 
 
 def test_padding_changes_no_loss_and_no_gradient():
@@ -109,7 +115,8 @@ def test_padding_changes_no_loss_and_no_gradient():
         loss = lm(mb)
         loss.backward()
         results.append((loss.detach(), [p.grad.clone() for p in lm.parameters()]))
-    assert pack(rows, pad_to=64).input_ids.shape[1] == 192  # 139 real tokens + a 53-token pad segment
+    assert pack(rows, pad_to=64).input_ids.shape[1] == 192  # 139 real tokens + a 53-token pad segment,
+    # which joins the last sample's attention segment: it sees that sample, yet sends it no gradient
     # the pad segment changes the GEMM shapes, so the fp32 sums run in another blocking: equal to
     # rounding (~1e-7 of the loss; ~1e-6 of each gradient tensor's norm, whose small elements are
     # pure rounding noise and are not compared one by one), while a pad that leaked into the loss
@@ -119,23 +126,26 @@ def test_padding_changes_no_loss_and_no_gradient():
         assert (g0 - g1).norm() <= 1e-5 * g1.norm()
 
 
-@pytest.mark.parametrize("max_length, pad_to", [(16, 128), (300, 128), (127, 128), (128, 128)])
-def test_no_segment_exceeds_the_attention_bound(max_length, pad_to):
+@pytest.mark.parametrize("max_length, pad_to, slices", [(16, 128, 1), (300, 128, 1), (127, 128, 1), (128, 128, 1),
+                                                      (300, 128, 3)])
+def test_no_segment_exceeds_the_attention_bound(max_length, pad_to, slices):
     """The compiled model tells the attention kernel max_seqlen = max_segment_length(...) once, for
-    every row: no segment of any packed row (samples up to max_length, the pad segment) may be longer,
-    or the kernel leaves part of the output unwritten. The pad segment is the longer one when
-    max_length < pad_to."""
-    from sfttrain.data.pack import max_segment_length
+    every row: no attention segment of any packed row (a sample up to max_length, the last one with
+    the pad, sequence parallelism's slices included) may be longer, or the kernel leaves part of the
+    output unwritten. Each row's max_seqlen (what the eager model passes) is its longest segment."""
+    from sfttrain.data.pack import local_slice, max_segment_length
 
     gen = random.Random(max_length)
-    bound, longest = max_segment_length(max_length, pad_to), 0
+    bound, longest = max_segment_length(max_length, pad_to, slices), 0
     for _ in range(200):
         lengths = [gen.randint(2, max_length) for _ in range(gen.randint(1, 5))]
-        mb = pack([RenderedSample(list(range(n)), [0] + [1] * (n - 1), i) for i, n in enumerate(lengths)], pad_to)
-        segments = (mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]).tolist()
-        assert max(segments) <= bound and mb.max_seqlen <= bound
+        row = pack([RenderedSample(list(range(n)), [0] + [1] * (n - 1), i) for i, n in enumerate(lengths)], pad_to)
+        mb = local_slice(row, 0, slices)
+        bounds = mb.attention_bounds()
+        segments = (bounds[1:] - bounds[:-1]).tolist()
+        assert max(segments) == mb.max_seqlen <= bound and bounds[-1] == mb.input_ids.shape[1] * slices
         longest = max(longest, max(segments))
-    assert longest > max_length or max_length >= pad_to - 1  # the pad segment did reach past max_length
+    assert longest > max_length  # a sample and its pad did reach past max_length
 
 
 def test_local_slices_cover_the_row():

@@ -84,7 +84,8 @@ def test_profile_memory_on_a_gpu_names_the_peak(gsm8k_dir, tmp_path):
     lower than what was allocated before the window, with the window's allocations by site."""
     run_dir = tmp_path / "run"
     proc = run_sfttrain(1, two_rank_job(gsm8k_dir, run_dir, "trainer.device=cuda", "trainer.profile_steps=[2,3]",
-                                        "trainer.profile_memory=true"))
+                                        "trainer.profile_memory=true", "model.fsdp_config.mixed_precision=true"),
+                        env={"CUDA_VISIBLE_DEVICES": "0"})
     assert (run_dir / "profile" / "memory_steps_2-3_rank0.pickle").is_file()
     summary = (run_dir / "profile" / "summary.txt").read_text()
     peak, before = map(float, re.search(r"peak allocated in the window ([\d.]+) GiB \(([\d.]+) GiB", summary).groups())

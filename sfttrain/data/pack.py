@@ -3,8 +3,11 @@
 A micro-batch is ONE row: the samples concatenated, `position_ids` restarting at 0 for each
 sample and `cu_seqlens` marking the boundaries, so the attention backend keeps samples apart.
 Labels are shifted here, inside each sample, so no target ever crosses a sample boundary.
-The row is padded to a multiple of `pad_to` tokens by one more segment with no targets: it
-attends only to itself and contributes exactly nothing to the loss or any gradient.
+The row is padded to a multiple of `pad_to` tokens by one more segment with no targets. For the
+attention the pad tokens join the last sample (`MicroBatch.attention_bounds`): causal, they see it
+and it never sees them, and with no targets they send no gradient back, so they contribute
+exactly nothing to the loss or any gradient; a row of one sample stays one attention segment,
+which cuDNN's attention runs (sfttrain.attention).
 
 Every rank computes the same split from the same lengths (no communication): it reads all
 samples of the step, so it also knows the step's global loss-token count without an all-reduce.
@@ -26,8 +29,8 @@ class MicroBatch:
     input_ids: torch.Tensor  # [1, T]
     labels: torch.Tensor  # [1, T]: the next token where it is a target, else IGNORE_INDEX
     position_ids: torch.Tensor  # [1, T]
-    cu_seqlens: torch.Tensor  # [n + 1] int32 sample boundaries
-    max_seqlen: int
+    cu_seqlens: torch.Tensor  # [n + 1] int32 sample boundaries (the pad segment's included)
+    max_seqlen: int  # the longest attention segment (a sample, the last one with the pad)
     num_loss_tokens: int
     # the real samples: the first num_samples segments of cu_seqlens (a pad segment may follow);
     # None: every segment. What per-sample statistics (the router's balance, sfttrain.moe) read.
@@ -47,9 +50,17 @@ class MicroBatch:
 
     def model_inputs(self) -> dict:
         """Keyword arguments of the HF model call (transformers' FlashAttentionKwargs names)."""
+        bounds = self.attention_bounds()
         return dict(input_ids=self.input_ids, position_ids=self.position_ids,
-                    cu_seq_lens_q=self.cu_seqlens, cu_seq_lens_k=self.cu_seqlens,
+                    cu_seq_lens_q=bounds, cu_seq_lens_k=bounds,
                     max_length_q=self.max_seqlen, max_length_k=self.max_seqlen)
+
+    def attention_bounds(self) -> torch.Tensor:
+        """The attention's segments: the samples, the pad tokens (pad segments) joining the last one."""
+        n = self.num_samples
+        if not n or n + 1 == len(self.cu_seqlens):  # no pad, or nothing but pad (an empty micro-batch)
+            return self.cu_seqlens
+        return torch.cat([self.cu_seqlens[:n], self.cu_seqlens[-1:]])
 
 
 def shifted_labels(sample: RenderedSample) -> list[int]:
@@ -78,13 +89,16 @@ def pad_row(batch: MicroBatch, pad_to: int) -> MicroBatch:
     pad = -batch.input_ids.shape[1] % pad_to
     if not pad:
         return batch
-    # any valid id: no target, no attention to or from real samples
+    samples = len(batch.cu_seqlens) - 1 if batch.num_samples is None else batch.num_samples
+    length = batch.input_ids.shape[1] + pad
+    # the attention segment the pad ends: the last sample's (or, with no sample, the pad alone)
+    last_segment = length - int(batch.cu_seqlens[samples - 1]) if samples else length
+    # any valid id: no target, no attention from real samples
     return MicroBatch(torch.cat([batch.input_ids, batch.input_ids.new_zeros(1, pad)], 1),
                       torch.cat([batch.labels, batch.labels.new_full((1, pad), IGNORE_INDEX)], 1),
                       torch.cat([batch.position_ids, torch.arange(pad, dtype=batch.position_ids.dtype)[None]], 1),
                       torch.cat([batch.cu_seqlens, batch.cu_seqlens[-1:] + pad]),
-                      max(batch.max_seqlen, pad), batch.num_loss_tokens,
-                      len(batch.cu_seqlens) - 1 if batch.num_samples is None else batch.num_samples)
+                      max(batch.max_seqlen, last_segment), batch.num_loss_tokens, samples)
 
 
 def local_slice(batch: MicroBatch, rank: int, size: int) -> MicroBatch:
@@ -98,14 +112,14 @@ def local_slice(batch: MicroBatch, rank: int, size: int) -> MicroBatch:
     part = slice(rank * length, (rank + 1) * length)
     labels = batch.labels[:, part]
     return MicroBatch(batch.input_ids[:, part], labels, batch.position_ids[:, part], batch.cu_seqlens,
-                      batch.max_seqlen, int((labels != IGNORE_INDEX).sum()))
+                      batch.max_seqlen, int((labels != IGNORE_INDEX).sum()), batch.num_samples)
 
 
-def max_segment_length(max_length: int, pad_to: int) -> int:
-    """The longest segment a packed row can hold: a sample (<= max_length tokens) or the pad
-    segment (< pad_to tokens), which can be the longer one when max_length < pad_to. An attention
-    kernel told a smaller max_seqlen leaves the excess outputs unwritten (NaN x 0 is NaN)."""
-    return max(max_length, pad_to - 1)
+def max_segment_length(max_length: int, pad_to: int, slices: int = 1) -> int:
+    """The longest attention segment a packed row can hold: a sample (<= max_length tokens) and the
+    pad after it (< pad_to tokens, and < `slices` more to split the row for sequence parallelism).
+    An attention kernel told a smaller max_seqlen leaves the excess outputs unwritten (NaN x 0 is NaN)."""
+    return max_length + pad_to - 1 + slices - 1
 
 
 def empty_micro_batch() -> MicroBatch:

@@ -206,7 +206,9 @@ def rank_pid(launcher: subprocess.Popen, rank: int) -> int | None:
 def test_collective_timeout_names_the_phase(gsm8k_dir, tmp_path):
     """Two gloo ranks; rank 1 is frozen (SIGSTOP, a real stall) once training runs: rank 0's
     collective times out after trainer.nccl_timeout and it says which rank it is and the step it
-    was in."""
+    was in. Then rank 1 gets a segmentation fault (SIGSEGV, as from a kernel library): its log
+    shows its Python stack in the trainer, not only the signal's number (torch's `record`, which
+    sfttrain.run wraps the training in, turns on faulthandler)."""
     run_dir, log = tmp_path / "run", tmp_path / "log"
     proc = launch(2, [*BASE_OVERRIDES, f"data.train_files={gsm8k_dir}/train.parquet", f"trainer.default_local_dir={run_dir}",
                       "data.train_batch_size=4", "data.micro_batch_size_per_gpu=2", "trainer.total_training_steps=100000",
@@ -221,9 +223,17 @@ def test_collective_timeout_names_the_phase(gsm8k_dir, tmp_path):
         deadline = time.monotonic() + 200
         while "sfttrain: rank 0 has been in" not in log.read_text() and time.monotonic() < deadline:
             time.sleep(0.5)
+        # a stopped rank takes its signals once continued, the fault first (it is synchronous)
+        os.kill(rank_pid(proc, 1), signal.SIGSEGV)
+        os.kill(rank_pid(proc, 1), signal.SIGCONT)
+        deadline = time.monotonic() + 60
+        while "Fatal Python error: Segmentation fault" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.5)
     finally:
         kill_job(proc)
     out = log.read_text()
+    fault = out.find("Fatal Python error: Segmentation fault")
+    assert fault >= 0 and re.search(r"sfttrain/trainer\.py\", line \d+ in ", out[fault:]), out[-5000:]
     said = [line for line in out.splitlines() if line.startswith("sfttrain: rank 0 has been in")]
     assert len(said) == 1, out[-5000:]
     assert re.match(r"sfttrain: rank 0 has been in step \d+ for \d+ s, the collective timeout "

@@ -81,14 +81,14 @@ def test_head_counts_that_do_not_split_are_refused():
 
 
 # ------------------------------------------------------------------ whole runs
-def _job(gsm8k_dir, run_dir, *extra):
-    return [*BASE_OVERRIDES, f"data.train_files={gsm8k_dir}/train.parquet", f"data.val_files={gsm8k_dir}/test.parquet",
+def _job(gsm8k_dir, gsm8k_val, run_dir, *extra):
+    return [*BASE_OVERRIDES, f"data.train_files={gsm8k_dir}/train.parquet", f"data.val_files={gsm8k_val}",
             f"trainer.default_local_dir={run_dir}", "data.train_batch_size=8", "data.micro_batch_size_per_gpu=2",
             f"trainer.total_training_steps={STEPS}", "trainer.save_freq=2", *extra]
 
 
 @pytest.fixture(scope="module")
-def runs(gsm8k_dir, tmp_path_factory):
+def runs(gsm8k_dir, gsm8k_val, tmp_path_factory):
     """sp=1 on 2 ranks (the reference); sp=2 on 2 ranks with gradient checkpointing; 2 x 2 on 4
     ranks with token-budget packing (FSDP shards over all 4)."""
     root = tmp_path_factory.mktemp("sp")
@@ -99,7 +99,7 @@ def runs(gsm8k_dir, tmp_path_factory):
     out = {}
     for name, (nproc, extra) in jobs.items():
         out[name] = root / name
-        out[name + ".stdout"] = run_sfttrain(nproc, _job(gsm8k_dir, out[name], *extra)).stdout
+        out[name + ".stdout"] = run_sfttrain(nproc, _job(gsm8k_dir, gsm8k_val, out[name], *extra)).stdout
     return out
 
 
@@ -130,11 +130,11 @@ def test_start_up_plan_names_the_sequence_parallel_ranks(runs):
     assert "mesh (1, 2, 2) ('dp_replicate', 'dp_shard', 'sp')" in runs["dp2_sp2.stdout"]
 
 
-def test_checkpoint_resumes_with_another_sp_size(runs, gsm8k_dir, tmp_path):
+def test_checkpoint_resumes_with_another_sp_size(runs, gsm8k_dir, gsm8k_val, tmp_path):
     """sp=2's step-2 checkpoint (2 ranks) resumed without sequence parallelism on 1 rank (DCP
     reshards; the data position is global): the reference's last step and weights."""
     run_dir = tmp_path / "resumed"
-    run_sfttrain(1, _job(gsm8k_dir, run_dir, "trainer.resume_mode=resume_path",
+    run_sfttrain(1, _job(gsm8k_dir, gsm8k_val, run_dir, "trainer.resume_mode=resume_path",
                          f"trainer.resume_from_path={runs['sp2'] / 'global_step_2'}"))
     assert _by_step(run_dir, "loss") == pytest.approx({s: v for s, v in _by_step(runs["ref"], "loss").items() if s > 2},
                                                       rel=TOL)

@@ -6,14 +6,19 @@ each script measured, not for how fast: these are CPU runs of shapes no one benc
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
+import os
+import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import torch
 
-from tests.conftest import REPO, kill_job, rank_env
+from tests.conftest import REPO, ForkServer, descendants, kill_job, rank_env
 
 SAMPLE = str(REPO / "assets" / "data" / "gsm8k" / "train.jsonl")  # 2000 rows: --tiny reads the first 64
 CUDA = torch.cuda.is_available()
@@ -42,3 +47,43 @@ def run_bench(module: str, *args: str, timeout: int = 600) -> str:
 
 def records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def run_bench_here(module: str, *args: str, timeout: int = 600) -> None:
+    """`bench.X`'s main() with these arguments in this process, as `python -m bench.X` runs it from the
+    checkout: for the scripts that train nothing themselves but start sfttrain (and TRL) as
+    processes of their own. Such a script's own process spent its ~3-6 CPU-s importing torch and
+    transformers (and drawing its model with them), which this process has done already; its
+    processes start as before, in the same environment (rank_env(KEEP_FREED_MEMORY): os.environ is
+    theirs while it runs) and folder. At `timeout` the processes it started are killed (the rank
+    server's aside), which ends it with a failure."""
+    env, cwd, argv = dict(os.environ), os.getcwd(), sys.argv
+    bench_env = rank_env(KEEP_FREED_MEMORY)
+    expired = threading.Event()
+
+    def kill_its_processes() -> None:
+        expired.set()
+        server = ForkServer._running.proc.pid if ForkServer._running else None
+        spared = {server, *descendants(server)} if server else set()
+        for pid in descendants(os.getpid()):
+            if pid not in spared:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+    timer = threading.Timer(timeout, kill_its_processes)
+    os.environ.clear()
+    os.environ.update(bench_env)
+    os.chdir(REPO)
+    sys.argv = [module, *args]
+    timer.start()
+    try:
+        importlib.import_module(module).main()
+    except SystemExit as e:  # a refusal: the test's failure, not pytest's exit
+        raise AssertionError(f"{module} exited: {e}") from e
+    finally:
+        timer.cancel()
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(cwd)
+        sys.argv = argv
+    assert not expired.is_set(), f"{module} timed out after {timeout}s"

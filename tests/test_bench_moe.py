@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.bench_run import SAMPLE, records, run_bench
+from tests.bench_run import SAMPLE, records, run_bench_here
 
 
 def test_moe_w4(tmp_path):
@@ -23,8 +23,8 @@ def test_moe_w4(tmp_path):
     stale = tmp_path / "runs" / "w4" / "metrics.jsonl"  # an earlier job's in the same --work (another setting)
     stale.parent.mkdir(parents=True)
     stale.write_text("".join(json.dumps({"step": step, "loss": 1.0}) + "\n" for step in (1, 2, 3)))
-    run_bench("bench.moe_w4", "--tiny", "--device", "cpu", "--data", SAMPLE, "--work", str(tmp_path), "--out", str(out),
-              "--systems", "sfttrain", *(["trl"] if trl else []))
+    run_bench_here("bench.moe_w4", "--tiny", "--device", "cpu", "--data", SAMPLE, "--work", str(tmp_path),
+                   "--out", str(out), "--systems", "sfttrain", *(["trl"] if trl else []))
     (model_dir,) = (str(path) for path in tmp_path.glob("model_*"))  # the one folder, with its weights
     assert (Path(model_dir) / "model.safetensors").is_file()
     sfttrain, *rest = records(out)

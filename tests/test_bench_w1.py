@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.bench_run import CUDA, SAMPLE, records, run_bench
+from tests.bench_run import CUDA, SAMPLE, records, run_bench, run_bench_here
 from tests.conftest import REPO
 
 
@@ -28,8 +28,8 @@ def test_sfttrain_w1_profiled(tmp_path):
     """sfttrain_w1 --tiny prepares the model folder and Parquet and runs sfttrain, with its last
     two steps profiled as on the GPU machine (trainer.profile_steps)."""
     out = tmp_path / "w1.jsonl"
-    run_bench("bench.sfttrain_w1", "--tiny", "--device", "cpu", "--variant", "eager", "--data", SAMPLE,
-              "--work", str(tmp_path), "--out", str(out), "--override", "trainer.profile_steps=[3,4]")
+    run_bench_here("bench.sfttrain_w1", "--tiny", "--device", "cpu", "--variant", "eager", "--data", SAMPLE,
+                   "--work", str(tmp_path), "--out", str(out), "--override", "trainer.profile_steps=[3,4]")
     (record,) = records(out)
     assert record["variant"] == "eager" and record["timed_steps"] == "2-4" and record["real_tokens"] > 0
     profile = tmp_path / "runs" / "eager" / "profile"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.bench_run import SAMPLE, records, run_bench
+from tests.bench_run import SAMPLE, records, run_bench_here
 from tests.conftest import REPO
 
 
@@ -13,8 +13,8 @@ def test_lora_w2b_and_trl_w1(tmp_path):
     """sfttrain then TRL + peft (bench.trl_w1 --peft --model_dir) on one saved tiny W2b folder."""
     pytest.importorskip("trl", reason="TRL comes with the bench extra: pip install -e '.[bench]'")
     out = tmp_path / "w2b.jsonl"
-    run_bench("bench.lora_w2b", "--tiny", "--device", "cpu", "--data", SAMPLE, "--work", str(tmp_path),
-              "--out", str(out))
+    run_bench_here("bench.lora_w2b", "--tiny", "--device", "cpu", "--data", SAMPLE, "--work", str(tmp_path),
+                   "--out", str(out))
     sfttrain, trl = records(out)
     assert sfttrain["variant"] == "lora_w2b" and sfttrain["real_tokens"] > 0
     assert trl["system"] == "trl" and trl["peft"]["r"] == 64 and trl["real_tokens"] > 0
@@ -26,8 +26,8 @@ def test_fp8_w2b_runs_bf16_and_reports_the_fp8_refusal_on_cpu(tmp_path):
     trains and is summarised (loss at the last step); the FP8 run stops at start-up with the CPU
     refusal, which is recorded, and the summary says so."""
     out = tmp_path / "fp8.jsonl"
-    run_bench("bench.fp8_w2b", "--tiny", "--device", "cpu", "--parts", "w2b", "--data", SAMPLE, "--work",
-              str(tmp_path), "--out", str(out))
+    run_bench_here("bench.fp8_w2b", "--tiny", "--device", "cpu", "--parts", "w2b", "--data", SAMPLE, "--work",
+                   str(tmp_path), "--out", str(out))
     bf16, fp8, summary = records(out)
     assert bf16["status"] == "trained" and bf16["timed_steps"] == "2-3" and bf16["real_tokens"] > 0
     assert bf16["loss_last_step"] > 0 and bf16["fp8_line"] is None  # model.fp8=off: no start-up line

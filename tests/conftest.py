@@ -92,7 +92,8 @@ def gsm8k_dir(tmp_path_factory) -> Path:
 # 32 of GSM8K's 200-row test split. Validation is forward passes over every row, a micro-batch at a
 # time: the whole split cost ~3 s of a 2-rank job that trains 3 steps in ~2 s. What those runs check of
 # validation (it runs when and where it should, its loss falls with training, it is the same under
-# sequence parallelism) holds on 32 rows: 8 or more micro-batches per rank, packed or not.
+# sequence parallelism) holds on 32 rows: 16 or 32 a data-parallel rank, several micro-batches each,
+# packed or not.
 VAL_ROWS = 32
 
 

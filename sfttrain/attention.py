@@ -37,8 +37,10 @@ Backends (``select_backend``/``configure``)
 * ``flash_attn``: ``flash_attn.flash_attn_varlen_func`` (CUDA, package must import).
 * ``torch_varlen``: PyTorch's own varlen flash attention, ``aten::_flash_attention_forward`` (the
   op ``torch.nn.attention.varlen.varlen_attn`` wraps; CUDA only: the CPU build has no kernel for it).
-  A row of ONE sample (long samples, one per micro-batch) runs on cuDNN's attention instead where the
-  GPU is a Hopper or newer, where it is the faster kernel (docs/benchmarks.md).
+  A row of ONE sample (long samples, one per micro-batch; the row's pad joins it,
+  sfttrain.data.pack) runs on cuDNN's attention instead where the GPU is a Hopper or newer and the
+  heads are of a size it was measured at (CUDNN_HEAD_DIMS), where it is the faster kernel
+  (docs/benchmarks.md).
 * ``sdpa_blockmask``: exact fallback for any device: one causal
   ``scaled_dot_product_attention`` per sample over slices given by ``cu_seqlens`` (one host sync
   per layer to read the boundaries; fine on CPU and for debugging, slow on GPU).
@@ -75,6 +77,8 @@ BACKENDS = ("flash_attn", "torch_varlen", "sdpa_blockmask")  # also the "auto" p
 # a row of one sample on cuDNN (configure decides: a Hopper or newer GPU, cuDNN present).
 _backend: str | None = None
 _cudnn_rows: bool = False
+# the head sizes cuDNN's path was measured and tested at (W1's 64, W2b's 128); others stay on flash
+CUDNN_HEAD_DIMS = (64, 128)
 
 
 # --------------------------------------------------------------------------------------------
@@ -405,7 +409,8 @@ def varlen_attention_forward(
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
     # one sample (and the row's pad: sfttrain.data.pack) fills the row: cu_seqlens's length is a
     # shape, known without reading the tensor
-    if backend == "torch_varlen" and _cudnn_rows and cu_q.shape[0] == cu_k.shape[0] == 2 and window == (-1, 0):
+    if (backend == "torch_varlen" and _cudnn_rows and cu_q.shape[0] == cu_k.shape[0] == 2 and window == (-1, 0)
+            and q.shape[-1] in CUDNN_HEAD_DIMS):
         return _run_cudnn_one_sample(q, k, v, scaling).unsqueeze(0), None
     out = _KERNELS[backend](q, k, v, cu_q, cu_k, max_q, max_k, scaling, window, softcap)
     return out.unsqueeze(0), None

@@ -15,6 +15,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 import transformers
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 from transformers import masking_utils
@@ -267,24 +268,25 @@ def test_kernel_matches_fp32_reference(backend):
         _assert_close(a.grad, b.grad, kernel_atol * 3, rtol, f"{backend} grad {name}")
 
 
+
+class Kernels(TorchDispatchMode):
+    """The attention kernel ops dispatched while active, in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in attention.kernel_ops():
+            self.seen.append(func)
+        return func(*args, **(kwargs or {}))
+
 @pytest.mark.skipif(not attention.cudnn_attention_available(), reason="cuDNN attention rows: Hopper or newer GPUs")
 def test_a_row_of_one_sample_runs_on_cudnn_and_matches_fp32(monkeypatch):
     """torch_varlen on a Hopper: a row that is one sample (cu_seqlens of two entries) runs on cuDNN's
     kernel, counted at the dispatcher, and matches the fp32 reference as the flash kernel does (bf16
     inputs: 3e-2, test_kernel_matches_fp32_reference's bound); a row of two samples stays on flash.
     W1's heads: 14 of 64 over 2 key/value heads."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Kernels(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func in attention.kernel_ops():
-                self.seen.append(func)
-            return func(*args, **(kwargs or {}))
-
     monkeypatch.setattr(attention, "_backend", "torch_varlen")
     monkeypatch.setattr(attention, "_cudnn_rows", True)
     torch.manual_seed(7)
@@ -310,6 +312,36 @@ def test_a_row_of_one_sample_runs_on_cudnn_and_matches_fp32(monkeypatch):
         _assert_close(out, want, 3e-2, TOL["torch_varlen"][2], f"{kernel} output")
         for name, a, b in (("q", q, q32), ("k", k, k32), ("v", v, v32)):
             _assert_close(a.grad, b.grad, 9e-2, TOL["torch_varlen"][2], f"{kernel} grad {name}")
+
+
+@pytest.mark.skipif(not attention.cudnn_attention_available(), reason="cuDNN attention rows: Hopper or newer GPUs")
+def test_a_packed_row_of_one_sample_reaches_cudnn_through_the_trainers_path(tmp_path):
+    """The path a run takes: load_model's backend choice (auto), pack()'s row of one sample padded to
+    data.pad_to_multiple (its pad segment included), the loss module's model call under bf16
+    autocast. With heads of 64 that row's attention is cuDNN's in every layer (forward; backward
+    dispatches no forward op); a row of two samples, or heads of another size, stay on flash."""
+    from sfttrain.config import ModelConfig
+    from sfttrain.data.pack import pack
+    from sfttrain.data.render import RenderedSample
+    from sfttrain.loss import CausalLMLoss
+    from sfttrain.model import load_model, materialise_model
+
+    cuda = torch.device("cuda")
+    cudnn, flash = torch.ops.aten._scaled_dot_product_cudnn_attention.default, torch.ops.aten._flash_attention_forward.default
+    for heads, lengths, kernel in ((2, [200], cudnn), (2, [120, 80], flash), (4, [200], flash)):
+        folder = tmp_path / f"heads{heads}"
+        LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=heads,
+                    num_key_value_heads=1, max_position_embeddings=512).save_pretrained(folder)
+        cfg = ModelConfig(partial_pretrain=str(folder), attn_implementation="auto", random_init=True)
+        model = load_model(cfg, cuda).model
+        materialise_model(model, cfg, cuda, cuda, seed=0)
+        lm = CausalLMLoss(model, fused=False)
+        lm.autocast_dtype = torch.bfloat16
+        row = pack([RenderedSample([5] * n, [1] * n, i) for i, n in enumerate(lengths)], pad_to=128)
+        assert row.input_ids.shape[1] == 256 and len(row.cu_seqlens) == len(lengths) + 2  # a pad segment
+        with Kernels() as kernels:
+            lm(row.to(cuda)).backward()
+        assert kernels.seen == [kernel] * 2, (heads, lengths, kernels.seen)
 
 
 def test_torch_varlen_default_window_is_bidirectional():

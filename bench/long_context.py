@@ -114,7 +114,7 @@ def run_one(args, model_dir: str, length: int, sp: int, timeout: float) -> dict:
     if status == "trained":
         record.update(summary(steps))
     else:
-        record["log_tail"] = tail(os.path.join(work, "log.txt"))
+        record["log_tail"] = why_it_failed(os.path.join(work, "log.txt"))
     return record
 
 
@@ -160,9 +160,17 @@ def read_jsonl(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.endswith("\n")]  # a line being written is skipped
 
 
-def tail(path: str, chars: int = 1500) -> str:
+def why_it_failed(path: str, chars: int = 3000) -> str:
+    """The part of a failed job's log that says why: from a crash's Python stack (faulthandler's
+    "Fatal Python error", which torchrun's summary at the end calls only "Signal 11"), else from
+    sfttrain's one-line message, else from the first traceback (a rank's: torchrun's own comes
+    after it), else the end of the log."""
     with open(path, errors="replace") as f:
-        return f.read()[-chars:]
+        text = f.read()
+    starts = [text.find("Fatal Python error"), text.find("sfttrain: "), text.find("Traceback (most recent call last)")]
+    at = next((at for at in starts if at >= 0), None)
+    start = max(len(text) - chars, 0) if at is None else text.rfind("\n", 0, at) + 1  # from its line's start
+    return text[start:start + chars]
 
 
 def main() -> None:

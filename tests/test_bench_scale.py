@@ -36,3 +36,22 @@ def test_scale(tmp_path):
                    "--work", str(tmp_path), "--out", str(out))
     (record,) = records(out)
     assert record["steps_logged"] == 4 and record["real_tokens_per_s"] > 0, record
+
+
+def test_a_failed_long_context_run_keeps_why(tmp_path):
+    """A failed run's record keeps the part of its log that says why: a crash's Python stack
+    (above torchrun's summary, which says only the signal), else sfttrain's message, else the first
+    traceback, a rank's, not torchrun's own after it."""
+    from bench.long_context import why_it_failed
+
+    log = tmp_path / "log.txt"
+    start = "sfttrain\n  world size : 1\n" + "step 1/4 | loss 12.9\n" * 200
+    crash = "Fatal Python error: Segmentation fault\n\nThread 0x1 (most recent call first):\n  File \"sfttrain/trainer.py\", line 198 in forward_backward\n"
+    rank = "[rank0]: Traceback (most recent call last):\n[rank0]: torch.OutOfMemoryError: CUDA out of memory.\n"
+    summary = "Traceback (most recent call last):\n  File \"torch/distributed/run.py\"\nChildFailedError:\n  exitcode  : -11\n" * 20
+    for text, cause in ((start + crash + summary, crash), (start + rank + summary, rank),
+                        (start + "sfttrain: config error: data.max_length\n" + summary, "sfttrain: config error")):
+        log.write_text(text)
+        assert why_it_failed(str(log)).startswith(cause)
+    log.write_text(start)
+    assert why_it_failed(str(log)) == start[-3000:]

@@ -55,6 +55,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from sfttrain.dtypes import DTYPE
+from sfttrain.errors import ConfigError
+
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "BACKENDS",
@@ -295,6 +298,7 @@ def _softcapped_attention(q, k, v, scale, window, softcap):
     return probs @ v
 
 
+DTYPE_NAME = {dtype: name for name, dtype in DTYPE.items()}
 SOFTCAP_UNSUPPORTED = ("this model soft-caps its attention logits (attn_logit_softcapping), which PyTorch's varlen "
                        "attention cannot do: install flash-attn (model.attn_implementation=flash_attn), or use "
                        "model.attn_implementation=sdpa_blockmask (exact, slow on GPU)")
@@ -304,10 +308,10 @@ def check_model(config, backend: str, compute_dtype: torch.dtype) -> None:
     """Start-up check that `backend` can compute this model's attention as its own code does, in
     the run's compute dtype (the flash kernels take fp16/bf16 only)."""
     if getattr(config, "attn_logit_softcapping", None) is not None and backend == "torch_varlen":
-        raise ValueError(SOFTCAP_UNSUPPORTED)
+        raise ConfigError(SOFTCAP_UNSUPPORTED)
     if backend != "sdpa_blockmask" and compute_dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"model.attn_implementation: {backend} computes in fp16/bf16 only, and this run computes in "
-                         f"{str(compute_dtype).removeprefix('torch.')}: set model.fsdp_config.mixed_precision=true (bf16 "
+        raise ConfigError(f"model.attn_implementation: {backend} computes in fp16/bf16 only, and this run computes in "
+                         f"{DTYPE_NAME.get(compute_dtype, compute_dtype)}: set model.fsdp_config.mixed_precision=true (bf16 "
                          "compute, fp32 weights), or model.attn_implementation=sdpa_blockmask (slow on a GPU)")
 
 

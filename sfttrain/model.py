@@ -61,10 +61,7 @@ def load_model(cfg: ModelConfig, device: torch.device) -> LoadedModel:
     backend = attention.select_backend(cfg.attn_implementation, device.type)
     attention.configure(backend)
     config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
-    try:
-        attention.check_model(config, backend, lora.base_dtype(cfg))
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    attention.check_model(config, backend, lora.base_dtype(cfg))
     moe = {"experts_implementation": name} if (name := experts.implementation_for(config)) else {}
     with weights.parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=weights_dtype(cfg),

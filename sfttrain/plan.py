@@ -370,6 +370,29 @@ def fp8_section(cfg: Config, found: Findings) -> None:
                        "8.9: H100/H200, L40S) is checked at start-up")
 
 
+def attention_section(cfg: Config, folder: str, found: Findings) -> None:
+    """The attention backend's start-up check (fp16/bf16 compute, Gemma 2's soft-cap) for a run on
+    GPUs, with the backend `auto` picks there with this machine's packages. A CPU run takes the
+    per-sample path, which computes anything; trainer.device=auto on a machine without a GPU: a note."""
+    import torch
+    from transformers import AutoConfig
+
+    from sfttrain import attention
+
+    if cfg.trainer.device == "cpu":
+        return
+    m = cfg.model
+    backend = attention.select_backend("auto", "cuda") if m.attn_implementation == "auto" else m.attn_implementation
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=m.trust_remote_code)
+    try:
+        attention.check_model(config, backend, base_dtype(m))
+    except ConfigError as e:
+        if cfg.trainer.device == "cuda" or torch.cuda.is_available():
+            found.problems.append(str(e))
+        else:
+            found.notes.append(f"if this runs on GPUs: {e}")
+
+
 def preflight(cfg: Config, nproc: int, nnodes: int) -> tuple[list[str], Findings]:
     """(report lines, what was found): the run's own checks, each problem listed, none stopping the rest."""
     from sfttrain.distributed import check_world
@@ -385,6 +408,7 @@ def preflight(cfg: Config, nproc: int, nnodes: int) -> tuple[list[str], Findings
     if folder is not None and os.path.isfile(os.path.join(folder, "config.json")):
         found.check(lambda: check_rope(cfg, folder))
         found.check(lambda: check_max_length(cfg, folder))
+        attention_section(cfg, folder, found)
     fp8_section(cfg, found)
     lines = [f"sfttrain plan: {nnodes} node(s) x {nproc} rank(s)"]
     lines += batch_section(cfg, dp_size, folder, found)

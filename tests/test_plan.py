@@ -250,6 +250,18 @@ def test_preflight_lists_what_the_run_would_stop_on(gsm8k_dir, tmp_path):
                          "trainer.profile_steps=[3,4]", "--nproc", "1")
     assert code == 2 and "trainer.profile_steps=[3, 4]: the run has 3 steps" in out.split("problems:")[1], out
 
+    # fp32 compute on GPUs, where every backend but the per-sample one takes fp16/bf16 only: a problem
+    # for trainer.device=cuda; for auto it depends on the machine the run lands on (here a note)
+    fp32 = "computes in fp16/bf16 only, and this run computes in fp32: set model.fsdp_config.mixed_precision=true"
+    for device, problem in (("cuda", True), ("auto", torch.cuda.is_available()), ("cpu", None)):
+        code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={gsm8k_dir / 'train.parquet'}",
+                             f"trainer.device={device}", "--nproc", "1")
+        where = out.split("problems:")[1] if problem else out.split("not checked here:")[-1]
+        assert (code == 2) == bool(problem) and (fp32 in where) == (problem is not None), (device, out)
+    code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={gsm8k_dir / 'train.parquet'}", "trainer.device=cuda",
+                         "model.fsdp_config.mixed_precision=true", "--nproc", "1")
+    assert code == 0 and fp32 not in out, out
+
 
 def test_preflight_renders_with_the_template_the_run_would_use(gsm8k_dir, tiny_qwen_dir, tmp_path):
     (tmp_path / "broken.jinja").write_text("{% for m in messages %}{{ m.content }}")  # no endfor

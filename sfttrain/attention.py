@@ -55,7 +55,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from sfttrain.dtypes import DTYPE
+from sfttrain.dtypes import CONFIG_NAMES
 from sfttrain.errors import ConfigError
 
 __all__ = [
@@ -298,7 +298,6 @@ def _softcapped_attention(q, k, v, scale, window, softcap):
     return probs @ v
 
 
-DTYPE_NAME = {dtype: name for name, dtype in DTYPE.items()}
 SOFTCAP_UNSUPPORTED = ("this model soft-caps its attention logits (attn_logit_softcapping), which PyTorch's varlen "
                        "attention cannot do: install flash-attn (model.attn_implementation=flash_attn), or use "
                        "model.attn_implementation=sdpa_blockmask (exact, slow on GPU)")
@@ -310,9 +309,10 @@ def check_model(config, backend: str, compute_dtype: torch.dtype) -> None:
     if getattr(config, "attn_logit_softcapping", None) is not None and backend == "torch_varlen":
         raise ConfigError(SOFTCAP_UNSUPPORTED)
     if backend != "sdpa_blockmask" and compute_dtype not in (torch.float16, torch.bfloat16):
-        raise ConfigError(f"model.attn_implementation: {backend} computes in fp16/bf16 only, and this run computes in "
-                         f"{DTYPE_NAME.get(compute_dtype, compute_dtype)}: set model.fsdp_config.mixed_precision=true (bf16 "
-                         "compute, fp32 weights), or model.attn_implementation=sdpa_blockmask (slow on a GPU)")
+        dtype = CONFIG_NAMES.get(compute_dtype, compute_dtype)
+        raise ConfigError(f"model.attn_implementation: {backend} computes in fp16/bf16 only, and this run computes "
+                          f"in {dtype}: set model.fsdp_config.mixed_precision=true (bf16 compute, fp32 weights), or "
+                          "model.attn_implementation=sdpa_blockmask (slow on a GPU)")
 
 
 _KERNELS = {

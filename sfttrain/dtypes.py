@@ -7,3 +7,4 @@ import torch
 
 DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 HF_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+CONFIG_NAMES = {dtype: name for name, dtype in DTYPE.items()}  # torch.bfloat16 -> "bf16"

@@ -32,7 +32,7 @@ from torch import nn
 
 from sfttrain import moe
 from sfttrain.config import ConfigError, ModelConfig, mixed_precision_dtypes
-from sfttrain.dtypes import DTYPE
+from sfttrain.dtypes import CONFIG_NAMES, DTYPE
 
 ALL_LINEAR = "all-linear"  # peft's spelling: every nn.Linear except the output layer
 
@@ -102,7 +102,7 @@ def describe(cfg: ModelConfig) -> list[str]:
     """The start-up line for LoRA (none without it)."""
     if cfg.lora_rank <= 0:
         return []
-    base = {v: k for k, v in DTYPE.items()}[base_dtype(cfg)]
+    base = CONFIG_NAMES[base_dtype(cfg)]
     return [f"  lora                : rank {cfg.lora_rank}, alpha {cfg.lora_alpha} (scale "
             f"{cfg.lora_alpha / cfg.lora_rank:g}), targets {cfg.target_modules}, dropout {cfg.lora_dropout}; "
             f"frozen base in {base}, adapters and AdamW state in fp32"]

@@ -81,9 +81,9 @@ class FSDPSFTTrainer:
         model, self.attn_backend, self.liger = loaded.model, loaded.attn_backend, loaded.liger
         self.model_shape = ModelShape.of(model)
         chunk_loss, self.loss_kernel = select_chunk_loss(cfg.model.loss_kernel, world.device.type, cfg.model.compile)
+        longest_segment = max_segment_length(d.max_length, d.pad_to_multiple, world.row_slice[1])
         self.lm = CausalLMLoss(model, fused=self.liger,
-                               compiled_max_seqlen=max_segment_length(d.max_length, d.pad_to_multiple, world.row_slice[1])
-                               if cfg.model.compile else None,
+                               compiled_max_seqlen=longest_segment if cfg.model.compile else None,
                                chunk_loss=chunk_loss, chunk_tokens=cfg.model.loss_chunk_tokens)
         self.layout = parallelize(self.lm, world, cfg)
         self.optimizer = build_optimizer(self.lm, cfg.optim)

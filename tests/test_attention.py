@@ -327,11 +327,12 @@ def test_a_packed_row_of_one_sample_reaches_cudnn_through_the_trainers_path(tmp_
     from sfttrain.model import load_model, materialise_model
 
     cuda = torch.device("cuda")
-    cudnn, flash = torch.ops.aten._scaled_dot_product_cudnn_attention.default, torch.ops.aten._flash_attention_forward.default
+    cudnn = torch.ops.aten._scaled_dot_product_cudnn_attention.default
+    flash = torch.ops.aten._flash_attention_forward.default
     for heads, lengths, kernel in ((2, [200], cudnn), (2, [120, 80], flash), (4, [200], flash)):
         folder = tmp_path / f"heads{heads}"
-        LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=heads,
-                    num_key_value_heads=1, max_position_embeddings=512).save_pretrained(folder)
+        LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                    num_attention_heads=heads, num_key_value_heads=1, max_position_embeddings=512).save_pretrained(folder)
         cfg = ModelConfig(partial_pretrain=str(folder), attn_implementation="auto", random_init=True)
         model = load_model(cfg, cuda).model
         materialise_model(model, cfg, cuda, cuda, seed=0)

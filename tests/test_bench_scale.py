@@ -46,9 +46,11 @@ def test_a_failed_long_context_run_keeps_why(tmp_path):
 
     log = tmp_path / "log.txt"
     start = "sfttrain\n  world size : 1\n" + "step 1/4 | loss 12.9\n" * 200
-    crash = "Fatal Python error: Segmentation fault\n\nThread 0x1 (most recent call first):\n  File \"sfttrain/trainer.py\", line 198 in forward_backward\n"
+    crash = ("Fatal Python error: Segmentation fault\n\nThread 0x1 (most recent call first):\n"
+             "  File \"sfttrain/trainer.py\", line 198 in forward_backward\n")
     rank = "[rank0]: Traceback (most recent call last):\n[rank0]: torch.OutOfMemoryError: CUDA out of memory.\n"
-    summary = "Traceback (most recent call last):\n  File \"torch/distributed/run.py\"\nChildFailedError:\n  exitcode  : -11\n" * 20
+    summary = 20 * ("Traceback (most recent call last):\n  File \"torch/distributed/run.py\"\n"
+                    "ChildFailedError:\n  exitcode  : -11\n")
     for text, cause in ((start + crash + summary, crash), (start + rank + summary, rank),
                         (start + "sfttrain: config error: data.max_length\n" + summary, "sfttrain: config error")):
         log.write_text(text)

@@ -127,15 +127,21 @@ def compute_bytes(cfg: Config) -> int:
     return DTYPE_BYTES[mixed[0] if mixed else fsdp.model_dtype]
 
 
-def activation_bytes(shape: DenseShape, tokens: int, checkpointing: bool, value_bytes: int,
-                     keep_attention: bool) -> int:
-    """What backward needs kept: with checkpointing every layer's input (and its attention output
-    with fp32 softmax statistics, unless model.recompute_attention: sfttrain.recompute) plus one
-    layer's activations (recomputed one layer at a time), else every layer's activations."""
+def activation_bytes(shape: DenseShape, tokens: int, recomputed: int, value_bytes: int, keep_attention: bool) -> int:
+    """What backward needs kept: a recomputed layer keeps its input (and its attention output with
+    fp32 softmax statistics, unless model.recompute_attention: sfttrain.recompute), and while it is
+    recomputed one layer's activations exist; every other layer keeps all its activations."""
     per_layer = shape.activation_elements_per_token() * tokens * value_bytes
     attention = shape.heads * (shape.head_dim * value_bytes + 4) if keep_attention else 0
-    inputs = shape.layers * tokens * (shape.hidden * value_bytes + attention)
-    return inputs + per_layer if checkpointing else shape.layers * per_layer
+    inputs = recomputed * tokens * (shape.hidden * value_bytes + attention)
+    return (shape.layers - recomputed) * per_layer + inputs + (per_layer if recomputed else 0)
+
+
+def recomputed_layers(cfg: ModelConfig, layers: int) -> int:
+    """How many of the decoder's layers recompute their activations (sfttrain.recompute)."""
+    if not cfg.enable_gradient_checkpointing:
+        return 0
+    return len(checkpointed(list(range(layers)), cfg.gradient_checkpointing_ratio))
 
 
 def backward_bytes(shape: DenseShape, tokens: int, value_bytes: int) -> int:
@@ -151,8 +157,7 @@ def autocast_copy_params(cfg: ModelConfig, shape: DenseShape) -> int:
     m = cfg.model
     if not (m.enable_gradient_checkpointing and m.compile):
         return shape.num_params
-    recomputed = len(checkpointed(list(range(shape.layers)), m.gradient_checkpointing_ratio))
-    return (shape.layers - recomputed) * shape.layer_params
+    return (shape.layers - recomputed_layers(m, shape.layers)) * shape.layer_params
 
 
 def memory_per_rank(cfg: Config, shape: DenseShape, dp_size: int) -> dict[str, float]:
@@ -167,7 +172,7 @@ def memory_per_rank(cfg: Config, shape: DenseShape, dp_size: int) -> dict[str, f
     compute_name = "bf16" if compute == 2 else "fp32"
     n = shape.num_params
     trained, trained_bytes = trained_params(cfg, shape)
-    activations = activation_bytes(shape, micro_batch_tokens(cfg), m.enable_gradient_checkpointing, compute,
+    activations = activation_bytes(shape, micro_batch_tokens(cfg), recomputed_layers(m, shape.layers), compute,
                                    wants_attention_kept(m, cfg.data.max_length))
     logits = m.loss_chunk_tokens * shape.vocab * compute * (2 if m.loss_kernel == "torch" else 1)
     autocast = mixed_precision_dtypes(fsdp) is not None and m.lora_rank == 0  # LoRA's base is bf16 already
@@ -309,7 +314,7 @@ def memory_section(cfg: Config, dp_size: int, folder: Optional[str], found: Find
     lines += [f"    {name:<58} {gib:8.2f} GiB" for name, gib in memory.items()]
     lines.append(f"    {'total':<58} {sum(memory.values()):8.2f} GiB")
     checkpointing = cfg.model.enable_gradient_checkpointing
-    other = activation_bytes(shape, micro_batch_tokens(cfg), not checkpointing, compute_bytes(cfg),
+    other = activation_bytes(shape, micro_batch_tokens(cfg), 0 if checkpointing else shape.layers, compute_bytes(cfg),
                              wants_attention_kept(cfg.model, cfg.data.max_length)) / GIB
     lines.append(f"  activations of {micro_batch_tokens(cfg)} tokens per micro-batch; with "
                  f"model.enable_gradient_checkpointing={str(not checkpointing).lower()} they would take {other:.2f} GiB")

@@ -90,7 +90,7 @@ def test_checkpointed_layers_run_attention_once_unless_told_to_recompute_it(reco
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     if not recompute_attention:  # fp32 on the CPU: 4-byte values
         shape = DenseShape.from_config_json(str(STORIES))
-        kept = activation_bytes(shape, 80, True, 4, True) - activation_bytes(shape, 80, True, 4, False)
+        kept = activation_bytes(shape, 80, shape.layers, 4, True) - activation_bytes(shape, 80, shape.layers, 4, False)
         assert CountAttention.outputs == kept
 
 

@@ -114,6 +114,27 @@ def test_memory_rows_of_the_weights_are_what_a_step_holds(lora):
     assert rows["optimizer (AdamW m, v)"] == pytest.approx(gib(moments), rel=1e-9)
 
 
+def test_activation_row_counts_the_layers_that_are_not_recomputed():
+    """model.gradient_checkpointing_ratio leaves some layers whole: each keeps all its activations
+    instead of its input alone. stories260K, 5 layers: ratio 0.4 recomputes 2 (sfttrain.recompute
+    picks them), so the row lies 3 layers' difference above every layer recomputed."""
+    from sfttrain.config import load_config
+    from sfttrain.plan import memory_per_rank
+
+    def activations(*overrides) -> float:
+        cfg = load_config(None, [f"model.partial_pretrain={STORIES}", "data.train_files=x", "data.max_length=64",
+                                 "data.micro_batch_size_per_gpu=2", *overrides])
+        return next(gib for name, gib in memory_per_rank(cfg, DenseShape.from_config_json(str(STORIES)), 1).items()
+                    if name.startswith("activations"))
+
+    whole = activations("model.enable_gradient_checkpointing=false") / 5  # one layer, everything kept
+    every = activations("model.enable_gradient_checkpointing=true")  # 5 inputs + one layer's recompute
+    layer_input = (every - whole) / 5
+    some = activations("model.enable_gradient_checkpointing=true", "model.gradient_checkpointing_ratio=0.4")
+    assert some == pytest.approx(every + 3 * (whole - layer_input), rel=1e-12)
+    assert 0 < layer_input < whole
+
+
 def test_checkpoint_size_estimates_are_the_tensors_a_checkpoint_holds(two_rank_run):
     """The preflight's checkpoint size (from config.json) and the start-up's (from the loaded model)
     against the tensors the metadata of conftest's two-rank FSDP checkpoint lists (fp32 stories260K,

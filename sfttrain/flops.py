@@ -11,6 +11,13 @@ forward and 4 N for the backward. With LoRA the frozen weights need no weight gr
 input gradient, so their backward is 2 N: the dense term is 4 N_frozen + 6 N_trainable (the
 adapters, also counted in N, get the full 6).
 Recomputation under activation checkpointing is not counted: MFU measures useful work.
+
+The formula is the workloads' (docs/workloads.md), the same for every system compared: throughput
+in units of the model's nominal FLOPs. It counts the output head for every token, while sfttrain's
+loss runs the head only at the positions with a target (sfttrain.loss), as the objective needs: on
+a prompt-heavy workload sfttrain runs fewer FLOPs than counted: (6 or, frozen, 4) x N_head per
+token without a target (W1: 42% of its tokens, 0.34 of its 2.96 GFLOP a token; docs/benchmarks.md
+gives both utilisations where it matters).
 """
 
 from collections.abc import Iterable

@@ -112,6 +112,7 @@ class FSDPSFTTrainer:
         fsdp = cfg.model.fsdp_config
         loss = ("Liger's fused linear cross-entropy" if self.liger else f"chunked linear cross-entropy, "
                 f"{cfg.model.loss_chunk_tokens}-token chunks, softmax kernel {self.loss_kernel}")
+        loss += ", logits only at the positions with a target"
         lines = [
             "sfttrain",
             f"  world size          : {self.world.world_size} ({self.world.device.type}), "

@@ -35,6 +35,13 @@ class MicroBatch:
     # the real samples: the first num_samples segments of cu_seqlens (a pad segment may follow);
     # None: every segment. What per-sample statistics (the router's balance, sfttrain.moe) read.
     num_samples: int | None = None
+    # [num_loss_tokens] the positions with a target, the only ones whose logits the loss needs
+    # (sfttrain.loss). Found on the host when the row is built: on the device it would be a sync.
+    loss_rows: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.loss_rows is None:
+            self.loss_rows = (self.labels.view(-1) != IGNORE_INDEX).nonzero().view(-1)
 
     def to(self, device: torch.device) -> "MicroBatch":
         return self._map_tensors(lambda t: t.to(device, non_blocking=True))
@@ -46,7 +53,7 @@ class MicroBatch:
 
     def _map_tensors(self, fn) -> "MicroBatch":
         return MicroBatch(fn(self.input_ids), fn(self.labels), fn(self.position_ids), fn(self.cu_seqlens),
-                          self.max_seqlen, self.num_loss_tokens, self.num_samples)
+                          self.max_seqlen, self.num_loss_tokens, self.num_samples, fn(self.loss_rows))
 
     def model_inputs(self) -> dict:
         """Keyword arguments of the HF model call (transformers' FlashAttentionKwargs names)."""

@@ -35,6 +35,8 @@ PROFILE_DIR = "profile"
 SUMMARY = "summary.txt"
 MEMORY_EVENTS = 1_000_000  # the allocator's history kept at most (several KB each, with their stacks)
 GIB = 2**30
+DEVICE_ACTIVITY = ("kernel", "gpu_memcpy", "gpu_memset")  # trace categories of what the GPU runs
+HOST_LAUNCH = ("cuda_runtime", "cuda_driver")  # the host's calls that queue it (cudaLaunchKernel, cuLaunchKernel)
 # kernel kinds by name, first match wins: inductor's own kernels are triton_... (named after the ops
 # they fuse, which may include the attention op whose input they prepare); cuDNN's attention kernels
 # are named ...sdpa...; cuBLAS's GEMMs nvjet/sm90_xmma/cutlass
@@ -186,12 +188,13 @@ def allocation_site(frames: list[dict]) -> str:
 def summarise(prof, trace: str, wall: float, steps: int) -> str:
     """Rank 0's summary: kernels by kind and the idle gaps from the trace, the top operators."""
     with open(trace) as f:
-        device = [e for e in json.load(f)["traceEvents"] if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+        events = json.load(f)["traceEvents"]
+    device = [e for e in events if e.get("cat") in DEVICE_ACTIVITY]
     lines = [f"wall {wall * 1e3:.1f} ms/step"]
     if device:
         busy = sum(e.get("dur", 0) for e in device) / 1e6 / steps
         lines[0] += f", GPU kernels {busy * 1e3:.1f} ms/step ({100 * busy / wall:.0f}% of the wall time)"
-        lines += kernel_kinds(device, steps) + idle_gaps(device, steps)
+        lines += kernel_kinds(device, steps) + idle_gaps(events, steps)
         sort_by = "self_device_time_total"
     else:
         sort_by = "self_cpu_time_total"  # a CPU run: the host's operators are the work
@@ -215,18 +218,44 @@ def kernel_kinds(device: list[dict], steps: int) -> list[str]:
         for kind, us in time_of.most_common()]
 
 
-def idle_gaps(device: list[dict], steps: int, top: int = 8) -> list[str]:
+def idle_gaps(events: list[dict], steps: int, top: int = 8) -> list[str]:
     """Where the GPU waits: the gaps between consecutive device activities, in total per step
-    and the largest ones with the kernels on either side."""
-    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in device)
-    gaps, end, before = [], spans[0][1], spans[0][2]
-    for start, stop, name in spans[1:]:
-        if start > end:
-            gaps.append((start - end, before, name))
-        if stop > end:
-            end, before = stop, name
+    and the largest ones with the kernels on either side and what the GPU waited for (`gap_cause`)."""
+    device = sorted((e for e in events if e.get("cat") in DEVICE_ACTIVITY), key=lambda e: e["ts"])
+    gaps, end, before = [], device[0]["ts"] + device[0].get("dur", 0), device[0]
+    for e in device[1:]:
+        if e["ts"] > end:
+            gaps.append((e["ts"] - end, end, before["name"], e))
+        if e["ts"] + e.get("dur", 0) > end:
+            end, before = e["ts"] + e.get("dur", 0), e
     lines = [f"GPU idle between kernels: {sum(g[0] for g in gaps) / 1e3 / steps:.1f} ms/step "
              f"({sum(g[0] > 100 for g in gaps) / steps:.0f} gaps over 100 us per step); largest:"]
-    lines += [f"  {gap / 1e3:7.2f} ms after {before[:60]!r} before {after[:60]!r}"
-              for gap, before, after in sorted(gaps, reverse=True)[:top]]
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") in HOST_LAUNCH and "correlation" in e.get("args", {})}
+    host_ops = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation")]
+    for gap, start, before_name, after in sorted(gaps, key=lambda g: g[0], reverse=True)[:top]:
+        lines.append(f"  {gap / 1e3:7.2f} ms after {before_name[:60]!r} before {after['name'][:60]!r}")
+        launch = launches.get(after.get("args", {}).get("correlation"))
+        if launch is not None:
+            lines.append(f"            {gap_cause(start, launch, host_ops)}")
     return lines
+
+
+def gap_cause(gap_start: float, launch: dict, host_ops: list[dict], top: int = 3) -> str:
+    """What the GPU waited for: a kernel launched after the GPU fell idle waited for the host, which was
+    then inside the host operators named (those running between the idle's start and the launch,
+    on the launching thread, by time; not those around the whole interval); one launched before
+    waited on the device (a dependency, an event, a copy)."""
+    late = launch["ts"] - gap_start
+    if late <= 0:
+        return f"launched {-late / 1e3:.2f} ms before: the device waited, not the host"
+    overlap = collections.Counter()
+    for op in host_ops:
+        op_start, op_end = op["ts"], op["ts"] + op.get("dur", 0)
+        if op.get("tid") != launch.get("tid") or op_end <= gap_start or op_start >= launch["ts"]:
+            continue
+        if op_start <= gap_start and op_end >= launch["ts"]:
+            continue  # around the whole interval: the context, not the cause
+        overlap[op["name"]] += min(op_end, launch["ts"]) - max(op_start, gap_start)
+    busy = ", ".join(f"{name[:50]} {us / 1e3:.2f} ms" for name, us in overlap.most_common(top)) or "no operator"
+    return f"launched {late / 1e3:.2f} ms into it: the host was late, meanwhile in {busy}"

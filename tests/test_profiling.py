@@ -106,13 +106,27 @@ def test_kernels_are_grouped_by_kind_and_idle_gaps_measured():
              "triton_poi_fused__scaled_dot_product_cudnn_attention_transpose_0",
              "ncclDevKernel_AllReduce_Sum_f32", "Memcpy DtoH (Device -> Pinned)", "void at::native::elementwise_kernel"]
     assert [kernel_kind(n) for n in names] == ["gemm", "attention", "triton", "communication", "copy", "other"]
-    timeline = [{"name": names[0], "ts": 0, "dur": 100}, {"name": names[1], "ts": 150, "dur": 100},
-                {"name": names[2], "ts": 450, "dur": 100}, {"name": names[3], "ts": 500, "dur": 300}]
+    timeline = [{"cat": "kernel", "name": names[0], "ts": 0, "dur": 100},
+                {"cat": "kernel", "name": names[1], "ts": 150, "dur": 100, "args": {"correlation": 2}},
+                {"cat": "kernel", "name": names[2], "ts": 450, "dur": 100, "args": {"correlation": 3}},
+                {"cat": "kernel", "name": names[3], "ts": 500, "dur": 300}]
     assert kernel_kinds(timeline, 1)[1:] == ["  communication       0.30 ms        1 kernels",
                                              "  gemm                0.10 ms        1 kernels",
                                              "  attention           0.10 ms        1 kernels",
                                              "  triton              0.10 ms        1 kernels"]
-    gaps = idle_gaps(timeline, 1)
+    # the host: the attention kernel queued at 70 (before the GPU fell idle at 100); the Triton
+    # kernel queued at 440, 190 into the 200 us gap, the host meanwhile in a copy (60 us of it in
+    # the gap) and a compiled region (100), both inside a step's range (the context)
+    host = [{"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 70, "dur": 5, "tid": 1, "args": {"correlation": 2}},
+            {"cat": "cuda_driver", "name": "cuLaunchKernelEx", "ts": 440, "dur": 5, "tid": 1, "args": {"correlation": 3}},
+            {"cat": "user_annotation", "name": "sfttrain step 1", "ts": 0, "dur": 900, "tid": 1},
+            {"cat": "cpu_op", "name": "aten::copy_", "ts": 200, "dur": 110, "tid": 1},
+            {"cat": "cpu_op", "name": "Torch-Compiled Region: 0/1", "ts": 330, "dur": 200, "tid": 1},
+            {"cat": "cpu_op", "name": "aten::mm", "ts": 300, "dur": 50, "tid": 2}]  # another thread's
+    gaps = idle_gaps(timeline + host, 1)
     assert gaps[0] == "GPU idle between kernels: 0.2 ms/step (1 gaps over 100 us per step); largest:"
     assert gaps[1].strip().startswith("0.20 ms after 'cudnn_generated") and "before 'triton_poi" in gaps[1]
-    assert gaps[2].strip().startswith("0.05 ms after 'sm90_xmma")
+    assert gaps[2].strip() == ("launched 0.19 ms into it: the host was late, meanwhile in "
+                               "Torch-Compiled Region: 0/1 0.11 ms, aten::copy_ 0.06 ms")
+    assert gaps[3].strip().startswith("0.05 ms after 'sm90_xmma")
+    assert gaps[4].strip() == "launched 0.03 ms before: the device waited, not the host"

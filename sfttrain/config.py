@@ -87,10 +87,6 @@ class ModelConfig:
     # attention output (one more hidden state per token and layer) so that attention runs once; auto: false for
     # samples of data.max_length >= 8192 tokens, where attention is much of the step (sfttrain/recompute.py)
     recompute_attention: Any = "auto"
-    # with checkpointing, what a checkpointed layer recomputes: layer (all of it from its input: the least
-    # memory) or mlp (its MLP from the MLP's input; the attention block keeps its values: ~40% of a layer's
-    # memory, and a LoRA run with compile recomputes only the gate and up GEMMs; sfttrain/recompute.py)
-    recompute_scope: str = "layer"
     attn_implementation: str = "auto"  # auto | flash_attn | torch_varlen | sdpa_blockmask
     use_liger: bool = False  # Liger's fused RMSNorm/SwiGLU/RoPE and fused linear cross-entropy
     compile: bool = False  # torch.compile each decoder layer (dynamic shapes; compiled once, shared by the layers)
@@ -393,10 +389,6 @@ def validate(cfg: Config) -> None:
     _choice("model.loss_kernel", m.loss_kernel, LOSS_KERNELS)
     _choice("model.compile_cpp_wrapper", m.compile_cpp_wrapper, ("auto", True, False))
     _choice("model.recompute_attention", m.recompute_attention, ("auto", True, False))
-    _choice("model.recompute_scope", m.recompute_scope, ("layer", "mlp"))
-    if m.recompute_scope == "mlp" and m.recompute_attention is True:
-        raise ConfigError("model.recompute_attention=true with model.recompute_scope=mlp: a layer that recomputes only its "
-                          "MLP never recomputes attention; set recompute_attention=auto, or recompute_scope=layer")
     _choice("model.attn_implementation", m.attn_implementation,
             ("auto", "flash_attn", "torch_varlen", "sdpa_blockmask"))
     _choice("model.fsdp_config.model_dtype", m.fsdp_config.model_dtype, DTYPES)

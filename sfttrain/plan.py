@@ -74,16 +74,9 @@ class DenseShape:
     def _layer_params(self, sparse: bool) -> int:
         h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
         attention = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0)
+        mlp = self.moe.mlp_params(h) if sparse else 3 * h * self.intermediate  # dense: gate, up, down
         norms = 2 * h + (2 * self.head_dim if self.qk_norm else 0)
-        return attention + self._mlp_params(sparse) + norms
-
-    def _mlp_params(self, sparse: bool) -> int:
-        return self.moe.mlp_params(self.hidden) if sparse else 3 * self.hidden * self.intermediate  # gate, up, down
-
-    @property
-    def layer_mlp_params(self) -> int:
-        """The MLP's share of layer_params."""
-        return self._mlp_params(sparse=self.sparse_layers > 0)
+        return attention + mlp + norms
 
     @property
     def layer_params(self) -> int:
@@ -134,21 +127,14 @@ def compute_bytes(cfg: Config) -> int:
     return DTYPE_BYTES[mixed[0] if mixed else fsdp.model_dtype]
 
 
-def activation_bytes(shape: DenseShape, tokens: int, recomputed: int, value_bytes: int, keep_attention: bool,
-                     scope: str = "layer") -> int:
+def activation_bytes(shape: DenseShape, tokens: int, recomputed: int, value_bytes: int, keep_attention: bool) -> int:
     """What backward needs kept: a recomputed layer keeps its input (and its attention output with
     fp32 softmax statistics, unless model.recompute_attention: sfttrain.recompute), and while it is
-    recomputed one layer's activations exist; every other layer keeps all its activations. With
-    model.recompute_scope=mlp a recomputed layer keeps all but its MLP's values, one MLP's at a time."""
+    recomputed one layer's activations exist; every other layer keeps all its activations."""
     per_layer = shape.activation_elements_per_token() * tokens * value_bytes
-    if scope == "mlp":
-        recomputed_part = shape.mlp_activations_per_token() * tokens * value_bytes
-        kept = per_layer - recomputed_part
-    else:
-        recomputed_part = per_layer
-        kept = tokens * (shape.hidden * value_bytes + (shape.heads * (shape.head_dim * value_bytes + 4)
-                                                       if keep_attention else 0))
-    return (shape.layers - recomputed) * per_layer + recomputed * kept + (recomputed_part if recomputed else 0)
+    attention = shape.heads * (shape.head_dim * value_bytes + 4) if keep_attention else 0
+    inputs = recomputed * tokens * (shape.hidden * value_bytes + attention)
+    return (shape.layers - recomputed) * per_layer + inputs + (per_layer if recomputed else 0)
 
 
 def recomputed_layers(cfg: ModelConfig, layers: int) -> int:
@@ -165,15 +151,13 @@ def backward_bytes(shape: DenseShape, tokens: int, value_bytes: int) -> int:
 
 def autocast_copy_params(cfg: ModelConfig, shape: DenseShape) -> int:
     """Weights whose compute-dtype copy (one device, autocast) lives from forward to backward: every
-    weight, saved for backward; but a recomputed layer's copies (its MLP's, with
-    model.recompute_scope=mlp) when compiled are made and freed inside its graph, in forward and
-    again in its recomputation (eager, autocast's cache holds every copy until the forward ends)."""
+    weight, saved for backward; but a recomputed layer's copies when compiled are made and freed
+    inside its graph, in forward and again in its recomputation (eager, autocast's cache holds
+    every copy until the forward ends)."""
     m = cfg.model
     if not (m.enable_gradient_checkpointing and m.compile):
         return shape.num_params
-    recomputed = recomputed_layers(m, shape.layers)
-    freed = shape.layer_mlp_params if m.recompute_scope == "mlp" else shape.layer_params
-    return shape.layers * shape.layer_params - recomputed * freed
+    return (shape.layers - recomputed_layers(m, shape.layers)) * shape.layer_params
 
 
 def memory_per_rank(cfg: Config, shape: DenseShape, dp_size: int) -> dict[str, float]:
@@ -189,7 +173,7 @@ def memory_per_rank(cfg: Config, shape: DenseShape, dp_size: int) -> dict[str, f
     n = shape.num_params
     trained, trained_bytes = trained_params(cfg, shape)
     activations = activation_bytes(shape, micro_batch_tokens(cfg), recomputed_layers(m, shape.layers), compute,
-                                   wants_attention_kept(m, cfg.data.max_length), m.recompute_scope)
+                                   wants_attention_kept(m, cfg.data.max_length))
     logits = m.loss_chunk_tokens * shape.vocab * compute * (2 if m.loss_kernel == "torch" else 1)
     autocast = mixed_precision_dtypes(fsdp) is not None and m.lora_rank == 0  # LoRA's base is bf16 already
     base = 0 if m.lora_rank == 0 else n * base_dtype(m).itemsize

@@ -18,13 +18,6 @@ again by the recomputation. A layer with code that must run outside the compiled
 (torch.compiler.disable: LoRA on a MoE's experts, sfttrain.lora) cannot hold such a checkpoint
 inside its graph, so it recomputes everything through transformers' own switch, which in
 transformers 5.17 places the checkpoint outside the compiled layer.
-
-model.recompute_scope=mlp checkpoints a layer's MLP instead of the whole layer: the attention block
-keeps its values (projections, attention output, norms' inputs: ~40% of what a layer keeps without
-checkpointing, the MLP's values being the rest) and backward recomputes the MLP from its input.
-Compiled, the partitioner recomputes only what backward reads: the gate and up projections and
-their product, not the down projection. In a LoRA run, whose frozen GEMMs cost 4 N and whose full
-recomputation adds 2 N, that is about half the recomputed work for ~6x a layer input's memory.
 """
 
 from __future__ import annotations
@@ -36,7 +29,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from sfttrain.attention import kernel_ops
-from sfttrain.config import ConfigError, ModelConfig
+from sfttrain.config import ModelConfig
 
 
 LONG_SAMPLE = 8192  # data.max_length from which model.recompute_attention=auto keeps attention outputs
@@ -47,11 +40,7 @@ def apply(model: nn.Module, layers: list[nn.Module], cfg: ModelConfig, max_lengt
     model whose weights and optimizer state leave room for some activations recomputes only the
     layers that do not fit), keeping what `keeps_attention` says."""
     chosen = checkpointed(layers, cfg.gradient_checkpointing_ratio)
-    if cfg.recompute_scope == "mlp":
-        for layer in chosen:
-            mlp = layer_mlp(layer, cfg.compile)
-            mlp.forward = functools.partial(checkpointed_forward, mlp.forward, None)
-    elif keeps_attention(cfg, max_length, chosen):
+    if keeps_attention(cfg, max_length, chosen):
         policy = functools.partial(create_selective_checkpoint_contexts, keep_attention_outputs)
         for layer in chosen:
             layer.forward = functools.partial(checkpointed_forward, layer.forward, policy)
@@ -62,19 +51,6 @@ def apply(model: nn.Module, layers: list[nn.Module], cfg: ModelConfig, max_lengt
 def checkpointed(layers: list[nn.Module], ratio: float) -> list[nn.Module]:
     """Layer i is checkpointed when floor((i + 1) * ratio) steps up: `ratio` of them, spread evenly."""
     return [layer for i, layer in enumerate(layers) if int((i + 1) * ratio) > int(i * ratio)]
-
-
-def layer_mlp(layer: nn.Module, compiled: bool) -> nn.Module:
-    """The layer's MLP (a mixture of experts' block included), for model.recompute_scope=mlp."""
-    mlp = getattr(layer, "mlp", None) or getattr(layer, "block_sparse_moe", None)
-    if mlp is None:
-        raise ConfigError(f"model.recompute_scope=mlp: {type(layer).__name__} has no `mlp` (or `block_sparse_moe`) "
-                          "module to checkpoint; set model.recompute_scope=layer")
-    if compiled and has_eager_parts(mlp):
-        raise ConfigError("model.recompute_scope=mlp: this MLP runs parts outside the compiled graph (LoRA on a "
-                          "mixture of experts' experts), which a checkpoint inside the graph cannot hold; set "
-                          "model.recompute_scope=layer")
-    return mlp
 
 
 def wants_attention_kept(cfg: ModelConfig, max_length: int) -> bool:
@@ -94,9 +70,6 @@ def describe(layers: list[nn.Module], cfg: ModelConfig, max_length: int) -> str:
     if not cfg.enable_gradient_checkpointing:
         return "  recompute           : none (model.enable_gradient_checkpointing=false): every activation kept"
     chosen = checkpointed(layers, cfg.gradient_checkpointing_ratio)
-    if cfg.recompute_scope == "mlp":
-        return (f"  recompute           : the MLP of {len(chosen)} of {len(layers)} layers in backward "
-                "(model.recompute_scope=mlp), from its input; the attention blocks keep their values")
     setting = f"model.recompute_attention={str(cfg.recompute_attention).lower()}"
     if cfg.recompute_attention == "auto":
         setting += f", data.max_length {'>=' if max_length >= LONG_SAMPLE else '<'} {LONG_SAMPLE}"
@@ -110,10 +83,8 @@ def describe(layers: list[nn.Module], cfg: ModelConfig, max_length: int) -> str:
 
 
 def checkpointed_forward(forward, context_fn, *args, **kwargs):
-    # non-reentrant: works with FSDP2's hooks and with inputs that need no grad. No context_fn is
-    # passed for a plain checkpoint: dynamo traces checkpoint's own default only
-    policy = {} if context_fn is None else {"context_fn": context_fn}
-    return checkpoint(forward, *args, use_reentrant=False, **policy, **kwargs)
+    # non-reentrant: works with FSDP2's hooks and with inputs that need no grad
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
 
 def keep_attention_outputs(ctx, op, *args, **kwargs) -> CheckpointPolicy:

@@ -36,15 +36,6 @@ def test_no_shard_refuses_what_needs_shards(overrides, message):
         load_config(overrides=[*COMMON, "model.fsdp_config.sharding_strategy=NO_SHARD", *overrides])
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["model.recompute_scope=attention"], "model.recompute_scope.*layer.*mlp"),
-    (["model.recompute_scope=mlp", "model.recompute_attention=true"], "never recomputes attention"),
-])
-def test_recompute_settings_that_cannot_hold_are_refused(overrides, message):
-    with pytest.raises(ConfigError, match=message):
-        load_config(overrides=[*COMMON, *overrides])
-
-
 def test_hydra_append_syntax_and_ignored_verl_keys(capsys):
     """`+key=value` sets a key sfttrain knows; verl keys without meaning here are dropped with one
     line each saying why; a key that is neither stays an error, with or without the +."""

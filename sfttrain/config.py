@@ -91,9 +91,9 @@ class ModelConfig:
     use_liger: bool = False  # Liger's fused RMSNorm/SwiGLU/RoPE and fused linear cross-entropy
     compile: bool = False  # torch.compile each decoder layer (dynamic shapes; compiled once, shared by the layers)
     # with compile on CUDA, who launches the compiled layers' kernels: inductor's C++ wrapper (true) or its
-    # Python one (false: tens of us per launch). auto: C++ with LoRA (many small adapter GEMMs a step:
-    # their launches are the step's cost), Python otherwise (GPU-bound steps gain nothing, and the C++
-    # build adds start-up); how much each way: docs/benchmarks.md
+    # Python one (false: tens of us per launch). auto: C++ for micro-batches up to 65536 tokens (W1: 11%
+    # faster; its build adds ~1 min of start-up), Python for longer ones (steps of seconds: launches cost
+    # nothing; at 131072 tokens the C++ one crashed); how much each way: docs/benchmarks.md
     compile_cpp_wrapper: Any = "auto"
     # tokens per chunk of sfttrain's linear cross-entropy: a chunk's logits are held at once (chunk x
     # vocab in bf16; twice that with loss_kernel=torch); larger chunks pass fewer times over the fp32
@@ -191,6 +191,11 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     ulysses_sequence_parallel_size: int = 1  # ranks sharing each packed row, attention heads split over them (Ulysses)
     use_remove_padding: bool = True  # verl key; sfttrain is always padding-free
+
+    def micro_batch_tokens(self) -> int:
+        """Tokens of the largest micro-batch on one rank (split over the sequence-parallel group)."""
+        d = self.data
+        return (d.max_token_len_per_gpu or d.micro_batch_size_per_gpu * d.max_length) // self.ulysses_sequence_parallel_size
 
 
 # verl spellings accepted as synonyms: old key -> schema key.

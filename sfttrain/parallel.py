@@ -143,16 +143,23 @@ def compile_layers(layers: list[torch.nn.Module], cpp_wrapper: bool) -> None:
         layer.compile(dynamic=True, options=options)
 
 
+# the longest micro-batch `auto` gives the C++ wrapper: the longest it was measured to run at (W2b with
+# LoRA, 65,536 tokens); at 131,072 it crashed inside a compiled backward (docs/benchmarks.md, runs BB, BC)
+CPP_WRAPPER_MAX_TOKENS = 65536
+
+
 def cpp_wrapper(cfg: Config, world: World, model_config) -> bool:
     """Whether inductor's C++ wrapper launches the compiled layers' kernels (model.compile_cpp_wrapper).
-    GPUs only: there the host just launches kernels and can fall behind them; on CPU the kernels
-    are the host's own work, and the wrapper's C++ build would only cost start-up. Not for a
-    mixture of experts before torch 2.12, whose C++ wrapper cannot call the experts' grouped GEMM."""
+    GPUs only: there the host just launches kernels and can fall behind them (W1, full fine-tuning
+    or LoRA, is host-bound); on CPU the kernels are the host's own work, and the wrapper's C++ build
+    would only cost start-up. auto: not for micro-batches over CPP_WRAPPER_MAX_TOKENS, whose steps
+    take seconds, nor for a mixture of experts before torch 2.12, whose C++ wrapper cannot call the
+    experts' grouped GEMM."""
     if world.device.type != "cuda":
         return False
     setting, blocked = cfg.model.compile_cpp_wrapper, _grouped_gemm_without_cpp_call(model_config)
     if setting == "auto":
-        return cfg.model.lora_rank > 0 and not blocked
+        return cfg.micro_batch_tokens() <= CPP_WRAPPER_MAX_TOKENS and not blocked
     if setting and blocked:
         raise ConfigError(f"model.compile_cpp_wrapper=true: inductor's C++ wrapper in torch {torch.__version__} has no "
                           "call for the grouped GEMM this mixture of experts runs (torch >= 2.12 has one); set "
@@ -172,8 +179,11 @@ def describe_compile(cfg: Config, world: World, model_config) -> str:
     if not cfg.model.compile:
         return "off (eager)"
     wrapper = "C++" if cpp_wrapper(cfg, world, model_config) else "Python"
-    why = (" (the C++ one cannot call this torch's grouped GEMM of the experts)" if wrapper == "Python"
-           and cfg.model.lora_rank > 0 and _grouped_gemm_without_cpp_call(model_config) else "")
+    why = ""
+    if wrapper == "Python" and world.device.type == "cuda" and cfg.model.compile_cpp_wrapper == "auto":
+        why = (" (the C++ one cannot call this torch's grouped GEMM of the experts)"
+               if _grouped_gemm_without_cpp_call(model_config) else
+               f" (micro-batches over {CPP_WRAPPER_MAX_TOKENS} tokens: model.compile_cpp_wrapper=auto)")
     return f"each decoder layer, dynamic shapes, kernels launched by inductor's {wrapper} wrapper{why}"
 
 

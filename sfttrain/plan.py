@@ -114,12 +114,6 @@ class DenseShape:
         return self.moe.mlp_activations_per_token() if self.sparse_layers else 3 * self.intermediate
 
 
-def micro_batch_tokens(cfg: Config) -> int:
-    """Tokens of the largest micro-batch on one rank (split over the sequence-parallel group)."""
-    d = cfg.data
-    return (d.max_token_len_per_gpu or d.micro_batch_size_per_gpu * d.max_length) // cfg.ulysses_sequence_parallel_size
-
-
 def compute_bytes(cfg: Config) -> int:
     """Bytes per value of what the forward computes in: bf16 with mixed precision, else model_dtype."""
     fsdp = cfg.model.fsdp_config
@@ -172,7 +166,7 @@ def memory_per_rank(cfg: Config, shape: DenseShape, dp_size: int) -> dict[str, f
     compute_name = "bf16" if compute == 2 else "fp32"
     n = shape.num_params
     trained, trained_bytes = trained_params(cfg, shape)
-    activations = activation_bytes(shape, micro_batch_tokens(cfg), recomputed_layers(m, shape.layers), compute,
+    activations = activation_bytes(shape, cfg.micro_batch_tokens(), recomputed_layers(m, shape.layers), compute,
                                    wants_attention_kept(m, cfg.data.max_length))
     logits = m.loss_chunk_tokens * shape.vocab * compute * (2 if m.loss_kernel == "torch" else 1)
     autocast = mixed_precision_dtypes(fsdp) is not None and m.lora_rank == 0  # LoRA's base is bf16 already
@@ -184,7 +178,7 @@ def memory_per_rank(cfg: Config, shape: DenseShape, dp_size: int) -> dict[str, f
     elif autocast:
         out["bf16 weights (autocast copies)"] = autocast_copy_params(cfg, shape) * 2
     out[f"activations ({'with' if m.enable_gradient_checkpointing else 'without'} checkpointing)"] = activations
-    out["backward: one layer's MLP gradients"] = backward_bytes(shape, micro_batch_tokens(cfg), compute)
+    out["backward: one layer's MLP gradients"] = backward_bytes(shape, cfg.micro_batch_tokens(), compute)
     out[f"logits / loss chunk ({m.loss_chunk_tokens} tokens x {shape.vocab} vocab)"] = logits
     return {k: v / GIB for k, v in out.items()}
 
@@ -314,9 +308,9 @@ def memory_section(cfg: Config, dp_size: int, folder: Optional[str], found: Find
     lines += [f"    {name:<58} {gib:8.2f} GiB" for name, gib in memory.items()]
     lines.append(f"    {'total':<58} {sum(memory.values()):8.2f} GiB")
     checkpointing = cfg.model.enable_gradient_checkpointing
-    other = activation_bytes(shape, micro_batch_tokens(cfg), 0 if checkpointing else shape.layers, compute_bytes(cfg),
+    other = activation_bytes(shape, cfg.micro_batch_tokens(), 0 if checkpointing else shape.layers, compute_bytes(cfg),
                              wants_attention_kept(cfg.model, cfg.data.max_length)) / GIB
-    lines.append(f"  activations of {micro_batch_tokens(cfg)} tokens per micro-batch; with "
+    lines.append(f"  activations of {cfg.micro_batch_tokens()} tokens per micro-batch; with "
                  f"model.enable_gradient_checkpointing={str(not checkpointing).lower()} they would take {other:.2f} GiB")
     return lines
 

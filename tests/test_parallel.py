@@ -233,11 +233,12 @@ def test_compiled_layers_serve_every_packed_length_with_one_compilation(tmp_path
 
 @pytest.mark.parametrize("torch_version, moe_cpp", [("2.11.0+cu130", False), ("2.12.0", True)])
 def test_cpp_wrapper_is_chosen_only_where_it_can_call_the_experts_grouped_gemm(monkeypatch, torch_version, moe_cpp):
-    """model.compile_cpp_wrapper on CUDA: auto takes the C++ wrapper with LoRA, except for a mixture
-    of experts under a torch whose C++ wrapper has no call for torch._grouped_mm (before 2.12, per
-    torchgen's fallback table): W4 with LoRA failed to build its layers on an H200 with torch 2.11
+    """model.compile_cpp_wrapper on CUDA: auto takes the C++ wrapper, except for a mixture of experts
+    under a torch whose C++ wrapper has no call for torch._grouped_mm (before 2.12, per torchgen's
+    fallback table): W4 with LoRA failed to build its layers on an H200 with torch 2.11
     (`aoti_torch_cuda__grouped_mm was not declared`). An explicit true there is refused, naming
-    the key; a dense model keeps the C++ wrapper."""
+    the key; a dense model keeps the C++ wrapper. Micro-batches over 65536 tokens a rank take the
+    Python one (W2b with LoRA crashed in the C++ one at 131072)."""
     from transformers import Qwen3Config, Qwen3MoeConfig
 
     from sfttrain.config import Config, ConfigError
@@ -257,4 +258,9 @@ def test_cpp_wrapper_is_chosen_only_where_it_can_call_the_experts_grouped_gemm(m
             cpp_wrapper(cfg, cuda, Qwen3MoeConfig())
     cfg.model.lora_rank = 0
     cfg.model.compile_cpp_wrapper = "auto"
-    assert cpp_wrapper(cfg, cuda, Qwen3MoeConfig()) is False  # full fine-tuning: the Python wrapper
+    assert cpp_wrapper(cfg, cuda, Qwen3Config()) is True  # full fine-tuning too: W1 is host-bound
+    assert cpp_wrapper(cfg, cuda, Qwen3MoeConfig()) is moe_cpp
+    cfg.data.max_token_len_per_gpu = 131072
+    assert cpp_wrapper(cfg, cuda, Qwen3Config()) is False
+    cfg.ulysses_sequence_parallel_size = 2  # 65536 tokens a rank
+    assert cpp_wrapper(cfg, cuda, Qwen3Config()) is True

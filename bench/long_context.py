@@ -203,7 +203,8 @@ def main() -> None:
     args.lengths = args.lengths or list(LENGTHS)
     start = time.monotonic()
     model_dir = save_model(args, load_tokenizer(args.tokenizer), max(args.lengths))
-    done = {(r["model"], r["sp"], r["length"]): r["status"] for r in read_jsonl(args.out)}
+    # --out may also hold other benches' records (one results file per call): only this bench's count
+    done = {(r["model"], r["sp"], r["length"]): r["status"] for r in read_jsonl(args.out) if "length" in r}
     failed_at = {sp: min([n for (m, s, n), st in done.items() if m == args.model and s == sp and st != "trained"],
                          default=None) for sp in args.sp}
     for length in sorted(args.lengths):

@@ -122,13 +122,28 @@ def compute_bytes(cfg: Config) -> int:
 
 
 def activation_bytes(shape: DenseShape, tokens: int, recomputed: int, value_bytes: int, keep_attention: bool) -> int:
-    """What backward needs kept: a recomputed layer keeps its input (and its attention output with
-    fp32 softmax statistics, unless model.recompute_attention: sfttrain.recompute), and while it is
-    recomputed one layer's activations exist; every other layer keeps all its activations."""
+    """What backward needs kept: a recomputed layer keeps its input (and, unless
+    model.recompute_attention: sfttrain.recompute, what its attention's backward reads: the kernel's
+    output with fp32 softmax statistics, and the keys and values), and while it is recomputed one
+    layer's activations exist; every other layer keeps all its activations."""
     per_layer = shape.activation_elements_per_token() * tokens * value_bytes
-    attention = shape.heads * (shape.head_dim * value_bytes + 4) if keep_attention else 0
+    attention = attention_output_bytes(shape, value_bytes) + key_value_bytes(shape, value_bytes) if keep_attention else 0
     inputs = recomputed * tokens * (shape.hidden * value_bytes + attention)
     return (shape.layers - recomputed) * per_layer + inputs + (per_layer if recomputed else 0)
+
+
+def attention_output_bytes(shape: DenseShape, value_bytes: int) -> int:
+    """Per token and layer: the attention kernel's output and its fp32 softmax statistics."""
+    return shape.heads * (shape.head_dim * value_bytes + 4)
+
+
+def key_value_bytes(shape: DenseShape, value_bytes: int) -> int:
+    """Per token and layer: the keys and values a layer that keeps its attention output also keeps
+    (the compiled partitioner saves them rather than recompute their projections). Measured, not
+    derived: W2b with LoRA at 16k, 32k and 64k tokens peaked 1.18, 3.20 and 7.13 GiB over the
+    estimate without them, 3.9 KB a token and layer over the last two (W2b's keys and values: 4.0 KB);
+    with them 0.8-0.9 GiB under it at all three (docs/benchmarks.md, runs BA, BC)."""
+    return 2 * shape.kv_heads * shape.head_dim * value_bytes
 
 
 def recomputed_layers(cfg: ModelConfig, layers: int) -> int:

@@ -63,11 +63,12 @@ def test_checkpointed_layers_run_attention_once_unless_told_to_recompute_it(reco
     kept for backward; with model.recompute_attention=true backward runs them again (20). Counted
     at the dispatcher, below autograd and checkpointing. Either way the loss and gradients are those
     of a run without checkpointing: the kept outputs are the very tensors the recomputation gives.
-    What they hold is what the preflight's memory estimate adds for them (sfttrain.plan)."""
+    What they hold is what the preflight's memory estimate adds for them (sfttrain.plan), beside the
+    keys and values."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from sfttrain.attention import kernel_ops
-    from sfttrain.plan import DenseShape, activation_bytes
+    from sfttrain.plan import DenseShape, activation_bytes, attention_output_bytes, key_value_bytes
 
     class CountAttention(TorchDispatchMode):
         calls = outputs = 0
@@ -91,7 +92,8 @@ def test_checkpointed_layers_run_attention_once_unless_told_to_recompute_it(reco
     if not recompute_attention:  # fp32 on the CPU: 4-byte values
         shape = DenseShape.from_config_json(str(STORIES))
         kept = activation_bytes(shape, 80, shape.layers, 4, True) - activation_bytes(shape, 80, shape.layers, 4, False)
-        assert CountAttention.outputs == kept
+        assert CountAttention.outputs == 80 * shape.layers * attention_output_bytes(shape, 4)
+        assert kept == 80 * shape.layers * (attention_output_bytes(shape, 4) + key_value_bytes(shape, 4))
 
 
 def test_the_recompute_line_says_what_a_layer_keeps_and_eager_parts_keep_the_old_way():

@@ -95,6 +95,9 @@ class ModelConfig:
     # faster; its build adds ~1 min of start-up), Python for longer ones (steps of seconds: launches cost
     # nothing; at 131072 tokens the C++ one crashed); how much each way: docs/benchmarks.md
     compile_cpp_wrapper: Any = "auto"
+    # with compile on one GPU: the compiled layers replay CUDA graphs, one launch per layer and pass instead of
+    # one per kernel (for host-bound steps); each padded row length records its own (sfttrain/cuda_graphs.py)
+    cuda_graphs: bool = False
     # tokens per chunk of sfttrain's linear cross-entropy: a chunk's logits are held at once (chunk x
     # vocab in bf16; twice that with loss_kernel=torch); larger chunks pass fewer times over the fp32
     # lm_head gradient: a little faster for more peak memory (docs/benchmarks.md)
@@ -224,6 +227,7 @@ IGNORED_VERL_KEYS = {
 FREE_FORM = ("model.fsdp_config.mixed_precision", "model.fsdp_config.wrap_policy")
 
 DTYPES = ("fp32", "bf16", "fp16")
+CUDA_GRAPH_LENGTHS = 32  # the most padded row lengths model.cuda_graphs records graphs for
 LOSS_KERNELS = ("auto", "liger", "torch")  # model.loss_kernel (sfttrain.loss.select_chunk_loss)
 FP8_MODES = ("off", "auto", "tensorwise", "rowwise")  # model.fp8 (sfttrain.fp8)
 WRITERS = ("auto", "process", "thread")  # trainer.async_save_writer (sfttrain.checkpoint_writer)
@@ -394,6 +398,7 @@ def validate(cfg: Config) -> None:
     _choice("model.loss_kernel", m.loss_kernel, LOSS_KERNELS)
     _choice("model.compile_cpp_wrapper", m.compile_cpp_wrapper, ("auto", True, False))
     _choice("model.recompute_attention", m.recompute_attention, ("auto", True, False))
+    _check_cuda_graphs(cfg)
     _choice("model.attn_implementation", m.attn_implementation,
             ("auto", "flash_attn", "torch_varlen", "sdpa_blockmask"))
     _choice("model.fsdp_config.model_dtype", m.fsdp_config.model_dtype, DTYPES)
@@ -450,6 +455,21 @@ def validate(cfg: Config) -> None:
     if not cfg.use_remove_padding:
         raise ConfigError("use_remove_padding=false: sfttrain always trains padding-free (packed rows give the "
                           "same loss as padded ones, without the pad compute); remove the key")
+
+
+def _check_cuda_graphs(cfg: Config) -> None:
+    """model.cuda_graphs replays the compiled layers' graphs, one recording per padded row length."""
+    if not cfg.model.cuda_graphs:
+        return
+    if not cfg.model.compile:
+        raise ConfigError("model.cuda_graphs=true replays the compiled layers' CUDA graphs: set model.compile=true")
+    lengths = -(-cfg.micro_batch_tokens() // cfg.data.pad_to_multiple)
+    if lengths > CUDA_GRAPH_LENGTHS:
+        least = -(-cfg.micro_batch_tokens() // CUDA_GRAPH_LENGTHS)
+        raise ConfigError(f"model.cuda_graphs=true records graphs for every padded row length: micro-batches of up to "
+                          f"{cfg.micro_batch_tokens()} tokens padded to data.pad_to_multiple={cfg.data.pad_to_multiple} "
+                          f"have {lengths} lengths, over {CUDA_GRAPH_LENGTHS} (each holds its own graphs); set "
+                          f"data.pad_to_multiple to {least} or more")
 
 
 def _check_profile_steps(steps: Optional[list[int]]) -> None:

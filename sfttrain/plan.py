@@ -142,7 +142,7 @@ def key_value_bytes(shape: DenseShape, value_bytes: int) -> int:
     (the compiled partitioner saves them rather than recompute their projections). Measured, not
     derived: W2b with LoRA at 16k, 32k and 64k tokens peaked 1.18, 3.20 and 7.13 GiB over the
     estimate without them, 3.9 KB a token and layer over the last two (W2b's keys and values: 4.0 KB);
-    with them 0.8-0.9 GiB under it at all three (docs/benchmarks.md, runs BA, BC)."""
+    with them the estimate lies 0.80-0.87 GiB above all three (docs/benchmarks.md, runs BA, BC)."""
     return 2 * shape.kv_heads * shape.head_dim * value_bytes
 
 

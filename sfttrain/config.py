@@ -463,6 +463,10 @@ def _check_cuda_graphs(cfg: Config) -> None:
         return
     if not cfg.model.compile:
         raise ConfigError("model.cuda_graphs=true replays the compiled layers' CUDA graphs: set model.compile=true")
+    if cfg.model.compile_cpp_wrapper is True:
+        raise ConfigError("model.compile_cpp_wrapper=true with model.cuda_graphs=true: a replayed graph launches no "
+                          "kernels from the wrapper, and inductor captures none from the C++ one; set "
+                          "model.compile_cpp_wrapper=auto")
     lengths = -(-cfg.micro_batch_tokens() // cfg.data.pad_to_multiple)
     if lengths > CUDA_GRAPH_LENGTHS:
         least = -(-cfg.micro_batch_tokens() // CUDA_GRAPH_LENGTHS)

@@ -164,12 +164,13 @@ def cpp_wrapper(cfg: Config, world: World, model_config) -> bool:
     or LoRA, is host-bound); on CPU the kernels are the host's own work, and the wrapper's C++ build
     would only cost start-up. auto: not for micro-batches over CPP_WRAPPER_MAX_TOKENS, whose steps
     take seconds, nor for a mixture of experts before torch 2.12, whose C++ wrapper cannot call the
-    experts' grouped GEMM."""
+    experts' grouped GEMM, nor under CUDA graphs (model.cuda_graphs), whose replays launch nothing
+    from the wrapper (and which inductor does not capture from a C++ wrapper with graph partitions)."""
     if world.device.type != "cuda":
         return False
     setting, blocked = cfg.model.compile_cpp_wrapper, _grouped_gemm_without_cpp_call(model_config)
     if setting == "auto":
-        return cfg.micro_batch_tokens() <= CPP_WRAPPER_MAX_TOKENS and not blocked
+        return cfg.micro_batch_tokens() <= CPP_WRAPPER_MAX_TOKENS and not blocked and not cfg.model.cuda_graphs
     if setting and blocked:
         raise ConfigError(f"model.compile_cpp_wrapper=true: inductor's C++ wrapper in torch {torch.__version__} has no "
                           "call for the grouped GEMM this mixture of experts runs (torch >= 2.12 has one); set "
@@ -192,7 +193,8 @@ def describe_compile(cfg: Config, world: World, model_config) -> str:
     why = ""
     if wrapper == "Python" and world.device.type == "cuda" and cfg.model.compile_cpp_wrapper == "auto":
         why = (" (the C++ one cannot call this torch's grouped GEMM of the experts)"
-               if _grouped_gemm_without_cpp_call(model_config) else
+               if _grouped_gemm_without_cpp_call(model_config) else " (CUDA graphs replay the kernels)"
+               if cfg.model.cuda_graphs else
                f" (micro-batches over {CPP_WRAPPER_MAX_TOKENS} tokens: model.compile_cpp_wrapper=auto)")
     return f"each decoder layer, dynamic shapes, kernels launched by inductor's {wrapper} wrapper{why}{cuda_graphs.describe(cfg)}"
 

@@ -15,6 +15,7 @@ COMMON = ["data.train_files=x.parquet", "model.partial_pretrain=m", "model.cuda_
 
 @pytest.mark.parametrize("overrides, message", [
     (["model.compile=false"], "model.cuda_graphs=true .*set model.compile=true"),
+    (["model.compile=true", "model.compile_cpp_wrapper=true"], "captures none from the C\\+\\+ one"),
     # 16384 tokens in rows padded to 128: 128 lengths, each recording its graphs
     (["model.compile=true", "data.max_token_len_per_gpu=16384"],
      "16384 tokens padded to data.pad_to_multiple=128 have 128 lengths, over 32.*set data.pad_to_multiple to 512"),
@@ -37,6 +38,22 @@ def test_it_needs_one_unsharded_gpu_known_before_the_data_is_read():
     with pytest.raises(ConfigError, match="one unsharded GPU; this run's layout is 'sharded'"):
         check_settings(cfg, one_gpu)
     check_settings(Config(), types.SimpleNamespace(device=torch.device("cpu"), world_size=1))  # off: nothing to check
+
+
+def test_graphs_take_the_python_wrapper():
+    """Replays launch nothing from a wrapper: auto takes the Python one (the C++ one would cost
+    its build for nothing, and inductor captures no graph from it with graph partitions)."""
+    from transformers import Qwen2Config
+
+    from sfttrain.parallel import cpp_wrapper, describe_compile
+
+    cfg = load_config(overrides=[*COMMON, "model.compile=true", "data.max_token_len_per_gpu=16384",
+                                 "data.pad_to_multiple=512"])
+    cuda = types.SimpleNamespace(device=torch.device("cuda"))
+    assert cpp_wrapper(cfg, cuda, Qwen2Config()) is False
+    line = describe_compile(cfg, cuda, Qwen2Config())
+    assert "Python wrapper (CUDA graphs replay the kernels); CUDA graphs replayed" in line
+    assert "up to 32 padded row lengths (data.pad_to_multiple=512)" in line, line
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")

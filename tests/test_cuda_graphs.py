@@ -56,6 +56,40 @@ def test_graphs_take_the_python_wrapper():
     assert "up to 32 padded row lengths (data.pad_to_multiple=512)" in line, line
 
 
+def test_apply_makes_gradient_buffers_and_a_generation_per_forward(monkeypatch):
+    """What the graphs need around the layers, on stories260K with LoRA (frozen base): a zeroed
+    gradient buffer for each trainable parameter and none for a frozen one, a new CUDA-graph
+    generation at each forward of the loss module, and gradients summed into those same buffers."""
+    from torch._inductor.cudagraph_trees import MarkStepBox
+
+    from sfttrain import cuda_graphs
+    from sfttrain.config import ModelConfig
+    from sfttrain.data.pack import pack
+    from sfttrain.data.render import RenderedSample
+    from sfttrain.loss import CausalLMLoss
+    from sfttrain.model import load_model, materialise_model
+    from tests.conftest import STORIES
+
+    cfg, cpu = ModelConfig(partial_pretrain=str(STORIES), lora_rank=4, target_modules="all-linear"), torch.device("cpu")
+    model = load_model(cfg, cpu).model
+    materialise_model(model, cfg, cpu, cpu, seed=0)
+    lm = CausalLMLoss(model, fused=False)
+    lm.autocast_dtype = torch.bfloat16  # as sfttrain.parallel.single_device sets it: a bf16 base, fp32 adapters
+    monkeypatch.setattr(torch._inductor.config.triton, "cudagraph_or_error", False)  # restored after the test
+    cuda_graphs.apply(model, lm)
+    assert torch._inductor.config.triton.cudagraph_or_error
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert trainable and all(p.grad is not None and not p.grad.any() for p in trainable)
+    assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
+    buffers = [p.grad for p in trainable]
+    before = MarkStepBox.mark_step_counter
+    batch = pack([RenderedSample(list(range(1, 40)), [0] * 10 + [1] * 29, 0)])
+    lm(batch).backward()
+    lm(batch).backward()
+    assert MarkStepBox.mark_step_counter == before - 2
+    assert all(p.grad is buffer for p, buffer in zip(trainable, buffers)) and any(b.any() for b in buffers)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
 def test_graphs_train_what_the_launched_kernels_train(gsm8k_dir, tmp_path):
     """stories260K on one GPU, compiled, bf16 compute, 4 steps of 8 samples in micro-batches of 2

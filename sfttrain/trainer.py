@@ -57,7 +57,7 @@ class FSDPSFTTrainer:
         check_rope(cfg, folder)  # RoPE that packing would make depend on the batch (the specific diagnosis first)
         check_max_length(cfg, folder)
         fp8.check_available(cfg.model, world.device)  # a GPU without FP8 stops before the data is read
-        check_settings(cfg, world)
+        check_settings(cfg, world)  # settings of the layout (model.cuda_graphs: one unsharded GPU)
         self.tokenizer = load_tokenizer(cfg.model, resolve_chat_template(d) if d.apply_chat_template else None)
         renderer, fields = build_renderer(d, self.tokenizer), row_fields(d)  # prompt/response or conversations
         train_source = open_source(as_list(d.train_files), fields, self.run_dir)

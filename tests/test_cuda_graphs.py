@@ -40,6 +40,17 @@ def test_it_needs_one_unsharded_gpu_known_before_the_data_is_read():
     check_settings(Config(), types.SimpleNamespace(device=torch.device("cpu"), world_size=1))  # off: nothing to check
 
 
+def test_the_preflight_sees_a_world_the_graphs_cannot_run_on():
+    """`python -m sfttrain.plan ... --nproc 2`: the problem the start-up would stop on, listed."""
+    from sfttrain.plan import preflight
+
+    cfg = load_config(overrides=[*COMMON, "model.compile=true", "data.max_token_len_per_gpu=16384",
+                                 "data.pad_to_multiple=512", "trainer.device=cuda"])
+    assert not [p for p in preflight(cfg, 1, 1)[1].problems if "cuda_graphs" in p]
+    problems = [p for p in preflight(cfg, 2, 1)[1].problems if "cuda_graphs" in p]
+    assert len(problems) == 1 and "layout is 'sharded or replicated'" in problems[0], problems
+
+
 def test_graphs_take_the_python_wrapper():
     """Replays launch nothing from a wrapper: auto takes the Python one (the C++ one would cost
     its build for nothing, and inductor captures no graph from it with graph partitions)."""

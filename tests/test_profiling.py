@@ -91,6 +91,7 @@ def test_profile_memory_on_a_gpu_names_the_peak(gsm8k_dir, tmp_path):
     peak, before = map(float, re.search(r"peak allocated in the window ([\d.]+) GiB \(([\d.]+) GiB", summary).groups())
     assert peak >= before > 0 and "blocks" in summary, summary
     assert "GPU kernels" in summary and "gemm" in summary, proc.stdout[-3000:]
+    assert re.search(r"launched [\d.]+ ms (into it|before)", summary), summary  # each large gap's cause
 
 
 @pytest.mark.parametrize("steps", ["[0,1]", "[2,4]", "[3,3]"])

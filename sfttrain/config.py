@@ -93,7 +93,7 @@ class ModelConfig:
     # with compile on CUDA, who launches the compiled layers' kernels: inductor's C++ wrapper (true) or its
     # Python one (false: tens of us per launch). auto: C++ for micro-batches up to 65536 tokens (W1: 11%
     # faster; its build adds ~1 min of start-up), Python for longer ones (steps of seconds: launches cost
-    # nothing; at 131072 tokens the C++ one crashed); how much each way: docs/benchmarks.md
+    # nothing; at 131072 tokens the C++ one crashed), with FP8 or CUDA graphs; how much each way: docs/benchmarks.md
     compile_cpp_wrapper: Any = "auto"
     # with compile on one GPU: the compiled layers replay CUDA graphs, one launch per layer and pass instead of
     # one per kernel (for host-bound steps); each padded row length records its own (sfttrain/cuda_graphs.py)

@@ -165,12 +165,14 @@ def cpp_wrapper(cfg: Config, world: World, model_config) -> bool:
     would only cost start-up. auto: not for micro-batches over CPP_WRAPPER_MAX_TOKENS, whose steps
     take seconds, nor for a mixture of experts before torch 2.12, whose C++ wrapper cannot call the
     experts' grouped GEMM, nor under CUDA graphs (model.cuda_graphs), whose replays launch nothing
-    from the wrapper (and which inductor does not capture from a C++ wrapper with graph partitions)."""
+    from the wrapper (and which inductor does not capture from a C++ wrapper with graph partitions),
+    nor with FP8 GEMMs (model.fp8), measured on the Python wrapper only (docs/benchmarks.md)."""
     if world.device.type != "cuda":
         return False
     setting, blocked = cfg.model.compile_cpp_wrapper, _grouped_gemm_without_cpp_call(model_config)
     if setting == "auto":
-        return cfg.micro_batch_tokens() <= CPP_WRAPPER_MAX_TOKENS and not blocked and not cfg.model.cuda_graphs
+        return (cfg.micro_batch_tokens() <= CPP_WRAPPER_MAX_TOKENS and not blocked and not cfg.model.cuda_graphs
+                and cfg.model.fp8 == "off")
     if setting and blocked:
         raise ConfigError(f"model.compile_cpp_wrapper=true: inductor's C++ wrapper in torch {torch.__version__} has no "
                           "call for the grouped GEMM this mixture of experts runs (torch >= 2.12 has one); set "
@@ -194,7 +196,7 @@ def describe_compile(cfg: Config, world: World, model_config) -> str:
     if wrapper == "Python" and world.device.type == "cuda" and cfg.model.compile_cpp_wrapper == "auto":
         why = (" (the C++ one cannot call this torch's grouped GEMM of the experts)"
                if _grouped_gemm_without_cpp_call(model_config) else " (CUDA graphs replay the kernels)"
-               if cfg.model.cuda_graphs else
+               if cfg.model.cuda_graphs else " (FP8 runs were measured on it)" if cfg.model.fp8 != "off" else
                f" (micro-batches over {CPP_WRAPPER_MAX_TOKENS} tokens: model.compile_cpp_wrapper=auto)")
     return f"each decoder layer, dynamic shapes, kernels launched by inductor's {wrapper} wrapper{why}{cuda_graphs.describe(cfg)}"
 

@@ -240,7 +240,7 @@ def test_cpp_wrapper_is_chosen_only_where_it_can_call_the_experts_grouped_gemm(m
     fallback table): W4 with LoRA failed to build its layers on an H200 with torch 2.11
     (`aoti_torch_cuda__grouped_mm was not declared`). An explicit true there is refused, naming
     the key; a dense model keeps the C++ wrapper. Micro-batches over 65536 tokens a rank take the
-    Python one (W2b with LoRA crashed in the C++ one at 131072)."""
+    Python one (W2b with LoRA crashed in the C++ one at 131072), and so do FP8 runs (measured on it)."""
     from transformers import Qwen3Config, Qwen3MoeConfig
 
     from sfttrain.config import Config, ConfigError
@@ -266,3 +266,5 @@ def test_cpp_wrapper_is_chosen_only_where_it_can_call_the_experts_grouped_gemm(m
     assert cpp_wrapper(cfg, cuda, Qwen3Config()) is False
     cfg.ulysses_sequence_parallel_size = 2  # 65536 tokens a rank
     assert cpp_wrapper(cfg, cuda, Qwen3Config()) is True
+    cfg.model.fp8 = "tensorwise"  # FP8 runs were measured on the Python wrapper
+    assert cpp_wrapper(cfg, cuda, Qwen3Config()) is False

@@ -1,10 +1,12 @@
 """trainer.profile_steps: where a step's time goes, from torch.profiler over a window of steps.
 
-Every rank records its host operators and (on CUDA) its kernels over the consecutive steps named,
-writes a Chrome trace (open it in https://ui.perfetto.dev) into <run folder>/profile/, and rank 0
-prints a summary: wall time and kernel time per step, kernel time by kind (GEMM, attention,
-Triton, communication, copies), the top kernels, and where the GPU sat idle between them. Each
-step is a range of its own in the trace ("sfttrain step N").
+Every rank records its host operators (with their inputs' shapes) and (on CUDA) its kernels over
+the consecutive steps named, writes a Chrome trace (open it in https://ui.perfetto.dev) into
+<run folder>/profile/, and rank 0 prints a summary: wall time and kernel time per step, kernel
+time by kind (GEMM, attention, Triton, communication, copies), the top kernels, and where the GPU
+sat idle between them: for each large gap, whether the host launched the next kernel late (and
+which operators it was in meanwhile) or the device waited. Each step is a range of its own in the
+trace ("sfttrain step N").
 
 trainer.profile_memory (CUDA) also records the caching allocator's history over the window (each
 allocation and free with its Python stack, torch.cuda.memory._record_memory_history), saves it as
@@ -96,7 +98,7 @@ class StepProfiler:
             self.allocated_before = torch.cuda.memory_allocated(self.device)
             torch.cuda.memory._record_memory_history(stacks="python", max_entries=MEMORY_EVENTS)
         activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])]
-        self.prof = profile(activities=activities)
+        self.prof = profile(activities=activities, record_shapes=True)  # the shapes tell one operator's calls apart
         self.prof.__enter__()
         self.start = time.perf_counter()
 
@@ -256,6 +258,14 @@ def gap_cause(gap_start: float, launch: dict, host_ops: list[dict], top: int = 3
             continue
         if op_start <= gap_start and op_end >= launch["ts"]:
             continue  # around the whole interval: the context, not the cause
-        overlap[op["name"]] += min(op_end, launch["ts"]) - max(op_start, gap_start)
-    busy = ", ".join(f"{name[:50]} {us / 1e3:.2f} ms" for name, us in overlap.most_common(top)) or "no operator"
+        overlap[op_label(op)] += min(op_end, launch["ts"]) - max(op_start, gap_start)
+    busy = ", ".join(f"{name} {us / 1e3:.2f} ms" for name, us in overlap.most_common(top)) or "no operator"
     return f"launched {late / 1e3:.2f} ms into it: the host was late, meanwhile in {busy}"
+
+
+def op_label(op: dict) -> str:
+    """A host operator's name and, where the profiler recorded them, its inputs' shapes (which of a
+    step's many calls of one operator it was): `aten::mul [13568, 896] x []`."""
+    dims = [d for d in op.get("args", {}).get("Input Dims", []) if isinstance(d, list)]
+    shapes = " x ".join(str(d) for d in dims[:3])
+    return f"{op['name'][:50]} {shapes}".rstrip()

@@ -121,13 +121,14 @@ def test_kernels_are_grouped_by_kind_and_idle_gaps_measured():
     host = [{"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 70, "dur": 5, "tid": 1, "args": {"correlation": 2}},
             {"cat": "cuda_driver", "name": "cuLaunchKernelEx", "ts": 440, "dur": 5, "tid": 1, "args": {"correlation": 3}},
             {"cat": "user_annotation", "name": "sfttrain step 1", "ts": 0, "dur": 900, "tid": 1},
-            {"cat": "cpu_op", "name": "aten::copy_", "ts": 200, "dur": 110, "tid": 1},
+            {"cat": "cpu_op", "name": "aten::copy_", "ts": 200, "dur": 110, "tid": 1,
+             "args": {"Input Dims": [[13568, 896], [13568, 896], []]}},
             {"cat": "cpu_op", "name": "Torch-Compiled Region: 0/1", "ts": 330, "dur": 200, "tid": 1},
             {"cat": "cpu_op", "name": "aten::mm", "ts": 300, "dur": 50, "tid": 2}]  # another thread's
     gaps = idle_gaps(timeline + host, 1)
     assert gaps[0] == "GPU idle between kernels: 0.2 ms/step (1 gaps over 100 us per step); largest:"
     assert gaps[1].strip().startswith("0.20 ms after 'cudnn_generated") and "before 'triton_poi" in gaps[1]
     assert gaps[2].strip() == ("launched 0.19 ms into it: the host was late, meanwhile in "
-                               "Torch-Compiled Region: 0/1 0.11 ms, aten::copy_ 0.06 ms")
+                               "Torch-Compiled Region: 0/1 0.11 ms, aten::copy_ [13568, 896] x [13568, 896] x [] 0.06 ms")
     assert gaps[3].strip().startswith("0.05 ms after 'sm90_xmma")
     assert gaps[4].strip() == "launched 0.03 ms before: the device waited, not the host"

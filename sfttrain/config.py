@@ -74,6 +74,9 @@ class FSDPConfig:
     forward_prefetch: bool = False  # explicitly prefetch the next layer's all-gather in forward
     wrap_policy: Any = None  # verl key; sfttrain shards every decoder layer, see parallel.py
 
+    def offloaded(self) -> bool:
+        return self.cpu_offload or self.offload_params
+
 
 @dataclass
 class ModelConfig:
@@ -199,6 +202,10 @@ class Config:
         """Tokens of the largest micro-batch on one rank (split over the sequence-parallel group)."""
         d = self.data
         return (d.max_token_len_per_gpu or d.micro_batch_size_per_gpu * d.max_length) // self.ulysses_sequence_parallel_size
+
+    def padded_row_lengths(self) -> int:
+        """How many lengths a micro-batch's row can have once padded to data.pad_to_multiple."""
+        return -(-self.micro_batch_tokens() // self.data.pad_to_multiple)
 
 
 # verl spellings accepted as synonyms: old key -> schema key.
@@ -467,7 +474,7 @@ def _check_cuda_graphs(cfg: Config) -> None:
         raise ConfigError("model.compile_cpp_wrapper=true with model.cuda_graphs=true: a replayed graph launches no "
                           "kernels from the wrapper, and inductor captures none from the C++ one; set "
                           "model.compile_cpp_wrapper=auto")
-    lengths = -(-cfg.micro_batch_tokens() // cfg.data.pad_to_multiple)
+    lengths = cfg.padded_row_lengths()
     if lengths > CUDA_GRAPH_LENGTHS:
         least = -(-cfg.micro_batch_tokens() // CUDA_GRAPH_LENGTHS)
         raise ConfigError(f"model.cuda_graphs=true records graphs for every padded row length: micro-batches of up to "
@@ -561,7 +568,7 @@ def _check_no_shard(cfg: Config) -> None:
     if f.fsdp_size not in (-1, 0, 1):
         raise ConfigError(f"{key} contradicts fsdp_size={f.fsdp_size}; remove fsdp_size, or use HYBRID_SHARD for "
                           "shard groups of that size")
-    if f.cpu_offload or f.offload_params:
+    if f.offloaded():
         raise ConfigError(f"{key}: CPU offload moves FSDP's shards to the host; use FULL_SHARD with cpu_offload=true")
     if cfg.ulysses_sequence_parallel_size > 1:
         raise ConfigError(f"{key}: Ulysses ranks share one copy of the weights through FSDP; use FULL_SHARD with "

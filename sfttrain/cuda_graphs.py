@@ -41,12 +41,12 @@ def check_layout(cfg: Config, device: torch.device, layout: str) -> None:
                           "(several ranks or CPU offload); set model.cuda_graphs=false")
 
 
-def apply(model: torch.nn.Module, lm: torch.nn.Module) -> None:
-    """The hooks the graphs need around the (already compiled) layers: a new generation before each
-    forward of `lm`, and gradient buffers of `model`'s trainable parameters made outside any graph."""
+def apply(lm: torch.nn.Module) -> None:
+    """What the graphs need around the (already compiled) layers: a new generation before each
+    forward of the loss module `lm`, and gradient buffers of its trainable parameters made outside any graph."""
     torch._inductor.config.triton.cudagraph_or_error = True  # also where a skip is decided at run time
     lm.register_forward_pre_hook(lambda _module, _args: torch.compiler.cudagraph_mark_step_begin())
-    for p in model.parameters():
+    for p in lm.parameters():
         if p.requires_grad and p.grad is None:
             p.grad = torch.zeros_like(p)
 
@@ -61,6 +61,5 @@ def describe(cfg: Config) -> str:
     """The compile line's ending."""
     if not cfg.model.cuda_graphs:
         return ""
-    lengths = -(-cfg.micro_batch_tokens() // cfg.data.pad_to_multiple)
-    return (f"; CUDA graphs replayed (model.cuda_graphs), recorded for each of up to {lengths} padded row lengths "
+    return (f"; CUDA graphs replayed (model.cuda_graphs), recorded for each of up to {cfg.padded_row_lengths()} padded row lengths "
             f"(data.pad_to_multiple={cfg.data.pad_to_multiple})")

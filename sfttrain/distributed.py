@@ -115,7 +115,7 @@ def _backend(cfg: Config, use_cuda: bool) -> str:
     fsdp = cfg.model.fsdp_config
     if not use_cuda:
         return "gloo"
-    return "cuda:nccl,cpu:gloo" if fsdp.cpu_offload or fsdp.offload_params else "nccl"
+    return "cuda:nccl,cpu:gloo" if fsdp.offloaded() else "nccl"
 
 
 def _mesh_shape(cfg: Config, world_size: int) -> tuple[int, int]:

@@ -39,7 +39,7 @@ Layout = Literal["single", "replicated", "sharded"]
 
 def parallelize(lm: CausalLMLoss, world: World, cfg: Config) -> Layout:
     fsdp = cfg.model.fsdp_config
-    offload = fsdp.cpu_offload or fsdp.offload_params
+    offload = fsdp.offloaded()
     if offload and world.device.type != "cuda":
         raise ConfigError("model.fsdp_config.cpu_offload/offload_params need a CUDA device; set them to false")
     layout = choose_layout(world, offload)
@@ -59,8 +59,7 @@ def parallelize(lm: CausalLMLoss, world: World, cfg: Config) -> Layout:
 
 def check_settings(cfg: Config, world: World) -> None:
     """The layout's settings that need the world, checked before the data is read (sfttrain.trainer)."""
-    fsdp = cfg.model.fsdp_config
-    cuda_graphs.check_layout(cfg, world.device, choose_layout(world, fsdp.cpu_offload or fsdp.offload_params))
+    cuda_graphs.check_layout(cfg, world.device, choose_layout(world, cfg.model.fsdp_config.offloaded()))
 
 
 def choose_layout(world: World, offload: bool) -> Layout:
@@ -86,7 +85,7 @@ def describe_sharding(world: World, cfg: Config, layout: Layout) -> str:
     shards = dp_shards * world.sp_size  # FSDP shards over the sequence-parallel ranks too
     kind = "ZeRO-2 style: kept gathered from forward to backward" if fsdp.sharding_strategy == "SHARD_GRAD_OP" else \
         "resharded after forward"
-    offload = ", parameters/gradients/optimizer offloaded to CPU" if fsdp.cpu_offload or fsdp.offload_params else ""
+    offload = ", parameters/gradients/optimizer offloaded to CPU" if fsdp.offloaded() else ""
     if replicas > 1:
         return (f"HSDP: {replicas} replicas x {shards} shards (model.fsdp_config.fsdp_size={dp_shards} < "
                 f"{world.dp_size} data-parallel ranks; gradients reduce-scattered in a shard group, all-reduced across "
@@ -112,7 +111,7 @@ def single_device(lm: CausalLMLoss, world: World, cfg: Config) -> None:
     if cfg.model.compile:
         compile_layers(decoder_layers(lm.model), cpp_wrapper(cfg, world, lm.model.config), cfg.model.cuda_graphs)
     if cfg.model.cuda_graphs:
-        cuda_graphs.apply(lm.model, lm)
+        cuda_graphs.apply(lm)
 
 
 def replicate_model(lm: CausalLMLoss, world: World, cfg: Config) -> None:
@@ -194,11 +193,19 @@ def describe_compile(cfg: Config, world: World, model_config) -> str:
     wrapper = "C++" if cpp_wrapper(cfg, world, model_config) else "Python"
     why = ""
     if wrapper == "Python" and world.device.type == "cuda" and cfg.model.compile_cpp_wrapper == "auto":
-        why = (" (the C++ one cannot call this torch's grouped GEMM of the experts)"
-               if _grouped_gemm_without_cpp_call(model_config) else " (CUDA graphs replay the kernels)"
-               if cfg.model.cuda_graphs else " (FP8 runs were measured on it)" if cfg.model.fp8 != "off" else
-               f" (micro-batches over {CPP_WRAPPER_MAX_TOKENS} tokens: model.compile_cpp_wrapper=auto)")
+        why = f" ({why_python_wrapper(cfg, model_config)})"
     return f"each decoder layer, dynamic shapes, kernels launched by inductor's {wrapper} wrapper{why}{cuda_graphs.describe(cfg)}"
+
+
+def why_python_wrapper(cfg: Config, model_config) -> str:
+    """Why model.compile_cpp_wrapper=auto left a CUDA run on the Python wrapper (`cpp_wrapper`)."""
+    if _grouped_gemm_without_cpp_call(model_config):
+        return "the C++ one cannot call this torch's grouped GEMM of the experts"
+    if cfg.model.cuda_graphs:
+        return "CUDA graphs replay the kernels"
+    if cfg.model.fp8 != "off":
+        return "FP8 runs were measured on it"
+    return f"micro-batches over {CPP_WRAPPER_MAX_TOKENS} tokens: model.compile_cpp_wrapper=auto"
 
 
 def shard(lm: CausalLMLoss, world: World, cfg: Config, offload: bool) -> None:

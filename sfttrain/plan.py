@@ -415,8 +415,7 @@ def cuda_graphs_section(cfg: Config, world: int, found: Findings) -> None:
 
     from sfttrain import cuda_graphs
 
-    fsdp = cfg.model.fsdp_config
-    one_device = world == 1 and not (fsdp.cpu_offload or fsdp.offload_params)
+    one_device = world == 1 and not cfg.model.fsdp_config.offloaded()
     device = torch.device("cpu" if cfg.trainer.device == "cpu" else "cuda")
     found.check(lambda: cuda_graphs.check_layout(cfg, device, "single" if one_device else "sharded or replicated"))
 

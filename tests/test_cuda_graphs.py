@@ -87,7 +87,7 @@ def test_apply_makes_gradient_buffers_and_a_generation_per_forward(monkeypatch):
     lm = CausalLMLoss(model, fused=False)
     lm.autocast_dtype = torch.bfloat16  # as sfttrain.parallel.single_device sets it: a bf16 base, fp32 adapters
     monkeypatch.setattr(torch._inductor.config.triton, "cudagraph_or_error", False)  # restored after the test
-    cuda_graphs.apply(model, lm)
+    cuda_graphs.apply(lm)
     assert torch._inductor.config.triton.cudagraph_or_error
     trainable = [p for p in model.parameters() if p.requires_grad]
     assert trainable and all(p.grad is not None and not p.grad.any() for p in trainable)

@@ -96,11 +96,8 @@ class ModelConfig:
     # with compile on CUDA, who launches the compiled layers' kernels: inductor's C++ wrapper (true) or its
     # Python one (false: tens of us per launch). auto: C++ for micro-batches up to 65536 tokens (W1: 11%
     # faster; its build adds ~1 min of start-up), Python for longer ones (steps of seconds: launches cost
-    # nothing; at 131072 tokens the C++ one crashed), with FP8 or CUDA graphs; how much each way: docs/benchmarks.md
+    # nothing; at 131072 tokens the C++ one crashed), and with FP8; how much each way: docs/benchmarks.md
     compile_cpp_wrapper: Any = "auto"
-    # with compile on one GPU: the compiled layers replay CUDA graphs, one launch per layer and pass instead of
-    # one per kernel (for host-bound steps); each padded row length records its own (sfttrain/cuda_graphs.py)
-    cuda_graphs: bool = False
     # tokens per chunk of sfttrain's linear cross-entropy: a chunk's logits are held at once (chunk x
     # vocab in bf16; twice that with loss_kernel=torch); larger chunks pass fewer times over the fp32
     # lm_head gradient: a little faster for more peak memory (docs/benchmarks.md)
@@ -203,10 +200,6 @@ class Config:
         d = self.data
         return (d.max_token_len_per_gpu or d.micro_batch_size_per_gpu * d.max_length) // self.ulysses_sequence_parallel_size
 
-    def padded_row_lengths(self) -> int:
-        """How many lengths a micro-batch's row can have once padded to data.pad_to_multiple."""
-        return -(-self.micro_batch_tokens() // self.data.pad_to_multiple)
-
 
 # verl spellings accepted as synonyms: old key -> schema key.
 ALIASES = {
@@ -234,7 +227,6 @@ IGNORED_VERL_KEYS = {
 FREE_FORM = ("model.fsdp_config.mixed_precision", "model.fsdp_config.wrap_policy")
 
 DTYPES = ("fp32", "bf16", "fp16")
-CUDA_GRAPH_LENGTHS = 32  # the most padded row lengths model.cuda_graphs records graphs for
 LOSS_KERNELS = ("auto", "liger", "torch")  # model.loss_kernel (sfttrain.loss.select_chunk_loss)
 FP8_MODES = ("off", "auto", "tensorwise", "rowwise")  # model.fp8 (sfttrain.fp8)
 WRITERS = ("auto", "process", "thread")  # trainer.async_save_writer (sfttrain.checkpoint_writer)
@@ -405,7 +397,6 @@ def validate(cfg: Config) -> None:
     _choice("model.loss_kernel", m.loss_kernel, LOSS_KERNELS)
     _choice("model.compile_cpp_wrapper", m.compile_cpp_wrapper, ("auto", True, False))
     _choice("model.recompute_attention", m.recompute_attention, ("auto", True, False))
-    _check_cuda_graphs(cfg)
     _choice("model.attn_implementation", m.attn_implementation,
             ("auto", "flash_attn", "torch_varlen", "sdpa_blockmask"))
     _choice("model.fsdp_config.model_dtype", m.fsdp_config.model_dtype, DTYPES)
@@ -462,25 +453,6 @@ def validate(cfg: Config) -> None:
     if not cfg.use_remove_padding:
         raise ConfigError("use_remove_padding=false: sfttrain always trains padding-free (packed rows give the "
                           "same loss as padded ones, without the pad compute); remove the key")
-
-
-def _check_cuda_graphs(cfg: Config) -> None:
-    """model.cuda_graphs replays the compiled layers' graphs, one recording per padded row length."""
-    if not cfg.model.cuda_graphs:
-        return
-    if not cfg.model.compile:
-        raise ConfigError("model.cuda_graphs=true replays the compiled layers' CUDA graphs: set model.compile=true")
-    if cfg.model.compile_cpp_wrapper is True:
-        raise ConfigError("model.compile_cpp_wrapper=true with model.cuda_graphs=true: a replayed graph launches no "
-                          "kernels from the wrapper, and inductor captures none from the C++ one; set "
-                          "model.compile_cpp_wrapper=auto")
-    lengths = cfg.padded_row_lengths()
-    if lengths > CUDA_GRAPH_LENGTHS:
-        least = -(-cfg.micro_batch_tokens() // CUDA_GRAPH_LENGTHS)
-        raise ConfigError(f"model.cuda_graphs=true records graphs for every padded row length: micro-batches of up to "
-                          f"{cfg.micro_batch_tokens()} tokens padded to data.pad_to_multiple={cfg.data.pad_to_multiple} "
-                          f"have {lengths} lengths, over {CUDA_GRAPH_LENGTHS} (each holds its own graphs); set "
-                          f"data.pad_to_multiple to {least} or more")
 
 
 def _check_profile_steps(steps: Optional[list[int]]) -> None:

@@ -26,7 +26,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compr
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.torch_version import TorchVersion
 
-from sfttrain import cuda_graphs, fp8, recompute, sequence_parallel
+from sfttrain import fp8, recompute, sequence_parallel
 from sfttrain.config import Config, ConfigError, mixed_precision_dtypes
 from sfttrain.distributed import World
 from sfttrain.loss import CausalLMLoss
@@ -55,11 +55,6 @@ def parallelize(lm: CausalLMLoss, world: World, cfg: Config) -> Layout:
     if layout == "replicated":
         replicate_model(lm, world, cfg)
     return layout
-
-
-def check_settings(cfg: Config, world: World) -> None:
-    """The layout's settings that need the world, checked before the data is read (sfttrain.trainer)."""
-    cuda_graphs.check_layout(cfg, world.device, choose_layout(world, cfg.model.fsdp_config.offloaded()))
 
 
 def choose_layout(world: World, offload: bool) -> Layout:
@@ -109,9 +104,7 @@ def single_device(lm: CausalLMLoss, world: World, cfg: Config) -> None:
         # (and be saved for backward in fp32)
         lm.model.get_input_embeddings().register_forward_hook(lambda _module, _args, out: out.to(dtype))
     if cfg.model.compile:
-        compile_layers(decoder_layers(lm.model), cpp_wrapper(cfg, world, lm.model.config), cfg.model.cuda_graphs)
-    if cfg.model.cuda_graphs:
-        cuda_graphs.apply(lm)
+        compile_layers(decoder_layers(lm.model), cpp_wrapper(cfg, world, lm.model.config))
 
 
 def replicate_model(lm: CausalLMLoss, world: World, cfg: Config) -> None:
@@ -133,21 +126,19 @@ def replicate_model(lm: CausalLMLoss, world: World, cfg: Config) -> None:
         lm.register_comm_hook(None, bf16_compress_hook)
 
 
-def compile_layers(layers: list[torch.nn.Module], cpp_wrapper: bool, graphs: bool = False) -> None:
+def compile_layers(layers: list[torch.nn.Module], cpp_wrapper: bool) -> None:
     """torch.compile each decoder layer. The layers share one forward, so dynamo traces and inductor
     compiles it once and every other layer reuses that code: start-up is a fraction of compiling the
     whole decoder as one graph, at the same step time (the only fusions lost are at the layer
     boundaries; figures in docs/benchmarks.md). Dynamic shapes: every step's
     packed row has another length, and a specialise-then-recompile cycle per length would be a
     storm. Under FSDP the per-layer graphs also leave FSDP's hooks between the layers.
-    cpp_wrapper: the compiled code launches its kernels from C++ (model.compile_cpp_wrapper).
-    graphs: it replays them as CUDA graphs (model.cuda_graphs, sfttrain.cuda_graphs)."""
+    cpp_wrapper: the compiled code launches its kernels from C++ (model.compile_cpp_wrapper)."""
     # inductor fuses a norm's row and column reductions (its backward) only above a size it checks
     # against the first compile's token count, and guards on that check: a later micro-batch on the
     # other side of it (under 10240 tokens after one above, for a 512-wide k_norm) recompiles every
     # layer mid-run. The non-strict mode skips those size checks, so one compilation serves all lengths
-    options = {"triton.mix_order_reduction_non_strict_mode": True, **({"cpp_wrapper": True} if cpp_wrapper else {}),
-               **(cuda_graphs.COMPILE_OPTIONS if graphs else {})}
+    options = {"triton.mix_order_reduction_non_strict_mode": True, **({"cpp_wrapper": True} if cpp_wrapper else {})}
     for layer in layers:
         layer.compile(dynamic=True, options=options)
 
@@ -163,15 +154,13 @@ def cpp_wrapper(cfg: Config, world: World, model_config) -> bool:
     or LoRA, is host-bound); on CPU the kernels are the host's own work, and the wrapper's C++ build
     would only cost start-up. auto: not for micro-batches over CPP_WRAPPER_MAX_TOKENS, whose steps
     take seconds, nor for a mixture of experts before torch 2.12, whose C++ wrapper cannot call the
-    experts' grouped GEMM, nor under CUDA graphs (model.cuda_graphs), whose replays launch nothing
-    from the wrapper (and which inductor does not capture from a C++ wrapper with graph partitions),
-    nor with FP8 GEMMs (model.fp8), measured on the Python wrapper only (docs/benchmarks.md)."""
+    experts' grouped GEMM, nor with FP8 GEMMs (model.fp8), measured on the Python wrapper only
+    (docs/benchmarks.md)."""
     if world.device.type != "cuda":
         return False
     setting, blocked = cfg.model.compile_cpp_wrapper, _grouped_gemm_without_cpp_call(model_config)
     if setting == "auto":
-        return (cfg.micro_batch_tokens() <= CPP_WRAPPER_MAX_TOKENS and not blocked and not cfg.model.cuda_graphs
-                and cfg.model.fp8 == "off")
+        return cfg.micro_batch_tokens() <= CPP_WRAPPER_MAX_TOKENS and not blocked and cfg.model.fp8 == "off"
     if setting and blocked:
         raise ConfigError(f"model.compile_cpp_wrapper=true: inductor's C++ wrapper in torch {torch.__version__} has no "
                           "call for the grouped GEMM this mixture of experts runs (torch >= 2.12 has one); set "
@@ -194,15 +183,13 @@ def describe_compile(cfg: Config, world: World, model_config) -> str:
     why = ""
     if wrapper == "Python" and world.device.type == "cuda" and cfg.model.compile_cpp_wrapper == "auto":
         why = f" ({why_python_wrapper(cfg, model_config)})"
-    return f"each decoder layer, dynamic shapes, kernels launched by inductor's {wrapper} wrapper{why}{cuda_graphs.describe(cfg)}"
+    return f"each decoder layer, dynamic shapes, kernels launched by inductor's {wrapper} wrapper{why}"
 
 
 def why_python_wrapper(cfg: Config, model_config) -> str:
     """Why model.compile_cpp_wrapper=auto left a CUDA run on the Python wrapper (`cpp_wrapper`)."""
     if _grouped_gemm_without_cpp_call(model_config):
         return "the C++ one cannot call this torch's grouped GEMM of the experts"
-    if cfg.model.cuda_graphs:
-        return "CUDA graphs replay the kernels"
     if cfg.model.fp8 != "off":
         return "FP8 runs were measured on it"
     return f"micro-batches over {CPP_WRAPPER_MAX_TOKENS} tokens: model.compile_cpp_wrapper=auto"

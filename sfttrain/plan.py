@@ -407,19 +407,6 @@ def attention_section(cfg: Config, folder: str, found: Findings) -> None:
             found.notes.append(f"if this runs on GPUs: {e}")
 
 
-def cuda_graphs_section(cfg: Config, world: int, found: Findings) -> None:
-    """model.cuda_graphs: one unsharded GPU, as the start-up checks it, with the world planned here."""
-    if not cfg.model.cuda_graphs:
-        return
-    import torch
-
-    from sfttrain import cuda_graphs
-
-    one_device = world == 1 and not cfg.model.fsdp_config.offloaded()
-    device = torch.device("cpu" if cfg.trainer.device == "cpu" else "cuda")
-    found.check(lambda: cuda_graphs.check_layout(cfg, device, "single" if one_device else "sharded or replicated"))
-
-
 def preflight(cfg: Config, nproc: int, nnodes: int) -> tuple[list[str], Findings]:
     """(report lines, what was found): the run's own checks, each problem listed, none stopping the rest."""
     from sfttrain.distributed import check_world
@@ -437,7 +424,6 @@ def preflight(cfg: Config, nproc: int, nnodes: int) -> tuple[list[str], Findings
         found.check(lambda: check_max_length(cfg, folder))
         attention_section(cfg, folder, found)
     fp8_section(cfg, found)
-    cuda_graphs_section(cfg, world, found)
     lines = [f"sfttrain plan: {nnodes} node(s) x {nproc} rank(s)"]
     lines += batch_section(cfg, dp_size, folder, found)
     lines += memory_section(cfg, dp_size, folder, found)

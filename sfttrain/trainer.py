@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from sfttrain import checkpoint, cuda_graphs, export, fp8, lora, moe, phase, profiling, recompute
+from sfttrain import checkpoint, export, fp8, lora, moe, phase, profiling, recompute
 from sfttrain.attention import describe_backend, fallback_warning
 from sfttrain.checkpoint_folder import complete_checkpoints, is_complete, remove_stale_tmp
 from sfttrain.config import Config, as_list
@@ -29,7 +29,7 @@ from sfttrain.metrics import (MetricsLogger, StepEnd, StepTimer, describe_host_m
                               throughput)
 from sfttrain.model import check_max_length, decoder_layers, load_model, load_tokenizer, local_model_folder
 from sfttrain.optim import build_optimizer, build_scheduler, clipped_step, schedule_settings, warmup_steps
-from sfttrain.parallel import check_settings, describe_compile, describe_sharding, gradient_sync, parallelize
+from sfttrain.parallel import describe_compile, describe_sharding, gradient_sync, parallelize
 from sfttrain.resume import check_resume, find_resume
 from sfttrain.rope import check_rope
 
@@ -57,7 +57,6 @@ class FSDPSFTTrainer:
         check_rope(cfg, folder)  # RoPE that packing would make depend on the batch (the specific diagnosis first)
         check_max_length(cfg, folder)
         fp8.check_available(cfg.model, world.device)  # a GPU without FP8 stops before the data is read
-        check_settings(cfg, world)  # settings of the layout (model.cuda_graphs: one unsharded GPU)
         self.tokenizer = load_tokenizer(cfg.model, resolve_chat_template(d) if d.apply_chat_template else None)
         renderer, fields = build_renderer(d, self.tokenizer), row_fields(d)  # prompt/response or conversations
         train_source = open_source(as_list(d.train_files), fields, self.run_dir)
@@ -217,7 +216,7 @@ class FSDPSFTTrainer:
         max_norm = self.cfg.optim.clip_grad if self.cfg.optim.clip_grad > 0 else math.inf
         grad_norm, stepped = clipped_step(self.optimizer, params, max_norm, loss_sum)
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=not cuda_graphs.keeps_gradients(self.cfg))
+        self.optimizer.zero_grad(set_to_none=True)
         self.state.advance(batch)
         end = StepEnd(self.world.device, torch.cat([totals, grad_norm.float().reshape(1), stepped.float().reshape(1)]))
         return QueuedStep(self.state.step, batch, lr, data_wait, end)

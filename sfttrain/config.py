@@ -98,6 +98,9 @@ class ModelConfig:
     # faster; its build adds ~1 min of start-up), Python for longer ones (steps of seconds: launches cost
     # nothing; at 131072 tokens the C++ one crashed), and with FP8; how much each way: docs/benchmarks.md
     compile_cpp_wrapper: Any = "auto"
+    # with compile: the projections that read one input (q/k/v; gate/up; with LoRA their adapters' A too)
+    # run as one GEMM each (sfttrain/fuse_projections.py); off until measured on a GPU
+    fuse_projections: bool = False
     # tokens per chunk of sfttrain's linear cross-entropy: a chunk's logits are held at once (chunk x
     # vocab in bf16; twice that with loss_kernel=torch); larger chunks pass fewer times over the fp32
     # lm_head gradient: a little faster for more peak memory (docs/benchmarks.md)
@@ -397,6 +400,9 @@ def validate(cfg: Config) -> None:
     _choice("model.loss_kernel", m.loss_kernel, LOSS_KERNELS)
     _choice("model.compile_cpp_wrapper", m.compile_cpp_wrapper, ("auto", True, False))
     _choice("model.recompute_attention", m.recompute_attention, ("auto", True, False))
+    if m.fuse_projections and not m.compile:
+        raise ConfigError("model.fuse_projections=true rewrites the compiled layers' graphs: set model.compile=true, "
+                          "or remove model.fuse_projections")
     _choice("model.attn_implementation", m.attn_implementation,
             ("auto", "flash_attn", "torch_varlen", "sdpa_blockmask"))
     _choice("model.fsdp_config.model_dtype", m.fsdp_config.model_dtype, DTYPES)

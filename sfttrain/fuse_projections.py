@@ -1,0 +1,89 @@
+"""model.fuse_projections: the projections that read the same input run as one GEMM in the compiled layers.
+
+A decoder layer's q, k and v projections read the same normed hidden state, and so do the MLP's gate
+and up projections (with LoRA, their adapters' A matrices too). Separately that is five GEMMs where
+two would do: the input is read once instead of five times, the narrow k and v GEMMs (128 columns
+on W1's model) ride in a wide one, and backward's input gradient is one GEMM per group instead of a
+GEMM per projection and their sum. On a host-bound step (W1 with LoRA launches ~1,700 GEMMs a step,
+docs/benchmarks.md, run AZ) fewer launches also mean less host time.
+
+How: an inductor pre-grad pass (`FuseSharedInputProjections`) over each compiled layer's graph
+rewrites `linear(x, w_i, b_i)` for i in a group into `linear(x, cat(w), cat(b))` split back into
+the projections' outputs. Autograd then gives each weight its slice of one weight-gradient GEMM.
+The model, its parameters and its checkpoints are unchanged: the concatenation is in the graph.
+
+A group holds projections of one input whose weights agree in whether they are trained: a frozen
+base weight fused with a LoRA adapter would have its gradient GEMM computed (the concatenation
+requires grad), the very work LoRA skips. Biases: all or none of a group's projections have one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+from collections import defaultdict
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
+
+
+class FuseSharedInputProjections(CustomGraphPass):
+    """The pre-grad graph pass (inductor's `pre_grad_custom_pass`); `fused` counts the groups it made."""
+
+    def __init__(self) -> None:
+        self.fused = 0
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        groups = defaultdict(list)
+        for node in graph.nodes:
+            key = group_key(node)
+            if key is not None:
+                groups[key].append(node)
+        for nodes in groups.values():
+            if len(nodes) > 1:
+                fuse(graph, nodes)
+                self.fused += 1
+
+    def uuid(self) -> str:
+        """inductor's cache key for the pass: the graphs it makes depend on this file's code only."""
+        with open(__file__, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+
+
+def group_key(node: torch.fx.Node) -> tuple | None:
+    """(input, weights trained, has bias, weights' dtype) of a linear that can join a group; else None."""
+    if node.op != "call_function" or node.target not in LINEAR or node.kwargs:
+        return None
+    x, weight, bias = (*node.args, None)[:3]
+    w = weight.meta.get("example_value") if isinstance(weight, torch.fx.Node) else None
+    if w is None or w.dim() != 2 or "example_value" not in node.meta:
+        return None
+    return x, w.requires_grad, bias is not None, w.dtype
+
+
+def fuse(graph: torch.fx.Graph, nodes: list[torch.fx.Node]) -> None:
+    """Replaces the group's linears by one over the concatenated weights (and biases), split back."""
+    x = nodes[0].args[0]
+    weights = [n.args[1] for n in nodes]
+    biases = [n.args[2] for n in nodes] if len(nodes[0].args) > 2 and nodes[0].args[2] is not None else []
+    sizes = [w.meta["example_value"].shape[0] for w in weights]
+    with graph.inserting_before(nodes[0]):
+        weight = with_value(graph.call_function(torch.cat, (weights,), {"dim": 0}))
+        bias = with_value(graph.call_function(torch.cat, (biases,), {"dim": 0})) if biases else None
+        fused = with_value(graph.call_function(torch._C._nn.linear, (x, weight, bias)))
+        parts = with_value(graph.call_function(torch.split, (fused, sizes), {"dim": -1}))
+    for i, node in enumerate(nodes):
+        with graph.inserting_after(parts):
+            part = graph.call_function(operator.getitem, (parts, i))
+        part.meta.update(node.meta)
+        node.replace_all_uses_with(part)
+        graph.erase_node(node)
+
+
+def with_value(node: torch.fx.Node) -> torch.fx.Node:
+    """Gives an inserted node the `example_value` (a fake tensor) later passes read, from its inputs'."""
+    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["example_value"])
+    node.meta["example_value"] = node.target(*args, **kwargs)
+    return node

@@ -24,16 +24,15 @@ import operator
 from collections import defaultdict
 
 import torch
+from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
 
 
 class FuseSharedInputProjections(CustomGraphPass):
-    """The pre-grad graph pass (inductor's `pre_grad_custom_pass`); `fused` counts the groups it made."""
-
-    def __init__(self) -> None:
-        self.fused = 0
+    """The pre-grad graph pass (inductor's `pre_grad_custom_pass`). Each group it fuses counts in
+    torch._dynamo's counters["inductor"]["fused_projections"], beside inductor's own passes'."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         groups = defaultdict(list)
@@ -44,7 +43,7 @@ class FuseSharedInputProjections(CustomGraphPass):
         for nodes in groups.values():
             if len(nodes) > 1:
                 fuse(graph, nodes)
-                self.fused += 1
+                counters["inductor"]["fused_projections"] += 1
 
     def uuid(self) -> str:
         """inductor's cache key for the pass: the graphs it makes depend on this file's code only."""
@@ -53,11 +52,15 @@ class FuseSharedInputProjections(CustomGraphPass):
 
 
 def group_key(node: torch.fx.Node) -> tuple | None:
-    """(input, weights trained, has bias, weights' dtype) of a linear that can join a group; else None."""
+    """(input, weights trained, has bias, weights' dtype) of a linear that can join a group; else None.
+    Only a linear of graph inputs (parameters) joins: the concatenation goes before the group's first
+    linear, where a weight computed inside the graph (a cast, say) may not exist yet."""
     if node.op != "call_function" or node.target not in LINEAR or node.kwargs:
         return None
     x, weight, bias = (*node.args, None)[:3]
-    w = weight.meta.get("example_value") if isinstance(weight, torch.fx.Node) else None
+    if not all(isinstance(t, torch.fx.Node) and t.op == "placeholder" for t in [weight] + ([bias] if bias else [])):
+        return None
+    w = weight.meta.get("example_value")
     if w is None or w.dim() != 2 or "example_value" not in node.meta:
         return None
     return x, w.requires_grad, bias is not None, w.dtype

@@ -58,7 +58,8 @@ def group_key(node: torch.fx.Node) -> tuple | None:
     if node.op != "call_function" or node.target not in LINEAR or node.kwargs:
         return None
     x, weight, bias = (*node.args, None)[:3]
-    if not all(isinstance(t, torch.fx.Node) and t.op == "placeholder" for t in [weight] + ([bias] if bias else [])):
+    params = [weight] if bias is None else [weight, bias]
+    if not all(isinstance(p, torch.fx.Node) and p.op == "placeholder" for p in params):
         return None
     w = weight.meta.get("example_value")
     if w is None or w.dim() != 2 or "example_value" not in node.meta:
@@ -70,7 +71,7 @@ def fuse(graph: torch.fx.Graph, nodes: list[torch.fx.Node]) -> None:
     """Replaces the group's linears by one over the concatenated weights (and biases), split back."""
     x = nodes[0].args[0]
     weights = [n.args[1] for n in nodes]
-    biases = [n.args[2] for n in nodes] if len(nodes[0].args) > 2 and nodes[0].args[2] is not None else []
+    biases = [n.args[2] for n in nodes if len(n.args) > 2 and n.args[2] is not None]  # all or none (group_key)
     sizes = [w.meta["example_value"].shape[0] for w in weights]
     with graph.inserting_before(nodes[0]):
         weight = with_value(graph.call_function(torch.cat, (weights,), {"dim": 0}))

@@ -17,19 +17,24 @@ from sfttrain.parallel import compile_layers
 from tests.conftest import STORIES
 
 
-def stories(lora: bool) -> tuple[CausalLMLoss, object]:
-    """stories260K (5 Llama layers) on the CPU in fp32 (LoRA's frozen base too), LoRA's B drawn non-zero
-    (else A would get no gradient), and a packed row of three samples."""
-    cfg = ModelConfig(partial_pretrain=str(STORIES), lora_rank=8 if lora else 0, fsdp_config=FSDPConfig(mixed_precision=False))
-    cpu = torch.device("cpu")
-    model = load_model(cfg, cpu).model
-    materialise_model(model, cfg, cpu, cpu, seed=0)
+def stories(lora: bool, device: str = "cpu") -> tuple[CausalLMLoss, object]:
+    """stories260K (5 Llama layers) with LoRA's B drawn non-zero (else A would get no gradient), and a
+    packed row of three samples. On the CPU in fp32 (LoRA's frozen base too); on a GPU as sfttrain
+    runs it there (bf16 frozen base, fp32 adapters, bf16 autocast, varlen attention)."""
+    gpu = device == "cuda"
+    cfg = ModelConfig(partial_pretrain=str(STORIES), lora_rank=8 if lora else 0, compile=gpu,
+                      fsdp_config=FSDPConfig(mixed_precision=gpu))
+    model = load_model(cfg, torch.device(device)).model
+    materialise_model(model, cfg, torch.device(device), torch.device(device), seed=0)
     for name, p in model.named_parameters():
         if ".lora_B." in name:
             torch.nn.init.normal_(p, std=0.02)
+    lm = CausalLMLoss(model, fused=False, **({"compiled_max_seqlen": 256} if gpu else {})).train()
+    if gpu:
+        lm.autocast_dtype = torch.bfloat16
     gen = random.Random(0)
     batch = pack([RenderedSample([gen.randrange(512) for _ in range(n)], [1] * n, i) for i, n in enumerate([30, 50, 17])])
-    return CausalLMLoss(model, fused=False).train(), batch
+    return lm, batch.to(torch.device(device))
 
 
 def loss_and_grads(lm: CausalLMLoss, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -137,21 +142,11 @@ def test_on_the_gpu_the_fused_layers_train_what_the_unfused_do():
     1e-3: a sum of fp32 losses) and adapter gradients (2e-2 in norm: they pass through bf16
     activations, unit roundoff 3.9e-3, which round otherwise where a GEMM is blocked otherwise; the
     bounds and reasons of tests/test_parallel.py's wrapper comparison), where a mis-split is O(1)."""
-    cfg, cuda = ModelConfig(partial_pretrain=str(STORIES), lora_rank=8, compile=True), torch.device("cuda")
-    model = load_model(cfg, cuda).model
-    materialise_model(model, cfg, cuda, cuda, seed=0)
-    for name, p in model.named_parameters():
-        if ".lora_B." in name:
-            torch.nn.init.normal_(p, std=0.02)
-    lm = CausalLMLoss(model, fused=False, compiled_max_seqlen=256)
-    lm.autocast_dtype = torch.bfloat16
-    gen = random.Random(0)
-    batch = pack([RenderedSample([gen.randrange(512) for _ in range(n)], [1] * n, i)
-                  for i, n in enumerate([30, 50, 17])]).to(cuda)
+    lm, batch = stories(lora=True, device="cuda")
     runs = []
     for fuse in (False, True):
         torch._dynamo.reset()
-        compile_layers(decoder_layers(model), cpp_wrapper=False, fuse_projections=fuse)
+        compile_layers(decoder_layers(lm.model), cpp_wrapper=False, fuse_projections=fuse)
         loss, grads = loss_and_grads(lm, batch)
         runs.append((loss.float(), torch.cat([g.float().flatten() for g in grads.values()])))
     (plain_loss, plain_grads), (fused_loss, fused_grads) = runs

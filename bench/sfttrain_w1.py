@@ -31,21 +31,23 @@ RECIPE = os.path.join(os.path.dirname(__file__), "..", "recipes", "w1_qwen2.5-0.
 TINY = ["model.compile=false", "model.fsdp_config.mixed_precision=false", "data.train_batch_size=4",
         "data.max_token_len_per_gpu=4096"]
 
+# the seed article's LoRA keys; LoRA adapts saved weights (W1's, drawn once by prepare)
+LORA = ["model.random_init=false", "model.lora_rank=64", "model.lora_alpha=32", "model.target_modules=all-linear"]
 # name -> overrides on top of the recipe (the recipe itself is the fastest setting)
 VARIANTS = {
     "compile": [],
     "compile_chunk2048": ["model.loss_chunk_tokens=2048"],
+    "compile_chunk4096": ["model.loss_chunk_tokens=4096"],
+    "compile_fused": ["model.fuse_projections=true"],
     "compile_torch_loss": ["model.loss_kernel=torch"],
     "eager": ["model.compile=false"],
     "eager_liger": ["model.compile=false", "model.use_liger=true"],
     "compile_2micro": ["data.max_token_len_per_gpu=8192"],
     "grad_ckpt": ["model.enable_gradient_checkpointing=true"],
-    # the seed article's LoRA keys; LoRA adapts saved weights (W1's, drawn once by prepare)
-    "lora": ["model.random_init=false", "model.lora_rank=64", "model.lora_alpha=32", "model.target_modules=all-linear"],
-    "lora_2micro": ["model.random_init=false", "model.lora_rank=64", "model.lora_alpha=32", "model.target_modules=all-linear",
-                    "data.max_token_len_per_gpu=8192"],
-    "lora_grad_ckpt": ["model.random_init=false", "model.lora_rank=64", "model.lora_alpha=32",
-                       "model.target_modules=all-linear", "model.enable_gradient_checkpointing=true"],
+    "lora": LORA,
+    "lora_fused": [*LORA, "model.fuse_projections=true"],
+    "lora_2micro": [*LORA, "data.max_token_len_per_gpu=8192"],
+    "lora_grad_ckpt": [*LORA, "model.enable_gradient_checkpointing=true"],
 }
 
 
@@ -90,7 +92,7 @@ def run_variant(name: str, args, model_dir: str, parquet: str, variant: list[str
     require_one_epoch(args, parquet, overrides)
     cmd = [sys.executable, "-m", "sfttrain.run", RECIPE, *overrides]
     print("+", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    subprocess.run(cmd, check=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=args.run_timeout)
     return summarise(name, args, run_dir, variant)
 
 
@@ -129,6 +131,8 @@ def main() -> None:
     p.add_argument("--variant", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--steps", type=int, help="optimizer steps in all (default 60; --tiny: 4)")
     p.add_argument("--warmup", type=int, help="untimed steps at the start (default 10; --tiny: 1)")
+    p.add_argument("--run_timeout", type=float, help="seconds one variant may take, start-up included; past them it "
+                   "is stopped, recorded as such, and the next variant runs")
     p.add_argument("--tiny", action="store_true", help="smoke run: tiny model, 4 sequences a step (use with --device cpu)")
     args = p.parse_args()
     apply_tiny(args, steps=60, warmup=10)
@@ -136,9 +140,10 @@ def main() -> None:
     for name in args.variant:
         try:
             emit(run_variant(name, args, model_dir, parquet), args.out)
-        except subprocess.CalledProcessError as e:  # the other variants still run; the failure is recorded
-            emit({"system": "sfttrain", "variant": name, "overrides": VARIANTS[name] + args.override, "rc": e.returncode},
-                 args.out)
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
+            # the other variants still run; the failure is recorded
+            failure = {"rc": e.returncode} if isinstance(e, subprocess.CalledProcessError) else {"timeout_s": args.run_timeout}
+            emit({"system": "sfttrain", "variant": name, "overrides": VARIANTS[name] + args.override, **failure}, args.out)
 
 
 if __name__ == "__main__":

@@ -82,8 +82,10 @@ def require_one_epoch(args, parquet: str, overrides: list[str]) -> None:
     require_samples(pq.ParquetFile(parquet).metadata.num_rows, args.steps, batch, args.data)
 
 
-def run_variant(name: str, args, model_dir: str, parquet: str, variant: list[str] | None = None) -> dict:
-    """Runs the recipe with the variant's overrides (default VARIANTS[name]) and summarises it."""
+def run_variant(name: str, args, model_dir: str, parquet: str, variant: list[str] | None = None,
+                timeout: float | None = None) -> dict:
+    """Runs the recipe with the variant's overrides (default VARIANTS[name]) and summarises it; a run
+    past `timeout` seconds is killed (subprocess.TimeoutExpired)."""
     run_dir = os.path.join(args.work, "runs", name)
     variant = VARIANTS[name] if variant is None else variant
     overrides = [f"model.partial_pretrain={model_dir}", f"data.train_files={parquet}",
@@ -92,7 +94,7 @@ def run_variant(name: str, args, model_dir: str, parquet: str, variant: list[str
     require_one_epoch(args, parquet, overrides)
     cmd = [sys.executable, "-m", "sfttrain.run", RECIPE, *overrides]
     print("+", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=args.run_timeout)
+    subprocess.run(cmd, check=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=timeout)
     return summarise(name, args, run_dir, variant)
 
 
@@ -139,7 +141,7 @@ def main() -> None:
     model_dir, parquet = prepare(args, saved_weights=any(name.startswith("lora") for name in args.variant))
     for name in args.variant:
         try:
-            emit(run_variant(name, args, model_dir, parquet), args.out)
+            emit(run_variant(name, args, model_dir, parquet, timeout=args.run_timeout), args.out)
         except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
             # the other variants still run; the failure is recorded
             failure = {"rc": e.returncode} if isinstance(e, subprocess.CalledProcessError) else {"timeout_s": args.run_timeout}

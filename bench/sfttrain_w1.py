@@ -37,7 +37,7 @@ LORA = ["model.random_init=false", "model.lora_rank=64", "model.lora_alpha=32", 
 VARIANTS = {
     "compile": [],
     "compile_chunk2048": ["model.loss_chunk_tokens=2048"],
-    "compile_chunk4096": ["model.loss_chunk_tokens=4096"],
+    "compile_chunk1024": ["model.loss_chunk_tokens=1024"],
     "compile_fused": ["model.fuse_projections=true"],
     "compile_torch_loss": ["model.loss_kernel=torch"],
     "eager": ["model.compile=false"],

@@ -99,8 +99,9 @@ class ModelConfig:
     # nothing; at 131072 tokens the C++ one crashed), and with FP8; how much each way: docs/benchmarks.md
     compile_cpp_wrapper: Any = "auto"
     # with compile: the projections that read one input (q/k/v; gate/up; with LoRA their adapters' A too)
-    # run as one GEMM each (sfttrain/fuse_projections.py); off until measured on a GPU
-    fuse_projections: bool = False
+    # run as one GEMM each (sfttrain/fuse_projections.py). auto: with LoRA (W1: +3.4%), not for full
+    # fine-tuning (W1: -2.6%, the trained weights' concatenation and gradient split cost more than saved)
+    fuse_projections: Any = "auto"
     # tokens per chunk of sfttrain's linear cross-entropy: a chunk's logits are held at once (chunk x
     # vocab in bf16; twice that with loss_kernel=torch); larger chunks pass fewer times over the fp32
     # lm_head gradient: a little faster for more peak memory (docs/benchmarks.md)
@@ -400,7 +401,8 @@ def validate(cfg: Config) -> None:
     _choice("model.loss_kernel", m.loss_kernel, LOSS_KERNELS)
     _choice("model.compile_cpp_wrapper", m.compile_cpp_wrapper, ("auto", True, False))
     _choice("model.recompute_attention", m.recompute_attention, ("auto", True, False))
-    if m.fuse_projections and not m.compile:
+    _choice("model.fuse_projections", m.fuse_projections, ("auto", True, False))
+    if m.fuse_projections is True and not m.compile:
         raise ConfigError("model.fuse_projections=true rewrites the compiled layers' graphs: set model.compile=true, "
                           "or remove model.fuse_projections")
     _choice("model.attn_implementation", m.attn_implementation,

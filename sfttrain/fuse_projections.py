@@ -19,15 +19,27 @@ requires grad), the very work LoRA skips. Biases: all or none of a group's proje
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import operator
 from collections import defaultdict
 
 import torch
 from torch._dynamo.utils import counters
+from torch._subclasses.fake_tensor import FakeTensor
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
+
+
+def enabled(model) -> bool:
+    """model.fuse_projections (a ModelConfig's) resolved. auto: with LoRA adapters, whose skinny GEMMs
+    gain from sharing one (W1: +3.4% a step); not for full fine-tuning, where concatenating the trained
+    weights and splitting their gradient each step cost more than the fused GEMMs save (W1: -2.6%;
+    docs/benchmarks.md, runs BJ and BK)."""
+    if model.fuse_projections == "auto":
+        return model.compile and model.lora_rank > 0
+    return model.fuse_projections
 
 
 class FuseSharedInputProjections(CustomGraphPass):
@@ -87,7 +99,12 @@ def fuse(graph: torch.fx.Graph, nodes: list[torch.fx.Node]) -> None:
 
 
 def with_value(node: torch.fx.Node) -> torch.fx.Node:
-    """Gives an inserted node the `example_value` (a fake tensor) later passes read, from its inputs'."""
+    """Gives an inserted node the `example_value` (a fake tensor) later passes read, from its inputs'.
+    Computed under the inputs' own fake mode (a dynamo backend may run under another): outside it, an
+    op that asks for a concrete size (linear of a 3-d input reads its numel in torch 2.11) fails on
+    their symbolic sizes."""
     args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["example_value"])
-    node.meta["example_value"] = node.target(*args, **kwargs)
+    modes = {t.fake_mode for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, FakeTensor)}
+    with modes.pop() if modes else contextlib.nullcontext():
+        node.meta["example_value"] = node.target(*args, **kwargs)
     return node

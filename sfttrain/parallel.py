@@ -29,7 +29,7 @@ from torch.torch_version import TorchVersion
 from sfttrain import fp8, recompute, sequence_parallel
 from sfttrain.config import Config, ConfigError, mixed_precision_dtypes
 from sfttrain.distributed import World
-from sfttrain.fuse_projections import FuseSharedInputProjections
+from sfttrain import fuse_projections
 from sfttrain.loss import CausalLMLoss
 from sfttrain.model import DTYPE, decoder_layers, materialise_model
 from sfttrain.moe import routing
@@ -105,7 +105,8 @@ def single_device(lm: CausalLMLoss, world: World, cfg: Config) -> None:
         # (and be saved for backward in fp32)
         lm.model.get_input_embeddings().register_forward_hook(lambda _module, _args, out: out.to(dtype))
     if cfg.model.compile:
-        compile_layers(decoder_layers(lm.model), cpp_wrapper(cfg, world, lm.model.config), cfg.model.fuse_projections)
+        compile_layers(decoder_layers(lm.model), cpp_wrapper(cfg, world, lm.model.config),
+                       fuse_projections.enabled(cfg.model))
 
 
 def replicate_model(lm: CausalLMLoss, world: World, cfg: Config) -> None:
@@ -127,7 +128,7 @@ def replicate_model(lm: CausalLMLoss, world: World, cfg: Config) -> None:
         lm.register_comm_hook(None, bf16_compress_hook)
 
 
-def compile_layers(layers: list[torch.nn.Module], cpp_wrapper: bool, fuse_projections: bool = False) -> None:
+def compile_layers(layers: list[torch.nn.Module], cpp_wrapper: bool, fused_projections: bool = False) -> None:
     """torch.compile each decoder layer. The layers share one forward, so dynamo traces and inductor
     compiles it once and every other layer reuses that code: start-up is a fraction of compiling the
     whole decoder as one graph, at the same step time (the only fusions lost are at the layer
@@ -135,13 +136,13 @@ def compile_layers(layers: list[torch.nn.Module], cpp_wrapper: bool, fuse_projec
     packed row has another length, and a specialise-then-recompile cycle per length would be a
     storm. Under FSDP the per-layer graphs also leave FSDP's hooks between the layers.
     cpp_wrapper: the compiled code launches its kernels from C++ (model.compile_cpp_wrapper).
-    fuse_projections: projections of one input run as one GEMM (model.fuse_projections)."""
+    fused_projections: projections of one input run as one GEMM (model.fuse_projections)."""
     # inductor fuses a norm's row and column reductions (its backward) only above a size it checks
     # against the first compile's token count, and guards on that check: a later micro-batch on the
     # other side of it (under 10240 tokens after one above, for a 512-wide k_norm) recompiles every
     # layer mid-run. The non-strict mode skips those size checks, so one compilation serves all lengths
     options = {"triton.mix_order_reduction_non_strict_mode": True, **({"cpp_wrapper": True} if cpp_wrapper else {}),
-               **({"pre_grad_custom_pass": FuseSharedInputProjections()} if fuse_projections else {})}
+               **({"pre_grad_custom_pass": fuse_projections.FuseSharedInputProjections()} if fused_projections else {})}
     for layer in layers:
         layer.compile(dynamic=True, options=options)
 
@@ -186,7 +187,8 @@ def describe_compile(cfg: Config, world: World, model_config) -> str:
     why = ""
     if wrapper == "Python" and world.device.type == "cuda" and cfg.model.compile_cpp_wrapper == "auto":
         why = f" ({why_python_wrapper(cfg, model_config)})"
-    fused = "; projections sharing an input run as one GEMM (model.fuse_projections)" if cfg.model.fuse_projections else ""
+    fused = ("; projections sharing an input run as one GEMM (model.fuse_projections)"
+             if fuse_projections.enabled(cfg.model) else "")
     return f"each decoder layer, dynamic shapes, kernels launched by inductor's {wrapper} wrapper{why}{fused}"
 
 
@@ -210,7 +212,7 @@ def shard(lm: CausalLMLoss, world: World, cfg: Config, offload: bool) -> None:
         common["offload_policy"] = CPUOffloadPolicy()
     layers = decoder_layers(lm.model)
     if cfg.model.compile:
-        compile_layers(layers, cpp_wrapper(cfg, world, lm.model.config), cfg.model.fuse_projections)
+        compile_layers(layers, cpp_wrapper(cfg, world, lm.model.config), fuse_projections.enabled(cfg.model))
     for i, layer in enumerate(layers):
         # the last layer's parameters are needed again at once by backward (as torchtitan does)
         last = i == len(layers) - 1

@@ -10,7 +10,7 @@ from torch._dynamo.utils import counters
 from sfttrain.config import ConfigError, FSDPConfig, ModelConfig, load_config
 from sfttrain.data.pack import pack
 from sfttrain.data.render import RenderedSample
-from sfttrain.fuse_projections import FuseSharedInputProjections
+from sfttrain.fuse_projections import FuseSharedInputProjections, enabled
 from sfttrain.loss import CausalLMLoss
 from sfttrain.model import decoder_layers, load_model, materialise_model
 from sfttrain.parallel import compile_layers
@@ -125,7 +125,7 @@ def test_inductor_compiles_the_fused_layer_to_what_the_unfused_computes():
     assert any("lora_A" in name for name in plain[1])
     torch._dynamo.reset()
     counters.clear()
-    compile_layers([layer], cpp_wrapper=False, fuse_projections=True)
+    compile_layers([layer], cpp_wrapper=False, fused_projections=True)
     # compiled anew, not taken from inductor's caches (where the pass, a part of their key, does not run)
     with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
         fused = output_and_grads()
@@ -146,7 +146,7 @@ def test_on_the_gpu_the_fused_layers_train_what_the_unfused_do():
     runs = []
     for fuse in (False, True):
         torch._dynamo.reset()
-        compile_layers(decoder_layers(lm.model), cpp_wrapper=False, fuse_projections=fuse)
+        compile_layers(decoder_layers(lm.model), cpp_wrapper=False, fused_projections=fuse)
         loss, grads = loss_and_grads(lm, batch)
         runs.append((loss.float(), torch.cat([g.float().flatten() for g in grads.values()])))
     (plain_loss, plain_grads), (fused_loss, fused_grads) = runs
@@ -154,6 +154,16 @@ def test_on_the_gpu_the_fused_layers_train_what_the_unfused_do():
     assert ((fused_grads - plain_grads).norm() / plain_grads.norm()).item() < 2e-2
 
 
-def test_it_needs_the_compiled_layers():
+def test_auto_fuses_for_lora_and_true_needs_the_compiled_layers():
+    def fused(*overrides):
+        return enabled(load_config(None, ["data.train_files=x.parquet", "model.partial_pretrain=m", *overrides]).model)
+
+    assert fused("model.compile=true", "model.lora_rank=8")
+    assert not fused("model.compile=true")  # full fine-tuning: measured slower fused
+    assert not fused("model.lora_rank=8")  # eager: there is no compiled graph to rewrite
+    assert fused("model.compile=true", "model.fuse_projections=true")
+    assert not fused("model.compile=true", "model.lora_rank=8", "model.fuse_projections=false")
     with pytest.raises(ConfigError, match="model.fuse_projections=true .*set model.compile=true"):
-        load_config(None, ["data.train_files=x.parquet", "model.partial_pretrain=m", "model.fuse_projections=true"])
+        fused("model.fuse_projections=true")
+    with pytest.raises(ConfigError, match="model.fuse_projections='always' is not one of"):
+        fused("model.fuse_projections=always")

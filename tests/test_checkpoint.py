@@ -312,11 +312,10 @@ def test_elastic_resume_2_to_4(data, ref, tmp_path):
 
 
 def test_resume_across_layouts(data, ref, tmp_path):
-    """FSDP2 (ref) -> DDP (NO_SHARD, layers compiled) -> FSDP2 on 2 ranks: sharded and replicated
-    parameters are written and read as the same DCP checkpoint."""
+    """FSDP2 (ref) -> DDP (NO_SHARD) -> FSDP2 on 2 ranks: sharded and replicated parameters are
+    written and read as the same DCP checkpoint. (DDP with compiled layers: tests/test_trainer.py.)"""
     ddp, fsdp = tmp_path / "ddp", tmp_path / "fsdp"
-    proc = run_sfttrain(2, job(data, ddp, "model.fsdp_config.sharding_strategy=NO_SHARD", "model.compile=true",
-                               "trainer.save_freq=3",
+    proc = run_sfttrain(2, job(data, ddp, "model.fsdp_config.sharding_strategy=NO_SHARD", "trainer.save_freq=3",
                                "trainer.resume_mode=resume_path", f"trainer.resume_from_path={ref / 'global_step_3'}"))
     assert "DDP: the whole model on each of 2 ranks" in proc.stdout
     assert_resumed_like_ref(ddp, ref, 4, ELASTIC_TOL, rel=True)

@@ -101,20 +101,24 @@ def test_mixed_precision_one_device_fsdp_and_ddp_agree(gsm8k_dir, tmp_path):
 
 
 def test_compiled_decoder_matches_eager(gsm8k_dir, tmp_path, one_rank_16):
-    """model.compile on one rank compiles each decoder layer with dynamic shapes (and the loss
-    kernel): the same losses and updates as eager (one_rank_16: the same steps, unsplit), no
-    recompilation caused by a new packed length (the 8 micro-batches of 4 samples, unpadded, all
-    have other lengths), and one compilation shared by the layers: a graph
+    """model.compile on two DDP ranks compiles each decoder layer with dynamic shapes (and the loss
+    kernel): the same losses and updates as eager on one rank (one_rank_16: the same steps, unsplit;
+    DDP's all-reduce runs beside the compiled layers' backward, dynamo's DDP optimizer off), no
+    recompilation caused by a new packed length (each rank's 4 micro-batches of 4 samples, unpadded,
+    all have other lengths), and one compilation shared by the layers: a graph
     specialised on its layer (a per-layer constant it must bake in, as a float handed to SDPA's
     scale did in a probe) would be recompiled for each further layer, 4 times for stories260K's 5
     (and past dynamo's cache limit, 8, the remaining layers of a larger model would silently run
     eager). Recompiles for other reasons (how a torch or transformers version wraps a forward) stay
     under that count."""
-    proc = run_sfttrain(1, _job(gsm8k_dir, tmp_path / "compiled", *BATCH_16, "data.micro_batch_size_per_gpu=4",
-                                "data.pad_to_multiple=1", "model.compile=true"), env={"TORCH_LOGS": "recompiles"})
+    proc = run_sfttrain(2, _job(gsm8k_dir, tmp_path / "compiled", *BATCH_16, "data.micro_batch_size_per_gpu=4",
+                                "data.pad_to_multiple=1", "model.compile=true",
+                                "model.fsdp_config.sharding_strategy=NO_SHARD"), env={"TORCH_LOGS": "recompiles"})
+    assert "DDP: the whole model on each of 2 ranks" in proc.stdout
     reasons = [line for line in proc.stdout.splitlines() if "size mismatch" in line or "size()" in line]
     assert reasons == [], reasons
-    recompiled = Counter(re.findall(r"Recompiling function (\S+ in \S+)", proc.stdout))
+    # torch's log lines carry their rank ("[rank0]:V1203 ..."): the count is per rank
+    recompiled = Counter(re.findall(r"(\[rank\d+\])?[^\n]*Recompiling function (\S+ in \S+)", proc.stdout))
     assert all(count < 4 for count in recompiled.values()), recompiled
     assert train_losses(tmp_path / "compiled") == pytest.approx(train_losses(one_rank_16), rel=LOSS_TOL)
     assert _update_error(tmp_path / "compiled", one_rank_16, 2) < UPDATE_TOL

@@ -25,6 +25,7 @@ import operator
 from collections import defaultdict
 
 import torch
+from torch._dispatch.python import enable_python_dispatcher
 from torch._dynamo.utils import counters
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._inductor.custom_graph_pass import CustomGraphPass
@@ -100,11 +101,11 @@ def fuse(graph: torch.fx.Graph, nodes: list[torch.fx.Node]) -> None:
 
 def with_value(node: torch.fx.Node) -> torch.fx.Node:
     """Gives an inserted node the `example_value` (a fake tensor) later passes read, from its inputs'.
-    Computed under the inputs' own fake mode (a dynamo backend may run under another): outside it, an
-    op that asks for a concrete size (linear of a 3-d input reads its numel in torch 2.11) fails on
-    their symbolic sizes."""
+    Computed as dynamo computes its own (get_fake_value): under the inputs' fake mode (a backend may
+    run under another) and the Python dispatcher, whose decompositions handle symbolic sizes where
+    the C++ ones do not (torch 2.11's linear of a 3-d input asks for its numel)."""
     args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["example_value"])
     modes = {t.fake_mode for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, FakeTensor)}
-    with modes.pop() if modes else contextlib.nullcontext():
+    with modes.pop() if modes else contextlib.nullcontext(), enable_python_dispatcher():
         node.meta["example_value"] = node.target(*args, **kwargs)
     return node

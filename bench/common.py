@@ -250,9 +250,17 @@ def timed_mfu(steps: list[dict]) -> float | None:
     return round(sum(m["mfu"] * m["step_time_s"] for m in steps) / sum(m["step_time_s"] for m in steps), 4)
 
 
+def host() -> dict:
+    """The host a record was taken on: host-bound steps (W1 with LoRA) move with its CPU and with what
+    else runs there. The load average is the kernel's, so in a container it counts the neighbours too."""
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+        model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
+    return {"cpu": model, "cpus": os.cpu_count(), "load_avg_1min": round(os.getloadavg()[0], 2)}
+
+
 def emit(record: dict, out: str) -> None:
-    """Print the record as one JSON line and append it to ``out``."""
-    line = json.dumps(record)
+    """Print the record, with its host (`host`), as one JSON line and append it to ``out``."""
+    line = json.dumps({**record, "host": host()})
     print(line, flush=True)
     with open(out, "a", encoding="utf-8") as f:
         f.write(line + "\n")

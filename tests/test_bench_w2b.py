@@ -3,6 +3,8 @@ TRL on one model folder, the FP8 comparison, and the model folder's name."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from tests.bench_run import SAMPLE, records, run_bench_here
@@ -33,6 +35,7 @@ def test_fp8_w2b_runs_bf16_and_reports_the_fp8_refusal_on_cpu(tmp_path):
     assert bf16["loss_last_step"] > 0 and bf16["fp8_line"] is None  # model.fp8=off: no start-up line
     assert fp8["status"] == "failed" and fp8["rc"] == 2
     assert "model.fp8=tensorwise needs a CUDA GPU with FP8 tensor cores" in fp8["error"]
+    assert summary.pop("host")["cpus"] == os.cpu_count()  # every record says where it was taken
     assert summary == {"summary": "w2b", "bf16_real_tokens_per_s": bf16["real_tokens_per_s"],
                        "bf16_loss_last_step": bf16["loss_last_step"],
                        "w2b_fp8_tensorwise": {"status": "failed", "error": fp8["error"]}}

@@ -144,7 +144,8 @@ def main() -> None:
             emit(run_variant(name, args, model_dir, parquet, timeout=args.run_timeout), args.out)
         except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
             # the other variants still run; the failure is recorded
-            failure = {"rc": e.returncode} if isinstance(e, subprocess.CalledProcessError) else {"timeout_s": args.run_timeout}
+            failure = ({"rc": e.returncode} if isinstance(e, subprocess.CalledProcessError)
+                       else {"timeout_s": args.run_timeout})
             emit({"system": "sfttrain", "variant": name, "overrides": VARIANTS[name] + args.override, **failure}, args.out)
 
 

@@ -27,17 +27,19 @@ from collections import defaultdict
 import torch
 from torch._dispatch.python import enable_python_dispatcher
 from torch._dynamo.utils import counters
-from torch._subclasses.fake_tensor import FakeTensor
 from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._subclasses.fake_tensor import FakeTensor
+
+from sfttrain.config import ModelConfig
 
 LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
 
 
-def enabled(model) -> bool:
-    """model.fuse_projections (a ModelConfig's) resolved. auto: with LoRA adapters, whose skinny GEMMs
-    gain from sharing one (W1: +3.4% a step); not for full fine-tuning, where concatenating the trained
-    weights and splitting their gradient each step cost more than the fused GEMMs save (W1: -2.6%;
-    docs/benchmarks.md, runs BJ and BK)."""
+def enabled(model: ModelConfig) -> bool:
+    """model.fuse_projections resolved. auto: with LoRA adapters, whose skinny GEMMs gain from sharing
+    one (W1: +3.4% a step); not for full fine-tuning (W1: -2.6%; the likely cause, not profiled: each
+    step concatenates the fp32 master weights and splits their gradient back). docs/benchmarks.md,
+    runs BJ and BK."""
     if model.fuse_projections == "auto":
         return model.compile and model.lora_rank > 0
     return model.fuse_projections

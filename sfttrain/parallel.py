@@ -26,10 +26,9 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compr
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.torch_version import TorchVersion
 
-from sfttrain import fp8, recompute, sequence_parallel
+from sfttrain import fp8, fuse_projections, recompute, sequence_parallel
 from sfttrain.config import Config, ConfigError, mixed_precision_dtypes
 from sfttrain.distributed import World
-from sfttrain import fuse_projections
 from sfttrain.loss import CausalLMLoss
 from sfttrain.model import DTYPE, decoder_layers, materialise_model
 from sfttrain.moe import routing

@@ -123,16 +123,28 @@ def test_inductor_compiles_the_fused_layer_to_what_the_unfused_computes():
 
     plain = output_and_grads()
     assert any("lora_A" in name for name in plain[1])
+    saved = []
     torch._dynamo.reset()
     counters.clear()
     compile_layers([layer], cpp_wrapper=False, fused_projections=True)
     # compiled anew, not taken from inductor's caches (where the pass, a part of their key, does not run)
     with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
         fused = output_and_grads()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        output_and_grads()  # compiled already: what the compiled code saves for backward, recorded
     # q/k/v and gate/up, base and adapters apart: 4 groups, counted twice where dynamo restarts its
     # analysis of the layer (it does here, to specialise a float: torch's _tensorify_python_scalars)
     assert counters["inductor"]["fused_projections"] in (4, 8)
     assert_same(fused, plain)
+    # what the compiled layer holds for backward: its activations, and no concatenated weight (those
+    # are recomputed; the parameters themselves are saved at no cost)
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    held = {tuple(t.shape) for t in saved if t.untyped_storage().data_ptr() not in params}
+    groups = {sum(getattr(layer.self_attn, p).base_layer.out_features for p in ("q_proj", "k_proj", "v_proj")),
+              2 * layer.mlp.gate_proj.base_layer.out_features, 3 * 8, 2 * 8}  # base and adapter (r=8) groups
+    weight_shaped = {(g, config.hidden_size) for g in groups} | {(config.hidden_size, g) for g in groups}
+    assert held, "nothing saved for backward was recorded"
+    assert not held & weight_shaped, held & weight_shaped  # 40 tokens: no activation has such a shape
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU's path: varlen attention, Triton kernels, bf16 autocast")

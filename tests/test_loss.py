@@ -2,6 +2,7 @@
 F.cross_entropy on the full logits."""
 
 import copy
+import weakref
 
 import pytest
 import torch
@@ -41,6 +42,30 @@ def test_matches_autograd_fp32(chunk):
     torch.testing.assert_close(out, ref_loss, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(h.grad, ref_dh * 0.37, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(w.grad, ref_dw * 0.37, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("with_grad", [True, False])
+def test_one_chunk_of_logits_alive_at_a_time(with_grad):
+    """The loss's memory is one chunk of logits (and its gradient), as the preflight counts it: when
+    a chunk's logits GEMM runs, no earlier chunk's logits or gradient is alive any more."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    h, w, y = _inputs(tokens=50, vocab=97)
+    made = []  # weak references to every [chunk, vocab] tensor made so far
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            # [chunk, vocab] buffers made by the loss (views such as w.t(), [hidden, vocab], are not)
+            if isinstance(out, torch.Tensor) and not func.is_view and out.dim() == 2 and out.shape[1] == 97:
+                if func is torch.ops.aten.mm.default:  # a new chunk's logits
+                    assert not [r for r in made if r() is not None], "an earlier chunk's [chunk, vocab] tensor is alive"
+                made.append(weakref.ref(out))
+            return out
+
+    with Watch():
+        LinearCrossEntropy.apply(h, w, None, y, OutputHead(), torch.float32, chunk_loss_and_grad, with_grad, 16)
+    assert sum(1 for _ in made) >= 4  # 50 tokens in chunks of 16: four logits GEMMs, each watched
 
 
 def test_frozen_weight_gets_no_gradient():

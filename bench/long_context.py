@@ -29,7 +29,7 @@ import time
 
 import torch
 import transformers
-from bench.common import MFU_FORMULA, save_model as save_weights, timed_mfu, w2b_config
+from bench.common import LORA, MFU_FORMULA, save_model as save_weights, timed_mfu, w2b_config
 from bench.w1_data import load_rows, load_tokenizer, model_config, write_parquet
 
 LENGTHS = (16384, 32768, 65536, 131072)
@@ -43,9 +43,7 @@ COMMON = ["data.prompt_key=question", "data.response_key=answer", "data.truncati
           # a worker renders the next sample while a step runs: rendered in the loop, a 128k-token
           # sample took 0.6 s of each step
           "data.num_workers=1"]
-# --lora: the seed article's adapters (bench.trl_w1's LORA) on pretrained-like weights: sfttrain refuses
-# LoRA on a random base (no checkpoint would hold it), so the model folder is saved with weights drawn once
-LORA = ["model.lora_rank=64", "model.lora_alpha=32", "model.target_modules=all-linear", "model.random_init=false"]
+# --lora: the seed article's adapters (bench.common.LORA), so the model folder is saved with weights drawn once
 
 
 def save_model(args, tokenizer, max_length: int) -> str:

@@ -21,12 +21,11 @@ import os
 import subprocess
 import sys
 
-from bench.common import add_sfttrain_args, emit, save_model, w2b_config
+from bench.common import LORA, add_sfttrain_args, emit, save_model, w2b_config
 from bench.sfttrain_w1 import apply_tiny, require_one_epoch, run_variant
 from bench.w1_data import load_rows, load_tokenizer, write_parquet
 
-LORA = ["model.lora_rank=64", "model.lora_alpha=32", "model.target_modules=all-linear"]
-SFTTRAIN = ["model.random_init=false", "model.enable_gradient_checkpointing=true", "data.max_length=4096",
+SFTTRAIN = ["model.enable_gradient_checkpointing=true", "data.max_length=4096",
             "data.train_batch_size=128", "data.max_token_len_per_gpu=8192", *LORA]
 
 

@@ -23,7 +23,7 @@ import torch
 import transformers
 from omegaconf import OmegaConf
 
-from bench.common import MFU_FORMULA, add_sfttrain_args, emit, require_samples, timed_mfu
+from bench.common import LORA, MFU_FORMULA, add_sfttrain_args, emit, require_samples, timed_mfu
 from bench.w1_data import build_model, load_rows, load_tokenizer, model_config, write_parquet
 
 RECIPE = os.path.join(os.path.dirname(__file__), "..", "recipes", "w1_qwen2.5-0.5b.yaml")
@@ -31,8 +31,7 @@ RECIPE = os.path.join(os.path.dirname(__file__), "..", "recipes", "w1_qwen2.5-0.
 TINY = ["model.compile=false", "model.fsdp_config.mixed_precision=false", "data.train_batch_size=4",
         "data.max_token_len_per_gpu=4096"]
 
-# the seed article's LoRA keys; LoRA adapts saved weights (W1's, drawn once by prepare)
-LORA = ["model.random_init=false", "model.lora_rank=64", "model.lora_alpha=32", "model.target_modules=all-linear"]
+# LoRA adapts saved weights: W1's, drawn once by prepare
 # name -> overrides on top of the recipe (the recipe itself is the fastest setting)
 VARIANTS = {
     "compile": [],

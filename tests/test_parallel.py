@@ -121,6 +121,61 @@ def test_the_recompute_line_says_what_a_layer_keeps_and_eager_parts_keep_the_old
     assert all(layer.gradient_checkpointing and "forward" not in vars(layer) for layer in layers)
 
 
+def test_compiled_layers_that_keep_attention_recompute_only_what_backward_reads():
+    """stories260K with LoRA adapters (fp32, CPU), each layer compiled and checkpointed keeping its
+    attention output (model.recompute_attention=false), as sfttrain does for long samples: the
+    checkpoint is inside the compiled graph with no graph break, though transformers 5.25's attention
+    modules set a context variable in forward (without sfttrain.parallel's dynamo setting the layers
+    ran eagerly, their parts recomputed several times: 586 GEMMs a step instead of 371). Backward
+    recomputes what it reads and no more: of a layer's 21 GEMMs (7 projections: base, adapter A,
+    adapter B) it reruns 19, not the down projection's base or B, whose output only leaves the layer
+    (its gradients need down's input and A's output, both recomputed); the attention kernel does not
+    run again. Counted by the profiler, against the same step without checkpointing; the loss and
+    gradients are its own, to fp32 reordering (1e-5).
+    The row is one sample, so attention is one causal SDPA over it, which compiles without a graph
+    break; the CPU's packed-row attention (sdpa_blockmask) reads the boundaries on the host, a
+    break in every layer."""
+    import torch.nn.functional as F
+    from torch._dynamo.utils import counters
+    from torch.profiler import ProfilerActivity, profile
+
+    from sfttrain import attention
+    from tests.test_fuse_projections import loss_and_grads as adapter_grads, stories
+
+    def one_sample(module, query, key, value, attention_mask, scaling=None, **kwargs):
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2), None
+
+    def step(checkpointed: bool) -> tuple[dict, torch.Tensor, dict[str, torch.Tensor]]:
+        lm, _ = stories(lora=True)
+        attention.register(forward=one_sample)
+        gen = random.Random(0)
+        batch = pack([RenderedSample([gen.randrange(512) for _ in range(100)], [1] * 100, 0)])
+        if checkpointed:
+            recompute.apply(lm.model, decoder_layers(lm.model), ModelConfig(compile=True, recompute_attention=False),
+                            max_length=256)
+        torch._dynamo.reset()
+        compile_layers(decoder_layers(lm.model), cpp_wrapper=False)
+        adapter_grads(lm, batch)  # compiles
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            loss, grads = adapter_grads(lm, batch)
+        calls = {e.key: e.count for e in prof.key_averages()}
+        return calls, loss, grads
+
+    counters.clear()
+    try:
+        plain, checkpointed = step(False), step(True)
+    finally:
+        attention.register()
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    gemms, sdpa = "aten::mm", "aten::_scaled_dot_product_flash_attention_for_cpu"
+    assert checkpointed[0][gemms] == plain[0][gemms] + 5 * 19
+    assert checkpointed[0][sdpa] == plain[0][sdpa] == 5
+    torch.testing.assert_close(checkpointed[1], plain[1], rtol=1e-5, atol=0)
+    for name, grad in plain[2].items():
+        assert ((checkpointed[2][name] - grad).norm() / grad.norm()).item() < 1e-5, name
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled layers' varlen attention runs on CUDA")
 @pytest.mark.parametrize("recompute_attention", [False, True])
 def test_compiled_checkpointed_layers_keep_attention_unless_told(recompute_attention):

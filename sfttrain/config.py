@@ -88,7 +88,9 @@ class ModelConfig:
     gradient_checkpointing_ratio: float = 1.0  # share of the decoder layers whose activations are recomputed (spread evenly; 0.5: every other layer), the rest kept
     # with checkpointing: true recomputes attention in backward too; false keeps each checkpointed layer's
     # attention output (one more hidden state per token and layer) so that attention runs once; auto: false for
-    # samples of data.max_length >= 8192 tokens, where attention is much of the step (sfttrain/recompute.py)
+    # samples of data.max_length >= 8192 tokens, where attention is much of the step (sfttrain/recompute.py).
+    # Compiled, true leaves the layers on inductor's Python wrapper (compile_cpp_wrapper): a small model's
+    # host-bound step can run faster with false (W1 with checkpointing: +7.2% for +0.5 GiB, run BQ)
     recompute_attention: Any = "auto"
     attn_implementation: str = "auto"  # auto | flash_attn | torch_varlen | sdpa_blockmask
     use_liger: bool = False  # Liger's fused RMSNorm/SwiGLU/RoPE and fused linear cross-entropy
@@ -96,7 +98,9 @@ class ModelConfig:
     # with compile on CUDA, who launches the compiled layers' kernels: inductor's C++ wrapper (true) or its
     # Python one (false: tens of us per launch). auto: C++ for micro-batches up to 65536 tokens (W1: 11%
     # faster; its build adds ~1 min of start-up), Python for longer ones (steps of seconds: launches cost
-    # nothing; at 131072 tokens the C++ one crashed), and with FP8; how much each way: docs/benchmarks.md
+    # nothing; at 131072 tokens the C++ one crashed), with FP8, and for checkpointed layers that rerun
+    # attention (recompute_attention true or auto with short samples, or LoRA on a MoE: the C++ one cannot
+    # build them); docs/benchmarks.md
     compile_cpp_wrapper: Any = "auto"
     # with compile: the projections that read one input (q/k/v; gate/up; with LoRA their adapters' A too)
     # run as one GEMM each (sfttrain/fuse_projections.py). auto: with LoRA (W1: +3.4%), not for full

@@ -164,17 +164,33 @@ def cpp_wrapper(cfg: Config, world: World, model_config) -> bool:
     would only cost start-up. auto: not for micro-batches over CPP_WRAPPER_MAX_TOKENS, whose steps
     take seconds, nor for a mixture of experts before torch 2.12, whose C++ wrapper cannot call the
     experts' grouped GEMM, nor with FP8 GEMMs (model.fp8), measured on the Python wrapper only
-    (docs/benchmarks.md)."""
+    (docs/benchmarks.md), nor for checkpointed layers that rerun attention
+    (recompute.reruns_attention_compiled: the C++ wrapper cannot build them; W2b with LoRA, a 2 s
+    step the GPU limits, ran at 43.9% MFU so (run BP), 38.3% with the checkpoint around C++-wrapped
+    layers (BE))."""
     if world.device.type != "cuda":
         return False
     setting, blocked = cfg.model.compile_cpp_wrapper, _grouped_gemm_without_cpp_call(model_config)
+    reruns_attention = _reruns_attention(cfg, model_config)
     if setting == "auto":
-        return cfg.micro_batch_tokens() <= CPP_WRAPPER_MAX_TOKENS and not blocked and cfg.model.fp8 == "off"
+        return (cfg.micro_batch_tokens() <= CPP_WRAPPER_MAX_TOKENS and not blocked and cfg.model.fp8 == "off"
+                and not reruns_attention)
     if setting and blocked:
         raise ConfigError(f"model.compile_cpp_wrapper=true: inductor's C++ wrapper in torch {torch.__version__} has no "
                           "call for the grouped GEMM this mixture of experts runs (torch >= 2.12 has one); set "
                           "model.compile_cpp_wrapper=auto (the Python wrapper here)")
+    if setting and reruns_attention:
+        raise ConfigError("model.compile_cpp_wrapper=true: the checkpointed layers rerun attention under compilation, "
+                          "whose RNG-state call inductor's C++ wrapper cannot emit (sfttrain/recompute.py); set "
+                          "model.compile_cpp_wrapper=auto (the Python wrapper) or model.recompute_attention=false "
+                          "(attention outputs kept: more memory)")
     return setting
+
+
+def _reruns_attention(cfg: Config, model_config) -> bool:
+    # LoRA on a MoE may adapt the experts, which then run outside the compiled graph (sfttrain.lora)
+    eager_parts = cfg.model.lora_rank > 0 and routing(model_config) is not None
+    return recompute.reruns_attention_compiled(cfg.model, cfg.data.max_length, eager_parts)
 
 
 def _grouped_gemm_without_cpp_call(model_config) -> bool:
@@ -203,6 +219,8 @@ def why_python_wrapper(cfg: Config, model_config) -> str:
         return "the C++ one cannot call this torch's grouped GEMM of the experts"
     if cfg.model.fp8 != "off":
         return "FP8 runs were measured on it"
+    if _reruns_attention(cfg, model_config):
+        return "the checkpointed layers rerun attention compiled, which the C++ one cannot build"
     return f"micro-batches over {CPP_WRAPPER_MAX_TOKENS} tokens: model.compile_cpp_wrapper=auto"
 
 

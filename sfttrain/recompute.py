@@ -11,13 +11,16 @@ keeps the input alone (the least memory), auto keeps the output from data.max_le
 (LONG_SAMPLE) on: for shorter samples recomputing attention costs little (W2b's 4096-token samples:
 under a tenth of a layer's forward), and the memory serves the batch.
 
-Keeping the attention output is torch's selective checkpointing (a policy over the ops a layer
-runs), around the layer's `forward`: under torch.compile that is inside the compiled layer, where
-the partitioner follows the policy; FSDP2's hooks, around `forward`, stay outside and are not run
-again by the recomputation. A layer with code that must run outside the compiled graph
-(torch.compiler.disable: LoRA on a MoE's experts, sfttrain.lora) cannot hold such a checkpoint
-inside its graph, so it recomputes everything through transformers' own switch, which in
-transformers 5.17 places the checkpoint outside the compiled layer.
+The checkpoint is torch's, around the layer's `forward` (for the attention output, with a
+selective policy over the ops a layer runs): under torch.compile that is inside the compiled layer,
+where the partitioner recomputes only what backward reads. A layer's last projection (the MLP's
+down) feeds nothing but the residual sum that leaves the layer, so its GEMM is not rerun: about a
+quarter of a Llama layer's forward GEMMs. FSDP2's hooks, around `forward`, stay outside and are not
+run again by the recomputation. A layer with code that must run outside the compiled graph
+(torch.compiler.disable: LoRA on a MoE's experts, sfttrain.lora) cannot hold a checkpoint inside
+its graph, so it recomputes everything through transformers' own switch, which in transformers
+5.17 places the checkpoint outside the compiled layer. Layers that rerun attention under
+compilation, either way, run on inductor's Python wrapper (`reruns_attention_compiled` says why).
 """
 
 from __future__ import annotations
@@ -40,12 +43,14 @@ def apply(model: nn.Module, layers: list[nn.Module], cfg: ModelConfig, max_lengt
     model whose weights and optimizer state leave room for some activations recomputes only the
     layers that do not fit), keeping what `keeps_attention` says."""
     chosen = checkpointed(layers, cfg.gradient_checkpointing_ratio)
-    if keeps_attention(cfg, max_length, chosen):
-        policy = functools.partial(create_selective_checkpoint_contexts, keep_attention_outputs)
-        for layer in chosen:
-            layer.forward = functools.partial(checkpointed_forward, layer.forward, policy)
-    else:
+    if has_eager_parts_compiled(cfg, chosen):
         transformers_checkpointing(model, layers, chosen)
+        return
+    # no context_fn unless there is a policy: dynamo refuses the default one (noop_context_fn)
+    policy = ({"context_fn": functools.partial(create_selective_checkpoint_contexts, keep_attention_outputs)}
+              if wants_attention_kept(cfg, max_length) else {})
+    for layer in chosen:
+        layer.forward = functools.partial(checkpointed_forward, layer.forward, **policy)
 
 
 def checkpointed(layers: list[nn.Module], ratio: float) -> list[nn.Module]:
@@ -58,11 +63,26 @@ def wants_attention_kept(cfg: ModelConfig, max_length: int) -> bool:
     return cfg.recompute_attention is False or (cfg.recompute_attention == "auto" and max_length >= LONG_SAMPLE)
 
 
+def reruns_attention_compiled(cfg: ModelConfig, max_length: int, eager_parts: bool) -> bool:
+    """Whether compiled layers rerun their attention kernel under compilation: checkpointed whole,
+    inside their graph, or, with parts outside the graph (eager_parts: LoRA on a MoE's experts),
+    through transformers' checkpoint around them, which recomputes everything whatever the setting.
+    Inductor's partitioner then wraps the kernel (an op tagged as drawing random numbers, for
+    dropout) in a call that replays the RNG state, which inductor's C++ wrapper cannot emit (torch
+    2.11 to 2.13: an assertion in its codegen), so sfttrain.parallel.cpp_wrapper leaves such runs
+    on the Python one."""
+    kept = wants_attention_kept(cfg, max_length) and not eager_parts
+    return cfg.compile and cfg.enable_gradient_checkpointing and not kept
+
+
 def keeps_attention(cfg: ModelConfig, max_length: int, chosen: list[nn.Module]) -> bool:
     """A checkpointed layer keeps its attention output where the setting asks for it and it can:
     not when, compiled, it runs parts outside the graph (the module docstring says why)."""
-    eager_parts = cfg.compile and any(has_eager_parts(layer) for layer in chosen)
-    return wants_attention_kept(cfg, max_length) and not eager_parts
+    return wants_attention_kept(cfg, max_length) and not has_eager_parts_compiled(cfg, chosen)
+
+
+def has_eager_parts_compiled(cfg: ModelConfig, chosen: list[nn.Module]) -> bool:
+    return cfg.compile and any(has_eager_parts(layer) for layer in chosen)
 
 
 def describe(layers: list[nn.Module], cfg: ModelConfig, max_length: int) -> str:
@@ -82,9 +102,9 @@ def describe(layers: list[nn.Module], cfg: ModelConfig, max_length: int) -> str:
     return f"  recompute           : {len(chosen)} of {len(layers)} layers in backward, each keeping {kept}"
 
 
-def checkpointed_forward(forward, context_fn, *args, **kwargs):
+def checkpointed_forward(forward, *args, **kwargs):
     # non-reentrant: works with FSDP2's hooks and with inputs that need no grad
-    return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
 def keep_attention_outputs(ctx, op, *args, **kwargs) -> CheckpointPolicy:

@@ -155,8 +155,7 @@ def test_compiled_checkpointed_layers_recompute_only_what_backward_reads(recompu
         gen = random.Random(0)
         batch = pack([RenderedSample([gen.randrange(512) for _ in range(100)], [1] * 100, 0)])
         if checkpointed:
-            recompute.apply(lm.model, decoder_layers(lm.model),
-                            ModelConfig(compile=True, recompute_attention=recompute_attention), max_length=256)
+            checkpoint_layers(lm, 1.0, recompute_attention)
         torch._dynamo.reset()
         compile_layers(decoder_layers(lm.model), cpp_wrapper=False)
         adapter_grads(lm, batch)  # compiles
@@ -310,15 +309,12 @@ def test_checkpointed_layers_that_rerun_attention_take_the_python_wrapper(monkey
     from sfttrain.parallel import cpp_wrapper, describe_compile
     from tests.test_fuse_projections import loss_and_grads as adapter_grads, stories
 
-    def inside(lm):
-        recompute.apply(lm.model, decoder_layers(lm.model), ModelConfig(compile=True), max_length=256)
-
     def around(lm):
         layers = decoder_layers(lm.model)
         recompute.transformers_checkpointing(lm.model, layers, layers)
 
     try:
-        for checkpoint_layers_way in (inside, around):
+        for checkpoint_layers_way in (lambda lm: checkpoint_layers(lm, 1.0, recompute_attention=True), around):
             lm, _ = stories(lora=True)
             attention.register(forward=one_sample)  # after the model's load, which registers the default
             checkpoint_layers_way(lm)

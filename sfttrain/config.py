@@ -92,6 +92,11 @@ class ModelConfig:
     # Compiled, true leaves the layers on inductor's Python wrapper (compile_cpp_wrapper): a small model's
     # host-bound step can run faster with false (W1 with checkpointing: +7.2% for +0.5 GiB, run BQ)
     recompute_attention: Any = "auto"
+    # with checkpointing, compiled layers and fused projections (fuse_projections): false keeps each
+    # checkpointed layer's fused q/k/v GEMM output (q, k and v widths a token: 1.5 hidden states on
+    # Llama-3-8B, 3 GiB at 8192 tokens over its 32 layers) so that backward does not run that GEMM again;
+    # true recomputes it with the rest of the layer (the least memory; sfttrain/recompute.py)
+    recompute_qkv: bool = True
     attn_implementation: str = "auto"  # auto | flash_attn | torch_varlen | sdpa_blockmask
     use_liger: bool = False  # Liger's fused RMSNorm/SwiGLU/RoPE and fused linear cross-entropy
     compile: bool = False  # torch.compile each decoder layer (dynamic shapes; compiled once, shared by the layers)
@@ -129,6 +134,15 @@ class ModelConfig:
     # as it is (slower; the loss at W2b's step 60 within 1% of bf16's either way: docs/benchmarks.md, AK and AU)
     fp8_fast_accum_grads: bool = True
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+
+    def fuses_projections(self) -> bool:
+        """fuse_projections resolved. auto: with LoRA adapters, whose skinny GEMMs gain from sharing one
+        (W1: +3.4% a step); not for full fine-tuning (W1: -2.6%; the likely cause, not profiled: each
+        step concatenates the fp32 master weights and splits their gradient back). docs/benchmarks.md,
+        runs BJ and BK."""
+        if self.fuse_projections == "auto":
+            return self.compile and self.lora_rank > 0
+        return self.fuse_projections
 
 
 @dataclass
@@ -409,6 +423,11 @@ def validate(cfg: Config) -> None:
     if m.fuse_projections is True and not m.compile:
         raise ConfigError("model.fuse_projections=true rewrites the compiled layers' graphs: set model.compile=true, "
                           "or remove model.fuse_projections")
+    if m.recompute_qkv is False and not (m.enable_gradient_checkpointing and m.fuses_projections()):
+        raise ConfigError("model.recompute_qkv=false keeps the fused q/k/v GEMM's output of checkpointed, compiled "
+                          "layers: it needs model.enable_gradient_checkpointing=true, model.compile=true and fused "
+                          "projections (model.fuse_projections=true; auto fuses them with LoRA only); set those "
+                          "or remove model.recompute_qkv")
     _choice("model.attn_implementation", m.attn_implementation,
             ("auto", "flash_attn", "torch_varlen", "sdpa_blockmask"))
     _choice("model.fsdp_config.model_dtype", m.fsdp_config.model_dtype, DTYPES)

@@ -31,19 +31,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.checkpoint import CheckpointPolicy
 
-from sfttrain.config import ModelConfig
-
 LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
-
-
-def enabled(model: ModelConfig) -> bool:
-    """model.fuse_projections resolved. auto: with LoRA adapters, whose skinny GEMMs gain from sharing
-    one (W1: +3.4% a step); not for full fine-tuning (W1: -2.6%; the likely cause, not profiled: each
-    step concatenates the fp32 master weights and splits their gradient back). docs/benchmarks.md,
-    runs BJ and BK."""
-    if model.fuse_projections == "auto":
-        return model.compile and model.lora_rank > 0
-    return model.fuse_projections
 
 
 class FuseSharedInputProjections(CustomGraphPass):

@@ -105,7 +105,7 @@ def single_device(lm: CausalLMLoss, world: World, cfg: Config) -> None:
         lm.model.get_input_embeddings().register_forward_hook(lambda _module, _args, out: out.to(dtype))
     if cfg.model.compile:
         compile_layers(decoder_layers(lm.model), cpp_wrapper(cfg, world, lm.model.config),
-                       fuse_projections.enabled(cfg.model))
+                       cfg.model.fuses_projections())
 
 
 def replicate_model(lm: CausalLMLoss, world: World, cfg: Config) -> None:
@@ -209,7 +209,7 @@ def describe_compile(cfg: Config, world: World, model_config) -> str:
     if wrapper == "Python" and world.device.type == "cuda" and cfg.model.compile_cpp_wrapper == "auto":
         why = f" ({why_python_wrapper(cfg, model_config)})"
     fused = ("; projections sharing an input run as one GEMM (model.fuse_projections)"
-             if fuse_projections.enabled(cfg.model) else "")
+             if cfg.model.fuses_projections() else "")
     return f"each decoder layer, dynamic shapes, kernels launched by inductor's {wrapper} wrapper{why}{fused}"
 
 
@@ -235,7 +235,7 @@ def shard(lm: CausalLMLoss, world: World, cfg: Config, offload: bool) -> None:
         common["offload_policy"] = CPUOffloadPolicy()
     layers = decoder_layers(lm.model)
     if cfg.model.compile:
-        compile_layers(layers, cpp_wrapper(cfg, world, lm.model.config), fuse_projections.enabled(cfg.model))
+        compile_layers(layers, cpp_wrapper(cfg, world, lm.model.config), cfg.model.fuses_projections())
     for i, layer in enumerate(layers):
         # the last layer's parameters are needed again at once by backward (as torchtitan does)
         last = i == len(layers) - 1

@@ -121,15 +121,20 @@ def compute_bytes(cfg: Config) -> int:
     return DTYPE_BYTES[mixed[0] if mixed else fsdp.model_dtype]
 
 
-def activation_bytes(shape: DenseShape, tokens: int, recomputed: int, value_bytes: int, keep_attention: bool) -> int:
+def activation_bytes(shape: DenseShape, tokens: int, recomputed: int, value_bytes: int, keep_attention: bool,
+                     keep_qkv: bool) -> int:
     """What backward needs kept: a recomputed layer keeps its input (and, unless
     model.recompute_attention: sfttrain.recompute, what its attention's backward reads: the kernel's
-    output with fp32 softmax statistics, and the keys and values), and while it is recomputed one
-    layer's activations exist; every other layer keeps all its activations."""
+    output with fp32 softmax statistics, and the keys and values; with model.recompute_qkv=false the
+    queries, keys and values), and while it is recomputed one layer's activations exist; every other
+    layer keeps all its activations."""
     per_layer = shape.activation_elements_per_token() * tokens * value_bytes
-    attention = attention_output_bytes(shape, value_bytes) + key_value_bytes(shape, value_bytes) if keep_attention else 0
-    inputs = recomputed * tokens * (shape.hidden * value_bytes + attention)
-    return (shape.layers - recomputed) * per_layer + inputs + (per_layer if recomputed else 0)
+    kept = shape.hidden * value_bytes
+    if keep_attention:
+        kept += attention_output_bytes(shape, value_bytes) + key_value_bytes(shape, value_bytes)
+    if keep_qkv:
+        kept += shape.heads * shape.head_dim * value_bytes + (0 if keep_attention else key_value_bytes(shape, value_bytes))
+    return (shape.layers - recomputed) * per_layer + recomputed * tokens * kept + (per_layer if recomputed else 0)
 
 
 def attention_output_bytes(shape: DenseShape, value_bytes: int) -> int:
@@ -182,7 +187,7 @@ def memory_per_rank(cfg: Config, shape: DenseShape, dp_size: int) -> dict[str, f
     n = shape.num_params
     trained, trained_bytes = trained_params(cfg, shape)
     activations = activation_bytes(shape, cfg.micro_batch_tokens(), recomputed_layers(m, shape.layers), compute,
-                                   wants_attention_kept(m, cfg.data.max_length))
+                                   wants_attention_kept(m, cfg.data.max_length), not m.recompute_qkv)
     logits = m.loss_chunk_tokens * shape.vocab * compute * (2 if m.loss_kernel == "torch" else 1)
     autocast = mixed_precision_dtypes(fsdp) is not None and m.lora_rank == 0  # LoRA's base is bf16 already
     base = 0 if m.lora_rank == 0 else n * base_dtype(m).itemsize
@@ -324,7 +329,7 @@ def memory_section(cfg: Config, dp_size: int, folder: Optional[str], found: Find
     lines.append(f"    {'total':<58} {sum(memory.values()):8.2f} GiB")
     checkpointing = cfg.model.enable_gradient_checkpointing
     other = activation_bytes(shape, cfg.micro_batch_tokens(), 0 if checkpointing else shape.layers, compute_bytes(cfg),
-                             wants_attention_kept(cfg.model, cfg.data.max_length)) / GIB
+                             wants_attention_kept(cfg.model, cfg.data.max_length), not cfg.model.recompute_qkv) / GIB
     lines.append(f"  activations of {cfg.micro_batch_tokens()} tokens per micro-batch; with "
                  f"model.enable_gradient_checkpointing={str(not checkpointing).lower()} they would take {other:.2f} GiB")
     return lines

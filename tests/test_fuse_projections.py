@@ -10,7 +10,7 @@ from torch._dynamo.utils import counters
 from sfttrain.config import ConfigError, FSDPConfig, ModelConfig, load_config
 from sfttrain.data.pack import pack
 from sfttrain.data.render import RenderedSample
-from sfttrain.fuse_projections import FuseSharedInputProjections, enabled
+from sfttrain.fuse_projections import FuseSharedInputProjections
 from sfttrain.loss import CausalLMLoss
 from sfttrain.model import decoder_layers, load_model, materialise_model
 from sfttrain.parallel import compile_layers
@@ -166,9 +166,18 @@ def test_on_the_gpu_the_fused_layers_train_what_the_unfused_do():
     assert ((fused_grads - plain_grads).norm() / plain_grads.norm()).item() < 2e-2
 
 
-def test_auto_fuses_for_lora_and_true_needs_the_compiled_layers():
+def test_auto_fuses_for_lora_and_what_needs_fused_layers_says_so():
     def fused(*overrides):
-        return enabled(load_config(None, ["data.train_files=x.parquet", "model.partial_pretrain=m", *overrides]).model)
+        return load_config(None, ["data.train_files=x.parquet", "model.partial_pretrain=m", *overrides]).model.fuses_projections()
+
+    # model.recompute_qkv=false keeps the fused q/k/v GEMM's output: it needs that GEMM, checkpointed
+    assert fused("model.compile=true", "model.lora_rank=8", "model.recompute_qkv=false")
+    assert fused("model.compile=true", "model.fuse_projections=true", "model.recompute_qkv=false")
+    for overrides in (["model.compile=true"], ["model.lora_rank=8"],
+                      ["model.compile=true", "model.lora_rank=8", "model.enable_gradient_checkpointing=false"]):
+        with pytest.raises(ConfigError, match="model.recompute_qkv=false .* needs model.enable_gradient_checkpointing"
+                                              "=true, model.compile=true and fused projections"):
+            fused(*overrides, "model.recompute_qkv=false")
 
     assert fused("model.compile=true", "model.lora_rank=8")
     assert not fused("model.compile=true")  # full fine-tuning: measured slower fused

@@ -6,7 +6,7 @@ import types
 import pytest
 import torch
 
-from sfttrain.config import ModelConfig
+from sfttrain.config import ConfigError, ModelConfig
 from sfttrain.data.pack import pack
 from sfttrain.data.render import RenderedSample
 from sfttrain.loss import CausalLMLoss
@@ -16,8 +16,10 @@ from sfttrain.parallel import compile_layers
 from tests.conftest import STORIES
 
 
-def checkpoint_layers(lm: CausalLMLoss, ratio: float, recompute_attention: bool = False) -> None:
-    cfg = ModelConfig(gradient_checkpointing_ratio=ratio, recompute_attention=recompute_attention, compile=True)
+def checkpoint_layers(lm: CausalLMLoss, ratio: float, recompute_attention: bool = False,
+                      recompute_qkv: bool = True) -> None:
+    cfg = ModelConfig(gradient_checkpointing_ratio=ratio, recompute_attention=recompute_attention, compile=True,
+                      recompute_qkv=recompute_qkv)
     recompute.apply(lm.model, decoder_layers(lm.model), cfg, max_length=256)
 
 
@@ -91,7 +93,8 @@ def test_checkpointed_layers_run_attention_once_unless_told_to_recompute_it(reco
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     if not recompute_attention:  # fp32 on the CPU: 4-byte values
         shape = DenseShape.from_config_json(str(STORIES))
-        kept = activation_bytes(shape, 80, shape.layers, 4, True) - activation_bytes(shape, 80, shape.layers, 4, False)
+        kept = (activation_bytes(shape, 80, shape.layers, 4, True, False)
+                - activation_bytes(shape, 80, shape.layers, 4, False, False))
         assert CountAttention.outputs == 80 * shape.layers * attention_output_bytes(shape, 4)
         assert kept == 80 * shape.layers * (attention_output_bytes(shape, 4) + key_value_bytes(shape, 4))
 
@@ -100,8 +103,8 @@ def test_the_recompute_line_says_what_a_layer_keeps_and_eager_parts_keep_the_old
     """The start-up line for each setting: auto keeps the attention output for samples of 8192
     tokens or more. A compiled layer with a part outside its graph (torch.compiler.disable, as
     sfttrain.lora runs peft's expert adapters) recomputes everything through transformers'
-    per-layer switch, its forward untouched; eager, the same layer keeps its attention output
-    (there is no graph to break)."""
+    per-layer switch, its forward untouched (and refuses model.recompute_qkv=false, which it cannot
+    hold); eager, the same layer keeps its attention output (there is no graph to break)."""
     lm, _ = stories_loss([8])
     layers = decoder_layers(lm.model)
     line = recompute.describe(layers, ModelConfig(gradient_checkpointing_ratio=0.5), 8192)
@@ -114,9 +117,13 @@ def test_the_recompute_line_says_what_a_layer_keeps_and_eager_parts_keep_the_old
     assert "its input only (model.recompute_attention=true)" in recompute.describe(
         layers, ModelConfig(recompute_attention=True), 8192)
     assert "none" in recompute.describe(layers, ModelConfig(enable_gradient_checkpointing=False), 8192)
+    assert ("its input (model.recompute_attention=auto, data.max_length < 8192), and its fused q/k/v GEMM "
+            "output (model.recompute_qkv=false)") in recompute.describe(layers, ModelConfig(recompute_qkv=False), 256)
     layers[0].mlp.forward = torch.compiler.disable(layers[0].mlp.forward)
     assert "its attention output" in recompute.describe(layers, ModelConfig(compile=False), 8192)  # no graph
     assert "parts outside it" in recompute.describe(layers, ModelConfig(compile=True), 8192)
+    with pytest.raises(ConfigError, match="model.recompute_qkv=false: this model's layers run parts outside"):
+        recompute.apply(lm.model, layers, ModelConfig(compile=True, recompute_qkv=False), 256)
     recompute.apply(lm.model, layers, ModelConfig(compile=True), 8192)
     assert all(layer.gradient_checkpointing and "forward" not in vars(layer) for layer in layers)
 
@@ -129,8 +136,11 @@ def one_sample(module, query, key, value, attention_mask, scaling=None, **kwargs
     return out.transpose(1, 2), None
 
 
-@pytest.mark.parametrize("recompute_attention", [False, True])
-def test_compiled_checkpointed_layers_recompute_only_what_backward_reads(recompute_attention):
+UNCHECKPOINTED: dict[bool, tuple] = {}  # the next test's reference step, by whether projections are fused
+
+
+@pytest.mark.parametrize("recompute_attention, recompute_qkv", [(False, True), (True, True), (True, False)])
+def test_compiled_checkpointed_layers_recompute_only_what_backward_reads(recompute_attention, recompute_qkv):
     """stories260K with LoRA adapters (fp32, CPU), each layer compiled and checkpointed as sfttrain
     does: the checkpoint is inside the compiled graph with no graph break, keeping the attention
     output (model.recompute_attention=false, long samples) or the layer's input alone (true, short
@@ -141,38 +151,56 @@ def test_compiled_checkpointed_layers_recompute_only_what_backward_reads(recompu
     down projection's base or B, whose output only leaves the layer (its gradients need down's
     input and A's output, both recomputed; with transformers' checkpoint around the compiled
     layers this step reran 101 GEMMs, not 95); the attention kernel runs again only when told to.
+    With model.recompute_qkv=false (projections fused, as it needs: a layer's 15 GEMMs, q/k/v and
+    gate/up one each for the base and one each for the A matrices) it reruns 12 of them, not 13:
+    the fused q/k/v GEMM's output, [tokens, q + k + v widths], is what the layer holds instead.
     Counted by the profiler, against the same step without checkpointing; the loss and gradients
     are its own, to fp32 reordering (1e-5). The row is one sample (`one_sample`)."""
     from torch._dynamo.utils import counters
     from torch.profiler import ProfilerActivity, profile
+    from transformers import AutoConfig
 
     from sfttrain import attention
+    from sfttrain.plan import DenseShape, activation_bytes
     from tests.test_fuse_projections import loss_and_grads as adapter_grads, stories
 
-    def step(checkpointed: bool) -> tuple[dict, torch.Tensor, dict[str, torch.Tensor]]:
+    def step(checkpointed: bool, fused: bool) -> tuple[dict, torch.Tensor, dict[str, torch.Tensor]]:
         lm, _ = stories(lora=True)
         attention.register(forward=one_sample)
         gen = random.Random(0)
         batch = pack([RenderedSample([gen.randrange(512) for _ in range(100)], [1] * 100, 0)])
         if checkpointed:
-            checkpoint_layers(lm, 1.0, recompute_attention)
+            checkpoint_layers(lm, 1.0, recompute_attention, recompute_qkv)
         torch._dynamo.reset()
-        compile_layers(decoder_layers(lm.model), cpp_wrapper=False)
+        compile_layers(decoder_layers(lm.model), cpp_wrapper=False, fused_projections=fused)
         adapter_grads(lm, batch)  # compiles
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             loss, grads = adapter_grads(lm, batch)
+        if checkpointed:
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: held.append(tuple(t.shape)) or t, lambda t: t):
+                adapter_grads(lm, batch)
         calls = {e.key: e.count for e in prof.key_averages()}
         return calls, loss, grads
 
     counters.clear()
+    held = []
+    fused = not recompute_qkv  # model.recompute_qkv=false needs the fused q/k/v GEMM
     try:
-        plain, checkpointed = step(False), step(True)
+        # the uncheckpointed reference of an earlier parametrisation when it is the same (fused alike)
+        plain = UNCHECKPOINTED.get(fused) or UNCHECKPOINTED.setdefault(fused, step(False, fused))
+        checkpointed = step(True, fused)
     finally:
         attention.register()
     assert not counters["graph_break"], dict(counters["graph_break"])
     gemms, sdpa = "aten::mm", "aten::_scaled_dot_product_flash_attention_for_cpu"
-    assert checkpointed[0][gemms] == plain[0][gemms] + 5 * 19
+    assert checkpointed[0][gemms] == plain[0][gemms] + 5 * (19 if recompute_qkv else 12)
     assert plain[0][sdpa] == 5 and checkpointed[0][sdpa] == 5 * (2 if recompute_attention else 1)
+    width = recompute.qkv_weight_shape(AutoConfig.from_pretrained(STORIES))[1]
+    assert held.count((100, width)) == (0 if recompute_qkv else 5), held
+    if not recompute_qkv:  # the preflight's estimate adds what the layers held (fp32: 4-byte values)
+        shape = DenseShape.from_config_json(str(STORIES))
+        added = activation_bytes(shape, 100, 5, 4, False, True) - activation_bytes(shape, 100, 5, 4, False, False)
+        assert added == 5 * 100 * width * 4
     torch.testing.assert_close(checkpointed[1], plain[1], rtol=1e-5, atol=0)
     for name, grad in plain[2].items():
         assert ((checkpointed[2][name] - grad).norm() / grad.norm()).item() < 1e-5, name
@@ -298,11 +326,15 @@ def test_checkpointed_layers_that_rerun_attention_take_the_python_wrapper(monkey
     partitioner wraps that kernel, tagged as drawing random numbers (dropout), in a call that
     replays the RNG state, and inductor's C++ wrapper cannot build that call: W2b with LoRA failed
     so in its first step on an H200 (torch 2.11, GraphSafeRunWithRngState), and stories260K does
-    here both ways (RunAndSaveRngState, the CPU's form). So auto takes the Python wrapper for such
-    runs, saying why at start-up, and an explicit true is refused before compute; layers keeping
-    their attention output keep the C++ one. When a torch lifts the limit, the first assertions
-    fail and the rule can go."""
+    here both ways (RunAndSaveRngState, the CPU's form). The second way only where transformers
+    checkpoints a layer's `forward`, inside the compiled graph (5.25); 5.17 checkpoints `__call__`,
+    around the compiled code, which the partitioner never sees (on the CPU it trains; W2b on an H200
+    failed otherwise, run BO's CheckpointError). So auto takes the Python wrapper for such runs,
+    saying why at start-up, and an explicit true is refused before compute; layers keeping their
+    attention output keep the C++ one. When a torch lifts the limit, the first assertions fail and
+    the rule can go."""
     from transformers import Qwen3Config, Qwen3MoeConfig
+    from transformers.modeling_layers import GradientCheckpointingLayer
 
     from sfttrain import attention
     from sfttrain.config import Config, ConfigError
@@ -313,8 +345,11 @@ def test_checkpointed_layers_that_rerun_attention_take_the_python_wrapper(monkey
         layers = decoder_layers(lm.model)
         recompute.transformers_checkpointing(lm.model, layers, layers)
 
+    ways = [lambda lm: checkpoint_layers(lm, 1.0, recompute_attention=True)]
+    if "__call__" not in vars(GradientCheckpointingLayer):  # it wraps `forward`: inside the compiled layer
+        ways.append(around)
     try:
-        for checkpoint_layers_way in (lambda lm: checkpoint_layers(lm, 1.0, recompute_attention=True), around):
+        for checkpoint_layers_way in ways:
             lm, _ = stories(lora=True)
             attention.register(forward=one_sample)  # after the model's load, which registers the default
             checkpoint_layers_way(lm)

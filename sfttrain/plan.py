@@ -158,9 +158,15 @@ def recomputed_layers(cfg: ModelConfig, layers: int) -> int:
     return len(checkpointed(list(range(layers)), cfg.gradient_checkpointing_ratio))
 
 
-def backward_bytes(shape: DenseShape, tokens: int, value_bytes: int) -> int:
-    """The gradients a layer's backward holds beside its activations: those of its MLP's values."""
-    return shape.mlp_activations_per_token() * tokens * value_bytes
+def backward_bytes(shape: DenseShape, tokens: int, value_bytes: int, lora: bool) -> int:
+    """The gradients a layer's backward holds beside its activations: those of its MLP's values. With
+    LoRA on a dense MLP (all-linear, as `lora_params` counts), 5 more of its width a token: the
+    adapters' B outputs of gate and up, the sums that make gate and up, and the adapter's term of
+    down's input gradient. W2b's peak (docs/benchmarks.md, run BT) held 7 [tokens, intermediate] and
+    2 [tokens, 2 x intermediate] buffers in that backward: 11 widths, where this and the one layer's
+    activations count 6 without LoRA."""
+    adapters = 5 * shape.intermediate if lora and not shape.sparse_layers else 0
+    return (shape.mlp_activations_per_token() + adapters) * tokens * value_bytes
 
 
 def autocast_copy_params(cfg: ModelConfig, shape: DenseShape) -> int:
@@ -198,7 +204,7 @@ def memory_per_rank(cfg: Config, shape: DenseShape, dp_size: int) -> dict[str, f
     elif autocast:
         out["bf16 weights (autocast copies)"] = autocast_copy_params(cfg, shape) * 2
     out[f"activations ({'with' if m.enable_gradient_checkpointing else 'without'} checkpointing)"] = activations
-    out["backward: one layer's MLP gradients"] = backward_bytes(shape, cfg.micro_batch_tokens(), compute)
+    out["backward: one layer's MLP gradients"] = backward_bytes(shape, cfg.micro_batch_tokens(), compute, m.lora_rank > 0)
     out[f"logits / loss chunk ({m.loss_chunk_tokens} tokens x {shape.vocab} vocab)"] = logits
     return {k: v / GIB for k, v in out.items()}
 

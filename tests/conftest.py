@@ -36,10 +36,13 @@ STORIES = ASSETS / "models" / "stories260K"
 # worker the next file when it runs short: started last, one of these would leave the other worker
 # idle for most of its length. bench/'s tests are four files (tests/bench_run.py), the article's
 # jobs one apart from test_cli.py: as one file, bench's (~45% of the suite) decided when the suite
-# ended whenever its share grew past half.
+# ended whenever its share grew past half. test_parallel.py and test_fuse_projections.py compile layers
+# with inductor: on a fresh clone, with no compiled kernels cached, they took 3.0 minutes together
+# (1.9 warm; 2026-12-04), so they start early too.
 SLOWEST_FILES = ["test_bench_w1.py", "test_checkpoint.py", "test_bench_w2b.py", "test_article.py", "test_bench_moe.py",
-                 "test_bench_scale.py", "test_errors.py", "test_trainer.py", "test_files.py",
-                 "test_sequence_parallel.py", "test_cli.py", "test_multinode.py"]
+                 "test_parallel.py", "test_bench_scale.py", "test_errors.py", "test_trainer.py",
+                 "test_fuse_projections.py", "test_files.py", "test_sequence_parallel.py", "test_cli.py",
+                 "test_multinode.py"]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -95,7 +95,8 @@ class ModelConfig:
     # with checkpointing, compiled layers and fused projections (fuse_projections): false keeps each
     # checkpointed layer's fused q/k/v GEMM output (q, k and v widths a token: 1.5 hidden states on
     # Llama-3-8B, 3 GiB at 8192 tokens over its 32 layers) so that backward does not run that GEMM again;
-    # true recomputes it with the rest of the layer (the least memory; sfttrain/recompute.py)
+    # true recomputes it with the rest of the layer (the least memory; sfttrain/recompute.py). Not with fp8,
+    # whose linear layers are not fused
     recompute_qkv: bool = True
     attn_implementation: str = "auto"  # auto | flash_attn | torch_varlen | sdpa_blockmask
     use_liger: bool = False  # Liger's fused RMSNorm/SwiGLU/RoPE and fused linear cross-entropy
@@ -555,6 +556,12 @@ def _validate_fp8(cfg: Config) -> None:
         raise ConfigError(f"model.fp8={m.fp8} with model.lora_rank={m.lora_rank}: FP8 linear layers compute the "
                           "weight gradient of the frozen base too (work LoRA skips in bf16), so they would slow "
                           "LoRA down; set model.fp8=off for LoRA")
+    if m.fp8 != "off" and m.recompute_qkv is False:
+        # torchao's float8 linear is not a linear call the fusion pass can group: there would be no
+        # fused q/k/v GEMM to keep, and the setting would do nothing
+        raise ConfigError(f"model.fp8={m.fp8} with model.recompute_qkv=false: FP8 linear layers are not fused "
+                          "(sfttrain/fuse_projections.py), so there is no q/k/v GEMM output to keep; remove "
+                          "model.recompute_qkv or set model.fp8=off")
 
 
 def logger_names(t: TrainerConfig) -> list[str]:

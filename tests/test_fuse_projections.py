@@ -178,6 +178,8 @@ def test_auto_fuses_for_lora_and_what_needs_fused_layers_says_so():
         with pytest.raises(ConfigError, match="model.recompute_qkv=false .* needs model.enable_gradient_checkpointing"
                                               "=true, model.compile=true and fused projections"):
             fused(*overrides, "model.recompute_qkv=false")
+    with pytest.raises(ConfigError, match="model.fp8=auto with model.recompute_qkv=false: FP8 linear layers are not"):
+        fused("model.compile=true", "model.fuse_projections=true", "model.recompute_qkv=false", "model.fp8=auto")
 
     assert fused("model.compile=true", "model.lora_rank=8")
     assert not fused("model.compile=true")  # full fine-tuning: measured slower fused

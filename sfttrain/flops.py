@@ -114,6 +114,12 @@ def mfu(flops_per_token: float, tokens_per_s: float, num_gpus: int, peak_flops: 
     return flops_per_token * tokens_per_s / (peak_flops * num_gpus)
 
 
+def head_dim_of(config) -> int:
+    """A transformers config's attention head width: its own head_dim where it sets one (Qwen3's
+    differs from hidden_size / heads), else that quotient."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """The numbers of a model that the FLOP count needs, read once from the unsharded model."""
@@ -132,7 +138,7 @@ class ModelShape:
     @classmethod
     def of(cls, model: torch.nn.Module) -> "ModelShape":
         c = model.config
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        head_dim = head_dim_of(c)
         num_params, trainable = count_params(model), count_trainable(model)
         routing = moe.routing(c)
         idle = 1 - routing.active_fraction if routing else 0.0  # the share of routed experts a token skips

@@ -39,6 +39,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from sfttrain.attention import kernel_ops
 from sfttrain.config import ConfigError, ModelConfig
+from sfttrain.flops import head_dim_of
 
 
 LONG_SAMPLE = 8192  # data.max_length from which model.recompute_attention=auto keeps attention outputs
@@ -142,8 +143,7 @@ def qkv_weight_shape(config) -> tuple[int, int]:
     (sfttrain.fuse_projections) as aten's mm and addmm see it, transposed. No other projection of a
     decoder layer has it: gate/up fused are two intermediate widths wide, the LoRA adapters' A rank-wide
     and their B read rank-wide inputs."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return config.hidden_size, (config.num_attention_heads + 2 * config.num_key_value_heads) * head_dim
+    return config.hidden_size, (config.num_attention_heads + 2 * config.num_key_value_heads) * head_dim_of(config)
 
 
 def has_eager_parts(layer: nn.Module) -> bool:

@@ -109,8 +109,9 @@ class ModelConfig:
     # build them); docs/benchmarks.md
     compile_cpp_wrapper: Any = "auto"
     # with compile: the projections that read one input (q/k/v; gate/up; with LoRA their adapters' A too)
-    # run as one GEMM each (sfttrain/fuse_projections.py). auto: with LoRA (W1: +3.4%), not for full
-    # fine-tuning (W1: -2.6%)
+    # run as one GEMM each (sfttrain/fuse_projections.py). auto: with LoRA (W1: +3.4%), but groups of frozen
+    # weights over 32 MiB a layer stay apart (their copy costs more than the launches saved); not for full
+    # fine-tuning (W1: -2.6%). true: every group
     fuse_projections: Any = "auto"
     # tokens per chunk of sfttrain's linear cross-entropy: a chunk's logits are held at once (chunk x
     # vocab in bf16; twice that with loss_kernel=torch); larger chunks pass fewer times over the fp32

@@ -15,12 +15,25 @@ The model, its parameters and its checkpoints are unchanged: the concatenation i
 A group holds projections of one input whose weights agree in whether they are trained: a frozen
 base weight fused with a LoRA adapter would have its gradient GEMM computed (the concatenation
 requires grad), the very work LoRA skips. Biases: all or none of a group's projections have one.
+
+What fusing costs: the concatenated weight is a copy, made in forward and again in backward (twice
+4 bytes of traffic a bf16 weight). What it saves is launches and narrow GEMMs: two or three GEMMs
+and a sum fewer a group, forward and backward, ~10 us of host time each where the step is the
+host's (W1's). Both are fixed per micro-batch, so the break-even is a weight size: copying 32 MiB
+twice takes ~30 us at ~4.5 TB/s, what the ~3 launches of a two-projection group take. Groups of
+frozen weights over FROZEN_GROUP_MAX_BYTES are left unfused (`graph_pass`): on W2b's 8B Llama the
+gate/up weights are 224 MiB a layer, whose copies held 0.22 GiB at the peak and ~1-2% of the step
+(docs/benchmarks.md, runs BT, BU); W1's largest group is 17 MiB. Trained groups, the adapters' A,
+are small, and a fused full fine-tuning is what model.fuse_projections=true asks for. The q/k/v
+group whose GEMM output model.recompute_qkv=false keeps stays fused whatever its size: that keeping
+needs its one GEMM (sfttrain.recompute).
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import operator
 from collections import defaultdict
 
@@ -31,12 +44,32 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.checkpoint import CheckpointPolicy
 
+from sfttrain.config import ModelConfig
+from sfttrain.recompute import qkv_weight_shape
+
 LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
+FROZEN_GROUP_MAX_BYTES = 32 * 2**20  # the largest frozen group model.fuse_projections=auto fuses (above)
+
+
+def graph_pass(cfg: ModelConfig, model_config) -> FuseSharedInputProjections | None:
+    """The pass model.fuse_projections asks for: none; every group (true); or, auto, every group but
+    frozen ones over FROZEN_GROUP_MAX_BYTES, the q/k/v group model.recompute_qkv=false keeps excepted."""
+    if not cfg.fuses_projections():
+        return None
+    if cfg.fuse_projections is True:
+        return FuseSharedInputProjections()
+    hidden, qkv = qkv_weight_shape(model_config)
+    return FuseSharedInputProjections(FROZEN_GROUP_MAX_BYTES, None if cfg.recompute_qkv else (qkv, hidden))
 
 
 class FuseSharedInputProjections(CustomGraphPass):
     """The pre-grad graph pass (inductor's `pre_grad_custom_pass`). Each group it fuses counts in
-    torch._dynamo's counters["inductor"]["fused_projections"], beside inductor's own passes'."""
+    torch._dynamo's counters["inductor"]["fused_projections"], beside inductor's own passes'.
+    frozen_max_bytes: frozen groups whose weights take more are left unfused, unless their fused weight
+    has the shape `always_fused` ([out, in]: the q/k/v group whose GEMM output recompute keeps)."""
+
+    def __init__(self, frozen_max_bytes: float = math.inf, always_fused: tuple[int, int] | None = None):
+        self.frozen_max_bytes, self.always_fused = frozen_max_bytes, always_fused
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         groups = defaultdict(list)
@@ -44,15 +77,23 @@ class FuseSharedInputProjections(CustomGraphPass):
             key = group_key(node)
             if key is not None:
                 groups[key].append(node)
-        for nodes in groups.values():
-            if len(nodes) > 1:
+        for (_, trained, *_), nodes in groups.items():
+            if len(nodes) > 1 and (trained or self.fuses_frozen(nodes)):
                 fuse(graph, nodes)
                 counters["inductor"]["fused_projections"] += 1
 
+    def fuses_frozen(self, nodes: list[torch.fx.Node]) -> bool:
+        weights = [n.args[1].meta["example_value"] for n in nodes]
+        shape = (sum(w.shape[0] for w in weights), weights[0].shape[1])
+        size = sum(w.numel() * w.element_size() for w in weights)
+        return size <= self.frozen_max_bytes or shape == self.always_fused
+
     def uuid(self) -> str:
-        """inductor's cache key for the pass: the graphs it makes depend on this file's code only."""
+        """inductor's cache key for the pass: the graphs it makes depend on this file's code and the
+        pass's two settings."""
         with open(__file__, "rb") as f:
-            return hashlib.sha256(f.read()).hexdigest()
+            code = f.read()
+        return hashlib.sha256(code + repr((self.frozen_max_bytes, self.always_fused)).encode()).hexdigest()
 
 
 def group_key(node: torch.fx.Node) -> tuple | None:

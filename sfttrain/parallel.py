@@ -105,7 +105,7 @@ def single_device(lm: CausalLMLoss, world: World, cfg: Config) -> None:
         lm.model.get_input_embeddings().register_forward_hook(lambda _module, _args, out: out.to(dtype))
     if cfg.model.compile:
         compile_layers(decoder_layers(lm.model), cpp_wrapper(cfg, world, lm.model.config),
-                       cfg.model.fuses_projections())
+                       fuse_projections.graph_pass(cfg.model, lm.model.config))
 
 
 def replicate_model(lm: CausalLMLoss, world: World, cfg: Config) -> None:
@@ -127,7 +127,8 @@ def replicate_model(lm: CausalLMLoss, world: World, cfg: Config) -> None:
         lm.register_comm_hook(None, bf16_compress_hook)
 
 
-def compile_layers(layers: list[torch.nn.Module], cpp_wrapper: bool, fused_projections: bool = False) -> None:
+def compile_layers(layers: list[torch.nn.Module], cpp_wrapper: bool,
+                   fuse: fuse_projections.FuseSharedInputProjections | None = None) -> None:
     """torch.compile each decoder layer. The layers share one forward, so dynamo traces and inductor
     compiles it once and every other layer reuses that code: start-up is a fraction of compiling the
     whole decoder as one graph, at the same step time (the only fusions lost are at the layer
@@ -135,13 +136,13 @@ def compile_layers(layers: list[torch.nn.Module], cpp_wrapper: bool, fused_proje
     packed row has another length, and a specialise-then-recompile cycle per length would be a
     storm. Under FSDP the per-layer graphs also leave FSDP's hooks between the layers.
     cpp_wrapper: the compiled code launches its kernels from C++ (model.compile_cpp_wrapper).
-    fused_projections: projections of one input run as one GEMM (model.fuse_projections)."""
+    fuse: the graph pass that runs projections of one input as one GEMM (model.fuse_projections)."""
     # inductor fuses a norm's row and column reductions (its backward) only above a size it checks
     # against the first compile's token count, and guards on that check: a later micro-batch on the
     # other side of it (under 10240 tokens after one above, for a 512-wide k_norm) recompiles every
     # layer mid-run. The non-strict mode skips those size checks, so one compilation serves all lengths
     options = {"triton.mix_order_reduction_non_strict_mode": True, **({"cpp_wrapper": True} if cpp_wrapper else {}),
-               **({"pre_grad_custom_pass": fuse_projections.FuseSharedInputProjections()} if fused_projections else {})}
+               **({"pre_grad_custom_pass": fuse} if fuse is not None else {})}
     # a checkpoint inside a layer (sfttrain.recompute, long samples) may not hold a side effect, or dynamo
     # breaks the graph there and runs the layer eagerly, recomputing parts of it several times (stories260K
     # with LoRA on the CPU: 586 GEMMs a step instead of 371). transformers 5.25 (not 5.17) routes kernel
@@ -208,8 +209,12 @@ def describe_compile(cfg: Config, world: World, model_config) -> str:
     why = ""
     if wrapper == "Python" and world.device.type == "cuda" and cfg.model.compile_cpp_wrapper == "auto":
         why = f" ({why_python_wrapper(cfg, model_config)})"
-    fused = ("; projections sharing an input run as one GEMM (model.fuse_projections)"
-             if cfg.model.fuses_projections() else "")
+    fused = ""
+    if cfg.model.fuses_projections():
+        unfused = "" if cfg.model.fuse_projections is True else (
+            f", but groups of frozen weights over {fuse_projections.FROZEN_GROUP_MAX_BYTES >> 20} MiB a layer"
+            + ("" if cfg.model.recompute_qkv else " other than q/k/v, whose output model.recompute_qkv=false keeps"))
+        fused = f"; projections sharing an input run as one GEMM{unfused} (model.fuse_projections)"
     return f"each decoder layer, dynamic shapes, kernels launched by inductor's {wrapper} wrapper{why}{fused}"
 
 
@@ -235,7 +240,7 @@ def shard(lm: CausalLMLoss, world: World, cfg: Config, offload: bool) -> None:
         common["offload_policy"] = CPUOffloadPolicy()
     layers = decoder_layers(lm.model)
     if cfg.model.compile:
-        compile_layers(layers, cpp_wrapper(cfg, world, lm.model.config), cfg.model.fuses_projections())
+        compile_layers(layers, cpp_wrapper(cfg, world, lm.model.config), fuse_projections.graph_pass(cfg.model, lm.model.config))
     for i, layer in enumerate(layers):
         # the last layer's parameters are needed again at once by backward (as torchtitan does)
         last = i == len(layers) - 1

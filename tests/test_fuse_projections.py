@@ -10,6 +10,7 @@ from torch._dynamo.utils import counters
 from sfttrain.config import ConfigError, FSDPConfig, ModelConfig, load_config
 from sfttrain.data.pack import pack
 from sfttrain.data.render import RenderedSample
+from sfttrain import fuse_projections
 from sfttrain.fuse_projections import FuseSharedInputProjections
 from sfttrain.loss import CausalLMLoss
 from sfttrain.model import decoder_layers, load_model, materialise_model
@@ -63,22 +64,36 @@ def weight_role(node: torch.fx.Node) -> str:
     return proj + (".lora_A" if "lora_a" in name else ".lora_B" if "lora_b" in name else "")
 
 
-@pytest.mark.parametrize("lora, groups", [
-    (False, [["q_proj", "k_proj", "v_proj"], ["gate_proj", "up_proj"]]),
+QKV, GATE_UP = ["q_proj", "k_proj", "v_proj"], ["gate_proj", "up_proj"]
+ADAPTERS_A = [["q_proj.lora_A", "k_proj.lora_A", "v_proj.lora_A"], ["gate_proj.lora_A", "up_proj.lora_A"]]
+
+
+@pytest.mark.parametrize("lora, frozen_max_bytes, recompute_qkv, groups", [
+    (False, None, True, [QKV, GATE_UP]),
     # the frozen base weights and the trained adapters of one input in groups of their own
-    (True, [["q_proj", "k_proj", "v_proj"], ["q_proj.lora_A", "k_proj.lora_A", "v_proj.lora_A"],
-            ["gate_proj", "up_proj"], ["gate_proj.lora_A", "up_proj.lora_A"]]),
+    (True, None, True, [QKV, GATE_UP, *ADAPTERS_A]),
+    # model.fuse_projections=auto (`graph_pass`) with a bound between stories260K's fp32 frozen q/k/v
+    # (32 KiB a layer) and gate/up (88 KiB): the gate/up stay apart, the trained adapters' A do not
+    (True, 64 << 10, True, [QKV, *ADAPTERS_A]),
+    # no frozen group within the bound, but the q/k/v whose output model.recompute_qkv=false keeps
+    (True, 0, False, [QKV, *ADAPTERS_A]),
 ])
-def test_the_projections_of_one_input_are_fused_and_compute_what_they_did(lora, groups):
+def test_the_projections_of_one_input_are_fused_and_compute_what_they_did(lora, frozen_max_bytes, recompute_qkv,
+                                                                         groups, monkeypatch):
     """Each layer's graph as dynamo captures it for inductor, rewritten by the pass and then run
-    eagerly: the groups are the projections of one input with weights trained alike, and the
-    model's loss and every gradient are those of the unrewritten layers."""
+    eagerly: the groups are the projections of one input with weights trained alike (frozen ones
+    within auto's bound), and the model's loss and every gradient are those of the unrewritten layers."""
     lm, batch = stories(lora)
     plain = loss_and_grads(lm, batch)
+    graph_pass = FuseSharedInputProjections()
+    if frozen_max_bytes is not None:
+        monkeypatch.setattr(fuse_projections, "FROZEN_GROUP_MAX_BYTES", frozen_max_bytes)
+        cfg = ModelConfig(compile=True, lora_rank=8, enable_gradient_checkpointing=True, recompute_qkv=recompute_qkv)
+        graph_pass = fuse_projections.graph_pass(cfg, lm.model.config)
     seen = []
 
     def backend(gm, example_inputs):
-        FuseSharedInputProjections()(gm.graph)
+        graph_pass(gm.graph)
         gm.recompile()
         seen.append([[weight_role(w) for w in node.args[0]] for node in gm.graph.nodes if node.target is torch.cat
                      and all(w.op == "placeholder" for w in node.args[0]) and "bias" not in node.args[0][0].name])
@@ -126,7 +141,7 @@ def test_inductor_compiles_the_fused_layer_to_what_the_unfused_computes():
     saved = []
     torch._dynamo.reset()
     counters.clear()
-    compile_layers([layer], cpp_wrapper=False, fused_projections=True)
+    compile_layers([layer], cpp_wrapper=False, fuse=FuseSharedInputProjections())
     # compiled anew, not taken from inductor's caches (where the pass, a part of their key, does not run)
     with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
         fused = output_and_grads()
@@ -158,7 +173,7 @@ def test_on_the_gpu_the_fused_layers_train_what_the_unfused_do():
     runs = []
     for fuse in (False, True):
         torch._dynamo.reset()
-        compile_layers(decoder_layers(lm.model), cpp_wrapper=False, fused_projections=fuse)
+        compile_layers(decoder_layers(lm.model), cpp_wrapper=False, fuse=FuseSharedInputProjections() if fuse else None)
         loss, grads = loss_and_grads(lm, batch)
         runs.append((loss.float(), torch.cat([g.float().flatten() for g in grads.values()])))
     (plain_loss, plain_grads), (fused_loss, fused_grads) = runs

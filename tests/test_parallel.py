@@ -162,6 +162,7 @@ def test_compiled_checkpointed_layers_recompute_only_what_backward_reads(recompu
 
     from sfttrain import attention
     from sfttrain.plan import DenseShape, activation_bytes
+    from sfttrain.fuse_projections import FuseSharedInputProjections
     from tests.test_fuse_projections import loss_and_grads as adapter_grads, stories
 
     def step(checkpointed: bool, fused: bool) -> tuple[dict, torch.Tensor, dict[str, torch.Tensor]]:
@@ -172,7 +173,7 @@ def test_compiled_checkpointed_layers_recompute_only_what_backward_reads(recompu
         if checkpointed:
             checkpoint_layers(lm, 1.0, recompute_attention, recompute_qkv)
         torch._dynamo.reset()
-        compile_layers(decoder_layers(lm.model), cpp_wrapper=False, fused_projections=fused)
+        compile_layers(decoder_layers(lm.model), cpp_wrapper=False, fuse=FuseSharedInputProjections() if fused else None)
         adapter_grads(lm, batch)  # compiles
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             loss, grads = adapter_grads(lm, batch)
@@ -339,6 +340,7 @@ def test_checkpointed_layers_that_rerun_attention_take_the_python_wrapper(monkey
     from sfttrain import attention
     from sfttrain.config import Config, ConfigError
     from sfttrain.parallel import cpp_wrapper, describe_compile
+    from sfttrain.fuse_projections import FuseSharedInputProjections
     from tests.test_fuse_projections import loss_and_grads as adapter_grads, stories
 
     def around(lm):

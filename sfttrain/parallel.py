@@ -143,14 +143,18 @@ def compile_layers(layers: list[torch.nn.Module], cpp_wrapper: bool,
     # layer mid-run. The non-strict mode skips those size checks, so one compilation serves all lengths
     options = {"triton.mix_order_reduction_non_strict_mode": True, **({"cpp_wrapper": True} if cpp_wrapper else {}),
                **({"pre_grad_custom_pass": fuse} if fuse is not None else {})}
-    # a checkpoint inside a layer (sfttrain.recompute, long samples) may not hold a side effect, or dynamo
-    # breaks the graph there and runs the layer eagerly, recomputing parts of it several times (stories260K
-    # with LoRA on the CPU: 586 GEMMs a step instead of 371). transformers 5.25 (not 5.17) routes kernel
-    # functions through a context variable set and reset around each attention module's forward (the
-    # `kernels` package's new_forward): nothing the recomputation needs to replay. torchtitan sets the same
-    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+    allow_side_effects_in_checkpoints()
     for layer in layers:
         layer.compile(dynamic=True, options=options)
+
+
+def allow_side_effects_in_checkpoints() -> None:
+    """A checkpoint inside a layer (sfttrain.recompute) may not hold a side effect, or dynamo breaks the
+    graph there and runs the layer eagerly, recomputing parts of it several times (stories260K with LoRA
+    on the CPU: 586 GEMMs a step instead of 371). transformers 5.25 (not 5.17) routes kernel functions
+    through a context variable set and reset around each attention module's forward (the `kernels`
+    package's new_forward): nothing the recomputation needs to replay. torchtitan sets the same."""
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 
 
 # the longest micro-batch `auto` gives the C++ wrapper: the longest it was measured to run at (W2b with

@@ -12,7 +12,7 @@ from sfttrain.data.render import RenderedSample
 from sfttrain.loss import CausalLMLoss
 from sfttrain.model import decoder_layers, load_model, materialise_model
 from sfttrain import recompute
-from sfttrain.parallel import compile_layers
+from sfttrain.parallel import allow_side_effects_in_checkpoints, compile_layers
 from tests.conftest import STORIES
 
 
@@ -136,13 +136,38 @@ def one_sample(module, query, key, value, attention_mask, scaling=None, **kwargs
     return out.transpose(1, 2), None
 
 
+def partitioned(fused: bool):
+    """A torch.compile backend that splits a layer's graph into forward and backward as inductor does,
+    without its code generation: AOTAutograd with inductor's decompositions and min-cut partitioner
+    (compiler="inductor"), the two graphs run eagerly. fused: sfttrain's pre-grad pass first, as inductor
+    runs it: on the graph and on the graphs it holds (a checkpoint's body is one)."""
+    from torch._dynamo.backends.debugging import aot_eager_decomp_partition
+
+    from sfttrain.fuse_projections import FuseSharedInputProjections
+
+    def fuse(gm: torch.fx.GraphModule) -> None:
+        FuseSharedInputProjections()(gm.graph)
+        gm.recompile()
+        for child in gm.children():
+            if isinstance(child, torch.fx.GraphModule):
+                fuse(child)
+
+    def backend(gm: torch.fx.GraphModule, example_inputs):
+        if fused:
+            fuse(gm)
+        return aot_eager_decomp_partition(gm, example_inputs)
+    return backend
+
+
 UNCHECKPOINTED: dict[bool, tuple] = {}  # the next test's reference step, by whether projections are fused
 
 
 @pytest.mark.parametrize("recompute_attention, recompute_qkv", [(False, True), (True, True), (True, False)])
 def test_compiled_checkpointed_layers_recompute_only_what_backward_reads(recompute_attention, recompute_qkv):
-    """stories260K with LoRA adapters (fp32, CPU), each layer compiled and checkpointed as sfttrain
-    does: the checkpoint is inside the compiled graph with no graph break, keeping the attention
+    """stories260K with LoRA adapters (fp32, CPU), each layer checkpointed as sfttrain does and compiled
+    through inductor's decompositions and partitioner (`partitioned`, which decides what backward
+    recomputes; inductor's code generation, minutes of C++ compiling on a fresh machine, has no say in
+    it): the checkpoint is inside the compiled graph with no graph break, keeping the attention
     output (model.recompute_attention=false, long samples) or the layer's input alone (true, short
     samples), though transformers 5.25's attention modules set a context variable in forward
     (without sfttrain.parallel's dynamo setting the layers ran eagerly, their parts recomputed
@@ -162,7 +187,6 @@ def test_compiled_checkpointed_layers_recompute_only_what_backward_reads(recompu
 
     from sfttrain import attention
     from sfttrain.plan import DenseShape, activation_bytes
-    from sfttrain.fuse_projections import FuseSharedInputProjections
     from tests.test_fuse_projections import loss_and_grads as adapter_grads, stories
 
     def step(checkpointed: bool, fused: bool) -> tuple[dict, torch.Tensor, dict[str, torch.Tensor]]:
@@ -173,7 +197,9 @@ def test_compiled_checkpointed_layers_recompute_only_what_backward_reads(recompu
         if checkpointed:
             checkpoint_layers(lm, 1.0, recompute_attention, recompute_qkv)
         torch._dynamo.reset()
-        compile_layers(decoder_layers(lm.model), cpp_wrapper=False, fuse=FuseSharedInputProjections() if fused else None)
+        allow_side_effects_in_checkpoints()
+        for layer in decoder_layers(lm.model):
+            layer.compile(backend=partitioned(fused), dynamic=True)
         adapter_grads(lm, batch)  # compiles
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             loss, grads = adapter_grads(lm, batch)

@@ -563,6 +563,11 @@ def _validate_fp8(cfg: Config) -> None:
         raise ConfigError(f"model.fp8={m.fp8} with model.recompute_qkv=false: FP8 linear layers are not fused "
                           "(sfttrain/fuse_projections.py), so there is no q/k/v GEMM output to keep; remove "
                           "model.recompute_qkv or set model.fp8=off")
+    if m.fp8 != "off" and m.fuse_projections is True:
+        # the same: the pass would find no group among the FP8 layers, and the setting would do nothing
+        raise ConfigError(f"model.fp8={m.fp8} with model.fuse_projections=true: FP8 linear layers are not fused "
+                          "(sfttrain/fuse_projections.py), so the setting would fuse nothing; remove "
+                          "model.fuse_projections or set model.fp8=off")
 
 
 def logger_names(t: TrainerConfig) -> list[str]:

@@ -195,6 +195,9 @@ def test_auto_fuses_for_lora_and_what_needs_fused_layers_says_so():
             fused(*overrides, "model.recompute_qkv=false")
     with pytest.raises(ConfigError, match="model.fp8=auto with model.recompute_qkv=false: FP8 linear layers are not"):
         fused("model.compile=true", "model.fuse_projections=true", "model.recompute_qkv=false", "model.fp8=auto")
+    with pytest.raises(ConfigError, match="model.fp8=tensorwise with model.fuse_projections=true: FP8 linear layers "
+                                          "are not fused .* so the setting would fuse nothing"):
+        fused("model.compile=true", "model.fuse_projections=true", "model.fp8=tensorwise")
 
     assert fused("model.compile=true", "model.lora_rank=8")
     assert not fused("model.compile=true")  # full fine-tuning: measured slower fused

@@ -216,7 +216,7 @@ def describe_compile(cfg: Config, world: World, model_config) -> str:
     fused = ""
     if cfg.model.fuses_projections():
         unfused = "" if cfg.model.fuse_projections is True else (
-            f", but groups of frozen weights over {fuse_projections.FROZEN_GROUP_MAX_BYTES >> 20} MiB a layer"
+            f", but not groups of frozen weights over {fuse_projections.FROZEN_GROUP_MAX_BYTES >> 20} MiB a layer"
             + ("" if cfg.model.recompute_qkv else " other than q/k/v, whose output model.recompute_qkv=false keeps"))
         fused = f"; projections sharing an input run as one GEMM{unfused} (model.fuse_projections)"
     return f"each decoder layer, dynamic shapes, kernels launched by inductor's {wrapper} wrapper{why}{fused}"

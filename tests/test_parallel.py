@@ -367,7 +367,6 @@ def test_checkpointed_layers_that_rerun_attention_take_the_python_wrapper(monkey
     from sfttrain import attention
     from sfttrain.config import Config, ConfigError
     from sfttrain.parallel import cpp_wrapper, describe_compile
-    from sfttrain.fuse_projections import FuseSharedInputProjections
     from tests.test_fuse_projections import loss_and_grads as adapter_grads, stories
 
     def around(lm):

@@ -73,7 +73,7 @@ ADAPTERS_A = [["q_proj.lora_A", "k_proj.lora_A", "v_proj.lora_A"], ["gate_proj.l
     # the frozen base weights and the trained adapters of one input in groups of their own
     (True, None, True, [QKV, GATE_UP, *ADAPTERS_A]),
     # model.fuse_projections=auto (`graph_pass`) with a bound between stories260K's fp32 frozen q/k/v
-    # (32 KiB a layer) and gate/up (88 KiB): the gate/up stay apart, the trained adapters' A do not
+    # (32 KiB a layer) and gate/up (86 KiB): the gate/up stay apart, the trained adapters' A do not
     (True, 64 << 10, True, [QKV, *ADAPTERS_A]),
     # no frozen group within the bound, but the q/k/v whose output model.recompute_qkv=false keeps
     (True, 0, False, [QKV, *ADAPTERS_A]),

@@ -82,6 +82,13 @@ class FuseSharedInputProjections(CustomGraphPass):
                 fuse(graph, nodes)
                 counters["inductor"]["fused_projections"] += 1
 
+    def describe(self) -> str:
+        """What the start-up line says of the groups left apart ("" when every group is fused)."""
+        if self.frozen_max_bytes == math.inf:
+            return ""
+        kept = "" if self.always_fused is None else " other than q/k/v, whose output model.recompute_qkv=false keeps"
+        return f", but not groups of frozen weights over {int(self.frozen_max_bytes) >> 20} MiB a layer{kept}"
+
     def fuses_frozen(self, nodes: list[torch.fx.Node]) -> bool:
         weights = [n.args[1].meta["example_value"] for n in nodes]
         shape = (sum(w.shape[0] for w in weights), weights[0].shape[1])

@@ -213,12 +213,8 @@ def describe_compile(cfg: Config, world: World, model_config) -> str:
     why = ""
     if wrapper == "Python" and world.device.type == "cuda" and cfg.model.compile_cpp_wrapper == "auto":
         why = f" ({why_python_wrapper(cfg, model_config)})"
-    fused = ""
-    if cfg.model.fuses_projections():
-        unfused = "" if cfg.model.fuse_projections is True else (
-            f", but not groups of frozen weights over {fuse_projections.FROZEN_GROUP_MAX_BYTES >> 20} MiB a layer"
-            + ("" if cfg.model.recompute_qkv else " other than q/k/v, whose output model.recompute_qkv=false keeps"))
-        fused = f"; projections sharing an input run as one GEMM{unfused} (model.fuse_projections)"
+    fuse = fuse_projections.graph_pass(cfg.model, model_config)
+    fused = "" if fuse is None else f"; projections sharing an input run as one GEMM{fuse.describe()} (model.fuse_projections)"
     return f"each decoder layer, dynamic shapes, kernels launched by inductor's {wrapper} wrapper{why}{fused}"
 
 

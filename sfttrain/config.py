@@ -113,6 +113,12 @@ class ModelConfig:
     # weights over 32 MiB a layer stay apart (their copy costs more than the launches saved); not for full
     # fine-tuning (W1: -2.6%). true: every group
     fuse_projections: Any = "auto"
+    # with LoRA and fused projections: each adapter's B runs inside its frozen projection's GEMM, over the
+    # input widened by the adapters' A outputs (sfttrain/lora_fold.py): the same sums, without a second
+    # output of the projection's size written and read (W1's seven projections: -14% GPU time in a
+    # microbenchmark). Off by default: not yet shown faster end to end (W1 LoRA's step is the host's,
+    # and +0.67 GiB; docs/benchmarks.md, run CE)
+    fold_lora: bool = False
     # tokens per chunk of sfttrain's linear cross-entropy: a chunk's logits are held at once (chunk x
     # vocab in bf16; twice that with loss_kernel=torch); larger chunks pass fewer times over the fp32
     # lm_head gradient: a little faster for more peak memory (docs/benchmarks.md)

@@ -31,76 +31,92 @@ needs its one GEMM (sfttrain.recompute).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import math
 import operator
 from collections import defaultdict
 
 import torch
-from torch._dispatch.python import enable_python_dispatcher
 from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils.checkpoint import CheckpointPolicy
 
+from sfttrain import lora_fold
 from sfttrain.config import ModelConfig
+from sfttrain.graph_rewrite import LINEAR, recomputed, with_value
 from sfttrain.recompute import qkv_weight_shape
 
-LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
 FROZEN_GROUP_MAX_BYTES = 32 * 2**20  # the largest frozen group model.fuse_projections=auto fuses (above)
 
 
 def graph_pass(cfg: ModelConfig, model_config) -> FuseSharedInputProjections | None:
     """The pass model.fuse_projections asks for: none; every group (true); or, auto, every group but
-    frozen ones over FROZEN_GROUP_MAX_BYTES, the q/k/v group model.recompute_qkv=false keeps excepted."""
+    frozen ones over FROZEN_GROUP_MAX_BYTES, the q/k/v group model.recompute_qkv=false keeps excepted.
+    With LoRA and model.fold_lora, the groups of adapted projections it would fuse are folded first
+    (sfttrain.lora_fold)."""
     if not cfg.fuses_projections():
         return None
+    fold = cfg.lora_rank > 0 and cfg.fold_lora
     if cfg.fuse_projections is True:
-        return FuseSharedInputProjections()
+        return FuseSharedInputProjections(fold_lora=fold)
     hidden, qkv = qkv_weight_shape(model_config)
-    return FuseSharedInputProjections(FROZEN_GROUP_MAX_BYTES, None if cfg.recompute_qkv else (qkv, hidden))
+    return FuseSharedInputProjections(FROZEN_GROUP_MAX_BYTES, None if cfg.recompute_qkv else (qkv, hidden), fold)
 
 
 class FuseSharedInputProjections(CustomGraphPass):
     """The pre-grad graph pass (inductor's `pre_grad_custom_pass`). Each group it fuses counts in
-    torch._dynamo's counters["inductor"]["fused_projections"], beside inductor's own passes'.
+    torch._dynamo's counters["inductor"]["fused_projections"], each group of LoRA projections it folds
+    in ["folded_lora"], beside inductor's own passes'.
     frozen_max_bytes: frozen groups whose weights take more are left unfused, unless their fused weight
-    has the shape `always_fused` ([out, in]: the q/k/v group whose GEMM output recompute keeps)."""
+    has the shape `always_fused` ([out, in]: the q/k/v group whose GEMM output recompute keeps).
+    fold_lora: groups of adapted projections are folded (sfttrain.lora_fold) where their frozen weights
+    would be fused, but for the `always_fused` group (recompute finds its GEMM by that weight's shape)."""
 
-    def __init__(self, frozen_max_bytes: float = math.inf, always_fused: tuple[int, int] | None = None):
-        self.frozen_max_bytes, self.always_fused = frozen_max_bytes, always_fused
+    def __init__(self, frozen_max_bytes: float = math.inf, always_fused: tuple[int, int] | None = None,
+                 fold_lora: bool = False):
+        self.frozen_max_bytes, self.always_fused, self.fold_lora = frozen_max_bytes, always_fused, fold_lora
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        if self.fold_lora:
+            counters["inductor"]["folded_lora"] += lora_fold.fold(graph, self.folds)
         groups = defaultdict(list)
         for node in graph.nodes:
             key = group_key(node)
             if key is not None:
                 groups[key].append(node)
         for (_, trained, *_), nodes in groups.items():
-            if len(nodes) > 1 and (trained or self.fuses_frozen(nodes)):
+            if len(nodes) > 1 and (trained or self.fuses_frozen([n.args[1] for n in nodes])):
                 fuse(graph, nodes)
                 counters["inductor"]["fused_projections"] += 1
 
     def describe(self) -> str:
-        """What the start-up line says of the groups left apart ("" when every group is fused)."""
+        """What the start-up line says of the groups left apart and of LoRA's folding."""
+        folded = ", LoRA's B inside the frozen GEMMs (model.fold_lora)" if self.fold_lora else ""
         if self.frozen_max_bytes == math.inf:
-            return ""
+            return folded
         kept = "" if self.always_fused is None else " other than q/k/v, whose output model.recompute_qkv=false keeps"
-        return f", but not groups of frozen weights over {int(self.frozen_max_bytes) >> 20} MiB a layer{kept}"
+        return f", but not groups of frozen weights over {int(self.frozen_max_bytes) >> 20} MiB a layer{kept}{folded}"
 
-    def fuses_frozen(self, nodes: list[torch.fx.Node]) -> bool:
-        weights = [n.args[1].meta["example_value"] for n in nodes]
-        shape = (sum(w.shape[0] for w in weights), weights[0].shape[1])
-        size = sum(w.numel() * w.element_size() for w in weights)
-        return size <= self.frozen_max_bytes or shape == self.always_fused
+    def fuses_frozen(self, weights: list[torch.fx.Node]) -> bool:
+        return self.within_bound(weights) or self.fused_shape(weights) == self.always_fused
+
+    def folds(self, weights: list[torch.fx.Node]) -> bool:
+        return self.within_bound(weights) and self.fused_shape(weights) != self.always_fused
+
+    def within_bound(self, weights: list[torch.fx.Node]) -> bool:
+        values = [w.meta["example_value"] for w in weights]
+        return sum(w.numel() * w.element_size() for w in values) <= self.frozen_max_bytes
+
+    @staticmethod
+    def fused_shape(weights: list[torch.fx.Node]) -> tuple[int, int]:
+        values = [w.meta["example_value"] for w in weights]
+        return sum(w.shape[0] for w in values), values[0].shape[1]
 
     def uuid(self) -> str:
-        """inductor's cache key for the pass: the graphs it makes depend on this file's code and the
-        pass's two settings."""
-        with open(__file__, "rb") as f:
-            code = f.read()
-        return hashlib.sha256(code + repr((self.frozen_max_bytes, self.always_fused)).encode()).hexdigest()
+        """inductor's cache key for the pass: the graphs it makes depend on this file's and
+        sfttrain.lora_fold's code and the pass's settings."""
+        code = b"".join(open(path, "rb").read() for path in (__file__, lora_fold.__file__))
+        settings = repr((self.frozen_max_bytes, self.always_fused, self.fold_lora)).encode()
+        return hashlib.sha256(code + settings).hexdigest()
 
 
 def group_key(node: torch.fx.Node) -> tuple | None:
@@ -136,25 +152,3 @@ def fuse(graph: torch.fx.Graph, nodes: list[torch.fx.Node]) -> None:
         part.meta.update(node.meta)
         node.replace_all_uses_with(part)
         graph.erase_node(node)
-
-
-def recomputed(node: torch.fx.Node) -> torch.fx.Node:
-    """Marks a concatenation of parameters for recomputation in backward. Left to itself, inductor's
-    partitioner saves the concatenated weight for the input gradient's GEMM: a copy of the group's
-    weights per layer held from forward to backward, where the unfused layer saves the parameters
-    themselves, at no cost (W1's bf16 q/k/v and gate/up weights are 0.43 GiB over its 24 layers; its
-    LoRA run peaked 0.46 GiB higher fused in run BK). Recomputing costs one more copy of the weights."""
-    node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-    return node
-
-
-def with_value(node: torch.fx.Node) -> torch.fx.Node:
-    """Gives an inserted node the `example_value` (a fake tensor) later passes read, from its inputs'.
-    Computed as dynamo computes its own (get_fake_value): under the inputs' fake mode (a backend may
-    run under another) and the Python dispatcher, whose decompositions handle symbolic sizes where
-    the C++ ones do not (torch 2.11's linear of a 3-d input asks for its numel)."""
-    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["example_value"])
-    modes = {t.fake_mode for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, FakeTensor)}
-    with modes.pop() if modes else contextlib.nullcontext(), enable_python_dispatcher():
-        node.meta["example_value"] = node.target(*args, **kwargs)
-    return node

@@ -6,6 +6,7 @@ import random
 import pytest
 import torch
 from torch._dynamo.utils import counters
+from torch._inductor.utils import run_and_get_code
 
 from sfttrain.config import ConfigError, FSDPConfig, ModelConfig, load_config
 from sfttrain.data.pack import pack
@@ -90,31 +91,60 @@ def test_the_projections_of_one_input_are_fused_and_compute_what_they_did(lora, 
         monkeypatch.setattr(fuse_projections, "FROZEN_GROUP_MAX_BYTES", frozen_max_bytes)
         cfg = ModelConfig(compile=True, lora_rank=8, enable_gradient_checkpointing=True, recompute_qkv=recompute_qkv)
         graph_pass = fuse_projections.graph_pass(cfg, lm.model.config)
-    seen = []
-
-    def backend(gm, example_inputs):
-        graph_pass(gm.graph)
-        gm.recompile()
-        seen.append([[weight_role(w) for w in node.args[0]] for node in gm.graph.nodes if node.target is torch.cat
-                     and all(w.op == "placeholder" for w in node.args[0]) and "bias" not in node.args[0][0].name])
-        return gm.forward
-
-    torch._dynamo.reset()
-    for layer in decoder_layers(lm.model):
-        layer.compile(backend=backend, dynamic=True)
-    fused = loss_and_grads(lm, batch)
+    fused, seen, _ = rewritten_run(lm, batch, graph_pass)
     # on the CPU the attention's host syncs break a layer into several graphs, and a graph may be
     # captured again (a guard on the first call's shapes): the distinct groups of all of them
     assert {tuple(group) for graph in seen for group in graph} == {tuple(group) for group in groups}
     assert_same(fused, plain)
 
 
-def test_inductor_compiles_the_fused_layer_to_what_the_unfused_computes():
+def rewritten_run(lm: CausalLMLoss, batch, graph_pass):
+    """Loss and gradients with each layer's graph, as dynamo captures it for inductor, rewritten by
+    `graph_pass` and run eagerly; and per graph, the groups of weights concatenated (by their roles) and
+    the frozen projections folded with their adapters (sfttrain.lora_fold), one tuple a fold."""
+    seen, folded = [], set()
+
+    def roles(node):
+        return tuple(weight_role(w) for w in node.args[0]) if node.target is torch.cat else (weight_role(node),)
+
+    def backend(gm, example_inputs):
+        graph_pass(gm.graph)
+        gm.recompile()
+        seen.append([[weight_role(w) for w in node.args[0]] for node in gm.graph.nodes if node.target is torch.cat
+                     and all(w.op == "placeholder" for w in node.args[0]) and "bias" not in node.args[0][0].name])
+        folded.update(roles(node.args[2]) for node in gm.graph.nodes if node.target is torch.ops.sfttrain.lora_linear.default)
+        return gm.forward
+
+    torch._dynamo.reset()
+    for layer in decoder_layers(lm.model):
+        layer.compile(backend=backend, dynamic=True)
+    return loss_and_grads(lm, batch), seen, folded
+
+
+def test_lora_folded_into_the_frozen_gemms_computes_what_peft_does(monkeypatch):
+    """model.fold_lora with auto's bound between stories260K's frozen q/k/v, o, down (32-44 KiB a layer)
+    and gate/up (86 KiB): q/k/v, o and down run with their adapters' B inside one GEMM each, gate/up
+    keep peft's form (their A fused, sfttrain.fuse_projections); loss and every gradient are those of
+    peft's layers (assert_same: one GEMM's fp32 sum in place of two added)."""
+    lm, batch = stories(lora=True)
+    plain = loss_and_grads(lm, batch)
+    monkeypatch.setattr(fuse_projections, "FROZEN_GROUP_MAX_BYTES", 64 << 10)
+    graph_pass = fuse_projections.graph_pass(ModelConfig(compile=True, lora_rank=8, fold_lora=True), lm.model.config)
+    fused, seen, folded = rewritten_run(lm, batch, graph_pass)
+    assert folded == {tuple(QKV), ("o_proj",), ("down_proj",)}
+    assert {tuple(group) for graph in seen for group in graph} == {tuple(QKV), *map(tuple, ADAPTERS_A)}
+    assert_same(fused, plain)
+
+
+@pytest.mark.parametrize("fold_lora", [False, True])
+def test_inductor_compiles_the_fused_layer_to_what_the_unfused_computes(fold_lora):
     """One of stories260K's decoder layers with LoRA adapters (as peft injects them), on SDPA so that
     the layer is one graph, compiled as sfttrain compiles it (dynamic shapes) with the pass, against the
     same layer run eagerly and unfused: inductor takes the rewritten graph (its fake values, the
     split's views), and output and gradients agree within assert_same's bounds (inductor's fp32 CPU
-    kernels also reorder the norms' and the softmax's sums: the same kind of difference)."""
+    kernels also reorder the norms' and the softmax's sums: the same kind of difference). Folded
+    (sfttrain.lora_fold), inductor generates the op's code itself: no call of the op, whose Python
+    would cost host time."""
     from peft import LoraConfig, inject_adapter_in_model
     from transformers import AutoConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
@@ -141,15 +171,17 @@ def test_inductor_compiles_the_fused_layer_to_what_the_unfused_computes():
     saved = []
     torch._dynamo.reset()
     counters.clear()
-    compile_layers([layer], cpp_wrapper=False, fuse=FuseSharedInputProjections())
+    compile_layers([layer], cpp_wrapper=False, fuse=FuseSharedInputProjections(fold_lora=fold_lora))
     # compiled anew, not taken from inductor's caches (where the pass, a part of their key, does not run)
     with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
-        fused = output_and_grads()
+        fused, code = run_and_get_code(output_and_grads)
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         output_and_grads()  # compiled already: what the compiled code saves for backward, recorded
     # q/k/v and gate/up, base and adapters apart: 4 groups, counted twice where dynamo restarts its
     # analysis of the layer (it does here, to specialise a float: torch's _tensorify_python_scalars)
-    assert counters["inductor"]["fused_projections"] in (4, 8)
+    # folded: q/k/v, o, gate/up and down, none left to fuse
+    assert counters["inductor"]["folded_lora" if fold_lora else "fused_projections"] in (4, 8)
+    assert not any("torch.ops.sfttrain.lora_linear" in c for c in code)
     assert_same(fused, plain)
     # what the compiled layer holds for backward: its activations, and no concatenated weight (those
     # are recomputed; the parameters themselves are saved at no cost)
@@ -158,25 +190,35 @@ def test_inductor_compiles_the_fused_layer_to_what_the_unfused_computes():
     groups = {sum(getattr(layer.self_attn, p).base_layer.out_features for p in ("q_proj", "k_proj", "v_proj")),
               2 * layer.mlp.gate_proj.base_layer.out_features, 3 * 8, 2 * 8}  # base and adapter (r=8) groups
     weight_shaped = {(g, config.hidden_size) for g in groups} | {(config.hidden_size, g) for g in groups}
+    if fold_lora:  # the adapters' B blocks [out, 8 n] and the widened weights [out, in + 8 n], folded
+        qkv, hidden, inter = max(groups), config.hidden_size, layer.mlp.gate_proj.base_layer.out_features
+        blocks = {(qkv, 24), (2 * inter, 16), (hidden, 8), (qkv, hidden + 24), (2 * inter, hidden + 16),
+                  (hidden, hidden + 8), (hidden, inter + 8)}
+        weight_shaped |= blocks | {(b, a) for a, b in blocks}
     assert held, "nothing saved for backward was recorded"
     assert not held & weight_shaped, held & weight_shaped  # 40 tokens: no activation has such a shape
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU's path: varlen attention, Triton kernels, bf16 autocast")
-def test_on_the_gpu_the_fused_layers_train_what_the_unfused_do():
+@pytest.mark.parametrize("fold_lora", [False, True])
+def test_on_the_gpu_the_fused_layers_train_what_the_unfused_do(fold_lora):
     """stories260K with LoRA as sfttrain runs it on one GPU (bf16 frozen base, fp32 adapters, bf16
-    autocast, each layer one graph), compiled without and then with the pass: the same loss (relative
-    1e-3: a sum of fp32 losses) and adapter gradients (2e-2 in norm: they pass through bf16
-    activations, unit roundoff 3.9e-3, which round otherwise where a GEMM is blocked otherwise; the
-    bounds and reasons of tests/test_parallel.py's wrapper comparison), where a mis-split is O(1)."""
+    autocast, each layer one graph), compiled without and then with the pass (adapters folded into the
+    frozen GEMMs or not, sfttrain.lora_fold): the same loss (relative 1e-3: a sum of fp32 losses) and
+    adapter gradients (2e-2 in norm: they pass through bf16 activations, unit roundoff 3.9e-3, which
+    round otherwise where a GEMM is blocked otherwise, and folded, where base and adapter are summed in
+    one fp32 accumulator before rounding; the bounds and reasons of tests/test_parallel.py's wrapper
+    comparison), where a mis-split is O(1)."""
     lm, batch = stories(lora=True, device="cuda")
     runs = []
-    for fuse in (False, True):
+    counters.clear()
+    for fuse in (None, FuseSharedInputProjections(fold_lora=fold_lora)):
         torch._dynamo.reset()
-        compile_layers(decoder_layers(lm.model), cpp_wrapper=False, fuse=FuseSharedInputProjections() if fuse else None)
+        compile_layers(decoder_layers(lm.model), cpp_wrapper=False, fuse=fuse)
         loss, grads = loss_and_grads(lm, batch)
         runs.append((loss.float(), torch.cat([g.float().flatten() for g in grads.values()])))
     (plain_loss, plain_grads), (fused_loss, fused_grads) = runs
+    assert (counters["inductor"]["folded_lora"] > 0) == fold_lora
     torch.testing.assert_close(fused_loss, plain_loss, rtol=1e-3, atol=0)
     assert ((fused_grads - plain_grads).norm() / plain_grads.norm()).item() < 2e-2
 

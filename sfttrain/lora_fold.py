@@ -1,0 +1,183 @@
+"""model.fold_lora: each LoRA adapter's B runs inside its frozen projection's GEMM, in the compiled layers.
+
+peft computes an adapted projection as `linear(x, W) + linear(linear(x, A), B) * s`: the frozen GEMM
+writes its output, B's GEMM writes a second output of the same size, and whatever reads the sum
+reads both (forward, and again in backward where inductor recomputes the sum rather than save it).
+On W1's MLP that is two extra 13.7k x 4864 tensors written once and read three times a layer; with
+backward's extra GEMM g @ B, the adapters cost W1 more GPU time than the weight gradients LoRA skips
+(a layer's seven projections at W1's 13,696 tokens, forward and backward: 2.97 ms with peft's
+adapters, 1.45 ms frozen alone, 2.09 ms fully trained, 2.56 ms folded; docs/benchmarks.md, run CD).
+
+Folded, a group of adapted projections of one input x (q/k/v; gate/up; o; down) is one GEMM over
+the input widened by the adapters' A outputs:
+
+    U = x @ [A_1; ...; A_n]^T                      (n x rank columns a token)
+    [y_1 | ... | y_n] = [x | U] @ [[W_1, s B_1, 0], ..., [W_n, 0, s B_n]]^T (+ biases)
+
+the same sums as peft's, accumulated in fp32 in one GEMM instead of rounded to two outputs first.
+The zero blocks cost (n - 1) x rank columns of GEMM a projection: 4% of a W1 layer's forward. Backward
+is the same shape: one GEMM gives the gradients of x and U, `lora_linear`'s own backward computes
+only the trained block's weight gradient (g^T U), never the frozen W's: autograd's linear would compute
+that full gradient and slice it, the very GEMM LoRA exists to skip. Hence the custom op, whose
+forward inductor still generates itself (a decomposition applied below autograd): the widened
+input's copy fuses with the norm that makes x, and no Python runs per call.
+
+The rewrite is an inductor pre-grad pass over each compiled layer (sfttrain.fuse_projections runs it
+before fusing the remaining groups, on the groups whose frozen weights it would fuse). The model, its
+parameters and checkpoints are unchanged. Off by default (model.fold_lora): end to end it is not yet
+shown faster (run CE: W1 LoRA's step is the host's and moved by 10% between runs of one call).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import defaultdict
+
+import torch
+import torch.nn.functional as F
+from torch._inductor.decomposition import register_decomposition
+
+from sfttrain.graph_rewrite import LINEAR, recomputed, with_value
+
+
+def folded_linear(x, u, frozen, trained, bias):
+    """[x | u] @ [frozen, trained]^T + bias, in x's dtype: the trained block cast to it (as autocast
+    casts an fp32 adapter for its GEMM)."""
+    return F.linear(torch.cat([x, u], -1), torch.cat([frozen, trained.to(frozen.dtype)], 1), bias)
+
+
+@torch.library.custom_op("sfttrain::lora_linear", mutates_args=())
+def lora_linear(x: torch.Tensor, u: torch.Tensor, frozen: torch.Tensor, trained: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """`folded_linear`, with a backward that computes no gradient of the frozen block."""
+    return folded_linear(x, u, frozen, trained, bias)
+
+
+@lora_linear.register_fake
+def _(x, u, frozen, trained, bias):
+    return x.new_empty(*x.shape[:-1], frozen.shape[0])
+
+
+def _setup(ctx, inputs, output):
+    x, u, frozen, trained, _ = inputs
+    ctx.save_for_backward(u, frozen, trained)
+    ctx.width = x.shape[-1]
+
+
+def _backward(ctx, grad):
+    u, frozen, trained = ctx.saved_tensors
+    # the widened weight made anew, along dim -1 where forward says 1: as the same expression the joint
+    # graph's CSE would merge the two, and the partitioner keep forward's copy (a layer's weights) until
+    # backward (tests/test_fuse_projections.py's inductor test sees what is saved)
+    grad_input = grad @ torch.cat([frozen, trained.to(frozen.dtype)], -1)
+    flat_grad, flat_u = grad.reshape(-1, grad.shape[-1]), u.reshape(-1, u.shape[-1])
+    grad_trained = (flat_grad.t() @ flat_u).to(trained.dtype)  # the frozen block's gradient is never computed
+    return grad_input[..., :ctx.width], grad_input[..., ctx.width:], None, grad_trained, None
+
+
+lora_linear.register_autograd(_backward, setup_context=_setup)
+
+
+@register_decomposition(torch.ops.sfttrain.lora_linear.default)
+def _inline(x, u, frozen, trained, bias):
+    """inductor generates the op's concatenations and GEMM into the compiled layer: called as an op, its
+    Python would cost each call host time, and W1's LoRA step is the host's. AOTAutograd applies this
+    below autograd, so the backward is still `_backward`."""
+    return folded_linear(x, u, frozen, trained, bias)
+
+
+class Adapted:
+    """One adapted projection in the graph: out = add(base, mul(linear(linear(x, A), B), scale))."""
+
+    def __init__(self, out: torch.fx.Node):
+        self.out = out
+        self.base, mul = out.args
+        self.adapter, self.scale = mul.args
+        self.down = self.adapter.args[0]
+        self.x, self.weight, self.bias = self.base.args[0], self.base.args[1], _bias(self.base)
+        self.lora_a, self.lora_b = self.down.args[1], self.adapter.args[1]
+
+    @classmethod
+    def match(cls, node: torch.fx.Node) -> Adapted | None:
+        """The adapted projection whose output (peft's sum) `node` is, or None."""
+        if node.op != "call_function" or node.target is not operator.add or len(node.args) != 2:
+            return None
+        base, mul = node.args
+        if not (_is(base, LINEAR) and _is(mul, (operator.mul,)) and _is(mul.args[0], LINEAR)):
+            return None
+        down = mul.args[0].args[0]
+        if not (_is(down, LINEAR) and down.args[0] is base.args[0] and _bias(down) is None and _bias(mul.args[0]) is None):
+            return None
+        if any(len(n.users) != 1 for n in (base, mul, mul.args[0], down)):  # each feeds only the next
+            return None
+        params = [base.args[1], down.args[1], mul.args[0].args[1], _bias(base)]
+        if base.kwargs or not all(isinstance(p, torch.fx.Node) and p.op == "placeholder" for p in params if p is not None):
+            return None
+        found = cls(node)
+        w, out = found.weight.meta["example_value"], base.meta["example_value"]
+        # frozen base, computed in its own dtype (no autocast cast between), trained adapters
+        if w.requires_grad or out.dtype != w.dtype or found.x.meta["example_value"].dtype != w.dtype:
+            return None
+        return found if all(p.meta["example_value"].requires_grad for p in (found.lora_a, found.lora_b)) else None
+
+
+def _bias(linear: torch.fx.Node) -> torch.fx.Node | None:
+    return linear.args[2] if len(linear.args) > 2 else linear.kwargs.get("bias")
+
+
+def _is(node, targets) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def fold(graph: torch.fx.Graph, folds_frozen) -> int:
+    """Folds every group of adapted projections of one input whose frozen weights `folds_frozen`
+    accepts (a list of weight nodes -> bool); returns the number of groups folded."""
+    groups = defaultdict(list)
+    for node in graph.nodes:
+        adapted = Adapted.match(node)
+        if adapted is not None:
+            groups[adapted.x, adapted.bias is not None].append(adapted)
+    folded = 0
+    for group in groups.values():
+        if folds_frozen([a.weight for a in group]):
+            fold_group(graph, group)
+            folded += 1
+    return folded
+
+
+def fold_group(graph: torch.fx.Graph, group: list[Adapted]) -> None:
+    """Replaces the group's projections (base, A, B, scale, sum) by one lora_linear, split back."""
+    first = min((a.out for a in group), key=_position(graph))
+    for a in group:  # a later projection's scale (a float peft reads) is needed at the first sum
+        if isinstance(a.scale, torch.fx.Node) and _position(graph)(a.scale) > _position(graph)(first):
+            first.prepend(a.scale)
+    x = group[0].x
+    with graph.inserting_before(first):
+        u = with_value(graph.call_function(torch._C._nn.linear, (x, _cat(graph, [a.lora_a for a in group]))))
+        scaled = [recomputed(with_value(graph.call_function(operator.mul, (a.lora_b, a.scale)))) for a in group]
+        trained = scaled[0] if len(group) == 1 else recomputed(with_value(graph.call_function(torch.block_diag, tuple(scaled))))
+        frozen = _cat(graph, [a.weight for a in group])
+        bias = _cat(graph, [a.bias for a in group]) if group[0].bias is not None else None
+        fused = with_value(graph.call_function(torch.ops.sfttrain.lora_linear.default, (x, u, frozen, trained, bias)))
+        sizes = [a.weight.meta["example_value"].shape[0] for a in group]
+        parts = with_value(graph.call_function(torch.split, (fused, sizes), {"dim": -1}))
+    for i, a in enumerate(group):
+        with graph.inserting_after(parts):
+            part = graph.call_function(operator.getitem, (parts, i))
+        part.meta.update(a.out.meta)
+        a.out.replace_all_uses_with(part)
+    for a in group:
+        for node in (a.out, a.out.args[1], a.adapter, a.down, a.base):
+            graph.erase_node(node)
+
+
+def _cat(graph: torch.fx.Graph, params: list[torch.fx.Node]) -> torch.fx.Node:
+    """The group's parameters concatenated (recomputed in backward, not saved: sfttrain.fuse_projections)."""
+    if len(params) == 1:
+        return params[0]
+    return recomputed(with_value(graph.call_function(torch.cat, (params,), {"dim": 0})))
+
+
+def _position(graph: torch.fx.Graph):
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    return order.__getitem__

@@ -6,7 +6,7 @@ reads both (forward, and again in backward where inductor recomputes the sum rat
 On W1's MLP that is two extra 13.7k x 4864 tensors written once and read three times a layer; with
 backward's extra GEMM g @ B, the adapters cost W1 more GPU time than the weight gradients LoRA skips
 (a layer's seven projections at W1's 13,696 tokens, forward and backward: 2.97 ms with peft's
-adapters, 1.45 ms frozen alone, 2.09 ms fully trained, 2.56 ms folded; docs/benchmarks.md, run CD).
+adapters, 1.45 ms frozen alone, 2.09 ms fully trained, 2.56 ms folded; docs/benchmarks.md, runs CC and CD).
 
 Folded, a group of adapted projections of one input x (q/k/v; gate/up; o; down) is one GEMM over
 the input widened by the adapters' A outputs:

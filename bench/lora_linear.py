@@ -1,0 +1,209 @@
+"""One W1 decoder layer's seven projections (q, k, v, o, gate, up, down at 13,696 tokens, LoRA rank 64),
+forward and backward compiled by inductor, per formulation of the LoRA adapters: GPU ms a layer (CUDA
+events over 30 calls) and host ms a call. A GPU is needed. The study behind sfttrain/lora_fold.py
+(docs/benchmarks.md, runs CC and CD); `kcat_group_fn` is the formulation lora_fold implements.
+
+    python3 -m bench.lora_linear [variant ...]
+
+full / full_fused: trained weights, projections apart / q-k-v and gate-up fused; frozen_fused: frozen
+weights without adapters (LoRA's floor); peft: what sfttrain ran (frozen groups and the adapters' A
+fused, B apart, summed); kcat: [x | s xA^T] @ [W, B]^T per projection, autograd's backward; kcat_block:
+one GEMM a group with a block weight, autograd's backward; merged_bwd: peft's forward, backward's input
+gradient through W + s BA; kcat_fn / kcat_group_fn: kcat per projection / per group with a backward
+that computes no frozen weight gradient."""
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+T, D, I, KV, R, S = 13696, 896, 4864, 128, 64, 0.5
+dev, bf = "cuda", torch.bfloat16
+torch.manual_seed(0)
+
+
+def w(o, i, grad):
+    return (torch.randn(o, i, device=dev, dtype=bf) * 0.02).requires_grad_(grad)
+
+
+def params(lora):
+    shapes = {"q": (D, D), "k": (KV, D), "v": (KV, D), "o": (D, D), "g": (I, D), "u": (I, D), "d": (D, I)}
+    p = {n: w(*s, grad=not lora) for n, s in shapes.items()}
+    if lora:
+        for n, (o, i) in shapes.items():
+            p["A" + n] = w(R, i, True)
+            p["B" + n] = (torch.randn(o, R, device=dev, dtype=bf) * 0.01).requires_grad_(True)
+    return p
+
+
+def plain(p, xa, xo, xm, xd):
+    return [F.linear(xa, p[n]) for n in "qkv"] + [F.linear(xo, p["o"])] + [F.linear(xm, p[n]) for n in "gu"] + [
+        F.linear(xd, p["d"])]
+
+
+def fused_plain(p, xa, xo, xm, xd):
+    qkv = F.linear(xa, torch.cat([p["q"], p["k"], p["v"]])).split([D, KV, KV], -1)
+    gu = F.linear(xm, torch.cat([p["g"], p["u"]])).split([I, I], -1)
+    return [*qkv, F.linear(xo, p["o"]), *gu, F.linear(xd, p["d"])]
+
+
+def peft(p, xa, xo, xm, xd):
+    """what sfttrain runs now with auto: base groups fused (frozen, small), A's of a group fused, B apart"""
+    base = fused_plain(p, xa, xo, xm, xd)
+    ha = F.linear(xa, torch.cat([p["Aq"], p["Ak"], p["Av"]])).split(R, -1)
+    hm = F.linear(xm, torch.cat([p["Ag"], p["Au"]])).split(R, -1)
+    h = {"q": ha[0], "k": ha[1], "v": ha[2], "o": F.linear(xo, p["Ao"]), "g": hm[0], "u": hm[1], "d": F.linear(xd, p["Ad"])}
+    return [b + F.linear(h[n], p["B" + n]) * S for b, n in zip(base, "qkvogud")]
+
+
+def kcat(p, xa, xo, xm, xd):
+    """exact: y = [x, s*xA^T] @ [W, B]^T, one GEMM per projection (no separate B GEMM or add)"""
+    def one(x, names):
+        u = F.linear(x, torch.cat([p["A" + n] for n in names])) * S
+        us = u.split(R, -1)
+        return [F.linear(torch.cat([x, us[i]], -1), torch.cat([p[n], p["B" + n]], 1)) for i, n in enumerate(names)]
+    return [*one(xa, "qkv"), *one(xo, "o"), *one(xm, "gu"), *one(xd, "d")]
+
+
+def kcat_block(p, xa, xo, xm, xd):
+    """exact: one GEMM per group over [x, u_1..u_n] with a block weight [[W_1, B_1, 0..], [W_2, 0, B_2, ..]]"""
+    def group(x, names):
+        u = F.linear(x, torch.cat([p["A" + n] for n in names])) * S
+        rows = []
+        for i, n in enumerate(names):
+            blocks = [p[n]] + [p["B" + n] if j == i else p["B" + n].new_zeros(p[n].shape[0], R) for j in range(len(names))]
+            rows.append(torch.cat(blocks, 1))
+        y = F.linear(torch.cat([x, u], -1), torch.cat(rows))
+        return list(y.split([p[n].shape[0] for n in names], -1))
+    return [*group(xa, "qkv"), *group(xo, "o"), *group(xm, "gu"), *group(xd, "d")]
+
+
+class MergedBackward(torch.autograd.Function):
+    """forward exact (peft's), backward's input gradient through W + s*B@A (one GEMM)"""
+
+    @staticmethod
+    def forward(ctx, x, W, A, B):
+        h = F.linear(x, A)
+        ctx.save_for_backward(x, W, A, B, h)
+        return F.linear(x, W) + F.linear(h, B) * S
+
+    @staticmethod
+    def backward(ctx, g):
+        x, W, A, B, h = ctx.saved_tensors
+        gx = g @ (W + (B @ A) * S)
+        gh = (g @ B) * S
+        return gx, None, gh.t() @ x, (g.t() @ h) * S
+
+
+def merged_bwd(p, xa, xo, xm, xd):
+    xs = {"q": xa, "k": xa, "v": xa, "o": xo, "g": xm, "u": xm, "d": xd}
+    return [MergedBackward.apply(xs[n], p[n], p["A" + n], p["B" + n]) for n in "qkvogud"]
+
+
+class KCat(torch.autograd.Function):
+    """exact: y = [x, s*xA^T] @ [W, B]^T; backward computes no frozen-weight gradient"""
+
+    @staticmethod
+    def forward(ctx, x, W, A, B):
+        u = F.linear(x, A) * S
+        y = F.linear(torch.cat([x, u], -1), torch.cat([W, B], 1))
+        ctx.save_for_backward(x, u, W, A, B)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        x, u, W, A, B = ctx.saved_tensors
+        gxu = g @ torch.cat([W, B], 1)
+        d = x.shape[-1]
+        gu = gxu[..., d:] * S
+        gx = gxu[..., :d] + gu @ A
+        return gx, None, gu.t() @ x, g.t() @ u
+
+
+def kcat_fn(p, xa, xo, xm, xd):
+    xs = {"q": xa, "k": xa, "v": xa, "o": xo, "g": xm, "u": xm, "d": xd}
+    return [KCat.apply(xs[n], p[n], p["A" + n], p["B" + n]) for n in "qkvogud"]
+
+
+class KCatGroup(torch.autograd.Function):
+    """exact, one GEMM a group: y = [x, U] @ [[W_1, B_1, 0], [W_2, 0, B_2]]^T with U = s*x[A_1; A_2]^T"""
+
+    @staticmethod
+    def forward(ctx, x, Wc, Ac, *Bs):
+        U = F.linear(x, Ac) * S
+        rows, n = [], len(Bs)
+        for i, Bi in enumerate(Bs):
+            rows.append(torch.cat([Bi if j == i else Bi.new_zeros(Bi.shape[0], R) for j in range(n)], 1))
+        Wb = torch.cat([Wc, torch.cat(rows)], 1)
+        ctx.save_for_backward(x, U, Wc, Ac, *Bs)
+        return F.linear(torch.cat([x, U], -1), Wb)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, U, Wc, Ac, *Bs = ctx.saved_tensors
+        n, d = len(Bs), x.shape[-1]
+        rows = [torch.cat([Bi if j == i else Bi.new_zeros(Bi.shape[0], R) for j in range(n)], 1) for i, Bi in enumerate(Bs)]
+        gxu = g @ torch.cat([Wc, torch.cat(rows)], 1)
+        gU = gxu[..., d:] * S
+        gx = gxu[..., :d] + gU @ Ac
+        outs = [Bi.shape[0] for Bi in Bs]
+        gBs = [gi.t() @ U[..., i * R:(i + 1) * R] for i, gi in enumerate(g.split(outs, -1))]
+        return (gx, None, gU.t() @ x, *gBs)
+
+
+def kcat_group_fn(p, xa, xo, xm, xd):
+    def group(x, names):
+        y = KCatGroup.apply(x, torch.cat([p[n] for n in names]), torch.cat([p["A" + n] for n in names]),
+                            *[p["B" + n] for n in names])
+        return list(y.split([p[n].shape[0] for n in names], -1))
+    return [*group(xa, "qkv"), *group(xo, "o"), *group(xm, "gu"), *group(xd, "d")]
+
+
+VARIANTS = {"full": (False, plain), "full_fused": (False, fused_plain), "frozen_fused": (True, fused_plain),
+            "peft": (True, peft), "kcat": (True, kcat), "kcat_block": (True, kcat_block), "merged_bwd": (True, merged_bwd),
+            "kcat_fn": (True, kcat_fn), "kcat_group_fn": (True, kcat_group_fn)}
+
+
+def run(name):
+    lora, fn = VARIANTS[name]
+    p = params(lora)
+    if name == "frozen_fused":
+        p = {k: v for k, v in p.items() if not k[0] in "AB"}
+    xs = [torch.randn(T, n, device=dev, dtype=bf, requires_grad=True) for n in (D, D, D, I)]
+    gouts = None
+
+    cstep = torch.compile(fn)
+
+    def cstep_full():
+        outs = cstep(p, *xs)
+        nonlocal gouts
+        if gouts is None:
+            gouts = [torch.randn_like(o) for o in outs]
+        torch.autograd.backward(outs, gouts)
+
+    for _ in range(5):
+        cstep_full()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    n = 30
+    t0 = time.perf_counter()
+    e0.record()
+    for _ in range(n):
+        cstep_full()
+    e1.record()
+    host = (time.perf_counter() - t0) / n
+    torch.cuda.synchronize()
+    gpu = e0.elapsed_time(e1) / n
+    # reference check against eager (loss of the outputs)
+    for v in list(p.values()) + xs:
+        v.grad = None
+    outs_c = cstep(p, *xs)
+    outs_e = peft(p, *xs) if lora and "A" + "q" in p else plain(p, *xs)
+    err = max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item() for a, b in zip(outs_c, outs_e))
+    print(f"{name:14s} gpu {gpu:7.3f} ms/layer  x24 {gpu * 24:6.1f} ms  host {host * 1e3:6.3f} ms/call  fwd rel err vs peft/plain {err:.2e}", flush=True)
+
+
+if __name__ == "__main__":
+    for name in sys.argv[1:] or VARIANTS:
+        run(name)
+        torch._dynamo.reset()

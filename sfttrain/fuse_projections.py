@@ -50,16 +50,15 @@ FROZEN_GROUP_MAX_BYTES = 32 * 2**20  # the largest frozen group model.fuse_proje
 
 def graph_pass(cfg: ModelConfig, model_config) -> FuseSharedInputProjections | None:
     """The pass model.fuse_projections asks for: none; every group (true); or, auto, every group but
-    frozen ones over FROZEN_GROUP_MAX_BYTES, the q/k/v group model.recompute_qkv=false keeps excepted.
-    With LoRA and model.fold_lora, the groups of adapted projections it would fuse are folded first
-    (sfttrain.lora_fold)."""
+    frozen ones over FROZEN_GROUP_MAX_BYTES. The q/k/v group model.recompute_qkv=false keeps is fused
+    either way. With LoRA and model.fold_lora, the groups of adapted projections it would fuse are
+    folded first (sfttrain.lora_fold), but that q/k/v group."""
     if not cfg.fuses_projections():
         return None
-    fold = cfg.lora_rank > 0 and cfg.fold_lora
-    if cfg.fuse_projections is True:
-        return FuseSharedInputProjections(fold_lora=fold)
     hidden, qkv = qkv_weight_shape(model_config)
-    return FuseSharedInputProjections(FROZEN_GROUP_MAX_BYTES, None if cfg.recompute_qkv else (qkv, hidden), fold)
+    bound = math.inf if cfg.fuse_projections is True else FROZEN_GROUP_MAX_BYTES
+    return FuseSharedInputProjections(bound, None if cfg.recompute_qkv else (qkv, hidden),
+                                      cfg.lora_rank > 0 and cfg.fold_lora)
 
 
 class FuseSharedInputProjections(CustomGraphPass):
@@ -90,7 +89,8 @@ class FuseSharedInputProjections(CustomGraphPass):
 
     def describe(self) -> str:
         """What the start-up line says of the groups left apart and of LoRA's folding."""
-        folded = ", LoRA's B inside the frozen GEMMs (model.fold_lora)" if self.fold_lora else ""
+        but_qkv = " but q/k/v's" if self.always_fused else ""
+        folded = f", LoRA's B inside the frozen GEMMs{but_qkv} (model.fold_lora)" if self.fold_lora else ""
         if self.frozen_max_bytes == math.inf:
             return folded
         kept = "" if self.always_fused is None else " other than q/k/v, whose output model.recompute_qkv=false keeps"

@@ -121,18 +121,24 @@ def rewritten_run(lm: CausalLMLoss, batch, graph_pass):
     return loss_and_grads(lm, batch), seen, folded
 
 
-def test_lora_folded_into_the_frozen_gemms_computes_what_peft_does(monkeypatch):
-    """model.fold_lora with auto's bound between stories260K's frozen q/k/v, o, down (32-44 KiB a layer)
-    and gate/up (86 KiB): q/k/v, o and down run with their adapters' B inside one GEMM each, gate/up
-    keep peft's form (their A fused, sfttrain.fuse_projections); loss and every gradient are those of
-    peft's layers (assert_same: one GEMM's fp32 sum in place of two added)."""
+@pytest.mark.parametrize("settings, folded, groups", [
+    # auto's bound (here between stories260K's frozen q/k/v, o, down, 32-44 KiB a layer, and gate/up, 86
+    # KiB): gate/up keep peft's form, their A fused (sfttrain.fuse_projections)
+    ({}, [QKV, ["o_proj"], ["down_proj"]], [QKV, *ADAPTERS_A]),
+    # every group, but the q/k/v whose fused GEMM output model.recompute_qkv=false keeps (found by its shape)
+    ({"fuse_projections": True, "recompute_qkv": False, "enable_gradient_checkpointing": True},
+     [["o_proj"], GATE_UP, ["down_proj"]], [QKV, GATE_UP, *ADAPTERS_A]),
+])
+def test_lora_folded_into_the_frozen_gemms_computes_what_peft_does(settings, folded, groups, monkeypatch):
+    """model.fold_lora: the groups named run with their adapters' B inside one GEMM each; loss and every
+    gradient are those of peft's layers (assert_same: one GEMM's fp32 sum in place of two added)."""
     lm, batch = stories(lora=True)
     plain = loss_and_grads(lm, batch)
     monkeypatch.setattr(fuse_projections, "FROZEN_GROUP_MAX_BYTES", 64 << 10)
-    graph_pass = fuse_projections.graph_pass(ModelConfig(compile=True, lora_rank=8, fold_lora=True), lm.model.config)
-    fused, seen, folded = rewritten_run(lm, batch, graph_pass)
-    assert folded == {tuple(QKV), ("o_proj",), ("down_proj",)}
-    assert {tuple(group) for graph in seen for group in graph} == {tuple(QKV), *map(tuple, ADAPTERS_A)}
+    cfg = ModelConfig(compile=True, lora_rank=8, fold_lora=True, **settings)
+    fused, seen, found = rewritten_run(lm, batch, fuse_projections.graph_pass(cfg, lm.model.config))
+    assert found == {tuple(group) for group in folded}
+    assert {tuple(group) for graph in seen for group in graph} == {tuple(group) for group in groups}
     assert_same(fused, plain)
 
 
@@ -150,6 +156,7 @@ def test_inductor_compiles_the_fused_layer_to_what_the_unfused_computes(fold_lor
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
     config = AutoConfig.from_pretrained(STORIES, attn_implementation="sdpa")
+    config.attention_bias = fold_lora  # folded with the attention's biases (Qwen2 has q/k/v ones)
     torch.manual_seed(0)
     layer = inject_adapter_in_model(LoraConfig(r=8, init_lora_weights=False, target_modules=[
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]), LlamaDecoderLayer(config, 0))

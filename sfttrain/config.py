@@ -116,8 +116,8 @@ class ModelConfig:
     # with LoRA and fused projections: each adapter's B runs inside its frozen projection's GEMM, over the
     # input widened by the adapters' A outputs (sfttrain/lora_fold.py): the same sums, without a second
     # output of the projection's size written and read (W1's seven projections: -14% GPU time in a
-    # microbenchmark). Off by default: not yet shown faster end to end (W1 LoRA's step is the host's,
-    # and +0.67 GiB; docs/benchmarks.md, run CE)
+    # microbenchmark). Off by default: not yet shown faster end to end (W1 LoRA's step is the host's;
+    # docs/benchmarks.md, run CE)
     fold_lora: bool = False
     # tokens per chunk of sfttrain's linear cross-entropy: a chunk's logits are held at once (chunk x
     # vocab in bf16; twice that with loss_kernel=torch); larger chunks pass fewer times over the fp32

@@ -92,10 +92,10 @@ class Adapted:
     def __init__(self, out: torch.fx.Node):
         self.out = out
         self.base, mul = out.args
-        self.adapter, self.scale = mul.args
-        self.down = self.adapter.args[0]
+        self.linear_b, self.scale = mul.args
+        self.linear_a = self.linear_b.args[0]
         self.x, self.weight, self.bias = self.base.args[0], self.base.args[1], _bias(self.base)
-        self.lora_a, self.lora_b = self.down.args[1], self.adapter.args[1]
+        self.lora_a, self.lora_b = self.linear_a.args[1], self.linear_b.args[1]
 
     @classmethod
     def match(cls, node: torch.fx.Node) -> Adapted | None:
@@ -105,13 +105,16 @@ class Adapted:
         base, mul = node.args
         if not (_is(base, LINEAR) and _is(mul, (operator.mul,)) and _is(mul.args[0], LINEAR)):
             return None
-        down = mul.args[0].args[0]
-        if not (_is(down, LINEAR) and down.args[0] is base.args[0] and _bias(down) is None and _bias(mul.args[0]) is None):
+        linear_b = mul.args[0]
+        linear_a = linear_b.args[0]
+        if not (_is(linear_a, LINEAR) and linear_a.args[0] is base.args[0] and _bias(linear_a) is None
+                and _bias(linear_b) is None):
             return None
-        if any(len(n.users) != 1 for n in (base, mul, mul.args[0], down)):  # each feeds only the next
+        if any(len(n.users) != 1 for n in (base, mul, linear_b, linear_a)):  # each feeds only the next
             return None
-        params = [base.args[1], down.args[1], mul.args[0].args[1], _bias(base)]
-        if base.kwargs or not all(isinstance(p, torch.fx.Node) and p.op == "placeholder" for p in params if p is not None):
+        params = [base.args[1], linear_a.args[1], linear_b.args[1], _bias(base)]
+        parameters = all(isinstance(p, torch.fx.Node) and p.op == "placeholder" for p in params if p is not None)
+        if base.kwargs or not parameters:
             return None
         found = cls(node)
         w, out = found.weight.meta["example_value"], base.meta["example_value"]
@@ -147,15 +150,17 @@ def fold(graph: torch.fx.Graph, folds_frozen) -> int:
 
 def fold_group(graph: torch.fx.Graph, group: list[Adapted]) -> None:
     """Replaces the group's projections (base, A, B, scale, sum) by one lora_linear, split back."""
-    first = min((a.out for a in group), key=_position(graph))
+    position = {node: i for i, node in enumerate(graph.nodes)}
+    first = min((a.out for a in group), key=position.__getitem__)
     for a in group:  # a later projection's scale (a float peft reads) is needed at the first sum
-        if isinstance(a.scale, torch.fx.Node) and _position(graph)(a.scale) > _position(graph)(first):
+        if isinstance(a.scale, torch.fx.Node) and position[a.scale] > position[first]:
             first.prepend(a.scale)
     x = group[0].x
     with graph.inserting_before(first):
         u = with_value(graph.call_function(torch._C._nn.linear, (x, _cat(graph, [a.lora_a for a in group]))))
         scaled = [recomputed(with_value(graph.call_function(operator.mul, (a.lora_b, a.scale)))) for a in group]
-        trained = scaled[0] if len(group) == 1 else recomputed(with_value(graph.call_function(torch.block_diag, tuple(scaled))))
+        trained = (scaled[0] if len(group) == 1 else
+                   recomputed(with_value(graph.call_function(torch.block_diag, tuple(scaled)))))
         frozen = _cat(graph, [a.weight for a in group])
         bias = _cat(graph, [a.bias for a in group]) if group[0].bias is not None else None
         fused = with_value(graph.call_function(torch.ops.sfttrain.lora_linear.default, (x, u, frozen, trained, bias)))
@@ -167,17 +172,12 @@ def fold_group(graph: torch.fx.Graph, group: list[Adapted]) -> None:
         part.meta.update(a.out.meta)
         a.out.replace_all_uses_with(part)
     for a in group:
-        for node in (a.out, a.out.args[1], a.adapter, a.down, a.base):
+        for node in (a.out, a.out.args[1], a.linear_b, a.linear_a, a.base):
             graph.erase_node(node)
 
 
 def _cat(graph: torch.fx.Graph, params: list[torch.fx.Node]) -> torch.fx.Node:
-    """The group's parameters concatenated (recomputed in backward, not saved: sfttrain.fuse_projections)."""
+    """The group's parameters concatenated (recomputed in backward, not saved: sfttrain.graph_rewrite)."""
     if len(params) == 1:
         return params[0]
     return recomputed(with_value(graph.call_function(torch.cat, (params,), {"dim": 0})))
-
-
-def _position(graph: torch.fx.Graph):
-    order = {node: i for i, node in enumerate(graph.nodes)}
-    return order.__getitem__

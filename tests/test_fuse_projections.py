@@ -112,7 +112,8 @@ def rewritten_run(lm: CausalLMLoss, batch, graph_pass):
         gm.recompile()
         seen.append([[weight_role(w) for w in node.args[0]] for node in gm.graph.nodes if node.target is torch.cat
                      and all(w.op == "placeholder" for w in node.args[0]) and "bias" not in node.args[0][0].name])
-        folded.update(roles(node.args[2]) for node in gm.graph.nodes if node.target is torch.ops.sfttrain.lora_linear.default)
+        folded.update(roles(node.args[2]) for node in gm.graph.nodes
+                      if node.target is torch.ops.sfttrain.lora_linear.default)
         return gm.forward
 
     torch._dynamo.reset()

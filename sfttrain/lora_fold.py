@@ -15,7 +15,7 @@ the input widened by the adapters' A outputs:
     [y_1 | ... | y_n] = [x | U] @ [[W_1, s B_1, 0], ..., [W_n, 0, s B_n]]^T (+ biases)
 
 the same sums as peft's, accumulated in fp32 in one GEMM instead of rounded to two outputs first.
-The zero blocks cost (n - 1) x rank columns of GEMM a projection: 4% of a W1 layer's forward. Backward
+The zero blocks cost (n - 1) x rank columns of GEMM a projection: ~5% of a W1 layer's forward. Backward
 is the same shape: one GEMM gives the gradients of x and U, `lora_linear`'s own backward computes
 only the trained block's weight gradient (g^T U), never the frozen W's: autograd's linear would compute
 that full gradient and slice it, the very GEMM LoRA exists to skip. Hence the custom op, whose

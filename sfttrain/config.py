@@ -436,6 +436,10 @@ def validate(cfg: Config) -> None:
                           "layers: it needs model.enable_gradient_checkpointing=true, model.compile=true and fused "
                           "projections (model.fuse_projections=true; auto fuses them with LoRA only); set those "
                           "or remove model.recompute_qkv")
+    if m.fold_lora and not (m.lora_rank > 0 and m.fuses_projections()):
+        raise ConfigError("model.fold_lora=true folds LoRA adapters into the fused projections of compiled layers: "
+                          "it needs model.lora_rank > 0, model.compile=true and fused projections "
+                          "(model.fuse_projections auto or true); set those or remove model.fold_lora")
     _choice("model.attn_implementation", m.attn_implementation,
             ("auto", "flash_attn", "torch_varlen", "sdpa_blockmask"))
     _choice("model.fsdp_config.model_dtype", m.fsdp_config.model_dtype, DTYPES)

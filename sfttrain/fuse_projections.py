@@ -42,7 +42,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from sfttrain import lora_fold
 from sfttrain.config import ModelConfig
-from sfttrain.graph_rewrite import LINEAR, recomputed, with_value
+from sfttrain.graph_rewrite import LINEAR, concatenated, with_value
 from sfttrain.recompute import qkv_weight_shape
 
 FROZEN_GROUP_MAX_BYTES = 32 * 2**20  # the largest frozen group model.fuse_projections=auto fuses (above)
@@ -142,8 +142,8 @@ def fuse(graph: torch.fx.Graph, nodes: list[torch.fx.Node]) -> None:
     biases = [n.args[2] for n in nodes if len(n.args) > 2 and n.args[2] is not None]  # all or none (group_key)
     sizes = [w.meta["example_value"].shape[0] for w in weights]
     with graph.inserting_before(nodes[0]):
-        weight = recomputed(with_value(graph.call_function(torch.cat, (weights,), {"dim": 0})))
-        bias = recomputed(with_value(graph.call_function(torch.cat, (biases,), {"dim": 0}))) if biases else None
+        weight = concatenated(graph, weights)
+        bias = concatenated(graph, biases) if biases else None
         fused = with_value(graph.call_function(torch._C._nn.linear, (x, weight, bias)))
         parts = with_value(graph.call_function(torch.split, (fused, sizes), {"dim": -1}))
     for i, node in enumerate(nodes):

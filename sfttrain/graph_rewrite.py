@@ -13,6 +13,12 @@ from torch.utils.checkpoint import CheckpointPolicy
 LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
 
 
+def concatenated(graph: torch.fx.Graph, params: list[torch.fx.Node]) -> torch.fx.Node:
+    """The parameters concatenated along dim 0, a node inserted at the graph's insertion point,
+    recomputed in backward (`recomputed`)."""
+    return recomputed(with_value(graph.call_function(torch.cat, (params,), {"dim": 0})))
+
+
 def recomputed(node: torch.fx.Node) -> torch.fx.Node:
     """Marks a concatenation of parameters for recomputation in backward. Left to itself, inductor's
     partitioner saves the concatenated weight for the input gradient's GEMM: a copy of the group's

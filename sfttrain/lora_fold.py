@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch._inductor.decomposition import register_decomposition
 
-from sfttrain.graph_rewrite import LINEAR, recomputed, with_value
+from sfttrain.graph_rewrite import LINEAR, concatenated, recomputed, with_value
 
 
 def folded_linear(x, u, frozen, trained, bias):
@@ -157,12 +157,12 @@ def fold_group(graph: torch.fx.Graph, group: list[Adapted]) -> None:
             first.prepend(a.scale)
     x = group[0].x
     with graph.inserting_before(first):
-        u = with_value(graph.call_function(torch._C._nn.linear, (x, _cat(graph, [a.lora_a for a in group]))))
+        u = with_value(graph.call_function(torch._C._nn.linear, (x, _joined(graph, [a.lora_a for a in group]))))
         scaled = [recomputed(with_value(graph.call_function(operator.mul, (a.lora_b, a.scale)))) for a in group]
         trained = (scaled[0] if len(group) == 1 else
                    recomputed(with_value(graph.call_function(torch.block_diag, tuple(scaled)))))
-        frozen = _cat(graph, [a.weight for a in group])
-        bias = _cat(graph, [a.bias for a in group]) if group[0].bias is not None else None
+        frozen = _joined(graph, [a.weight for a in group])
+        bias = _joined(graph, [a.bias for a in group]) if group[0].bias is not None else None
         fused = with_value(graph.call_function(torch.ops.sfttrain.lora_linear.default, (x, u, frozen, trained, bias)))
         sizes = [a.weight.meta["example_value"].shape[0] for a in group]
         parts = with_value(graph.call_function(torch.split, (fused, sizes), {"dim": -1}))
@@ -176,8 +176,6 @@ def fold_group(graph: torch.fx.Graph, group: list[Adapted]) -> None:
             graph.erase_node(node)
 
 
-def _cat(graph: torch.fx.Graph, params: list[torch.fx.Node]) -> torch.fx.Node:
-    """The group's parameters concatenated (recomputed in backward, not saved: sfttrain.graph_rewrite)."""
-    if len(params) == 1:
-        return params[0]
-    return recomputed(with_value(graph.call_function(torch.cat, (params,), {"dim": 0})))
+def _joined(graph: torch.fx.Graph, params: list[torch.fx.Node]) -> torch.fx.Node:
+    """One projection's parameter as it is, a group's concatenated."""
+    return params[0] if len(params) == 1 else concatenated(graph, params)

@@ -199,7 +199,8 @@ def test_inductor_compiles_the_fused_layer_to_what_the_unfused_computes(fold_lor
               2 * layer.mlp.gate_proj.base_layer.out_features, 3 * 8, 2 * 8}  # base and adapter (r=8) groups
     weight_shaped = {(g, config.hidden_size) for g in groups} | {(config.hidden_size, g) for g in groups}
     if fold_lora:  # the adapters' B blocks [out, 8 n] and the widened weights [out, in + 8 n], folded
-        qkv, hidden, inter = max(groups), config.hidden_size, layer.mlp.gate_proj.base_layer.out_features
+        hidden, inter = config.hidden_size, layer.mlp.gate_proj.base_layer.out_features
+        qkv = sum(getattr(layer.self_attn, p).base_layer.out_features for p in ("q_proj", "k_proj", "v_proj"))
         blocks = {(qkv, 24), (2 * inter, 16), (hidden, 8), (qkv, hidden + 24), (2 * inter, hidden + 16),
                   (hidden, hidden + 8), (hidden, inter + 8)}
         weight_shaped |= blocks | {(b, a) for a, b in blocks}
@@ -250,6 +251,11 @@ def test_auto_fuses_for_lora_and_what_needs_fused_layers_says_so():
         fused("model.compile=true", "model.fuse_projections=true", "model.fp8=tensorwise")
 
     assert fused("model.compile=true", "model.lora_rank=8")
+    for overrides in (["model.compile=true"], ["model.lora_rank=8"],
+                      ["model.compile=true", "model.lora_rank=8", "model.fuse_projections=false"]):
+        with pytest.raises(ConfigError, match="model.fold_lora=true folds LoRA adapters .* needs model.lora_rank > 0"):
+            fused(*overrides, "model.fold_lora=true")
+    assert fused("model.compile=true", "model.lora_rank=8", "model.fold_lora=true")
     assert not fused("model.compile=true")  # full fine-tuning: measured slower fused
     assert not fused("model.lora_rank=8")  # eager: there is no compiled graph to rewrite
     assert fused("model.compile=true", "model.fuse_projections=true")

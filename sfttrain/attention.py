@@ -411,6 +411,13 @@ def varlen_attention_forward(
 
     # [1, H, T, D] -> [T, H, D] (a view; the last dim stays contiguous, which the kernels need).
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    # The kernels save their inputs for backward. Where a layer's projections are fused
+    # (sfttrain.fuse_projections, sfttrain.lora_fold), v (and k where no RoPE makes it anew) is a
+    # column slice of the q/k/v GEMM's output, a view that would hold that whole output until
+    # backward: W1 LoRA folded peaked 0.67 GiB higher for it (run CF; CG with the copy: 15.51 GiB, as
+    # unfolded; docs/benchmarks.md). A copy holds only v's columns (1/9 of them on W1); where k and v
+    # own their storage already, no copy is made.
+    k, v = k.contiguous(), v.contiguous()
     # one sample (and the row's pad: sfttrain.data.pack) fills the row: cu_seqlens's length is a
     # shape, known without reading the tensor
     if (backend == "torch_varlen" and _cudnn_rows and cu_q.shape[0] == cu_k.shape[0] == 2 and window == (-1, 0)

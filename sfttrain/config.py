@@ -115,10 +115,10 @@ class ModelConfig:
     fuse_projections: Any = "auto"
     # with LoRA and fused projections: each adapter's B runs inside its frozen projection's GEMM, over the
     # input widened by the adapters' A outputs (sfttrain/lora_fold.py): the same sums, without a second
-    # output of the projection's size written and read (W1's seven projections: -14% GPU time in a
-    # microbenchmark). Off by default: not yet shown faster end to end (W1 LoRA's step is the host's;
-    # docs/benchmarks.md, run CE)
-    fold_lora: bool = False
+    # output of the projection's size written and read. auto: wherever projections are fused with LoRA
+    # (W1 LoRA 158.7k real tokens/s folded against 120.1k unfolded in one call, run CG; a layer's seven
+    # projections -14% GPU time in a microbenchmark, CD). true: the same, refused where it folds nothing
+    fold_lora: Any = "auto"
     # tokens per chunk of sfttrain's linear cross-entropy: a chunk's logits are held at once (chunk x
     # vocab in bf16; twice that with loss_kernel=torch); larger chunks pass fewer times over the fp32
     # lm_head gradient: a little faster for more peak memory (docs/benchmarks.md)
@@ -151,6 +151,11 @@ class ModelConfig:
         if self.fuse_projections == "auto":
             return self.compile and self.lora_rank > 0
         return self.fuse_projections
+
+    def folds_lora(self) -> bool:
+        """fold_lora resolved: auto folds wherever LoRA's projections are fused."""
+        folds = self.lora_rank > 0 and self.fuses_projections()
+        return folds if self.fold_lora == "auto" else self.fold_lora
 
 
 @dataclass
@@ -436,7 +441,8 @@ def validate(cfg: Config) -> None:
                           "layers: it needs model.enable_gradient_checkpointing=true, model.compile=true and fused "
                           "projections (model.fuse_projections=true; auto fuses them with LoRA only); set those "
                           "or remove model.recompute_qkv")
-    if m.fold_lora and not (m.lora_rank > 0 and m.fuses_projections()):
+    _choice("model.fold_lora", m.fold_lora, ("auto", True, False))
+    if m.fold_lora is True and not (m.lora_rank > 0 and m.fuses_projections()):
         raise ConfigError("model.fold_lora=true folds LoRA adapters into the fused projections of compiled layers: "
                           "it needs model.lora_rank > 0, model.compile=true and fused projections "
                           "(model.fuse_projections auto or true); set those or remove model.fold_lora")

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import operator
 from collections import defaultdict
 
 import torch
@@ -42,7 +41,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from sfttrain import lora_fold
 from sfttrain.config import ModelConfig
-from sfttrain.graph_rewrite import LINEAR, concatenated, with_value
+from sfttrain.graph_rewrite import LINEAR, concatenated, split_back, with_value
 from sfttrain.recompute import qkv_weight_shape
 
 FROZEN_GROUP_MAX_BYTES = 32 * 2**20  # the largest frozen group model.fuse_projections=auto fuses (above)
@@ -51,14 +50,14 @@ FROZEN_GROUP_MAX_BYTES = 32 * 2**20  # the largest frozen group model.fuse_proje
 def graph_pass(cfg: ModelConfig, model_config) -> FuseSharedInputProjections | None:
     """The pass model.fuse_projections asks for: none; every group (true); or, auto, every group but
     frozen ones over FROZEN_GROUP_MAX_BYTES. The q/k/v group model.recompute_qkv=false keeps is fused
-    either way. With LoRA and model.fold_lora, the groups of adapted projections it would fuse are
-    folded first (sfttrain.lora_fold), but that q/k/v group."""
+    either way. With LoRA and model.fold_lora (auto: on), the groups of adapted projections it would
+    fuse are folded first (sfttrain.lora_fold), but that q/k/v group."""
     if not cfg.fuses_projections():
         return None
     hidden, qkv = qkv_weight_shape(model_config)
     bound = math.inf if cfg.fuse_projections is True else FROZEN_GROUP_MAX_BYTES
     return FuseSharedInputProjections(bound, None if cfg.recompute_qkv else (qkv, hidden),
-                                      cfg.lora_rank > 0 and cfg.fold_lora)
+                                      cfg.folds_lora())
 
 
 class FuseSharedInputProjections(CustomGraphPass):
@@ -140,15 +139,10 @@ def fuse(graph: torch.fx.Graph, nodes: list[torch.fx.Node]) -> None:
     x = nodes[0].args[0]
     weights = [n.args[1] for n in nodes]
     biases = [n.args[2] for n in nodes if len(n.args) > 2 and n.args[2] is not None]  # all or none (group_key)
-    sizes = [w.meta["example_value"].shape[0] for w in weights]
     with graph.inserting_before(nodes[0]):
         weight = concatenated(graph, weights)
         bias = concatenated(graph, biases) if biases else None
         fused = with_value(graph.call_function(torch._C._nn.linear, (x, weight, bias)))
-        parts = with_value(graph.call_function(torch.split, (fused, sizes), {"dim": -1}))
-    for i, node in enumerate(nodes):
-        with graph.inserting_after(parts):
-            part = graph.call_function(operator.getitem, (parts, i))
-        part.meta.update(node.meta)
-        node.replace_all_uses_with(part)
+    split_back(graph, fused, nodes)
+    for node in nodes:
         graph.erase_node(node)

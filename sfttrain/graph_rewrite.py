@@ -4,6 +4,7 @@ what a linear layer is in dynamo's graph, and how an inserted node gets the fake
 from __future__ import annotations
 
 import contextlib
+import operator
 
 import torch
 from torch._dispatch.python import enable_python_dispatcher
@@ -17,6 +18,19 @@ def concatenated(graph: torch.fx.Graph, params: list[torch.fx.Node]) -> torch.fx
     """The parameters concatenated along dim 0, a node inserted at the graph's insertion point,
     recomputed in backward (`recomputed`)."""
     return recomputed(with_value(graph.call_function(torch.cat, (params,), {"dim": 0})))
+
+
+def split_back(graph: torch.fx.Graph, fused: torch.fx.Node, replaced: list[torch.fx.Node]) -> None:
+    """Hands each of `replaced` (the nodes one fused GEMM replaces, its output's columns side by side
+    in their order) its columns of `fused`."""
+    sizes = [node.meta["example_value"].shape[-1] for node in replaced]
+    with graph.inserting_after(fused):
+        parts = with_value(graph.call_function(torch.split, (fused, sizes), {"dim": -1}))
+    for i, node in enumerate(replaced):
+        with graph.inserting_after(parts):
+            part = graph.call_function(operator.getitem, (parts, i))
+        part.meta.update(node.meta)
+        node.replace_all_uses_with(part)
 
 
 def recomputed(node: torch.fx.Node) -> torch.fx.Node:

@@ -268,6 +268,27 @@ def test_kernel_matches_fp32_reference(backend):
         _assert_close(a.grad, b.grad, kernel_atol * 3, rtol, f"{backend} grad {name}")
 
 
+def test_backward_holds_k_and_v_not_the_fused_projection_they_are_sliced_from(backend):
+    """Fused (sfttrain.fuse_projections), q, k and v are column slices of one GEMM's output, and v
+    (k too, in a layer without RoPE) reaches attention as such. The kernels save their inputs for
+    backward; a slice saved as it is holds the whole output (W1 LoRA: 0.67 GiB at the peak, run CF). What the
+    attention saves shares no storage with that output, and its result is the unsliced inputs'."""
+    dtype = TOL[backend][0]
+    h, hkv, d, t = 8, 2, 32, 40
+    torch.manual_seed(0)
+    qkv = (torch.randn(1, t, (h + 2 * hkv) * d, device=DEVICE, dtype=dtype).requires_grad_() * 1)
+    q, k, v = (x.view(1, t, -1, d).transpose(1, 2) for x in qkv.split([h * d, hkv * d, hkv * d], -1))
+    q = q * 1  # RoPE's output: a tensor of its own
+    cu = torch.tensor([0, 15, t], dtype=torch.int32, device=DEVICE)
+    kwargs = dict(scaling=0.3, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=25, max_length_k=25)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda s: saved.append(s) or s, lambda s: s):
+        out, _ = attention.varlen_attention_forward(torch.nn.Module(), q, k, v, None, **kwargs)
+    assert saved, "nothing saved for backward was recorded"
+    assert not [tuple(s.shape) for s in saved if s.untyped_storage().data_ptr() == qkv.untyped_storage().data_ptr()]
+    apart = attention.varlen_attention_forward(torch.nn.Module(), q, k.clone(), v.clone(), None, **kwargs)[0]
+    assert torch.equal(out, apart)
+
 
 class Kernels(TorchDispatchMode):
     """The attention kernel ops dispatched while active, in order."""

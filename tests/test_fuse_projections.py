@@ -232,9 +232,15 @@ def test_on_the_gpu_the_fused_layers_train_what_the_unfused_do(fold_lora):
     assert ((fused_grads - plain_grads).norm() / plain_grads.norm()).item() < 2e-2
 
 
-def test_auto_fuses_for_lora_and_what_needs_fused_layers_says_so():
+def test_auto_fuses_and_folds_for_lora_and_what_needs_fused_layers_says_so():
+    def model(*overrides):
+        return load_config(None, ["data.train_files=x.parquet", "model.partial_pretrain=m", *overrides]).model
+
     def fused(*overrides):
-        return load_config(None, ["data.train_files=x.parquet", "model.partial_pretrain=m", *overrides]).model.fuses_projections()
+        return model(*overrides).fuses_projections()
+
+    def folds(*overrides):
+        return model(*overrides).folds_lora()
 
     # model.recompute_qkv=false keeps the fused q/k/v GEMM's output: it needs that GEMM, checkpointed
     assert fused("model.compile=true", "model.lora_rank=8", "model.recompute_qkv=false")
@@ -256,6 +262,10 @@ def test_auto_fuses_for_lora_and_what_needs_fused_layers_says_so():
         with pytest.raises(ConfigError, match="model.fold_lora=true folds LoRA adapters .* needs model.lora_rank > 0"):
             fused(*overrides, "model.fold_lora=true")
     assert fused("model.compile=true", "model.lora_rank=8", "model.fold_lora=true")
+    assert folds("model.compile=true", "model.lora_rank=8")  # auto: wherever LoRA's projections are fused
+    assert not folds("model.compile=true", "model.lora_rank=8", "model.fold_lora=false")
+    assert not folds("model.compile=true", "model.lora_rank=8", "model.fuse_projections=false")
+    assert not folds("model.compile=true") and not folds("model.lora_rank=8")
     assert not fused("model.compile=true")  # full fine-tuning: measured slower fused
     assert not fused("model.lora_rank=8")  # eager: there is no compiled graph to rewrite
     assert fused("model.compile=true", "model.fuse_projections=true")

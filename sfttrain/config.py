@@ -153,8 +153,9 @@ class ModelConfig:
         return self.fuse_projections
 
     def folds_lora(self) -> bool:
-        """fold_lora resolved: auto folds wherever LoRA's projections are fused."""
-        folds = self.lora_rank > 0 and self.fuses_projections()
+        """fold_lora resolved: auto folds wherever LoRA's projections are fused and the adapters read
+        the frozen projection's input (no lora_dropout: A reads a dropped-out copy of it)."""
+        folds = self.lora_rank > 0 and self.fuses_projections() and self.lora_dropout == 0
         return folds if self.fold_lora == "auto" else self.fold_lora
 
 
@@ -446,6 +447,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError("model.fold_lora=true folds LoRA adapters into the fused projections of compiled layers: "
                           "it needs model.lora_rank > 0, model.compile=true and fused projections "
                           "(model.fuse_projections auto or true); set those or remove model.fold_lora")
+    if m.fold_lora is True and m.lora_dropout > 0:
+        raise ConfigError(f"model.fold_lora=true with model.lora_dropout={m.lora_dropout}: an adapter folded into its "
+                          "frozen projection's GEMM reads that projection's input, but with dropout its A reads a "
+                          "dropped-out copy, so nothing would fold; set model.lora_dropout=0 or remove model.fold_lora")
     _choice("model.attn_implementation", m.attn_implementation,
             ("auto", "flash_attn", "torch_varlen", "sdpa_blockmask"))
     _choice("model.fsdp_config.model_dtype", m.fsdp_config.model_dtype, DTYPES)

@@ -266,6 +266,10 @@ def test_auto_fuses_and_folds_for_lora_and_what_needs_fused_layers_says_so():
     assert not folds("model.compile=true", "model.lora_rank=8", "model.fold_lora=false")
     assert not folds("model.compile=true", "model.lora_rank=8", "model.fuse_projections=false")
     assert not folds("model.compile=true") and not folds("model.lora_rank=8")
+    # with dropout, A reads a dropped-out copy of the input: nothing can fold
+    assert not folds("model.compile=true", "model.lora_rank=8", "model.lora_dropout=0.1")
+    with pytest.raises(ConfigError, match="model.fold_lora=true with model.lora_dropout=0.1: .* nothing would fold"):
+        folds("model.compile=true", "model.lora_rank=8", "model.lora_dropout=0.1", "model.fold_lora=true")
     assert not fused("model.compile=true")  # full fine-tuning: measured slower fused
     assert not fused("model.lora_rank=8")  # eager: there is no compiled graph to rewrite
     assert fused("model.compile=true", "model.fuse_projections=true")

@@ -115,9 +115,10 @@ class ModelConfig:
     fuse_projections: Any = "auto"
     # with LoRA and fused projections: each adapter's B runs inside its frozen projection's GEMM, over the
     # input widened by the adapters' A outputs (sfttrain/lora_fold.py): the same sums, without a second
-    # output of the projection's size written and read. auto: wherever projections are fused with LoRA
-    # (W1 LoRA 158.7k real tokens/s folded against 120.1k unfolded in one call, run CG; a layer's seven
-    # projections -14% GPU time in a microbenchmark, CD). true: the same, refused where it folds nothing
+    # output of the projection's size written and read. auto: wherever projections are fused with LoRA,
+    # without lora_dropout (W1 LoRA 158.7k real tokens/s folded against 120.1k unfolded in one call, run
+    # CG; a layer's seven projections -14% GPU time in a microbenchmark, CD). true: the same, refused where
+    # it folds nothing
     fold_lora: Any = "auto"
     # tokens per chunk of sfttrain's linear cross-entropy: a chunk's logits are held at once (chunk x
     # vocab in bf16; twice that with loss_kernel=torch); larger chunks pass fewer times over the fp32

@@ -50,8 +50,8 @@ FROZEN_GROUP_MAX_BYTES = 32 * 2**20  # the largest frozen group model.fuse_proje
 def graph_pass(cfg: ModelConfig, model_config) -> FuseSharedInputProjections | None:
     """The pass model.fuse_projections asks for: none; every group (true); or, auto, every group but
     frozen ones over FROZEN_GROUP_MAX_BYTES. The q/k/v group model.recompute_qkv=false keeps is fused
-    either way. With LoRA and model.fold_lora (auto: on), the groups of adapted projections it would
-    fuse are folded first (sfttrain.lora_fold), but that q/k/v group."""
+    either way. With LoRA and model.fold_lora (ModelConfig.folds_lora), the groups of adapted
+    projections it would fuse are folded first (sfttrain.lora_fold), but that q/k/v group."""
     if not cfg.fuses_projections():
         return None
     hidden, qkv = qkv_weight_shape(model_config)

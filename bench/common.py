@@ -131,6 +131,27 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def time_calls(fn, reps: int, warmup: int = 3) -> tuple[float, float]:
+    """(host, device) seconds per call of `fn` over `reps` calls after `warmup`: the host's clock while it
+    queues them, and CUDA events around them (on a CPU the clock's again: the calls run as queued)."""
+    for _ in range(warmup):
+        fn()
+    cuda = torch.cuda.is_available()
+    synchronize("cuda" if cuda else "cpu")
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    host = (time.perf_counter() - t0) / reps
+    if not cuda:
+        return host, host
+    end.record()
+    torch.cuda.synchronize()
+    return host, start.elapsed_time(end) / 1e3 / reps
+
+
 class StepClock:
     """Clock reads at the end of optimizer steps ``warmup`` .. ``steps``, device synchronized first."""
 

@@ -1,9 +1,11 @@
 """One W1 decoder layer's seven projections (q, k, v, o, gate, up, down at 13,696 tokens, LoRA rank 64),
 forward and backward compiled by inductor, per formulation of the LoRA adapters: GPU ms a layer (CUDA
-events over 30 calls) and host ms a call. A GPU is needed. The study behind sfttrain/lora_fold.py
-(docs/benchmarks.md, runs CC and CD); `kcat_group_fn` is the formulation lora_fold implements.
+events over 30 calls) and host ms a call. The study behind sfttrain/lora_fold.py (docs/benchmarks.md,
+runs CC and CD); `kcat_group_fn` is the formulation lora_fold implements.
 
-    python3 -m bench.lora_linear [variant ...]
+    python3 -m bench.lora_linear [--tokens N] [variant ...]
+
+Without CUDA it runs on the CPU (its figures the clock's), as the suite's smoke run does with a few tokens.
 
 full / full_fused: trained weights, projections apart / q-k-v and gate-up fused; frozen_fused: frozen
 weights without adapters (LoRA's floor); peft: what sfttrain ran (frozen groups and the adapters' A
@@ -11,14 +13,15 @@ fused, B apart, summed); kcat: [x | s xA^T] @ [W, B]^T per projection, autograd'
 one GEMM a group with a block weight, autograd's backward; merged_bwd: peft's forward, backward's input
 gradient through W + s BA; kcat_fn / kcat_group_fn: kcat per projection / per group with a backward
 that computes no frozen weight gradient."""
-import sys
-import time
+import argparse
 
 import torch
 import torch.nn.functional as F
 
+from bench.common import time_calls
+
 T, D, I, KV, R, S = 13696, 896, 4864, 128, 64, 0.5
-dev, bf = "cuda", torch.bfloat16
+dev, bf = "cuda" if torch.cuda.is_available() else "cpu", torch.bfloat16
 torch.manual_seed(0)
 
 
@@ -164,12 +167,12 @@ VARIANTS = {"full": (False, plain), "full_fused": (False, fused_plain), "frozen_
             "kcat_fn": (True, kcat_fn), "kcat_group_fn": (True, kcat_group_fn)}
 
 
-def run(name):
+def run(name, tokens):
     lora, fn = VARIANTS[name]
     p = params(lora)
     if name == "frozen_fused":
         p = {k: v for k, v in p.items() if not k[0] in "AB"}
-    xs = [torch.randn(T, n, device=dev, dtype=bf, requires_grad=True) for n in (D, D, D, I)]
+    xs = [torch.randn(tokens, n, device=dev, dtype=bf, requires_grad=True) for n in (D, D, D, I)]
     gouts = None
 
     cstep = torch.compile(fn)
@@ -181,29 +184,26 @@ def run(name):
             gouts = [torch.randn_like(o) for o in outs]
         torch.autograd.backward(outs, gouts)
 
-    for _ in range(5):
-        cstep_full()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    n = 30
-    t0 = time.perf_counter()
-    e0.record()
-    for _ in range(n):
-        cstep_full()
-    e1.record()
-    host = (time.perf_counter() - t0) / n
-    torch.cuda.synchronize()
-    gpu = e0.elapsed_time(e1) / n
+    host, gpu = (seconds * 1e3 for seconds in time_calls(cstep_full, 30, warmup=5))
     # reference check against eager (loss of the outputs)
     for v in list(p.values()) + xs:
         v.grad = None
     outs_c = cstep(p, *xs)
     outs_e = peft(p, *xs) if lora and "A" + "q" in p else plain(p, *xs)
     err = max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item() for a, b in zip(outs_c, outs_e))
-    print(f"{name:14s} gpu {gpu:7.3f} ms/layer  x24 {gpu * 24:6.1f} ms  host {host * 1e3:6.3f} ms/call  fwd rel err vs peft/plain {err:.2e}", flush=True)
+    # bf16 outputs rounded after sums in another order: a few of bf16's 2^-8 at the largest value (CC, CD:
+    # 7.8e-3 at most); a formulation that computed something else would be off by O(1)
+    assert err < 2e-2, f"{name}: forward relative error {err:.2e} against peft's / the plain layer"
+    print(f"{name:14s} {'gpu' if dev == 'cuda' else 'cpu'} {gpu:7.3f} ms/layer  x24 {gpu * 24:6.1f} ms  host {host:6.3f} ms/call  fwd rel err vs peft/plain {err:.2e}", flush=True)
 
 
 if __name__ == "__main__":
-    for name in sys.argv[1:] or VARIANTS:
-        run(name)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=T, help="tokens of the micro-batch (W1's 13,696)")
+    ap.add_argument("variants", nargs="*", help=f"the formulations to time (default: all): {', '.join(VARIANTS)}")
+    args = ap.parse_args()
+    if set(args.variants) - VARIANTS.keys():
+        ap.error(f"unknown variants {sorted(set(args.variants) - VARIANTS.keys())}; choose from {list(VARIANTS)}")
+    for name in args.variants or VARIANTS:
+        run(name, args.tokens)
         torch._dynamo.reset()

@@ -3,10 +3,11 @@
 Every rank records its host operators (with their inputs' shapes) and (on CUDA) its kernels over
 the consecutive steps named, writes a Chrome trace (open it in https://ui.perfetto.dev) into
 <run folder>/profile/, and rank 0 prints a summary: wall time and kernel time per step, kernel
-time by kind (GEMM, attention, Triton, communication, copies), the top kernels, and where the GPU
-sat idle between them: for each large gap, whether the host launched the next kernel late (and
-which operators it was in meanwhile) or the device waited. Each step is a range of its own in the
-trace ("sfttrain step N").
+time by kind (GEMM, attention, Triton, communication, copies), the GEMMs by their operands' shapes
+with the FLOP rate each reached (a skinny GEMM that runs far below the GPU's peak stands out), the
+top kernels, and where the GPU sat idle between them: for each large gap, whether the host launched
+the next kernel late (and which operators it was in meanwhile) or the device waited. Each step is a
+range of its own in the trace ("sfttrain step N").
 
 trainer.profile_memory (CUDA) also records the caching allocator's history over the window (each
 allocation and free with its Python stack, torch.cuda.memory._record_memory_history), saves it as
@@ -21,8 +22,10 @@ the trace takes seconds; the trainer leaves them out of the next step's time, as
 
 from __future__ import annotations
 
+import bisect
 import collections
 import json
+import math
 import os
 import pickle
 import time
@@ -44,6 +47,10 @@ HOST_LAUNCH = ("cuda_runtime", "cuda_driver")  # the host's calls that queue it 
 # are named ...sdpa...; cuBLAS's GEMMs nvjet/sm90_xmma/cutlass
 KINDS = (("triton", ("triton",)), ("attention", ("flash", "fmha", "sdpa", "attn")), ("communication", ("nccl",)),
          ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "splitk")), ("copy", ("memcpy", "memset")))
+
+# the matrix-product operators and the positions of their two factors among the inputs ("Input Dims")
+GEMM_OPERANDS = {"aten::mm": (0, 1), "aten::addmm": (1, 2), "aten::bmm": (0, 1), "aten::baddbmm": (1, 2),
+                 "aten::_scaled_mm": (0, 1)}
 
 
 def check_window(steps: list[int] | None, total_steps: int) -> None:
@@ -188,7 +195,7 @@ def allocation_site(frames: list[dict]) -> str:
 
 
 def summarise(prof, trace: str, wall: float, steps: int) -> str:
-    """Rank 0's summary: kernels by kind and the idle gaps from the trace, the top operators."""
+    """Rank 0's summary: kernels by kind, GEMMs by shape and the idle gaps from the trace, the top operators."""
     with open(trace) as f:
         events = json.load(f)["traceEvents"]
     device = [e for e in events if e.get("cat") in DEVICE_ACTIVITY]
@@ -196,9 +203,10 @@ def summarise(prof, trace: str, wall: float, steps: int) -> str:
     if device:
         busy = sum(e.get("dur", 0) for e in device) / 1e6 / steps
         lines[0] += f", GPU kernels {busy * 1e3:.1f} ms/step ({100 * busy / wall:.0f}% of the wall time)"
-        lines += kernel_kinds(device, steps) + idle_gaps(events, steps)
+        lines += kernel_kinds(device, steps) + gemm_shapes(events, steps) + idle_gaps(events, steps)
         sort_by = "self_device_time_total"
     else:
+        lines += gemm_shapes(events, steps)
         sort_by = "self_cpu_time_total"  # a CPU run: the host's operators are the work
     lines.append(prof.key_averages().table(sort_by=sort_by, row_limit=15, max_name_column_width=70))
     return "\n".join(lines)
@@ -220,6 +228,80 @@ def kernel_kinds(device: list[dict], steps: int) -> list[str]:
         for kind, us in time_of.most_common()]
 
 
+def gemm_shapes(events: list[dict], steps: int, top: int = 12) -> list[str]:
+    """GEMM time by the operator's factor shapes, with the FLOP rate reached (2 x M x N x K a product).
+    On a GPU each kernel counts for the GEMM operator that launched it (split-K's reduction too); on a
+    CPU run the operator's own time is the work. Under inductor's C++ wrapper the compiled layers call
+    cuBLAS without an operator the profiler records: their GEMM kernels are counted apart."""
+    ops = [e for e in events if e.get("cat") == "cpu_op" and e["name"] in GEMM_OPERANDS and gemm_factors(e)]
+    device = [e for e in events if e.get("cat") in DEVICE_ACTIVITY]
+    calls = collections.Counter(gemm_factors(op) for op in ops)
+    time_of, unattributed = collections.Counter(), 0
+    if not device:
+        for op in ops:
+            time_of[gemm_factors(op)] += op.get("dur", 0)
+    launcher = LaunchingOperator(events, ops)
+    for kernel in device:
+        op = launcher.of(kernel)
+        if op is not None:
+            time_of[gemm_factors(op)] += kernel.get("dur", 0)
+        elif kernel_kind(kernel["name"]) == "gemm":
+            unattributed += kernel.get("dur", 0)
+    if not time_of:
+        return []
+    where = "the kernels each launched" if device else "the operators' own time on this CPU"
+    lines = [f"GEMMs by factor shapes ({where}), per step:"]
+    for factors, us in time_of.most_common(top):
+        lines.append(f"  {us / 1e3 / steps:9.2f} ms  {calls[factors] / steps:6.0f} calls  "
+                     f"{gemm_flops(factors) * calls[factors] / max(us, 1e-9) / 1e6:7.1f} TFLOP/s  "
+                     f"{' x '.join(str(list(f)) for f in factors)}")
+    total, products = sum(time_of.values()), sum(gemm_flops(f) * n for f, n in calls.items())
+    lines.append(f"  {total / 1e3 / steps:9.2f} ms  {sum(calls.values()) / steps:6.0f} calls  "
+                 f"{products / max(total, 1e-9) / 1e6:7.1f} TFLOP/s  all {len(time_of)} shapes")
+    if unattributed:
+        lines.append(f"  {unattributed / 1e3 / steps:9.2f} ms of GEMM kernels launched outside a GEMM operator "
+                     "(inductor's C++ wrapper; model.compile_cpp_wrapper=false names their shapes)")
+    return lines
+
+
+def gemm_factors(op: dict) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The two factors' shapes of a GEMM operator's call (None where the profiler recorded none)."""
+    dims = op.get("args", {}).get("Input Dims", [])
+    a, b = GEMM_OPERANDS[op["name"]]
+    if len(dims) <= b or len(dims[a]) not in (2, 3) or len(dims[b]) != len(dims[a]):
+        return None
+    return tuple(dims[a]), tuple(dims[b])
+
+
+def gemm_flops(factors: tuple[tuple[int, ...], tuple[int, ...]]) -> int:
+    """2 x M x N x K (x the batch of a bmm)."""
+    a, b = factors
+    return 2 * math.prod(a) * b[-1]
+
+
+class LaunchingOperator:
+    """The GEMM operator a kernel was launched from: the launch call (by the kernel's correlation id)
+    lies inside it on the same thread. GEMM operators do not nest, so on a thread the one that began
+    last before the launch holds it, if any does."""
+
+    def __init__(self, events: list[dict], ops: list[dict]):
+        self.launches = launches_by_correlation(events)
+        self.by_thread: dict = collections.defaultdict(list)
+        for op in sorted(ops, key=lambda e: e["ts"]):
+            self.by_thread[op.get("tid")].append(op)
+        self.starts = {tid: [op["ts"] for op in thread] for tid, thread in self.by_thread.items()}
+
+    def of(self, kernel: dict) -> dict | None:
+        launch = self.launches.get(kernel.get("args", {}).get("correlation"))
+        if launch is None or launch.get("tid") not in self.by_thread:
+            return None
+        thread = self.by_thread[launch["tid"]]
+        i = bisect.bisect_right(self.starts[launch["tid"]], launch["ts"]) - 1
+        if i < 0 or thread[i]["ts"] + thread[i].get("dur", 0) < launch["ts"]:
+            return None
+        return thread[i]
+
+
 def idle_gaps(events: list[dict], steps: int, top: int = 8) -> list[str]:
     """Where the GPU waits: the gaps between consecutive device activities, in total per step
     and the largest ones with the kernels on either side and what the GPU waited for (`gap_cause`)."""
@@ -232,8 +314,7 @@ def idle_gaps(events: list[dict], steps: int, top: int = 8) -> list[str]:
             end, before = e["ts"] + e.get("dur", 0), e
     lines = [f"GPU idle between kernels: {sum(g[0] for g in gaps) / 1e3 / steps:.1f} ms/step "
              f"({sum(g[0] > 100 for g in gaps) / steps:.0f} gaps over 100 us per step); largest:"]
-    launches = {e["args"]["correlation"]: e for e in events
-                if e.get("cat") in HOST_LAUNCH and "correlation" in e.get("args", {})}
+    launches = launches_by_correlation(events)
     host_ops = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation")]
     for gap, start, before_name, after in sorted(gaps, key=lambda g: g[0], reverse=True)[:top]:
         lines.append(f"  {gap / 1e3:7.2f} ms after {before_name[:60]!r} before {after['name'][:60]!r}")
@@ -241,6 +322,12 @@ def idle_gaps(events: list[dict], steps: int, top: int = 8) -> list[str]:
         if launch is not None:
             lines.append(f"            {gap_cause(start, launch, host_ops)}")
     return lines
+
+
+def launches_by_correlation(events: list[dict]) -> dict:
+    """The host's launch calls by the correlation id their kernels carry."""
+    return {e["args"]["correlation"]: e for e in events
+            if e.get("cat") in HOST_LAUNCH and "correlation" in e.get("args", {})}
 
 
 def gap_cause(gap_start: float, launch: dict, host_ops: list[dict], top: int = 3) -> str:

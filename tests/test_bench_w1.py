@@ -1,5 +1,6 @@
 """bench/'s W1 scripts (tests/bench_run.py says what the bench tests check): the padded baseline,
-sfttrain's W1 run (profiled), the data scripts, the summary, and loss_kernel's CPU refusal.
+sfttrain's W1 run (profiled), the data scripts, the summary, loss_kernel's CPU refusal, and the
+microbenchmarks of one W1 layer's LoRA projections.
 The slowest test first: pytest-xdist hands a worker its next file while the last two tests of
 its current one still run."""
 
@@ -75,6 +76,17 @@ def test_loss_kernel(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["loss_kernel"])
     with pytest.raises(SystemExit, match="CUDA"):
         loss_kernel.main()
+
+
+def test_lora_layer_benches():
+    """lora_linear (one formulation, compiled) and adapter_gemms on a few tokens: on the CPU each checks
+    what it times against a reference computed another way (the formulation against peft's, each
+    split-K product against the plain one), and reports every product of a layer's four groups."""
+    out = run_bench("bench.lora_linear", "--tokens", "64", "kcat_group_fn")
+    assert "kcat_group_fn" in out and "ms/layer" in out
+    out = run_bench("bench.adapter_gemms", "--tokens", "64", "--reps", "1").splitlines()
+    assert len([line for line in out if " us " in line]) == 4 * 8  # six folded products and two frozen a group
+    assert out[-1].startswith("a layer's folded GEMMs: mm ")
 
 
 def test_summary_names_the_slow_steps(tmp_path):

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from sfttrain.config import ConfigError, TrainerConfig, load_config
-from sfttrain.profiling import (StepProfiler, allocation_site, describe, idle_gaps, kernel_kind, kernel_kinds,
-                                live_at_peak)
+from sfttrain.profiling import (StepProfiler, allocation_site, describe, gemm_shapes, idle_gaps, kernel_kind,
+                                kernel_kinds, live_at_peak)
 from tests.conftest import run_sfttrain, train_losses, two_rank_job
 
 
@@ -30,6 +30,9 @@ def test_profiled_steps_leave_a_trace_per_rank_a_summary_and_the_same_losses(gsm
         assert sum(e["name"] in ("aten::mm", "aten::addmm") for e in events) > 0
     summary = (run_dir / "profile" / "summary.txt").read_text()
     assert summary.startswith("wall ") and "ms/step" in summary and "Self CPU" in summary
+    # stories260K's head (64 -> 512) in the loss's chunks, the packed tokens with a target on one side
+    assert "GEMMs by factor shapes (the operators' own time on this CPU), per step:" in summary
+    assert re.search(r"TFLOP/s  \[\d+, 64\] x \[64, 512\]", summary), summary
     assert f"profile of steps 2-3 (trace {run_dir}/profile/steps_2-3_rank0.json)" in proc.stdout
     assert train_losses(run_dir) == train_losses(two_rank_run)
 
@@ -91,6 +94,7 @@ def test_profile_memory_on_a_gpu_names_the_peak(gsm8k_dir, tmp_path):
     peak, before = map(float, re.search(r"peak allocated in the window ([\d.]+) GiB \(([\d.]+) GiB", summary).groups())
     assert peak >= before > 0 and "blocks" in summary, summary
     assert "GPU kernels" in summary and "gemm" in summary, proc.stdout[-3000:]
+    assert "GEMMs by factor shapes (the kernels each launched), per step:" in summary, summary  # eager: aten's GEMMs
     assert re.search(r"launched [\d.]+ ms (into it|before)", summary), summary  # each large gap's cause
 
 
@@ -132,3 +136,32 @@ def test_kernels_are_grouped_by_kind_and_idle_gaps_measured():
                                "Torch-Compiled Region: 0/1 0.11 ms, aten::copy_ [13568, 896] x [13568, 896] x [] 0.06 ms")
     assert gaps[3].strip().startswith("0.05 ms after 'sm90_xmma")
     assert gaps[4].strip() == "launched 0.03 ms before: the device waited, not the host"
+
+
+def test_gemm_time_goes_to_the_shapes_of_the_operator_that_launched_it():
+    """A made-up trace of one step (microseconds): an mm [100, 200] x [200, 300] launching one kernel
+    (20 us), an addmm of the same factors launching a split-K GEMM and its reduction (30 + 5 us), a
+    bmm on the backward's thread (8 us), and a GEMM kernel launched outside any GEMM operator (12 us,
+    as inductor's C++ wrapper calls cuBLAS), beside a Triton kernel that is no GEMM."""
+    ops = [{"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 50, "tid": 1,
+            "args": {"Input Dims": [[100, 200], [200, 300]]}},
+           {"cat": "cpu_op", "name": "aten::addmm", "ts": 100, "dur": 50, "tid": 1,
+            "args": {"Input Dims": [[300], [100, 200], [200, 300], [], []]}},
+           {"cat": "cpu_op", "name": "aten::bmm", "ts": 200, "dur": 40, "tid": 2,
+            "args": {"Input Dims": [[4, 100, 200], [4, 200, 300]]}}]
+    launched = [(1, 1, 10, "nvjet_tst_128x64", 20), (2, 1, 110, "sm90_xmma_gemm_splitK", 30),
+                (3, 1, 120, "splitKreduce_kernel", 5), (4, 2, 210, "nvjet_tst_64x8", 8),
+                (5, 1, 300, "sm90_xmma_gemm_bf16", 12), (6, 1, 310, "triton_poi_fused_mul_0", 7)]
+    trace = ops + [e for corr, tid, ts, name, dur in launched for e in (
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 2, "tid": tid, "args": {"correlation": corr}},
+        {"cat": "kernel", "name": name, "ts": 1000 + ts, "dur": dur, "args": {"correlation": corr}})]
+    # 2 x 100 x 300 x 200 = 12 MFLOP a product: twice in 55 us; the bmm's 4 x 12 MFLOP in 8 us
+    assert gemm_shapes(trace, 1) == [
+        "GEMMs by factor shapes (the kernels each launched), per step:",
+        "       0.06 ms       2 calls      0.4 TFLOP/s  [100, 200] x [200, 300]",
+        "       0.01 ms       1 calls      6.0 TFLOP/s  [4, 100, 200] x [4, 200, 300]",
+        "       0.06 ms       3 calls      1.1 TFLOP/s  all 2 shapes",
+        "       0.01 ms of GEMM kernels launched outside a GEMM operator (inductor's C++ wrapper; "
+        "model.compile_cpp_wrapper=false names their shapes)"]
+    # a CPU run: the operators' own time
+    assert gemm_shapes(ops, 2)[1] == "       0.05 ms       1 calls      0.2 TFLOP/s  [100, 200] x [200, 300]"

@@ -3,7 +3,10 @@ forward and backward compiled by inductor, per formulation of the LoRA adapters:
 events over 30 calls) and host ms a call. The study behind sfttrain/lora_fold.py (docs/benchmarks.md,
 runs CC and CD); `kcat_group_fn` is the formulation lora_fold implements.
 
-    python3 -m bench.lora_linear [--tokens N] [variant ...]
+    python3 -m bench.lora_linear [--tokens N] [--autotune] [variant ...]
+
+--autotune compiles with inductor's max-autotune (GEMMs as Triton templates where they win, with
+the elementwise work that follows them fused in).
 
 Without CUDA it runs on the CPU (its figures the clock's), as the suite's smoke run does with a few tokens.
 
@@ -167,7 +170,7 @@ VARIANTS = {"full": (False, plain), "full_fused": (False, fused_plain), "frozen_
             "kcat_fn": (True, kcat_fn), "kcat_group_fn": (True, kcat_group_fn)}
 
 
-def run(name, tokens):
+def run(name, tokens, autotune=False):
     lora, fn = VARIANTS[name]
     p = params(lora)
     if name == "frozen_fused":
@@ -175,7 +178,7 @@ def run(name, tokens):
     xs = [torch.randn(tokens, n, device=dev, dtype=bf, requires_grad=True) for n in (D, D, D, I)]
     gouts = None
 
-    cstep = torch.compile(fn)
+    cstep = torch.compile(fn, mode="max-autotune-no-cudagraphs" if autotune else None)
 
     def cstep_full():
         outs = cstep(p, *xs)
@@ -200,10 +203,11 @@ def run(name, tokens):
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=T, help="tokens of the micro-batch (W1's 13,696)")
+    ap.add_argument("--autotune", action="store_true", help="inductor's max-autotune (minutes of compilation)")
     ap.add_argument("variants", nargs="*", help=f"the formulations to time (default: all): {', '.join(VARIANTS)}")
     args = ap.parse_args()
     if set(args.variants) - VARIANTS.keys():
         ap.error(f"unknown variants {sorted(set(args.variants) - VARIANTS.keys())}; choose from {list(VARIANTS)}")
     for name in args.variants or VARIANTS:
-        run(name, args.tokens)
+        run(name, args.tokens, args.autotune)
         torch._dynamo.reset()

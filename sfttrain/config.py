@@ -186,6 +186,9 @@ class TrainerConfig:
     test_freq: int = -1  # validate every N steps (and always at the end); -1: only at the end
     save_freq: int = -1  # checkpoint every N steps (and always at the end); -1: only at the end
     max_ckpt_to_keep: Optional[int] = None  # None keeps all (counts committed checkpoints only)
+    # a SIGTERM during training (a scheduler's time limit or preemption, kill, torchrun passing one on) saves the
+    # step in flight and ends the run with exit code 8; false: the rank dies at once (sfttrain/stop_signal.py)
+    save_on_sigterm: bool = True
     async_save: bool = True  # periodic saves written in the background from a host copy (+1 model/optimizer shard in RAM)
     # CUDA, async_save: stage into pinned host buffers allocated once per staging slot (after step 1: a one-time
     # pause, said in the line on where saves stage) and reused by the later saves in it (the device-to-host copy

@@ -1,4 +1,4 @@
-"""The mistakes a user must fix, each with its exit code (`python -m sfttrain.run` exits with it;
+"""The mistakes a user must fix, and a stop to resume from, each with its exit code (`python -m sfttrain.run` exits with it;
 under torchrun it is each rank's `exitcode` in the failure summary):
 
     2  config error: a key, value or file named in the config (ConfigError)
@@ -7,6 +7,7 @@ under torchrun it is each rank's `exitcode` in the failure summary):
     5  missing dependency that the config asks for, e.g. wandb (DependencyError)
     6  a checkpoint could not be saved, e.g. a full disk; nothing of it was committed (CheckpointError)
     7  the Hugging Face export of a committed checkpoint failed (ExportError)
+    8  stopped by SIGTERM after saving the step in flight; the same command resumes (StoppedBySignal)
 
 Anything else is a bug in sfttrain and ends with its traceback (exit code 1).
 This module imports nothing, so the entry point can classify errors before torch loads.
@@ -14,9 +15,10 @@ This module imports nothing, so the entry point can classify errors before torch
 
 
 class UserError(Exception):
-    """A mistake the user must fix; the message says what to change."""
+    """A mistake the user must fix (or a stop to resume from); the message says what to do."""
     exit_code = 2
     kind = "error"
+    every_rank = False  # raised by every rank at the same point (not only by those that found it)
 
 
 class ConfigError(UserError, ValueError):
@@ -53,3 +55,10 @@ class ExportError(UserError, RuntimeError):
     """The Hugging Face export of a committed checkpoint failed; the checkpoint itself resumes."""
     exit_code = 7
     kind = "export failed"
+
+
+class StoppedBySignal(UserError, RuntimeError):
+    """A SIGTERM stopped training; the step in flight was saved first (sfttrain/stop_signal.py)."""
+    exit_code = 8
+    kind = "stopped"
+    every_rank = True

@@ -4,9 +4,10 @@ Parse the config, start the ranks, build the trainer, train, shut down cleanly.
 `python -m sfttrain.run --help [section]` lists every key (sfttrain/help.py).
 
 A mistake the user must fix (sfttrain/errors.py, which lists the exit codes: 2 config, 3 data,
-4 non-finite loss, 5 missing dependency, 6 checkpoint not saved, 7 export failed) ends the run with
-one message, printed once by rank 0, and its exit code; under torchrun the same message is rank 0's
-elastic error file, so torchrun's "Root Cause" shows it (once) instead of `error_file: <N/A>`.
+4 non-finite loss, 5 missing dependency, 6 checkpoint not saved, 7 export failed; and 8, stopped by
+SIGTERM after a save) ends the run with one message, printed once by rank 0, and its exit code; under
+torchrun the same message is rank 0's elastic error file, so torchrun's "Root Cause" shows it (once)
+instead of `error_file: <N/A>`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 import sys
 import time
 
+from sfttrain import stop_signal
 from sfttrain.config import Config, load_config
 from sfttrain.errors import UserError
 from sfttrain.help import print_help
@@ -37,9 +39,12 @@ def stop(error: UserError) -> None:
     usually raises the same error (same config; data checks gather their verdicts): rank 0 reports
     it, and torchrun stops the others when rank 0 exits, before they have written or printed
     anything, so the summary holds the message once. A rank that outlives the wait is the one
-    that knows (an error of its own), and reports it itself."""
+    that knows (an error of its own), and reports it itself. An error every rank raises at the same
+    point (StoppedBySignal) needs no wait: each rank writes it to its error file, rank 0 prints it."""
     message = f"sfttrain: {error.kind}: {error}"
-    if int(os.environ.get("RANK", 0)) != 0:
+    rank0 = int(os.environ.get("RANK", 0)) == 0
+    if not (rank0 or error.every_rank):
+        stop_signal.restore_default()  # torchrun's SIGTERM ends the wait at once
         time.sleep(WAIT_FOR_RANK0_S)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
@@ -47,7 +52,8 @@ def stop(error: UserError) -> None:
             # torch's own layout (elastic/multiprocessing/errors), the traceback replaced by the message
             json.dump({"message": {"message": message, "extraInfo": {"py_callstack": message,
                                                                      "timestamp": str(int(time.time()))}}}, f)
-    print(message, file=sys.stderr, flush=True)
+    if rank0 or not error.every_rank:
+        print(message, file=sys.stderr, flush=True)
     sys.stdout.flush()
     # at once, without the interpreter's teardown of torch (seconds): a rank still tearing
     # down when torchrun stops the job would be reported as killed
@@ -93,6 +99,7 @@ def train(cfg: Config) -> None:
     except UserError as e:
         stop(e)
     except Exception as e:  # a bug, or a collective's timeout: then where this rank was
+        stop_signal.restore_default()  # torchrun's SIGTERM, as it ends the job, ends this rank at once
         phase.report_timeout(e, rank, timeout)
         raise
     # Python's final garbage collection of torch's and transformers' object graphs costs seconds

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from sfttrain import checkpoint, export, fp8, lora, moe, phase, profiling, recompute
+from sfttrain import checkpoint, export, fp8, lora, moe, phase, profiling, recompute, stop_signal
 from sfttrain.attention import describe_backend, fallback_warning
 from sfttrain.checkpoint_folder import complete_checkpoints, is_complete, remove_stale_tmp
 from sfttrain.config import Config, as_list
@@ -22,7 +22,7 @@ from sfttrain.data.parquet import row_fields
 from sfttrain.data.prepare import prepare_train_data
 from sfttrain.data.report import describe
 from sfttrain.distributed import World, check_shared_run_dir
-from sfttrain.errors import NonFiniteLossError
+from sfttrain.errors import NonFiniteLossError, StoppedBySignal
 from sfttrain.flops import ModelShape
 from sfttrain.loss import CausalLMLoss, router_metrics, router_stats, select_chunk_loss, step_objective
 from sfttrain.metrics import (MetricsLogger, StepEnd, StepTimer, describe_host_memory, host_memory_gib, memory_stats,
@@ -104,6 +104,7 @@ class FSDPSFTTrainer:
         self.checkpointer = checkpoint.Checkpointer(self.run_dir, world, cfg, resume.run_id, self.logger.event,
                                                     self.lm.model, self.optimizer, self.tokenizer)
         self.timer = StepTimer(world.device)
+        self.stop_vote, self.stopping = stop_signal.StopVote(world.device), False  # trainer.save_on_sigterm
         self.profiler = profiling.StepProfiler(t, self.run_dir, world.rank, world.device, self.logger.info)
         self._print_startup(resume_from, resume_notes)
 
@@ -160,27 +161,31 @@ class FSDPSFTTrainer:
                                     self.cfg.data.num_workers, pin_memory=self.world.device.type == "cuda"))
         self.timer.restart()  # start-up is not step time
         queued = None  # the previous step: its update is queued on the device, its numbers not yet read
-        while self.state.step < total:
-            phase.enter(f"step {self.state.step + 1}")
-            wait_start = time.perf_counter()
-            self.profiler.before_step(self.state.step + 1)
-            batch = next(batches)
-            queued = self.step(batch, time.perf_counter() - wait_start, queued)
-            profiled = self.profiler.after_step(self.state.step)  # the window's end writes its trace
-            self.checkpointer.poll()  # commits a background save once every rank has written it
-            step = self.state.step
-            last = step == total
-            validate = self.val_batches is not None and (last or (t.test_freq > 0 and step % t.test_freq == 0))
-            save = last or (t.save_freq > 0 and step % t.save_freq == 0)
-            if validate or save or profiled:
-                self.finish(queued)  # checkpoints only of steps known to be finite
-                queued = None
-            if validate:
-                self.logger.log(step, {"val/loss": self.validate()})
-            if save:
-                self.save()
-            if validate or save or profiled:
-                self.timer.restart()  # not training time; logging and data waits are (the next step's)
+        with stop_signal.noting(t.save_on_sigterm):
+            while self.state.step < total:
+                phase.enter(f"step {self.state.step + 1}")
+                wait_start = time.perf_counter()
+                self.profiler.before_step(self.state.step + 1)
+                batch = next(batches)
+                queued = self.step(batch, time.perf_counter() - wait_start, queued)
+                profiled = self.profiler.after_step(self.state.step)  # the window's end writes its trace
+                self.checkpointer.poll()  # commits a background save once every rank has written it
+                step = self.state.step
+                last = step == total
+                stop = self.stopping and not last  # every rank read the same vote (finish)
+                validate = self.val_batches is not None and (last or (t.test_freq > 0 and step % t.test_freq == 0))
+                save = last or stop or (t.save_freq > 0 and step % t.save_freq == 0)
+                if validate or save or profiled:
+                    self.finish(queued)  # checkpoints only of steps known to be finite
+                    queued = None
+                if validate:
+                    self.logger.log(step, {"val/loss": self.validate()})
+                if save:
+                    self.save()
+                if stop:
+                    self.stop()
+                if validate or save or profiled:
+                    self.timer.restart()  # not training time; logging and data waits are (the next step's)
         self.checkpointer.close()
         if t.save_hf:
             self.export_hf()
@@ -208,8 +213,8 @@ class FSDPSFTTrainer:
 
     def update(self, batch: StepBatch, loss_sum: torch.Tensor, data_wait: float) -> QueuedStep:
         """Queues the clipped update (skipped on the device if the loss or the norm is not finite)."""
-        totals = torch.cat([loss_sum.reshape(1), router_stats(self.lm, loss_sum.device)])
-        dist.all_reduce(totals)  # one all-reduce: the loss and the router's statistics
+        totals = torch.cat([loss_sum.reshape(1), self.stop_vote.flag(), router_stats(self.lm, loss_sum.device)])
+        dist.all_reduce(totals)  # one all-reduce: the loss, the ranks' votes to stop, the router's statistics
         loss_sum = totals[0]
         lr = self.scheduler.get_last_lr()[0]
         params = [p for p in self.lm.parameters() if p.grad is not None]
@@ -223,7 +228,7 @@ class FSDPSFTTrainer:
 
     def finish(self, queued: QueuedStep) -> None:
         """Waits for a queued step's update, stops on a non-finite one, logs it."""
-        total, *router, grad_norm, stepped = queued.end.read()
+        total, stop_votes, *router, grad_norm, stepped = queued.end.read()
         batch = queued.batch
         loss = total / max(batch.num_loss_tokens, 1)
         if not stepped:
@@ -232,6 +237,7 @@ class FSDPSFTTrainer:
                 f"non-finite loss ({loss}) or grad norm ({grad_norm}) at step {queued.step} "
                 f"(epoch {batch.epoch}); the update was NOT applied. Rows of this step: {batch.rows[:16]}... "
                 f"Lower optim.lr, keep optim.clip_grad > 0, or check those rows; {self._restart_hint()}")
+        self.stopping = self.stopping or stop_votes > 0
         metrics = {"loss": loss, "lr": queued.lr, "grad_norm": grad_norm, **router_metrics(self.lm, router, batch)}
         seconds = self.timer.lap(queued.end)
         metrics.update(throughput(batch.sample_lengths, batch.num_loss_tokens, seconds, self.model_shape,
@@ -259,8 +265,17 @@ class FSDPSFTTrainer:
 
     def save(self) -> None:
         phase.enter(f"the save of step {self.state.step}")
-        final = self.state.step == self.plan.total_steps
+        final = self.state.step == self.plan.total_steps or self.stopping  # written and committed before going on
         self.checkpointer.save(self.state, wandb_id=self.logger.wandb_id, final=final)
+
+    def stop(self) -> None:
+        """Ends the run after a SIGTERM (sfttrain.stop_signal), once the step's checkpoint is committed."""
+        self.checkpointer.close()
+        who = f"{stop_signal.received()} received" if stop_signal.received() else "another rank received SIGTERM"
+        raise StoppedBySignal(
+            f"{who}: training stopped after step {self.state.step} of {self.plan.total_steps}, whose checkpoint "
+            f"{os.path.join(self.run_dir, f'global_step_{self.state.step}')} is committed. The same command "
+            "with trainer.resume_mode=auto (the default) resumes from it")
 
     def export_hf(self) -> None:
         """trainer.save_hf: the final checkpoint, once committed, is exported into its huggingface/;

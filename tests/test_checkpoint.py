@@ -415,6 +415,54 @@ def test_sigkill_at_random_moments_then_auto_resume(data, ref, tmp_path):
                         state(ref / f"global_step_{TOTAL}")["model"]) <= SAME_WORLD_TOL
 
 
+def test_sigterm_saves_the_step_in_flight_and_the_same_command_finishes_the_run(data, ref, tmp_path):
+    """torchrun gets SIGTERM (as from a scheduler's time limit) once step 3 is logged, and passes it on
+    to the ranks: both stop after the same step, whose checkpoint (the only one: no periodic saves) is
+    committed and equals the uninterrupted run's; the job ends with exit code 8 and the message naming
+    that checkpoint. The same command then resumes and ends where the uninterrupted run did."""
+    run_dir = tmp_path / "run"
+    overrides = job(data, run_dir)
+    log = tmp_path / "stopped.log"
+    proc = launch(2, overrides, log, torchrun=True)
+    try:
+        assert wait_until(lambda: logged_steps(run_dir) >= 3, proc), log.read_text()[-3000:]
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    finally:
+        kill_job(proc)
+    out = log.read_text()
+    (step,) = check_checkpoints(run_dir, ref, 2)
+    assert 3 <= step < TOTAL, out[-3000:]
+    # printed once, by rank 0 (torchrun, itself signalled, prints no summary of its ranks)
+    assert out.count(f"sfttrain: stopped: SIGTERM received: training stopped after step {step} of {TOTAL}, whose "
+                     f"checkpoint {run_dir}/global_step_{step} is committed") == 1, out[-3000:]
+    run_sfttrain(2, overrides)
+    got, want = losses_by_step(run_dir), losses_by_step(ref)
+    assert sorted(got) == list(range(1, TOTAL + 1))
+    assert max(abs(got[s] - want[s]) for s in got) <= SAME_WORLD_TOL
+
+
+def test_a_sigterm_to_one_rank_stops_every_rank_after_the_same_step(data, ref, tmp_path):
+    """SIGTERM to rank 1 alone, as `kill` would send it: rank 0 learns it from a step's all-reduce,
+    both save the same step (equal to the uninterrupted run's) and exit with code 8, and rank 0 says
+    that another rank received the signal."""
+    from tests.test_errors import rank_pid
+
+    run_dir, log = tmp_path / "run", tmp_path / "log"
+    proc = launch(2, job(data, run_dir), log)
+    try:
+        assert wait_until(lambda: logged_steps(run_dir) >= 2, proc), log.read_text()[-3000:]
+        os.kill(rank_pid(proc, 1), signal.SIGTERM)
+        code = proc.wait(timeout=120)
+    finally:
+        kill_job(proc)
+    out = log.read_text()
+    (step,) = check_checkpoints(run_dir, ref, 2)
+    assert f"sfttrain: stopped: another rank received SIGTERM: training stopped after step {step} of {TOTAL}" in out
+    # the ranks' own exit code: the forked job's, or in torchrun's summary (SFTTRAIN_TEST_FORK=0)
+    assert code == 8 if isinstance(proc, ForkedJob) else "exitcode  : 8" in out, out[-3000:]
+
+
 # --------------------------------------------------------------------------- the folder logic, in-process
 
 def _fake(run_dir: Path, step: int, complete: bool = True) -> Path:

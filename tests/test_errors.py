@@ -181,10 +181,14 @@ def test_every_exit_kind_and_rank_count_reaches_torchrun_summary(tmp_path):
 
 def test_each_kind_has_its_own_exit_code():
     """The codes the catalogue expects are the ones sfttrain/errors.py gives each kind."""
+    from sfttrain import errors
     from sfttrain.errors import ConfigError, DataError, DependencyError, NonFiniteLossError
 
     codes = [cls.exit_code for cls in (ConfigError, DataError, NonFiniteLossError, DependencyError)]
     assert codes == [CONFIG, DATA, NON_FINITE, DEPENDENCY]
+    kinds = [k for k in vars(errors).values() if isinstance(k, type) and issubclass(k, errors.UserError)
+             and k is not errors.UserError]
+    assert sorted(k.exit_code for k in kinds) == list(range(2, 9)), kinds  # each kind its own code
 
 
 def rank_pid(launcher: subprocess.Popen, rank: int) -> int | None:

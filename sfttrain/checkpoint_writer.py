@@ -31,6 +31,7 @@ from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_st
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves, tree_map_only
 
+from sfttrain import stop_signal
 from sfttrain.checkpoint_folder import fsync_tree, tree_bytes
 
 
@@ -123,8 +124,10 @@ class WriterProcess:
         ctx = mp.get_context("spawn")  # the training process has CUDA and threads: no fork
         self.conn, child = ctx.Pipe()
         self.rank = rank
-        self.process = ctx.Process(target=_serve, args=(child, rank, world_size, timeout_s), daemon=True,
-                                   name=f"sfttrain-checkpoint-writer-{rank}")
+        # SIGTERM left to the rank from the writer's start: a save in flight as a SIGTERM stops the run is
+        # written here (sfttrain.stop_signal)
+        self.process = ctx.Process(target=stop_signal.helper_main, daemon=True, name=f"sfttrain-checkpoint-writer-{rank}",
+                                   args=(__name__, _serve.__name__, child, rank, world_size, timeout_s))
         self.process.start()
         child.close()
         port = [self._receive() if rank == 0 else None]

@@ -16,8 +16,9 @@ step later (sfttrain/trainer.py keeps the device a step ahead of the host): the 
 steps after the signal. A save that outlasts the grace period is killed before its commit, which
 leaves the previous checkpoint the one a resume takes (sfttrain/checkpoint_folder.py).
 
-Noted only while the training loop runs (`noting`): during start-up there is nothing to save, and
-after an error the rank must die when torchrun ends the job. The cost: a rank blocked in a
+A rank's helper processes outlive a SIGTERM from outside by HELPER_GRACE_S (`leave_to_the_rank`).
+SIGTERM is noted only while the training loop runs (`noting`): during start-up there is nothing to
+save, and after an error the rank must die when torchrun ends the job. The cost: a rank blocked in a
 collective (another rank has died) runs no Python handler, so it dies at torchrun's SIGKILL, up to
 30 s after its SIGTERM, instead of at once.
 """
@@ -25,13 +26,18 @@ collective (another rank has died) runs no Python handler, so it dies at torchru
 from __future__ import annotations
 
 import contextlib
+import importlib
+import os
 import signal
+import threading
+import time
 from typing import TYPE_CHECKING, Iterator
 
 if TYPE_CHECKING:
     import torch
 
 _received: list[str] = []  # the names of the signals noted, in order
+HELPER_GRACE_S = 30.0  # how long a rank's helper process outlives a SIGTERM: a scheduler's usual grace
 
 
 def _note(signum: int, frame) -> None:
@@ -61,6 +67,37 @@ def restore_default() -> None:
     must not wait for a step boundary that will not come. (This module imports torch only for
     StopVote, so the entry point calls this before torch loads.)"""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def leave_to_the_rank() -> None:
+    """In a rank's helper process (a DataLoader worker, the checkpoint writer), from its main thread.
+    Slurm signals every process of the job: a helper that died at once would fail the batch or the
+    background save its rank needs on its way to the stop. So a SIGTERM from anyone but its rank ends
+    the helper only HELPER_GRACE_S later (by then its rank has saved and gone, or SIGKILL came
+    first); its rank's own (multiprocessing's terminate, as the rank exits) ends it at once, as
+    before. SIGTERM is blocked in every thread and taken by one that reads who sent it."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads started later inherit the mask
+    threading.Thread(target=_take_sigterm, args=(os.getppid(),), name="sfttrain-sigterm", daemon=True).start()
+
+
+def helper_main(module: str, function: str, *args) -> None:
+    """A spawned helper's entry (the checkpoint writer): SIGTERM left to its rank before the helper
+    imports what it runs (torch: seconds in which a SIGTERM would end it). What precedes this call,
+    the interpreter's start and the rank's main module imported again, takes ~0.2 s."""
+    leave_to_the_rank()
+    getattr(importlib.import_module(module), function)(*args)
+
+
+def _take_sigterm(rank_pid: int) -> None:
+    deadline = None
+    while True:
+        if deadline is None:
+            info = signal.sigwaitinfo({signal.SIGTERM})
+        else:
+            info = signal.sigtimedwait({signal.SIGTERM}, max(deadline - time.monotonic(), 0.0))
+        if info is None or info.si_pid == rank_pid:  # the grace is over, or its rank ends it
+            os._exit(128 + signal.SIGTERM)  # the shell's code for a SIGTERM death
+        deadline = deadline or time.monotonic() + HELPER_GRACE_S
 
 
 class StopVote:

@@ -416,26 +416,35 @@ def test_sigkill_at_random_moments_then_auto_resume(data, ref, tmp_path):
 
 
 def test_sigterm_saves_the_step_in_flight_and_the_same_command_finishes_the_run(data, ref, tmp_path):
-    """torchrun gets SIGTERM (as from a scheduler's time limit) once step 3 is logged, and passes it on
-    to the ranks: both stop after the same step, whose checkpoint (the only one: no periodic saves) is
-    committed and equals the uninterrupted run's; the job ends with exit code 8 and the message naming
-    that checkpoint. The same command then resumes and ends where the uninterrupted run did."""
+    """As Slurm ends a job at its time limit: SIGTERM to every process of a torchrun job at once (the
+    agent, which passes its own on, the ranks, their DataLoader workers and checkpoint writer
+    processes, with a background save after every step) once step 3 is logged. The ranks stop after
+    the same step, whose checkpoint is committed, as are those before it, each equal to the
+    uninterrupted run's; rank 0 prints one message naming it. The same command then resumes and ends
+    where the uninterrupted run did."""
     run_dir = tmp_path / "run"
-    overrides = job(data, run_dir)
+    overrides = job(data, run_dir, "trainer.save_freq=1", "trainer.async_save_writer=process", "data.num_workers=1")
     log = tmp_path / "stopped.log"
     proc = launch(2, overrides, log, torchrun=True)
     try:
-        assert wait_until(lambda: logged_steps(run_dir) >= 3, proc), log.read_text()[-3000:]
-        proc.send_signal(signal.SIGTERM)
+        # step 1's save committed: the writer processes are up (a SIGTERM in the ~0.2 s of a writer's
+        # start, before it leaves SIGTERM to its rank, ends it: sfttrain.stop_signal.helper_main)
+        assert wait_until(lambda: logged_steps(run_dir) >= 3 and (run_dir / "global_step_1").exists(), proc), \
+            log.read_text()[-3000:]
+        everyone = [proc.pid, *descendants(proc.pid)]
+        assert len(everyone) >= 1 + 2 * 3, everyone  # the agent; each rank, its worker and its writer
+        for pid in everyone:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
         proc.wait(timeout=120)
     finally:
         kill_job(proc)
     out = log.read_text()
-    (step,) = check_checkpoints(run_dir, ref, 2)
-    assert 3 <= step < TOTAL, out[-3000:]
-    # printed once, by rank 0 (torchrun, itself signalled, prints no summary of its ranks)
-    assert out.count(f"sfttrain: stopped: SIGTERM received: training stopped after step {step} of {TOTAL}, whose "
-                     f"checkpoint {run_dir}/global_step_{step} is committed") == 1, out[-3000:]
+    steps = check_checkpoints(run_dir, ref, 2)
+    stopped = steps[-1]
+    assert 3 <= stopped < TOTAL and steps == list(range(1, stopped + 1)), (steps, out[-3000:])
+    assert out.count(f"sfttrain: stopped: SIGTERM received: training stopped after step {stopped} of {TOTAL}, "
+                     f"whose checkpoint {run_dir}/global_step_{stopped} is committed") == 1, out[-3000:]
     run_sfttrain(2, overrides)
     got, want = losses_by_step(run_dir), losses_by_step(ref)
     assert sorted(got) == list(range(1, TOTAL + 1))

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from sfttrain import stop_signal
 from sfttrain.errors import DataError, UserError
 from sfttrain.data.pack import MicroBatch, budget_bins, empty_micro_batch, local_slice, loss_tokens, pack
 from sfttrain.data.parquet import ParquetSource
@@ -140,10 +141,16 @@ def step_batches(data: TrainData, epoch: int, consumed: int, num_workers: int,
     another thread count than in forward, and torch.compile's guard on it compiles the layer again.
     A user's mistake found while a step is built is raised here, as itself."""
     for item in DataLoader(StepStream(data, epoch, consumed), batch_size=None, num_workers=num_workers,
-                           prefetch_factor=2 if num_workers else None):
+                           prefetch_factor=2 if num_workers else None,
+                           worker_init_fn=ignore_sigterm if num_workers else None):
         if isinstance(item, UserError):
             raise item
         yield item.pin_memory() if pin_memory else item
+
+
+def ignore_sigterm(worker_id: int) -> None:
+    """A worker leaves SIGTERM to its rank, which saves before it stops (sfttrain.stop_signal)."""
+    stop_signal.leave_to_the_rank()
 
 
 def render_share(source: ParquetSource, renderer: Renderer, rank: int, world: int) -> list[RenderedSample]:

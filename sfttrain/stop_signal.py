@@ -107,10 +107,10 @@ class StopVote:
         import torch
 
         self.vote = torch.zeros(1, device=device)
-        self.cast = False
+        self.voted = False
 
     def flag(self) -> torch.Tensor:
-        if _received and not self.cast:
+        if _received and not self.voted:
             self.vote.fill_(1.0)  # the value travels with the kernel's launch: no wait on the device
-            self.cast = True
+            self.voted = True
         return self.vote

@@ -103,6 +103,22 @@ def require_loggers(cfg: Config) -> None:
                               "pip install wandb, or set trainer.logger=console") from None
 
 
+def start_wandb(cfg: Config, run_dir: str, run_id: Optional[str]):
+    """Rank 0's wandb run (trainer.logger includes wandb), started before the model loads: a missing
+    login is one message, not a traceback once the model is loaded. `run_id`: the resumed run's."""
+    import wandb  # checked at start-up by require_loggers; WANDB_MODE=offline works without a network
+    from omegaconf import OmegaConf
+
+    os.makedirs(run_dir, exist_ok=True)
+    try:
+        return wandb.init(project=cfg.trainer.project_name, name=cfg.trainer.experiment_name, dir=run_dir,
+                          id=run_id, resume="allow", config=OmegaConf.to_container(OmegaConf.structured(cfg)))
+    except wandb.errors.Error as e:  # no API key (no terminal to ask for one on), a bad key, no server
+        raise DependencyError(f"trainer.logger includes wandb, and wandb could not start a run: {e} Log in once "
+                              "with `wandb login` (or set WANDB_API_KEY), log offline with WANDB_MODE=offline, "
+                              "or set trainer.logger=console") from None
+
+
 class ProgressBar:
     """A tqdm bar on a terminal; plain periodic lines elsewhere (SLURM logs, pipes). The rate and
     ETA come from the device-timed step times, not tqdm's clock: the bar starts after start-up
@@ -170,12 +186,13 @@ class MetricsLogger:
     """Rank 0 only: every other rank gets a logger that does nothing."""
 
     def __init__(self, cfg: Config, run_dir: str, enabled: bool, total_steps: int, start_step: int,
-                 wandb_id: Optional[str] = None):
+                 wandb_id: Optional[str] = None, wandb_run=None):
         self.enabled = enabled
         self.log_freq = cfg.trainer.log_freq
         self.total_steps = total_steps
-        self.wandb = None
-        self.wandb_id = wandb_id
+        self.wandb = wandb_run  # start_wandb's, on rank 0 with trainer.logger including wandb
+        # what checkpoints keep, so that a resume continues the same wandb run (also through a resume without wandb)
+        self.wandb_id = wandb_run.id if wandb_run else wandb_id
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
@@ -183,18 +200,6 @@ class MetricsLogger:
             f.write(to_yaml(cfg))
         self.jsonl = open(os.path.join(run_dir, METRICS), "a")
         self.progress = ProgressBar(start_step, total_steps, interactive=sys.stderr.isatty())
-        if "wandb" in logger_names(cfg.trainer):
-            self._init_wandb(cfg, run_dir)
-
-    def _init_wandb(self, cfg: Config, run_dir: str) -> None:
-        import wandb  # checked at start-up by require_loggers; WANDB_MODE=offline works without a network
-
-        from omegaconf import OmegaConf
-
-        run = wandb.init(project=cfg.trainer.project_name, name=cfg.trainer.experiment_name, dir=run_dir,
-                         id=self.wandb_id, resume="allow",
-                         config=OmegaConf.to_container(OmegaConf.structured(cfg)))
-        self.wandb, self.wandb_id = wandb, run.id
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:

@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 from sfttrain import checkpoint, export, fp8, lora, moe, phase, profiling, recompute, stop_signal
 from sfttrain.attention import describe_backend, fallback_warning
-from sfttrain.checkpoint_folder import complete_checkpoints, is_complete, remove_stale_tmp
-from sfttrain.config import Config, as_list
+from sfttrain.checkpoint_folder import complete_checkpoints, is_complete, read_state, remove_stale_tmp
+from sfttrain.config import Config, as_list, logger_names
 from sfttrain.data.chat import build_renderer, resolve_chat_template
 from sfttrain.data.loader import StepBatch, TrainData, render_share, step_batches, validation_batches
 from sfttrain.data.files import open_source
@@ -26,7 +26,7 @@ from sfttrain.errors import NonFiniteLossError, StoppedBySignal
 from sfttrain.flops import ModelShape
 from sfttrain.loss import CausalLMLoss, router_metrics, router_stats, select_chunk_loss, step_objective
 from sfttrain.metrics import (MetricsLogger, StepEnd, StepTimer, describe_host_memory, host_memory_gib, memory_stats,
-                              throughput)
+                              start_wandb, throughput)
 from sfttrain.model import check_max_length, decoder_layers, load_model, load_tokenizer, local_model_folder
 from sfttrain.optim import build_optimizer, build_scheduler, clipped_step, schedule_settings, warmup_steps
 from sfttrain.parallel import describe_compile, describe_sharding, gradient_sync, parallelize
@@ -71,6 +71,9 @@ class FSDPSFTTrainer:
                                            run_id=resume.run_id, base=base)
         resume_from = resume.path
         resume_notes = restored + resume.notes + (check_resume(resume_from, cfg, self.state) if resume_from else [])
+        wandb_run = None  # rank 0's, started before the model loads: a missing login stops the run here
+        if world.is_main and "wandb" in logger_names(t):
+            wandb_run = start_wandb(cfg, self.run_dir, read_state(resume_from)["wandb_id"] if resume_from else None)
         val_samples = None
         if d.val_files:
             val_samples = render_share(open_source(as_list(d.val_files), fields, self.run_dir),
@@ -100,7 +103,7 @@ class FSDPSFTTrainer:
             self.state = checkpoint.load(resume_from, self.lm.model, self.optimizer, self.scheduler, world, cfg,
                                          self.state)
         self.logger = MetricsLogger(cfg, self.run_dir, world.is_main, self.plan.total_steps, self.state.step,
-                                    wandb_id=self.state.wandb_id)
+                                    wandb_id=self.state.wandb_id, wandb_run=wandb_run)
         self.checkpointer = checkpoint.Checkpointer(self.run_dir, world, cfg, resume.run_id, self.logger.event,
                                                     self.lm.model, self.optimizer, self.tokenizer)
         self.timer = StepTimer(world.device)

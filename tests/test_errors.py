@@ -56,6 +56,8 @@ def catalogue(tmp: Path) -> dict[str, Case]:
     config = json.loads((dynamic / "config.json").read_text())
     (dynamic / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 128,
                                                      "rope_scaling": {"type": "dynamic", "factor": 2.0}}))
+    home = tmp / "home"
+    home.mkdir()
     shim = tmp / "no_wandb"
     shim.mkdir()
     (shim / "wandb.py").write_text("raise ImportError('No module named wandb (test shim)')\n")
@@ -69,6 +71,12 @@ def catalogue(tmp: Path) -> dict[str, Case]:
         "missing_wandb": Case(["trainer.logger=wandb"], ["trainer.logger includes wandb but `import wandb` fails",
                                                          "pip install wandb", "trainer.logger=console"],
                               DEPENDENCY, env={"PYTHONPATH": f"{shim}:{REPO}"}, torchrun=True),
+        # wandb installed, online, without a key (an empty HOME: no ~/.netrc) and without a terminal to ask on:
+        # said before the model loads
+        "wandb_not_logged_in": Case(["trainer.logger=wandb"], [
+            "trainer.logger includes wandb, and wandb could not start a run", "wandb login", "WANDB_MODE=offline",
+            "trainer.logger=console"], DEPENDENCY,
+            env={"WANDB_MODE": "online", "WANDB_API_KEY": "", "HOME": str(home), "NETRC": str(home / ".netrc")}),
         "non_divisible_batch": Case(["data.train_batch_size=10", "data.micro_batch_size_per_gpu=4"], [
             "data.train_batch_size=10 gives 5 samples per data-parallel rank over 2 data-parallel ranks, not divisible by "
             "data.micro_batch_size_per_gpu=4; use data.train_batch_size=8 or 16"], CONFIG, nproc=2),
@@ -142,7 +150,8 @@ def launcher_traceback_only(out: str) -> bool:
     return True
 
 
-CASES = ["misspelled_key", "wrong_type", "yaml_syntax", "nan_lr", "missing_wandb", "non_divisible_batch",
+CASES = ["misspelled_key", "wrong_type", "yaml_syntax", "nan_lr", "missing_wandb", "wandb_not_logged_in",
+         "non_divisible_batch",
          "missing_model", "missing_chat_template", "template_file_fails", "template_text_fails",
          "multiturn_without_template", "messages_read_as_prompt", "batch_dependent_rope", "profile_beyond_the_run",
          "missing_column", "missing_path", "empty_file", "zero_byte_parquet", "over_length_row", "non_finite_loss"]

@@ -7,7 +7,7 @@ A mistake the user must fix (sfttrain/errors.py, which lists the exit codes: 2 c
 4 non-finite loss, 5 missing dependency, 6 checkpoint not saved, 7 export failed; and 8, stopped by
 SIGTERM after a save) ends the run with one message, printed once by rank 0, and its exit code; under
 torchrun the same message is rank 0's elastic error file, so torchrun's "Root Cause" shows it (once)
-instead of `error_file: <N/A>`.
+instead of `error_file: <N/A>`. Ctrl-C ends every rank with one line and exit code 130.
 """
 
 from __future__ import annotations
@@ -78,12 +78,24 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def train(cfg: Config) -> None:
+    rank = int(os.environ.get("RANK", 0))
+    stop_signal.note_interrupts()
+    try:
+        _train(cfg, rank)
+    except KeyboardInterrupt:  # also raised while an error below was being handled
+        interrupted(cfg, rank)
+    # Python's final garbage collection of torch's and transformers' object graphs costs seconds
+    # of CPU per rank at exit; everything is written and closed by now, so skip it.
+    gc.freeze()
+
+
+def _train(cfg: Config, rank: int) -> None:
     from sfttrain import phase
     from sfttrain.distributed import init_world, shutdown
     from sfttrain.metrics import require_loggers
     from sfttrain.trainer import FSDPSFTTrainer
 
-    rank, timeout = int(os.environ.get("RANK", 0)), cfg.trainer.nccl_timeout
+    timeout = cfg.trainer.nccl_timeout
     try:
         require_loggers(cfg)
         world = init_world(cfg)
@@ -99,12 +111,23 @@ def train(cfg: Config) -> None:
     except UserError as e:
         stop(e)
     except Exception as e:  # a bug, or a collective's timeout: then where this rank was
+        if stop_signal.interrupted():  # the collective of a rank that Ctrl-C stopped first
+            interrupted(cfg, rank)
         stop_signal.restore_default()  # torchrun's SIGTERM, as it ends the job, ends this rank at once
         phase.report_timeout(e, rank, timeout)
         raise
-    # Python's final garbage collection of torch's and transformers' object graphs costs seconds
-    # of CPU per rank at exit; everything is written and closed by now, so skip it.
-    gc.freeze()
+
+
+def interrupted(cfg: Config, rank: int) -> None:
+    """Ctrl-C: one line (rank 0) and exit code 130, the shell's for SIGINT, without a traceback per rank.
+    Nothing after the last committed checkpoint is kept (a save in flight is never committed)."""
+    from sfttrain import phase
+
+    if rank == 0:
+        print(f"sfttrain: interrupted (Ctrl-C) in {phase.current()}; the same command resumes from the last checkpoint "
+              f"committed in {cfg.trainer.default_local_dir}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(130)
 
 
 if __name__ == "__main__":

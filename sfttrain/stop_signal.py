@@ -1,4 +1,5 @@
-"""trainer.save_on_sigterm: a SIGTERM during training saves the step in flight and stops the run.
+"""trainer.save_on_sigterm: a SIGTERM during training saves the step in flight and stops the run;
+and Ctrl-C (SIGINT) remembered, so that a rank it stops ends in one line (sfttrain.run).
 
 SIGTERM is how a job is ended from outside: Slurm at its time limit or a preemption (SIGKILL follows
 after the cluster's KillWait, 30 s by default), Kubernetes at an eviction (its grace period, 30 s by
@@ -36,7 +37,7 @@ from typing import TYPE_CHECKING, Iterator
 if TYPE_CHECKING:
     import torch
 
-_received: list[str] = []  # the names of the signals noted, in order
+_received: list[str] = []  # the names of the signals noted (SIGTERM, SIGINT), in order
 HELPER_GRACE_S = 30.0  # how long a rank's helper process outlives a SIGTERM: a scheduler's usual grace
 
 
@@ -57,9 +58,25 @@ def noting(enabled: bool) -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def note_interrupts() -> None:
+    """Ctrl-C (SIGINT, which torchrun passes on to its ranks) raises KeyboardInterrupt as before, and
+    is remembered: a rank whose collective fails because another rank already stopped on it was
+    interrupted too, not failing."""
+    signal.signal(signal.SIGINT, _interrupt)
+
+
+def _interrupt(signum: int, frame) -> None:
+    _received.append(signal.Signals(signum).name)
+    raise KeyboardInterrupt
+
+
+def interrupted() -> bool:
+    return "SIGINT" in _received
+
+
 def received() -> str | None:
-    """The first signal noted, if any."""
-    return _received[0] if _received else None
+    """The first SIGTERM noted, if any."""
+    return "SIGTERM" if "SIGTERM" in _received else None
 
 
 def restore_default() -> None:
@@ -76,6 +93,7 @@ def leave_to_the_rank() -> None:
     the helper only HELPER_GRACE_S later (by then its rank has saved and gone, or SIGKILL came
     first); its rank's own (multiprocessing's terminate, as the rank exits) ends it at once, as
     before. SIGTERM is blocked in every thread and taken by one that reads who sent it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches a terminal's whole process group: the rank answers it
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads started later inherit the mask
     threading.Thread(target=_take_sigterm, args=(os.getppid(),), name="sfttrain-sigterm", daemon=True).start()
 
@@ -110,7 +128,7 @@ class StopVote:
         self.voted = False
 
     def flag(self) -> torch.Tensor:
-        if _received and not self.voted:
+        if received() and not self.voted:
             self.vote.fill_(1.0)  # the value travels with the kernel's launch: no wait on the device
             self.voted = True
         return self.vote

@@ -251,3 +251,31 @@ def test_collective_timeout_names_the_phase(gsm8k_dir, tmp_path):
     assert len(said) == 1, out[-5000:]
     assert re.match(r"sfttrain: rank 0 has been in step \d+ for \d+ s, the collective timeout "
                     r"\(trainer.nccl_timeout=20\)", said[0]), said[0]
+
+
+def test_ctrl_c_ends_every_rank_in_one_line(gsm8k_dir, tmp_path):
+    """SIGINT to both ranks at once, as torchrun passes a Ctrl-C on, once a step is logged: one line
+    naming the run folder and exit code 130, without a traceback of either rank (one of them may
+    have been in a collective with the other when it stopped)."""
+    run_dir, log = tmp_path / "run", tmp_path / "log"
+    proc = launch(2, [*BASE_OVERRIDES, f"data.train_files={gsm8k_dir}/train.parquet", f"trainer.default_local_dir={run_dir}",
+                      "data.train_batch_size=4", "data.micro_batch_size_per_gpu=2", "trainer.total_training_steps=100000"],
+                  log)
+    try:
+        deadline = time.monotonic() + 300
+        while logged_steps(run_dir) < 1 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        assert logged_steps(run_dir) >= 1, log.read_text()[-3000:]
+        pids = [rank_pid(proc, rank) for rank in (0, 1)]
+        for pid in pids:
+            os.kill(pid, signal.SIGINT)
+        code = proc.wait(timeout=120)
+    finally:
+        kill_job(proc)
+    out = log.read_text()
+    assert out.count("sfttrain: interrupted (Ctrl-C) in ") == 1, out[-3000:]
+    assert f"the same command resumes from the last checkpoint committed in {run_dir}" in out
+    if isinstance(proc, ForkedJob):  # torchrun (SFTTRAIN_TEST_FORK=0) prints its own traceback of the failure
+        assert code == 130 and "Traceback" not in out, out[-3000:]
+    else:
+        assert "exitcode  : 130" in out, out[-3000:]

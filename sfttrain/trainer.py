@@ -175,7 +175,9 @@ class FSDPSFTTrainer:
                 self.checkpointer.poll()  # commits a background save once every rank has written it
                 step = self.state.step
                 last = step == total
-                stop = self.stopping and not last  # every rank read the same vote (finish)
+                # every rank read the same vote (finish); a lone rank's own note is the verdict, a step sooner
+                self.stopping = self.stopping or (self.world.world_size == 1 and stop_signal.received() is not None)
+                stop = self.stopping and not last
                 validate = self.val_batches is not None and (last or (t.test_freq > 0 and step % t.test_freq == 0))
                 save = last or stop or (t.save_freq > 0 and step % t.save_freq == 0)
                 if validate or save or profiled:
@@ -273,6 +275,7 @@ class FSDPSFTTrainer:
 
     def stop(self) -> None:
         """Ends the run after a SIGTERM (sfttrain.stop_signal), once the step's checkpoint is committed."""
+        self.checkpointer.wait()
         self.checkpointer.close()
         who = f"{stop_signal.received()} received" if stop_signal.received() else "another rank received SIGTERM"
         raise StoppedBySignal(

@@ -468,6 +468,25 @@ def test_a_sigterm_to_one_rank_stops_every_rank_after_the_same_step(data, ref, t
     assert code == 8 if isinstance(proc, ForkedJob) else "exitcode  : 8" in out, out[-3000:]
 
 
+def test_a_lone_rank_stops_on_its_own_note(data, tmp_path):
+    """One rank (no vote to wait for) gets SIGTERM once step 2 is logged: it saves the step it is in or
+    the next, the checkpoint is committed, and it exits with code 8."""
+    from tests.test_errors import rank_pid
+
+    run_dir, log = tmp_path / "run", tmp_path / "log"
+    proc = launch(1, job(data, run_dir), log)
+    try:
+        assert wait_until(lambda: logged_steps(run_dir) >= 2, proc), log.read_text()[-3000:]
+        os.kill(rank_pid(proc, 0) if isinstance(proc, ForkedJob) else proc.pid, signal.SIGTERM)
+        code = proc.wait(timeout=120)
+    finally:
+        kill_job(proc)
+    out = log.read_text()
+    (stopped,) = [step for step, _ in checkpoint_folder.complete_checkpoints(str(run_dir))]
+    assert 2 < stopped < TOTAL and code == 8, out[-3000:]
+    assert f"sfttrain: stopped: SIGTERM received: training stopped after step {stopped} of {TOTAL}" in out
+
+
 # --------------------------------------------------------------------------- the folder logic, in-process
 
 def _fake(run_dir: Path, step: int, complete: bool = True) -> Path:

@@ -51,6 +51,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from sfttrain import stop_signal
 from sfttrain.checkpoint_folder import COMPLETE, STATE_FILE, complete_checkpoints, enforce_retention, fsync_dir, \
     hide, publish, read_state, remove, room_problem, size_text, tree_bytes, write_synced
 from sfttrain.checkpoint_writer import OneLineError, Staging, WriterProcess, WriterThreadErrors, cuda_room, \
@@ -115,6 +116,7 @@ class Checkpointer:
         self.pending: collections.deque[PendingSave] = collections.deque()  # oldest first
         own = complete_checkpoints(run_dir, run_id)
         self.last_bytes = tree_bytes(own[-1][1]) if own and world.is_main else None  # rank 0's space check
+        self.warned_grace = False  # _warn_if_a_stop_would_not_save has said it
         # DCP's writes run collectives of their own (on the writer thread); the main thread's agreement
         # on "every rank has written" must not interleave with them, so each gets its own gloo group
         # (async_save needs a CPU backend also when training runs on nccl; gloo calls on host
@@ -426,6 +428,7 @@ class Checkpointer:
                               delete=lambda path: self.cleaner.submit(shutil.rmtree, hide(path), True))
             self._report(p, self.last_bytes, p.future.result()[1], time.perf_counter() - p.started)
             self._warn_if_next_will_not_fit()
+            self._warn_if_a_stop_would_not_save(p.future.result()[1])
 
     def _warn_if_next_will_not_fit(self) -> None:
         free = shutil.disk_usage(self.run_dir).free
@@ -434,6 +437,13 @@ class Checkpointer:
                 f"{self.run_dir} has {size_text(free)} free and a checkpoint takes {size_text(self.last_bytes)}: the "
                 "next save will not fit (retention deletes the oldest only after the next commit). Free space now, or "
                 "the next save stops the run (it then resumes from the last checkpoint)")
+
+    def _warn_if_a_stop_would_not_save(self, write_s: float) -> None:
+        """Once, where a SIGTERM's save would outlast the default grace (sfttrain.stop_signal)."""
+        warning = stop_signal.grace_warning(write_s) if self.cfg.trainer.save_on_sigterm else None
+        if warning and not self.warned_grace:
+            self.warned_grace = True
+            logging.getLogger("sfttrain").warning(warning)
 
     def _report(self, p: PendingSave, size: int, write_s: float, seconds: float) -> None:
         stall = p.stall_s if p.background else seconds

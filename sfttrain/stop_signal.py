@@ -17,7 +17,7 @@ step later (sfttrain/trainer.py keeps the device a step ahead of the host): the 
 steps after the signal; a lone rank, whose own note is the verdict, after the step it is in. A save that outlasts the grace period is killed before its commit, which
 leaves the previous checkpoint the one a resume takes (sfttrain/checkpoint_folder.py).
 
-A rank's helper processes outlive a SIGTERM from outside by HELPER_GRACE_S (`leave_to_the_rank`).
+A rank's helper processes outlive a SIGTERM from outside by GRACE_S (`leave_to_the_rank`).
 SIGTERM is noted only while the training loop runs (`noting`): during start-up there is nothing to
 save, and after an error the rank must die when torchrun ends the job. The cost: a rank blocked in a
 collective (another rank has died) runs no Python handler, so it dies at torchrun's SIGKILL, up to
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     import torch
 
 _received: list[str] = []  # the names of the signals noted (SIGTERM, SIGINT), in order
-HELPER_GRACE_S = 30.0  # how long a rank's helper process outlives a SIGTERM: a scheduler's usual grace
+GRACE_S = 30.0  # the time after a SIGTERM that torchrun, Slurm and Kubernetes give by default before SIGKILL
 
 
 def _note(signum: int, frame) -> None:
@@ -79,6 +79,17 @@ def received() -> str | None:
     return "SIGTERM" if "SIGTERM" in _received else None
 
 
+def grace_warning(write_s: float) -> str | None:
+    """What to say once a checkpoint's write took over half the default grace: a stop needs that write
+    and a step or two before it, and a save killed before its commit keeps nothing."""
+    if write_s <= GRACE_S / 2:
+        return None
+    return (f"a checkpoint took {write_s:.0f} s to write: a SIGTERM's save (trainer.save_on_sigterm) also waits for a "
+            f"step or two, and must end within the grace before SIGKILL ({GRACE_S:.0f} s by default for torchrun, "
+            "Slurm and Kubernetes). Give it more (TORCH_ELASTIC_SHUTDOWN_TIMEOUT for torchrun; Slurm's "
+            "--signal=TERM@<seconds>, see slurm/sft_multinode.sbatch), or a stop loses the steps since the last save")
+
+
 def restore_default() -> None:
     """SIGTERM ends the rank at once again: for the ways out after an error, where torchrun's SIGTERM
     must not wait for a step boundary that will not come. (This module imports torch only for
@@ -90,7 +101,7 @@ def leave_to_the_rank() -> None:
     """In a rank's helper process (a DataLoader worker, the checkpoint writer), from its main thread.
     Slurm signals every process of the job: a helper that died at once would fail the batch or the
     background save its rank needs on its way to the stop. So a SIGTERM from anyone but its rank ends
-    the helper only HELPER_GRACE_S later (by then its rank has saved and gone, or SIGKILL came
+    the helper only GRACE_S later (by then its rank has saved and gone, or SIGKILL came
     first); its rank's own (multiprocessing's terminate, as the rank exits) ends it at once, as
     before. SIGTERM is blocked in every thread and taken by one that reads who sent it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches a terminal's whole process group: the rank answers it
@@ -115,7 +126,7 @@ def _take_sigterm(rank_pid: int) -> None:
             info = signal.sigtimedwait({signal.SIGTERM}, max(deadline - time.monotonic(), 0.0))
         if info is None or info.si_pid == rank_pid:  # the grace is over, or its rank ends it
             os._exit(128 + signal.SIGTERM)  # the shell's code for a SIGTERM death
-        deadline = deadline or time.monotonic() + HELPER_GRACE_S
+        deadline = deadline or time.monotonic() + GRACE_S
 
 
 class StopVote:

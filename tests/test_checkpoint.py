@@ -468,6 +468,16 @@ def test_a_sigterm_to_one_rank_stops_every_rank_after_the_same_step(data, ref, t
     assert code == 8 if isinstance(proc, ForkedJob) else "exitcode  : 8" in out, out[-3000:]
 
 
+def test_a_write_over_half_the_grace_is_said_once():
+    """A stop needs a step or two and then the save: a write over half the default 30 s grace is worth
+    a warning (the Checkpointer logs it once, after the commit that measured it)."""
+    from sfttrain import stop_signal
+
+    assert stop_signal.grace_warning(stop_signal.GRACE_S / 2) is None
+    warning = stop_signal.grace_warning(16.0)
+    assert warning.startswith("a checkpoint took 16 s to write") and "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" in warning
+
+
 def test_a_lone_rank_stops_on_its_own_note(data, tmp_path):
     """One rank (no vote to wait for) gets SIGTERM once step 2 is logged: it saves the step it is in or
     the next, the checkpoint is committed, and it exits with code 8."""

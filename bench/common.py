@@ -137,8 +137,8 @@ def time_calls(fn, reps: int, warmup: int = 3) -> tuple[float, float]:
     for _ in range(warmup):
         fn()
     cuda = torch.cuda.is_available()
-    synchronize("cuda" if cuda else "cpu")
     if cuda:
+        torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
     t0 = time.perf_counter()

@@ -415,7 +415,7 @@ def test_sigkill_at_random_moments_then_auto_resume(data, ref, tmp_path):
                         state(ref / f"global_step_{TOTAL}")["model"]) <= SAME_WORLD_TOL
 
 
-def test_sigterm_saves_the_step_in_flight_and_the_same_command_finishes_the_run(data, ref, tmp_path):
+def test_sigterm_to_every_process_saves_the_same_step_on_every_rank(data, ref, tmp_path):
     """As Slurm ends a job at its time limit: SIGTERM to every process of a torchrun job at once (the
     agent, which passes its own on, the ranks, their DataLoader workers and checkpoint writer
     processes, with a background save after every step) once step 3 is logged. The ranks stop after

@@ -51,9 +51,9 @@ def split_k(a: torch.Tensor, b: torch.Tensor, splits: int) -> torch.Tensor:
     k = a.shape[1]
     a3 = a.unflatten(1, (splits, k // splits)).transpose(0, 1)
     b3 = b.unflatten(0, (splits, k // splits))
-    try:
+    if a.is_cuda and "dtype" in torch.ops.aten.bmm.overloads():  # the partial products kept in fp32
         partial = torch.bmm(a3, b3, out_dtype=torch.float32)
-    except (RuntimeError, TypeError):  # bmm without out_dtype (a CPU, an older torch): partials in a's dtype
+    else:  # a CPU, or a torch without bmm's out_dtype: partials rounded to a's dtype
         partial = torch.bmm(a3, b3).float()
     return partial.sum(0)
 

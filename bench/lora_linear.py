@@ -15,7 +15,9 @@ weights without adapters (LoRA's floor); peft: what sfttrain ran (frozen groups 
 fused, B apart, summed); kcat: [x | s xA^T] @ [W, B]^T per projection, autograd's backward; kcat_block:
 one GEMM a group with a block weight, autograd's backward; merged_bwd: peft's forward, backward's input
 gradient through W + s BA; kcat_fn / kcat_group_fn: kcat per projection / per group with a backward
-that computes no frozen weight gradient."""
+that computes no frozen weight gradient; kcat_group_splitk: kcat_group_fn with the adapters' weight
+gradients (K = the tokens) split over the tokens by hand; kcat_overlap: kcat_group_fn with gate/up
+over overlapping views of [U_gate | x | U_up], without the block weight's zeros."""
 import argparse
 
 import torch
@@ -131,6 +133,18 @@ def kcat_fn(p, xa, xo, xm, xd):
     return [KCat.apply(xs[n], p[n], p["A" + n], p["B" + n]) for n in "qkvogud"]
 
 
+def over_tokens(a, b):
+    """a @ b, a product over the tokens (a weight gradient): cuBLAS's choice"""
+    return a @ b
+
+
+def over_tokens_split(a, b):
+    """the same product split over the tokens by hand (bench.adapter_gemms.split_k), 16 slices where they divide"""
+    from bench.adapter_gemms import split_k
+
+    return split_k(a, b, 16).to(a.dtype) if a.shape[1] % 16 == 0 else a @ b
+
+
 class KCatGroup(torch.autograd.Function):
     """exact, one GEMM a group: y = [x, U] @ [[W_1, B_1, 0], [W_2, 0, B_2]]^T with U = s*x[A_1; A_2]^T"""
 
@@ -146,28 +160,73 @@ class KCatGroup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        x, U, Wc, Ac, *Bs = ctx.saved_tensors
-        n, d = len(Bs), x.shape[-1]
-        rows = [torch.cat([Bi if j == i else Bi.new_zeros(Bi.shape[0], R) for j in range(n)], 1) for i, Bi in enumerate(Bs)]
-        gxu = g @ torch.cat([Wc, torch.cat(rows)], 1)
-        gU = gxu[..., d:] * S
-        gx = gxu[..., :d] + gU @ Ac
-        outs = [Bi.shape[0] for Bi in Bs]
-        gBs = [gi.t() @ U[..., i * R:(i + 1) * R] for i, gi in enumerate(g.split(outs, -1))]
-        return (gx, None, gU.t() @ x, *gBs)
+        return kcat_group_backward(ctx, g, over_tokens)
 
 
-def kcat_group_fn(p, xa, xo, xm, xd):
-    def group(x, names):
-        y = KCatGroup.apply(x, torch.cat([p[n] for n in names]), torch.cat([p["A" + n] for n in names]),
-                            *[p["B" + n] for n in names])
-        return list(y.split([p[n].shape[0] for n in names], -1))
-    return [*group(xa, "qkv"), *group(xo, "o"), *group(xm, "gu"), *group(xd, "d")]
+def kcat_group_backward(ctx, g, weight_grad):
+    x, U, Wc, Ac, *Bs = ctx.saved_tensors
+    n, d = len(Bs), x.shape[-1]
+    rows = [torch.cat([Bi if j == i else Bi.new_zeros(Bi.shape[0], R) for j in range(n)], 1) for i, Bi in enumerate(Bs)]
+    gxu = g @ torch.cat([Wc, torch.cat(rows)], 1)
+    gU = gxu[..., d:] * S
+    gx = gxu[..., :d] + gU @ Ac
+    outs = [Bi.shape[0] for Bi in Bs]
+    gBs = [weight_grad(gi.t(), U[..., i * R:(i + 1) * R]) for i, gi in enumerate(g.split(outs, -1))]
+    return (gx, None, weight_grad(gU.t(), x), *gBs)
+
+
+class KCatGroupSplitK(KCatGroup):
+    """KCatGroup with the adapters' weight gradients split over the tokens by hand"""
+
+    @staticmethod
+    def backward(ctx, g):
+        return kcat_group_backward(ctx, g, over_tokens_split)
+
+
+class KCatOverlap(torch.autograd.Function):
+    """exact, a two-projection group without KCatGroup's zero blocks: over Z = [U_1 | x | U_2], y_1 =
+    Z[:, :R+D] @ [B_1, W_1]^T and y_2 = Z[:, R:] @ [W_2, B_2]^T, two GEMMs on overlapping views of one buffer"""
+
+    @staticmethod
+    def forward(ctx, x, W1, W2, Ac, B1, B2):
+        U = F.linear(x, Ac) * S
+        Z = torch.cat([U[..., :R], x, U[..., R:]], -1)
+        ctx.save_for_backward(x, Z, W1, W2, Ac, B1, B2)
+        return F.linear(Z[..., :-R], torch.cat([B1, W1], 1)), F.linear(Z[..., R:], torch.cat([W2, B2], 1))
+
+    @staticmethod
+    def backward(ctx, g1, g2):
+        x, Z, W1, W2, Ac, B1, B2 = ctx.saved_tensors
+        d1, d2 = g1 @ torch.cat([B1, W1], 1), g2 @ torch.cat([W2, B2], 1)
+        gU = torch.cat([d1[..., :R], d2[..., -R:]], -1) * S
+        gx = d1[..., R:] + d2[..., :-R] + gU @ Ac
+        return gx, None, None, gU.t() @ x, g1.t() @ Z[..., :R], g2.t() @ Z[..., -R:]
+
+
+def kcat_group(p, x, names, fn=KCatGroup):
+    y = fn.apply(x, torch.cat([p[n] for n in names]), torch.cat([p["A" + n] for n in names]), *[p["B" + n] for n in names])
+    return list(y.split([p[n].shape[0] for n in names], -1))
+
+
+def kcat_group_fn(p, xa, xo, xm, xd, fn=KCatGroup):
+    return [*kcat_group(p, xa, "qkv", fn), *kcat_group(p, xo, "o", fn), *kcat_group(p, xm, "gu", fn),
+            *kcat_group(p, xd, "d", fn)]
+
+
+def kcat_group_splitk(p, xa, xo, xm, xd):
+    return kcat_group_fn(p, xa, xo, xm, xd, fn=KCatGroupSplitK)
+
+
+def kcat_overlap(p, xa, xo, xm, xd):
+    """kcat_group_fn, but gate/up over overlapping views instead of a block weight with zeros"""
+    gate, up = KCatOverlap.apply(xm, p["g"], p["u"], torch.cat([p["Ag"], p["Au"]]), p["Bg"], p["Bu"])
+    return [*kcat_group(p, xa, "qkv"), *kcat_group(p, xo, "o"), gate, up, *kcat_group(p, xd, "d")]
 
 
 VARIANTS = {"full": (False, plain), "full_fused": (False, fused_plain), "frozen_fused": (True, fused_plain),
             "peft": (True, peft), "kcat": (True, kcat), "kcat_block": (True, kcat_block), "merged_bwd": (True, merged_bwd),
-            "kcat_fn": (True, kcat_fn), "kcat_group_fn": (True, kcat_group_fn)}
+            "kcat_fn": (True, kcat_fn), "kcat_group_fn": (True, kcat_group_fn),
+            "kcat_group_splitk": (True, kcat_group_splitk), "kcat_overlap": (True, kcat_overlap)}
 
 
 def run(name, tokens, autotune=False):
@@ -188,17 +247,30 @@ def run(name, tokens, autotune=False):
         torch.autograd.backward(outs, gouts)
 
     host, gpu = (seconds * 1e3 for seconds in time_calls(cstep_full, 30, warmup=5))
-    # reference check against eager (loss of the outputs)
-    for v in list(p.values()) + xs:
-        v.grad = None
-    outs_c = cstep(p, *xs)
-    outs_e = peft(p, *xs) if lora and "A" + "q" in p else plain(p, *xs)
-    err = max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item() for a, b in zip(outs_c, outs_e))
-    # bf16 outputs rounded after sums in another order: a few of bf16's 2^-8 at the largest value (CC, CD:
-    # 7.8e-3 at most); a formulation that computed something else would be off by O(1)
-    assert err < 2e-2, f"{name}: forward relative error {err:.2e} against peft's / the plain layer"
-    print(f"{name:14s} {'gpu' if dev == 'cuda' else 'cpu'} {gpu:7.3f} ms/layer  x24 {gpu * 24:6.1f} ms  host {host:6.3f} ms/call  fwd rel err vs peft/plain {err:.2e}", flush=True)
+    # reference check against eager peft (or the plain layer): outputs, and the gradients of the same outputs' loss
+    reference = peft if lora and "A" + "q" in p else plain
+    (out_c, grads_c), (out_e, grads_e) = (outputs_and_grads(f, p, xs, gouts) for f in (cstep, reference))
+    err = relative_error(out_c, out_e)
+    grad_err = relative_error(grads_c, grads_e)
+    # bf16 results rounded after sums in another order: a few of bf16's 2^-8 at the largest value (CC, CD:
+    # 7.8e-3 at most, forward); a formulation that computed something else would be off by O(1)
+    assert err < 2e-2 and grad_err < 2e-2, f"{name}: relative errors {err:.2e}, {grad_err:.2e} (gradients) against {reference.__name__}"
+    print(f"{name:14s} {'gpu' if dev == 'cuda' else 'cpu'} {gpu:7.3f} ms/layer  x24 {gpu * 24:6.1f} ms  host {host:6.3f} ms/call  "
+          f"rel err vs peft/plain {err:.2e} (gradients {grad_err:.2e})", flush=True)
 
+
+def outputs_and_grads(fn, p, xs, gouts):
+    leaves = [v for v in [*p.values(), *xs] if v.requires_grad]
+    for v in leaves:
+        v.grad = None
+    outs = fn(p, *xs)
+    torch.autograd.backward(outs, gouts)
+    return [o.detach() for o in outs], [v.grad for v in leaves]
+
+
+def relative_error(got, want):
+    """The largest difference of any pair, against that tensor's largest value."""
+    return max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item() for a, b in zip(got, want))
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

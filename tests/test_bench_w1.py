@@ -81,8 +81,8 @@ def test_loss_kernel(monkeypatch):
 def test_lora_layer_benches():
     """lora_linear (the formulation whose compilation costs least on a CPU, 7 s against 22 for the
     folded one) and adapter_gemms on a few tokens: each checks what it times against a reference
-    computed another way (the compiled layer against the eager one, each split-K product against the
-    plain one), and adapter_gemms reports every product of a layer's four groups."""
+    computed another way (the compiled layer's outputs and gradients against the eager one's, each
+    split-K product against the plain one), and adapter_gemms reports every product of a layer's four groups."""
     out = run_bench("bench.lora_linear", "--tokens", "64", "full")
     assert "full" in out and "ms/layer" in out
     out = run_bench("bench.adapter_gemms", "--tokens", "64", "--reps", "1").splitlines()

@@ -426,9 +426,10 @@ class Checkpointer:
         if world.is_main:
             enforce_retention(self.run_dir, self.cfg.trainer.max_ckpt_to_keep, self.run_id,
                               delete=lambda path: self.cleaner.submit(shutil.rmtree, hide(path), True))
-            self._report(p, self.last_bytes, p.future.result()[1], time.perf_counter() - p.started)
+            write_s = p.future.result()[1]
+            self._report(p, self.last_bytes, write_s, time.perf_counter() - p.started)
             self._warn_if_next_will_not_fit()
-            self._warn_if_a_stop_would_not_save(p.future.result()[1])
+            self._warn_if_a_stop_would_not_save(write_s)
 
     def _warn_if_next_will_not_fit(self) -> None:
         free = shutil.disk_usage(self.run_dir).free

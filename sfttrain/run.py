@@ -44,7 +44,6 @@ def stop(error: UserError) -> None:
     message = f"sfttrain: {error.kind}: {error}"
     rank0 = int(os.environ.get("RANK", 0)) == 0
     if not (rank0 or error.every_rank):
-        stop_signal.restore_default()  # torchrun's SIGTERM ends the wait at once
         time.sleep(WAIT_FOR_RANK0_S)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
@@ -113,7 +112,6 @@ def _train(cfg: Config, rank: int) -> None:
     except Exception as e:  # a bug, or a collective's timeout: then where this rank was
         if stop_signal.interrupted():  # the collective of a rank that Ctrl-C stopped first
             interrupted(cfg, rank)
-        stop_signal.restore_default()  # torchrun's SIGTERM, as it ends the job, ends this rank at once
         phase.report_timeout(e, rank, timeout)
         raise
 

@@ -18,8 +18,9 @@ steps after the signal; a lone rank, whose own note is the verdict, after the st
 leaves the previous checkpoint the one a resume takes (sfttrain/checkpoint_folder.py).
 
 A rank's helper processes outlive a SIGTERM from outside by GRACE_S (`leave_to_the_rank`).
-SIGTERM is noted only while the training loop runs (`noting`): during start-up there is nothing to
-save, and after an error the rank must die when torchrun ends the job. The cost: a rank blocked in a
+SIGTERM is noted only while the training loop runs (`noting`, which gives SIGTERM its previous
+action back however the loop ends): during start-up there is nothing to save, and after an error
+the rank must die when torchrun ends the job. The cost: a rank blocked in a
 collective (another rank has died) runs no Python handler, so it dies at torchrun's SIGKILL, up to
 30 s after its SIGTERM, instead of at once.
 """
@@ -90,21 +91,15 @@ def grace_warning(write_s: float) -> str | None:
             "--signal=TERM@<seconds>, see slurm/sft_multinode.sbatch), or a stop loses the steps since the last save")
 
 
-def restore_default() -> None:
-    """SIGTERM ends the rank at once again: for the ways out after an error, where torchrun's SIGTERM
-    must not wait for a step boundary that will not come. (This module imports torch only for
-    StopVote, so the entry point calls this before torch loads.)"""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
 def leave_to_the_rank() -> None:
     """In a rank's helper process (a DataLoader worker, the checkpoint writer), from its main thread.
-    Slurm signals every process of the job: a helper that died at once would fail the batch or the
+    Ctrl-C is ignored: it reaches a terminal's whole process group, and the rank answers it. Slurm
+    signals every process of the job: a helper that died at once would fail the batch or the
     background save its rank needs on its way to the stop. So a SIGTERM from anyone but its rank ends
     the helper only GRACE_S later (by then its rank has saved and gone, or SIGKILL came
     first); its rank's own (multiprocessing's terminate, as the rank exits) ends it at once, as
     before. SIGTERM is blocked in every thread and taken by one that reads who sent it."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches a terminal's whole process group: the rank answers it
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads started later inherit the mask
     threading.Thread(target=_take_sigterm, args=(os.getppid(),), name="sfttrain-sigterm", daemon=True).start()
 

@@ -142,14 +142,14 @@ def step_batches(data: TrainData, epoch: int, consumed: int, num_workers: int,
     A user's mistake found while a step is built is raised here, as itself."""
     for item in DataLoader(StepStream(data, epoch, consumed), batch_size=None, num_workers=num_workers,
                            prefetch_factor=2 if num_workers else None,
-                           worker_init_fn=ignore_sigterm if num_workers else None):
+                           worker_init_fn=leave_signals_to_the_rank if num_workers else None):
         if isinstance(item, UserError):
             raise item
         yield item.pin_memory() if pin_memory else item
 
 
-def ignore_sigterm(worker_id: int) -> None:
-    """A worker leaves SIGTERM to its rank, which saves before it stops (sfttrain.stop_signal)."""
+def leave_signals_to_the_rank(worker_id: int) -> None:
+    """A worker leaves SIGTERM and Ctrl-C to its rank, which saves before a SIGTERM's stop (sfttrain.stop_signal)."""
     stop_signal.leave_to_the_rank()
 
 

@@ -10,7 +10,8 @@ Layout of `<run>/global_step_N/`:
   hf/                     the model's config, generation config and tokenizer (for export)
   huggingface/            with trainer.save_hf, on the final checkpoint: the exported HF model (written after
                           the commit, sfttrain.export.into_checkpoint)
-  COMPLETE                written last; only folders with it are ever resumed from
+  COMPLETE                written last, the list of the files above and their sizes; only folders with it are
+                          ever resumed from, and only while their files are those it lists
 
 Commit protocol: every rank writes into `.global_step_N.tmp`; once every rank's write has finished
 (all ranks agree on it: at once, or with trainer.async_save at a later step boundary, the write
@@ -37,6 +38,7 @@ import datetime
 import json
 import logging
 import os
+import pickle
 import random
 import shutil
 import time
@@ -52,8 +54,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from sfttrain import stop_signal
-from sfttrain.checkpoint_folder import COMPLETE, STATE_FILE, complete_checkpoints, enforce_retention, fsync_dir, \
-    hide, publish, read_state, remove, room_problem, size_text, tree_bytes, write_synced
+from sfttrain.checkpoint_folder import STATE_FILE, complete_checkpoints, damaged_error, enforce_retention, fsync_dir, \
+    hide, publish, read_state, remove, room_problem, size_text, tree_bytes, write_complete, write_synced
 from sfttrain.checkpoint_writer import OneLineError, Staging, WriterProcess, WriterThreadErrors, cuda_room, \
     one_line, tensor_bytes, write_shards, writer_kind
 from sfttrain.config import Config, ConfigError, to_yaml
@@ -319,7 +321,7 @@ class Checkpointer:
             self.tokenizer.save_pretrained(hf)
 
     def _write(self, state_dict: dict, tmp: str, slot: Optional[int],
-               small_files: dict[str, Any]) -> tuple[Optional[int], float]:
+               small_files: dict[str, Any]) -> float:
         """The writer thread: the small files, then write_shards here (a final or synchronous save:
         training waits for it anyway), or a background save's in the writer process."""
         self._write_small_files(tmp, small_files)
@@ -416,17 +418,17 @@ class Checkpointer:
         error = None
         if world.is_main:
             try:
-                write_synced(os.path.join(p.tmp, COMPLETE), "")
+                size = write_complete(p.tmp)
                 fsync_dir(p.tmp)
                 publish(p.tmp, p.final)  # the commit
-                self.last_bytes = p.future.result()[0]
+                self.last_bytes = size
             except OSError as e:
                 error = e
         self._agree(p.step, p.tmp, error)
         if world.is_main:
             enforce_retention(self.run_dir, self.cfg.trainer.max_ckpt_to_keep, self.run_id,
                               delete=lambda path: self.cleaner.submit(shutil.rmtree, hide(path), True))
-            write_s = p.future.result()[1]
+            write_s = p.future.result()
             self._report(p, self.last_bytes, write_s, time.perf_counter() - p.started)
             self._warn_if_next_will_not_fit()
             self._warn_if_a_stop_would_not_save(write_s)
@@ -537,14 +539,15 @@ def load(path: str, model, optimizer, scheduler, world: World, cfg: Config, curr
     extra = read_state(path)
     model_sd, optim_sd = _state_dicts(model, optimizer)
     _check_same_model(path, model_sd)
-    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    with read_back(path):
+        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
                    options=STATE_DICT_OPTIONS)
     del model_sd, optim_sd
     set_step(optimizer, scheduler, cfg.optim, current.schedule["total steps"], extra["step"])
     rng_file = os.path.join(path, "rng", f"rank_{world.rank}.pt")
     if extra["world_size"] == world.world_size and os.path.isfile(rng_file):  # per-rank streams: only 1:1
-        _set_rng_state(torch.load(rng_file, weights_only=True))
+        _set_rng_state(_read_file(path, lambda: torch.load(rng_file, weights_only=True)))
     state = dataclasses.replace(current, step=extra["step"], epoch=extra["epoch"],
                                 consumed_in_epoch=extra["consumed_in_epoch"], wandb_id=extra["wandb_id"])
     if world.is_main:
@@ -552,6 +555,33 @@ def load(path: str, model, optimizer, scheduler, world: World, cfg: Config, curr
                        {"step": state.step, "event": "resumed", "from": os.path.abspath(path),
                         "saved_world_size": extra["world_size"], "world_size": world.world_size})
     return state
+
+
+@contextlib.contextmanager
+def read_back(path: str):
+    """DCP's reads of a checkpoint whose files do not read back (of the sizes its COMPLETE lists, yet
+    changed: check_intact passed) end with the damaged-checkpoint error, not a traceback (the resume,
+    and sfttrain.export). DCP gathers every rank's read failures and raises them on all ranks at once."""
+    try:
+        yield
+    except CheckpointException as e:
+        if e.args[0] != "read":  # a failure of DCP's planning, not of the files
+            raise
+        causes = sorted({_first_sentence(exc) for exc, _ in e.failures.values()})
+        raise damaged_error(path, f"its shards do not read back ({'; '.join(causes)})") from None
+
+
+def _read_file(path: str, read: Callable[[], Any]) -> Any:
+    """One file of the checkpoint at `path` read by this rank alone (DCP's .metadata, the rank's
+    RNG states): a file that does not read back is the damaged-checkpoint error."""
+    try:
+        return read()
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
+        raise damaged_error(path, f"it does not read back ({_first_sentence(e)})") from None
+
+
+def _first_sentence(error: BaseException) -> str:
+    return one_line(error).split(". ")[0]  # torch's zip reader goes on for 200 characters of guesses
 
 
 def _state_dicts(model, optimizer) -> tuple[dict, dict]:
@@ -565,8 +595,8 @@ def _state_dicts(model, optimizer) -> tuple[dict, dict]:
 
 def _check_same_model(path: str, model_sd: dict) -> None:
     """A checkpoint of another model fails here with names and shapes, not deep inside DCP."""
-    stored = {k[len("model."):]: md for k, md in dcp.FileSystemReader(path).read_metadata().state_dict_metadata.items()
-              if k.startswith("model.")}
+    metadata = _read_file(path, dcp.FileSystemReader(path).read_metadata)
+    stored = {k[len("model."):]: md for k, md in metadata.state_dict_metadata.items() if k.startswith("model.")}
     missing = sorted(set(model_sd) - set(stored))
     extra = sorted(set(stored) - set(model_sd))  # e.g. adapters on other layers (model.target_modules)
     shapes = [f"{k}: checkpoint {tuple(stored[k].size)} vs model {tuple(v.shape)}" for k, v in model_sd.items()

@@ -3,7 +3,8 @@ read it: which `global_step_N` folders are committed, the atomic renames that co
 them, retention, and the fsync helpers. A leaf: torch-free, it imports nothing of sfttrain's but
 its errors.
 
-A `global_step_N` either does not exist or is complete (it holds COMPLETE, written last). Saves
+A `global_step_N` either does not exist or is complete (it holds COMPLETE, written last, which lists
+every file of the checkpoint with its size: `damage` finds a file changed after the commit). Saves
 are written into `.global_step_N.tmp`; deletions go through `.global_step_N.trash`; replacing a
 committed step moves the old one to `.global_step_N.old` first. At start-up `remove_stale_tmp`
 deletes `.tmp` and `.trash` debris and puts back an `.old` whose replacement never arrived.
@@ -42,6 +43,68 @@ def complete_checkpoints(run_dir: str, run_id: Optional[str] = None) -> list[tup
         if m and is_complete(path) and (run_id is None or run_id_of(path) == run_id):
             found.append((int(m.group(1)), path))
     return sorted(found)
+
+
+def write_complete(tmp: str) -> int:
+    """The commit's marker, written last into a checkpoint whose every file is on disk: COMPLETE
+    holds each file's path and size. A size is read through an open file: on NFS a stat alone may
+    answer from a cache that predates another node's write. Returns the checkpoint's bytes."""
+    files = {}
+    for folder, _, names in os.walk(tmp):
+        for name in names:
+            path = os.path.join(folder, name)
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                files[os.path.relpath(path, tmp)] = os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+    listing = json.dumps({"files": files}, indent=1, sort_keys=True)
+    write_synced(os.path.join(tmp, COMPLETE), listing)
+    return sum(files.values()) + len(listing.encode())
+
+
+def damage(path: str) -> list[str]:
+    """How a committed checkpoint's files differ from the list in its COMPLETE (one line per file
+    missing or of another size: a partial copy, a failing disk, a file removed by hand). Empty for
+    an intact checkpoint, and for one committed before COMPLETE held the list."""
+    with open(os.path.join(path, COMPLETE)) as f:
+        text = f.read()
+    if not text.strip():
+        return []
+    try:
+        files = dict(json.loads(text)["files"])
+    except (ValueError, KeyError, TypeError):
+        return [f"its {COMPLETE} does not hold the list of its files"]
+    found = []
+    for name, size in sorted(files.items()):
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            found.append(f"{name} is missing")
+        elif os.path.getsize(file) != size:
+            found.append(f"{name} has {os.path.getsize(file)} bytes, {size} when it was committed")
+    return found
+
+
+def damaged_error(path: str, problem: str) -> ConfigError:
+    """The error of a checkpoint that does not read back as it was committed, with the newest intact
+    checkpoint of its run before it to resume from instead."""
+    earlier = [p for step, p in complete_checkpoints(os.path.dirname(path), run_id_of(path))
+               if step < step_of(path) and not damage(p)]
+    then = (f"The newest intact checkpoint before it is {earlier[-1]} (to resume from it: trainer.resume_mode="
+            f"resume_path trainer.resume_from_path={earlier[-1]}; or move {path} out of the run folder, and "
+            "trainer.resume_mode=auto resumes from it)" if earlier else
+            "No earlier checkpoint of its run is intact: trainer.resume_mode=disable (or a new "
+            "trainer.default_local_dir) starts afresh")
+    return ConfigError(f"the checkpoint {path} is damaged: {problem}. It was whole when it was committed; its files "
+                       f"changed since (a partial copy, a failing disk, a file removed by hand). {then}")
+
+
+def check_intact(path: str) -> None:
+    """Raises `damaged_error` for a checkpoint whose files are not those its COMPLETE lists."""
+    problems = damage(path)
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise damaged_error(path, "; ".join(problems[:3]) + more)
 
 
 def read_state(path: str) -> dict:

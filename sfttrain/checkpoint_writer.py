@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from sfttrain import stop_signal
-from sfttrain.checkpoint_folder import fsync_tree, tree_bytes
+from sfttrain.checkpoint_folder import fsync_tree
 
 
 def writer_kind(setting: str, device: torch.device) -> str:
@@ -51,19 +51,17 @@ def cuda_room(device: torch.device) -> int:
 
 
 def write_shards(state_dict: dict, tmp: str, thread_count: int, group, is_main: bool,
-                 errors: WriterThreadErrors) -> tuple[Optional[int], float]:
+                 errors: WriterThreadErrors) -> float:
     """This rank's DCP write into `tmp`; rank 0 then fsyncs what DCP does not, so COMPLETE never
-    reaches the disk before what it vouches for. Returns the checkpoint's size (rank 0; None
-    elsewhere) and the write's seconds."""
+    reaches the disk before what it vouches for. Returns the write's seconds."""
     started = time.perf_counter()
     errors.clear()
     writer = dcp.FileSystemWriter(tmp, thread_count=thread_count)
     dcp.save(state_dict, storage_writer=writer, process_group=group)
     errors.raise_first()
-    if not is_main:
-        return None, time.perf_counter() - started
-    fsync_tree(tmp)
-    return tree_bytes(tmp), time.perf_counter() - started
+    if is_main:
+        fsync_tree(tmp)
+    return time.perf_counter() - started
 
 
 def one_line(error: BaseException) -> str:
@@ -141,7 +139,7 @@ class WriterProcess:
         self._request(slot, None, 0, state_dict)
 
     def write(self, state_dict: dict, tmp: str, thread_count: int,
-              kept_slot: Optional[int]) -> tuple[Optional[int], float]:
+              kept_slot: Optional[int]) -> float:
         """write_shards in the writer process. The copy of a kept slot (Staging) is sent once: the
         writer keeps it and reads each later save's contents from the same shared memory."""
         return self._request(kept_slot, tmp, thread_count, state_dict)

@@ -38,7 +38,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from sfttrain import lora
-from sfttrain.checkpoint_folder import fsync_dir, read_state, resolve, runs
+from sfttrain.checkpoint import read_back
+from sfttrain.checkpoint_folder import check_intact, fsync_dir, read_state, resolve, runs
 from sfttrain.config import ModelConfig
 from sfttrain.dtypes import DTYPE, HF_NAMES
 from sfttrain.errors import ConfigError, ExportError
@@ -312,6 +313,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = p.parse_args(argv)
     try:
         ckpt = resolve(args.checkpoint_dir)
+        check_intact(ckpt)
     except ConfigError as e:
         sys.exit(f"sfttrain.export: {e}")
     by_run = runs(os.path.abspath(args.checkpoint_dir))
@@ -326,9 +328,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     tmp = out.rstrip("/") + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        export(ckpt, tmp, dtype=args.dtype, max_shard_size=args.max_shard_size,
-               trust_remote_code=args.trust_remote_code, base_dir=args.base)
-    except ConfigError as e:  # e.g. a LoRA checkpoint onto another base
+        with read_back(ckpt):
+            export(ckpt, tmp, dtype=args.dtype, max_shard_size=args.max_shard_size,
+                   trust_remote_code=args.trust_remote_code, base_dir=args.base)
+    except ConfigError as e:  # e.g. a LoRA checkpoint onto another base, a damaged checkpoint
         shutil.rmtree(tmp, ignore_errors=True)
         sys.exit(f"sfttrain.export: {e}")
     if os.path.isdir(out):

@@ -5,8 +5,9 @@
 Prints the batch arithmetic (sfttrain.data.batching, the trainer's own), steps per epoch, an
 estimate of memory per rank from the model folder's config.json alone (no weights, no GPU), and
 every problem the run would stop on, found by the run's own checks: the config's validation,
-the world's shape, the chat template, and the start-up pass over every row (rendered with the
-model's tokenizer as the run renders them: a bad cell, column or over-long row is named here).
+the world's shape, the chat template, the start-up pass over every row (rendered with the
+model's tokenizer as the run renders them: a bad cell, column or over-long row is named here),
+and the resume rules (the checkpoint the run folder would resume from, and what they refuse).
 What it cannot check on this machine (data or model only on the cluster) is said, not counted.
 Exits 0 when nothing is wrong, else 2.
 """
@@ -252,12 +253,13 @@ def has_tokenizer(folder: str) -> bool:
                                                                  "tokenizer.model"))
 
 
-def rows_trained(cfg: Config, folder: str) -> int:
-    """The rows the run trains, found as its start-up finds them (sfttrain.data.prepare): the
-    tokenizer, the chat template, every row rendered (a bad cell or an over-long row is the
-    DataError the run would stop on), the rows without a supervised token selected; the
-    validation rows rendered too."""
+def rows_trained(cfg: Config, folder: str) -> tuple[int, dict]:
+    """The rows the run trains and the data fingerprint its checkpoints record, found as its
+    start-up finds them (sfttrain.data.prepare): the tokenizer, the chat template, every row
+    rendered (a bad cell or an over-long row is the DataError the run would stop on), the rows
+    without a supervised token selected; the validation rows rendered too."""
     from sfttrain.data.chat import build_renderer
+    from sfttrain.data.fingerprint import data_fingerprint, with_rows_dropped
     from sfttrain.data.loader import render_share, row_stats
     from sfttrain.data.files import open_source
     from sfttrain.data.parquet import row_fields
@@ -268,11 +270,12 @@ def rows_trained(cfg: Config, folder: str) -> int:
     d, run_dir = cfg.data, cfg.trainer.default_local_dir
     tokenizer = load_tokenizer(dataclasses.replace(cfg.model, partial_pretrain=folder))
     renderer, fields = build_renderer(d, tokenizer), row_fields(d)
+    source = open_source(as_list(d.train_files), fields, run_dir)
     with one_rank_group():
-        stats = select_rows(row_stats(open_source(as_list(d.train_files), fields, run_dir), renderer, 0, 1), d)
+        stats = select_rows(row_stats(source, renderer, 0, 1), d)
         if d.val_files and not missing_files(d.val_files):
             render_share(open_source(as_list(d.val_files), fields, run_dir), renderer, 0, 1)
-    return int(stats.keep.sum())
+    return int(stats.keep.sum()), with_rows_dropped(data_fingerprint(cfg, source, tokenizer), stats.keep)
 
 
 def row_count(cfg: Config) -> int:
@@ -289,32 +292,65 @@ def missing_files(files) -> list[str]:
     return [f for f in as_list(files) if not os.path.exists(os.path.expanduser(f))]
 
 
-def batch_section(cfg: Config, dp_size: int, folder: Optional[str], found: Findings) -> list[str]:
+@dataclass
+class Batches:
+    lines: list[str]
+    total_steps: Optional[int] = None  # None: the rows were not counted here
+    fingerprint: Optional[dict] = None  # the data fingerprint; None: the rows were not rendered here
+
+
+def batch_section(cfg: Config, dp_size: int, folder: Optional[str], found: Findings) -> Batches:
     d = cfg.data
     problem = batch_problem(d.train_batch_size, d.micro_batch_size_per_gpu, dp_size, d.max_token_len_per_gpu)
     if problem:
         found.problems.append(problem)
-        return [f"  data-parallel ranks : {dp_size}", f"  global batch        : {d.train_batch_size} (does not split)"]
+        return Batches([f"  data-parallel ranks : {dp_size}", f"  global batch        : {d.train_batch_size} "
+                        "(does not split)"])
     missing = missing_files(d.train_files)
-    rows = None
+    rows, fingerprint = None, None
     if missing:  # a missing file is often only missing here (the cluster's path): not a problem
         found.notes.append(f"data.train_files: {', '.join(missing)} not on this machine: steps per epoch and the rows "
                            "are not checked")
     elif d.train_files and folder is not None and has_tokenizer(folder):
-        rows = found.check(lambda: rows_trained(cfg, folder))
+        rows, fingerprint = found.check(lambda: rows_trained(cfg, folder)) or (None, None)
     elif d.train_files:  # (none given: the validation's problem)
         if folder is not None and os.path.isdir(folder):
             found.notes.append(f"{folder} has no tokenizer: the rows are counted, not rendered")
         rows = found.check(lambda: row_count(cfg))
     plan = found.check(lambda: make_plan(cfg, dp_size, rows if rows is not None else d.train_batch_size))
     if plan is None:  # fewer rows than one batch
-        return []
+        return Batches([])
     lines = plan.describe().splitlines()
     if rows is None:  # the dataset and total-steps lines would be made up
         reason = "not on this machine" if missing else "see the problems below"
-        return lines[:3] + [f"  dataset             : {reason}: steps per epoch unknown"]
+        return Batches(lines[:3] + [f"  dataset             : {reason}: steps per epoch unknown"])
     found.check(lambda: check_window(cfg.trainer.profile_steps, plan.total_steps))
-    return lines
+    return Batches(lines, plan.total_steps, fingerprint)
+
+
+def resume_section(cfg: Config, batches: Batches, folder: Optional[str], found: Findings) -> list[str]:
+    """The checkpoint the run would resume from (sfttrain.resume's rules, the run folder left as it
+    is), and what its start-up would refuse of that resume: a damaged checkpoint, other data, a
+    schedule that ends before it, another LoRA base."""
+    from sfttrain.checkpoint import TrainState
+    from sfttrain.lora import base_identity
+    from sfttrain.optim import schedule_settings
+    from sfttrain.resume import choose_resume, review_resume
+
+    chosen = found.check(lambda: choose_resume(cfg.trainer, cfg.trainer.default_local_dir))
+    if chosen is None or chosen.path is None:
+        return [f"  resume              : {'fresh start' if chosen else 'see the problems below'}"]
+    line = f"  resume              : from {chosen.path}"
+    if batches.fingerprint is None:
+        found.notes.append(f"the resume from {chosen.path}: whether it reads the same data and schedule needs the "
+                           "training data rendered here")
+        return [line, *(f"    {note}" for note in chosen.notes)]
+    lora_base = cfg.model.lora_rank > 0 and folder is not None
+    current = TrainState(data=batches.fingerprint, schedule=schedule_settings(cfg.optim, batches.total_steps),
+                         base=base_identity(cfg.model.partial_pretrain, folder) if lora_base else None)
+    notes, refused = review_resume(chosen.path, cfg, current)
+    found.problems += refused
+    return [line, *(f"    {note}" for note in chosen.notes + notes)]
 
 
 def memory_section(cfg: Config, dp_size: int, folder: Optional[str], found: Findings) -> list[str]:
@@ -436,7 +472,9 @@ def preflight(cfg: Config, nproc: int, nnodes: int) -> tuple[list[str], Findings
         attention_section(cfg, folder, found)
     fp8_section(cfg, found)
     lines = [f"sfttrain plan: {nnodes} node(s) x {nproc} rank(s)"]
-    lines += batch_section(cfg, dp_size, folder, found)
+    batches = batch_section(cfg, dp_size, folder, found)
+    lines += batches.lines
+    lines += resume_section(cfg, batches, folder, found)
     lines += memory_section(cfg, dp_size, folder, found)
     lines += checkpoint_section(cfg, folder, found)
     return lines, found
@@ -457,7 +495,8 @@ def main(argv: list[str] | None = None) -> int:
     if found.notes:
         print("\n".join(["not checked here:"] + [f"  - {n}" for n in found.notes]))
     problems = found.problems
-    print("\n".join(["problems:"] + [f"  - {p}" for p in problems]) if problems else "no problems found")
+    listed = [f"  - {p}".replace("\n", "\n    ") for p in problems]  # a problem's own lines under its dash
+    print("\n".join(["problems:", *listed]) if problems else "no problems found")
     return 2 if problems else 0
 
 

@@ -18,8 +18,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from sfttrain.checkpoint_folder import complete_checkpoints, latest_of_newest_run, read_state, resolve, run_id_of, \
-    runs, step_of
+from sfttrain.checkpoint_folder import check_intact, complete_checkpoints, latest_of_newest_run, read_state, resolve, \
+    run_id_of, runs, step_of
 from sfttrain.config import Config, ConfigError, TrainerConfig
 from sfttrain.data.fingerprint import differences
 from sfttrain.lora import check_base
@@ -40,7 +40,7 @@ def find_resume(t: TrainerConfig, run_dir: str) -> Resume:
     result: tuple[Optional[Resume], Optional[str]] = (None, None)
     if _rank() == 0:
         try:
-            result = (_find_resume(t, run_dir), None)
+            result = (choose_resume(t, run_dir), None)
             if result[0].path is None:
                 rewind_metrics(run_dir, 0)
         except ConfigError as e:
@@ -54,11 +54,12 @@ def find_resume(t: TrainerConfig, run_dir: str) -> Resume:
     return result[0]
 
 
-def _find_resume(t: TrainerConfig, run_dir: str) -> Resume:
+def choose_resume(t: TrainerConfig, run_dir: str) -> Resume:
     """disable: None. resume_path: trainer.resume_from_path. auto: the latest checkpoint of the run
     folder's newest run (the run that committed last); if it has none, resume_from_path when given
     (a run seeded from another run's checkpoint still resumes its own progress after a crash),
-    else None."""
+    else None. A checkpoint whose files changed since its commit is refused, the one before it named.
+    Changes nothing in the run folder (the preflight asks it too)."""
     newest = latest_of_newest_run(run_dir)
     if t.resume_mode == "auto" and newest:
         path = newest[1]
@@ -69,6 +70,8 @@ def _find_resume(t: TrainerConfig, run_dir: str) -> Resume:
             path = resolve(t.resume_from_path)
         except ConfigError as e:
             raise ConfigError(f"trainer.resume_from_path: {e}") from None
+    if path:
+        check_intact(path)  # before the model loads
     run_id = _run_id(path, run_dir)
     return Resume(path, run_id, _describe_others(run_dir, run_id, step_of(path) if path else 0))
 
@@ -103,18 +106,34 @@ def _steps(steps: list[int]) -> str:
 
 def check_resume(path: str, cfg: Config, current) -> list[str]:
     """What resuming from `path` would change, said before the model is loaded: the lines to
-    print, or a ConfigError for what is refused. `current` (a checkpoint.TrainState) holds this
-    run's data fingerprint and optimizer/schedule settings.
+    print, or a ConfigError for what is refused (every refusal of `review_resume` in the one error)."""
+    notes, refused = review_resume(path, cfg, current)
+    if refused:
+        raise ConfigError("\n".join(refused))
+    return notes
+
+
+def review_resume(path: str, cfg: Config, current) -> tuple[list[str], list[str]]:
+    """(what resuming from `path` changes, what it refuses). `current` (a checkpoint.TrainState)
+    holds this run's data fingerprint, optimizer/schedule settings and LoRA base.
 
     The rule: the data must be what the checkpoint read (its fingerprint; a difference is refused
     unless trainer.resume_allow_data_change=true); the optimizer and LR schedule follow the
     current config (the LR is a pure function of the step and the config), every difference from
-    the checkpoint's is printed, and a schedule that ends before the checkpoint's step is refused."""
+    the checkpoint's is printed, and a schedule that ends before the checkpoint's step is refused;
+    LoRA adapters resume on the base they were trained on only."""
     saved = read_state(path)
+    checks = [lambda: check_data(path, saved, current.data, cfg.trainer.resume_allow_data_change),
+              lambda: check_schedule(path, saved, current.schedule)]
     if current.base is not None:
-        check_base(saved.get("base"), current.base, f"resuming from {path}")
-    return (check_data(path, saved, current.data, cfg.trainer.resume_allow_data_change)
-            + check_schedule(path, saved, current.schedule))
+        checks.insert(0, lambda: check_base(saved.get("base"), current.base, f"resuming from {path}") or [])
+    notes, refused = [], []
+    for check in checks:
+        try:
+            notes += check()
+        except ConfigError as e:
+            refused.append(str(e))
+    return notes, refused
 
 
 def check_data(path: str, saved: dict, fingerprint: dict, allow_change: bool) -> list[str]:

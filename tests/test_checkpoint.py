@@ -30,6 +30,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 from sfttrain import checkpoint, checkpoint_folder, resume
 from sfttrain.config import ConfigError, TrainerConfig, load_config
@@ -566,6 +567,50 @@ def test_resume_refuses_another_model(ref):
         checkpoint._check_same_model(ckpt, {k: v[:1] if v.ndim else v for k, v in sd.items()})
     with pytest.raises(ConfigError, match="1 weights missing"):
         checkpoint._check_same_model(ckpt, {**sd, "model.extra.weight": torch.zeros(2)})
+
+
+def test_a_damaged_checkpoint_is_refused_and_the_one_before_it_resumes(data, ref, tmp_path):
+    """Steps 9 and 10 of the reference, step 10 then damaged after its commit. A shard cut short or
+    an RNG file missing (COMPLETE lists each file's size) is refused before the model loads; a shard
+    of the right size whose end was overwritten is refused when DCP reads it. Each ends every rank
+    with one message (exit code 2) naming the damage and step 9, the intact checkpoint before it;
+    the override the message gives resumes from step 9 and trains what the reference trained. The
+    exporter refuses the damaged checkpoint too."""
+    from sfttrain import export
+
+    run_dir = tmp_path / "run"
+    for step in (9, 10):
+        shutil.copytree(ref / f"global_step_{step}", run_dir / f"global_step_{step}")
+    damaged, intact = run_dir / "global_step_10", run_dir / "global_step_9"
+    shard, rng = damaged / "__1_0.distcp", damaged / "rng" / "rank_1.pt"
+    whole = shard.read_bytes()
+    command = job(data, run_dir)
+
+    def refused(damage: str) -> str:
+        message = one_message(run_sfttrain(2, command, check=False), 2)
+        assert f"the checkpoint {damaged} is damaged: {damage}" in message, message
+        assert f"The newest intact checkpoint before it is {intact}" in message, message
+        assert not any(m.get("event") == "resumed" for m in running_records(run_dir)), "a refused checkpoint was loaded"
+        return message
+
+    shard.write_bytes(whole[:1000])
+    refused(f"__1_0.distcp has 1000 bytes, {len(whole)} when it was committed")
+    shard.write_bytes(whole)
+    rng.rename(tmp_path / "rng_1.pt")
+    refused("rng/rank_1.pt is missing")
+    (tmp_path / "rng_1.pt").rename(rng)
+    # the size kept, the end (a zip directory) of one of the shard's model weights overwritten
+    storage = dcp.FileSystemReader(str(damaged)).read_metadata().storage_data
+    end = max(info.offset + info.length for index, info in storage.items()
+              if info.relative_path == shard.name and index.fqn.startswith("model."))
+    shard.write_bytes(whole[:end - 64] + bytes(64) + whole[end:])
+    message = refused("its shards do not read back (")
+    with pytest.raises(SystemExit, match=f"the checkpoint {damaged} is damaged: its shards do not read back"):
+        export.main([str(damaged), str(tmp_path / "hf")])
+
+    override = re.search(r"\(to resume from it: (trainer\.resume_mode=\S+ trainer\.resume_from_path=\S+?);", message)
+    run_sfttrain(2, [*command, *override.group(1).split()])
+    assert_resumed_like_ref(run_dir, ref, 10, SAME_WORLD_TOL)
 
 
 # --------------------------------------------------------------------------- several runs in one folder

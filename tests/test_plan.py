@@ -6,6 +6,7 @@ import contextlib
 import io
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pyarrow as pa
@@ -15,7 +16,7 @@ import torch
 
 from sfttrain.data.batching import batch_problem, nearest_valid_batches
 from sfttrain.plan import DenseShape, main
-from tests.conftest import BASE_OVERRIDES, REPO, STORIES, checkpoint_tensor_bytes
+from tests.conftest import BASE_OVERRIDES, REPO, STORIES, checkpoint_tensor_bytes, run_sfttrain, two_rank_job
 
 # Published sizes of two real models (their model cards: 494M and 8.03B parameters)
 QWEN25_05B = dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
@@ -282,6 +283,40 @@ def test_preflight_lists_what_the_run_would_stop_on(gsm8k_dir, tmp_path):
     code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={gsm8k_dir / 'train.parquet'}", "trainer.device=cuda",
                          "model.fsdp_config.mixed_precision=true", "--nproc", "1")
     assert code == 0 and fp32 not in out, out
+
+
+def test_preflight_names_the_resume_and_each_refusal_of_it(gsm8k_dir, two_rank_run, tmp_path):
+    """The run folder of a finished 3-step run (checkpoints of steps 2 and 3), planned with its own
+    config: the preflight names the checkpoint the run resumes from, and, the folder left as it was,
+    each refusal the run's start-up would stop on: other data (a batch size) and a schedule that ends
+    before the checkpoint, both listed (the run itself stops on both at once, exit code 2); a file of
+    the checkpoint cut short, with the intact checkpoint before it."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(two_rank_run, run_dir)
+    before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*"))
+    job = two_rank_job(gsm8k_dir, run_dir)
+    code, out = run_plan(*job, "--nproc", "2")
+    assert code == 0 and f"resume              : from {run_dir / 'global_step_3'}\n" in out, out
+    assert "the checkpoint is this run's last step (3): nothing left to train" in out, out
+
+    changed = [*job, "data.train_batch_size=16", "trainer.total_training_steps=1"]
+    code, out = run_plan(*changed, "--nproc", "2")
+    refusals = ["was written with other data settings", "data.train_batch_size: 8 -> 16",
+                "is at step 3, but this run's schedule ends at step 1"]
+    problems = out.split("problems:")[1]
+    assert code == 2 and problems.count("\n  - ") == 2 and all(r in problems for r in refusals), out
+    proc = run_sfttrain(2, changed, check=False)
+    assert proc.returncode != 0 and all(r in proc.stdout for r in refusals), proc.stdout[-3000:]
+
+    shard = run_dir / "global_step_3" / "__0_0.distcp"
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:
+        f.truncate(size // 2)
+    code, out = run_plan(*job, "--nproc", "2")
+    assert code == 2 and (f"the checkpoint {run_dir / 'global_step_3'} is damaged: __0_0.distcp has {size // 2} "
+                          f"bytes, {size} when it was committed") in out, out
+    assert f"The newest intact checkpoint before it is {run_dir / 'global_step_2'}" in out, out
+    assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before
 
 
 def test_preflight_renders_with_the_template_the_run_would_use(gsm8k_dir, tiny_qwen_dir, tmp_path):

@@ -42,6 +42,12 @@ def data_fingerprint(cfg: Config, source: ParquetSource, tokenizer) -> dict:
     }
 
 
+def with_rows_dropped(fingerprint: dict, keep) -> dict:
+    """The fingerprint with the count of rows data.no_loss_rows=drop leaves out (`keep`: a row mask):
+    they filter every epoch's order, and with the rendering fixed their count names them."""
+    return {**fingerprint, "rows dropped (data.no_loss_rows=drop)": int((~keep).sum())}
+
+
 def rendering_key(fingerprint: dict) -> str:
     """Names what a row's token counts depend on: the files (with their modification times, so
     a file rewritten in place at the same size is not taken for the old one) and the rendering."""

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 
 from sfttrain.config import Config
-from sfttrain.data.fingerprint import data_fingerprint, rendering_key
+from sfttrain.data.fingerprint import data_fingerprint, rendering_key, with_rows_dropped
 from sfttrain.data.loader import RowStats, epoch_rows, row_stats
 from sfttrain.data.parquet import ParquetSource
 from sfttrain.data.batching import BatchPlan, make_plan
@@ -33,8 +33,7 @@ def prepare_train_data(cfg: Config, source: ParquetSource, renderer: Renderer, t
     fingerprint = data_fingerprint(cfg, source, tokenizer)
     cache = os.path.join(run_dir, CACHE_DIR, rendering_key(fingerprint) + ".npz")
     stats = select_rows(row_stats(source, renderer, world.rank, world.world_size, cache), d)
-    # the rows dropped filter every epoch's order (with the rendering fixed, their count names them)
-    fingerprint["rows dropped (data.no_loss_rows=drop)"] = int((~stats.keep).sum())
+    fingerprint = with_rows_dropped(fingerprint, stats.keep)
     plan = make_plan(cfg, world.dp_size, int(stats.keep.sum()))
     first_epoch = epoch_rows(source, stats, cfg.trainer.seed, 0, d.shuffle)[:plan.steps_per_epoch * plan.global_batch]
     report = data_report(stats, first_epoch, d, cache)

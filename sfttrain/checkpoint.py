@@ -59,7 +59,7 @@ from sfttrain.checkpoint_folder import STATE_FILE, complete_checkpoints, damaged
 from sfttrain.checkpoint_writer import OneLineError, Staging, WriterProcess, WriterThreadErrors, cuda_room, \
     one_line, tensor_bytes, write_shards, writer_kind
 from sfttrain.config import Config, ConfigError, to_yaml
-from sfttrain.distributed import World
+from sfttrain.distributed import World, peer_lost
 from sfttrain.errors import CheckpointError
 from sfttrain.metrics import rewind_metrics
 from sfttrain.optim import set_step
@@ -390,7 +390,7 @@ class Checkpointer:
         """What failed, what is left, how much space there is, and what to do."""
         failed = [(rank, text) for rank, text in enumerate(errors) if text is not None]
         # a rank that lost a peer inside a collective reports only that: the cause is the peer's error
-        causes = [(rank, text) for rank, text in failed if not _peer_lost(text)] or failed
+        causes = [(rank, text) for rank, text in failed if not peer_lost(text)] or failed
         full = [(rank, text) for rank, text in causes if _disk_full(text)]
         rank, text = (full or causes)[0]
         why = (f"the disk is full ({text}, on rank {rank})" if full
@@ -525,10 +525,6 @@ class NotEnoughSpace(OneLineError):
 def _disk_full(text: str) -> bool:
     # ENOSPC, or the torch.save writer's symptom of it ("unexpected pos" in inline_container.cc)
     return "No space left" in text or "Errno 28" in text or "unexpected pos" in text
-
-
-def _peer_lost(text: str) -> bool:
-    return "Connection closed by peer" in text or "Connection reset by peer" in text
 
 
 def load(path: str, model, optimizer, scheduler, world: World, cfg: Config, current: TrainState) -> TrainState:

@@ -12,13 +12,14 @@ deletes `.tmp` and `.trash` debris and puts back an `.old` whose replacement nev
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 import shutil
 from typing import Callable, Optional
 
-from sfttrain.errors import ConfigError
+from sfttrain.errors import CheckpointError, ConfigError, UserError
 
 COMPLETE = "COMPLETE"
 STATE_FILE = "trainer_state.json"
@@ -271,3 +272,23 @@ def room_problem(run_dir: str, free: int, need: int, estimated: bool) -> Optiona
     return (f"trainer.default_local_dir={run_dir!r} has {size_text(free)} free and {size}: the next save would fail, "
             "and the training before it would be lost. Free space there, or set trainer.default_local_dir to a "
             "folder on a larger disk")
+
+
+def disk_full_error(error: BaseException, run_dir: str, where: str) -> Optional[UserError]:
+    """A write that found its disk full (ENOSPC, or a quota's EDQUOT) outside a checkpoint's own save
+    (whose failure the checkpointer words): metrics.jsonl, a cache, a trace. One message with what
+    filled, the run folder's free space and the checkpoint to resume from: a ConfigError at start-up
+    (nothing trained yet), else a CheckpointError (the steps since the last checkpoint cannot be
+    kept). None for any other error."""
+    if not (isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)):
+        return None
+    what = error.strerror + (f": {error.filename}" if error.filename else "")
+    free = f"{run_dir} has {size_text(shutil.disk_usage(run_dir).free)} free" if os.path.isdir(run_dir) else ""
+    fix = f"{free}. Free space (or set trainer.default_local_dir on a larger disk), then run the same command"
+    if where == "start-up":
+        return ConfigError(f"the disk is full ({what}) in start-up, before any step. {fix}")
+    last = latest_of_newest_run(run_dir)
+    then = f"it resumes from {last[1]}" if last else "no checkpoint was committed yet, so it starts afresh"
+    return CheckpointError(f"the disk is full ({what}) in {where}: training stopped there, as the next checkpoint "
+                           f"would not fit either. The steps since the last good checkpoint "
+                           f"({last[1] if last else 'none'}) are lost. {fix}: with trainer.resume_mode=auto {then}")

@@ -166,6 +166,13 @@ def barrier(world: World) -> None:
         dist.barrier()
 
 
+def peer_lost(text: str) -> bool:
+    """A collective's error that says another rank's process is gone (gloo; NCCL with async error
+    handling), not what ended it."""
+    return any(sign in text for sign in ("Connection closed by peer", "Connection reset by peer",
+                                         "remote process exited"))
+
+
 def shutdown(world: World) -> None:
     # all ranks pass a barrier first: on gloo a rank that exits while another still finishes a
     # checkpoint write can abort with "terminate called without an active exception".

@@ -7,6 +7,7 @@ between the completions of consecutive steps on the device; MFU by the formula i
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import statistics
@@ -205,8 +206,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         record = {"step": step, **metrics}
-        self.jsonl.write(json.dumps(record) + "\n")
-        self.jsonl.flush()
+        self._append(record)
         if self.wandb:
             self.wandb.log(metrics, step=step)
         if "loss" in metrics:
@@ -219,9 +219,16 @@ class MetricsLogger:
         """A record that is not a step's metrics (a checkpoint committed): metrics.jsonl (if any) and one line."""
         if self.enabled:
             if record is not None:
-                self.jsonl.write(json.dumps(record) + "\n")
-                self.jsonl.flush()
+                self._append(record)
             tqdm.write(line)
+
+    def _append(self, record: dict) -> None:
+        try:
+            self.jsonl.write(json.dumps(record) + "\n")
+            self.jsonl.flush()
+        except OSError as e:  # a full disk (sfttrain.run says it): the error names the file
+            e.filename = e.filename or self.jsonl.name
+            raise
 
     def info(self, text: str) -> None:
         if self.enabled:
@@ -233,7 +240,10 @@ class MetricsLogger:
         if not self.enabled or self.jsonl.closed:
             return
         self.progress.close()
-        self.jsonl.close()
+        # every record was flushed when written: closing fails only on the one whose write failed, and that
+        # error is already on its way (a second one would hide it)
+        with contextlib.suppress(OSError):
+            self.jsonl.close()
         if self.wandb:
             self.wandb.finish()
 

@@ -90,7 +90,8 @@ def train(cfg: Config) -> None:
 
 def _train(cfg: Config, rank: int) -> None:
     from sfttrain import phase
-    from sfttrain.distributed import init_world, shutdown
+    from sfttrain.checkpoint_folder import disk_full_error
+    from sfttrain.distributed import init_world, peer_lost, shutdown
     from sfttrain.metrics import require_loggers
     from sfttrain.trainer import FSDPSFTTrainer
 
@@ -112,6 +113,11 @@ def _train(cfg: Config, rank: int) -> None:
     except Exception as e:  # a bug, or a collective's timeout: then where this rank was
         if stop_signal.interrupted():  # the collective of a rank that Ctrl-C stopped first
             interrupted(cfg, rank)
+        if full := disk_full_error(e, cfg.trainer.default_local_dir, phase.current()):
+            stop(full)
+        if peer_lost(str(e)):  # another rank ended first, with the cause (its message, a traceback): torchrun
+            stop_signal.end_if_told()  # ends this one (its SIGTERM, or one already noted), without a second
+            time.sleep(WAIT_FOR_RANK0_S)  # traceback; past the wait, this rank says what it saw
         phase.report_timeout(e, rank, timeout)
         raise
 

@@ -20,9 +20,10 @@ leaves the previous checkpoint the one a resume takes (sfttrain/checkpoint_folde
 A rank's helper processes outlive a SIGTERM from outside by GRACE_S (`leave_to_the_rank`).
 SIGTERM is noted only while the training loop runs (`noting`, which gives SIGTERM its previous
 action back however the loop ends): during start-up there is nothing to save, and after an error
-the rank must die when torchrun ends the job. The cost: a rank blocked in a
-collective (another rank has died) runs no Python handler, so it dies at torchrun's SIGKILL, up to
-30 s after its SIGTERM, instead of at once.
+the rank must die when torchrun ends the job. A rank blocked in a collective (another rank has
+died) runs no Python handler: where the collective then fails for the lost rank (gloo), the noted
+SIGTERM ends the rank at once (`end_if_told`); where it stays blocked (NCCL), the rank dies at
+torchrun's SIGKILL, up to 30 s after its SIGTERM, instead of at once: the cost of the note.
 """
 
 from __future__ import annotations
@@ -57,6 +58,15 @@ def noting(enabled: bool) -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def end_if_told() -> None:
+    """After the loop ended on an error: a SIGTERM it noted ends this rank now, by the signal's
+    default action (torchrun's, sent once another rank failed, reached a rank blocked in a collective
+    that then failed for that rank's loss)."""
+    if received():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.raise_signal(signal.SIGTERM)
 
 
 def note_interrupts() -> None:

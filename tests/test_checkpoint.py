@@ -722,6 +722,38 @@ def test_full_disk(data, ref, tmp_path):
         assert [m["step"] for m in resumed] == [2, 4]
 
 
+def test_a_disk_that_fills_between_saves_ends_the_job_with_one_message(data, tmp_path):
+    """The run folder's disk (a real tmpfs) fills between saves: once step 15's checkpoint is committed,
+    a filler file takes every free page. The next metrics.jsonl record that needs a new page fails
+    (records are 277 bytes or more, so at most 14 fit in the file's last 4 KiB page, and the next save
+    is 15 steps away): every rank ends with one message (exit code 6, not a traceback per rank) naming
+    the file, the step, and step 15's checkpoint to resume from; the disk freed, the same command
+    resumes there and finishes."""
+    run_dir = tmp_path / "disk"
+    command = job(data, run_dir / "run", "trainer.total_training_steps=30", "trainer.save_freq=15")
+    with tmpfs(run_dir, 64 << 20):
+        log = tmp_path / "job.log"
+        proc = launch(2, command, log)
+        try:
+            assert wait_until(lambda: (run_dir / "run" / "global_step_15").exists(), proc), log.read_text()[-3000:]
+            with open(run_dir / "filler", "wb") as f, contextlib.suppress(OSError):
+                while True:
+                    f.write(bytes(1 << 16))
+            proc.wait(timeout=120)
+        finally:
+            kill_job(proc)
+        out = subprocess.CompletedProcess(proc.args, proc.returncode, stdout=log.read_text())
+        message = one_message(out, 6)
+        last = run_dir / "run" / "global_step_15"
+        assert re.search(r"the disk is full \(No space left on device: \S+/metrics.jsonl\) in step (1[6-9]|2\d)",
+                         message), message
+        assert f"the last good checkpoint ({last})" in message and f"it resumes from {last}" in message, message
+        (run_dir / "filler").unlink()
+        run_sfttrain(2, command)
+        assert [m["step"] for m in read_metrics(run_dir / "run") if m.get("event") == "resumed"] == [15]
+        assert checkpoint_folder.is_complete(str(run_dir / "run" / "global_step_30"))
+
+
 def test_a_killed_writer_process_ends_the_job_with_one_message(data, tmp_path):
     """A rank's writer process (trainer.async_save_writer=process) is a process the kernel's
     out-of-memory killer may pick. Killed once the first checkpoint is committed, the next save fails

@@ -43,6 +43,12 @@ def check_max_length(cfg: Config, folder: str) -> None:
                           "data.allow_beyond_max_position=true if the model is meant to extend its context")
 
 
+def embedding_rows(cfg: ModelConfig, folder: str) -> int | None:
+    """The rows of the model's input embedding (config.json's vocab_size: the token ids it can embed)."""
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=cfg.trust_remote_code)
+    return getattr(config.get_text_config(), "vocab_size", None)
+
+
 @dataclass
 class LoadedModel:
     model: nn.Module

@@ -265,11 +265,11 @@ def rows_trained(cfg: Config, folder: str) -> tuple[int, dict]:
     from sfttrain.data.parquet import row_fields
     from sfttrain.data.report import select_rows
     from sfttrain.distributed import one_rank_group
-    from sfttrain.model import load_tokenizer
+    from sfttrain.model import embedding_rows, load_tokenizer
 
     d, run_dir = cfg.data, cfg.trainer.default_local_dir
     tokenizer = load_tokenizer(dataclasses.replace(cfg.model, partial_pretrain=folder))
-    renderer, fields = build_renderer(d, tokenizer), row_fields(d)
+    renderer, fields = build_renderer(d, tokenizer, embedding_rows(cfg.model, folder)), row_fields(d)
     source = open_source(as_list(d.train_files), fields, run_dir)
     with one_rank_group():
         stats = select_rows(row_stats(source, renderer, 0, 1), d)

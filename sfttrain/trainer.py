@@ -27,7 +27,8 @@ from sfttrain.flops import ModelShape
 from sfttrain.loss import CausalLMLoss, router_metrics, router_stats, select_chunk_loss, step_objective
 from sfttrain.metrics import (MetricsLogger, StepEnd, StepTimer, describe_host_memory, host_memory_gib, memory_stats,
                               start_wandb, throughput)
-from sfttrain.model import check_max_length, decoder_layers, load_model, load_tokenizer, local_model_folder
+from sfttrain.model import (check_max_length, decoder_layers, embedding_rows, load_model, load_tokenizer,
+                            local_model_folder)
 from sfttrain.optim import build_optimizer, build_scheduler, clipped_step, schedule_settings, warmup_steps
 from sfttrain.parallel import describe_compile, describe_sharding, gradient_sync, parallelize
 from sfttrain.resume import check_resume, find_resume
@@ -58,7 +59,8 @@ class FSDPSFTTrainer:
         check_max_length(cfg, folder)
         fp8.check_available(cfg.model, world.device)  # a GPU without FP8 stops before the data is read
         self.tokenizer = load_tokenizer(cfg.model, resolve_chat_template(d) if d.apply_chat_template else None)
-        renderer, fields = build_renderer(d, self.tokenizer), row_fields(d)  # prompt/response or conversations
+        renderer = build_renderer(d, self.tokenizer, embedding_rows(cfg.model, folder))  # pairs or conversations
+        fields = row_fields(d)
         train_source = open_source(as_list(d.train_files), fields, self.run_dir)
         prepared = prepare_train_data(cfg, train_source, renderer, self.tokenizer, world, self.run_dir)
         self.plan, self.data_report = prepared.plan, prepared.report  # every row rendered, or stopped here

@@ -113,7 +113,7 @@ def test_a_row_whose_counts_changed_since_the_scan_stops_the_run(data, tmp_path)
     cfg = load_config(None, overrides)
     tokenizer = load_tokenizer(cfg.model)
     source = open_source([str(data)], row_fields(cfg.data), str(run_dir))
-    renderer = build_renderer(cfg.data, tokenizer)
+    renderer = build_renderer(cfg.data, tokenizer, None)
     samples = [renderer.render(*row) for row in source.read(np.arange(source.num_rows))]
     columns = [np.array(c) for c in zip(*((len(s.input_ids), loss_tokens(s), s.full_length) for s in samples))]
     columns[1][3] += 1

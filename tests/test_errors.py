@@ -22,6 +22,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from transformers import AutoTokenizer
 
 from tests.conftest import (BASE_OVERRIDES, REPO, STORIES, ForkedJob, descendants, kill_job, launch, logged_steps,
                             run_sfttrain)
@@ -56,6 +57,11 @@ def catalogue(tmp: Path) -> dict[str, Case]:
     config = json.loads((dynamic / "config.json").read_text())
     (dynamic / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 128,
                                                      "rope_scaling": {"type": "dynamic", "factor": 2.0}}))
+    added = tmp / "added_token"  # stories260K whose tokenizer has one token more than its 512 embedding rows
+    shutil.copytree(STORIES, added)
+    tokenizer = AutoTokenizer.from_pretrained(STORIES)
+    tokenizer.add_tokens(["Natalia"])  # in the first GSM8K row
+    tokenizer.save_pretrained(added)
     home = tmp / "home"
     home.mkdir()
     shim = tmp / "no_wandb"
@@ -99,6 +105,9 @@ def catalogue(tmp: Path) -> dict[str, Case]:
         "batch_dependent_rope": Case([f"model.partial_pretrain={dynamic}"], [
             "rope_scaling rope_type='dynamic'", "data.max_length=256 above original_max_position_embeddings=128",
             "Set data.max_length<=128"], CONFIG),
+        "token_past_the_embedding": Case([f"model.partial_pretrain={added}"], [
+            "train.parquet", "row 0 has token ids [512] (['Natalia']) at or past the model's 512 embedding rows",
+            "resize_token_embeddings"], DATA),
         "missing_column": Case(["data.prompt_key=prompt"], ["train.parquet", "no column 'prompt'", "'question'"],
                                DATA),
         "profile_beyond_the_run": Case(["trainer.profile_steps=[3,4]"], [
@@ -154,6 +163,7 @@ CASES = ["misspelled_key", "wrong_type", "yaml_syntax", "nan_lr", "missing_wandb
          "non_divisible_batch",
          "missing_model", "missing_chat_template", "template_file_fails", "template_text_fails",
          "multiturn_without_template", "messages_read_as_prompt", "batch_dependent_rope", "profile_beyond_the_run",
+         "token_past_the_embedding",
          "missing_column", "missing_path", "empty_file", "zero_byte_parquet", "over_length_row", "non_finite_loss"]
 
 

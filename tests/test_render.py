@@ -116,6 +116,31 @@ def test_no_template_path_stories260k(stories):
         assert supervised(stories, s) == a + "</s>"
 
 
+def test_token_ids_past_the_models_embedding_are_refused_with_the_row():
+    """stories260K embeds 512 ids; its tokenizer with one token added ("Natalia", id 512) makes 513.
+    Exactly the rows whose text holds the word are refused, naming the id and the token; the same
+    tokenizer with an embedding resized to 513 rows, or the model's own tokenizer, refuses none."""
+    tok = AutoTokenizer.from_pretrained(STORIES)
+    tok.add_tokens(["Natalia"])
+    r = Renderer(tok, max_length=4096, truncation="error", apply_chat_template=False)
+    r.limit_ids(512)
+    refused = []
+    for i, row in enumerate(ROWS):
+        try:
+            r.render(row["question"], row["answer"], row=i)
+        except ValueError as e:
+            refused.append(i)
+            assert f"row {i} has token ids [512] (['Natalia']) at or past the model's 512 embedding rows" in str(e)
+            assert "the tokenizer has 513 tokens" in str(e) and "resize_token_embeddings" in str(e)
+    assert refused == [i for i, row in enumerate(ROWS) if "Natalia" in row["question"] + row["answer"]] != []
+    r.limit_ids(513)
+    assert r.id_limit is None  # no id the tokenizer makes reaches past a resized embedding
+    own = Renderer(AutoTokenizer.from_pretrained(STORIES), max_length=4096, truncation="error",
+                   apply_chat_template=False)
+    own.limit_ids(512)
+    assert own.id_limit is None
+
+
 def test_missing_chat_template_is_an_error(stories):
     with pytest.raises(ValueError, match="no chat template") as e:
         Renderer(stories, max_length=512, truncation="error")

@@ -169,19 +169,23 @@ def resolve_chat_template(d) -> str | None:
     return value
 
 
-def build_renderer(d, tokenizer) -> Renderer:
+def build_renderer(d, tokenizer, embedding_rows: int | None) -> Renderer:
     """The renderer the data config asks for (`sfttrain.config.DataConfig`): conversations with
-    data.multiturn.enable, else prompt/response pairs. The chat template renders a probe
-    conversation here, so that one that does not parse or render stops the start (and the
-    preflight) naming the key, not the first row."""
+    data.multiturn.enable, else prompt/response pairs, refusing token ids past the model's
+    `embedding_rows` (`Renderer.limit_ids`). The chat template renders a probe conversation here,
+    so that one that does not parse or render stops the start (and the preflight) naming the key,
+    not the first row."""
     template = resolve_chat_template(d)
     try:
         if d.multiturn.enable:  # renders a probe turn itself (its end-of-turn token)
-            return ChatRenderer(tokenizer, max_length=d.max_length, truncation=d.truncation, chat_template=template)
-        renderer = Renderer(tokenizer, max_length=d.max_length, truncation=d.truncation,
-                            apply_chat_template=d.apply_chat_template, chat_template=template)
-        if d.apply_chat_template:
-            renderer.render("hi", "hello", row=-1)
+            renderer = ChatRenderer(tokenizer, max_length=d.max_length, truncation=d.truncation,
+                                    chat_template=template)
+        else:
+            renderer = Renderer(tokenizer, max_length=d.max_length, truncation=d.truncation,
+                                apply_chat_template=d.apply_chat_template, chat_template=template)
+            if d.apply_chat_template:
+                renderer.render("hi", "hello", row=-1)
+        renderer.limit_ids(embedding_rows)  # after the probe: a template's token past them is the first row's problem
         return renderer
     except ConfigError:
         raise

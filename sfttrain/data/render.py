@@ -72,6 +72,15 @@ class Renderer:
         self.apply_chat_template = apply_chat_template
         self.chat_template = chat_template
         self.eos_token_id = int(tokenizer.eos_token_id)
+        self.id_limit: int | None = None  # set by `limit_ids`
+
+    def limit_ids(self, embedding_rows: int | None) -> None:
+        """Refuses rows with a token id at or past the model's embedding rows (config.json's
+        vocab_size): on a GPU such an id ends the run with a CUDA device-side assert, on the CPU
+        with an IndexError. Only a tokenizer with more tokens than that can produce one (tokens
+        added without resizing the model's embeddings), so only then is each row checked."""
+        reachable = embedding_rows is not None and len(self.tokenizer) > embedding_rows
+        self.id_limit = embedding_rows if reachable else None
 
     def _prompt_ids(self, prompt: str) -> list[int]:
         if not self.apply_chat_template:
@@ -119,4 +128,13 @@ class Renderer:
         # or with an empty prompt and no BOS). Keeping it out keeps sum(loss_mask) an exact count.
         if loss_mask and loss_mask[0]:
             loss_mask = [0] + loss_mask[1:]
+        if self.id_limit is not None and max(input_ids, default=0) >= self.id_limit:
+            beyond = sorted({t for t in input_ids if t >= self.id_limit})
+            raise ValueError(
+                f"row {row} has token ids {beyond[:5]} ({self.tokenizer.convert_ids_to_tokens(beyond[:5])}) at or past "
+                f"the model's {self.id_limit} embedding rows (config.json vocab_size); the tokenizer has "
+                f"{len(self.tokenizer)} tokens. Resize the model's embeddings to the tokenizer "
+                "(model.resize_token_embeddings(len(tokenizer)), then save_pretrained), or use the tokenizer the "
+                "model was trained with"
+            )
         return RenderedSample(input_ids=input_ids, loss_mask=loss_mask, row=row, full_length=n)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import re
 import socket
 import time
 import uuid
@@ -73,6 +74,7 @@ def init_world(cfg: Config) -> World:
     """Starts the process group (`_backend`) and builds the mesh."""
     rank, local_rank, world_size = (int(os.environ.get(k, d)) for k, d in
                                     (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
+    check_one_launcher_per_node()
     use_cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
         raise ConfigError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu")
@@ -100,6 +102,21 @@ def init_world(cfg: Config) -> World:
     else:
         mesh = init_device_mesh(device.type, (replicate, shard, sp), mesh_dim_names=("dp_replicate", "dp_shard", "sp"))
     return World(rank, local_rank, world_size, device, mesh, sp)
+
+
+def check_one_launcher_per_node() -> None:
+    """torchrun started by srun as one task of several on a node (`#SBATCH --ntasks-per-node=8`, then
+    `srun torchrun --nproc_per_node=8`, as a seed article's script has it): each task's torchrun
+    starts its own ranks, so a node runs tasks x nproc_per_node ranks on its GPUs and its extra
+    torchruns wait in the rendezvous. Refused before any rendezvous of the ranks."""
+    steps = os.environ.get("SLURM_STEP_TASKS_PER_NODE", "")  # srun's step: "8(x2)", "2,1", "1(x4)"
+    tasks = max((int(n) for n in re.findall(r"(\d+)(?:\(x\d+\))?", steps)), default=1)
+    per_launcher = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # torchrun's --nproc_per_node
+    if tasks > 1 and per_launcher > 1:
+        raise ConfigError(f"srun started {tasks} tasks on a node (SLURM_STEP_TASKS_PER_NODE={steps}), each running "
+                          f"torchrun with --nproc_per_node={per_launcher}: {tasks * per_launcher} ranks per node on its "
+                          "GPUs. Start one torchrun per node (#SBATCH --ntasks-per-node=1, or srun --ntasks-per-node=1 "
+                          "torchrun ...), as slurm/sft_multinode.sbatch does")
 
 
 def check_world(cfg: Config, world_size: int) -> tuple[int, int]:

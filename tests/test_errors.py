@@ -108,6 +108,10 @@ def catalogue(tmp: Path) -> dict[str, Case]:
         "token_past_the_embedding": Case([f"model.partial_pretrain={added}"], [
             "train.parquet", "row 0 has token ids [512] (['Natalia']) at or past the model's 512 embedding rows",
             "resize_token_embeddings"], DATA),
+        # a seed article's sbatch: `#SBATCH --ntasks-per-node=8`, then `srun torchrun --nproc_per_node=8 ...`
+        "torchrun_per_task": Case([], ["srun started 8 tasks on a node (SLURM_STEP_TASKS_PER_NODE=8(x2))",
+                                       "--nproc_per_node=2: 16 ranks per node", "--ntasks-per-node=1"], CONFIG,
+                                  nproc=2, env={"SLURM_STEP_TASKS_PER_NODE": "8(x2)"}),
         "missing_column": Case(["data.prompt_key=prompt"], ["train.parquet", "no column 'prompt'", "'question'"],
                                DATA),
         "profile_beyond_the_run": Case(["trainer.profile_steps=[3,4]"], [
@@ -163,7 +167,7 @@ CASES = ["misspelled_key", "wrong_type", "yaml_syntax", "nan_lr", "missing_wandb
          "non_divisible_batch",
          "missing_model", "missing_chat_template", "template_file_fails", "template_text_fails",
          "multiturn_without_template", "messages_read_as_prompt", "batch_dependent_rope", "profile_beyond_the_run",
-         "token_past_the_embedding",
+         "token_past_the_embedding", "torchrun_per_task",
          "missing_column", "missing_path", "empty_file", "zero_byte_parquet", "over_length_row", "non_finite_loss"]
 
 

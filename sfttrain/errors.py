@@ -9,6 +9,7 @@ under torchrun it is each rank's `exitcode` in the failure summary):
        disk that filled between saves, which stops the run at once (the next save would fail too)
     7  the Hugging Face export of a committed checkpoint failed (ExportError)
     8  stopped by SIGTERM after saving the step in flight; the same command resumes (StoppedBySignal)
+    9  a rank ran out of memory, the GPU's or the host's: where, and what to lower (OutOfMemory)
 
 Anything else is a bug in sfttrain and ends with its traceback (exit code 1).
 This module imports nothing, so the entry point can classify errors before torch loads.
@@ -63,3 +64,9 @@ class StoppedBySignal(UserError, RuntimeError):
     exit_code = 8
     kind = "stopped"
     every_rank = True
+
+
+class OutOfMemory(UserError, RuntimeError):
+    """A rank ran out of memory (the GPU's or the host's); the message names the phase and what to lower."""
+    exit_code = 9
+    kind = "out of memory"

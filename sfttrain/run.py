@@ -4,8 +4,8 @@ Parse the config, start the ranks, build the trainer, train, shut down cleanly.
 `python -m sfttrain.run --help [section]` lists every key (sfttrain/help.py).
 
 A mistake the user must fix (sfttrain/errors.py, which lists the exit codes: 2 config, 3 data,
-4 non-finite loss, 5 missing dependency, 6 checkpoint not saved, 7 export failed; and 8, stopped by
-SIGTERM after a save) ends the run with one message, printed once by rank 0, and its exit code; under
+4 non-finite loss, 5 missing dependency, 6 checkpoint not saved, 7 export failed, 9 out of memory; and
+8, stopped by SIGTERM after a save) ends the run with one message, printed once by rank 0, and its exit code; under
 torchrun the same message is rank 0's elastic error file, so torchrun's "Root Cause" shows it (once)
 instead of `error_file: <N/A>`. Ctrl-C ends every rank with one line and exit code 130.
 """
@@ -15,12 +15,13 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 import sys
 import time
 
 from sfttrain import stop_signal
 from sfttrain.config import Config, load_config
-from sfttrain.errors import UserError
+from sfttrain.errors import OutOfMemory, UserError
 from sfttrain.help import print_help
 
 # a rank other than 0 waits this long for rank 0 to report the same error and end the job
@@ -115,11 +116,45 @@ def _train(cfg: Config, rank: int) -> None:
             interrupted(cfg, rank)
         if full := disk_full_error(e, cfg.trainer.default_local_dir, phase.current()):
             stop(full)
+        if short := out_of_memory(e, cfg, rank, phase.current()):
+            stop(short)
         if peer_lost(str(e)):  # another rank ended first, with the cause (its message, a traceback): torchrun
             stop_signal.end_if_told()  # ends this one (its SIGTERM, or one already noted), without a second
             time.sleep(WAIT_FOR_RANK0_S)  # traceback; past the wait, this rank says what it saw
         phase.report_timeout(e, rank, timeout)
         raise
+
+
+def out_of_memory(error: BaseException, cfg: Config, rank: int, where: str) -> OutOfMemory | None:
+    """A rank out of memory (CUDA's allocator, the host's, or Python's) as one message: where, what
+    was asked for, and the keys that shrink what that phase holds. None for any other error."""
+    import torch
+
+    text = str(error)
+    if isinstance(error, torch.OutOfMemoryError):
+        device, asked = "GPU", text.split(" If reserved")[0].split(" See documentation")[0]
+    elif isinstance(error, MemoryError) or "DefaultCPUAllocator" in text:
+        size = re.search(r"allocate (\d+) bytes", text)
+        device, asked = "host", f"{int(size.group(1)) / 2**30:.2f} GiB asked for" if size else "MemoryError"
+    else:
+        return None
+    m, d = cfg.model, cfg.data
+    if where == "start-up":
+        fix = ("the model's weights, gradients and AdamW state on each rank: shard them over more ranks, train LoRA "
+               "adapters (model.lora_rank), or keep them in host memory (model.fsdp_config.offload_params=true)")
+    elif where.startswith(("step", "validation")):
+        budget = (f"data.max_token_len_per_gpu={d.max_token_len_per_gpu}" if d.max_token_len_per_gpu
+                  else f"data.micro_batch_size_per_gpu={d.micro_batch_size_per_gpu}")
+        fix = (f"a micro-batch's activations and its loss's logits: lower {budget} or model.loss_chunk_tokens="
+               f"{m.loss_chunk_tokens}" + ("" if m.enable_gradient_checkpointing else
+                                          ", or recompute activations in backward (model.enable_gradient_checkpointing=true)"))
+    elif where.startswith("the save"):
+        fix = "a checkpoint's staged copy: trainer.async_save_staging=host, or a lower trainer.async_save_in_flight"
+    else:
+        fix = "what this phase holds"
+    return OutOfMemory(f"rank {rank} ran out of {device} memory in {where} ({asked}). What fills it: {fix}. "
+                       "`python -m sfttrain.plan` with the same arguments and --nproc estimates the memory per rank. "
+                       f"The same command then resumes from the last checkpoint committed in {cfg.trainer.default_local_dir}")
 
 
 def interrupted(cfg: Config, rank: int) -> None:

@@ -14,6 +14,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -211,7 +212,7 @@ def test_each_kind_has_its_own_exit_code():
     assert codes == [CONFIG, DATA, NON_FINITE, DEPENDENCY]
     kinds = [k for k in vars(errors).values() if isinstance(k, type) and issubclass(k, errors.UserError)
              and k is not errors.UserError]
-    assert sorted(k.exit_code for k in kinds) == list(range(2, 9)), kinds  # each kind its own code
+    assert sorted(k.exit_code for k in kinds) == list(range(2, 10)), kinds  # each kind its own code
 
 
 def rank_pid(launcher: subprocess.Popen, rank: int) -> int | None:
@@ -293,3 +294,51 @@ def test_ctrl_c_ends_every_rank_in_one_line(gsm8k_dir, tmp_path):
         assert code == 130 and "Traceback" not in out, out[-3000:]
     else:
         assert "exitcode  : 130" in out, out[-3000:]
+
+
+MEMORY_LIMIT = 16 << 30  # the rank's address space (RLIMIT_AS): one thread for torch, two malloc arenas
+
+
+def run_under_memory_limit(tmp_path: Path, gsm8k_dir: Path, name: str, shape: dict, *overrides: str):
+    """One rank (`python -m sfttrain.run`) of a model built from stories260K's config with `shape`
+    (random weights, its tokenizer), its address space limited to MEMORY_LIMIT: an allocation past it
+    fails in the allocator as on a host whose memory is used up, without touching that memory."""
+    import resource
+
+    folder = tmp_path / name
+    folder.mkdir()
+    for file in STORIES.glob("tokenizer*"):
+        shutil.copy(file, folder)
+    shutil.copy(STORIES / "special_tokens_map.json", folder)
+    config = json.loads((STORIES / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1, **shape}))
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
+
+    command = [sys.executable, "-m", "sfttrain.run", *BASE_OVERRIDES, f"model.partial_pretrain={folder}",
+               "model.random_init=true", f"data.train_files={gsm8k_dir}/train.parquet",
+               f"trainer.default_local_dir={tmp_path / name}_run", *overrides]
+    return subprocess.run(command, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2"},
+                          preexec_fn=limit, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("where, shape, overrides, asked, fix", [
+    # a 2^26 x 256 embedding: 64 GiB of fp32 in one tensor, made when the model is materialised
+    ("start-up", {"vocab_size": 1 << 26, "hidden_size": 256, "head_dim": 32}, [], "64.00 GiB asked for",
+     "model.fsdp_config.offload_params=true"),
+    # a 2^20-token vocabulary: the loss's logits of an 8192-target-token chunk take 32 GiB
+    ("step 1", {"vocab_size": 1 << 20}, ["model.loss_chunk_tokens=8192", "data.train_batch_size=128",
+                                         "data.micro_batch_size_per_gpu=128"], "32.00 GiB asked for",
+     "lower data.micro_batch_size_per_gpu=128"),
+])
+def test_out_of_memory_is_one_message_naming_the_phase_and_the_keys(gsm8k_dir, tmp_path, where, shape, overrides,
+                                                                      asked, fix):
+    """A rank whose allocation fails (here the host's, past its address-space limit; a GPU's raises
+    torch.OutOfMemoryError, read the same way) ends with one message, exit code 9: the phase, the size
+    asked for, and the keys that shrink what that phase holds."""
+    proc = run_under_memory_limit(tmp_path, gsm8k_dir, "model", shape, *overrides)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 9 and "Traceback" not in out, out[-3000:]
+    assert f"sfttrain: out of memory: rank 0 ran out of host memory in {where} ({asked})" in out, out[-3000:]
+    assert fix in out, out[-3000:]

@@ -23,6 +23,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from tests.conftest import (BASE_OVERRIDES, REPO, STORIES, ForkedJob, descendants, kill_job, launch, logged_steps,
@@ -299,10 +300,12 @@ def test_ctrl_c_ends_every_rank_in_one_line(gsm8k_dir, tmp_path):
 MEMORY_LIMIT = 16 << 30  # the rank's address space (RLIMIT_AS): one thread for torch, two malloc arenas
 
 
-def run_under_memory_limit(tmp_path: Path, gsm8k_dir: Path, name: str, shape: dict, *overrides: str):
+def run_under_memory_limit(tmp_path: Path, gsm8k_dir: Path, name: str, shape: dict, *overrides: str,
+                           limit_host: bool = True):
     """One rank (`python -m sfttrain.run`) of a model built from stories260K's config with `shape`
-    (random weights, its tokenizer), its address space limited to MEMORY_LIMIT: an allocation past it
-    fails in the allocator as on a host whose memory is used up, without touching that memory."""
+    (random weights, its tokenizer), its address space limited to MEMORY_LIMIT (unless not
+    limit_host: CUDA reserves more address space than that): an allocation past it fails in the
+    allocator as on a host whose memory is used up, without touching that memory."""
     import resource
 
     folder = tmp_path / name
@@ -320,7 +323,7 @@ def run_under_memory_limit(tmp_path: Path, gsm8k_dir: Path, name: str, shape: di
                "model.random_init=true", f"data.train_files={gsm8k_dir}/train.parquet",
                f"trainer.default_local_dir={tmp_path / name}_run", *overrides]
     return subprocess.run(command, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2"},
-                          preexec_fn=limit, capture_output=True, text=True, timeout=300)
+                          preexec_fn=limit if limit_host else None, capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.parametrize("where, shape, overrides, asked, fix", [
@@ -342,3 +345,16 @@ def test_out_of_memory_is_one_message_naming_the_phase_and_the_keys(gsm8k_dir, t
     assert proc.returncode == 9 and "Traceback" not in out, out[-3000:]
     assert f"sfttrain: out of memory: rank 0 ran out of host memory in {where} ({asked})" in out, out[-3000:]
     assert fix in out, out[-3000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's allocator")
+def test_out_of_gpu_memory_is_the_same_one_message(gsm8k_dir, tmp_path):
+    """On a GPU: a 2^24-token vocabulary, whose loss logits for a chunk of ~12k target tokens take
+    ~400 GB in bf16, more than any GPU holds: torch.OutOfMemoryError, said as one message (exit code
+    9) with CUDA's own account of the memory."""
+    proc = run_under_memory_limit(tmp_path, gsm8k_dir, "model", {"vocab_size": 1 << 24}, "trainer.device=cuda",
+                                  "model.fsdp_config.mixed_precision=true", "model.loss_chunk_tokens=16384",
+                                  "data.train_batch_size=128", "data.micro_batch_size_per_gpu=128", limit_host=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 9 and "Traceback" not in out, out[-3000:]
+    assert "sfttrain: out of memory: rank 0 ran out of GPU memory in step 1 (CUDA out of memory. Tried to allocate" in out

@@ -54,8 +54,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from sfttrain import stop_signal
-from sfttrain.checkpoint_folder import STATE_FILE, complete_checkpoints, damaged_error, enforce_retention, fsync_dir, \
-    hide, publish, read_state, remove, room_problem, size_text, tree_bytes, write_complete, write_synced
+from sfttrain.checkpoint_folder import STATE_FILE, complete_checkpoints, damaged_error, disk_full_text, \
+    enforce_retention, fsync_dir, hide, publish, read_state, remove, room_problem, size_text, tree_bytes, \
+    write_complete, write_synced
 from sfttrain.checkpoint_writer import OneLineError, Staging, WriterProcess, WriterThreadErrors, cuda_room, \
     one_line, tensor_bytes, write_shards, writer_kind
 from sfttrain.config import Config, ConfigError, to_yaml
@@ -524,7 +525,7 @@ class NotEnoughSpace(OneLineError):
 
 def _disk_full(text: str) -> bool:
     # ENOSPC, or the torch.save writer's symptom of it ("unexpected pos" in inline_container.cc)
-    return "No space left" in text or "Errno 28" in text or "unexpected pos" in text
+    return disk_full_text(text) or "unexpected pos" in text
 
 
 def load(path: str, model, optimizer, scheduler, world: World, cfg: Config, current: TrainState) -> TrainState:

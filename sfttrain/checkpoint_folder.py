@@ -274,13 +274,25 @@ def room_problem(run_dir: str, free: int, need: int, estimated: bool) -> Optiona
             "folder on a larger disk")
 
 
+def disk_full(error: BaseException) -> bool:
+    """A write that found its disk full, or its quota used up: an OSError, or a library's own error
+    that carries the OS's words (safetensors' SafetensorError)."""
+    return (isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)) or disk_full_text(str(error))
+
+
+def disk_full_text(text: str) -> bool:
+    """ENOSPC or EDQUOT in an error's text (a rank's error reaches the others as text)."""
+    return any(sign in text for sign in ("No space left on device", "Disk quota exceeded", "Errno 28", "Errno 122",
+                                         "os error 28", "os error 122"))
+
+
 def disk_full_error(error: BaseException, run_dir: str, where: str) -> Optional[UserError]:
     """A write that found its disk full (ENOSPC, or a quota's EDQUOT) outside a checkpoint's own save
     (whose failure the checkpointer words): metrics.jsonl, a cache, a trace. One message with what
     filled, the run folder's free space and the checkpoint to resume from: a ConfigError at start-up
     (nothing trained yet), else a CheckpointError (the steps since the last checkpoint cannot be
     kept). None for any other error."""
-    if not (isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)):
+    if not disk_full(error):
         return None
     what = error.strerror + (f": {error.filename}" if error.filename else "")
     free = f"{run_dir} has {size_text(shutil.disk_usage(run_dir).free)} free" if os.path.isdir(run_dir) else ""

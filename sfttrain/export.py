@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from sfttrain import lora
 from sfttrain.checkpoint import read_back
-from sfttrain.checkpoint_folder import check_intact, fsync_dir, read_state, resolve, runs
+from sfttrain.checkpoint_folder import check_intact, disk_full, fsync_dir, read_state, resolve, runs, size_text
 from sfttrain.config import ModelConfig
 from sfttrain.dtypes import DTYPE, HF_NAMES
 from sfttrain.errors import ConfigError, ExportError
@@ -334,6 +334,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     except ConfigError as e:  # e.g. a LoRA checkpoint onto another base, a damaged checkpoint
         shutil.rmtree(tmp, ignore_errors=True)
         sys.exit(f"sfttrain.export: {e}")
+    except Exception as e:  # an OSError, or safetensors' own error with the OS's words
+        if not disk_full(e):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        sys.exit(f"sfttrain.export: the disk of {out} is full: nothing was exported (the partial "
+                 f"folder was removed); {os.path.dirname(out)} has {size_text(shutil.disk_usage(os.path.dirname(out)).free)} "
+                 "free. Free space, or export to another folder; --dtype bf16 halves an fp32 checkpoint's export")
     if os.path.isdir(out):
         os.rmdir(out)
     os.replace(tmp, out)  # the folder appears complete or not at all

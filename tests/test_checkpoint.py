@@ -680,8 +680,9 @@ def test_full_disk(data, ref, tmp_path):
     0.5 C: refused at start-up, before a step; free space between E and C: the first save (in the
     background, by each rank's writer process) fails mid-write; 1.5 C: step 2 commits and the save
     of step 4 is refused before it starts; 2.1 C: step 4 commits, its Hugging Face export (a third
-    of C) does not fit; 10 C: the same command resumes and exports. Each failure ends every rank
-    with one message and an exit code of its own, and leaves no partial folder."""
+    of C) does not fit; 10 C: the same command resumes and exports; then sfttrain.export into the same
+    disk without room for its folder. Each failure ends every rank with one message and an exit code
+    of its own, and leaves no partial folder."""
     size = next(m["bytes"] for m in read_metrics(ref) if m.get("event") == "checkpoint")
     run_dir = tmp_path / "disk"
     command = job(data, run_dir / "run", "trainer.total_training_steps=4", "trainer.save_freq=2",
@@ -720,6 +721,14 @@ def test_full_disk(data, ref, tmp_path):
         assert (final / "huggingface" / "config.json").is_file()
         resumed = [m for m in read_metrics(run_dir / "run") if m.get("event") == "resumed"]
         assert [m["step"] for m in resumed] == [2, 4]
+
+        # sfttrain.export into a folder on a disk without room for it: one line, no partial folder left
+        from sfttrain import export
+
+        resize(shutil.disk_usage(run_dir).used + size // 10)
+        with pytest.raises(SystemExit, match=f"the disk of {run_dir / 'hf'} is full: nothing was exported"):
+            export.main([str(final), str(run_dir / "hf")])
+        assert not (run_dir / "hf").exists() and not (run_dir / "hf.tmp").exists()
 
 
 def test_a_disk_that_fills_between_saves_ends_the_job_with_one_message(data, tmp_path):

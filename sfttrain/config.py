@@ -26,7 +26,9 @@ from sfttrain.errors import ConfigError  # raised by every module; imported from
 @dataclass
 class MultiturnConfig:
     enable: bool = False  # rows are conversations (messages_key) instead of prompt/response; loss on assistant turns
-    messages_key: str = "messages"  # column of [{role, content, ...}] (system/user/assistant/tool), or its JSON
+    # column of [{role, content, ...}] (system/user/assistant/tool), or its JSON; or a list of columns
+    # whose lists are joined into one conversation, e.g. [prompt,completion] (TRL's prompt-completion form)
+    messages_key: Any = "messages"
     tools_key: Optional[str] = "tools"  # column of tool schemas for the template's tools=, used where the file has it
     enable_thinking_key: Optional[str] = "enable_thinking"  # bool column passed as enable_thinking= (Qwen3), if present
 
@@ -430,6 +432,11 @@ def validate(cfg: Config) -> None:
                           f"{d.max_length}: a longest sample would not fit; raise it or lower data.max_length")
     _choice("data.truncation", d.truncation, ("error", "left", "right"))
     _choice("data.no_loss_rows", d.no_loss_rows, ("error", "drop"))
+    keys = d.multiturn.messages_key
+    if not (isinstance(keys, str) and keys or isinstance(keys, (list, tuple, ListConfig)) and keys
+            and all(isinstance(k, str) and k for k in keys)):
+        raise ConfigError(f"data.multiturn.messages_key={keys!r}: give a column name, or a list of columns whose "
+                          "message lists make one conversation, e.g. [prompt,completion]")
     if d.multiturn.enable and not d.apply_chat_template:
         raise ConfigError("data.multiturn.enable=true renders conversations with a chat template: remove "
                           "data.apply_chat_template=false (data.chat_template=... sets a template of your own)")

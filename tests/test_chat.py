@@ -149,7 +149,7 @@ def test_assistant_message_with_null_content_is_named(tmp_path):
     null = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]
     calls = [{**m, "content": None} if m.get("tool_calls") else m for m in CONVERSATION]
     write_chat_parquet(tmp_path / "chat.parquet", [calls, null])
-    source = ParquetSource([str(tmp_path / "chat.parquet")], ChatMessages("messages", None, None))
+    source = ParquetSource([str(tmp_path / "chat.parquet")], ChatMessages(["messages"], None, None))
     (messages, kwargs, row), (null_messages, _, null_row) = source.read(np.array([0, 1]))
     assert renderer(tok).render(messages, kwargs, row).loss_mask  # tool calls without content train
     with pytest.raises(ValueError, match="row 1: assistant message 1 has no content"):
@@ -175,12 +175,32 @@ def test_reader_yields_the_messages_and_template_arguments(tokenizer, tmp_path):
     conversations = [CONVERSATION, plain, plain]
     write_chat_parquet(tmp_path / "chat.parquet", conversations,
                        tools=[json.dumps(TOOLS), None, None], enable_thinking=[None, False, True])
-    source = ParquetSource([str(tmp_path / "chat.parquet")], ChatMessages("messages", "tools", "enable_thinking"))
+    source = ParquetSource([str(tmp_path / "chat.parquet")], ChatMessages(["messages"], "tools", "enable_thinking"))
     rows = source.read(source.epoch_order(seed=0, epoch=0, shuffle=False))
     assert [r[0] for r in rows] == conversations  # null-filled struct keys dropped again
     assert [r[1] for r in rows] == [{"tools": TOOLS}, {"enable_thinking": False}, {"enable_thinking": True}]
     r = renderer(tokenizer)
     assert r.render(*rows[0]) == r.render(CONVERSATION, {"tools": TOOLS}, 0)
+
+
+def test_trls_prompt_completion_lists_are_one_conversation(tokenizer, tmp_path):
+    """TRL's conversational prompt-completion rows (a prompt's messages, then the completion's) read
+    with data.multiturn.messages_key=[prompt,completion] as the conversation they join into, written
+    as one messages column: the same messages, the same tokens and loss masks. A file of that form
+    read with the default key says which key to set."""
+    split = [(CONVERSATION[:2], CONVERSATION[2:]), ([{"role": "user", "content": "Q"}], [{"role": "assistant",
+                                                                                         "content": "A"}])]
+    pq.write_table(pa.table({"prompt": [p for p, _ in split], "completion": [c for _, c in split]}),
+                   tmp_path / "trl.parquet")
+    write_chat_parquet(tmp_path / "joined.parquet", [p + c for p, c in split])
+    trl = ParquetSource([str(tmp_path / "trl.parquet")], ChatMessages(["prompt", "completion"], None, None))
+    joined = ParquetSource([str(tmp_path / "joined.parquet")], ChatMessages(["messages"], None, None))
+    order = np.arange(len(split))
+    assert [m for m, *_ in trl.read(order)] == [m for m, *_ in joined.read(order)] == [p + c for p, c in split]
+    r = renderer(tokenizer)
+    assert [r.render(*row) for row in trl.read(order)] == [r.render(*row) for row in joined.read(order)]
+    with pytest.raises(ConfigError, match=r"no column 'messages' .*data.multiturn.messages_key=\[prompt,completion\]"):
+        ParquetSource([str(tmp_path / "trl.parquet")], ChatMessages(["messages"], None, None))
 
 
 def test_messages_without_multiturn_get_a_hint(tmp_path):
@@ -201,6 +221,10 @@ def test_config_keys():
         load_config(None, base + ["data.multiturn.message_key=conv"])
     with pytest.raises(ConfigError, match="data.multiturn.enable=true renders conversations with a chat template"):
         load_config(None, base + ["data.multiturn.enable=true", "data.apply_chat_template=false"])
+    assert list(load_config(None, base + ["data.multiturn.messages_key=[prompt,completion]"]).data.multiturn
+                .messages_key) == ["prompt", "completion"]
+    with pytest.raises(ConfigError, match="data.multiturn.messages_key=\\[\\]: give a column name"):
+        load_config(None, base + ["data.multiturn.messages_key=[]"])
 
 
 def test_gsm8k_messages_data_prep(tmp_path):

@@ -78,7 +78,7 @@ def test_nested_keys_and_messages_keep_their_json_values(tmp_path):
     path.write_text("\n".join(json.dumps(r) for r in rows))
     nested = open_source([str(path)], PromptResponse(["data", "q"], ["data", "a"]), str(tmp_path / "run"))
     assert [(p, r) for p, r, _ in read_all(nested)] == [("one", "1"), ("two", "2")]
-    chat = open_source([str(path)], ChatMessages("messages", "tools", None), str(tmp_path / "run"))
+    chat = open_source([str(path)], ChatMessages(["messages"], "tools", None), str(tmp_path / "run"))
     assert [(m, k) for m, k, _ in read_all(chat)] == [(rows[0]["messages"], {}),
                                                       (rows[1]["messages"], {"tools": rows[1]["tools"]})]
 

@@ -78,7 +78,7 @@ def test_bad_cells_name_file_row_and_column(tmp_path):
     with pytest.raises(DataError, match=r"bad.parquet row 2: n is int, expected a string"):
         ParquetSource([str(path)], PromptResponse(["q"], ["n"])).read(np.array([2]))
     with pytest.raises(DataError, match=r"bad.parquet row 1: messages is a string but not JSON"):
-        ParquetSource([str(path)], ChatMessages("messages", None, None)).read(np.array([1]))
+        ParquetSource([str(path)], ChatMessages(["messages"], None, None)).read(np.array([1]))
 
 
 def test_a_bad_cell_in_rank_1s_share_stops_every_rank_at_once(gsm8k_dir, tmp_path):

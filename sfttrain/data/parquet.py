@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from sfttrain.config import ConfigError
+from sfttrain.config import ConfigError, as_list
 from sfttrain.errors import DataError
 
 # Rows shuffled together. Small datasets (below this) get a full shuffle; larger ones a shuffle of
@@ -64,21 +64,26 @@ class ChatMessages:
     """Row fields of conversation data (data.multiturn.enable): the messages, and the chat template's
     keyword arguments of the row (tools=, enable_thinking=) from the optional columns a file has."""
 
-    def __init__(self, messages_key: str, tools_key: Optional[str], thinking_key: Optional[str]):
-        self.messages_key = messages_key
+    def __init__(self, messages_keys: list[str], tools_key: Optional[str], thinking_key: Optional[str]):
+        self.messages_keys = messages_keys  # one column, or columns whose lists are joined (TRL's prompt, completion)
         self.optional = [(key, kwarg) for key, kwarg in ((tools_key, "tools"), (thinking_key, "enable_thinking"))
                          if key]
 
     def columns(self, file: str, names: list[str]) -> list[str]:
-        if self.messages_key not in names:
-            raise DataError(f"{file}: no column {self.messages_key!r} (columns: {names}); set "
-                              "data.multiturn.messages_key to the column of role/content lists")
-        return [self.messages_key] + [key for key, _ in self.optional if key in names]
+        for key in self.messages_keys:
+            if key not in names:
+                trl = {"prompt", "completion"} <= set(names)
+                hint = ("; its 'prompt' and 'completion' columns (TRL's prompt-completion form) are one conversation "
+                        "with data.multiturn.messages_key=[prompt,completion]" if trl else "")
+                raise DataError(f"{file}: no column {key!r} (columns: {names}); set data.multiturn.messages_key to the "
+                                f"column of role/content lists{hint}")
+        return [*self.messages_keys] + [key for key, _ in self.optional if key in names]
 
     def decode(self, table, group: RowGroup, locals_: list[int]) -> tuple[list, list]:
         """(messages, template keyword arguments) of rows of a row group (`locals_`: their numbers in it)."""
-        messages = [_messages(v, self.messages_key, group, i)
-                    for i, v in zip(locals_, _cells(table, self.messages_key))]
+        parts = [[_messages(v, key, group, i) for i, v in zip(locals_, _cells(table, key))]
+                 for key in self.messages_keys]
+        messages = [sum(row, []) for row in zip(*parts)]
         kwargs = [{} for _ in messages]
         for key, kwarg in self.optional:
             if key in table.column_names:
@@ -92,7 +97,7 @@ def row_fields(d) -> PromptResponse | ChatMessages:
     """What a row holds, from the data config (`sfttrain.config.DataConfig`)."""
     m = d.multiturn
     if m.enable:
-        return ChatMessages(m.messages_key, m.tools_key, m.enable_thinking_key)
+        return ChatMessages(as_list(m.messages_key), m.tools_key, m.enable_thinking_key)
     return PromptResponse(key_path(d.prompt_key, d.prompt_dict_keys), key_path(d.response_key, d.response_dict_keys))
 
 
@@ -202,7 +207,9 @@ def _text(value, key_path: list[str], group: RowGroup, local: int) -> str:
                               f"{key_path[0]!r}; check data.prompt_dict_keys / data.response_dict_keys")
         value = value[key]
     if not isinstance(value, str):
-        hint = "; for conversations set data.multiturn.enable=true" if isinstance(value, list) else ""
+        hint = ("; for conversations set data.multiturn.enable=true (a prompt and a completion that are lists of "
+                "messages, TRL's form: with data.multiturn.messages_key=[prompt,completion])"
+                if isinstance(value, list) else "")
         raise DataError(f"{_where(group, local)}: {'.'.join(key_path)} is "
                           f"{_kind(value)}, expected a string{hint}")
     return value

@@ -37,7 +37,9 @@ class MultiturnConfig:
 class DataConfig:
     train_files: Any = None  # a Parquet, JSON Lines or JSON file, a directory of them, or a list (README: Your own data)
     val_files: Any = None  # optional; validation runs over all of it, nothing dropped
-    prompt_key: str = "question"  # the column holding the prompt
+    # the column holding the prompt; null: none, the response column is the whole text and every token
+    # is trained (raw text, with data.apply_chat_template=false)
+    prompt_key: Optional[str] = "question"
     response_key: str = "answer"  # the column holding the response (the supervised tokens)
     prompt_dict_keys: Optional[list[str]] = None  # verl's nested keys: row[prompt_key][k0][k1]...
     response_dict_keys: Optional[list[str]] = None  # the same for the response column
@@ -432,6 +434,9 @@ def validate(cfg: Config) -> None:
                           f"{d.max_length}: a longest sample would not fit; raise it or lower data.max_length")
     _choice("data.truncation", d.truncation, ("error", "left", "right"))
     _choice("data.no_loss_rows", d.no_loss_rows, ("error", "drop"))
+    if d.prompt_key is None and not d.multiturn.enable and d.apply_chat_template:
+        raise ConfigError("data.prompt_key=null trains whole texts without a prompt, which a chat template would "
+                          "render as an empty user turn: set data.apply_chat_template=false")
     keys = d.multiturn.messages_key
     if not (isinstance(keys, str) and keys or isinstance(keys, (list, tuple, ListConfig)) and keys
             and all(isinstance(k, str) and k for k in keys)):

@@ -130,7 +130,7 @@ def test_the_readme_commands_train_on_the_example_files(tiny_qwen_dir, tmp_path)
     """Each command as the README gives it, from the repository root, with only the hub model
     replaced by a tiny local Qwen2 (same tokenizer and template) and the run folder put here."""
     commands = readme_commands()
-    assert len(commands) == 3 and all(c[:3] == ["python", "-m", "sfttrain.run"] for c in commands)
+    assert len(commands) == 5 and all(c[:3] == ["python", "-m", "sfttrain.run"] for c in commands)
 
     def run(i: int) -> None:
         args = [a.replace("Qwen/Qwen2.5-0.5B-Instruct", str(tiny_qwen_dir)) for a in commands[i][3:]]
@@ -164,3 +164,28 @@ def test_a_row_that_does_not_render_is_named_with_its_line(tmp_path):
             render_share(open_source([str(path)], FIELDS, str(tmp_path / "run")), renderer, 0, 1)
     finally:
         dist.destroy_process_group()
+
+
+def test_text_rows_train_every_token(tmp_path):
+    """data.prompt_key=null: a row is its text alone, rendered as the tokenizer encodes the text (its
+    BOS first) and EOS, every token but the first trained. The default keys on a file of that form
+    name the keys to set; a chat template with no prompt is refused."""
+    from transformers import AutoTokenizer
+
+    from sfttrain.config import ConfigError, load_config
+    from sfttrain.data.render import Renderer
+    from tests.conftest import STORIES
+
+    path = REPO / "examples" / "data" / "text.jsonl"
+    texts = [json.loads(line)["text"] for line in path.read_text().splitlines()]
+    source = open_source([str(path)], PromptResponse(None, ["text"]), str(tmp_path / "run"))
+    tokenizer = AutoTokenizer.from_pretrained(STORIES)
+    renderer = Renderer(tokenizer, max_length=4096, truncation="error", apply_chat_template=False)
+    for (prompt, response, row), text in zip(source.read(np.arange(source.num_rows)), texts, strict=True):
+        sample = renderer.render(prompt, response, row)
+        assert sample.input_ids == tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]
+        assert sample.loss_mask == [0] + [1] * (len(sample.input_ids) - 1)
+    with pytest.raises(DataError, match="data.prompt_key=null data.response_key=text data.apply_chat_template=false"):
+        open_source([str(path)], FIELDS, str(tmp_path / "run"))
+    with pytest.raises(ConfigError, match="set data.apply_chat_template=false"):
+        load_config(None, [f"data.train_files={path}", "model.partial_pretrain=m", "data.prompt_key=null"])

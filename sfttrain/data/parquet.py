@@ -40,24 +40,36 @@ class RowGroup:
 
 
 class PromptResponse:
-    """Row fields of prompt/response data: two strings, found by verl's (nested) key paths."""
+    """Row fields of prompt/response data: two strings, found by verl's (nested) key paths; or, with
+    no prompt path (data.prompt_key=null), the response alone: a whole text, every token trained."""
 
-    def __init__(self, prompt_path: list[str], response_path: list[str]):
+    def __init__(self, prompt_path: Optional[list[str]], response_path: list[str]):
         self.prompt_path, self.response_path = prompt_path, response_path
+        self.paths = [path for path in (prompt_path, response_path) if path]
 
     def columns(self, file: str, names: list[str]) -> list[str]:
-        for key_path in (self.prompt_path, self.response_path):
+        for key_path in self.paths:
             if key_path[0] not in names:
-                hint = ("; the file has a 'messages' column: for conversations set data.multiturn.enable=true"
-                        if "messages" in names else "")
                 raise DataError(f"{file}: no column {key_path[0]!r} (columns: {names}); set data.prompt_key / "
-                                f"data.response_key to the right columns{hint}")
-        return [self.prompt_path[0], self.response_path[0]]
+                                f"data.response_key to the right columns{_form_hint(names)}")
+        return [path[0] for path in self.paths]
 
     def decode(self, table, group: RowGroup, locals_: list[int]) -> tuple[list, list]:
-        """(prompts, responses) of rows of a row group (`locals_`: their numbers in the group)."""
-        return tuple([_text(v, path, group, i) for i, v in zip(locals_, _cells(table, path[0]))]
-                     for path in (self.prompt_path, self.response_path))
+        """(prompts, responses) of rows of a row group (`locals_`: their numbers in the group); a
+        prompt is empty without a prompt path."""
+        prompts, responses = ([_text(v, path, group, i) for i, v in zip(locals_, _cells(table, path[0]))]
+                              if path else [""] * len(locals_) for path in (self.prompt_path, self.response_path))
+        return prompts, responses
+
+
+def _form_hint(names: list[str]) -> str:
+    """The keys of the forms of data a file's columns suggest (README: Your own data)."""
+    if "messages" in names:
+        return "; the file has a 'messages' column: for conversations set data.multiturn.enable=true"
+    if "text" in names and len(names) == 1:
+        return ("; a 'text' column of whole texts trains every token with data.prompt_key=null "
+                "data.response_key=text data.apply_chat_template=false")
+    return ""
 
 
 class ChatMessages:
@@ -258,5 +270,5 @@ def _where(group: RowGroup, local: int) -> str:
     return f"{group.file} row {local + sum(meta.row_group(i).num_rows for i in range(group.index))}"
 
 
-def key_path(key: str, dict_keys: Optional[list[str]]) -> list[str]:
-    return [key, *(dict_keys or [])]
+def key_path(key: Optional[str], dict_keys: Optional[list[str]]) -> Optional[list[str]]:
+    return [key, *(dict_keys or [])] if key is not None else None

@@ -61,9 +61,7 @@ def load_model(cfg: ModelConfig, device: torch.device) -> LoadedModel:
     attention installed. `sfttrain.parallel` shards it and then materialises each rank's part
     (`sfttrain.weights`): no rank builds the full model on the host."""
     path = local_model_folder(cfg)
-    if not cfg.random_init and not _has_weights(path):
-        raise ConfigError(f"model.partial_pretrain={path!r} has a config but no weights (*.safetensors / *.bin); "
-                          "set model.random_init=true to train from a random initialisation")
+    check_weights(cfg, path)
     backend = attention.select_backend(cfg.attn_implementation, device.type)
     attention.configure(backend)
     config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
@@ -134,5 +132,18 @@ def local_model_folder(cfg: ModelConfig) -> str:
     return path
 
 
-def _has_weights(path: str) -> bool:
-    return any(f.endswith((".safetensors", ".bin")) for f in os.listdir(path))
+def check_weights(cfg: ModelConfig, path: str) -> None:
+    """A model folder to load has weight files (unless model.random_init)."""
+    if not cfg.random_init and not any(f.endswith((".safetensors", ".bin")) for f in os.listdir(path)):
+        raise ConfigError(f"model.partial_pretrain={path!r} has a config but no weights (*.safetensors / *.bin); "
+                          "set model.random_init=true to train from a random initialisation")
+
+
+def linear_layer_check(cfg: ModelConfig, path: str) -> None:
+    """model.target_modules (LoRA) against the linear layers of the model, built on the meta device
+    (no memory) from its config alone: the preflight's form of the check the run makes once it has
+    built the model."""
+    config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+    with weights.parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code)
+    lora.check_target_modules(model, cfg.target_modules)

@@ -458,7 +458,7 @@ def preflight(cfg: Config, nproc: int, nnodes: int) -> tuple[list[str], Findings
     """(report lines, what was found): the run's own checks, each problem listed, none stopping the rest."""
     from sfttrain.distributed import check_world
     from sfttrain.metrics import require_loggers
-    from sfttrain.model import check_max_length
+    from sfttrain.model import check_max_length, check_weights, linear_layer_check
 
     world = nproc * nnodes
     dp_size = world // max(cfg.ulysses_sequence_parallel_size, 1)
@@ -469,6 +469,12 @@ def preflight(cfg: Config, nproc: int, nnodes: int) -> tuple[list[str], Findings
     if folder is not None and os.path.isfile(os.path.join(folder, "config.json")):
         found.check(lambda: check_rope(cfg, folder))
         found.check(lambda: check_max_length(cfg, folder))
+        try:  # a folder of config files only is how a model elsewhere is planned here (the hub cache's too)
+            check_weights(cfg.model, folder)
+        except ConfigError as e:
+            found.notes.append(f"{e} (a problem only if the folder has none where the run starts)")
+        if cfg.model.lora_rank > 0:
+            found.check(lambda: linear_layer_check(cfg.model, folder))
         attention_section(cfg, folder, found)
     fp8_section(cfg, found)
     lines = [f"sfttrain plan: {nnodes} node(s) x {nproc} rank(s)"]

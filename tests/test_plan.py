@@ -319,6 +319,26 @@ def test_preflight_names_the_resume_and_each_refusal_of_it(gsm8k_dir, two_rank_r
     assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before
 
 
+def test_preflight_checks_the_model_folder_as_the_run_loads_it(gsm8k_dir, tmp_path):
+    """A folder with a config but no weights (a note: a model planned from its config files only),
+    and LoRA target modules that name no linear layer of the model (built on the meta device from
+    its config, as the run builds it: a problem)."""
+    folder = tmp_path / "no_weights"
+    folder.mkdir()
+    for file in [*STORIES.glob("tokenizer*"), STORIES / "config.json", STORIES / "special_tokens_map.json"]:
+        shutil.copy(file, folder)
+    code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={gsm8k_dir / 'train.parquet'}",
+                         f"model.partial_pretrain={folder}", "model.lora_rank=4", "model.target_modules=[q_proj,qkv_proj]",
+                         "--nproc", "1")
+    notes, problems = out.split("not checked here:")[1].split("problems:")
+    assert code == 2 and f"model.partial_pretrain='{folder}' has a config but no weights" in notes, out
+    assert re.search(r"\['qkv_proj'\] names no linear layer of LlamaForCausalLM; its linear layers are \['down_proj', "
+                     r"'gate_proj', 'k_proj', 'o_proj', 'q_proj', 'up_proj', 'v_proj'\]", problems), out
+    code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={gsm8k_dir / 'train.parquet'}", "model.lora_rank=4",
+                         "model.target_modules=[q_proj,v_proj]", "--nproc", "1")
+    assert code == 0, out
+
+
 def test_preflight_renders_with_the_template_the_run_would_use(gsm8k_dir, tiny_qwen_dir, tmp_path):
     (tmp_path / "broken.jinja").write_text("{% for m in messages %}{{ m.content }}")  # no endfor
     code, out = run_plan(f"data.train_files={gsm8k_dir / 'train.parquet'}", f"model.partial_pretrain={tiny_qwen_dir}",

@@ -201,6 +201,8 @@ def test_trls_prompt_completion_lists_are_one_conversation(tokenizer, tmp_path):
     assert [r.render(*row) for row in trl.read(order)] == [r.render(*row) for row in joined.read(order)]
     with pytest.raises(ConfigError, match=r"no column 'messages' .*data.multiturn.messages_key=\[prompt,completion\]"):
         ParquetSource([str(tmp_path / "trl.parquet")], ChatMessages(["messages"], None, None))
+    with pytest.raises(ConfigError, match=r"no column 'question' .*data.prompt_key=prompt data.response_key=completion"):
+        ParquetSource([str(tmp_path / "trl.parquet")], PromptResponse(["question"], ["answer"]))
 
 
 def test_messages_without_multiturn_get_a_hint(tmp_path):

@@ -66,6 +66,9 @@ def _form_hint(names: list[str]) -> str:
     """The keys of the forms of data a file's columns suggest (README: Your own data)."""
     if "messages" in names:
         return "; the file has a 'messages' column: for conversations set data.multiturn.enable=true"
+    if {"prompt", "completion"} <= set(names):
+        return ("; TRL's prompt-completion columns: data.prompt_key=prompt data.response_key=completion (where they "
+                "hold message lists: data.multiturn.enable=true data.multiturn.messages_key=[prompt,completion])")
     if "text" in names and len(names) == 1:
         return ("; a 'text' column of whole texts trains every token with data.prompt_key=null "
                 "data.response_key=text data.apply_chat_template=false")

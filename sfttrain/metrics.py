@@ -192,6 +192,7 @@ class MetricsLogger:
         self.log_freq = cfg.trainer.log_freq
         self.total_steps = total_steps
         self.wandb = wandb_run  # start_wandb's, on rank 0 with trainer.logger including wandb
+        self.seen: dict[str, tuple[int, float]] = {}  # "first loss", "last loss", "last val/loss": (step, value)
         # what checkpoints keep, so that a resume continues the same wandb run (also through a resume without wandb)
         self.wandb_id = wandb_run.id if wandb_run else wandb_id
         if not enabled:
@@ -207,6 +208,10 @@ class MetricsLogger:
             return
         record = {"step": step, **metrics}
         self._append(record)
+        for key in ("loss", "val/loss"):
+            if key in metrics:
+                self.seen.setdefault(f"first {key}", (step, metrics[key]))
+                self.seen[f"last {key}"] = (step, metrics[key])
         if self.wandb:
             self.wandb.log(metrics, step=step)
         if "loss" in metrics:
@@ -229,6 +234,22 @@ class MetricsLogger:
         except OSError as e:  # a full disk (sfttrain.run says it): the error names the file
             e.filename = e.filename or self.jsonl.name
             raise
+
+    def summary(self, steps: int, seconds: float, run_dir: str, final: Optional[str], exported: Optional[str]) -> str:
+        """The run's end: what this start trained, and the commands that take its result further
+        (`exported`: trainer.save_hf's Hugging Face folder, when there is one)."""
+        losses = " -> ".join(f"{self.seen[k][1]:.4g} (step {self.seen[k][0]})" for k in ("first loss", "last loss")
+                             if k in self.seen)
+        val = f"; val/loss {self.seen['last val/loss'][1]:.4g}" if "last val/loss" in self.seen else ""
+        lines = [f"done: {steps} steps in {seconds:.0f} s; loss {losses or 'not logged'}{val}"]
+        if final:
+            lines.append(f"  final checkpoint : {final}")
+        if exported:
+            lines.append(f"  Hugging Face     : {exported}")
+        elif final:
+            lines.append(f"  export           : python -m sfttrain.export {final} <hf_folder> [--dtype bf16]")
+        lines.append(f"  plot             : python -m sfttrain.plot {run_dir}")
+        return "\n".join(lines)
 
     def info(self, text: str) -> None:
         if self.enabled:

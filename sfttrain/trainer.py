@@ -165,6 +165,7 @@ class FSDPSFTTrainer:
         batches = iter(step_batches(self.data, self.state.epoch, self.state.consumed_in_epoch,
                                     self.cfg.data.num_workers, pin_memory=self.world.device.type == "cuda"))
         self.timer.restart()  # start-up is not step time
+        started, first_step = time.perf_counter(), self.state.step
         queued = None  # the previous step: its update is queued on the device, its numbers not yet read
         with stop_signal.noting(t.save_on_sigterm):
             while self.state.step < total:
@@ -196,6 +197,11 @@ class FSDPSFTTrainer:
         self.checkpointer.close()
         if t.save_hf:
             self.export_hf()
+        final = os.path.join(self.run_dir, f"global_step_{total}")
+        exported = os.path.join(final, export.HF_EXPORT_DIR)
+        self.logger.info(self.logger.summary(total - first_step, time.perf_counter() - started, self.run_dir,
+                                             final if is_complete(final) else None,
+                                             exported if os.path.isdir(exported) else None))
         self.logger.close()
 
     def step(self, batch: StepBatch, data_wait: float, previous: QueuedStep | None) -> QueuedStep:

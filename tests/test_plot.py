@@ -20,10 +20,20 @@ def test_short_run_is_logged_and_plotted(demo_run):
     records = read_metrics(run_dir)
     assert all("mfu" not in r for r in records)  # CPU: no peak to compare with
     assert sum("val/loss" in r for r in records) == 2
+    # the run's last lines: what it trained, as metrics.jsonl has it, and the commands that go on from it
+    losses = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    val = [r["val/loss"] for r in records if "val/loss" in r][-1]
+    summary = out[out.index("\ndone: "):].splitlines()[1:]
+    assert summary[0].startswith(f"done: 24 steps in ") and summary[0].endswith(
+        f"; loss {losses[0][1]:.4g} (step 1) -> {losses[-1][1]:.4g} (step 24); val/loss {val:.4g}"), summary
+    final = run_dir / "global_step_24"
+    assert summary[1:] == [f"  final checkpoint : {final}",
+                           f"  export           : python -m sfttrain.export {final} <hf_folder> [--dtype bf16]",
+                           f"  plot             : python -m sfttrain.plot {run_dir}"], summary
 
     png = run_dir / "metrics.png"
-    done = subprocess.run([sys.executable, "-m", "sfttrain.plot", str(run_dir)], cwd=REPO, capture_output=True,
-                          text=True)
+    done = subprocess.run([sys.executable, *summary[3].split(": ", 1)[1].split()[1:]], cwd=REPO, capture_output=True,
+                          text=True)  # the plot command as the summary gives it
     assert done.returncode == 0, done.stderr
     with Image.open(png) as image:
         image.verify()  # a complete, valid PNG

@@ -294,7 +294,8 @@ def disk_full_error(error: BaseException, run_dir: str, where: str) -> Optional[
     kept). None for any other error."""
     if not disk_full(error):
         return None
-    what = error.strerror + (f": {error.filename}" if error.filename else "")
+    what = (f"{error.strerror}{f': {error.filename}' if error.filename else ''}" if isinstance(error, OSError)
+            else str(error).strip().splitlines()[0][:200])  # a library's own error, the OS's words in it
     free = f"{run_dir} has {size_text(shutil.disk_usage(run_dir).free)} free" if os.path.isdir(run_dir) else ""
     fix = f"{free}. Free space (or set trainer.default_local_dir on a larger disk), then run the same command"
     if where == "start-up":

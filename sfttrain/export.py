@@ -338,9 +338,10 @@ def main(argv: Optional[list[str]] = None) -> None:
         if not disk_full(e):
             raise
         shutil.rmtree(tmp, ignore_errors=True)
-        sys.exit(f"sfttrain.export: the disk of {out} is full: nothing was exported (the partial "
-                 f"folder was removed); {os.path.dirname(out)} has {size_text(shutil.disk_usage(os.path.dirname(out)).free)} "
-                 "free. Free space, or export to another folder; --dtype bf16 halves an fp32 checkpoint's export")
+        parent = os.path.dirname(out)
+        sys.exit(f"sfttrain.export: the disk of {out} is full: nothing was exported (the partial folder was "
+                 f"removed); {parent} has {size_text(shutil.disk_usage(parent).free)} free. Free space, or export to "
+                 "another folder; --dtype bf16 halves an fp32 checkpoint's export")
     if os.path.isdir(out):
         os.rmdir(out)
     os.replace(tmp, out)  # the folder appears complete or not at all

@@ -189,3 +189,31 @@ def test_text_rows_train_every_token(tmp_path):
         open_source([str(path)], FIELDS, str(tmp_path / "run"))
     with pytest.raises(ConfigError, match="set data.apply_chat_template=false"):
         load_config(None, [f"data.train_files={path}", "model.partial_pretrain=m", "data.prompt_key=null"])
+
+
+def test_a_folder_that_save_to_disk_wrote_reads_as_its_rows(tmp_path):
+    """A dataset folder written by datasets' save_to_disk (several Arrow files, state.json,
+    dataset_info.json) reads as the rows datasets' own load_from_disk gives, in order, through the
+    Parquet conversion of each Arrow file: prompt/response and message columns alike. The folder of
+    a DatasetDict names its splits."""
+    import datasets
+
+    rows = [{"question": f"question {i}", "answer": f"answer {i}",
+             "messages": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i}"}]}
+            for i in range(2500)]
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_list(rows).save_to_disk(str(saved), max_shard_size="100KB")
+    assert len(json.loads((saved / "state.json").read_text())["_data_files"]) > 1
+    expected = datasets.load_from_disk(str(saved)).to_list()
+    run_dir = str(tmp_path / "run")
+    source = open_source([str(saved)], FIELDS, run_dir)
+    order = np.arange(source.num_rows)
+    assert source.num_rows == len(expected)
+    assert source.read(order) == [(r["question"], r["answer"], i) for i, r in enumerate(expected)]
+    chat = open_source([str(saved)], ChatMessages(["messages"], None, None), run_dir)
+    assert [messages for messages, _, _ in chat.read(order)] == [r["messages"] for r in expected]
+
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:4]), "test": datasets.Dataset.from_list(rows[:2])}
+                         ).save_to_disk(str(tmp_path / "splits"))
+    with pytest.raises(DataError, match=f"a DatasetDict .*: {tmp_path / 'splits' / 'test'}, {tmp_path / 'splits' / 'train'}"):
+        open_source([str(tmp_path / "splits")], FIELDS, run_dir)

@@ -2,7 +2,9 @@
 
 An entry is a Parquet file, a JSON Lines file (`.jsonl`, one object per line), a JSON file (`.json`:
 a list of objects, or one object per line as pandas' `to_json(orient="records", lines=True)` and
-`datasets`' `to_json` write it), or a directory of such files (its data files in name order).
+`datasets`' `to_json` write it), a directory of such files (its data files in name order), or a
+dataset folder that `datasets`' `save_to_disk` wrote (its Arrow files, in its state.json's order).
+An Arrow file is converted into a Parquet file of the same columns as a JSON file is (below).
 
 A JSON file is converted once into a Parquet file in the run folder (`data_cache/`), named by the
 source's fingerprint (path, size, modification time): a later start, or a resume, reads that
@@ -28,8 +30,11 @@ import torch.distributed as dist
 from sfttrain.data.parquet import JSON_CELLS, LINE_COLUMN, ChatMessages, ParquetSource, PromptResponse
 from sfttrain.errors import DataError
 
-DATA_SUFFIXES = (".parquet", ".jsonl", ".json")
+DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".arrow")
 JSON_SUFFIXES = (".jsonl", ".json")
+CONVERTED_SUFFIXES = (*JSON_SUFFIXES, ".arrow")  # read through a Parquet conversion in the run folder
+SAVED_DATASET = "state.json"  # in a folder datasets' save_to_disk wrote (beside dataset_info.json)
+SAVED_DATASET_DICT = "dataset_dict.json"  # in the folder of a DatasetDict's save_to_disk (a folder per split)
 CACHE_DIR = "data_cache"  # in the run folder
 ROW_GROUP_ROWS = 1000  # rows per row group of a conversion (as data_prep/gsm8k.py writes)
 CHUNK_CHARS = 1 << 20  # a JSON list is read this many characters at a time
@@ -41,7 +46,7 @@ def open_source(paths: list[str], fields: PromptResponse | ChatMessages, run_dir
     rank 0 converts while the others wait for its verdict (the run folder is shared by every
     node), so a malformed line stops every rank with the same message."""
     files = data_files(paths)
-    targets = {f: cached_parquet(f, run_dir) for f in files if f.endswith(JSON_SUFFIXES)}
+    targets = {f: cached_parquet(f, run_dir) for f in files if f.endswith(CONVERTED_SUFFIXES)}
     distributed = dist.is_initialized()
     error = None
     if not distributed or dist.get_rank() == 0:
@@ -67,6 +72,13 @@ def data_files(paths: list[str]) -> list[str]:
         if not os.path.isdir(path):
             files.append(path)
             continue
+        if os.path.isfile(os.path.join(path, SAVED_DATASET_DICT)):
+            splits = sorted(name for name in os.listdir(path) if os.path.isdir(os.path.join(path, name)))
+            raise DataError(f"{path}: a DatasetDict that datasets' save_to_disk wrote; point data.train_files / "
+                            f"data.val_files at one of its splits: {', '.join(os.path.join(path, s) for s in splits)}")
+        if os.path.isfile(os.path.join(path, SAVED_DATASET)):
+            files += saved_dataset_files(path)
+            continue
         found = sorted(os.path.join(path, name) for name in os.listdir(path)
                        if name.endswith(DATA_SUFFIXES) and not name.startswith("."))
         if not found:
@@ -74,6 +86,17 @@ def data_files(paths: list[str]) -> list[str]:
                             "point data.train_files / data.val_files at one that has them")
         files += found
     return files
+
+
+def saved_dataset_files(path: str) -> list[str]:
+    """The Arrow files of a dataset folder that datasets' save_to_disk wrote, in its order."""
+    try:
+        with open(os.path.join(path, SAVED_DATASET)) as f:
+            names = [entry["filename"] for entry in json.load(f)["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DataError(f"{path}: its {SAVED_DATASET} does not list the dataset's Arrow files ({e}); save the dataset "
+                        "again with save_to_disk, or to Parquet with to_parquet") from None
+    return [os.path.join(path, name) for name in names]
 
 
 def cached_parquet(source: str, run_dir: str) -> str:
@@ -87,16 +110,45 @@ def cached_parquet(source: str, run_dir: str) -> str:
 
 
 def convert(source: str, target: str) -> None:
-    """Writes the rows of a JSON (Lines) file to `target` in two streaming passes; a malformed line
-    raises before anything is written. Written whole or not at all (one rename)."""
+    """`source` (JSON, JSON Lines or Arrow) as the Parquet file `target`, written whole or not at all
+    (one rename)."""
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    tmp = f"{target}.{os.getpid()}.tmp"
+    try:
+        (convert_arrow if source.endswith(".arrow") else convert_json)(source, tmp)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    os.replace(tmp, target)
+
+
+def convert_arrow(source: str, target: str) -> None:
+    """An Arrow IPC file (datasets writes the stream format) copied into Parquet row groups of
+    ROW_GROUP_ROWS rows, a batch at a time: its columns and types as they are."""
+    try:
+        reader = pa.ipc.open_stream(pa.memory_map(source))
+    except pa.ArrowInvalid:
+        reader = pa.ipc.open_file(pa.memory_map(source))
+    rows = 0
+    with pq.ParquetWriter(target, reader.schema) as writer:
+        for batch in (reader if isinstance(reader, pa.ipc.RecordBatchStreamReader)
+                      else (reader.get_batch(i) for i in range(reader.num_record_batches))):
+            writer.write_table(pa.Table.from_batches([batch]), row_group_size=ROW_GROUP_ROWS)
+            rows += batch.num_rows
+    if not rows:
+        raise DataError(f"{source}: the file has no rows; point data.train_files / data.val_files at a file with rows")
+
+
+def convert_json(source: str, target: str) -> None:
+    """The rows of a JSON (Lines) file in two streaming passes; a malformed line raises before
+    anything is written."""
     keys = list(dict.fromkeys(key for _, row in records(source) for key in row))  # first-seen order
     if not keys:
         raise DataError(f"{source}: the file has no rows; point data.train_files / data.val_files at a file with rows")
     schema = pa.schema([(key, pa.string()) for key in keys] + [(LINE_COLUMN, pa.int64())],
                        metadata={JSON_CELLS: "1"})
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    tmp = f"{target}.{os.getpid()}.tmp"
-    with pq.ParquetWriter(tmp, schema) as writer:
+    with pq.ParquetWriter(target, schema) as writer:
         batch: list[tuple[int, dict]] = []
         for record in records(source):
             batch.append(record)
@@ -105,7 +157,6 @@ def convert(source: str, target: str) -> None:
                 batch = []
         if batch:
             writer.write_table(_table(batch, keys, schema))
-    os.replace(tmp, target)
 
 
 def _table(batch: list[tuple[int, dict]], keys: list[str], schema: pa.Schema) -> pa.Table:

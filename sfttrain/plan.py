@@ -23,7 +23,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from sfttrain.checkpoint_folder import room_problem, size_text
+from sfttrain.checkpoint_folder import room_problem, size_text, step_of
 from sfttrain.config import (Config, ConfigError, ModelConfig, as_list, load_config, mixed_precision_dtypes,
                              shard_group_size, validate)
 from sfttrain.data.batching import batch_problem, make_plan
@@ -340,7 +340,10 @@ def resume_section(cfg: Config, batches: Batches, folder: Optional[str], found: 
     chosen = found.check(lambda: choose_resume(cfg.trainer, cfg.trainer.default_local_dir))
     if chosen is None or chosen.path is None:
         return [f"  resume              : {'fresh start' if chosen else 'see the problems below'}"]
-    line = f"  resume              : from {chosen.path}"
+    step = step_of(chosen.path)
+    total = batches.total_steps
+    left = f", {total - step} of {total} steps left" if total and total >= step else ""
+    line = f"  resume              : from {chosen.path} (step {step}{left})"
     if batches.fingerprint is None:
         found.notes.append(f"the resume from {chosen.path}: whether it reads the same data and schedule needs the "
                            "training data rendered here")

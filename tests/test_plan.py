@@ -296,7 +296,7 @@ def test_preflight_names_the_resume_and_each_refusal_of_it(gsm8k_dir, two_rank_r
     before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*"))
     job = two_rank_job(gsm8k_dir, run_dir)
     code, out = run_plan(*job, "--nproc", "2")
-    assert code == 0 and f"resume              : from {run_dir / 'global_step_3'}\n" in out, out
+    assert code == 0 and f"resume              : from {run_dir / 'global_step_3'} (step 3, 0 of 3 steps left)\n" in out, out
     assert "the checkpoint is this run's last step (3): nothing left to train" in out, out
 
     changed = [*job, "data.train_batch_size=16", "trainer.total_training_steps=1"]

@@ -16,7 +16,7 @@ import torch
 
 from sfttrain.data.batching import batch_problem, nearest_valid_batches
 from sfttrain.plan import DenseShape, main
-from tests.conftest import BASE_OVERRIDES, REPO, STORIES, checkpoint_tensor_bytes, run_sfttrain, two_rank_job
+from tests.conftest import BASE_OVERRIDES, REPO, STORIES, checkpoint_tensor_bytes, two_rank_job
 
 # Published sizes of two real models (their model cards: 494M and 8.03B parameters)
 QWEN25_05B = dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
@@ -289,7 +289,7 @@ def test_preflight_names_the_resume_and_each_refusal_of_it(gsm8k_dir, two_rank_r
     """The run folder of a finished 3-step run (checkpoints of steps 2 and 3), planned with its own
     config: the preflight names the checkpoint the run resumes from, and, the folder left as it was,
     each refusal the run's start-up would stop on: other data (a batch size) and a schedule that ends
-    before the checkpoint, both listed (the run itself stops on both at once, exit code 2); a file of
+    before the checkpoint, both listed (and both in the one error of the run's own check); a file of
     the checkpoint cut short, with the intact checkpoint before it."""
     run_dir = tmp_path / "run"
     shutil.copytree(two_rank_run, run_dir)
@@ -305,8 +305,17 @@ def test_preflight_names_the_resume_and_each_refusal_of_it(gsm8k_dir, two_rank_r
                 "is at step 3, but this run's schedule ends at step 1"]
     problems = out.split("problems:")[1]
     assert code == 2 and problems.count("\n  - ") == 2 and all(r in problems for r in refusals), out
-    proc = run_sfttrain(2, changed, check=False)
-    assert proc.returncode != 0 and all(r in proc.stdout for r in refusals), proc.stdout[-3000:]
+    # the run's start-up check (sfttrain.resume.check_resume) with that fingerprint and schedule: both, in one error
+    from sfttrain.checkpoint import TrainState
+    from sfttrain.checkpoint_folder import read_state
+    from sfttrain.config import ConfigError, load_config
+    from sfttrain.resume import check_resume
+
+    saved = read_state(run_dir / "global_step_3")
+    other = TrainState(data={**saved["data"], "data.train_batch_size": 16}, schedule={**saved["schedule"], "total steps": 1})
+    with pytest.raises(ConfigError) as refused:
+        check_resume(str(run_dir / "global_step_3"), load_config(None, changed), other)
+    assert all(r in str(refused.value) for r in refusals), refused.value
 
     shard = run_dir / "global_step_3" / "__0_0.distcp"
     size = shard.stat().st_size

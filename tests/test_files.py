@@ -217,3 +217,28 @@ def test_a_folder_that_save_to_disk_wrote_reads_as_its_rows(tmp_path):
                          ).save_to_disk(str(tmp_path / "splits"))
     with pytest.raises(DataError, match=f"a DatasetDict .*: {tmp_path / 'splits' / 'test'}, {tmp_path / 'splits' / 'train'}"):
         open_source([str(tmp_path / "splits")], FIELDS, run_dir)
+
+
+def test_csv_and_tsv_files_read_as_the_rows_written(tmp_path):
+    """Rows written by Python's csv module (commas, quotes, line breaks, digits, non-ASCII text in the
+    cells; a conversation as its JSON text) read back as written: every cell as text, a
+    conversation's as its messages; the same rows tab-separated (.tsv). A file of a header alone
+    is named."""
+    import csv
+
+    messages = [{"role": "user", "content": "2+2, please"}, {"role": "assistant", "content": "4"}]
+    rows = [{"question": 'He said "hi", then left.\nWhy?', "answer": "42", "messages": json.dumps(messages)},
+            {"question": "Ça coûte 3,50 €", "answer": "line one\nline two", "messages": json.dumps(messages[::-1])}]
+    run_dir = str(tmp_path / "run")
+    for name, delimiter in (("rows.csv", ","), ("rows.tsv", "\t")):
+        with open(tmp_path / name, "w", newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]), delimiter=delimiter)
+            writer.writeheader()
+            writer.writerows(rows)
+        source = open_source([str(tmp_path / name)], FIELDS, run_dir)
+        assert source.read(np.arange(2)) == [(r["question"], r["answer"], i) for i, r in enumerate(rows)], name
+        chat = open_source([str(tmp_path / name)], ChatMessages(["messages"], None, None), run_dir)
+        assert [m for m, _, _ in chat.read(np.arange(2))] == [messages, messages[::-1]], name
+    (tmp_path / "header.csv").write_text("question,answer\n")
+    with pytest.raises(DataError, match="header.csv: the file has no rows"):
+        open_source([str(tmp_path / "header.csv")], FIELDS, run_dir)

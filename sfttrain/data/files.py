@@ -2,9 +2,10 @@
 
 An entry is a Parquet file, a JSON Lines file (`.jsonl`, one object per line), a JSON file (`.json`:
 a list of objects, or one object per line as pandas' `to_json(orient="records", lines=True)` and
-`datasets`' `to_json` write it), a directory of such files (its data files in name order), or a
-dataset folder that `datasets`' `save_to_disk` wrote (its Arrow files, in its state.json's order).
-An Arrow file is converted into a Parquet file of the same columns as a JSON file is (below).
+`datasets`' `to_json` write it), a CSV or TSV file (a header row, then a row per sample; every cell
+read as text, a conversation's cell as its JSON), a directory of such files (its data files in name
+order), or a dataset folder that `datasets`' `save_to_disk` wrote (its Arrow files, in its
+state.json's order). Arrow and CSV files are converted into Parquet files as a JSON file is (below).
 
 A JSON file is converted once into a Parquet file in the run folder (`data_cache/`), named by the
 source's fingerprint (path, size, modification time): a later start, or a resume, reads that
@@ -18,21 +19,23 @@ at the start-up scan as in a Parquet file (with its line).
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import json
 import os
 from typing import Iterator
 
 import pyarrow as pa
+import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import torch.distributed as dist
 
 from sfttrain.data.parquet import JSON_CELLS, LINE_COLUMN, ChatMessages, ParquetSource, PromptResponse
 from sfttrain.errors import DataError
 
-DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".arrow")
+DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".arrow", ".csv", ".tsv")
 JSON_SUFFIXES = (".jsonl", ".json")
-CONVERTED_SUFFIXES = (*JSON_SUFFIXES, ".arrow")  # read through a Parquet conversion in the run folder
+CONVERTED_SUFFIXES = DATA_SUFFIXES[1:]  # read through a Parquet conversion in the run folder
 SAVED_DATASET = "state.json"  # in a folder datasets' save_to_disk wrote (beside dataset_info.json)
 SAVED_DATASET_DICT = "dataset_dict.json"  # in the folder of a DatasetDict's save_to_disk (a folder per split)
 CACHE_DIR = "data_cache"  # in the run folder
@@ -115,7 +118,8 @@ def convert(source: str, target: str) -> None:
     os.makedirs(os.path.dirname(target), exist_ok=True)
     tmp = f"{target}.{os.getpid()}.tmp"
     try:
-        (convert_arrow if source.endswith(".arrow") else convert_json)(source, tmp)
+        converter = {".arrow": convert_arrow, ".csv": convert_csv, ".tsv": convert_csv}
+        converter.get(os.path.splitext(source)[1], convert_json)(source, tmp)
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
@@ -136,6 +140,29 @@ def convert_arrow(source: str, target: str) -> None:
                       else (reader.get_batch(i) for i in range(reader.num_record_batches))):
             writer.write_table(pa.Table.from_batches([batch]), row_group_size=ROW_GROUP_ROWS)
             rows += batch.num_rows
+    if not rows:
+        raise DataError(f"{source}: the file has no rows; point data.train_files / data.val_files at a file with rows")
+
+
+def convert_csv(source: str, target: str) -> None:
+    """A CSV (or, named .tsv, tab-separated) file with a header row, streamed into Parquet row groups;
+    every column read as text (an answer of digits stays the text it is)."""
+    delimiter = "\t" if source.endswith(".tsv") else ","
+    with open(source, newline="", encoding="utf-8-sig") as f:
+        header = next(csv.reader(f, delimiter=delimiter), None)
+    if not header or not any(header):
+        raise DataError(f"{source}: no header row naming the columns; the first line names them, e.g. question,answer")
+    try:
+        reader = pacsv.open_csv(source, read_options=pacsv.ReadOptions(block_size=CHUNK_CHARS),
+                                parse_options=pacsv.ParseOptions(delimiter=delimiter, newlines_in_values=True),
+                                convert_options=pacsv.ConvertOptions(column_types={name: pa.string() for name in header}))
+        rows = 0
+        with pq.ParquetWriter(target, reader.schema) as writer:
+            for batch in reader:
+                writer.write_table(pa.Table.from_batches([batch]), row_group_size=ROW_GROUP_ROWS)
+                rows += batch.num_rows
+    except pa.ArrowInvalid as e:
+        raise DataError(f"{source}: not a readable {'TSV' if delimiter == chr(9) else 'CSV'} file ({e})") from None
     if not rows:
         raise DataError(f"{source}: the file has no rows; point data.train_files / data.val_files at a file with rows")
 

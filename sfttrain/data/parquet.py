@@ -145,7 +145,8 @@ class ParquetSource:
         except (pa.ArrowException, OSError) as e:
             raise DataError(f"{file}: not a readable Parquet file ({os.path.getsize(file)} bytes; {e}); "
                             "rewrite it (e.g. python data_prep/gsm8k.py) or fix data.train_files / data.val_files "
-                            "(JSON Lines and JSON files are read when named *.jsonl / *.json)")
+                            "(JSON Lines, JSON, CSV, TSV and Arrow files are read when named *.jsonl / *.json / "
+                            "*.csv / *.tsv / *.arrow)")
         source = self.origins.get(file, file)
         self._columns[file] = self.fields.columns(source, [n for n in meta.schema_arrow.names if n != LINE_COLUMN])
         if meta.metadata.num_rows == 0:

@@ -132,12 +132,18 @@ def convert_arrow(source: str, target: str) -> None:
     ROW_GROUP_ROWS rows, a batch at a time: its columns and types as they are."""
     try:
         reader = pa.ipc.open_stream(pa.memory_map(source))
+        batches = iter(reader)
     except pa.ArrowInvalid:
         reader = pa.ipc.open_file(pa.memory_map(source))
+        batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+    _write_batches(source, target, reader.schema, batches)
+
+
+def _write_batches(source: str, target: str, schema: pa.Schema, batches: Iterator[pa.RecordBatch]) -> None:
+    """Record batches into Parquet row groups of ROW_GROUP_ROWS rows; a source without rows is named."""
     rows = 0
-    with pq.ParquetWriter(target, reader.schema) as writer:
-        for batch in (reader if isinstance(reader, pa.ipc.RecordBatchStreamReader)
-                      else (reader.get_batch(i) for i in range(reader.num_record_batches))):
+    with pq.ParquetWriter(target, schema) as writer:
+        for batch in batches:
             writer.write_table(pa.Table.from_batches([batch]), row_group_size=ROW_GROUP_ROWS)
             rows += batch.num_rows
     if not rows:
@@ -156,15 +162,9 @@ def convert_csv(source: str, target: str) -> None:
         reader = pacsv.open_csv(source, read_options=pacsv.ReadOptions(block_size=CHUNK_CHARS),
                                 parse_options=pacsv.ParseOptions(delimiter=delimiter, newlines_in_values=True),
                                 convert_options=pacsv.ConvertOptions(column_types={name: pa.string() for name in header}))
-        rows = 0
-        with pq.ParquetWriter(target, reader.schema) as writer:
-            for batch in reader:
-                writer.write_table(pa.Table.from_batches([batch]), row_group_size=ROW_GROUP_ROWS)
-                rows += batch.num_rows
+        _write_batches(source, target, reader.schema, iter(reader))
     except pa.ArrowInvalid as e:
         raise DataError(f"{source}: not a readable {'TSV' if delimiter == chr(9) else 'CSV'} file ({e})") from None
-    if not rows:
-        raise DataError(f"{source}: the file has no rows; point data.train_files / data.val_files at a file with rows")
 
 
 def convert_json(source: str, target: str) -> None:

@@ -86,3 +86,26 @@ def test_run_folder_not_shared_between_nodes_is_refused(gsm8k_dir, tmp_path):
     assert "model               :" not in both  # stopped before the model was loaded
     for node in range(2):  # nothing was saved on either node
         assert not list((tmp_path / f"scratch{node}" / "run").glob("global_step_*"))
+
+
+def test_one_torchrun_per_node_is_what_passes(monkeypatch):
+    """srun's tasks per node (SLURM_STEP_TASKS_PER_NODE, as srun writes it) against torchrun's ranks
+    per launcher (LOCAL_WORLD_SIZE): several torchruns of several ranks on a node are refused; one
+    torchrun per node, one rank per srun task (torchrun --nproc_per_node=1), or no srun, pass."""
+    import pytest
+
+    from sfttrain.config import ConfigError
+    from sfttrain.distributed import check_one_launcher_per_node
+
+    for tasks, ranks, refused in (("8(x2)", "8", True), ("2,1", "4", True), ("1(x4)", "8", False),
+                                  ("8(x2)", "1", False), (None, "8", False)):
+        if tasks is None:
+            monkeypatch.delenv("SLURM_STEP_TASKS_PER_NODE", raising=False)
+        else:
+            monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", tasks)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", ranks)
+        if refused:
+            with pytest.raises(ConfigError, match="Start one torchrun per node"):
+                check_one_launcher_per_node()
+        else:
+            check_one_launcher_per_node()

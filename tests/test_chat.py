@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 
 from sfttrain.config import ConfigError, load_config
 from sfttrain.data.chat import ChatRenderer
+from sfttrain.data.files import open_source
 from sfttrain.data.parquet import ChatMessages, ParquetSource, PromptResponse
 from tests.conftest import REPO, read_metrics, run_sfttrain
 
@@ -203,6 +204,28 @@ def test_trls_prompt_completion_lists_are_one_conversation(tokenizer, tmp_path):
         ParquetSource([str(tmp_path / "trl.parquet")], ChatMessages(["messages"], None, None))
     with pytest.raises(ConfigError, match=r"no column 'question' .*data.prompt_key=prompt data.response_key=completion"):
         ParquetSource([str(tmp_path / "trl.parquet")], PromptResponse(["question"], ["answer"]))
+
+
+def test_sharegpt_turns_are_the_messages_they_name(tokenizer, tmp_path):
+    """ShareGPT's rows ({"conversations": [{"from": "human", "value": ...}, ...]}) read as the
+    role/content messages they name (system, human -> user, gpt -> assistant): the same messages,
+    tokens and loss masks as those messages written as such. The default keys on a
+    file of that form name the key to set."""
+    role_of = {"system": "system", "user": "human", "assistant": "gpt"}
+    plain = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Q"},
+             {"role": "assistant", "content": "A"}, {"role": "user", "content": "Q2"},
+             {"role": "assistant", "content": "A2"}]
+    sharegpt = [{"from": role_of[m["role"]], "value": m["content"]} for m in plain]
+    (tmp_path / "sharegpt.jsonl").write_text(json.dumps({"conversations": sharegpt}) + "\n")
+    source = open_source([str(tmp_path / "sharegpt.jsonl")], ChatMessages(["conversations"], None, None),
+                         str(tmp_path / "run"))
+    (messages, kwargs, row), = source.read(np.arange(1))
+    assert messages == plain
+    r = renderer(tokenizer)
+    assert r.render(messages, kwargs, row) == r.render(plain, {}, 0)
+    for fields in (ChatMessages(["messages"], None, None), PromptResponse(["question"], ["answer"])):
+        with pytest.raises(ConfigError, match="data.multiturn.messages_key=conversations"):
+            open_source([str(tmp_path / "sharegpt.jsonl")], fields, str(tmp_path / "run"))
 
 
 def test_messages_without_multiturn_get_a_hint(tmp_path):

@@ -66,6 +66,9 @@ def _form_hint(names: list[str]) -> str:
     """The keys of the forms of data a file's columns suggest (README: Your own data)."""
     if "messages" in names:
         return "; the file has a 'messages' column: for conversations set data.multiturn.enable=true"
+    if "conversations" in names:
+        return ("; the file has a 'conversations' column (ShareGPT's form): data.multiturn.enable=true "
+                "data.multiturn.messages_key=conversations")
     if {"prompt", "completion"} <= set(names):
         return ("; TRL's prompt-completion columns: data.prompt_key=prompt data.response_key=completion (where they "
                 "hold message lists: data.multiturn.enable=true data.multiturn.messages_key=[prompt,completion])")
@@ -87,9 +90,10 @@ class ChatMessages:
     def columns(self, file: str, names: list[str]) -> list[str]:
         for key in self.messages_keys:
             if key not in names:
-                trl = {"prompt", "completion"} <= set(names)
                 hint = ("; its 'prompt' and 'completion' columns (TRL's prompt-completion form) are one conversation "
-                        "with data.multiturn.messages_key=[prompt,completion]" if trl else "")
+                        "with data.multiturn.messages_key=[prompt,completion]" if {"prompt", "completion"} <= set(names)
+                        else "; its 'conversations' column (ShareGPT's form, from/value turns) is read with "
+                        "data.multiturn.messages_key=conversations" if "conversations" in names else "")
                 raise DataError(f"{file}: no column {key!r} (columns: {names}); set data.multiturn.messages_key to the "
                                 f"column of role/content lists{hint}")
         return [*self.messages_keys] + [key for key, _ in self.optional if key in names]
@@ -231,15 +235,30 @@ def _text(value, key_path: list[str], group: RowGroup, local: int) -> str:
     return value
 
 
+# ShareGPT's turns ({"from": "human", "value": ...}) and the roles they name, as chat templates know them
+SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "tool": "tool", "observation": "tool", "function_response": "tool"}
+
+
 def _messages(value, key: str, group: RowGroup, local: int) -> list[dict]:
     """A row's conversation as a list of message dicts. Parquet gives every message struct the union
     of all keys, absent ones as null: they are dropped again (a template tests `tool_calls is
-    defined`, not `is none`). A JSON string of the list is accepted too."""
+    defined`, not `is none`). A JSON string of the list is accepted too, and ShareGPT's turns
+    (`from`/`value`) are read as the role/content messages they are."""
     value = _json(value, key, group, local)
     if not isinstance(value, list) or not all(isinstance(m, dict) for m in value):
         raise DataError(f"{_where(group, local)}: {key} is {_kind(value)}, "
                           "expected a list of {role, content} messages")
-    return [{k: v for k, v in m.items() if v is not None} for m in value]
+    return [_sharegpt_turn({k: v for k, v in m.items() if v is not None}) for m in value]
+
+
+def _sharegpt_turn(message: dict) -> dict:
+    """A ShareGPT turn {from, value} as {role, content} (an unknown `from` is kept as the role, for the
+    check of roles to name); any other message as it is."""
+    if "role" in message or "from" not in message or "value" not in message:
+        return message
+    turn = {k: v for k, v in message.items() if k not in ("from", "value")}
+    return {"role": SHAREGPT_ROLES.get(message["from"], message["from"]), "content": message["value"], **turn}
 
 
 def _json(value, key: str, group: RowGroup, local: int):

@@ -35,7 +35,9 @@ class MultiturnConfig:
 
 @dataclass
 class DataConfig:
-    train_files: Any = None  # a Parquet, JSON Lines or JSON file, a directory of them, or a list (README: Your own data)
+    # a Parquet, JSON Lines, JSON, CSV/TSV or Arrow file, a directory of them, a folder datasets' save_to_disk
+    # wrote, or a list of these (README: Your own data)
+    train_files: Any = None
     val_files: Any = None  # optional; validation runs over all of it, nothing dropped
     # the column holding the prompt; null: none, the response column is the whole text and every token
     # is trained (raw text, with data.apply_chat_template=false)

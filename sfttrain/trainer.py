@@ -197,12 +197,15 @@ class FSDPSFTTrainer:
         self.checkpointer.close()
         if t.save_hf:
             self.export_hf()
-        final = os.path.join(self.run_dir, f"global_step_{total}")
-        exported = os.path.join(final, export.HF_EXPORT_DIR)
-        self.logger.info(self.logger.summary(total - first_step, time.perf_counter() - started, self.run_dir,
-                                             final if is_complete(final) else None,
-                                             exported if os.path.isdir(exported) else None))
+        self.say_done(total - first_step, time.perf_counter() - started)
         self.logger.close()
+
+    def say_done(self, steps: int, seconds: float) -> None:
+        """The run's last lines: what it trained, where the result is, the commands that go on from it."""
+        final = os.path.join(self.run_dir, f"global_step_{self.plan.total_steps}")
+        exported = os.path.join(final, export.HF_EXPORT_DIR)
+        self.logger.info(self.logger.summary(steps, seconds, self.run_dir, final if is_complete(final) else None,
+                                             exported if os.path.isdir(exported) else None))
 
     def step(self, batch: StepBatch, data_wait: float, previous: QueuedStep | None) -> QueuedStep:
         """Queues one optimizer step. The previous step's numbers are read only once this step's

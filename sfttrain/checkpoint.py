@@ -542,9 +542,8 @@ def load(path: str, model, optimizer, scheduler, world: World, cfg: Config, curr
                    options=STATE_DICT_OPTIONS)
     del model_sd, optim_sd
     set_step(optimizer, scheduler, cfg.optim, current.schedule["total steps"], extra["step"])
-    rng_file = os.path.join(path, "rng", f"rank_{world.rank}.pt")
-    if extra["world_size"] == world.world_size and os.path.isfile(rng_file):  # per-rank streams: only 1:1
-        _set_rng_state(_read_file(path, lambda: torch.load(rng_file, weights_only=True)))
+    if extra["world_size"] == world.world_size and (rng := _read_rng_states(path, world)):  # per-rank: only 1:1
+        _set_rng_state(rng)
     state = dataclasses.replace(current, step=extra["step"], epoch=extra["epoch"],
                                 consumed_in_epoch=extra["consumed_in_epoch"], wandb_id=extra["wandb_id"])
     if world.is_main:
@@ -569,12 +568,30 @@ def read_back(path: str):
 
 
 def _read_file(path: str, read: Callable[[], Any]) -> Any:
-    """One file of the checkpoint at `path` read by this rank alone (DCP's .metadata, the rank's
-    RNG states): a file that does not read back is the damaged-checkpoint error."""
+    """One file of the checkpoint at `path` that every rank reads alike (DCP's .metadata): a file that
+    does not read back is the damaged-checkpoint error."""
     try:
         return read()
     except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
         raise damaged_error(path, f"it does not read back ({_first_sentence(e)})") from None
+
+
+def _read_rng_states(path: str, world: World) -> Optional[dict]:
+    """Collective: this rank's RNG states from the checkpoint (None where it has no such file, as
+    in a checkpoint of an older sfttrain). A file that does not read back on any rank is the
+    damaged-checkpoint error on every rank at once (a rank that failed alone would leave the others
+    waiting in the next collective)."""
+    state, error = None, None
+    file = os.path.join(path, "rng", f"rank_{world.rank}.pt")
+    try:
+        state = torch.load(file, weights_only=True) if os.path.isfile(file) else None
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
+        error = f"rank {world.rank}'s RNG file: {_first_sentence(e)}"
+    errors = [None] * world.world_size
+    dist.all_gather_object(errors, error)
+    if any(errors):
+        raise damaged_error(path, f"it does not read back ({'; '.join(e for e in errors if e)})")
+    return state
 
 
 def _first_sentence(error: BaseException) -> str:

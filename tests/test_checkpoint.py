@@ -571,8 +571,8 @@ def test_resume_refuses_another_model(ref):
 
 def test_a_damaged_checkpoint_is_refused_and_the_one_before_it_resumes(data, ref, tmp_path):
     """Steps 9 and 10 of the reference, step 10 then damaged after its commit. A shard cut short or
-    an RNG file missing (COMPLETE lists each file's size) is refused before the model loads; a shard
-    of the right size whose end was overwritten is refused when DCP reads it. Each ends every rank
+    an RNG file missing (COMPLETE lists each file's size) is refused before the model loads; rank 1's
+    RNG file, or a shard, of the right size with its end overwritten, when it is read. Each ends every rank
     with one message (exit code 2) naming the damage and step 9, the intact checkpoint before it;
     the override the message gives resumes from step 9 and trains what the reference trained. The
     exporter refuses the damaged checkpoint too."""
@@ -599,6 +599,10 @@ def test_a_damaged_checkpoint_is_refused_and_the_one_before_it_resumes(data, ref
     rng.rename(tmp_path / "rng_1.pt")
     refused("rng/rank_1.pt is missing")
     (tmp_path / "rng_1.pt").rename(rng)
+    states = rng.read_bytes()
+    rng.write_bytes(states[:-64] + bytes(64))  # rank 1's alone, at its size: every rank stops on it
+    refused("it does not read back (rank 1's RNG file: ")
+    rng.write_bytes(states)
     # the size kept, the end (a zip directory) of one of the shard's model weights overwritten
     storage = dcp.FileSystemReader(str(damaged)).read_metadata().storage_data
     end = max(info.offset + info.length for index, info in storage.items()

@@ -553,6 +553,10 @@ def load(path: str, model, optimizer, scheduler, world: World, cfg: Config, curr
     return state
 
 
+# what torch.load and DCP's metadata reader raise on a file that does not read back
+UNREADABLE = (OSError, RuntimeError, EOFError, pickle.UnpicklingError)
+
+
 @contextlib.contextmanager
 def read_back(path: str):
     """DCP's reads of a checkpoint whose files do not read back (of the sizes its COMPLETE lists, yet
@@ -572,7 +576,7 @@ def _read_file(path: str, read: Callable[[], Any]) -> Any:
     does not read back is the damaged-checkpoint error."""
     try:
         return read()
-    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
+    except UNREADABLE as e:
         raise damaged_error(path, f"it does not read back ({_first_sentence(e)})") from None
 
 
@@ -585,7 +589,7 @@ def _read_rng_states(path: str, world: World) -> Optional[dict]:
     file = os.path.join(path, "rng", f"rank_{world.rank}.pt")
     try:
         state = torch.load(file, weights_only=True) if os.path.isfile(file) else None
-    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
+    except UNREADABLE as e:
         error = f"rank {world.rank}'s RNG file: {_first_sentence(e)}"
     errors = [None] * world.world_size
     dist.all_gather_object(errors, error)

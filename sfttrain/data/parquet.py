@@ -63,9 +63,11 @@ class PromptResponse:
 
 
 def _form_hint(names: list[str]) -> str:
-    """The keys of the forms of data a file's columns suggest (README: Your own data)."""
+    """The keys of the form of data a file's columns suggest (README: Your own data), for a file read
+    with other keys, as prompt/response pairs or as conversations."""
     if "messages" in names:
-        return "; the file has a 'messages' column: for conversations set data.multiturn.enable=true"
+        return ("; the file has a 'messages' column: for conversations set data.multiturn.enable=true "
+                "data.multiturn.messages_key=messages")
     if "conversations" in names:
         return ("; the file has a 'conversations' column (ShareGPT's form): data.multiturn.enable=true "
                 "data.multiturn.messages_key=conversations")
@@ -90,12 +92,8 @@ class ChatMessages:
     def columns(self, file: str, names: list[str]) -> list[str]:
         for key in self.messages_keys:
             if key not in names:
-                hint = ("; its 'prompt' and 'completion' columns (TRL's prompt-completion form) are one conversation "
-                        "with data.multiturn.messages_key=[prompt,completion]" if {"prompt", "completion"} <= set(names)
-                        else "; its 'conversations' column (ShareGPT's form, from/value turns) is read with "
-                        "data.multiturn.messages_key=conversations" if "conversations" in names else "")
                 raise DataError(f"{file}: no column {key!r} (columns: {names}); set data.multiturn.messages_key to the "
-                                f"column of role/content lists{hint}")
+                                f"column of role/content lists{_form_hint(names)}")
         return [*self.messages_keys] + [key for key, _ in self.optional if key in names]
 
     def decode(self, table, group: RowGroup, locals_: list[int]) -> tuple[list, list]:

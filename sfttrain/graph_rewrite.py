@@ -26,14 +26,9 @@ def split_back(graph: torch.fx.Graph, fused: torch.fx.Node, replaced: list[torch
     sizes = [node.meta["example_value"].shape[-1] for node in replaced]
     with graph.inserting_after(fused):
         parts = with_value(graph.call_function(torch.split, (fused, sizes), {"dim": -1}))
-    hand_out(graph, parts, replaced)
-
-
-def hand_out(graph: torch.fx.Graph, outputs: torch.fx.Node, replaced: list[torch.fx.Node]) -> None:
-    """Hands each of `replaced` its item of `outputs` (a node of several outputs), in their order."""
     for i, node in enumerate(replaced):
-        with graph.inserting_after(outputs):
-            part = graph.call_function(operator.getitem, (outputs, i))
+        with graph.inserting_after(parts):
+            part = graph.call_function(operator.getitem, (parts, i))
         part.meta.update(node.meta)
         node.replace_all_uses_with(part)
 

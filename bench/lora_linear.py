@@ -1,7 +1,7 @@
 """One W1 decoder layer's seven projections (q, k, v, o, gate, up, down at 13,696 tokens, LoRA rank 64),
 forward and backward compiled by inductor, per formulation of the LoRA adapters: GPU ms a layer (CUDA
 events over 30 calls) and host ms a call. The study behind sfttrain/lora_fold.py (docs/benchmarks.md,
-runs CC and CD); `kcat_group_fn` is the formulation lora_fold implements.
+runs CC, CD, CJ, CL and CM); `kcat_group_fn` is the formulation lora_fold implements.
 
     python3 -m bench.lora_linear [--tokens N] [--autotune] [variant ...]
 
@@ -17,7 +17,9 @@ one GEMM a group with a block weight, autograd's backward; merged_bwd: peft's fo
 gradient through W + s BA; kcat_fn / kcat_group_fn: kcat per projection / per group with a backward
 that computes no frozen weight gradient; kcat_group_splitk: kcat_group_fn with the adapters' weight
 gradients (K = the tokens) split over the tokens by hand; kcat_overlap: kcat_group_fn with gate/up
-over overlapping views of [U_gate | x | U_up], without the block weight's zeros."""
+over overlapping views of [U_gate | x | U_up], without the block weight's zeros; kcat_merged /
+kcat_overlap_merged: kcat_group_fn / kcat_overlap whose backward takes x's gradient from U's GEMM, the
+adapters merged into the frozen weight there (g @ [W + s*B@A | B]: no g_U @ A GEMM, no sum)."""
 import argparse
 
 import torch
@@ -145,16 +147,19 @@ def over_tokens_split(a, b):
     return split_k(a, b, 16).to(a.dtype) if a.shape[1] % 16 == 0 else a @ b
 
 
+def block_diag(Bs):
+    """[[B_1, 0, ..], [0, B_2, ..], ..]: each B beside zeros where the other adapters' columns are"""
+    return torch.cat([torch.cat([Bi if j == i else Bi.new_zeros(Bi.shape[0], R) for j in range(len(Bs))], 1)
+                      for i, Bi in enumerate(Bs)])
+
+
 class KCatGroup(torch.autograd.Function):
     """exact, one GEMM a group: y = [x, U] @ [[W_1, B_1, 0], [W_2, 0, B_2]]^T with U = s*x[A_1; A_2]^T"""
 
     @staticmethod
     def forward(ctx, x, Wc, Ac, *Bs):
         U = F.linear(x, Ac) * S
-        rows, n = [], len(Bs)
-        for i, Bi in enumerate(Bs):
-            rows.append(torch.cat([Bi if j == i else Bi.new_zeros(Bi.shape[0], R) for j in range(n)], 1))
-        Wb = torch.cat([Wc, torch.cat(rows)], 1)
+        Wb = torch.cat([Wc, block_diag(Bs)], 1)
         ctx.save_for_backward(x, U, Wc, Ac, *Bs)
         return F.linear(torch.cat([x, U], -1), Wb)
 
@@ -165,9 +170,8 @@ class KCatGroup(torch.autograd.Function):
 
 def kcat_group_backward(ctx, g, weight_grad):
     x, U, Wc, Ac, *Bs = ctx.saved_tensors
-    n, d = len(Bs), x.shape[-1]
-    rows = [torch.cat([Bi if j == i else Bi.new_zeros(Bi.shape[0], R) for j in range(n)], 1) for i, Bi in enumerate(Bs)]
-    gxu = g @ torch.cat([Wc, torch.cat(rows)], 1)
+    d = x.shape[-1]
+    gxu = g @ torch.cat([Wc, block_diag(Bs)], 1)
     gU = gxu[..., d:] * S
     gx = gxu[..., :d] + gU @ Ac
     outs = [Bi.shape[0] for Bi in Bs]
@@ -181,6 +185,20 @@ class KCatGroupSplitK(KCatGroup):
     @staticmethod
     def backward(ctx, g):
         return kcat_group_backward(ctx, g, over_tokens_split)
+
+
+class KCatGroupMerged(KCatGroup):
+    """KCatGroup whose backward gives x's gradient from the same GEMM as U's: g @ [Wc + s*BD@Ac | BD], the
+    adapters merged into the frozen block (BD the block diagonal of the B's), no g_U @ Ac GEMM or sum"""
+
+    @staticmethod
+    def backward(ctx, g):
+        x, U, Wc, Ac, *Bs = ctx.saved_tensors
+        BD, d = block_diag(Bs), x.shape[-1]
+        gxu = g @ torch.cat([Wc + (BD * S) @ Ac, BD], 1)
+        gU = gxu[..., d:] * S
+        gBs = [gi.t() @ U[..., i * R:(i + 1) * R] for i, gi in enumerate(g.split([Bi.shape[0] for Bi in Bs], -1))]
+        return (gxu[..., :d], None, gU.t() @ x, *gBs)
 
 
 class KCatOverlap(torch.autograd.Function):
@@ -203,6 +221,19 @@ class KCatOverlap(torch.autograd.Function):
         return gx, None, None, gU.t() @ x, g1.t() @ Z[..., :R], g2.t() @ Z[..., -R:]
 
 
+class KCatOverlapMerged(KCatOverlap):
+    """KCatOverlap whose backward merges each adapter into its frozen block, as KCatGroupMerged"""
+
+    @staticmethod
+    def backward(ctx, g1, g2):
+        x, Z, W1, W2, Ac, B1, B2 = ctx.saved_tensors
+        A1, A2 = Ac.split(R)
+        d1 = g1 @ torch.cat([B1, W1 + (B1 * S) @ A1], 1)
+        d2 = g2 @ torch.cat([W2 + (B2 * S) @ A2, B2], 1)
+        gU = torch.cat([d1[..., :R], d2[..., -R:]], -1) * S
+        return d1[..., R:] + d2[..., :-R], None, None, gU.t() @ x, g1.t() @ Z[..., :R], g2.t() @ Z[..., -R:]
+
+
 def kcat_group(p, x, names, fn=KCatGroup):
     y = fn.apply(x, torch.cat([p[n] for n in names]), torch.cat([p["A" + n] for n in names]), *[p["B" + n] for n in names])
     return list(y.split([p[n].shape[0] for n in names], -1))
@@ -217,16 +248,26 @@ def kcat_group_splitk(p, xa, xo, xm, xd):
     return kcat_group_fn(p, xa, xo, xm, xd, fn=KCatGroupSplitK)
 
 
-def kcat_overlap(p, xa, xo, xm, xd):
+def kcat_overlap(p, xa, xo, xm, xd, group_fn=KCatGroup, pair_fn=KCatOverlap):
     """kcat_group_fn, but gate/up over overlapping views instead of a block weight with zeros"""
-    gate, up = KCatOverlap.apply(xm, p["g"], p["u"], torch.cat([p["Ag"], p["Au"]]), p["Bg"], p["Bu"])
-    return [*kcat_group(p, xa, "qkv"), *kcat_group(p, xo, "o"), gate, up, *kcat_group(p, xd, "d")]
+    gate, up = pair_fn.apply(xm, p["g"], p["u"], torch.cat([p["Ag"], p["Au"]]), p["Bg"], p["Bu"])
+    return [*kcat_group(p, xa, "qkv", group_fn), *kcat_group(p, xo, "o", group_fn), gate, up,
+            *kcat_group(p, xd, "d", group_fn)]
+
+
+def kcat_merged(p, xa, xo, xm, xd):
+    return kcat_group_fn(p, xa, xo, xm, xd, fn=KCatGroupMerged)
+
+
+def kcat_overlap_merged(p, xa, xo, xm, xd):
+    return kcat_overlap(p, xa, xo, xm, xd, KCatGroupMerged, KCatOverlapMerged)
 
 
 VARIANTS = {"full": (False, plain), "full_fused": (False, fused_plain), "frozen_fused": (True, fused_plain),
             "peft": (True, peft), "kcat": (True, kcat), "kcat_block": (True, kcat_block), "merged_bwd": (True, merged_bwd),
             "kcat_fn": (True, kcat_fn), "kcat_group_fn": (True, kcat_group_fn),
-            "kcat_group_splitk": (True, kcat_group_splitk), "kcat_overlap": (True, kcat_overlap)}
+            "kcat_group_splitk": (True, kcat_group_splitk), "kcat_overlap": (True, kcat_overlap),
+            "kcat_merged": (True, kcat_merged), "kcat_overlap_merged": (True, kcat_overlap_merged)}
 
 
 def run(name, tokens, autotune=False):

@@ -6,8 +6,15 @@ variant, and summarises optimizer steps 11-60 from the run's metrics.jsonl, wher
 is read after a device synchronisation.
 
     python3 -m bench.sfttrain_w1 --out results.jsonl [--data train.jsonl] [--variant NAME ...] [--device cpu --tiny]
+        [--baseline_tree OTHER_CHECKOUT]
 
 A run that would train a second epoch of --data (W1 is 3840 distinct samples) is refused.
+
+--baseline_tree compares two versions of the code in one call: each variant runs first with that
+checkout's sfttrain (`git worktree add /tmp/base <commit>`, or `git archive <commit> | tar -x -C DIR`),
+then with this one's, on the same model folder, Parquet and recipe. Across calls W1 LoRA's host-bound
+step moved by 15-20% where full fine-tuning's moved by 2% (docs/benchmarks.md, runs CG-CN): a change
+to the code is shown only against its baseline in the same call.
 """
 
 import argparse
@@ -26,7 +33,8 @@ from omegaconf import OmegaConf
 from bench.common import LORA, MFU_FORMULA, add_sfttrain_args, emit, require_samples, timed_mfu
 from bench.w1_data import build_model, load_rows, load_tokenizer, model_config, write_parquet
 
-RECIPE = os.path.join(os.path.dirname(__file__), "..", "recipes", "w1_qwen2.5-0.5b.yaml")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPE = os.path.join(REPO, "recipes", "w1_qwen2.5-0.5b.yaml")
 # --tiny: a CPU smoke run of the same code paths, eager and fp32 (bf16 on a CPU is slow), 4 sequences a step
 TINY = ["model.compile=false", "model.fsdp_config.mixed_precision=false", "data.train_batch_size=4",
         "data.max_token_len_per_gpu=4096"]
@@ -87,10 +95,11 @@ def require_one_epoch(args, parquet: str, overrides: list[str]) -> None:
 
 
 def run_variant(name: str, args, model_dir: str, parquet: str, variant: list[str] | None = None,
-                timeout: float | None = None) -> dict:
+                timeout: float | None = None, tree: str = REPO) -> dict:
     """Runs the recipe with the variant's overrides (default VARIANTS[name]) and summarises it; a run
-    past `timeout` seconds is killed (subprocess.TimeoutExpired)."""
-    run_dir = os.path.join(args.work, "runs", name)
+    past `timeout` seconds is killed (subprocess.TimeoutExpired). `tree`: the checkout whose sfttrain
+    runs (`python -m` imports the package of the folder it starts in)."""
+    run_dir = os.path.join(args.work, "runs", name if tree == REPO else f"{name}@baseline")
     variant = VARIANTS[name] if variant is None else variant
     overrides = [f"model.partial_pretrain={model_dir}", f"data.train_files={parquet}",
                  f"trainer.default_local_dir={run_dir}", "trainer.resume_mode=disable", f"trainer.total_training_steps={args.steps}",
@@ -98,7 +107,7 @@ def run_variant(name: str, args, model_dir: str, parquet: str, variant: list[str
     require_one_epoch(args, parquet, overrides)
     cmd = [sys.executable, "-m", "sfttrain.run", RECIPE, *overrides]
     print("+", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=timeout)
+    subprocess.run(cmd, check=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=timeout, cwd=tree)
     return summarise(name, args, run_dir, variant)
 
 
@@ -140,17 +149,35 @@ def main() -> None:
     p.add_argument("--run_timeout", type=float, help="seconds one variant may take, start-up included; past them it "
                    "is stopped, recorded as such, and the next variant runs")
     p.add_argument("--tiny", action="store_true", help="smoke run: tiny model, 4 sequences a step (use with --device cpu)")
+    p.add_argument("--baseline_tree", help="another checkout: each variant runs with its sfttrain first, then with "
+                   "this one's, in the same call (see above)")
     args = p.parse_args()
     apply_tiny(args, steps=60, warmup=10)
+    args.work = os.path.abspath(args.work)  # the runs of --baseline_tree start in that checkout
+    trees = [os.path.abspath(args.baseline_tree), REPO] if args.baseline_tree else [REPO]
     model_dir, parquet = prepare(args, saved_weights=any(name.startswith("lora") for name in args.variant))
     for name in args.variant:
-        try:
-            emit(run_variant(name, args, model_dir, parquet, timeout=args.run_timeout), args.out)
-        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
-            # the other variants still run; the failure is recorded
-            failure = ({"rc": e.returncode} if isinstance(e, subprocess.CalledProcessError)
-                       else {"timeout_s": args.run_timeout})
-            emit({"system": "sfttrain", "variant": name, "overrides": VARIANTS[name] + args.override, **failure}, args.out)
+        for tree in trees:
+            code = {"code": code_of(tree)}
+            try:
+                emit({**run_variant(name, args, model_dir, parquet, timeout=args.run_timeout, tree=tree), **code}, args.out)
+            except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
+                # the other variants still run; the failure is recorded
+                failure = ({"rc": e.returncode} if isinstance(e, subprocess.CalledProcessError)
+                           else {"timeout_s": args.run_timeout})
+                emit({"system": "sfttrain", "variant": name, "overrides": VARIANTS[name] + args.override, **failure,
+                      **code}, args.out)
+
+
+def code_of(tree: str) -> dict:
+    """The checkout a run's sfttrain came from: its folder, and its commit where git knows one ("+changes"
+    where tracked files differ from it)."""
+    git = ["git", "-C", tree]
+    commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    if commit.returncode != 0:
+        return {"tree": tree, "commit": None}
+    changed = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
+    return {"tree": tree, "commit": commit.stdout.strip() + ("+changes" if changed.stdout.strip() else "")}
 
 
 if __name__ == "__main__":

@@ -7,9 +7,11 @@ its current one still run."""
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 
 import pytest
+from omegaconf import OmegaConf
 
 from tests.bench_run import CUDA, SAMPLE, records, run_bench, run_bench_here
 from tests.conftest import REPO
@@ -25,15 +27,28 @@ def test_padded_w1(tmp_path):
     assert record["system"] == "padded" and record["timed_samples"] == 3 * 4  # 3 timed steps of 2 x 2
 
 
-def test_sfttrain_w1_profiled(tmp_path):
+def test_sfttrain_w1_profiled_beside_a_baseline_tree(tmp_path):
     """sfttrain_w1 --tiny prepares the model folder and Parquet and runs sfttrain, with its last
-    two steps profiled as on the GPU machine (trainer.profile_steps)."""
+    two steps profiled as on the GPU machine (trainer.profile_steps); with --baseline_tree, first with
+    another checkout's code: here a copy of this one's whose default data.pad_to_multiple differs, and
+    each run's config.yaml (written by the code that ran) shows which code that was."""
+    base = tmp_path / "base"
+    shutil.copytree(REPO / "sfttrain", base / "sfttrain", ignore=shutil.ignore_patterns("__pycache__"))
+    config = base / "sfttrain" / "config.py"
+    assert config.read_text().count("pad_to_multiple: int = 128") == 1
+    config.write_text(config.read_text().replace("pad_to_multiple: int = 128", "pad_to_multiple: int = 96"))
     out = tmp_path / "w1.jsonl"
     run_bench_here("bench.sfttrain_w1", "--tiny", "--device", "cpu", "--variant", "eager", "--data", SAMPLE,
-                   "--work", str(tmp_path), "--out", str(out), "--override", "trainer.profile_steps=[3,4]")
-    (record,) = records(out)
-    assert record["variant"] == "eager" and record["timed_steps"] == "2-4" and record["real_tokens"] > 0
-    profile = tmp_path / "runs" / "eager" / "profile"
+                   "--work", str(tmp_path), "--out", str(out), "--override", "trainer.profile_steps=[3,4]",
+                   "--baseline_tree", str(base))
+    baseline, record = records(out)
+    assert baseline["code"] == {"tree": str(base), "commit": None} and record["code"]["tree"] == str(REPO)
+    for r in (baseline, record):
+        assert r["variant"] == "eager" and r["timed_steps"] == "2-4" and r["real_tokens"] > 0
+    runs = tmp_path / "runs"
+    pads = [OmegaConf.load(runs / name / "config.yaml").data.pad_to_multiple for name in ("eager@baseline", "eager")]
+    assert pads == [96, 128]
+    profile = runs / "eager" / "profile"
     assert (profile / "steps_3-4_rank0.json").is_file() and "ms/step" in (profile / "summary.txt").read_text()
 
 

@@ -60,7 +60,7 @@ from sfttrain.checkpoint_folder import STATE_FILE, complete_checkpoints, damaged
 from sfttrain.checkpoint_writer import OneLineError, Staging, WriterProcess, WriterThreadErrors, cuda_room, \
     one_line, tensor_bytes, write_shards, writer_kind
 from sfttrain.config import Config, ConfigError, to_yaml
-from sfttrain.distributed import World, peer_lost
+from sfttrain.distributed import World, peer_lost, ranks_of_this_launcher
 from sfttrain.errors import CheckpointError
 from sfttrain.metrics import rewind_metrics
 from sfttrain.optim import set_step
@@ -212,7 +212,7 @@ class Checkpointer:
         model_sd, optim_sd = _state_dicts(self.model, self.optimizer)
         live = {"model": model_sd, "optim": optim_sd}
         copy, device = max(tensor_bytes(live), 1), self.world.device
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        local_ranks = ranks_of_this_launcher()
         available = host_memory_available()
         # one copy's worth kept free for the rest of the node's work (data workers, the writes' page cache)
         host_fit = available // (copy * local_ranks) - 1

@@ -104,6 +104,11 @@ def init_world(cfg: Config) -> World:
     return World(rank, local_rank, world_size, device, mesh, sp)
 
 
+def ranks_of_this_launcher() -> int:
+    """The ranks torchrun started beside this one on its node (its --nproc_per_node; 1 without torchrun)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+
+
 def check_one_launcher_per_node() -> None:
     """torchrun started by srun as one task of several on a node (`#SBATCH --ntasks-per-node=8`, then
     `srun torchrun --nproc_per_node=8`, as a seed article's script has it): each task's torchrun
@@ -111,7 +116,7 @@ def check_one_launcher_per_node() -> None:
     torchruns wait in the rendezvous. Refused before any rendezvous of the ranks."""
     steps = os.environ.get("SLURM_STEP_TASKS_PER_NODE", "")  # srun's step: "8(x2)", "2,1", "1(x4)"
     tasks = max((int(n) for n in re.findall(r"(\d+)(?:\(x\d+\))?", steps)), default=1)
-    per_launcher = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # torchrun's --nproc_per_node
+    per_launcher = ranks_of_this_launcher()
     if tasks > 1 and per_launcher > 1:
         raise ConfigError(f"srun started {tasks} tasks on a node (SLURM_STEP_TASKS_PER_NODE={steps}), each running "
                           f"torchrun with --nproc_per_node={per_launcher}: {tasks * per_launcher} ranks per node on its "

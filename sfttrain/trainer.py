@@ -15,13 +15,14 @@ from sfttrain.attention import describe_backend, fallback_warning
 from sfttrain.checkpoint_folder import complete_checkpoints, is_complete, read_state, remove_stale_tmp
 from sfttrain.config import Config, as_list, logger_names
 from sfttrain.data.chat import build_renderer, resolve_chat_template
-from sfttrain.data.loader import StepBatch, TrainData, render_share, step_batches, validation_batches
+from sfttrain.data.loader import (StepBatch, TrainData, cpus_of_this_process, describe_workers, render_share,
+                                  step_batches, validation_batches)
 from sfttrain.data.files import open_source
 from sfttrain.data.pack import max_segment_length
 from sfttrain.data.parquet import row_fields
 from sfttrain.data.prepare import prepare_train_data
 from sfttrain.data.report import describe
-from sfttrain.distributed import World, check_shared_run_dir
+from sfttrain.distributed import World, check_shared_run_dir, ranks_of_this_launcher
 from sfttrain.errors import NonFiniteLossError, StoppedBySignal
 from sfttrain.flops import ModelShape
 from sfttrain.loss import CausalLMLoss, router_metrics, router_stats, select_chunk_loss, step_objective
@@ -141,6 +142,7 @@ class FSDPSFTTrainer:
             f"  run folder          : {self.run_dir}",
             *profiling.describe(cfg.trainer, self.run_dir, self.state.step, self.world.device),
             describe(self.data_report),
+            *describe_workers(cfg.data.num_workers, ranks_of_this_launcher(), cpus_of_this_process()),
             f"  resume              : {resume_from or 'fresh start'} (step {self.state.step}, run id "
             f"{self.state.run_id})",
             *(f"    {note}" for note in resume_notes),

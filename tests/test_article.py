@@ -3,6 +3,7 @@ its LoRA keys) runs unchanged but for local paths and a shorter run. A file apar
 tests/test_cli.py: these jobs are among the suite's longest, and pytest-xdist's workers share
 files, not tests."""
 
+import os
 import shutil
 import subprocess
 import sys
@@ -35,6 +36,11 @@ def test_article_yaml_runs_unchanged(home_with_gsm8k, tiny_qwen_dir, tmp_path):
     assert metrics[0]["step"] == 1 and [m["val/loss"] for m in metrics if "val/loss" in m][-1] > 0
     assert "WARNING: model_dtype=bf16" in proc.stdout + proc.stderr
     assert (tmp_path / "checkpoints" / "global_step_1" / "COMPLETE").exists()
+    # num_workers: 4 a rank, said once for the node against its CPUs; torch's warning of each rank is not printed
+    assert "This DataLoader will create" not in proc.stdout + proc.stderr
+    cpus = len(os.sched_getaffinity(0))  # the ranks'
+    assert f"data workers        : 4 a rank, 16 on this node (4 ranks, {cpus} CPUs)" in proc.stdout
+    assert ("WARNING: 16 data workers and 4 ranks share" in proc.stdout) == (16 + 4 > cpus)
 
 
 def test_article_command_line_runs_unchanged(home_with_gsm8k, tiny_qwen_dir, tmp_path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -146,6 +147,33 @@ def step_batches(data: TrainData, epoch: int, consumed: int, num_workers: int,
         if isinstance(item, UserError):
             raise item
         yield item.pin_memory() if pin_memory else item
+
+
+# torch's DataLoader warns, in every rank and twice, when one rank's workers outnumber the CPUs; it cannot know
+# the node's other ranks, which `describe_workers` counts in one start-up line instead
+warnings.filterwarnings("ignore", message=r"This DataLoader will create \d+ worker processes in total",
+                        category=UserWarning)
+
+
+def describe_workers(num_workers: int, ranks_here: int, cpus: int) -> list[str]:
+    """The start-up lines of data.num_workers: the worker processes of this node's ranks against its CPUs
+    (those this process may run on), and a warning where workers and ranks outnumber them."""
+    if num_workers == 0:
+        return []
+    processes = num_workers * ranks_here
+    lines = [f"  data workers        : {num_workers} a rank, {processes} on this node ({ranks_here} ranks, {cpus} CPUs)"]
+    if processes + ranks_here > cpus:
+        share = cpus // ranks_here
+        fix = (f"data.num_workers={share - 1} gives each rank and its workers {share} CPUs" if share > 1 else
+               "data.num_workers=0 builds the steps in the ranks themselves, with no processes of their own")
+        lines.append(f"  WARNING: {processes} data workers and {ranks_here} ranks share this node's {cpus} CPUs: they take "
+                     f"turns, and the ranks wait for the CPU as well as for their steps. {fix}")
+    return lines
+
+
+def cpus_of_this_process() -> int:
+    """The CPUs this process may run on (its affinity: a cpuset, a Slurm allocation), as torch's DataLoader counts them."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def leave_signals_to_the_rank(worker_id: int) -> None:

@@ -32,6 +32,7 @@ from omegaconf import OmegaConf
 
 from bench.common import LORA, MFU_FORMULA, add_sfttrain_args, emit, require_samples, timed_mfu
 from bench.w1_data import build_model, load_rows, load_tokenizer, model_config, write_parquet
+from sfttrain.metrics import commit_of
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(REPO, "recipes", "w1_qwen2.5-0.5b.yaml")
@@ -170,15 +171,5 @@ def main() -> None:
 
 
 def code_of(tree: str) -> dict:
-    """The checkout a run's sfttrain came from: its folder, and its commit where git knows one ("+changes"
-    where tracked files differ from it)."""
-    git = ["git", "-C", tree]
-    commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    if commit.returncode != 0:
-        return {"tree": tree, "commit": None}
-    changed = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
-    return {"tree": tree, "commit": commit.stdout.strip() + ("+changes" if changed.stdout.strip() else "")}
-
-
-if __name__ == "__main__":
-    main()
+    """The checkout a run's sfttrain came from: its folder, and its commit where git knows one."""
+    return {"tree": tree, "commit": commit_of(tree)}

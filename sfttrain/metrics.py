@@ -11,8 +11,10 @@ import contextlib
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
+from importlib.metadata import version
 from typing import Optional
 
 import torch
@@ -161,6 +163,32 @@ class ProgressBar:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+def describe_software(device: torch.device) -> str:
+    """The start-up line of the libraries and the code that ran: what a bug report or a rerun needs."""
+    accelerator = f", CUDA {torch.version.cuda} on {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the folder sfttrain/ is in
+    code = commit_of(checkout)
+    return (f"  software            : torch {torch.__version__}{accelerator}, transformers {version('transformers')}, "
+            f"peft {version('peft')}; sfttrain from {checkout}" + (f" at {code}" if code else ""))
+
+
+def commit_of(checkout: str) -> str | None:
+    """The git commit of a checkout, "+changes" where tracked files differ from it; None where the folder
+    is no git checkout's top (an installed package: git would answer for a repository around it) or git
+    is missing."""
+    if not os.path.exists(os.path.join(checkout, ".git")):
+        return None
+    try:
+        head = subprocess.run(["git", "-C", checkout, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        changed = subprocess.run(["git", "-C", checkout, "status", "--porcelain", "--untracked-files=no"],
+                                 capture_output=True, text=True)
+    except OSError:
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + ("+changes" if changed.stdout.strip() else "")
 
 
 def host_memory_gib() -> dict:

@@ -26,8 +26,8 @@ from sfttrain.distributed import World, check_shared_run_dir, ranks_of_this_laun
 from sfttrain.errors import NonFiniteLossError, StoppedBySignal
 from sfttrain.flops import ModelShape
 from sfttrain.loss import CausalLMLoss, router_metrics, router_stats, select_chunk_loss, step_objective
-from sfttrain.metrics import (MetricsLogger, StepEnd, StepTimer, describe_host_memory, host_memory_gib, memory_stats,
-                              start_wandb, throughput)
+from sfttrain.metrics import (MetricsLogger, StepEnd, StepTimer, describe_host_memory, describe_software,
+                              host_memory_gib, memory_stats, start_wandb, throughput)
 from sfttrain.model import (check_max_length, decoder_layers, embedding_rows, load_model, load_tokenizer,
                             local_model_folder)
 from sfttrain.optim import build_optimizer, build_scheduler, clipped_step, schedule_settings, warmup_steps
@@ -124,6 +124,7 @@ class FSDPSFTTrainer:
             "sfttrain",
             f"  world size          : {self.world.world_size} ({self.world.device.type}), "
             f"mesh {tuple(self.world.mesh.shape)} {self.world.mesh.mesh_dim_names}",
+            describe_software(self.world.device),
             self.plan.describe(),
             f"  model               : {cfg.model.partial_pretrain} ({shape.num_params / 1e6:.2f}M params, "
             f"{shape.trainable_params / 1e6:.2f}M trainable{shape.describe_active()}, {shape.num_layers} layers), "

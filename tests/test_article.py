@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from importlib.metadata import version
 
 import pyarrow.parquet as pq
 import pytest
@@ -36,6 +37,13 @@ def test_article_yaml_runs_unchanged(home_with_gsm8k, tiny_qwen_dir, tmp_path):
     assert metrics[0]["step"] == 1 and [m["val/loss"] for m in metrics if "val/loss" in m][-1] > 0
     assert "WARNING: model_dtype=bf16" in proc.stdout + proc.stderr
     assert (tmp_path / "checkpoints" / "global_step_1" / "COMPLETE").exists()
+    # the software line: the libraries, and the checkout that ran with its commit (git asked here on its own)
+    libraries = f"torch {version('torch')}, transformers {version('transformers')}, peft {version('peft')}"
+    assert f"software            : {libraries}; sfttrain from {REPO}" in proc.stdout
+    if (REPO / ".git").exists():
+        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+        assert f"sfttrain from {REPO} at {head}" in proc.stdout
     # num_workers: 4 a rank, said once for the node against its CPUs; torch's warning of each rank is not printed
     assert "This DataLoader will create" not in proc.stdout + proc.stderr
     cpus = len(os.sched_getaffinity(0))  # the ranks'

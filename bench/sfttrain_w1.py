@@ -173,3 +173,7 @@ def main() -> None:
 def code_of(tree: str) -> dict:
     """The checkout a run's sfttrain came from: its folder, and its commit where git knows one."""
     return {"tree": tree, "commit": commit_of(tree)}
+
+
+if __name__ == "__main__":
+    main()

@@ -24,6 +24,11 @@ from sfttrain.data.parquet import ParquetSource
 from sfttrain.data.batching import BatchPlan
 from sfttrain.data.render import RenderedSample, Renderer
 
+# torch's DataLoader warns, in every rank and twice, when one rank's workers outnumber the CPUs; it cannot know
+# the node's other ranks, which `describe_workers` counts in one start-up line instead
+warnings.filterwarnings("ignore", message=r"This DataLoader will create \d+ worker processes in total",
+                        category=UserWarning)
+
 
 @dataclass
 class StepBatch:
@@ -147,12 +152,6 @@ def step_batches(data: TrainData, epoch: int, consumed: int, num_workers: int,
         if isinstance(item, UserError):
             raise item
         yield item.pin_memory() if pin_memory else item
-
-
-# torch's DataLoader warns, in every rank and twice, when one rank's workers outnumber the CPUs; it cannot know
-# the node's other ranks, which `describe_workers` counts in one start-up line instead
-warnings.filterwarnings("ignore", message=r"This DataLoader will create \d+ worker processes in total",
-                        category=UserWarning)
 
 
 def describe_workers(num_workers: int, ranks_here: int, cpus: int) -> list[str]:

@@ -14,7 +14,7 @@ import statistics
 import subprocess
 import sys
 import time
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from typing import Optional
 
 import torch
@@ -170,8 +170,16 @@ def describe_software(device: torch.device) -> str:
     accelerator = f", CUDA {torch.version.cuda} on {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""
     checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the folder sfttrain/ is in
     code = commit_of(checkout)
-    return (f"  software            : torch {torch.__version__}{accelerator}, transformers {version('transformers')}, "
-            f"peft {version('peft')}; sfttrain from {checkout}" + (f" at {code}" if code else ""))
+    return (f"  software            : torch {torch.__version__}{accelerator}, transformers {installed('transformers')}, "
+            f"peft {installed('peft')}; sfttrain from {checkout}" + (f" at {code}" if code else ""))
+
+
+def installed(package: str) -> str:
+    """A package's installed version, read from its metadata (no import), or "not installed"."""
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "not installed"
 
 
 def commit_of(checkout: str) -> str | None:

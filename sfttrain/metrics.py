@@ -167,7 +167,8 @@ class ProgressBar:
 
 def describe_software(device: torch.device) -> str:
     """The start-up line of the libraries and the code that ran: what a bug report or a rerun needs."""
-    accelerator = f", CUDA {torch.version.cuda} on {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""
+    runtime = f"CUDA {torch.version.cuda}" if torch.version.cuda else f"ROCm {torch.version.hip}"
+    accelerator = f", {runtime} on {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""
     checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the folder sfttrain/ is in
     code = commit_of(checkout)
     return (f"  software            : torch {torch.__version__}{accelerator}, transformers {installed('transformers')}, "

@@ -124,7 +124,7 @@ class FSDPSFTTrainer:
             "sfttrain",
             f"  world size          : {self.world.world_size} ({self.world.device.type}), "
             f"mesh {tuple(self.world.mesh.shape)} {self.world.mesh.mesh_dim_names}",
-            describe_software(self.world.device),
+            *([describe_software(self.world.device)] if self.world.is_main else []),  # git asked once, not per rank
             self.plan.describe(),
             f"  model               : {cfg.model.partial_pretrain} ({shape.num_params / 1e6:.2f}M params, "
             f"{shape.trainable_params / 1e6:.2f}M trainable{shape.describe_active()}, {shape.num_layers} layers), "

@@ -159,7 +159,7 @@ def main() -> None:
     model_dir, parquet = prepare(args, saved_weights=any(name.startswith("lora") for name in args.variant))
     for name in args.variant:
         for tree in trees:
-            code = {"code": code_of(tree)}
+            code = {"code": {"tree": tree, "commit": commit_of(tree)}}  # the checkout whose sfttrain ran
             try:
                 emit({**run_variant(name, args, model_dir, parquet, timeout=args.run_timeout, tree=tree), **code}, args.out)
             except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
@@ -168,11 +168,6 @@ def main() -> None:
                            else {"timeout_s": args.run_timeout})
                 emit({"system": "sfttrain", "variant": name, "overrides": VARIANTS[name] + args.override, **failure,
                       **code}, args.out)
-
-
-def code_of(tree: str) -> dict:
-    """The checkout a run's sfttrain came from: its folder, and its commit where git knows one."""
-    return {"tree": tree, "commit": commit_of(tree)}
 
 
 if __name__ == "__main__":

@@ -418,19 +418,34 @@ def _choice(key: str, value: Any, choices: tuple) -> None:
 
 
 def validate(cfg: Config) -> None:
-    """Checks that need no world size and no data. Messages say which key to change."""
-    d, m, o, t = cfg.data, cfg.model, cfg.optim, cfg.trainer
+    """Checks that need no world size and no data, a section at a time. Messages say which key to change."""
+    _validate_data(cfg.data)
+    _validate_model(cfg.model)
+    _check_verl_switches(cfg)
+    _check_no_shard(cfg)
+    _validate_optim(cfg.optim)
+    _validate_trainer(cfg.trainer)
+    _validate_fp8(cfg)
+    if cfg.ulysses_sequence_parallel_size < 1:
+        raise ConfigError(f"ulysses_sequence_parallel_size must be >= 1 (1: off), got {cfg.ulysses_sequence_parallel_size}")
+    if not cfg.use_remove_padding:
+        raise ConfigError("use_remove_padding=false: sfttrain always trains padding-free (packed rows give the "
+                          "same loss as padded ones, without the pad compute); remove the key")
+
+
+def _positive(*pairs: tuple[str, Any]) -> None:
+    for key, value in pairs:
+        if value <= 0:
+            raise ConfigError(f"{key} must be positive, got {value}")
+
+
+def _validate_data(d: DataConfig) -> None:
     if d.train_files in (None, "", []):
         raise ConfigError("data.train_files is required: a Parquet, JSON Lines or JSON file, a directory of them, "
                           "or a list of these")
-    if m.partial_pretrain in (None, ""):
-        raise ConfigError("model.partial_pretrain is required: a local Hugging Face model folder or a hub id")
-    for key, value in (("data.train_batch_size", d.train_batch_size),
-                       ("data.micro_batch_size_per_gpu", d.micro_batch_size_per_gpu),
-                       ("data.max_length", d.max_length), ("data.pad_to_multiple", d.pad_to_multiple),
-                       ("model.loss_chunk_tokens", m.loss_chunk_tokens), ("trainer.total_epochs", t.total_epochs)):
-        if value <= 0:
-            raise ConfigError(f"{key} must be positive, got {value}")
+    _positive(("data.train_batch_size", d.train_batch_size),
+              ("data.micro_batch_size_per_gpu", d.micro_batch_size_per_gpu),
+              ("data.max_length", d.max_length), ("data.pad_to_multiple", d.pad_to_multiple))
     if d.max_token_len_per_gpu is not None and d.max_token_len_per_gpu < d.max_length:
         raise ConfigError(f"data.max_token_len_per_gpu={d.max_token_len_per_gpu} is below data.max_length="
                           f"{d.max_length}: a longest sample would not fit; raise it or lower data.max_length")
@@ -447,10 +462,27 @@ def validate(cfg: Config) -> None:
     if d.multiturn.enable and not d.apply_chat_template:
         raise ConfigError("data.multiturn.enable=true renders conversations with a chat template: remove "
                           "data.apply_chat_template=false (data.chat_template=... sets a template of your own)")
-    _check_verl_switches(cfg)
+
+
+def _validate_model(m: ModelConfig) -> None:
+    if m.partial_pretrain in (None, ""):
+        raise ConfigError("model.partial_pretrain is required: a local Hugging Face model folder or a hub id")
+    _positive(("model.loss_chunk_tokens", m.loss_chunk_tokens))
     _choice("model.loss_kernel", m.loss_kernel, LOSS_KERNELS)
     _choice("model.compile_cpp_wrapper", m.compile_cpp_wrapper, ("auto", True, False))
     _choice("model.recompute_attention", m.recompute_attention, ("auto", True, False))
+    _choice("model.attn_implementation", m.attn_implementation,
+            ("auto", "flash_attn", "torch_varlen", "sdpa_blockmask"))
+    if not 0.0 < m.gradient_checkpointing_ratio <= 1.0:
+        raise ConfigError(f"model.gradient_checkpointing_ratio must lie in (0, 1], got {m.gradient_checkpointing_ratio}; "
+                          "set model.enable_gradient_checkpointing=false to recompute no layer")
+    _validate_compiled_layers(m)
+    _validate_fsdp(m.fsdp_config)
+    _validate_lora(m)
+
+
+def _validate_compiled_layers(m: ModelConfig) -> None:
+    """The switches that rewrite the compiled layers' graphs, and what each needs."""
     _choice("model.fuse_projections", m.fuse_projections, ("auto", True, False))
     if m.fuse_projections is True and not m.compile:
         raise ConfigError("model.fuse_projections=true rewrites the compiled layers' graphs: set model.compile=true, "
@@ -469,19 +501,22 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"model.fold_lora=true with model.lora_dropout={m.lora_dropout}: an adapter folded into its "
                           "frozen projection's GEMM reads that projection's input, but with dropout its A reads a "
                           "dropped-out copy, so nothing would fold; set model.lora_dropout=0 or remove model.fold_lora")
-    _choice("model.attn_implementation", m.attn_implementation,
-            ("auto", "flash_attn", "torch_varlen", "sdpa_blockmask"))
-    _choice("model.fsdp_config.model_dtype", m.fsdp_config.model_dtype, DTYPES)
-    _choice("model.fsdp_config.sharding_strategy", m.fsdp_config.sharding_strategy,
+
+
+def _validate_fsdp(f: FSDPConfig) -> None:
+    _choice("model.fsdp_config.model_dtype", f.model_dtype, DTYPES)
+    _choice("model.fsdp_config.sharding_strategy", f.sharding_strategy,
             ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"))
-    _check_no_shard(cfg)
-    if m.fsdp_config.backward_prefetch not in (None, "BACKWARD_PRE"):
+    if f.backward_prefetch not in (None, "BACKWARD_PRE"):
         raise ConfigError("model.fsdp_config.backward_prefetch: FSDP2 always prefetches the next layer's "
                           "all-gather in backward (BACKWARD_PRE); remove the key or set it to BACKWARD_PRE")
-    if m.fsdp_config.wrap_policy not in (None, {}, {"min_num_params": 0}):
+    if f.wrap_policy not in (None, {}, {"min_num_params": 0}):
         raise ConfigError("model.fsdp_config.wrap_policy: sfttrain shards every decoder layer and the root; "
                           "a custom wrap policy is not supported, remove the key")
-    mixed_precision_dtypes(m.fsdp_config)  # validates the value
+    mixed_precision_dtypes(f)  # validates the value
+
+
+def _validate_optim(o: OptimConfig) -> None:
     _choice("optim.optimizer", o.optimizer.lower(), ("adamw",))
     _choice("optim.lr_scheduler", o.lr_scheduler, ("cosine", "constant"))
     for key, value in (("optim.lr", o.lr), ("optim.eps", o.eps), ("optim.weight_decay", o.weight_decay),
@@ -493,11 +528,12 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"optim.lr={o.lr} is negative; use a positive rate such as 1e-5")
     if len(o.betas) != 2:
         raise ConfigError(f"optim.betas must have two values, got {o.betas}")
-    if not 0.0 < m.gradient_checkpointing_ratio <= 1.0:
-        raise ConfigError(f"model.gradient_checkpointing_ratio must lie in (0, 1], got {m.gradient_checkpointing_ratio}; "
-                          "set model.enable_gradient_checkpointing=false to recompute no layer")
     if not 0.0 <= o.lr_warmup_steps_ratio <= 1.0 or not 0.0 <= o.min_lr_ratio <= 1.0:
         raise ConfigError("optim.lr_warmup_steps_ratio and optim.min_lr_ratio must lie in [0, 1]")
+
+
+def _validate_trainer(t: TrainerConfig) -> None:
+    _positive(("trainer.total_epochs", t.total_epochs))
     _choice("trainer.resume_mode", t.resume_mode, ("auto", "disable", "resume_path"))
     if t.resume_mode == "resume_path" and not t.resume_from_path:
         raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
@@ -518,13 +554,6 @@ def validate(cfg: Config) -> None:
                           "too, e.g. trainer.profile_steps=[11]")
     for name in logger_names(t):
         _choice("trainer.logger", name, ("console", "wandb"))
-    _validate_lora(m)
-    _validate_fp8(cfg)
-    if cfg.ulysses_sequence_parallel_size < 1:
-        raise ConfigError(f"ulysses_sequence_parallel_size must be >= 1 (1: off), got {cfg.ulysses_sequence_parallel_size}")
-    if not cfg.use_remove_padding:
-        raise ConfigError("use_remove_padding=false: sfttrain always trains padding-free (packed rows give the "
-                          "same loss as padded ones, without the pad compute); remove the key")
 
 
 def _check_profile_steps(steps: Optional[list[int]]) -> None:

@@ -346,6 +346,35 @@ def varlen_attention_forward(
     kwargs. Returns (attn_output [1, T, H, D], None), the layout of transformers' sdpa/flash
     attention functions, which the caller reshapes to [1, T, H * D].
     """
+    cu_q, cu_k, max_q, max_k = _packed_boundaries(kwargs, query.device)
+    _refuse_what_is_not_implemented(module, query, key, attention_mask, dropout, is_causal, s_aux)
+    backend = _backend if _backend is not None else select_backend("auto", query.device.type)
+    if backend != "sdpa_blockmask":
+        query, key, value = _in_half_precision(backend, query, key, value)
+    # HF's sliding-window semantics: a query sees keys with q - k < sliding_window.
+    window = (-1, 0) if sliding_window is None else (int(sliding_window) - 1, 0)
+
+    # [1, H, T, D] -> [T, H, D] (a view; the last dim stays contiguous, which the kernels need).
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    # The kernels save their inputs for backward. Where a layer's projections are fused
+    # (sfttrain.fuse_projections, sfttrain.lora_fold), v (and k where no RoPE makes it anew) is a
+    # column slice of the q/k/v GEMM's output, a view that would hold that whole output until
+    # backward: W1 LoRA folded peaked 0.67 GiB higher for it (run CF; CG with the copy: 15.51 GiB, as
+    # unfolded; docs/benchmarks.md). A copy holds only v's columns (1/9 of them on W1); where k and v
+    # own their storage already, no copy is made.
+    k, v = k.contiguous(), v.contiguous()
+    # one sample (and the row's pad: sfttrain.data.pack) fills the row: cu_seqlens's length is a
+    # shape, known without reading the tensor
+    if (backend == "torch_varlen" and _cudnn_rows and cu_q.shape[0] == cu_k.shape[0] == 2 and window == (-1, 0)
+            and q.shape[-1] in CUDNN_HEAD_DIMS):
+        return _run_cudnn_one_sample(q, k, v, scaling).unsqueeze(0), None
+    out = _KERNELS[backend](q, k, v, cu_q, cu_k, max_q, max_k, scaling, window, softcap)
+    return out.unsqueeze(0), None
+
+
+def _packed_boundaries(kwargs: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """cu_seq_lens_q / max_length_q from the model call's kwargs (the `_k` twins default to them), as
+    the kernels take them: int32 on the query's device (no-ops for the trainer's inputs), ints."""
     cu_q = kwargs.get("cu_seq_lens_q")
     max_q = kwargs.get("max_length_q")
     if cu_q is None or max_q is None:
@@ -358,6 +387,12 @@ def varlen_attention_forward(
     max_k = kwargs.get("max_length_k")
     cu_k = cu_q if cu_k is None else cu_k
     max_k = max_q if max_k is None else max_k
+    return (cu_q.to(device=device, dtype=torch.int32), cu_k.to(device=device, dtype=torch.int32), int(max_q),
+            int(max_k))
+
+
+def _refuse_what_is_not_implemented(module, query, key, attention_mask, dropout, is_causal, s_aux) -> None:
+    """Causal attention within packed samples of one row, no KV cache: anything else is refused."""
     if attention_mask is not None:
         raise ValueError(
             f"attn_implementation={ATTN_IMPLEMENTATION!r} takes no attention_mask: packed rows have "
@@ -385,46 +420,24 @@ def varlen_attention_forward(
     if query.shape[1] % key.shape[1] != 0:
         raise ValueError(f"query heads {query.shape[1]} not a multiple of kv heads {key.shape[1]}")
 
-    backend = _backend if _backend is not None else select_backend("auto", query.device.type)
-    if backend != "sdpa_blockmask":
-        # The flash kernels take fp16/bf16 only, all three in one dtype. Under autocast with fp32
-        # weights, RoPE (q * cos with fp32 cos) promotes q and k to fp32 while v stays in the
-        # autocast dtype, so cast to the autocast dtype, as transformers' flash integration does.
-        # Outside autocast an fp32 model is an error, not a silent precision change.
-        half = (torch.float16, torch.bfloat16)
-        dev = query.device.type
-        if torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) in half:
-            target = torch.get_autocast_dtype(dev)
-            query, key, value = query.to(target), key.to(target), value.to(target)
-        elif not (query.dtype in half and key.dtype == query.dtype and value.dtype == query.dtype):
-            raise ValueError(
-                f"attention backend {backend!r} needs fp16/bf16 query/key/value of one dtype, got "
-                f"{query.dtype}/{key.dtype}/{value.dtype}; run the model in bf16 (or under autocast), "
-                "or configure 'sdpa_blockmask'"
-            )
 
-    cu_q = cu_q.to(device=query.device, dtype=torch.int32)  # no-ops for the trainer's inputs
-    cu_k = cu_k.to(device=query.device, dtype=torch.int32)
-    max_q, max_k = int(max_q), int(max_k)
-    # HF's sliding-window semantics: a query sees keys with q - k < sliding_window.
-    window = (-1, 0) if sliding_window is None else (int(sliding_window) - 1, 0)
-
-    # [1, H, T, D] -> [T, H, D] (a view; the last dim stays contiguous, which the kernels need).
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
-    # The kernels save their inputs for backward. Where a layer's projections are fused
-    # (sfttrain.fuse_projections, sfttrain.lora_fold), v (and k where no RoPE makes it anew) is a
-    # column slice of the q/k/v GEMM's output, a view that would hold that whole output until
-    # backward: W1 LoRA folded peaked 0.67 GiB higher for it (run CF; CG with the copy: 15.51 GiB, as
-    # unfolded; docs/benchmarks.md). A copy holds only v's columns (1/9 of them on W1); where k and v
-    # own their storage already, no copy is made.
-    k, v = k.contiguous(), v.contiguous()
-    # one sample (and the row's pad: sfttrain.data.pack) fills the row: cu_seqlens's length is a
-    # shape, known without reading the tensor
-    if (backend == "torch_varlen" and _cudnn_rows and cu_q.shape[0] == cu_k.shape[0] == 2 and window == (-1, 0)
-            and q.shape[-1] in CUDNN_HEAD_DIMS):
-        return _run_cudnn_one_sample(q, k, v, scaling).unsqueeze(0), None
-    out = _KERNELS[backend](q, k, v, cu_q, cu_k, max_q, max_k, scaling, window, softcap)
-    return out.unsqueeze(0), None
+def _in_half_precision(backend: str, query, key, value) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The flash kernels take fp16/bf16 only, all three in one dtype. Under autocast with fp32
+    weights, RoPE (q * cos with fp32 cos) promotes q and k to fp32 while v stays in the autocast
+    dtype, so cast to the autocast dtype, as transformers' flash integration does. Outside autocast
+    an fp32 model is an error, not a silent precision change."""
+    half = (torch.float16, torch.bfloat16)
+    dev = query.device.type
+    if torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) in half:
+        target = torch.get_autocast_dtype(dev)
+        return query.to(target), key.to(target), value.to(target)
+    if not (query.dtype in half and key.dtype == query.dtype and value.dtype == query.dtype):
+        raise ValueError(
+            f"attention backend {backend!r} needs fp16/bf16 query/key/value of one dtype, got "
+            f"{query.dtype}/{key.dtype}/{value.dtype}; run the model in bf16 (or under autocast), "
+            "or configure 'sdpa_blockmask'"
+        )
+    return query, key, value
 
 
 register()

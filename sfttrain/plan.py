@@ -331,12 +331,14 @@ def batch_section(cfg: Config, dp_size: int, folder: Optional[str], found: Findi
 def resume_section(cfg: Config, batches: Batches, folder: Optional[str], found: Findings) -> list[str]:
     """The checkpoint the run would resume from (sfttrain.resume's rules, the run folder left as it
     is), and what its start-up would refuse of that resume: a damaged checkpoint, other data, a
-    schedule that ends before it, another LoRA base."""
+    schedule that ends before it, another LoRA base; and another run in the folder now."""
     from sfttrain.checkpoint import TrainState
     from sfttrain.lora import base_identity
     from sfttrain.optim import schedule_settings
     from sfttrain.resume import choose_resume, review_resume
+    from sfttrain.run_lock import check_not_in_use
 
+    found.check(lambda: check_not_in_use(cfg.trainer.default_local_dir))  # another run in it now
     chosen = found.check(lambda: choose_resume(cfg.trainer, cfg.trainer.default_local_dir))
     if chosen is None or chosen.path is None:
         return [f"  resume              : {'fresh start' if chosen else 'see the problems below'}"]

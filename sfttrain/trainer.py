@@ -34,6 +34,7 @@ from sfttrain.optim import build_optimizer, build_scheduler, clipped_step, sched
 from sfttrain.parallel import describe_compile, describe_sharding, gradient_sync, parallelize
 from sfttrain.resume import check_resume, find_resume
 from sfttrain.rope import check_rope
+from sfttrain.run_lock import lock_run_folder
 
 
 @dataclass
@@ -53,6 +54,7 @@ class FSDPSFTTrainer:
         d, t = cfg.data, cfg.trainer
         self.run_dir = t.default_local_dir
         check_shared_run_dir(self.run_dir, world)  # every node writes its shards there
+        self.folder_warnings = lock_run_folder(self.run_dir, world)  # one run at a time in a run folder
 
         # data first: a bad file, column or batch size fails before the model is loaded
         folder = local_model_folder(cfg.model)
@@ -141,6 +143,7 @@ class FSDPSFTTrainer:
             f"  lr                  : {cfg.optim.lr} {cfg.optim.lr_scheduler}, "
             f"{warmup_steps(cfg.optim, self.plan.total_steps)} warmup steps",
             f"  run folder          : {self.run_dir}",
+            *self.folder_warnings,
             *profiling.describe(cfg.trainer, self.run_dir, self.state.step, self.world.device),
             describe(self.data_report),
             *describe_workers(cfg.data.num_workers, ranks_of_this_launcher(), cpus_of_this_process()),

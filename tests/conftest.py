@@ -323,13 +323,13 @@ def kill_job(proc: subprocess.Popen) -> list[int]:
     proc.wait()
     for pid in stopped:  # dead (gone, or a zombie awaiting its reaper) before the next attempt
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and _alive(pid):
+        while time.monotonic() < deadline and alive(pid):
             time.sleep(0.01)
-        assert not _alive(pid), f"process {pid} survived SIGKILL"
+        assert not alive(pid), f"process {pid} survived SIGKILL"
     return sorted(stopped)
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 
-from tests.conftest import BASE_OVERRIDES, ForkServer, _alive, rank_env
+from tests.conftest import BASE_OVERRIDES, ForkServer, alive, rank_env
 
 # a start-up error of every rank (no file needed): exit code 2, the config kind (sfttrain/errors.py)
 CONFIG_ERROR = [*BASE_OVERRIDES, "data.train_files=unused.parquet", "trainer.no_such_key=1"]
@@ -32,13 +32,13 @@ def test_the_launchers_death_ends_its_ranks(gsm8k_dir, tmp_path):
                                        f"trainer.default_local_dir={tmp_path / 'run'}", "data.train_batch_size=8",
                                        "data.micro_batch_size_per_gpu=2", "trainer.total_training_steps=1000"], log)
     ranks = proc.ranks()
-    assert len(ranks) == 2 and all(map(_alive, ranks)), log.read_text()[-3000:]
+    assert len(ranks) == 2 and all(map(alive, ranks)), log.read_text()[-3000:]
     proc.kill()
     proc.wait()
     deadline = time.monotonic() + 60  # the server reacts at once; the bound only ends a failing test
-    while any(map(_alive, ranks)) and time.monotonic() < deadline:
+    while any(map(alive, ranks)) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not any(map(_alive, ranks)), log.read_text()[-3000:]
+    assert not any(map(alive, ranks)), log.read_text()[-3000:]
 
 
 def test_only_the_servers_environment_is_forked():

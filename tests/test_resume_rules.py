@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
+import signal
+import socket
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -15,7 +18,8 @@ import pytest
 
 from sfttrain import checkpoint, resume
 from sfttrain.config import ConfigError, load_config
-from tests.conftest import BASE_OVERRIDES, read_metrics, run_sfttrain
+from tests.conftest import (BASE_OVERRIDES, ForkedJob, descendants, kill_job, launch, logged_steps,
+                            read_metrics, run_sfttrain)
 
 SAVED_STEP = 3
 
@@ -111,3 +115,77 @@ def test_checkpoint_of_an_older_sfttrain(tmp_path):
     current.data["trainer.seed"] = 2
     with pytest.raises(ConfigError, match="trainer.seed: 1 -> 2"):
         resume.check_resume(str(ckpt), cfg, current)
+
+
+def _processes(proc) -> list[int]:
+    ranks = proc.ranks() if isinstance(proc, ForkedJob) else []  # forked ranks are not the launcher's children
+    return [proc.pid, *descendants(proc.pid), *ranks, *(d for r in ranks for d in descendants(r))]
+
+
+def _rank_0(proc) -> int:
+    """The first rank the rank server forked, or torchrun's child whose environment says RANK=0."""
+    if isinstance(proc, ForkedJob):
+        return proc.ranks()[0]
+    for pid in descendants(proc.pid):
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            if b"\0RANK=0\0" in b"\0" + f.read():
+                return pid
+    raise AssertionError("no rank 0")
+
+
+def _holds(pid: int, path: Path) -> bool:
+    """Whether the process has `path` open."""
+    fds = f"/proc/{pid}/fd"
+    return any(os.readlink(f"{fds}/{fd}") == str(path) for fd in os.listdir(fds))
+
+
+def test_a_second_run_in_a_busy_run_folder_is_refused(data, tmp_path, capsys):
+    """Run A (2 ranks, a DataLoader worker each) trains in a folder; once it has logged a step, every
+    process of it is frozen (SIGSTOP: it holds the folder as a running job does). The same command
+    again, run B, ends every rank with one message naming A's rank 0 (host, pid) and exit code 2, and the
+    preflight lists it. Rank 0 alone holds the lock's file open (its DataLoader worker, forked after the
+    lock was taken, closed its copy: an orphaned worker cannot keep the folder locked). Killed, A
+    leaves nothing to clean up: B's command trains in the folder."""
+    from sfttrain import plan
+    from sfttrain.run_lock import LOCK_FILE, check_not_in_use
+    from tests.test_checkpoint import one_message, wait_until
+
+    run_dir = tmp_path / "run"
+    command = job(data, run_dir, "trainer.total_training_steps=300", "data.num_workers=1")
+    a = launch(2, command, tmp_path / "a.log")
+    try:
+        assert wait_until(lambda: logged_steps(run_dir) >= 1, a), (tmp_path / "a.log").read_text()[-3000:]
+        for pid in _processes(a):
+            os.kill(pid, signal.SIGSTOP)
+        rank_0 = _rank_0(a)
+        (worker,) = descendants(rank_0)
+        assert _holds(rank_0, run_dir / LOCK_FILE) and not _holds(worker, run_dir / LOCK_FILE)
+
+        message = one_message(run_sfttrain(2, command, check=False), 2)
+        assert (f"trainer.default_local_dir={run_dir} is in use by another sfttrain run (rank 0 on "
+                f"{socket.gethostname()}, pid {rank_0}, since ") in message, message
+        assert plan.main([*command, "--nproc", "2"]) == 2
+        assert message.removeprefix("sfttrain: config error: ") in capsys.readouterr().out
+    finally:
+        kill_job(a)  # every process of it dead, their files closed
+    check_not_in_use(str(run_dir))
+    run_sfttrain(2, [*command, "trainer.total_training_steps=3"])
+    assert logged_steps(run_dir) == 3
+
+
+def test_a_filesystem_without_locks_is_said_at_start_up(tmp_path, monkeypatch):
+    """Where flock(2) fails as on a filesystem without locks (Lustre mounted without `flock`: ENOLCK or
+    ENOSYS), the run goes on with a warning that a second run would not be caught; the preflight passes."""
+    import errno
+    import fcntl
+    from types import SimpleNamespace
+
+    from sfttrain.run_lock import check_not_in_use, lock_run_folder
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    (warning,) = lock_run_folder(str(tmp_path), SimpleNamespace(is_main=True, world_size=1))
+    assert warning.startswith("  WARNING: the run folder's filesystem has no file locks (No locks available)")
+    check_not_in_use(str(tmp_path))

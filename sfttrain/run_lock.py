@@ -1,0 +1,121 @@
+"""One run at a time in a run folder: rank 0 holds an exclusive lock on `<run folder>/.sfttrain.lock`
+for as long as its process lives.
+
+Two runs started in one folder (a job submitted twice, a requeued job whose first attempt still
+runs, a second experiment that forgot its own trainer.default_local_dir) would each resume the
+other's checkpoints, rewind the other's metrics.jsonl and save the same steps over each other, both
+ending as if nothing happened: before this lock, a second run started 10 s after a first resumed its
+step 30 and both wrote steps 40-150 into one folder without a word. The second run is now refused
+at start-up, before it reads any data, naming the first.
+
+The lock is flock(2): the kernel drops it when the holding process ends, however it ends (a crash
+or SIGKILL leaves nothing to clean up), and NFS carries it between nodes. The file says who holds
+it (host, pid, since when, the Slurm job), for the message of the run it refuses; it stays behind,
+and only the lock counts. A filesystem without locks (Lustre mounted without `flock`) is said at
+start-up: there, a second run would not be caught.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import time
+from typing import Optional
+
+import torch.distributed as dist
+
+from sfttrain.errors import ConfigError
+
+LOCK_FILE = ".sfttrain.lock"
+_held: dict[str, int] = {}  # run folder (its real path) -> the descriptor that holds its lock
+
+# filesystems without flock(2) answer with one of these
+NO_LOCKS = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
+
+
+def lock_run_folder(run_dir: str, world) -> list[str]:
+    """Collective, at start-up: rank 0 takes the run folder's lock (and holds it for its process's
+    life); if another run holds it, every rank stops with the same ConfigError. Returns start-up
+    lines (a warning where the filesystem has no locks)."""
+    box = [_take(run_dir) if world.is_main else None]
+    if world.world_size > 1:
+        dist.broadcast_object_list(box, src=0)
+    in_use, warning = box[0] or (None, None)
+    if in_use:
+        raise ConfigError(in_use)
+    return [warning] if warning else []
+
+
+def check_not_in_use(run_dir: str) -> None:
+    """The preflight's look: raises the ConfigError a run would stop on, without keeping the lock."""
+    if os.path.realpath(run_dir) in _held:
+        return
+    try:
+        fd = os.open(os.path.join(run_dir, LOCK_FILE), os.O_RDONLY)
+    except OSError:  # no run has held it yet (or it cannot be read: the run's own start-up says what then)
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # shared: two preflights do not see each other
+    except BlockingIOError:
+        raise ConfigError(_in_use_message(run_dir)) from None
+    except OSError as e:
+        if e.errno not in NO_LOCKS:
+            raise
+    finally:
+        os.close(fd)
+
+
+def _take(run_dir: str) -> tuple[Optional[str], Optional[str]]:
+    """(why the folder is refused, None), (None, a warning) or (None, None): the lock taken."""
+    key = os.path.realpath(run_dir)
+    if key in _held:  # this process holds it already (a second trainer in one process)
+        return None, None
+    path = os.path.join(run_dir, LOCK_FILE)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return _in_use_message(run_dir), None
+    except OSError as e:
+        os.close(fd)
+        if e.errno not in NO_LOCKS:
+            raise
+        return None, (f"  WARNING: the run folder's filesystem has no file locks ({e.strerror}): a second run started "
+                      f"in {run_dir} while this one runs would not be refused, and the two would save over each other")
+    os.ftruncate(fd, 0)
+    os.write(fd, json.dumps(_me()).encode())
+    _held[key] = fd
+    return None, None
+
+
+def _me() -> dict:
+    return {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "slurm_job": os.environ.get("SLURM_JOB_ID")}
+
+
+def _in_use_message(run_dir: str) -> str:
+    try:
+        with open(os.path.join(run_dir, LOCK_FILE)) as f:
+            holder = json.load(f)
+        who = f"rank 0 on {holder['host']}, pid {holder['pid']}, since {holder['since']}"
+        who += f", Slurm job {holder['slurm_job']}" if holder.get("slurm_job") else ""
+    except (OSError, ValueError, KeyError, TypeError):  # written just now, or by another version
+        who = "its holder did not say who it is"
+    return (f"trainer.default_local_dir={run_dir} is in use by another sfttrain run ({who}): two runs in one folder "
+            "would resume each other's checkpoints and save the same steps over each other. Let that run finish "
+            "or stop it, or give this run another trainer.default_local_dir")
+
+
+def _close_in_child() -> None:
+    """A forked child (a DataLoader worker) gets copies of the descriptors. Closed, the lock stays
+    with this process alone: an orphaned worker outliving a killed rank 0 does not keep the folder locked."""
+    for fd in _held.values():
+        os.close(fd)
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_child)

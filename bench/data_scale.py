@@ -4,12 +4,14 @@ Builds a 1M-row Parquet file (row groups of 10k rows, ~0.5 KB of text per row), 
   scan_read      rank 0's share read (decode only), for 1 of 1 and 1 of 8 ranks: rows/s and row
                  groups decoded (a contiguous share of 8 decodes ~1/8 of the groups; the strided
                  share the scan used before touches all of them)
-  scan_render    the same plus rendering (stories260K tokenizer) on the first --render_rows rows
+  scan_render    rendering the first --render_rows rows as the scan does: stories260K's tokenizer on
+                 plain text, and Qwen2.5's with its chat template (W1's)
   length_cache   loading every row's counts from the length cache (what a resume does instead)
   train_order    a shuffled epoch read step by step (--batch rows a step) for --train_rows rows
                  (more than a shuffle window): rows/s and row groups decoded
 
 Run: PYTHONPATH=. taskset -c 0 python bench/data_scale.py [--rows 1000000] [--out results.json]
+(without taskset, a fast tokenizer's batch path takes every core for the rendering)
 With PYTHONPATH=/another/checkout it measures that checkout's reader (before/after).
 rows_per_cpu_s is the figure to compare on a shared machine; rows_per_s is wall-clock.
 """
@@ -81,17 +83,22 @@ def scan_read(path: Path, world: int, strided: bool = False) -> dict:
             "groups_total": len(src.row_groups)}
 
 
-def scan_render(path: Path, rows: int) -> dict:
+def scan_render(path: Path, rows: int, tokenizer: str, chat: bool) -> dict:
+    """The scan's rendering of the first `rows` rows, a block of 4096 at a time as the scan renders
+    them (one call per row in a checkout from before Renderer.render_many)."""
     from transformers import AutoTokenizer
 
     from sfttrain.data.render import Renderer
 
-    renderer = Renderer(AutoTokenizer.from_pretrained(REPO / "assets/models/stories260K"), max_length=256,
-                        truncation="right", apply_chat_template=False)
-    src = source(path)
-    texts = src.read(np.arange(rows))
-    seconds, _ = timed(lambda: [renderer.render(p, r, row) for p, r, row in texts])
-    return rates(rows, seconds)
+    renderer = Renderer(AutoTokenizer.from_pretrained(REPO / tokenizer), max_length=4096, truncation="right",
+                        apply_chat_template=chat)
+    texts = source(path).read(np.arange(rows))
+    blocks = [texts[start:start + 4096] for start in range(0, rows, 4096)]
+    if hasattr(renderer, "render_many"):
+        seconds, _ = timed(lambda: [renderer.render_many(block) for block in blocks])
+    else:
+        seconds, _ = timed(lambda: [renderer.render(*row) for row in texts])
+    return {"tokenizer": tokenizer, "chat_template": chat, **rates(rows, seconds)}
 
 
 def length_cache(rows: int) -> dict:
@@ -132,7 +139,8 @@ def main() -> None:
         build(path, args.rows, args.group_rows)
     results = {"file": str(path), "bytes": path.stat().st_size, "cpus": sorted(os.sched_getaffinity(0)),
                "scan_read": [scan_read(path, 1), scan_read(path, 8), scan_read(path, 8, strided=True)],
-               "scan_render": scan_render(path, args.render_rows),
+               "scan_render": [scan_render(path, args.render_rows, "assets/models/stories260K", False),
+                               scan_render(path, args.render_rows, "assets/tokenizers/qwen2.5-instruct", True)],
                "length_cache": length_cache(args.rows),
                "train_order": train_order(path, args.train_rows, args.batch, args.budget_s)}
     print(json.dumps(results, indent=1))

@@ -78,7 +78,9 @@ def test_data_benches(tmp_path, monkeypatch, capsys):
         {"w1_data": w1_data, "data_cost_w1": data_cost_w1, "data_scale": data_scale}[argv[0]].main()
     stats = json.loads(capsys.readouterr().out.splitlines()[0])
     assert stats["samples"] == 2000 and stats["truncated"] == 0
-    assert json.loads((tmp_path / "scale.json").read_text())["scan_read"][0]["rows"] == 2000
+    scale = json.loads((tmp_path / "scale.json").read_text())
+    assert scale["scan_read"][0]["rows"] == 2000
+    assert [(r["chat_template"], r["rows"]) for r in scale["scan_render"]] == [(False, 50), (True, 50)]
 
 
 def test_loss_kernel(monkeypatch):

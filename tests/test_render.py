@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from sfttrain.data.render import RenderedSample, Renderer
+from sfttrain.data.render import RenderedSample, Renderer, RowError
 from tests.conftest import STORIES
 
 ASSETS = Path(__file__).parents[1] / "assets"
@@ -43,11 +43,12 @@ def supervised(tok, s):
 
 
 def reference_prompt_ids(tok, question):
-    """Independent path: render the template to text, then encode the text."""
-    text = tok.apply_chat_template(
-        [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
-    )
-    return text, tok(text, add_special_tokens=False)["input_ids"]
+    """Independent path: transformers' own tokenizing chat template (the renderer renders the
+    template's text and tokenizes a block of such texts at once)."""
+    turn = [{"role": "user", "content": question}]
+    ids = tok.apply_chat_template(turn, add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids  # transformers 5 returns a BatchEncoding
+    return tok.apply_chat_template(turn, add_generation_prompt=True, tokenize=False), list(ids)
 
 
 def test_qwen_mask_covers_exactly_the_response_and_eos(qwen):
@@ -275,3 +276,20 @@ def test_the_saved_tokenizer_carries_the_template_trained_with(stories, tmp_path
         assert saved.chat_template == CUSTOM_TEMPLATE
         ids = saved.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=True)
         assert list(ids["input_ids"] if hasattr(ids, "keys") else ids) == prompt, folder
+
+
+@pytest.mark.parametrize("tokenizer, chat", [("tokenizers/qwen2.5-instruct", True), ("tokenizers/qwen3", True),
+                                             ("models/stories260K", False)])
+def test_a_block_renders_as_its_rows_one_at_a_time(tokenizer, chat):
+    """render_many tokenizes a block's texts in one call each: every sample equals the row's own
+    render; with data.truncation=error the first row over max_length stops the block, named."""
+    tok = AutoTokenizer.from_pretrained(ASSETS / tokenizer)
+    rows = [(r["question"], r["answer"], i) for i, r in enumerate(ROWS)]
+    r = Renderer(tok, max_length=4096, truncation="error", apply_chat_template=chat)
+    assert r.render_many(rows) == [r.render(*row) for row in rows]
+    lengths = [len(s.input_ids) for s in r.render_many(rows)]
+    limit = sorted(lengths)[-3]  # the two longest rows do not fit
+    first = next(i for i, n in enumerate(lengths) if n > limit)
+    with pytest.raises(RowError, match=f"^row {first} has {lengths[first]} tokens") as e:
+        Renderer(tok, max_length=limit, truncation="error", apply_chat_template=chat).render_many(rows)
+    assert e.value.row == first

@@ -36,7 +36,7 @@ import os
 from jinja2 import TemplateError
 
 from sfttrain.config import ConfigError
-from sfttrain.data.render import Renderer, RenderedSample
+from sfttrain.data.render import Renderer, RenderedSample, RowError, each_row
 
 ROLES = ("system", "user", "assistant", "tool")
 PROBE = "\x00sfttrain-probe\x00"  # an assistant content no real text contains
@@ -70,6 +70,10 @@ class ChatRenderer(Renderer):
                               "end-of-turn token of the tokenizer; data.multiturn needs a template that ends each "
                               "assistant turn with one (set data.chat_template=...)")
         return self.tokenizer.convert_ids_to_tokens(ids[0])
+
+    def render_many(self, rows: list[tuple[list[dict], dict, int]]) -> list[RenderedSample]:
+        """A conversation's masks come from character offsets of its own rendering: one at a time."""
+        return each_row(rows, lambda r: self.render(*r))
 
     def render(self, messages: list[dict], kwargs: dict, row: int) -> RenderedSample:
         check_messages(messages, row)
@@ -190,6 +194,7 @@ def build_renderer(d, tokenizer, embedding_rows: int | None) -> Renderer:
     except ConfigError:
         raise
     except (TemplateError, TypeError, KeyError, ValueError, IndexError) as e:
+        e = e.__cause__ if isinstance(e, RowError) else e  # what the template raised
         source = (f"data.chat_template={d.chat_template!r}" if d.chat_template is not None
                   else "the tokenizer's chat template (data.chat_template=... replaces it)")
         raise ConfigError(f"{source} does not parse or render: {type(e).__name__}: {str(e).splitlines()[0]}; fix "

@@ -22,7 +22,7 @@ from sfttrain.errors import DataError, UserError
 from sfttrain.data.pack import MicroBatch, budget_bins, empty_micro_batch, local_slice, loss_tokens, pack
 from sfttrain.data.parquet import ParquetSource
 from sfttrain.data.batching import BatchPlan
-from sfttrain.data.render import RenderedSample, Renderer
+from sfttrain.data.render import RenderedSample, Renderer, RowError
 
 # torch's DataLoader warns, in every rank and twice, when one rank's workers outnumber the CPUs; it cannot know
 # the node's other ranks, which `describe_workers` counts in one start-up line instead
@@ -91,7 +91,7 @@ class TrainData:
         costs = [n + self.attn_coef * n * n for n in lengths]
         micro_idx = self.plan.split(lengths, costs)[self.dp_rank]
         mine = sorted(i for idx in micro_idx for i in idx)  # one read, in epoch order (see ParquetSource.read)
-        rendered = dict(zip(mine, (self.renderer.render(*text) for text in self.source.read(rows[mine]))))
+        rendered = dict(zip(mine, self.renderer.render_many(self.source.read(rows[mine]))))
         check_counts(rendered.values(), self.stats, self.source)
         micro = [local_slice(pack([rendered[i] for i in idx], self.pad_to), *self.row_slice) for idx in micro_idx]
         return StepBatch(epoch, consumed, micro, int(self.stats.loss_tokens[rows].sum()), lengths, rows.tolist())
@@ -227,10 +227,10 @@ def _share(num_rows: int, rank: int, world: int) -> np.ndarray:
     return np.arange(rank * num_rows // world, (rank + 1) * num_rows // world)
 
 
-def _rows_of(source: ParquetSource, rows: np.ndarray, block: int = 4096) -> Iterator[tuple[str, str, int]]:
+def _blocks_of(source: ParquetSource, rows: np.ndarray, block: int = 4096) -> Iterator[list[tuple]]:
     """The rows' texts, a block at a time (a share's text is never all in memory at once)."""
     for start in range(0, len(rows), block):
-        yield from source.read(rows[start:start + block])
+        yield source.read(rows[start:start + block])
 
 
 def _scan(source: ParquetSource, renderer: Renderer, rank: int, world: int,
@@ -239,17 +239,17 @@ def _scan(source: ParquetSource, renderer: Renderer, rank: int, world: int,
     tokens before truncation] per row). A bad cell (read) or a render error on any rank stops every
     rank at once with the same message (e.g. a null response, a sample over data.max_length with
     data.truncation=error): a rank that raised alone would leave the others waiting here."""
-    error, samples, stats, row = None, [], [], None
+    error, samples, stats = None, [], []
     try:
-        for p, r, row in _rows_of(source, _share(source.num_rows, rank, world)):
-            sample = renderer.render(p, r, row)
-            stats.append((row, len(sample.input_ids), loss_tokens(sample), sample.full_length))
-            if keep:
-                samples.append(sample)
+        for block in _blocks_of(source, _share(source.num_rows, rank, world)):
+            for sample in renderer.render_many(block):
+                stats.append((sample.row, len(sample.input_ids), loss_tokens(sample), sample.full_length))
+                if keep:
+                    samples.append(sample)
     except DataError as e:  # a bad cell, named with its file
         error = str(e)
-    except ValueError as e:  # the rendering of `row` failed: its file and row (or line) go first
-        error = f"{source.where(row)}: {e}"
+    except RowError as e:  # the rendering of a row failed: its file and row (or line) go first
+        error = f"{source.where(e.row)}: {e}"
     errors = [None] * dist.get_world_size()  # all ranks, also when `world` counts data-parallel ranks only
     dist.all_gather_object(errors, error)
     first = next((e for e in errors if e), None)

@@ -6,7 +6,6 @@ text), the response is appended followed by EOS, and only the response tokens ar
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 from sfttrain.config import ConfigError
@@ -22,22 +21,26 @@ class RenderedSample:
     full_length: int = 0  # tokens before truncation (> len(input_ids) where data.truncation cut the sample)
 
 
-def _as_id_list(out) -> list[int]:
-    """Flat list[int] from whatever apply_chat_template / a tokenizer call returned.
+class RowError(ValueError):
+    """A row that cannot be rendered: the message says why, `row` which (for its file and line)."""
 
-    transformers 4.x returns list[int] from apply_chat_template(tokenize=True); 5.x returns a
-    BatchEncoding (a dict with input_ids). Either may come back as a batch of one.
-    """
-    if isinstance(out, Mapping) or hasattr(out, "input_ids"):
-        out = out["input_ids"]
-    if hasattr(out, "tolist"):  # tensor / ndarray
-        out = out.tolist()
-    out = list(out)
-    if out and isinstance(out[0], (list, tuple)):
-        if len(out) != 1:
-            raise ValueError(f"expected one sequence of token ids, got a batch of {len(out)}")
-        out = list(out[0])
-    return [int(t) for t in out]
+    def __init__(self, row: int, message: str):
+        super().__init__(message)
+        self.row = row
+
+
+def each_row(rows: list[tuple], render_one) -> list:
+    """render_one(r) for each row tuple r (its last item the row id), in order; a row that fails
+    raises a RowError naming it."""
+    out = []
+    for r in rows:
+        try:
+            out.append(render_one(r))
+        except RowError:
+            raise
+        except ValueError as e:
+            raise RowError(r[-1], str(e)) from e
+    return out
 
 
 class Renderer:
@@ -82,30 +85,42 @@ class Renderer:
         reachable = embedding_rows is not None and len(self.tokenizer) > embedding_rows
         self.id_limit = embedding_rows if reachable else None
 
-    def _prompt_ids(self, prompt: str) -> list[int]:
-        if not self.apply_chat_template:
-            return _as_id_list(self.tokenizer(prompt))  # normal special tokens, e.g. BOS
-        out = self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}],
-            add_generation_prompt=True,
-            tokenize=True,
-            chat_template=self.chat_template,  # None -> the tokenizer's own template
-        )
-        return _as_id_list(out)
-
     def render(self, prompt: str, response: str, row: int) -> RenderedSample:
+        return self.render_many([(prompt, response, row)])[0]
+
+    def render_many(self, rows: list[tuple[str, str, int]]) -> list[RenderedSample]:
+        """Each (prompt, response, row) as a sample, in order. The rows' texts are tokenized in one
+        call for the prompts and one for the responses: a fast tokenizer's batch path runs its Rust
+        code over all of them on every core, with no Python call per text. The start-up scan renders
+        every row this way, 4096 at a time: with Qwen2.5's chat template 1.7x the rows a second of a
+        call per row on 2 cores, the same on one (bench/data_scale.py; docs/benchmarks.md, thirty-second
+        session); the tokenizer's share of the work shrinks with more cores, the Python share does not."""
+        if not rows:
+            return []
+        texts = each_row(rows, lambda r: self._prompt_text(r[0]))
+        # special tokens (e.g. BOS) for a plain prompt; a chat template writes its own
+        prompts = self.tokenizer(texts, add_special_tokens=not self.apply_chat_template)["input_ids"]
+        responses = self.tokenizer([r[1] for r in rows], add_special_tokens=False)["input_ids"]
+        return each_row(list(zip(prompts, responses, (r[2] for r in rows))), lambda t: self._pair(*t))
+
+    def _prompt_text(self, prompt: str) -> str:
+        """The prompt as a single user turn with the generation prompt, or as plain text."""
+        if not self.apply_chat_template:
+            return prompt
+        return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                  tokenize=False,
+                                                  chat_template=self.chat_template)  # None: the tokenizer's own
+
+    def _pair(self, prompt_ids: list[int], response_ids: list[int], row: int) -> RenderedSample:
         # Prompt and response are tokenized separately and concatenated. Tokenizing the joined
         # text could merge tokens across the boundary, so the mask would not split cleanly, and
         # the ids would differ from what the model sees at inference, where it continues from
         # the generation prompt.
-        prompt_ids = self._prompt_ids(prompt)
         # EOS is trained so the model learns to stop. verl's single-turn SFT path drops it, and
         # its models then never stop generating.
-        response_ids = _as_id_list(self.tokenizer(response, add_special_tokens=False)) + [self.eos_token_id]
-
-        input_ids = prompt_ids + response_ids
+        response_ids = [*response_ids, self.eos_token_id]
+        input_ids = [*prompt_ids, *response_ids]
         loss_mask = [0] * len(prompt_ids) + [1] * len(response_ids)
-
         return self.fit(input_ids, loss_mask, row, f"{len(prompt_ids)} prompt + {len(response_ids)} response")
 
     def fit(self, input_ids: list[int], loss_mask: list[int], row: int, parts: str) -> RenderedSample:

@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import socket
+import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -167,7 +168,12 @@ def test_a_second_run_in_a_busy_run_folder_is_refused(data, tmp_path, capsys):
         assert plan.main([*command, "--nproc", "2"]) == 2
         assert message.removeprefix("sfttrain: config error: ") in capsys.readouterr().out
     finally:
-        kill_job(a)  # every process of it dead, their files closed
+        kill_job(a)
+    # A's rank 0 dead and reaped: every thread of it has exited and dropped the process's descriptors (its
+    # group leader shows as a zombie, which kill_job waits for, while its other threads may still be exiting)
+    deadline = time.monotonic() + 60
+    while os.path.exists(f"/proc/{rank_0}") and time.monotonic() < deadline:
+        time.sleep(0.01)
     check_not_in_use(str(run_dir))
     run_sfttrain(2, [*command, "trainer.total_training_steps=3"])
     assert logged_steps(run_dir) == 3

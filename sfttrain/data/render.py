@@ -1,4 +1,4 @@
-"""Turn one (prompt, response) pair into token ids and a loss mask.
+"""Turn (prompt, response) pairs into token ids and a loss mask, a block of rows at a time.
 
 The prompt is rendered as a single user turn with the tokenizer's chat template (or as plain
 text), the response is appended followed by EOS, and only the response tokens are trained.

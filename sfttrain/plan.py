@@ -27,6 +27,7 @@ from sfttrain.checkpoint_folder import room_problem, size_text, step_of
 from sfttrain.config import (Config, ConfigError, ModelConfig, as_list, load_config, mixed_precision_dtypes,
                              shard_group_size, validate)
 from sfttrain.data.batching import batch_problem, make_plan
+from sfttrain.data.parquet import hub_id_hint
 from sfttrain.errors import UserError
 from sfttrain.hub import cached_folder, is_repo_id
 from sfttrain.lora import base_dtype
@@ -310,7 +311,7 @@ def batch_section(cfg: Config, dp_size: int, folder: Optional[str], found: Findi
     rows, fingerprint = None, None
     if missing:  # a missing file is often only missing here (the cluster's path): not a problem
         found.notes.append(f"data.train_files: {', '.join(missing)} not on this machine: steps per epoch and the rows "
-                           "are not checked")
+                           "are not checked" + "".join(map(hub_id_hint, missing)))
     elif d.train_files and folder is not None and has_tokenizer(folder):
         rows, fingerprint = found.check(lambda: rows_trained(cfg, folder)) or (None, None)
     elif d.train_files:  # (none given: the validation's problem)

@@ -119,6 +119,10 @@ def catalogue(tmp: Path) -> dict[str, Case]:
         "profile_beyond_the_run": Case(["trainer.profile_steps=[3,4]"], [
             "trainer.profile_steps=[3, 4]: the run has 3 steps"], CONFIG),
         "missing_path": Case([f"data.val_files={tmp}/nope.parquet"], [f"{tmp}/nope.parquet", "does not exist"], DATA),
+        # TRL takes a hub dataset's id where sfttrain (as verl) takes files
+        "hub_dataset_id": Case(["data.train_files=openai/gsm8k"], [
+            "data file 'openai/gsm8k' does not exist", "looks like a Hugging Face hub dataset id",
+            "datasets.load_dataset('openai/gsm8k', split='train').to_parquet('train.parquet')"], DATA),
         "empty_file": Case([f"data.val_files={empty}"], [str(empty), "has no rows"], DATA),
         "zero_byte_parquet": Case([f"data.val_files={zero}"], [str(zero), "not a readable Parquet file (0 bytes"],
                                   DATA),
@@ -170,7 +174,8 @@ CASES = ["misspelled_key", "wrong_type", "yaml_syntax", "nan_lr", "missing_wandb
          "missing_model", "missing_chat_template", "template_file_fails", "template_text_fails",
          "multiturn_without_template", "messages_read_as_prompt", "batch_dependent_rope", "profile_beyond_the_run",
          "token_past_the_embedding", "torchrun_per_task",
-         "missing_column", "missing_path", "empty_file", "zero_byte_parquet", "over_length_row", "non_finite_loss"]
+         "missing_column", "missing_path", "hub_dataset_id", "empty_file", "zero_byte_parquet", "over_length_row",
+         "non_finite_loss"]
 
 
 @pytest.mark.parametrize("name", CASES)

@@ -268,6 +268,10 @@ def test_preflight_lists_what_the_run_would_stop_on(gsm8k_dir, tmp_path):
                          "--nproc", "1")
     assert code == 2 and "no column 'nope'" in out.split("problems:")[1] and "not on this machine" not in out, out
 
+    # a hub dataset's id (TRL's way) is not on this machine, nor on any other: the note says what to do
+    code, out = run_plan(*BASE_OVERRIDES, "data.train_files=openai/gsm8k", "--nproc", "1")
+    assert "openai/gsm8k not on this machine" in out and "looks like a Hugging Face hub dataset id" in out, out
+
     code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={gsm8k_dir / 'train.parquet'}", "trainer.total_training_steps=3",
                          "trainer.profile_steps=[3,4]", "--nproc", "1")
     assert code == 2 and "trainer.profile_steps=[3, 4]: the run has 3 steps" in out.split("problems:")[1], out

@@ -30,7 +30,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import torch.distributed as dist
 
-from sfttrain.data.parquet import JSON_CELLS, LINE_COLUMN, ChatMessages, ParquetSource, PromptResponse
+from sfttrain.data.parquet import JSON_CELLS, LINE_COLUMN, ChatMessages, ParquetSource, PromptResponse, missing_file
 from sfttrain.errors import DataError
 
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".arrow", ".csv", ".tsv")
@@ -105,7 +105,7 @@ def saved_dataset_files(path: str) -> list[str]:
 def cached_parquet(source: str, run_dir: str) -> str:
     """Where the conversion of `source` lives: its name says which version of the file it holds."""
     if not os.path.isfile(source):
-        raise DataError(f"data file {source!r} does not exist (check data.train_files / data.val_files)")
+        raise missing_file(source)
     stat = os.stat(source)
     key = json.dumps([os.path.abspath(source), stat.st_size, stat.st_mtime_ns, FORMAT_VERSION])
     stem = os.path.splitext(os.path.basename(source))[0]

@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 
 from sfttrain.config import ConfigError, as_list
 from sfttrain.errors import DataError
+from sfttrain.hub import is_repo_id
 
 # Rows shuffled together. Small datasets (below this) get a full shuffle; larger ones a shuffle of
 # row-group order plus a full shuffle inside windows of this many rows (and less than one group),
@@ -60,6 +61,22 @@ class PromptResponse:
         prompts, responses = ([_text(v, path, group, i) for i, v in zip(locals_, _cells(table, path[0]))]
                               if path else [""] * len(locals_) for path in (self.prompt_path, self.response_path))
         return prompts, responses
+
+
+def missing_file(path: str) -> DataError:
+    """A data path that is not there."""
+    return DataError(f"data file {path!r} does not exist (check data.train_files / data.val_files){hub_id_hint(path)}")
+
+
+def hub_id_hint(path: str) -> str:
+    """For a path shaped like a hub dataset id (which TRL takes), how to turn that dataset into a
+    file sfttrain reads; else nothing."""
+    if not is_repo_id(path) or os.path.splitext(path)[1]:  # a missing "data/train.parquet" is a local path
+        return ""
+    return (f". {path!r} looks like a Hugging Face hub dataset id: sfttrain reads local files, so write the split "
+            f"to one first, e.g. python -c \"import datasets; datasets.load_dataset('{path}', split='train')"
+            ".to_parquet('train.parquet')\" (a dataset with several configs names one after the id; python "
+            "data_prep/gsm8k.py writes GSM8K's splits)")
 
 
 def _form_hint(names: list[str]) -> str:
@@ -141,7 +158,7 @@ class ParquetSource:
 
     def _add_file(self, file: str) -> None:
         if not os.path.isfile(file):
-            raise DataError(f"data file {file!r} does not exist (check data.train_files / data.val_files)")
+            raise missing_file(file)
         try:
             meta = pq.ParquetFile(file)
         except (pa.ArrowException, OSError) as e:

@@ -300,6 +300,13 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def job_processes(proc: subprocess.Popen) -> list[int]:
+    """The launcher and every process of its job: torchrun's ranks are its descendants; the rank
+    server's forked ranks are not, and come with their own (DataLoader workers, writers)."""
+    ranks = proc.ranks() if isinstance(proc, ForkedJob) else []
+    return [proc.pid, *descendants(proc.pid), *ranks, *(d for r in ranks for d in descendants(r))]
+
+
 def kill_job(proc: subprocess.Popen) -> list[int]:
     """SIGKILL the agent and every rank at one instant. torchrun starts each rank in a session
     of its own, so killing the agent's process group would leave the ranks running: find them
@@ -307,10 +314,8 @@ def kill_job(proc: subprocess.Popen) -> list[int]:
     if proc.poll() is not None:
         return []
     stopped: set[int] = set()
-    ranks = proc.ranks() if isinstance(proc, ForkedJob) else []  # not children of the launcher
     while True:
-        pids = [p for p in [proc.pid, *descendants(proc.pid), *ranks, *(d for r in ranks for d in descendants(r))]
-                if p not in stopped]
+        pids = [p for p in job_processes(proc) if p not in stopped]
         if not pids:
             break
         for pid in pids:

@@ -19,8 +19,8 @@ import pytest
 
 from sfttrain import checkpoint, resume
 from sfttrain.config import ConfigError, load_config
-from tests.conftest import (BASE_OVERRIDES, ForkedJob, descendants, kill_job, launch, logged_steps,
-                            read_metrics, run_sfttrain)
+from tests.conftest import (BASE_OVERRIDES, ForkedJob, descendants, job_processes, kill_job, launch,
+                            logged_steps, read_metrics, run_sfttrain)
 
 SAVED_STEP = 3
 
@@ -118,11 +118,6 @@ def test_checkpoint_of_an_older_sfttrain(tmp_path):
         resume.check_resume(str(ckpt), cfg, current)
 
 
-def _processes(proc) -> list[int]:
-    ranks = proc.ranks() if isinstance(proc, ForkedJob) else []  # forked ranks are not the launcher's children
-    return [proc.pid, *descendants(proc.pid), *ranks, *(d for r in ranks for d in descendants(r))]
-
-
 def _rank_0(proc) -> int:
     """The first rank the rank server forked, or torchrun's child whose environment says RANK=0."""
     if isinstance(proc, ForkedJob):
@@ -156,7 +151,7 @@ def test_a_second_run_in_a_busy_run_folder_is_refused(data, tmp_path, capsys):
     a = launch(2, command, tmp_path / "a.log")
     try:
         assert wait_until(lambda: logged_steps(run_dir) >= 1, a), (tmp_path / "a.log").read_text()[-3000:]
-        for pid in _processes(a):
+        for pid in job_processes(a):
             os.kill(pid, signal.SIGSTOP)
         rank_0 = _rank_0(a)
         (worker,) = descendants(rank_0)

@@ -31,7 +31,7 @@ import sys
 from types import SimpleNamespace
 
 from bench.common import add_sfttrain_args, emit, w2b_config
-from bench.long_context import read_jsonl, stop, wait_for_steps
+from bench.jobs import read_jsonl, stop, wait_for_steps
 from bench.sfttrain_w1 import RECIPE, require_one_epoch, summarise
 from bench.w1_data import load_rows, load_tokenizer, model_config, write_parquet
 

@@ -22,7 +22,6 @@ not tried at longer ones. Each result is appended to --out as it comes, and a ca
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ import time
 import torch
 import transformers
 from bench.common import LORA, MFU_FORMULA, save_model as save_weights, timed_mfu, w2b_config
+from bench.jobs import read_jsonl, wait_for_steps, why_it_failed
 from bench.w1_data import load_rows, load_tokenizer, model_config, write_parquet
 
 LENGTHS = (16384, 32768, 65536, 131072)
@@ -116,31 +116,6 @@ def run_one(args, model_dir: str, length: int, sp: int, timeout: float) -> dict:
     return record
 
 
-def wait_for_steps(proc: subprocess.Popen, metrics: str, steps: int, timeout: float) -> str:
-    """'trained' once step `steps` is logged (the job is then stopped), else 'failed' or 'timeout'."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if any(m.get("step") == steps and "loss" in m for m in read_jsonl(metrics)):
-            stop(proc)
-            return "trained"
-        if proc.poll() is not None:
-            return "failed"
-        time.sleep(0.25)  # a read of a short file: a smoke run's job is stopped as soon as it is done
-    stop(proc)
-    return "timeout"
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """torchrun passes SIGTERM on to its ranks and waits for them."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def summary(steps: list[dict]) -> dict:
     seconds = sum(m["step_time_s"] for m in steps)
     return {"timed_steps": [m["step"] for m in steps], "real_tokens_per_s": round(sum(m["tokens"] for m in steps) / seconds, 1),
@@ -149,26 +124,6 @@ def summary(steps: list[dict]) -> dict:
             "mfu": timed_mfu(steps),
             "peak_allocated_gib": round(max(m.get("mem_peak_alloc_gib", 0) for m in steps), 2),
             "mfu_formula": MFU_FORMULA}
-
-
-def read_jsonl(path: str) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.endswith("\n")]  # a line being written is skipped
-
-
-def why_it_failed(path: str, chars: int = 3000) -> str:
-    """The part of a failed job's log that says why: from a crash's Python stack (faulthandler's
-    "Fatal Python error", which torchrun's summary at the end calls only "Signal 11"), else from
-    sfttrain's one-line message, else from the first traceback (a rank's: torchrun's own comes
-    after it), else the end of the log."""
-    with open(path, errors="replace") as f:
-        text = f.read()
-    starts = [text.find("Fatal Python error"), text.find("sfttrain: "), text.find("Traceback (most recent call last)")]
-    at = next((at for at in starts if at >= 0), None)
-    start = max(len(text) - chars, 0) if at is None else text.rfind("\n", 0, at) + 1  # from its line's start
-    return text[start:start + chars]
 
 
 def main() -> None:

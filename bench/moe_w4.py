@@ -37,7 +37,7 @@ import sys
 from transformers import Qwen3MoeConfig
 
 from bench.common import TINY_SIZES, add_sfttrain_args, emit, save_model
-from bench.long_context import stop, wait_for_steps
+from bench.jobs import stop, wait_for_steps
 from bench.sfttrain_w1 import RECIPE, require_one_epoch, summarise
 from bench.w1_data import load_rows, load_tokenizer, write_parquet
 

@@ -22,12 +22,12 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
 
 from bench.common import MFU_FORMULA, default_data, timed_mfu, w2b_config
+from bench.jobs import stop, why_it_failed
 from bench.w1_data import load_rows, load_tokenizer, model_config, write_parquet
 
 RECIPE = os.path.join(os.path.dirname(__file__), "..", "recipes", "w1_qwen2.5-0.5b.yaml")
@@ -119,8 +119,7 @@ def launch(name: str, spec: dict, args, paths: dict, timeout: float) -> dict:
                 marks["stopped_before_final_save"] = True
                 break
             time.sleep(0.25)
-        if proc.poll() is None:
-            _stop(proc)
+        stop(proc, stacks="stopped_before_final_save" not in marks)  # still running at its timeout: where it waits
     record = {"run": name, "gpus": spec["gpus"], "overrides": spec["overrides"], "rc": proc.returncode,
               "wall_s": round(time.monotonic() - start, 1), "timeout_s": round(timeout), **marks}
     return {**record, **_summary(run_dir, log_path, spec)}
@@ -134,16 +133,6 @@ def _mark_progress(marks: dict, start: float, log_path: str, metrics_path: str, 
     # after the start-up report: by then a resumed run has cut its metrics back to its checkpoint
     if "ready_s" in marks and "first_step_s" not in marks and _steps(metrics_path, after=spec.get("resume_at", 0)):
         marks["first_step_s"] = now
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """torchrun stops its ranks on SIGTERM; whatever is left of the session after a minute is killed."""
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 def _read(path: str) -> str:
@@ -191,7 +180,7 @@ def _summary(run_dir: str, log_path: str, spec: dict) -> dict:
     if not timed or len(steps) < spec["steps"]:
         log = _read(log_path)
         out["errors"] = list(dict.fromkeys(line for line in log.splitlines() if re.search(r"Error\b|error:", line)))[:6]
-        out["log_tail"] = log[-2000:]
+        out["log_tail"] = why_it_failed(log_path)
     return out
 
 

@@ -1,14 +1,20 @@
-"""What this rank is doing (start-up, step N, validation, save), said when a collective times out.
+"""What this rank is doing (start-up, step N, validation, save), said when a collective times out,
+and where its threads are, on demand.
 
 A collective that times out (trainer.nccl_timeout) means some rank never arrived: the useful
 question is where each rank was. The trainer records its phase here (`enter`); a watchdog thread
-says it once a phase outlasts the timeout, which also covers NCCL, whose own watchdog takes the
-process down without a Python exception (a CPU job's gloo raises one, and `report_timeout` says
-it there; no watchdog then, as a phase that is merely long is no timeout).
+says it once a phase outlasts the timeout, with every thread's Python stack, which also covers NCCL,
+whose own watchdog takes the process down without a Python exception (a CPU job's gloo raises one,
+and `report_timeout` says it there; no watchdog then, as a phase that is merely long is no timeout).
+A run that seems stuck before any timeout: `kill -USR1 <pid>` of a rank or of one of its DataLoader
+workers prints that process's stacks to its log, and it goes on (`dump_stacks_on_sigusr1`).
 """
 
 from __future__ import annotations
 
+import faulthandler
+import signal
+import sys
 import threading
 import time
 
@@ -36,6 +42,7 @@ def _report(rank: int, timeout_s: int) -> None:
           f"(trainer.nccl_timeout={timeout_s}): if a collective timed out, this rank was waiting there for a rank "
           "that did not arrive; the rank that names another phase (or none: it died) is the cause. Raise "
           "trainer.nccl_timeout if that phase is slow but sound (a large save, a slow file system)", flush=True)
+    faulthandler.dump_traceback(sys.stderr, all_threads=True)
 
 
 def report_timeout(error: BaseException, rank: int, timeout_s: int) -> None:
@@ -43,6 +50,15 @@ def report_timeout(error: BaseException, rank: int, timeout_s: int) -> None:
     text = str(error).lower()
     if "timed out" in text or "timeout" in text:
         _report(rank, timeout_s)
+
+
+def dump_stacks_on_sigusr1() -> None:
+    """SIGUSR1 prints every thread's Python stack to stderr (faulthandler: from the signal handler in
+    C, so also while the main thread waits in a collective or on a lock), and the process goes on. A
+    DataLoader worker, forked from its rank, inherits it. A handler set before (by whatever runs
+    sfttrain in its process) is left as it is."""
+    if signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL:
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def start_watchdog(rank: int, timeout_s: int) -> None:

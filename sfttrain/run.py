@@ -21,7 +21,7 @@ import re
 import sys
 import time
 
-from sfttrain import stop_signal
+from sfttrain import phase, stop_signal
 from sfttrain.config import Config, load_config
 from sfttrain.errors import OutOfMemory, UserError
 from sfttrain.help import print_help
@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> None:
 def train(cfg: Config) -> None:
     rank = int(os.environ.get("RANK", 0))
     stop_signal.note_interrupts()
+    phase.dump_stacks_on_sigusr1()
     try:
         _train(cfg, rank)
     except KeyboardInterrupt:  # also raised while an error below was being handled
@@ -92,7 +93,6 @@ def train(cfg: Config) -> None:
 
 
 def _train(cfg: Config, rank: int) -> None:
-    from sfttrain import phase
     from sfttrain.checkpoint_folder import disk_full_error
     from sfttrain.distributed import init_world, peer_lost, shutdown
     from sfttrain.metrics import require_loggers

@@ -21,6 +21,7 @@ from typing import Callable
 import pytest
 import torch
 
+from bench.jobs import descendants
 from tests.forkrank import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -280,24 +281,6 @@ def run_sfttrain(nproc: int, overrides: list[str], check: bool = True, timeout: 
         raise AssertionError(f"sfttrain failed ({proc.returncode}):\n{out[-6000:]}")
     # stdout and stderr interleaved in one stream, as a user sees them
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout=out, stderr="")
-
-
-def descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    found, stack = [], [pid]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            found.append(child)
-            stack.append(child)
-    return found
 
 
 def job_processes(proc: subprocess.Popen) -> list[int]:

@@ -3,7 +3,10 @@ checkpoints, long context with sequence parallelism, and a run of bench.scale.""
 
 from __future__ import annotations
 
+import signal
+
 from tests.bench_run import SAMPLE, records, run_bench_here
+from tests.conftest import BASE_OVERRIDES, kill_job, launch, logged_steps
 
 
 def test_async_ckpt(tmp_path):
@@ -44,7 +47,7 @@ def test_a_failed_long_context_run_keeps_why(tmp_path):
     """A failed run's record keeps the part of its log that says why: a crash's Python stack
     (above torchrun's summary, which says only the signal), else sfttrain's message, else the first
     traceback, a rank's, not torchrun's own after it."""
-    from bench.long_context import why_it_failed
+    from bench.jobs import why_it_failed
 
     log = tmp_path / "log.txt"
     start = "sfttrain\n  world size : 1\n" + "step 1/4 | loss 12.9\n" * 200
@@ -58,4 +61,28 @@ def test_a_failed_long_context_run_keeps_why(tmp_path):
         log.write_text(text)
         assert why_it_failed(str(log)).startswith(cause)
     log.write_text(start)
-    assert why_it_failed(str(log)) == start[-3000:]
+    assert why_it_failed(str(log), chars=3000) == start[-3000:]
+
+
+def test_a_job_stopped_at_its_timeout_leaves_its_stacks(gsm8k_dir, tmp_path):
+    """What a bench does with a job still running at its timeout (bench/jobs.py): torchrun's 2 ranks,
+    each with a DataLoader worker, print their threads' Python stacks into the job's log (SIGUSR1),
+    torchrun's agent is spared that signal (it would end it), and the job is then stopped. The
+    record's excerpt of the log starts at the stacks."""
+    from bench.jobs import stop, why_it_failed
+    from tests.test_checkpoint import wait_until
+
+    run_dir, log = tmp_path / "run", tmp_path / "log"
+    proc = launch(2, [*BASE_OVERRIDES, f"data.train_files={gsm8k_dir}/train.parquet", f"trainer.default_local_dir={run_dir}",
+                      "data.train_batch_size=4", "data.micro_batch_size_per_gpu=2", "trainer.total_training_steps=100000",
+                      "data.num_workers=1"],
+                  log, torchrun=True)
+    try:
+        assert wait_until(lambda: logged_steps(run_dir) >= 1, proc), log.read_text()[-3000:]
+        stop(proc, stacks=True)
+    finally:
+        kill_job(proc)
+    assert proc.returncode != -signal.SIGUSR1, log.read_text()[-3000:]
+    stacks = why_it_failed(str(log), chars=len(log.read_text()))
+    assert stacks.split("\n", 1)[0].endswith("(most recent call first):"), stacks[:3000]
+    assert stacks.count('sfttrain/trainer.py", line') >= 2 and stacks.count('data/_utils/worker.py", line') >= 2, stacks

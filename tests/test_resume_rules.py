@@ -136,8 +136,10 @@ def _holds(pid: int, path: Path) -> bool:
 
 
 def test_a_second_run_in_a_busy_run_folder_is_refused(data, tmp_path, capsys):
-    """Run A (2 ranks, a DataLoader worker each) trains in a folder; once it has logged a step, every
-    process of it is frozen (SIGSTOP: it holds the folder as a running job does). The same command
+    """Run A (2 ranks, a DataLoader worker each) trains in a folder. Once it has logged a step, its rank
+    0 and that rank's worker are asked for their stacks (SIGUSR1): each prints its threads' Python stacks
+    to the log and trains on. Then every process of it is frozen (SIGSTOP: it holds the folder as a
+    running job does). The same command
     again, run B, ends every rank with one message naming A's rank 0 (host, pid) and exit code 2, and the
     preflight lists it. Rank 0 alone holds the lock's file open (its DataLoader worker, forked after the
     lock was taken, closed its copy: an orphaned worker cannot keep the folder locked). Killed, A
@@ -151,10 +153,16 @@ def test_a_second_run_in_a_busy_run_folder_is_refused(data, tmp_path, capsys):
     a = launch(2, command, tmp_path / "a.log")
     try:
         assert wait_until(lambda: logged_steps(run_dir) >= 1, a), (tmp_path / "a.log").read_text()[-3000:]
-        for pid in job_processes(a):
-            os.kill(pid, signal.SIGSTOP)
         rank_0 = _rank_0(a)
         (worker,) = descendants(rank_0)
+        for pid in (rank_0, worker):
+            os.kill(pid, signal.SIGUSR1)
+        steps = logged_steps(run_dir)
+        assert wait_until(lambda: logged_steps(run_dir) > steps, a), (tmp_path / "a.log").read_text()[-3000:]
+        log = (tmp_path / "a.log").read_text()
+        assert 'sfttrain/trainer.py", line' in log and 'data/_utils/worker.py", line' in log, log[-5000:]
+        for pid in job_processes(a):
+            os.kill(pid, signal.SIGSTOP)
         assert _holds(rank_0, run_dir / LOCK_FILE) and not _holds(worker, run_dir / LOCK_FILE)
 
         message = one_message(run_sfttrain(2, command, check=False), 2)

@@ -13,7 +13,7 @@ import signal
 import subprocess
 import time
 
-STACKS_WAIT_S = 3  # for the processes to write their stacks (faulthandler writes from its signal handler)
+STACKS_WAIT_S = 1  # for a process to write its stacks (faulthandler writes them from its signal handler)
 STOP_GRACE_S = 60  # torchrun passes SIGTERM on to its ranks and waits for them; past this, SIGKILL
 
 
@@ -60,7 +60,8 @@ def stop(proc: subprocess.Popen, stacks: bool = False) -> None:
 
 def dump_stacks(launcher: int) -> None:
     """SIGUSR1 to the launcher's sfttrain processes (ranks, their DataLoader workers), not to torchrun's
-    agent (whose SIGUSR1 would end it), then a wait while they write."""
+    agent (whose SIGUSR1 would end it), then a wait while they write. One at a time, a moment apart, so
+    that their stacks seldom interleave in the log they share."""
     for pid in descendants(launcher) + [launcher]:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -71,8 +72,8 @@ def dump_stacks(launcher: int) -> None:
             try:
                 os.kill(pid, signal.SIGUSR1)
             except ProcessLookupError:
-                pass
-    time.sleep(STACKS_WAIT_S)
+                continue
+            time.sleep(STACKS_WAIT_S)
 
 
 def descendants(pid: int) -> list[int]:

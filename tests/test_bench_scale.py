@@ -84,5 +84,9 @@ def test_a_job_stopped_at_its_timeout_leaves_its_stacks(gsm8k_dir, tmp_path):
         kill_job(proc)
     assert proc.returncode != -signal.SIGUSR1, log.read_text()[-3000:]
     stacks = why_it_failed(str(log), chars=len(log.read_text()))
-    assert stacks.split("\n", 1)[0].endswith("(most recent call first):"), stacks[:3000]
-    assert stacks.count('sfttrain/trainer.py", line') >= 2 and stacks.count('data/_utils/worker.py", line') >= 2, stacks
+    assert "(most recent call first):" in stacks.split("\n", 1)[0], stacks[:3000]
+    # faulthandler writes a frame's file and function names in one write(2) each, so they stay whole where
+    # two processes' stacks interleave. The main thread's stack of each rank and each worker (forked from
+    # the rank's main thread, so its stack goes on from there) has one <module> frame (sfttrain.run's);
+    # a worker's also has torch's worker loop.
+    assert stacks.count("<module>") >= 4 and stacks.count("torch/utils/data/_utils/worker.py") >= 2, stacks

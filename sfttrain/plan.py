@@ -460,6 +460,14 @@ def attention_section(cfg: Config, folder: str, found: Findings) -> None:
             found.notes.append(f"if this runs on GPUs: {e}")
 
 
+def workers_section(cfg: Config, nproc: int) -> list[str]:
+    """The start-up lines of data.num_workers against this machine's CPUs, said to be this machine's:
+    the nodes the run lands on may have others (there, the run's own start-up lines count theirs)."""
+    from sfttrain.data.loader import cpus_of_this_process, describe_workers
+
+    return describe_workers(cfg.data.num_workers, nproc, cpus_of_this_process(), where="this machine")
+
+
 def preflight(cfg: Config, nproc: int, nnodes: int) -> tuple[list[str], Findings]:
     """(report lines, what was found): the run's own checks, each problem listed, none stopping the rest."""
     from sfttrain.distributed import check_world
@@ -486,6 +494,7 @@ def preflight(cfg: Config, nproc: int, nnodes: int) -> tuple[list[str], Findings
     lines = [f"sfttrain plan: {nnodes} node(s) x {nproc} rank(s)"]
     batches = batch_section(cfg, dp_size, folder, found)
     lines += batches.lines
+    lines += workers_section(cfg, nproc)
     lines += resume_section(cfg, batches, folder, found)
     lines += memory_section(cfg, dp_size, folder, found)
     lines += checkpoint_section(cfg, folder, found)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -190,12 +191,18 @@ def run_plan(*argv: str) -> tuple[int, str]:
 
 
 def test_plan_reports_steps_from_the_data(gsm8k_dir, tiny_qwen_dir):
+    """The batch arithmetic, and the data workers against this machine's CPUs (a warning, not a problem,
+    where the 2 ranks' 2 x 4 workers and the ranks outnumber them)."""
     code, out = run_plan(f"data.train_files={gsm8k_dir}/train.parquet", f"model.partial_pretrain={tiny_qwen_dir}",
-                         "data.train_batch_size=32", "data.micro_batch_size_per_gpu=4", "--nproc", "2")
+                         "data.train_batch_size=32", "data.micro_batch_size_per_gpu=4", "data.num_workers=4",
+                         "--nproc", "2")
     rows = pq.read_metadata(gsm8k_dir / "train.parquet").num_rows
     assert code == 0, out
     assert f"{rows} rows -> {rows // 32} steps per epoch" in out
     assert "4 samples/micro-batch x 4 accumulation steps" in out
+    cpus = len(os.sched_getaffinity(0))
+    assert f"  data workers        : 4 a rank, 8 on this machine (2 ranks, {cpus} CPUs)" in out, out
+    assert ("WARNING: 8 data workers and 2 ranks share this machine's" in out) == (8 + 2 > cpus), out
     assert "no problems found" in out
 
 

@@ -154,18 +154,19 @@ def step_batches(data: TrainData, epoch: int, consumed: int, num_workers: int,
         yield item.pin_memory() if pin_memory else item
 
 
-def describe_workers(num_workers: int, ranks_here: int, cpus: int) -> list[str]:
+def describe_workers(num_workers: int, ranks_here: int, cpus: int, where: str = "this node") -> list[str]:
     """The start-up lines of data.num_workers: the worker processes of this node's ranks against its CPUs
-    (those this process may run on), and a warning where workers and ranks outnumber them."""
+    (those this process may run on), and a warning where workers and ranks outnumber them. The preflight
+    counts the CPUs of the machine it runs on (where="this machine")."""
     if num_workers == 0:
         return []
     processes = num_workers * ranks_here
-    lines = [f"  data workers        : {num_workers} a rank, {processes} on this node ({ranks_here} ranks, {cpus} CPUs)"]
+    lines = [f"  data workers        : {num_workers} a rank, {processes} on {where} ({ranks_here} ranks, {cpus} CPUs)"]
     if processes + ranks_here > cpus:
         share = cpus // ranks_here
         fix = (f"data.num_workers={share - 1} gives each rank and its workers {share} CPUs" if share > 1 else
                "data.num_workers=0 builds the steps in the ranks themselves, with no processes of their own")
-        lines.append(f"  WARNING: {processes} data workers and {ranks_here} ranks share this node's {cpus} CPUs: they take "
+        lines.append(f"  WARNING: {processes} data workers and {ranks_here} ranks share {where}'s {cpus} CPUs: they take "
                      f"turns, and the ranks wait for the CPU as well as for their steps. {fix}")
     return lines
 

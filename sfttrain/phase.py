@@ -42,7 +42,8 @@ def _report(rank: int, timeout_s: int) -> None:
           f"(trainer.nccl_timeout={timeout_s}): if a collective timed out, this rank was waiting there for a rank "
           "that did not arrive; the rank that names another phase (or none: it died) is the cause. Raise "
           "trainer.nccl_timeout if that phase is slow but sound (a large save, a slow file system)", flush=True)
-    faulthandler.dump_traceback(sys.stderr, all_threads=True)
+    if sys.__stderr__ is not None:
+        faulthandler.dump_traceback(sys.__stderr__, all_threads=True)
 
 
 def report_timeout(error: BaseException, rank: int, timeout_s: int) -> None:
@@ -56,9 +57,10 @@ def dump_stacks_on_sigusr1() -> None:
     """SIGUSR1 prints every thread's Python stack to stderr (faulthandler: from the signal handler in
     C, so also while the main thread waits in a collective or on a lock), and the process goes on. A
     DataLoader worker, forked from its rank, inherits it. A handler set before (by whatever runs
-    sfttrain in its process) is left as it is."""
-    if signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL:
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    sfttrain in its process) is left as it is. The process's own stderr (file descriptor 2), not a
+    sys.stderr that something replaced with a stream of its own (a notebook's, pytest's)."""
+    if signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL and sys.__stderr__ is not None:
+        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
 
 
 def start_watchdog(rank: int, timeout_s: int) -> None:

@@ -36,6 +36,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Iterator
 
+from sfttrain import phase
+
 if TYPE_CHECKING:
     import torch
 
@@ -117,8 +119,10 @@ def leave_to_the_rank() -> None:
 def helper_main(module: str, function: str, *args) -> None:
     """A spawned helper's entry (the checkpoint writer): SIGTERM left to its rank before the helper
     imports what it runs (torch: seconds in which a SIGTERM would end it). What precedes this call,
-    the interpreter's start and the rank's main module imported again, takes ~0.2 s."""
+    the interpreter's start and the rank's main module imported again, takes ~0.2 s. SIGUSR1 prints its
+    stacks, as in its rank (a DataLoader worker inherits its rank's handler; a spawned process does not)."""
     leave_to_the_rank()
+    phase.dump_stacks_on_sigusr1()
     getattr(importlib.import_module(module), function)(*args)
 
 

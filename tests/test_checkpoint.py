@@ -772,7 +772,8 @@ def test_a_killed_writer_process_ends_the_job_with_one_message(data, tmp_path):
     out-of-memory killer may pick. Killed once the first checkpoint is committed, the next save fails
     on every rank with one message naming it and the last good checkpoint (exit code 6), without a
     wait for the collective timeout: the other rank's writer, waiting for the dead one in DCP's
-    collectives, is stopped."""
+    collectives, is stopped. Before that, the other writer is asked for its stacks (SIGUSR1, as any
+    process of a rank): it prints them into the log and lives on."""
     run_dir, log = tmp_path / "run", tmp_path / "job.log"
     proc = launch(2, job(data, run_dir, "trainer.save_freq=1", "trainer.async_save_writer=process",
                          "trainer.nccl_timeout=600"), log)
@@ -782,6 +783,8 @@ def test_a_killed_writer_process_ends_the_job_with_one_message(data, tmp_path):
         writers = [pid for rank in ranks for pid in descendants(rank)
                    if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
         assert len(writers) == 2, writers  # one per rank
+        os.kill(writers[1], signal.SIGUSR1)
+        assert wait_until(lambda: "sfttrain/checkpoint_writer.py" in log.read_text(), proc), log.read_text()[-3000:]
         os.kill(writers[0], signal.SIGKILL)
         proc.wait(timeout=240)
     finally:

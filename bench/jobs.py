@@ -45,12 +45,11 @@ def stop(proc: subprocess.Popen, stacks: bool = False) -> None:
         return
     if stacks:
         dump_stacks(proc.pid)
-    job = [proc.pid, *descendants(proc.pid)]
     proc.send_signal(signal.SIGTERM)
     try:
         proc.wait(timeout=STOP_GRACE_S)
-    except subprocess.TimeoutExpired:
-        for pid in job:
+    except subprocess.TimeoutExpired:  # the job's processes of now (the launcher is alive: none orphaned)
+        for pid in [proc.pid, *descendants(proc.pid)]:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:

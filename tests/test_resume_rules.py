@@ -155,12 +155,14 @@ def test_a_second_run_in_a_busy_run_folder_is_refused(data, tmp_path, capsys):
         assert wait_until(lambda: logged_steps(run_dir) >= 1, a), (tmp_path / "a.log").read_text()[-3000:]
         rank_0 = _rank_0(a)
         (worker,) = descendants(rank_0)
-        for pid in (rank_0, worker):
+        log = lambda: (tmp_path / "a.log").read_text()  # noqa: E731
+        # a file of each one's stack: the rank's training loop, then the worker's loop; one process at a
+        # time, as two processes' stacks interleave in the log (file names, each one write(2), stay whole)
+        for pid, file in ((rank_0, "sfttrain/trainer.py"), (worker, "torch/utils/data/_utils/worker.py")):
             os.kill(pid, signal.SIGUSR1)
+            assert wait_until(lambda: file in log(), a), log()[-3000:]
         steps = logged_steps(run_dir)
-        assert wait_until(lambda: logged_steps(run_dir) > steps, a), (tmp_path / "a.log").read_text()[-3000:]
-        log = (tmp_path / "a.log").read_text()
-        assert 'sfttrain/trainer.py", line' in log and 'data/_utils/worker.py", line' in log, log[-5000:]
+        assert wait_until(lambda: logged_steps(run_dir) > steps, a), log()[-3000:]  # training went on
         for pid in job_processes(a):
             os.kill(pid, signal.SIGSTOP)
         assert _holds(rank_0, run_dir / LOCK_FILE) and not _holds(worker, run_dir / LOCK_FILE)

@@ -43,10 +43,10 @@ def test_scale(tmp_path):
     assert record["steps_logged"] == 4 and record["real_tokens_per_s"] > 0, record
 
 
-def test_a_failed_long_context_run_keeps_why(tmp_path):
-    """A failed run's record keeps the part of its log that says why: a crash's Python stack
-    (above torchrun's summary, which says only the signal), else sfttrain's message, else the first
-    traceback, a rank's, not torchrun's own after it."""
+def test_a_failed_job_keeps_why(tmp_path):
+    """A failed bench job's record (bench/jobs.py: long_context's and scale's) keeps the part of its log
+    that says why: a crash's Python stack (above torchrun's summary, which says only the signal), else
+    sfttrain's message, else the first traceback, a rank's, not torchrun's own after it."""
     from bench.jobs import why_it_failed
 
     log = tmp_path / "log.txt"

@@ -63,6 +63,11 @@ class DataConfig:
     num_workers: int = 0  # >0: worker processes build the steps ahead of the training loop
     balance_dp_token: bool = True  # verl key; sfttrain always balances tokens across ranks (false is refused)
     no_loss_rows: str = "error"  # rows truncation leaves with no supervised token: error (stop, naming them) | drop
+    # where the start-up scan keeps every row's token counts, one file per data fingerprint (the files, their
+    # modification times, the tokenizer, template and rendering keys): null, the run folder's row_stats/ (a
+    # resume reads them); a folder the runs of a sweep share (e.g. ~/.cache/sfttrain/row_stats) renders the
+    # data once for all of them, and the preflight (sfttrain.plan) reads and fills it too
+    length_cache_dir: Optional[str] = None
 
 
 @dataclass

@@ -264,6 +264,7 @@ def rows_trained(cfg: Config, folder: str) -> tuple[int, dict]:
     from sfttrain.data.loader import render_share, row_stats
     from sfttrain.data.files import open_source
     from sfttrain.data.parquet import row_fields
+    from sfttrain.data.prepare import length_cache_file
     from sfttrain.data.report import select_rows
     from sfttrain.distributed import one_rank_group
     from sfttrain.model import embedding_rows, load_tokenizer
@@ -272,11 +273,15 @@ def rows_trained(cfg: Config, folder: str) -> tuple[int, dict]:
     tokenizer = load_tokenizer(dataclasses.replace(cfg.model, partial_pretrain=folder))
     renderer, fields = build_renderer(d, tokenizer, embedding_rows(cfg.model, folder)), row_fields(d)
     source = open_source(as_list(d.train_files), fields, run_dir)
+    fingerprint = data_fingerprint(cfg, source, tokenizer)
+    # a folder of the user's own is read and filled; the run folder's cache is read, never made here
+    cache = length_cache_file(d, fingerprint, run_dir)
     with one_rank_group():
-        stats = select_rows(row_stats(source, renderer, 0, 1), d)
+        stats = select_rows(row_stats(source, renderer, 0, 1, cache if d.length_cache_dir or os.path.isfile(cache)
+                                      else None), d)
         if d.val_files and not missing_files(d.val_files):
             render_share(open_source(as_list(d.val_files), fields, run_dir), renderer, 0, 1)
-    return int(stats.keep.sum()), with_rows_dropped(data_fingerprint(cfg, source, tokenizer), stats.keep)
+    return int(stats.keep.sum()), with_rows_dropped(fingerprint, stats.keep)
 
 
 def row_count(cfg: Config) -> int:

@@ -125,5 +125,44 @@ def test_a_row_whose_counts_changed_since_the_scan_stops_the_run(data, tmp_path)
     n, loss = len(samples[3].input_ids), loss_tokens(samples[3])
     assert (f"{data} row 3 renders now to {n} tokens, {loss} supervised, but the start-up row scan "
             f"counted {n} and {loss + 1}") in out.stdout, out.stdout[-3000:]
-    assert "delete row_stats/" in out.stdout and "Traceback" not in out.stdout
+    assert f"delete {run_dir / CACHE_DIR}/" in out.stdout and "Traceback" not in out.stdout
     assert not (run_dir / "metrics.jsonl").exists() or not read_metrics(run_dir)
+
+
+def test_a_length_cache_of_the_users_renders_the_data_once_for_a_sweep(data, expected, tmp_path):
+    """data.length_cache_dir: the preflight renders the rows and fills the cache with their counts (those
+    of the tokenizer here); two runs in other run folders, with another learning rate each, read them
+    and render no row at start-up; another max_length is another rendering, so another file. A cache
+    folder that cannot be made is refused before the scan, naming the key."""
+    import contextlib
+    import io
+
+    from sfttrain.plan import main as plan
+
+    cache = tmp_path / "cache"
+    sweep = lambda run, *extra: job(data, tmp_path / run, "data.no_loss_rows=drop",  # noqa: E731
+                                    f"data.length_cache_dir={cache}", *extra)
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        assert plan([*sweep("a"), "--nproc", "2"]) == 0, out.getvalue()
+    [written] = cache.iterdir()
+    with np.load(written) as counts:
+        assert counts["full_lengths"].tolist() == expected["full"].tolist()
+        assert counts["lengths"].tolist() == np.minimum(expected["full"], MAX_LENGTH).tolist()
+        assert counts["loss_tokens"].tolist() == expected["loss"].tolist()
+    assert not (tmp_path / "a").exists()  # the preflight writes nothing into the run folder
+
+    for run, lr in (("a", "1e-3"), ("b", "3e-4")):
+        out = run_sfttrain(2, sweep(run, f"optim.lr={lr}"))
+        report = json.loads((tmp_path / run / "data_report.json").read_text())
+        assert report["rows_rendered_at_startup"] == 0 and report["length_cache"] == str(written), out.stdout[-2000:]
+        assert not (tmp_path / run / "row_stats").exists()
+
+    run_sfttrain(1, sweep("c", "data.max_length=200", "trainer.total_training_steps=1"))
+    report = json.loads((tmp_path / "c" / "data_report.json").read_text())
+    assert report["rows_rendered_at_startup"] == ROWS and len(list(cache.iterdir())) == 2
+
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    out = run_sfttrain(1, job(data, tmp_path / "d", f"data.length_cache_dir={not_a_folder}"), check=False)
+    assert out.returncode == 2 and f"data.length_cache_dir='{not_a_folder}': cannot keep the row lengths" in out.stdout
+    assert not (tmp_path / "d" / "data_report.json").exists()  # stopped before the scan's end

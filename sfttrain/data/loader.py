@@ -50,6 +50,7 @@ class RowStats:
     loss_tokens: np.ndarray  # supervised tokens
     full_lengths: np.ndarray  # tokens before truncation
     rendered: int  # rows this start rendered to learn them (0: all read from the length cache)
+    cache_file: str | None = None  # the length cache they were read from or written to
     keep: np.ndarray | None = None  # bool per row: trained (see sfttrain.data.report.select_rows); None: all
 
     def kept(self, rows: np.ndarray) -> np.ndarray:
@@ -109,8 +110,7 @@ def check_counts(samples, stats: RowStats, source: ParquetSource) -> None:
                 f"start-up row scan counted {then[0]} and {then[1]}; the loss is normalised by those counts, so "
                 "training on would rescale its gradients. Either the chat template does not render the same text "
                 "twice (e.g. it calls strftime_now: write the date into the template or the data) or the length "
-                "cache (the run folder's row_stats/) is stale, e.g. the tokenizer files changed: delete row_stats/ "
-                "and start again")
+                f"cache is stale, e.g. the tokenizer files changed: delete {stats.cache_file} and start again")
 
 
 class StepStream(IterableDataset):
@@ -196,7 +196,7 @@ def row_stats(source: ParquetSource, renderer: Renderer, rank: int, world: int,
     box = [_load_stats(cache_file) if rank == 0 and cache_file else None]
     dist.broadcast_object_list(box, src=0)
     if box[0] is not None:
-        return RowStats(*box[0], rendered=0)
+        return RowStats(*box[0], rendered=0, cache_file=cache_file)
     _, local = _scan(source, renderer, rank, world, keep=False)
     shares = [None] * world
     dist.all_gather_object(shares, local)
@@ -206,7 +206,7 @@ def row_stats(source: ParquetSource, renderer: Renderer, rank: int, world: int,
         column[rows[:, 0]] = values
     if rank == 0 and cache_file:
         _save_stats(cache_file, columns)
-    return RowStats(*columns, rendered=len(rows))
+    return RowStats(*columns, rendered=len(rows), cache_file=cache_file)
 
 
 def _load_stats(path: str) -> list[np.ndarray] | None:

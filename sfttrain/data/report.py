@@ -35,7 +35,7 @@ def select_rows(stats: RowStats, d: DataConfig) -> RowStats:
     return dataclasses.replace(stats, keep=stats.loss_tokens > 0)
 
 
-def data_report(stats: RowStats, epoch_rows: np.ndarray, d: DataConfig, cache_file: str | None) -> dict:
+def data_report(stats: RowStats, epoch_rows: np.ndarray, d: DataConfig) -> dict:
     """stats: after select_rows. epoch_rows: the rows one epoch trains on (the first epoch's;
     others differ only in the leftover rows a global batch does not fill)."""
     cut = np.flatnonzero(stats.full_lengths > stats.lengths)
@@ -50,7 +50,7 @@ def data_report(stats: RowStats, epoch_rows: np.ndarray, d: DataConfig, cache_fi
         "supervised_tokens_per_epoch": int(stats.loss_tokens[epoch_rows].sum()),
         "rows_per_epoch": len(epoch_rows),
         "rows_rendered_at_startup": stats.rendered,
-        "length_cache": cache_file,
+        "length_cache": stats.cache_file,
     }
 
 
@@ -78,7 +78,7 @@ def _row_scan(report: dict) -> str:
     """What the start-up did to learn the lengths: rendered the rows, or read an earlier start's cache."""
     rendered, cache = report["rows_rendered_at_startup"], report["length_cache"]
     if rendered == 0:
-        return f"every row's length read from {cache} (an earlier start's)"
+        return f"every row's length read from {cache} (an earlier start's or preflight's, of the same data and rendering)"
     return f"{rendered} rows rendered" + (f", lengths cached in {cache} for the next start" if cache else "")
 
 

@@ -21,7 +21,7 @@ import os
 import shutil
 import sys
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from sfttrain.checkpoint_folder import room_problem, size_text, step_of
 from sfttrain.config import (Config, ConfigError, ModelConfig, as_list, load_config, mixed_precision_dtypes,
@@ -254,17 +254,25 @@ def has_tokenizer(folder: str) -> bool:
                                                                  "tokenizer.model"))
 
 
-def rows_trained(cfg: Config, folder: str) -> tuple[int, dict]:
-    """The rows the run trains and the data fingerprint its checkpoints record, found as its
-    start-up finds them (sfttrain.data.prepare): the tokenizer, the chat template, every row
-    rendered (a bad cell or an over-long row is the DataError the run would stop on), the rows
-    without a supervised token selected; the validation rows rendered too."""
+@dataclass
+class RenderedRows:
+    stats: Any  # sfttrain.data.loader.RowStats, the rows without a supervised token selected
+    fingerprint: dict  # the data fingerprint the run's checkpoints record
+    source: Any  # the training rows' ParquetSource
+    validation: Optional[dict]  # the data report's validation part; None: no data.val_files here
+
+
+def render_rows(cfg: Config, folder: str) -> RenderedRows:
+    """The rows the run trains, found as its start-up finds them (sfttrain.data.prepare): the
+    tokenizer, the chat template, every row rendered (a bad cell or an over-long row is the DataError
+    the run would stop on), the rows without a supervised token selected; the validation rows rendered
+    too, and those that are training rows counted."""
     from sfttrain.data.chat import build_renderer
     from sfttrain.data.fingerprint import data_fingerprint, with_rows_dropped
     from sfttrain.data.loader import render_share, row_stats
     from sfttrain.data.files import open_source
     from sfttrain.data.parquet import row_fields
-    from sfttrain.data.prepare import length_cache_file
+    from sfttrain.data.prepare import length_cache_file, validation_report
     from sfttrain.data.report import select_rows
     from sfttrain.distributed import one_rank_group
     from sfttrain.model import embedding_rows, load_tokenizer
@@ -276,12 +284,14 @@ def rows_trained(cfg: Config, folder: str) -> tuple[int, dict]:
     fingerprint = data_fingerprint(cfg, source, tokenizer)
     # a folder of the user's own is read and filled; the run folder's cache is read, never made here
     cache = length_cache_file(d, fingerprint, run_dir)
+    validation = None
     with one_rank_group():
         stats = select_rows(row_stats(source, renderer, 0, 1, cache if d.length_cache_dir or os.path.isfile(cache)
                                       else None), d)
         if d.val_files and not missing_files(d.val_files):
-            render_share(open_source(as_list(d.val_files), fields, run_dir), renderer, 0, 1)
-    return int(stats.keep.sum()), with_rows_dropped(fingerprint, stats.keep)
+            val_source = open_source(as_list(d.val_files), fields, run_dir)
+            validation = validation_report(render_share(val_source, renderer, 0, 1), stats, val_source.num_rows)
+    return RenderedRows(stats, with_rows_dropped(fingerprint, stats.keep), source, validation)
 
 
 def row_count(cfg: Config) -> int:
@@ -313,12 +323,13 @@ def batch_section(cfg: Config, dp_size: int, folder: Optional[str], found: Findi
         return Batches([f"  data-parallel ranks : {dp_size}", f"  global batch        : {d.train_batch_size} "
                         "(does not split)"])
     missing = missing_files(d.train_files)
-    rows, fingerprint = None, None
+    rows, rendered = None, None
     if missing:  # a missing file is often only missing here (the cluster's path): not a problem
         found.notes.append(f"data.train_files: {', '.join(missing)} not on this machine: steps per epoch and the rows "
                            "are not checked" + "".join(map(hub_id_hint, missing)))
     elif d.train_files and folder is not None and has_tokenizer(folder):
-        rows, fingerprint = found.check(lambda: rows_trained(cfg, folder)) or (None, None)
+        rendered = found.check(lambda: render_rows(cfg, folder))
+        rows = int(rendered.stats.keep.sum()) if rendered else None
     elif d.train_files:  # (none given: the validation's problem)
         if folder is not None and os.path.isdir(folder):
             found.notes.append(f"{folder} has no tokenizer: the rows are counted, not rendered")
@@ -331,7 +342,20 @@ def batch_section(cfg: Config, dp_size: int, folder: Optional[str], found: Findi
         reason = "not on this machine" if missing else "see the problems below"
         return Batches(lines[:3] + [f"  dataset             : {reason}: steps per epoch unknown"])
     found.check(lambda: check_window(cfg.trainer.profile_steps, plan.total_steps))
-    return Batches(lines, plan.total_steps, fingerprint)
+    if rendered is None:  # counted, not rendered
+        return Batches(lines, plan.total_steps)
+    return Batches(lines + data_lines(cfg, rendered, plan), plan.total_steps, rendered.fingerprint)
+
+
+def data_lines(cfg: Config, rendered: RenderedRows, plan) -> list[str]:
+    """The start-up's data report: tokens per row, truncation, duplicates, validation rows in training."""
+    from sfttrain.data.prepare import first_epoch_report
+    from sfttrain.data.report import describe
+
+    report = first_epoch_report(cfg, rendered.source, rendered.stats, plan)
+    if rendered.validation is not None:
+        report["validation"] = rendered.validation
+    return describe(report).splitlines()
 
 
 def resume_section(cfg: Config, batches: Batches, folder: Optional[str], found: Findings) -> list[str]:

@@ -15,12 +15,12 @@ from sfttrain.attention import describe_backend, fallback_warning
 from sfttrain.checkpoint_folder import complete_checkpoints, is_complete, read_state, remove_stale_tmp
 from sfttrain.config import Config, as_list, logger_names
 from sfttrain.data.chat import build_renderer, resolve_chat_template
-from sfttrain.data.loader import (StepBatch, TrainData, cpus_of_this_process, describe_workers, render_share,
+from sfttrain.data.loader import (StepBatch, TrainData, cpus_of_this_process, describe_workers,
                                   step_batches, validation_batches)
 from sfttrain.data.files import open_source
 from sfttrain.data.pack import max_segment_length
 from sfttrain.data.parquet import row_fields
-from sfttrain.data.prepare import prepare_train_data
+from sfttrain.data.prepare import prepare_data
 from sfttrain.data.report import describe
 from sfttrain.distributed import World, check_shared_run_dir, ranks_of_this_launcher
 from sfttrain.errors import NonFiniteLossError, StoppedBySignal
@@ -65,7 +65,8 @@ class FSDPSFTTrainer:
         renderer = build_renderer(d, self.tokenizer, embedding_rows(cfg.model, folder))  # pairs or conversations
         fields = row_fields(d)
         train_source = open_source(as_list(d.train_files), fields, self.run_dir)
-        prepared = prepare_train_data(cfg, train_source, renderer, self.tokenizer, world, self.run_dir)
+        val_source = open_source(as_list(d.val_files), fields, self.run_dir) if d.val_files else None
+        prepared = prepare_data(cfg, train_source, val_source, renderer, self.tokenizer, world, self.run_dir)
         self.plan, self.data_report = prepared.plan, prepared.report  # every row rendered, or stopped here
         profiling.check_window(t.profile_steps, self.plan.total_steps)
         restored = remove_stale_tmp(self.run_dir) if world.is_main else []
@@ -79,10 +80,6 @@ class FSDPSFTTrainer:
         wandb_run = None  # rank 0's, started before the model loads: a missing login stops the run here
         if world.is_main and "wandb" in logger_names(t):
             wandb_run = start_wandb(cfg, self.run_dir, read_state(resume_from)["wandb_id"] if resume_from else None)
-        val_samples = None
-        if d.val_files:
-            val_samples = render_share(open_source(as_list(d.val_files), fields, self.run_dir),
-                                       renderer, world.dp_rank, world.dp_size)
 
         self.host_rss_before_model = host_memory_gib().get("host_rss_gib")
         loaded = load_model(cfg.model, world.device)
@@ -100,9 +97,9 @@ class FSDPSFTTrainer:
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.plan.total_steps)
         self.data = TrainData(train_source, renderer, self.plan, prepared.stats, world.dp_rank, t.seed, d.shuffle,
                               self.model_shape.attention_coefficient, d.pad_to_multiple, world.row_slice)
-        self.val_batches = (validation_batches(val_samples, d.micro_batch_size_per_gpu, d.max_token_len_per_gpu,
-                                               d.pad_to_multiple, world.device, world.row_slice)
-                            if val_samples is not None else None)
+        self.val_batches = (validation_batches(prepared.val_samples, d.micro_batch_size_per_gpu,
+                                               d.max_token_len_per_gpu, d.pad_to_multiple, world.device, world.row_slice)
+                            if prepared.val_samples is not None else None)
 
         if resume_from:
             self.state = checkpoint.load(resume_from, self.lm.model, self.optimizer, self.scheduler, world, cfg,

@@ -102,7 +102,7 @@ def test_a_row_whose_counts_changed_since_the_scan_stops_the_run(data, tmp_path)
     from sfttrain.data.chat import build_renderer
     from sfttrain.data.files import open_source
     from sfttrain.data.fingerprint import data_fingerprint, rendering_key
-    from sfttrain.data.loader import _save_stats
+    from sfttrain.data.loader import _save_stats, digest
     from sfttrain.data.pack import loss_tokens
     from sfttrain.data.parquet import row_fields
     from sfttrain.data.prepare import CACHE_DIR
@@ -115,7 +115,7 @@ def test_a_row_whose_counts_changed_since_the_scan_stops_the_run(data, tmp_path)
     source = open_source([str(data)], row_fields(cfg.data), str(run_dir))
     renderer = build_renderer(cfg.data, tokenizer, None)
     samples = [renderer.render(*row) for row in source.read(np.arange(source.num_rows))]
-    columns = [np.array(c) for c in zip(*((len(s.input_ids), loss_tokens(s), s.full_length) for s in samples))]
+    columns = [np.array(c) for c in zip(*((len(s.input_ids), loss_tokens(s), s.full_length, digest(s)) for s in samples))]
     columns[1][3] += 1
     assert not dist.is_initialized()
     _save_stats(str(run_dir / CACHE_DIR / f"{rendering_key(data_fingerprint(cfg, source, tokenizer))}.npz"), columns)
@@ -166,3 +166,40 @@ def test_a_length_cache_of_the_users_renders_the_data_once_for_a_sweep(data, exp
     out = run_sfttrain(1, job(data, tmp_path / "d", f"data.length_cache_dir={not_a_folder}"), check=False)
     assert out.returncode == 2 and f"data.length_cache_dir='{not_a_folder}': cannot keep the row lengths" in out.stdout
     assert not (tmp_path / "d" / "data_report.json").exists()  # stopped before the scan's end
+
+
+def test_rows_trained_twice_and_validation_rows_seen_in_training_are_reported(gsm8k_dir, tmp_path):
+    """Training rows 7 and 20 repeat rows 2 and 11; validation rows 1 and 4 are training rows 11 and 5, its
+    other rows are not (the reference: the same question and answer text). 2 ranks, each rendering half
+    of the validation rows: the report and the preflight name the same pairs, and both warn."""
+    rows = pq.read_table(gsm8k_dir / "train.parquet").slice(0, ROWS).select(["question", "answer"]).to_pylist()
+    rows[7], rows[20] = rows[2], rows[11]
+    val = pq.read_table(gsm8k_dir / "train.parquet").slice(ROWS, 6).select(["question", "answer"]).to_pylist()
+    val[1], val[4] = rows[11], rows[5]
+    for name, table in (("train", rows), ("val", val)):
+        pq.write_table(pa.Table.from_pylist(table), tmp_path / f"{name}.parquet")
+    first = {}
+    text = [(r["question"], r["answer"]) for r in rows]
+    for i, t in enumerate(text):
+        first.setdefault(t, i)
+    repeated = [i for i, t in enumerate(text) if first[t] != i]
+    twins = [(v, first[(r["question"], r["answer"])]) for v, r in enumerate(val) if (r["question"], r["answer"]) in first]
+    assert repeated == [7, 20] and twins == [(1, 11), (4, 5)]
+
+    overrides = job(tmp_path / "train.parquet", tmp_path / "run", f"data.val_files={tmp_path / 'val.parquet'}",
+                    "data.truncation=left", "trainer.total_training_steps=1")
+    out = run_sfttrain(2, overrides).stdout
+    report = json.loads((tmp_path / "run" / "data_report.json").read_text())
+    assert report["duplicate_rows"] == {"count": len(repeated), "rows": repeated}
+    assert report["validation"] == {"rows": len(val), "in_training": {
+        "count": len(twins), "rows": [v for v, _ in twins], "training_rows": [t for _, t in twins]}}
+    warning = "WARNING: validation rows [1, 4] (2 of 6) are training rows [11, 5] (the same tokens)"
+    assert warning in out and "rows [7, 20] (2 in all) repeat an earlier row's tokens" in out
+
+    from sfttrain.plan import main as plan
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()) as preflight:
+        assert plan([*overrides, "--nproc", "2"]) == 0, preflight.getvalue()
+    assert warning in preflight.getvalue(), preflight.getvalue()

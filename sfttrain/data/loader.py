@@ -6,7 +6,9 @@ which global samples were used, whatever the world size.
 
 from __future__ import annotations
 
+import array
 import dataclasses
+import hashlib
 import os
 import warnings
 from dataclasses import dataclass
@@ -49,6 +51,7 @@ class RowStats:
     lengths: np.ndarray  # tokens trained on (after truncation)
     loss_tokens: np.ndarray  # supervised tokens
     full_lengths: np.ndarray  # tokens before truncation
+    digests: np.ndarray  # 64 bits of each row's tokens (`digest`): rows that train on the same tokens share one
     rendered: int  # rows this start rendered to learn them (0: all read from the length cache)
     cache_file: str | None = None  # the length cache they were read from or written to
     keep: np.ndarray | None = None  # bool per row: trained (see sfttrain.data.report.select_rows); None: all
@@ -181,6 +184,15 @@ def leave_signals_to_the_rank(worker_id: int) -> None:
     stop_signal.leave_to_the_rank()
 
 
+STATS = ("lengths", "loss_tokens", "full_lengths", "digests")  # RowStats' per-row columns, as the cache names them
+
+
+def digest(sample: RenderedSample) -> int:
+    """64 bits of the sample's tokens: the same on every rank and start (Python's hash() of bytes is not)."""
+    data = array.array("q", sample.input_ids).tobytes()  # 3x faster than through numpy: ~7 us of a row's ~300
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
+
+
 def render_share(source: ParquetSource, renderer: Renderer, rank: int, world: int) -> list[RenderedSample]:
     """This rank's rendered rows (a contiguous 1/world share), e.g. its validation share."""
     return _scan(source, renderer, rank, world, keep=True)[0]
@@ -201,7 +213,7 @@ def row_stats(source: ParquetSource, renderer: Renderer, rank: int, world: int,
     shares = [None] * world
     dist.all_gather_object(shares, local)
     rows = np.concatenate(shares)
-    columns = [np.zeros(source.num_rows, np.int64) for _ in range(3)]
+    columns = [np.zeros(source.num_rows, np.int64) for _ in STATS]
     for column, values in zip(columns, rows[:, 1:].T):
         column[rows[:, 0]] = values
     if rank == 0 and cache_file:
@@ -210,17 +222,18 @@ def row_stats(source: ParquetSource, renderer: Renderer, rank: int, world: int,
 
 
 def _load_stats(path: str) -> list[np.ndarray] | None:
+    """None where there is no cache, or one of an earlier version without every column (rendered anew)."""
     if not os.path.isfile(path):
         return None
     with np.load(path) as f:
-        return [f["lengths"], f["loss_tokens"], f["full_lengths"]]
+        return [f[name] for name in STATS] if set(STATS) <= set(f.files) else None
 
 
 def _save_stats(path: str, columns: list[np.ndarray]) -> None:
     """Written whole or not at all (one rename): a start killed mid-write leaves no torn cache."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp.npz"
-    np.savez(tmp, **dict(zip(("lengths", "loss_tokens", "full_lengths"), columns)))
+    np.savez(tmp, **dict(zip(STATS, columns)))
     os.replace(tmp, path)
 
 
@@ -236,15 +249,15 @@ def _blocks_of(source: ParquetSource, rows: np.ndarray, block: int = 4096) -> It
 
 def _scan(source: ParquetSource, renderer: Renderer, rank: int, world: int,
           keep: bool) -> tuple[list[RenderedSample], np.ndarray]:
-    """Renders this rank's share of the rows: (the samples if keep, [row, tokens, loss tokens,
-    tokens before truncation] per row). A bad cell (read) or a render error on any rank stops every
+    """Renders this rank's share of the rows: (the samples if keep, [row, *STATS] per row). A bad cell (read) or a render error on any rank stops every
     rank at once with the same message (e.g. a null response, a sample over data.max_length with
     data.truncation=error): a rank that raised alone would leave the others waiting here."""
     error, samples, stats = None, [], []
     try:
         for block in _blocks_of(source, _share(source.num_rows, rank, world)):
             for sample in renderer.render_many(block):
-                stats.append((sample.row, len(sample.input_ids), loss_tokens(sample), sample.full_length))
+                stats.append((sample.row, len(sample.input_ids), loss_tokens(sample), sample.full_length,
+                              digest(sample)))
                 if keep:
                     samples.append(sample)
     except DataError as e:  # a bad cell, named with its file
@@ -256,7 +269,7 @@ def _scan(source: ParquetSource, renderer: Renderer, rank: int, world: int,
     first = next((e for e in errors if e), None)
     if first:
         raise DataError(first)
-    return samples, np.array(stats, dtype=np.int64).reshape(-1, 4)
+    return samples, np.array(stats, dtype=np.int64).reshape(-1, 1 + len(STATS))
 
 
 def validation_batches(samples: list[RenderedSample], micro_batch: int, token_budget: int | None, pad_to: int,

@@ -3,8 +3,8 @@
 From the start-up row scan (loader.row_stats): which rows truncation leaves with nothing to train
 on (refused, or dropped with data.no_loss_rows=drop), what truncation cut from the others (the
 EOS with truncation=right, the BOS and system prompt with truncation=left), and the data report:
-rows, token lengths, share truncated, supervised tokens per epoch. Printed by rank 0 and written
-to <run folder>/data_report.json.
+rows, token lengths, share truncated, supervised tokens per epoch, rows trained twice, and validation
+rows that are training rows too. Printed by rank 0 and written to <run folder>/data_report.json.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import os
 import numpy as np
 
 from sfttrain.config import ConfigError, DataConfig
-from sfttrain.data.loader import RowStats
+from sfttrain.data.loader import RowStats, digest
+from sfttrain.data.render import RenderedSample
 
 REPORT_FILE = "data_report.json"
 SHOWN_ROWS = 8  # row ids named in messages
@@ -49,9 +50,38 @@ def data_report(stats: RowStats, epoch_rows: np.ndarray, d: DataConfig) -> dict:
         "truncated": {**_rows(cut), "share": len(cut) / max(1, len(stats.lengths)), "effect": effect},
         "supervised_tokens_per_epoch": int(stats.loss_tokens[epoch_rows].sum()),
         "rows_per_epoch": len(epoch_rows),
+        "duplicate_rows": _rows(repeated_rows(stats)),
         "rows_rendered_at_startup": stats.rendered,
         "length_cache": stats.cache_file,
     }
+
+
+def repeated_rows(stats: RowStats) -> np.ndarray:
+    """The trained rows whose tokens an earlier trained row has (the same sample, trained twice an epoch)."""
+    trained = stats.kept(np.arange(len(stats.digests)))
+    _, first = np.unique(stats.digests[trained], return_index=True)
+    repeated = np.ones(len(trained), bool)
+    repeated[first] = False
+    return trained[repeated]
+
+
+def training_twins(samples: list[RenderedSample], stats: RowStats) -> tuple[np.ndarray, np.ndarray]:
+    """(validation rows, training rows) of the samples whose tokens a trained row has: validation on
+    them measures what training saw."""
+    trained = stats.kept(np.arange(len(stats.digests)))
+    order = np.argsort(stats.digests[trained], kind="stable")
+    known = stats.digests[trained][order]
+    digests = np.array([digest(s) for s in samples], dtype=np.int64)
+    found = np.isin(digests, known)
+    twins = trained[order[np.searchsorted(known, digests[found])]]
+    return np.array([s.row for s in samples], dtype=np.int64)[found], twins
+
+
+def validation_section(rows: int, twins: list[tuple[int, int]]) -> dict:
+    """The report's part on the validation rows; twins: (validation row, training row) pairs."""
+    twins = sorted(twins)
+    return {"rows": rows, "in_training": {"count": len(twins), "rows": [v for v, _ in twins[:SHOWN_ROWS]],
+                                          "training_rows": [t for _, t in twins[:SHOWN_ROWS]]}}
 
 
 def describe(report: dict) -> str:
@@ -71,6 +101,13 @@ def describe(report: dict) -> str:
     if trunc["count"] and trunc["effect"] == "start_cut":
         lines.append(f"  WARNING: data.truncation=left cut the start of {trunc['count']} samples (BOS, system "
                      f"prompt and the prompt's beginning), e.g. rows {trunc['rows']}")
+    if (repeated := report["duplicate_rows"])["count"]:
+        lines.insert(3, f"  duplicates          : rows {repeated['rows']} ({repeated['count']} in all) repeat an "
+                        "earlier row's tokens: that sample trains more than once an epoch")
+    if (val := report.get("validation")) and (twins := val["in_training"])["count"]:
+        lines.append(f"  WARNING: validation rows {twins['rows']} ({twins['count']} of {val['rows']}) are training rows "
+                     f"{twins['training_rows']} (the same tokens): the validation loss on them measures what training "
+                     "saw. Give data.val_files rows kept out of data.train_files")
     return "\n".join(lines)
 
 

@@ -97,9 +97,10 @@ class FSDPSFTTrainer:
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.plan.total_steps)
         self.data = TrainData(train_source, renderer, self.plan, prepared.stats, world.dp_rank, t.seed, d.shuffle,
                               self.model_shape.attention_coefficient, d.pad_to_multiple, world.row_slice)
-        self.val_batches = (validation_batches(prepared.val_samples, d.micro_batch_size_per_gpu,
-                                               d.max_token_len_per_gpu, d.pad_to_multiple, world.device, world.row_slice)
-                            if prepared.val_samples is not None else None)
+        val = prepared.val_samples
+        self.val_batches = (validation_batches(val, d.micro_batch_size_per_gpu, d.max_token_len_per_gpu,
+                                               d.pad_to_multiple, world.device, world.row_slice)
+                            if val is not None else None)
 
         if resume_from:
             self.state = checkpoint.load(resume_from, self.lm.model, self.optimizer, self.scheduler, world, cfg,

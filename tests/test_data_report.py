@@ -115,7 +115,8 @@ def test_a_row_whose_counts_changed_since_the_scan_stops_the_run(data, tmp_path)
     source = open_source([str(data)], row_fields(cfg.data), str(run_dir))
     renderer = build_renderer(cfg.data, tokenizer, None)
     samples = [renderer.render(*row) for row in source.read(np.arange(source.num_rows))]
-    columns = [np.array(c) for c in zip(*((len(s.input_ids), loss_tokens(s), s.full_length, digest(s)) for s in samples))]
+    columns = [np.array(c) for c in zip(*((len(s.input_ids), loss_tokens(s), s.full_length, digest(s))
+                                          for s in samples))]
     columns[1][3] += 1
     assert not dist.is_initialized()
     _save_stats(str(run_dir / CACHE_DIR / f"{rendering_key(data_fingerprint(cfg, source, tokenizer))}.npz"), columns)
@@ -183,7 +184,7 @@ def test_rows_trained_twice_and_validation_rows_seen_in_training_are_reported(gs
     for i, t in enumerate(text):
         first.setdefault(t, i)
     repeated = [i for i, t in enumerate(text) if first[t] != i]
-    twins = [(v, first[(r["question"], r["answer"])]) for v, r in enumerate(val) if (r["question"], r["answer"]) in first]
+    twins = [(v, first[t]) for v, t in enumerate((r["question"], r["answer"]) for r in val) if t in first]
     assert repeated == [7, 20] and twins == [(1, 11), (4, 5)]
 
     overrides = job(tmp_path / "train.parquet", tmp_path / "run", f"data.val_files={tmp_path / 'val.parquet'}",

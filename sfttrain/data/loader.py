@@ -249,9 +249,10 @@ def _blocks_of(source: ParquetSource, rows: np.ndarray, block: int = 4096) -> It
 
 def _scan(source: ParquetSource, renderer: Renderer, rank: int, world: int,
           keep: bool) -> tuple[list[RenderedSample], np.ndarray]:
-    """Renders this rank's share of the rows: (the samples if keep, [row, *STATS] per row). A bad cell (read) or a render error on any rank stops every
-    rank at once with the same message (e.g. a null response, a sample over data.max_length with
-    data.truncation=error): a rank that raised alone would leave the others waiting here."""
+    """Renders this rank's share of the rows: (the samples if keep, [row, *STATS] per row). A bad cell
+    (read) or a render error on any rank stops every rank at once with the same message (e.g. a null
+    response, a sample over data.max_length with data.truncation=error): a rank that raised alone would
+    leave the others waiting here."""
     error, samples, stats = None, [], []
     try:
         for block in _blocks_of(source, _share(source.num_rows, rank, world)):

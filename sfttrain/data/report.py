@@ -105,9 +105,9 @@ def describe(report: dict) -> str:
         lines.insert(3, f"  duplicates          : rows {repeated['rows']} ({repeated['count']} in all) repeat an "
                         "earlier row's tokens: that sample trains more than once an epoch")
     if (val := report.get("validation")) and (twins := val["in_training"])["count"]:
-        lines.append(f"  WARNING: validation rows {twins['rows']} ({twins['count']} of {val['rows']}) are training rows "
-                     f"{twins['training_rows']} (the same tokens): the validation loss on them measures what training "
-                     "saw. Give data.val_files rows kept out of data.train_files")
+        lines.append(f"  WARNING: validation rows {twins['rows']} ({twins['count']} of {val['rows']}) are training "
+                     f"rows {twins['training_rows']} (the same tokens): the validation loss on them measures what "
+                     "training saw. Give data.val_files rows kept out of data.train_files")
     return "\n".join(lines)
 
 
@@ -115,7 +115,7 @@ def _row_scan(report: dict) -> str:
     """What the start-up did to learn the lengths: rendered the rows, or read an earlier start's cache."""
     rendered, cache = report["rows_rendered_at_startup"], report["length_cache"]
     if rendered == 0:
-        return f"every row's length read from {cache} (an earlier start's or preflight's, of the same data and rendering)"
+        return f"every row's length read from {cache} (an earlier start's or preflight's: the same data and rendering)"
     return f"{rendered} rows rendered" + (f", lengths cached in {cache} for the next start" if cache else "")
 
 

@@ -279,6 +279,7 @@ FREE_FORM = ("model.fsdp_config.mixed_precision", "model.fsdp_config.wrap_policy
 
 DTYPES = ("fp32", "bf16", "fp16")
 LOSS_KERNELS = ("auto", "liger", "torch")  # model.loss_kernel (sfttrain.loss.select_chunk_loss)
+LOGGERS = ("console", "wandb")  # trainer.logger (sfttrain.metrics)
 FP8_MODES = ("off", "auto", "tensorwise", "rowwise")  # model.fp8 (sfttrain.fp8)
 WRITERS = ("auto", "process", "thread")  # trainer.async_save_writer (sfttrain.checkpoint_writer)
 STAGINGS = ("auto", "device", "host")  # trainer.async_save_staging (sfttrain.checkpoint_writer.Staging)
@@ -558,7 +559,10 @@ def _validate_trainer(t: TrainerConfig) -> None:
         raise ConfigError("trainer.profile_memory=true records memory over trainer.profile_steps: name those steps "
                           "too, e.g. trainer.profile_steps=[11]")
     for name in logger_names(t):
-        _choice("trainer.logger", name, ("console", "wandb"))
+        if name not in LOGGERS:  # verl's list is longer (tensorboard, mlflow, swanlab, ...): say what there is instead
+            raise ConfigError(f"trainer.logger={name!r} is not one of {list(LOGGERS)}. Every run writes its metrics "
+                              "to <run folder>/metrics.jsonl (`python -m sfttrain.plot <run folder>` draws them); for "
+                              "a dashboard use wandb (WANDB_MODE=offline keeps it on this machine)")
 
 
 def _check_profile_steps(steps: Optional[list[int]]) -> None:

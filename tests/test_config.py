@@ -13,6 +13,7 @@ COMMON = ["data.train_files=x.parquet", "model.partial_pretrain=m"]
     ("model.fsdp_config.mixed_precision.buffer_dtype=bf16", "buffer_dtype='bf16'.*set it to fp32"),
     ("model.fsdp_config.model_dtype=fp16", "fp16 .*needs loss scaling.*use bf16"),
     ("model.fsdp_config.mixed_precision.param_dtype=fp16", "fp16 .*needs loss scaling"),
+    ("trainer.logger=[console,tensorboard]", r"logger='tensorboard' is not one of .*metrics.jsonl .*sfttrain.plot.* wandb"),
 ])
 def test_silently_ignored_verl_values_are_refused(override, message):
     with pytest.raises(ConfigError, match=message):

@@ -1,5 +1,5 @@
-"""The user's own data (sfttrain/data/files.py): JSON Lines, JSON and directories read through the
-same streaming Parquet reader, against the rows read here straight from the files."""
+"""The user's own data (sfttrain/data/files.py): JSON Lines, JSON, CSV (also compressed) and directories
+read through the same streaming Parquet reader, against the rows read here straight from the files."""
 
 import json
 import os
@@ -242,3 +242,40 @@ def test_csv_and_tsv_files_read_as_the_rows_written(tmp_path):
     (tmp_path / "header.csv").write_text("question,answer\n")
     with pytest.raises(DataError, match="header.csv: the file has no rows"):
         open_source([str(tmp_path / "header.csv")], FIELDS, run_dir)
+
+
+def test_compressed_text_files_read_as_their_rows(tmp_path):
+    """JSON Lines in gzip, a JSON list in bz2, CSV in zstd (written here by Python's gzip and bz2 and by
+    pyarrow's zstd stream) and a folder holding a .jsonl.gz read as the rows written; a bad line inside
+    is named with its line; a file cut short, or not compressed as its name says, is named."""
+    import bz2
+    import csv
+    import gzip
+    import io
+
+    rows = GSM8K[:30]
+    want = [(r["question"], r["answer"]) for r in rows]
+    lines = "\n".join(json.dumps(r) for r in rows) + "\n"
+    (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress(lines.encode()))
+    (tmp_path / "b.json.bz2").write_bytes(bz2.compress(json.dumps(rows, indent=1).encode()))
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=["question", "answer"])
+    writer.writeheader()
+    writer.writerows({"question": q, "answer": a} for q, a in want)
+    with pa.output_stream(str(tmp_path / "c.csv.zst"), compression="detect") as f:
+        f.write(text.getvalue().encode())
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "part.jsonl.gz").write_bytes(gzip.compress(lines.encode()))
+    run_dir = str(tmp_path / "run")
+    for name in ("a.jsonl.gz", "b.json.bz2", "c.csv.zst", "folder"):
+        assert [(p, r) for p, r, _ in read_all(open_source([str(tmp_path / name)], FIELDS, run_dir))] == want, name
+
+    (tmp_path / "bad.jsonl.gz").write_bytes(gzip.compress((lines + "{not json\n").encode()))
+    with pytest.raises(DataError, match=f"bad.jsonl.gz line {len(rows) + 1}: not valid JSON"):
+        open_source([str(tmp_path / "bad.jsonl.gz")], FIELDS, run_dir)
+    (tmp_path / "cut.jsonl.gz").write_bytes(gzip.compress(lines.encode())[:200])
+    (tmp_path / "plain.jsonl.gz").write_text(lines)
+    for name in ("cut.jsonl.gz", "plain.jsonl.gz"):
+        with pytest.raises(DataError, match=f"{name}: cannot be decompressed"):
+            open_source([str(tmp_path / name)], FIELDS, run_dir)
+    assert not list((tmp_path / "run" / CACHE_DIR).glob("*.tmp"))  # no partial conversion left

@@ -6,6 +6,8 @@ a list of objects, or one object per line as pandas' `to_json(orient="records", 
 read as text, a conversation's cell as its JSON), a directory of such files (its data files in name
 order), or a dataset folder that `datasets`' `save_to_disk` wrote (its Arrow files, in its
 state.json's order). Arrow and CSV files are converted into Parquet files as a JSON file is (below).
+A text file may be compressed, named with its compression's suffix after its own (`train.jsonl.gz`,
+`.bz2`, `.zst`): it is read through pyarrow's decompressing stream.
 
 A JSON file is converted once into a Parquet file in the run folder (`data_cache/`), named by the
 source's fingerprint (path, size, modification time): a later start, or a resume, reads that
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import io
 import json
 import os
 from typing import Iterator
@@ -35,6 +38,8 @@ from sfttrain.errors import DataError
 
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".arrow", ".csv", ".tsv")
 JSON_SUFFIXES = (".jsonl", ".json")
+TEXT_SUFFIXES = (".jsonl", ".json", ".csv", ".tsv")  # formats that may come compressed
+COMPRESSED = (".gz", ".bz2", ".zst")  # pyarrow detects the codec by the suffix
 CONVERTED_SUFFIXES = DATA_SUFFIXES[1:]  # read through a Parquet conversion in the run folder
 SAVED_DATASET = "state.json"  # in a folder datasets' save_to_disk wrote (beside dataset_info.json)
 SAVED_DATASET_DICT = "dataset_dict.json"  # in the folder of a DatasetDict's save_to_disk (a folder per split)
@@ -49,7 +54,7 @@ def open_source(paths: list[str], fields: PromptResponse | ChatMessages, run_dir
     rank 0 converts while the others wait for its verdict (the run folder is shared by every
     node), so a malformed line stops every rank with the same message."""
     files = data_files(paths)
-    targets = {f: cached_parquet(f, run_dir) for f in files if f.endswith(CONVERTED_SUFFIXES)}
+    targets = {f: cached_parquet(f, run_dir) for f in files if data_format(f) in CONVERTED_SUFFIXES}
     distributed = dist.is_initialized()
     error = None
     if not distributed or dist.get_rank() == 0:
@@ -83,12 +88,27 @@ def data_files(paths: list[str]) -> list[str]:
             files += saved_dataset_files(path)
             continue
         found = sorted(os.path.join(path, name) for name in os.listdir(path)
-                       if name.endswith(DATA_SUFFIXES) and not name.startswith("."))
+                       if data_format(name) in DATA_SUFFIXES and not name.startswith("."))
         if not found:
             raise DataError(f"{path}: a directory without data files ({', '.join('*' + s for s in DATA_SUFFIXES)}); "
                             "point data.train_files / data.val_files at one that has them")
         files += found
     return files
+
+
+def data_format(path: str) -> str:
+    """A data file's format suffix (.parquet, .jsonl, ...), a text format's compression looked through:
+    .jsonl for train.jsonl.gz."""
+    root, suffix = os.path.splitext(path)
+    inner = os.path.splitext(root)[1]
+    return inner if suffix in COMPRESSED and inner in TEXT_SUFFIXES else suffix
+
+
+def open_text(path: str, newline: str | None = None):
+    """A text data file for reading, decompressed where its name says it is compressed."""
+    if data_format(path) == os.path.splitext(path)[1]:
+        return open(path, encoding="utf-8-sig", newline=newline)
+    return io.TextIOWrapper(pa.input_stream(path, compression="detect"), encoding="utf-8-sig", newline=newline)
 
 
 def saved_dataset_files(path: str) -> list[str]:
@@ -119,10 +139,13 @@ def convert(source: str, target: str) -> None:
     tmp = f"{target}.{os.getpid()}.tmp"
     try:
         converter = {".arrow": convert_arrow, ".csv": convert_csv, ".tsv": convert_csv}
-        converter.get(os.path.splitext(source)[1], convert_json)(source, tmp)
-    except BaseException:
+        converter.get(data_format(source), convert_json)(source, tmp)
+    except BaseException as e:
         if os.path.exists(tmp):
             os.remove(tmp)
+        if isinstance(e, OSError) and e.errno is None and source.endswith(COMPRESSED):  # the codec's, not the OS's
+            raise DataError(f"{source}: cannot be decompressed ({e}); the file is cut short or not compressed as its "
+                            f"name says: write it again, or name it for what it is") from None
         raise
     os.replace(tmp, target)
 
@@ -153,8 +176,8 @@ def _write_batches(source: str, target: str, schema: pa.Schema, batches: Iterato
 def convert_csv(source: str, target: str) -> None:
     """A CSV (or, named .tsv, tab-separated) file with a header row, streamed into Parquet row groups;
     every column read as text (an answer of digits stays the text it is)."""
-    delimiter = "\t" if source.endswith(".tsv") else ","
-    with open(source, newline="", encoding="utf-8-sig") as f:
+    delimiter = "\t" if data_format(source) == ".tsv" else ","
+    with open_text(source, newline="") as f:
         header = next(csv.reader(f, delimiter=delimiter), None)
     if not header or not any(header):
         raise DataError(f"{source}: no header row naming the columns; the first line names them, e.g. question,answer")
@@ -195,18 +218,16 @@ def _table(batch: list[tuple[int, dict]], keys: list[str], schema: pa.Schema) ->
 
 def records(path: str) -> Iterator[tuple[int, dict]]:
     """(line, object) of each row of a JSON Lines file, or of a JSON file's list of objects."""
-    with open(path, encoding="utf-8-sig") as f:
-        if path.endswith(".json") and _first_char(f) == "[":
-            yield from _list_records(f, path)
-        else:
-            yield from _line_records(f, path)
+    as_list = data_format(path) == ".json" and _first_char(path) == "["
+    with open_text(path) as f:
+        yield from (_list_records if as_list else _line_records)(f, path)
 
 
-def _first_char(f) -> str:
-    """The first character of the file that is not white space; the file is left at its start."""
-    while (chunk := f.read(CHUNK_CHARS)) and not chunk.strip():
-        pass
-    f.seek(0)
+def _first_char(path: str) -> str:
+    """The first character of the file that is not white space."""
+    with open_text(path) as f:
+        while (chunk := f.read(CHUNK_CHARS)) and not chunk.strip():
+            pass
     return chunk.lstrip()[:1]
 
 
@@ -217,7 +238,8 @@ def _line_records(f, path: str) -> Iterator[tuple[int, dict]]:
         try:
             value = json.loads(text)
         except json.JSONDecodeError as e:
-            hint = " (a .json file holds a list of objects, or one object per line)" if path.endswith(".json") else ""
+            json_file = data_format(path) == ".json"
+            hint = " (a .json file holds a list of objects, or one object per line)" if json_file else ""
             raise DataError(f"{path} line {line}: not valid JSON ({e.msg}, column {e.colno}){hint}; fix or remove "
                             "the line") from None
         yield line, _row(value, path, line)

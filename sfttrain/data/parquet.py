@@ -165,7 +165,7 @@ class ParquetSource:
             raise DataError(f"{file}: not a readable Parquet file ({os.path.getsize(file)} bytes; {e}); "
                             "rewrite it (e.g. python data_prep/gsm8k.py) or fix data.train_files / data.val_files "
                             "(JSON Lines, JSON, CSV, TSV and Arrow files are read when named *.jsonl / *.json / "
-                            "*.csv / *.tsv / *.arrow)")
+                            "*.csv / *.tsv / *.arrow, the text ones also compressed: *.jsonl.gz, .bz2, .zst)")
         source = self.origins.get(file, file)
         self._columns[file] = self.fields.columns(source, [n for n in meta.schema_arrow.names if n != LINE_COLUMN])
         if meta.metadata.num_rows == 0:

@@ -141,8 +141,10 @@ def test_a_length_cache_of_the_users_renders_the_data_once_for_a_sweep(data, exp
     from sfttrain.plan import main as plan
 
     cache = tmp_path / "cache"
-    sweep = lambda run, *extra: job(data, tmp_path / run, "data.no_loss_rows=drop",  # noqa: E731
-                                    f"data.length_cache_dir={cache}", *extra)
+
+    def sweep(run: str, *extra: str) -> list[str]:
+        return job(data, tmp_path / run, "data.no_loss_rows=drop", f"data.length_cache_dir={cache}", *extra)
+
     with contextlib.redirect_stdout(io.StringIO()) as out:
         assert plan([*sweep("a"), "--nproc", "2"]) == 0, out.getvalue()
     [written] = cache.iterdir()
@@ -197,9 +199,10 @@ def test_rows_trained_twice_and_validation_rows_seen_in_training_are_reported(gs
     warning = "WARNING: validation rows [1, 4] (2 of 6) are training rows [11, 5] (the same tokens)"
     assert warning in out and "rows [7, 20] (2 in all) repeat an earlier row's tokens" in out
 
-    from sfttrain.plan import main as plan
     import contextlib
     import io
+
+    from sfttrain.plan import main as plan
 
     with contextlib.redirect_stdout(io.StringIO()) as preflight:
         assert plan([*overrides, "--nproc", "2"]) == 0, preflight.getvalue()

@@ -3,6 +3,8 @@ the data report against counts made here straight from the tokenizer, and the le
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 from pathlib import Path
 
@@ -12,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
+from sfttrain.plan import main as plan
 from tests.conftest import BASE_OVERRIDES, STORIES, read_metrics, run_sfttrain
 
 ROWS, BATCH, MAX_LENGTH = 40, 8, 256
@@ -135,11 +138,6 @@ def test_a_length_cache_of_the_users_renders_the_data_once_for_a_sweep(data, exp
     of the tokenizer here); two runs in other run folders, with another learning rate each, read them
     and render no row at start-up; another max_length is another rendering, so another file. A cache
     folder that cannot be made is refused before the scan, naming the key."""
-    import contextlib
-    import io
-
-    from sfttrain.plan import main as plan
-
     cache = tmp_path / "cache"
 
     def sweep(run: str, *extra: str) -> list[str]:
@@ -198,11 +196,6 @@ def test_rows_trained_twice_and_validation_rows_seen_in_training_are_reported(gs
         "count": len(twins), "rows": [v for v, _ in twins], "training_rows": [t for _, t in twins]}}
     warning = "WARNING: validation rows [1, 4] (2 of 6) are training rows [11, 5] (the same tokens)"
     assert warning in out and "rows [7, 20] (2 in all) repeat an earlier row's tokens" in out
-
-    import contextlib
-    import io
-
-    from sfttrain.plan import main as plan
 
     with contextlib.redirect_stdout(io.StringIO()) as preflight:
         assert plan([*overrides, "--nproc", "2"]) == 0, preflight.getvalue()

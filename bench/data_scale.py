@@ -4,8 +4,9 @@ Builds a 1M-row Parquet file (row groups of 10k rows, ~0.5 KB of text per row), 
   scan_read      rank 0's share read (decode only), for 1 of 1 and 1 of 8 ranks: rows/s and row
                  groups decoded (a contiguous share of 8 decodes ~1/8 of the groups; the strided
                  share the scan used before touches all of them)
-  scan_render    rendering the first --render_rows rows as the scan does: stories260K's tokenizer on
-                 plain text, and Qwen2.5's with its chat template (W1's)
+  scan_render    rendering the first --render_rows rows as the scan does, each row's tokens digested
+                 too (in a checkout that has loader.digest): stories260K's tokenizer on plain text, and
+                 Qwen2.5's with its chat template (W1's)
   length_cache   loading every row's counts from the length cache (what a resume does instead)
   train_order    a shuffled epoch read step by step (--batch rows a step) for --train_rows rows
                  (more than a shuffle window): rows/s and row groups decoded
@@ -88,14 +89,16 @@ def scan_render(path: Path, rows: int, tokenizer: str, chat: bool) -> dict:
     them (one call per row in a checkout from before Renderer.render_many)."""
     from transformers import AutoTokenizer
 
+    from sfttrain.data import loader
     from sfttrain.data.render import Renderer
 
     renderer = Renderer(AutoTokenizer.from_pretrained(REPO / tokenizer), max_length=4096, truncation="right",
                         apply_chat_template=chat)
     texts = source(path).read(np.arange(rows))
     blocks = [texts[start:start + 4096] for start in range(0, rows, 4096)]
+    digest = getattr(loader, "digest", lambda sample: None)  # the scan's per-row digest, where it has one
     if hasattr(renderer, "render_many"):
-        seconds, _ = timed(lambda: [renderer.render_many(block) for block in blocks])
+        seconds, _ = timed(lambda: [digest(s) for block in blocks for s in renderer.render_many(block)])
     else:
         seconds, _ = timed(lambda: [renderer.render(*row) for row in texts])
     return {"tokenizer": tokenizer, "chat_template": chat, **rates(rows, seconds)}

@@ -13,7 +13,9 @@ import signal
 import subprocess
 import time
 
-STACKS_WAIT_S = 1  # for a process to write its stacks (faulthandler writes them from its signal handler)
+from sfttrain.phase import STACKS_HEADER
+
+STACKS_WAIT_S = 1  # for a process to write its stacks (sfttrain.phase.print_stacks)
 STOP_GRACE_S = 60  # torchrun passes SIGTERM on to its ranks and waits for them; past this, SIGKILL
 
 
@@ -97,11 +99,11 @@ def descendants(pid: int) -> list[int]:
 def why_it_failed(path: str, chars: int = 8000) -> str:
     """The part of a failed job's log that says why: from a crash's Python stack (faulthandler's
     "Fatal Python error", which torchrun's summary at the end calls only "Signal 11"), else from the
-    stacks a timed-out job's processes printed, else from sfttrain's one-line message, else from the
+    stacks a timed-out job's processes printed (sfttrain.phase.print_stacks), else from sfttrain's one-line message, else from the
     first traceback (a rank's: torchrun's own comes after it), else the end of the log."""
     with open(path, errors="replace") as f:
         text = f.read()
-    markers = ("Fatal Python error", "(most recent call first):", "sfttrain: ", "Traceback (most recent call last)")
+    markers = ("Fatal Python error", STACKS_HEADER, "sfttrain: ", "Traceback (most recent call last)")
     at = next((at for at in map(text.find, markers) if at >= 0), None)
     start = max(len(text) - chars, 0) if at is None else text.rfind("\n", 0, at) + 1  # from its line's start
     return text[start:start + chars]

@@ -13,12 +13,15 @@ on (`dump_stacks_on_sigusr1`).
 
 from __future__ import annotations
 
-import faulthandler
+import os
 import signal
 import sys
 import threading
 import time
+import traceback
 
+# the first line of each dump (bench/jobs.py finds it); not "sfttrain: ", which starts a run's one message
+STACKS_HEADER = "Python stacks of process"
 _lock = threading.Lock()
 _phase = {"name": "start-up", "since": time.monotonic(), "reported": False}
 
@@ -43,8 +46,7 @@ def _report(rank: int, timeout_s: int) -> None:
           f"(trainer.nccl_timeout={timeout_s}): if a collective timed out, this rank was waiting there for a rank "
           "that did not arrive; the rank that names another phase (or none: it died) is the cause. Raise "
           "trainer.nccl_timeout if that phase is slow but sound (a large save, a slow file system)", flush=True)
-    if sys.__stderr__ is not None:
-        faulthandler.dump_traceback(sys.__stderr__, all_threads=True)
+    print_stacks("at the collective timeout")
 
 
 def report_timeout(error: BaseException, rank: int, timeout_s: int) -> None:
@@ -55,13 +57,46 @@ def report_timeout(error: BaseException, rank: int, timeout_s: int) -> None:
 
 
 def dump_stacks_on_sigusr1() -> None:
-    """SIGUSR1 prints every thread's Python stack to stderr (faulthandler: from the signal handler in
-    C, so also while the main thread waits in a collective or on a lock), and the process goes on. A
-    DataLoader worker, forked from its rank, inherits it. A handler set before (by whatever runs
-    sfttrain in its process) is left as it is. The process's own stderr (file descriptor 2), not a
-    sys.stderr that something replaced with a stream of its own (a notebook's, pytest's)."""
-    if signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL and sys.__stderr__ is not None:
-        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
+    """SIGUSR1 prints every thread's Python stack to stderr, and the process goes on. Called first thing
+    in a process (sfttrain.run, its helper processes): SIGUSR1 is blocked in this thread, so in every
+    thread started from now on, and a thread of its own takes it (sigwait) and prints the stacks while
+    it holds the GIL, so that no frame is read while its thread changes it. That works while the main
+    thread waits in a collective or on a lock (they release the GIL). faulthandler, whose C handler
+    runs on whichever thread the kernel picks, read the main thread's frames while they changed: a
+    busy DataLoader worker died of it (SIGSEGV) in a test. A DataLoader worker, forked with the mask
+    but not the thread, and the spawned checkpoint writer call this again (sfttrain.stop_signal). The
+    Python handler serves a thread started before the mask: the main thread prints, between bytecodes.
+    A handler set before (by whatever runs sfttrain in its process) is left as it is."""
+    if signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, _on_sigusr1):
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    signal.signal(signal.SIGUSR1, _on_sigusr1)
+    threading.Thread(target=_take_sigusr1, name="sfttrain-stacks", daemon=True).start()
+
+
+def _on_sigusr1(signum, frame) -> None:
+    print_stacks("SIGUSR1; it goes on")
+
+
+def _take_sigusr1() -> None:
+    while True:
+        signal.sigwait({signal.SIGUSR1})
+        print_stacks("SIGUSR1; it goes on")
+
+
+def print_stacks(why: str) -> None:
+    """Every thread's Python stack, most recent call last, to the process's own stderr (file descriptor
+    2, not a sys.stderr something replaced: a notebook's, pytest's), in one write where it fits."""
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    text = f"{STACKS_HEADER} {os.getpid()} ({why}), most recent call last:\n" + "".join(
+        f"Thread {names.get(ident, ident)}:\n" + "".join(traceback.format_stack(frame))
+        for ident, frame in sys._current_frames().items())
+    data = text.encode(errors="replace")
+    try:
+        while data:
+            data = data[os.write(2, data):]
+    except OSError:  # no stderr left to write to
+        pass
 
 
 def start_watchdog(rank: int, timeout_s: int) -> None:

@@ -63,6 +63,7 @@ def stop(error: UserError) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    phase.dump_stacks_on_sigusr1()  # before any thread starts: each inherits the signal mask (see there)
     argv = sys.argv[1:] if argv is None else argv
     yaml_path, overrides = parse_args(argv)
     try:
@@ -82,7 +83,6 @@ def main(argv: list[str] | None = None) -> None:
 def train(cfg: Config) -> None:
     rank = int(os.environ.get("RANK", 0))
     stop_signal.note_interrupts()
-    phase.dump_stacks_on_sigusr1()
     try:
         _train(cfg, rank)
     except KeyboardInterrupt:  # also raised while an error below was being handled

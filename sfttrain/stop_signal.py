@@ -110,7 +110,10 @@ def leave_to_the_rank() -> None:
     background save its rank needs on its way to the stop. So a SIGTERM from anyone but its rank ends
     the helper only GRACE_S later (by then its rank has saved and gone, or SIGKILL came
     first); its rank's own (multiprocessing's terminate, as the rank exits) ends it at once, as
-    before. SIGTERM is blocked in every thread and taken by one that reads who sent it."""
+    before. SIGTERM is blocked in every thread and taken by one that reads who sent it. SIGUSR1 prints
+    the helper's stacks, as in its rank (sfttrain.phase: a worker forks without its rank's thread that
+    takes it, and a spawned process starts anew)."""
+    phase.dump_stacks_on_sigusr1()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads started later inherit the mask
     threading.Thread(target=_take_sigterm, args=(os.getppid(),), name="sfttrain-sigterm", daemon=True).start()
@@ -119,10 +122,8 @@ def leave_to_the_rank() -> None:
 def helper_main(module: str, function: str, *args) -> None:
     """A spawned helper's entry (the checkpoint writer): SIGTERM left to its rank before the helper
     imports what it runs (torch: seconds in which a SIGTERM would end it). What precedes this call,
-    the interpreter's start and the rank's main module imported again, takes ~0.2 s. SIGUSR1 prints its
-    stacks, as in its rank (a DataLoader worker inherits its rank's handler; a spawned process does not)."""
+    the interpreter's start and the rank's main module imported again, takes ~0.2 s."""
     leave_to_the_rank()
-    phase.dump_stacks_on_sigusr1()
     getattr(importlib.import_module(module), function)(*args)
 
 

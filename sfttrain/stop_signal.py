@@ -113,9 +113,9 @@ def leave_to_the_rank() -> None:
     before. SIGTERM is blocked in every thread and taken by one that reads who sent it. SIGUSR1 prints
     the helper's stacks, as in its rank (sfttrain.phase: a worker forks without its rank's thread that
     takes it, and a spawned process starts anew)."""
-    phase.dump_stacks_on_sigusr1()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads started later inherit the mask
+    phase.dump_stacks_on_sigusr1()  # its thread after the mask: a SIGTERM it took would end the helper at once
     threading.Thread(target=_take_sigterm, args=(os.getppid(),), name="sfttrain-sigterm", daemon=True).start()
 
 

@@ -11,6 +11,7 @@ import json
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import PurePath
 from typing import Optional
 
 import numpy as np
@@ -299,13 +300,14 @@ def _cells(table: pa.Table, column: str) -> list:
 
 
 def _where(group: RowGroup, local: int) -> str:
-    """Where row `local` of a row group is in the user's file: its row number there (from 0), or
-    the line of a JSON file (for error messages)."""
-    if group.source != group.file:
-        lines = pq.ParquetFile(group.file).read_row_group(group.index, columns=[LINE_COLUMN]).column(0)
-        return f"{group.source} line {lines[local].as_py()}"
-    meta = pq.ParquetFile(group.file).metadata
-    return f"{group.file} row {local + sum(meta.row_group(i).num_rows for i in range(group.index))}"
+    """Where row `local` of a row group is in the user's file (for error messages): the line of a
+    JSON file, else its row number there (from 0; a CSV's header row not counted)."""
+    parquet = pq.ParquetFile(group.file)
+    if LINE_COLUMN in parquet.schema_arrow.names:
+        return f"{group.source} line {parquet.read_row_group(group.index, columns=[LINE_COLUMN]).column(0)[local]}"
+    row = local + sum(parquet.metadata.row_group(i).num_rows for i in range(group.index))
+    header = {".csv", ".tsv"} & set(PurePath(group.source).suffixes)  # also of train.csv.gz
+    return f"{group.source} row {row}" + (" (from 0, the header row not counted)" if header else "")
 
 
 def key_path(key: Optional[str], dict_keys: Optional[list[str]]) -> Optional[list[str]]:

@@ -35,8 +35,8 @@ class MultiturnConfig:
 
 @dataclass
 class DataConfig:
-    # a Parquet, JSON Lines, JSON, CSV/TSV or Arrow file, a directory of them, a folder datasets' save_to_disk
-    # wrote, or a list of these (README: Your own data)
+    # a Parquet, JSON Lines, JSON, CSV/TSV or Arrow file, a directory of them, a pattern of them
+    # (data/train-*.parquet), a folder datasets' save_to_disk wrote, or a list of these (README: Your own data)
     train_files: Any = None
     val_files: Any = None  # optional; validation runs over all of it, nothing dropped
     # the column holding the prompt; null: none, the response column is the whole text and every token
@@ -447,8 +447,8 @@ def _positive(*pairs: tuple[str, Any]) -> None:
 
 def _validate_data(d: DataConfig) -> None:
     if d.train_files in (None, "", []):
-        raise ConfigError("data.train_files is required: a Parquet, JSON Lines or JSON file, a directory of them, "
-                          "or a list of these")
+        raise ConfigError("data.train_files is required: a Parquet, JSON Lines, JSON or CSV file, a directory or a "
+                          "pattern of them, or a list of these")
     _positive(("data.train_batch_size", d.train_batch_size),
               ("data.micro_batch_size_per_gpu", d.micro_batch_size_per_gpu),
               ("data.max_length", d.max_length), ("data.pad_to_multiple", d.pad_to_multiple))

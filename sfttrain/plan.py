@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
 import json
 import os
 import shutil
@@ -304,8 +305,11 @@ def row_count(cfg: Config) -> int:
 
 
 def missing_files(files) -> list[str]:
-    """The entries (files or directories of files) not on this machine."""
-    return [f for f in as_list(files) if not os.path.exists(os.path.expanduser(f))]
+    """The entries (files, directories of files, patterns matching none) not on this machine."""
+    from sfttrain.data.files import is_pattern
+
+    paths = {f: os.path.expanduser(f) for f in as_list(files)}
+    return [f for f, p in paths.items() if not (glob.glob(p, recursive=True) if is_pattern(p) else os.path.exists(p))]
 
 
 @dataclass
@@ -327,6 +331,13 @@ def batch_section(cfg: Config, dp_size: int, folder: Optional[str], found: Findi
     if missing:  # a missing file is often only missing here (the cluster's path): not a problem
         found.notes.append(f"data.train_files: {', '.join(missing)} not on this machine: steps per epoch and the rows "
                            "are not checked" + "".join(map(hub_id_hint, missing)))
+    missing_val = missing_files(d.val_files)
+    if missing_val and d.train_files and not missing:  # the training files are here: a mistyped path
+        found.problems.append(f"data.val_files: {', '.join(missing_val)} not found, while data.train_files are: check "
+                              "the path (the run would stop on it at start-up)")
+    elif missing_val:
+        found.notes.append(f"data.val_files: {', '.join(missing_val)} not on this machine: the validation rows are "
+                           "not checked")
     elif d.train_files and folder is not None and has_tokenizer(folder):
         rendered = found.check(lambda: render_rows(cfg, folder))
         rows = int(rendered.stats.keep.sum()) if rendered else None

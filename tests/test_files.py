@@ -102,6 +102,33 @@ def test_malformed_files_are_named_with_their_line(tmp_path, monkeypatch, name, 
     assert not list((tmp_path / "run").rglob("*.parquet"))  # nothing written
 
 
+def test_a_pattern_reads_the_files_it_matches_and_a_folder_of_splits_is_refused(tmp_path):
+    """A hub dataset's layout: data/ holds train-0000{0,1}-of-00002.parquet and test-00000-of-00001.parquet.
+    The folder read whole would train on the test rows too: refused, with a pattern per split. The
+    train pattern reads the two train files' rows, in name order; a pattern matching no data file is named."""
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = {name: [{"question": f"{name} q{i}", "answer": f"a{i}"} for i in range(3)]
+            for name in ("train-00001-of-00002", "train-00000-of-00002", "test-00000-of-00001")}
+    for name, table in rows.items():
+        pq.write_table(pa.Table.from_pylist(table), data / f"{name}.parquet")
+    (data / "README.md").write_text("not data")
+    run_dir = str(tmp_path / "run")
+    with pytest.raises(DataError, match=rf"{data}: its files are named for several splits.*test: "
+                                        rf"{data / 'test-00000-of-00001.parquet'}; train: {data / 'train-0000'}\*$"):
+        open_source([str(data)], FIELDS, run_dir)
+    source = open_source([f"{data}/train-*"], FIELDS, run_dir)
+    expected = rows["train-00000-of-00002"] + rows["train-00001-of-00002"]
+    assert source.read(np.arange(6)) == [(r["question"], r["answer"], i) for i, r in enumerate(expected)]
+    with pytest.raises(DataError, match=rf"{data}/valid\*: no data file .* matches this pattern"):
+        open_source([f"{data}/valid*"], FIELDS, run_dir)
+    for name in ("gsm8k-train.arrow", "gsm8k-test.arrow"):  # datasets' cache names them so
+        (tmp_path / "cache" / name).parent.mkdir(exist_ok=True)
+        (tmp_path / "cache" / name).write_bytes(b"")
+    with pytest.raises(DataError, match="its files are named for several splits"):
+        open_source([str(tmp_path / "cache")], FIELDS, run_dir)
+
+
 def test_a_bad_cell_is_named_with_its_line(tmp_path):
     path = tmp_path / "cells.jsonl"
     path.write_text('{"question": "q", "answer": "a"}\n\n{"question": "q", "answer": null}\n'

@@ -275,6 +275,16 @@ def test_preflight_lists_what_the_run_would_stop_on(gsm8k_dir, tmp_path):
                          "--nproc", "1")
     assert code == 2 and "no column 'nope'" in out.split("problems:")[1] and "not on this machine" not in out, out
 
+    # the training files are here and the validation file is not: a mistyped path, which the run stops on
+    code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={gsm8k_dir / 'train.parquet'}",
+                         f"data.val_files={gsm8k_dir / 'tset.parquet'}", "--nproc", "1")
+    assert code == 2 and f"data.val_files: {gsm8k_dir / 'tset.parquet'} not found" in out.split("problems:")[1], out
+
+    # a pattern: the files it matches, named in the data report
+    code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={gsm8k_dir}/tr*.parquet", "--nproc", "1")
+    rows = pq.read_metadata(gsm8k_dir / "train.parquet").num_rows
+    assert code == 0 and f"  files               : 1: {gsm8k_dir / 'train.parquet'} ({rows} rows)" in out, out
+
     # a hub dataset's id (TRL's way) is not on this machine, nor on any other: the note says what to do
     code, out = run_plan(*BASE_OVERRIDES, "data.train_files=openai/gsm8k", "--nproc", "1")
     assert "openai/gsm8k not on this machine" in out and "looks like a Hugging Face hub dataset id" in out, out

@@ -4,8 +4,11 @@ An entry is a Parquet file, a JSON Lines file (`.jsonl`, one object per line), a
 a list of objects, or one object per line as pandas' `to_json(orient="records", lines=True)` and
 `datasets`' `to_json` write it), a CSV or TSV file (a header row, then a row per sample; every cell
 read as text, a conversation's cell as its JSON), a directory of such files (its data files in name
-order), or a dataset folder that `datasets`' `save_to_disk` wrote (its Arrow files, in its
-state.json's order). Arrow and CSV files are converted into Parquet files as a JSON file is (below).
+order), a pattern of them (`data/train-*.parquet`: the data files it matches, in name order), or a
+dataset folder that `datasets`' `save_to_disk` wrote (its Arrow files, in its state.json's order).
+A directory whose files are named for several splits (a hub dataset's `data/` with
+`train-00000-of-00001.parquet` and `test-00000-of-00001.parquet`, or `gsm8k-train.arrow` beside
+`gsm8k-test.arrow`) is refused with a pattern for each split: read whole, it would train on them all. Arrow and CSV files are converted into Parquet files as a JSON file is (below).
 A text file may be compressed, named with its compression's suffix after its own (`train.jsonl.gz`,
 `.bz2`, `.zst`): it is read through pyarrow's decompressing stream.
 
@@ -22,10 +25,12 @@ at the start-up scan as in a Parquet file (with its line).
 from __future__ import annotations
 
 import csv
+import glob
 import hashlib
 import io
 import json
 import os
+import re
 from typing import Iterator
 
 import pyarrow as pa
@@ -47,6 +52,7 @@ CACHE_DIR = "data_cache"  # in the run folder
 ROW_GROUP_ROWS = 1000  # rows per row group of a conversion (as data_prep/gsm8k.py writes)
 CHUNK_CHARS = 1 << 20  # a JSON list is read this many characters at a time
 FORMAT_VERSION = 1  # part of a conversion's name: a change of format converts again
+SPLITS = ("train", "test", "validation", "valid", "val", "dev", "eval")  # a split named in a file name, as a word
 
 
 def open_source(paths: list[str], fields: PromptResponse | ChatMessages, run_dir: str) -> ParquetSource:
@@ -74,26 +80,64 @@ def open_source(paths: list[str], fields: PromptResponse | ChatMessages, run_dir
 
 
 def data_files(paths: list[str]) -> list[str]:
-    """The files of the entries, a directory replaced by its data files (by name, hidden ones left out)."""
+    """The files of the entries: a directory replaced by its data files (by name, hidden ones left
+    out), a pattern by the data files it matches."""
     files = []
     for path in map(os.path.expanduser, paths):
-        if not os.path.isdir(path):
+        if is_pattern(path):
+            files += pattern_files(path)
+        elif os.path.isdir(path):
+            files += folder_files(path)
+        else:
             files.append(path)
-            continue
-        if os.path.isfile(os.path.join(path, SAVED_DATASET_DICT)):
-            splits = sorted(name for name in os.listdir(path) if os.path.isdir(os.path.join(path, name)))
-            raise DataError(f"{path}: a DatasetDict that datasets' save_to_disk wrote; point data.train_files / "
-                            f"data.val_files at one of its splits: {', '.join(os.path.join(path, s) for s in splits)}")
-        if os.path.isfile(os.path.join(path, SAVED_DATASET)):
-            files += saved_dataset_files(path)
-            continue
-        found = sorted(os.path.join(path, name) for name in os.listdir(path)
-                       if data_format(name) in DATA_SUFFIXES and not name.startswith("."))
-        if not found:
-            raise DataError(f"{path}: a directory without data files ({', '.join('*' + s for s in DATA_SUFFIXES)}); "
-                            "point data.train_files / data.val_files at one that has them")
-        files += found
     return files
+
+
+def is_pattern(path: str) -> bool:
+    """A glob pattern (a path that exists is taken as it is, whatever its characters)."""
+    return any(c in path for c in "*?[") and not os.path.exists(path)
+
+
+def pattern_files(pattern: str) -> list[str]:
+    files = sorted(f for f in glob.glob(pattern, recursive=True) if os.path.isfile(f) and data_format(f) in DATA_SUFFIXES)
+    if not files:
+        raise DataError(f"{pattern}: no data file ({', '.join('*' + s for s in DATA_SUFFIXES)}) matches this pattern; "
+                        "check data.train_files / data.val_files")
+    return files
+
+
+def folder_files(path: str) -> list[str]:
+    """The data files of a directory; a DatasetDict's folder, or one whose files are named for
+    several splits, is refused with what to name instead."""
+    if os.path.isfile(os.path.join(path, SAVED_DATASET_DICT)):
+        splits = sorted(name for name in os.listdir(path) if os.path.isdir(os.path.join(path, name)))
+        raise DataError(f"{path}: a DatasetDict that datasets' save_to_disk wrote; point data.train_files / "
+                        f"data.val_files at one of its splits: {', '.join(os.path.join(path, s) for s in splits)}")
+    if os.path.isfile(os.path.join(path, SAVED_DATASET)):
+        return saved_dataset_files(path)
+    found = sorted(name for name in os.listdir(path) if data_format(name) in DATA_SUFFIXES and not name.startswith("."))
+    if not found:
+        raise DataError(f"{path}: a directory without data files ({', '.join('*' + s for s in DATA_SUFFIXES)}); "
+                        "point data.train_files / data.val_files at one that has them")
+    by_split: dict[str, list[str]] = {}
+    for name in found:
+        by_split.setdefault(split_of(name), []).append(name)
+    if len(by_split.keys() - {None}) > 1:
+        raise DataError(f"{path}: its files are named for several splits, which read whole would all be trained on; "
+                        "name one split's files (or list the files): " +
+                        "; ".join(f"{split}: {split_pattern(path, names)}" for split, names in by_split.items() if split))
+    return [os.path.join(path, name) for name in found]
+
+
+def split_of(name: str) -> str | None:
+    """The split a data file's name says it holds (a word of it: test in test-00000-of-00001.parquet
+    and in gsm8k-test.arrow), or None."""
+    return next((word for word in re.split(r"[-_.]", name.lower()) if word in SPLITS), None)
+
+
+def split_pattern(folder: str, names: list[str]) -> str:
+    """What names one split's files of a folder: the file, or a pattern of their common start."""
+    return os.path.join(folder, names[0] if len(names) == 1 else os.path.commonprefix(names) + "*")
 
 
 def data_format(path: str) -> str:

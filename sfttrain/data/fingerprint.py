@@ -70,10 +70,7 @@ def tokenizer_sha256(tokenizer) -> str:
 
 
 def _files(source: ParquetSource) -> list[dict]:
-    rows: dict[str, int] = {}  # per user's file (a JSON file's conversion is named by it)
-    for group in source.row_groups:
-        rows[group.source] = rows.get(group.source, 0) + group.num_rows
-    return [{"path": os.path.abspath(f), "bytes": os.path.getsize(f), "rows": n} for f, n in rows.items()]
+    return [{"path": os.path.abspath(f), "bytes": os.path.getsize(f), "rows": n} for f, n in source.file_rows().items()]
 
 
 def _sha256(text: Optional[str]) -> str:

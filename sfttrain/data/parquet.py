@@ -177,6 +177,13 @@ class ParquetSource:
             self.row_groups.append(RowGroup(file, i, first, n, source))
             first += n
 
+    def file_rows(self) -> dict[str, int]:
+        """Rows per user's file (a converted file's rows under its source's name), in reading order."""
+        rows: dict[str, int] = {}
+        for group in self.row_groups:
+            rows[group.source] = rows.get(group.source, 0) + group.num_rows
+        return rows
+
     def where(self, row: int) -> str:
         """The user's file and row (or line) of a global row id, for messages."""
         group = self.row_groups[int(np.searchsorted(self._starts, row, side="right")) - 1]

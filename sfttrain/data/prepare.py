@@ -54,7 +54,8 @@ def prepare_data(cfg: Config, source: ParquetSource, val_source: Optional[Parque
 def first_epoch_report(cfg: Config, source: ParquetSource, stats: RowStats, plan: BatchPlan) -> dict:
     """The data report (sfttrain.data.report) of the rows the first epoch trains."""
     first_epoch = epoch_rows(source, stats, cfg.trainer.seed, 0, cfg.data.shuffle)
-    return data_report(stats, first_epoch[:plan.steps_per_epoch * plan.global_batch], cfg.data)
+    report = data_report(stats, first_epoch[:plan.steps_per_epoch * plan.global_batch], cfg.data)
+    return {"files": [{"path": f, "rows": n} for f, n in source.file_rows().items()], **report}
 
 
 def validation_report(samples: list[RenderedSample], stats: RowStats, rows: int) -> dict:

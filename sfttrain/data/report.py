@@ -21,6 +21,7 @@ from sfttrain.data.render import RenderedSample
 
 REPORT_FILE = "data_report.json"
 SHOWN_ROWS = 8  # row ids named in messages
+SHOWN_FILES = 3  # files named in the report's line (data_report.json lists them all)
 
 
 def select_rows(stats: RowStats, d: DataConfig) -> RowStats:
@@ -87,6 +88,7 @@ def validation_section(rows: int, twins: list[tuple[int, int]]) -> dict:
 def describe(report: dict) -> str:
     full, trunc = report["tokens_before_truncation"], report["truncated"]
     lines = [
+        f"  files               : {_files_text(report['files'])}",
         f"  data                : {report['rows']} rows, {report['rows_trained']} trained "
         f"({report['rows_dropped_no_loss']['count']} dropped: no supervised token), "
         f"{report['rows_per_epoch']} per epoch, {report['supervised_tokens_per_epoch']} supervised tokens per epoch",
@@ -102,13 +104,19 @@ def describe(report: dict) -> str:
         lines.append(f"  WARNING: data.truncation=left cut the start of {trunc['count']} samples (BOS, system "
                      f"prompt and the prompt's beginning), e.g. rows {trunc['rows']}")
     if (repeated := report["duplicate_rows"])["count"]:
-        lines.insert(3, f"  duplicates          : rows {repeated['rows']} ({repeated['count']} in all) repeat an "
+        lines.insert(4, f"  duplicates          : rows {repeated['rows']} ({repeated['count']} in all) repeat an "
                         "earlier row's tokens: that sample trains more than once an epoch")
     if (val := report.get("validation")) and (twins := val["in_training"])["count"]:
         lines.append(f"  WARNING: validation rows {twins['rows']} ({twins['count']} of {val['rows']}) are training "
                      f"rows {twins['training_rows']} (the same tokens): the validation loss on them measures what "
                      "training saw. Give data.val_files rows kept out of data.train_files")
     return "\n".join(lines)
+
+
+def _files_text(files: list[dict]) -> str:
+    """The files read (row numbers count through them in this order): the first few, with their rows."""
+    shown = ", ".join(f"{f['path']} ({f['rows']} rows)" for f in files[:SHOWN_FILES])
+    return f"{len(files)}: {shown}" + (f" and {len(files) - SHOWN_FILES} more" if len(files) > SHOWN_FILES else "")
 
 
 def _row_scan(report: dict) -> str:

@@ -407,12 +407,21 @@ def _apply_aliases(layer: DictConfig) -> DictConfig:
     return layer
 
 
+# top-level keys of a Hydra config file (verl's are Hydra's), which sfttrain's plain YAML does not have
+HYDRA_ONLY = {"defaults": "Hydra's list of other config files to compose is not read here: put their keys into "
+                          "this file itself",
+              "hydra": "Hydra's own settings (its output folder, logging, sweeps) mean nothing here: remove the "
+                       "hydra section (the run folder is trainer.default_local_dir)"}
+
+
 def _check_known_keys(layer: DictConfig, schema: DictConfig) -> None:
     """Unknown keys are errors that suggest the closest known key (typos never pass silently)."""
     known = set(_flat_keys(schema)) | set(ALIASES)
     for key in _flat_keys(layer):
         if key in known or any(key.startswith(k + ".") for k in FREE_FORM):
             continue
+        if (top := key.split(".")[0]) in HYDRA_ONLY:
+            raise ConfigError(f"{top}: {HYDRA_ONLY[top]}")
         close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
         hint = f"; did you mean {close[0]}?" if close else ""
         raise ConfigError(f"unknown config key {key!r}{hint}")

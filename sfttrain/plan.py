@@ -545,9 +545,8 @@ def main(argv: list[str] | None = None) -> int:
     from sfttrain.run import parse_args as parse_config_args
 
     args, rest = parse_args(sys.argv[1:] if argv is None else argv)
-    yaml_path, overrides = parse_config_args(rest)
     try:
-        cfg = load_config(yaml_path, overrides, check=False)
+        cfg = load_config(*parse_config_args(rest), check=False)
     except UserError as e:  # an unknown key, a value of the wrong type, a YAML error: nothing to plan with
         print(f"sfttrain plan: {e.kind}: {e}")
         return 2

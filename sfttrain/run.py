@@ -22,18 +22,41 @@ import sys
 import time
 
 from sfttrain import phase, stop_signal
-from sfttrain.config import Config, load_config
+from sfttrain.config import Config, ConfigError, load_config
 from sfttrain.errors import OutOfMemory, UserError
 from sfttrain.help import print_help
 
 # a rank other than 0 waits this long for rank 0 to report the same error and end the job
 # (torchrun then stops it); past that, it is the one rank that knows, and reports it itself
 WAIT_FOR_RANK0_S = 60
+HYDRA_FLAGS = {"--config-path": "path", "-cp": "path", "--config-name": "name", "-cn": "name"}
 
 
 def parse_args(argv: list[str]) -> tuple[str | None, list[str]]:
-    yaml_path = argv[0] if argv and "=" not in argv[0] else None
-    return yaml_path, argv[1:] if yaml_path else argv
+    """(the YAML file, the key=value overrides): the file is the first argument, or Hydra's
+    --config-path DIR --config-name NAME (verl's way: DIR/NAME.yaml)."""
+    hydra, rest = hydra_flags(argv)
+    yaml_path = rest[0] if rest and "=" not in rest[0] else None
+    overrides = rest[1:] if yaml_path else rest
+    if not hydra:
+        return yaml_path, overrides
+    if yaml_path or "name" not in hydra:
+        raise ConfigError("name the YAML file once: as the first argument (python -m sfttrain.run my_sft.yaml ...), "
+                          "or as Hydra's --config-path DIR --config-name NAME (DIR/NAME.yaml)")
+    name = hydra["name"] if hydra["name"].endswith((".yaml", ".yml")) else hydra["name"] + ".yaml"
+    return os.path.join(hydra.get("path", "."), name), overrides
+
+
+def hydra_flags(argv: list[str]) -> tuple[dict[str, str], list[str]]:
+    """Hydra's --config-path / --config-name (also -cp / -cn; DIR or =DIR) taken out of argv."""
+    flags, rest, args = {}, [], iter(argv)
+    for arg in args:
+        flag, eq, value = arg.partition("=")
+        if flag in HYDRA_FLAGS:
+            flags[HYDRA_FLAGS[flag]] = value if eq else next(args, "")
+        else:
+            rest.append(arg)
+    return flags, rest
 
 
 def stop(error: UserError) -> None:
@@ -65,12 +88,11 @@ def stop(error: UserError) -> None:
 def main(argv: list[str] | None = None) -> None:
     phase.dump_stacks_on_sigusr1()  # before any thread starts: each inherits the signal mask (see there)
     argv = sys.argv[1:] if argv is None else argv
-    yaml_path, overrides = parse_args(argv)
     try:
         if argv and argv[0] in ("-h", "--help"):
             print_help(argv[1] if len(argv) > 1 else None)
             return
-        cfg = load_config(yaml_path, overrides)
+        cfg = load_config(*parse_args(argv))
     except UserError as e:
         stop(e)
     # torch and transformers load only now: a config mistake is reported within a second. A

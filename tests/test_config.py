@@ -65,3 +65,22 @@ def test_values_are_still_yaml_where_yaml_reads_them():
                                  "trainer.logger=[console,wandb]"])
     assert (cfg.data.prompt_key, cfg.data.val_files, cfg.optim.betas) == ("a b", None, [0.8, 0.9])
     assert cfg.trainer.logger == ["console", "wandb"]
+
+
+def test_hydra_config_path_and_name_name_the_yaml_file(tmp_path):
+    """verl's `--config-path DIR --config-name NAME` (Hydra's; also -cp/-cn and =) reads DIR/NAME.yaml,
+    the overrides after it as ever; naming a file both ways, or a path without a name, is refused."""
+    from sfttrain.run import parse_args
+
+    (tmp_path / "my_sft.yaml").write_text("data:\n  train_files: x.parquet\n  max_length: 77\nmodel:\n  partial_pretrain: m\n")
+    for argv in (["--config-path", str(tmp_path), "--config-name", "my_sft", "optim.lr=2e-5"],
+                 [f"--config-path={tmp_path}", "--config-name=my_sft.yaml", "optim.lr=2e-5"],
+                 ["optim.lr=2e-5", "-cn", "my_sft", "-cp", str(tmp_path)]):
+        cfg = load_config(*parse_args(argv))
+        assert (cfg.data.max_length, cfg.optim.lr) == (77, 2e-5), argv
+    for argv in ([str(tmp_path / "my_sft.yaml"), "--config-name=my_sft"], [f"--config-path={tmp_path}"]):
+        with pytest.raises(ConfigError, match="name the YAML file once: as the first argument .* --config-name NAME"):
+            parse_args(argv)
+    (tmp_path / "composed.yaml").write_text("defaults:\n  - optim: adamw\n" + (tmp_path / "my_sft.yaml").read_text())
+    with pytest.raises(ConfigError, match="defaults: Hydra's list of other config files to compose is not read here"):
+        load_config(*parse_args(["-cp", str(tmp_path), "-cn", "composed"]))

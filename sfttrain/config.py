@@ -31,6 +31,8 @@ class MultiturnConfig:
     messages_key: Any = "messages"
     tools_key: Optional[str] = "tools"  # column of tool schemas for the template's tools=, used where the file has it
     enable_thinking_key: Optional[str] = "enable_thinking"  # bool column passed as enable_thinking= (Qwen3), if present
+    # column of a system prompt put before the conversation (ShareGPT files as LLaMA-Factory reads them), if present
+    system_key: Optional[str] = "system"
 
 
 @dataclass

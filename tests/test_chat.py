@@ -17,6 +17,7 @@ from sfttrain.config import ConfigError, load_config
 from sfttrain.data.chat import ChatRenderer
 from sfttrain.data.files import open_source
 from sfttrain.data.parquet import ChatMessages, ParquetSource, PromptResponse
+from sfttrain.errors import DataError
 from tests.conftest import REPO, read_metrics, run_sfttrain
 
 TOKENIZERS = REPO / "assets" / "tokenizers"
@@ -226,6 +227,30 @@ def test_sharegpt_turns_are_the_messages_they_name(tokenizer, tmp_path):
     for fields in (ChatMessages(["messages"], None, None), PromptResponse(["question"], ["answer"])):
         with pytest.raises(ConfigError, match="data.multiturn.messages_key=conversations"):
             open_source([str(tmp_path / "sharegpt.jsonl")], fields, str(tmp_path / "run"))
+
+
+def test_a_system_column_is_the_conversations_system_message(tokenizer, tmp_path):
+    """LLaMA-Factory's ShareGPT rows keep the system prompt in a column beside the conversation: it
+    renders as the conversation's first message would (not the template's default system prompt); a
+    null or empty cell leaves the template's default; a system message in both places is refused."""
+    turns = [{"from": "human", "value": "Q"}, {"from": "gpt", "value": "A"}]
+    rows = [{"conversations": turns, "system": "You are a math tutor."}, {"conversations": turns, "system": None},
+            {"conversations": turns, "system": ""},
+            {"conversations": [{"from": "system", "value": "Be brief."}, *turns], "system": "Twice."}]
+    (tmp_path / "sharegpt.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    fields = ChatMessages(["conversations"], None, None, "system")
+    source = open_source([str(tmp_path / "sharegpt.jsonl")], fields, str(tmp_path / "run"))
+    plain = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]
+    r = renderer(tokenizer)
+    tutor = r.render([{"role": "system", "content": "You are a math tutor."}, *plain], {}, 0)
+    assert "You are a math tutor." in tokenizer.decode(tutor.input_ids)
+    assert [r.render(*row) for row in source.read(np.arange(3))] == [tutor, r.render(plain, {}, 1), r.render(plain, {}, 2)]
+    with pytest.raises(DataError, match=r"sharegpt.jsonl line 4: a system prompt both in the system column and as the "
+                                        r"conversation's first message; keep one \(data.multiturn.system_key=null"):
+        source.read(np.array([3]))
+    unread = open_source([str(tmp_path / "sharegpt.jsonl")], ChatMessages(["conversations"], None, None),
+                         str(tmp_path / "run"))
+    assert [m for m, *_ in unread.read(np.arange(1))] == [plain]
 
 
 def test_messages_without_multiturn_get_a_hint(tmp_path):

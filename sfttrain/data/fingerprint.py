@@ -56,10 +56,13 @@ def rendering_key(fingerprint: dict) -> str:
     return _sha256(json.dumps(parts, sort_keys=True))[:16]
 
 
-def differences(saved: dict, current: dict) -> list[str]:
-    """'key: saved -> current' for each key both hold, with another value (a checkpoint of another
-    sfttrain version may record other keys; those cannot be compared)."""
-    return [f"{key}: {saved[key]} -> {current[key]}" for key in saved if key in current and saved[key] != current[key]]
+def differences(saved: dict, current: dict, prefix: str = "") -> list[str]:
+    """'key: saved -> current' for each key both hold, with another value, a section's keys one by one
+    (a checkpoint of another sfttrain version may record other keys; those cannot be compared)."""
+    return [line for key in saved if key in current and saved[key] != current[key]
+            for line in (differences(saved[key], current[key], f"{prefix}{key}.")
+                         if isinstance(saved[key], dict) and isinstance(current[key], dict)
+                         else [f"{prefix}{key}: {saved[key]} -> {current[key]}"])]
 
 
 def tokenizer_sha256(tokenizer) -> str:

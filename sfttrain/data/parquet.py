@@ -102,22 +102,28 @@ class ChatMessages:
     """Row fields of conversation data (data.multiturn.enable): the messages, and the chat template's
     keyword arguments of the row (tools=, enable_thinking=) from the optional columns a file has."""
 
-    def __init__(self, messages_keys: list[str], tools_key: Optional[str], thinking_key: Optional[str]):
+    def __init__(self, messages_keys: list[str], tools_key: Optional[str], thinking_key: Optional[str],
+                 system_key: Optional[str] = None):
         self.messages_keys = messages_keys  # one column, or columns whose lists are joined (TRL's prompt, completion)
         self.optional = [(key, kwarg) for key, kwarg in ((tools_key, "tools"), (thinking_key, "enable_thinking"))
                          if key]
+        self.system_key = system_key
 
     def columns(self, file: str, names: list[str]) -> list[str]:
         for key in self.messages_keys:
             if key not in names:
                 raise DataError(f"{file}: no column {key!r} (columns: {names}); set data.multiturn.messages_key to the "
                                 f"column of role/content lists{_form_hint(names)}")
-        return [*self.messages_keys] + [key for key, _ in self.optional if key in names]
+        optional = [key for key, _ in self.optional] + [self.system_key]
+        return [*self.messages_keys] + [key for key in optional if key in names]
 
     def decode(self, table, group: RowGroup, locals_: list[int]) -> tuple[list, list]:
         """(messages, template keyword arguments) of rows of a row group (`locals_`: their numbers in it)."""
         parts = [[_messages(v, key, group, i) for i, v in zip(locals_, _cells(table, key))]
                  for key in self.messages_keys]
+        if self.system_key in table.column_names:
+            parts.insert(0, [_system(v, self.system_key, group, i, parts[0][n])
+                             for n, (i, v) in enumerate(zip(locals_, _cells(table, self.system_key)))])
         messages = [sum(row, []) for row in zip(*parts)]
         kwargs = [{} for _ in messages]
         for key, kwarg in self.optional:
@@ -132,7 +138,7 @@ def row_fields(d) -> PromptResponse | ChatMessages:
     """What a row holds, from the data config (`sfttrain.config.DataConfig`)."""
     m = d.multiturn
     if m.enable:
-        return ChatMessages(as_list(m.messages_key), m.tools_key, m.enable_thinking_key)
+        return ChatMessages(as_list(m.messages_key), m.tools_key, m.enable_thinking_key, m.system_key)
     return PromptResponse(key_path(d.prompt_key, d.prompt_dict_keys), key_path(d.response_key, d.response_dict_keys))
 
 
@@ -282,6 +288,19 @@ def _sharegpt_turn(message: dict) -> dict:
         return message
     turn = {k: v for k, v in message.items() if k not in ("from", "value")}
     return {"role": SHAREGPT_ROLES.get(message["from"], message["from"]), "content": message["value"], **turn}
+
+
+def _system(value, key: str, group: RowGroup, local: int, conversation: list[dict]) -> list[dict]:
+    """A row's system column as the conversation's first message (none where the cell is null or
+    empty); a conversation with a system message of its own as well is refused: which one is meant?"""
+    if value is None or value == "":
+        return []
+    if not isinstance(value, str):
+        raise DataError(f"{_where(group, local)}: {key} is {_kind(value)}, expected a string (a system prompt)")
+    if conversation and conversation[0].get("role") == "system":
+        raise DataError(f"{_where(group, local)}: a system prompt both in the {key} column and as the conversation's "
+                        "first message; keep one (data.multiturn.system_key=null leaves the column unread)")
+    return [{"role": "system", "content": value}]
 
 
 def _json(value, key: str, group: RowGroup, local: int):

@@ -118,6 +118,23 @@ def test_checkpoint_of_an_older_sfttrain(tmp_path):
         resume.check_resume(str(ckpt), cfg, current)
 
 
+def test_a_key_that_a_newer_sfttrain_records_is_not_a_change_of_data(tmp_path):
+    """A fingerprint section (data.multiturn) is compared key by key: a key the checkpoint's version did not
+    have (system_key, added later) lets the resume through; a key both have, changed, is named alone."""
+    cfg = load_config(overrides=["data.train_files=x.parquet", "model.partial_pretrain=m"])
+    ckpt = tmp_path / "global_step_4"
+    ckpt.mkdir()
+    schedule = {"optim.lr": 1e-5, "total steps": 10}
+    old = {"data.train_batch_size": 256, "trainer.seed": 1, "data.multiturn": {"enable": True, "messages_key": "messages"}}
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 4, "global_batch": 256, "seed": 1, "data": old,
+                                                              "schedule": schedule}))
+    new = {**old, "data.multiturn": {"enable": True, "messages_key": "messages", "system_key": "system"}}
+    resume.check_resume(str(ckpt), cfg, checkpoint.TrainState(data=new, schedule=schedule))
+    new["data.multiturn"]["messages_key"] = "conversations"
+    with pytest.raises(ConfigError, match=r"data.multiturn.messages_key: messages -> conversations\n"):
+        resume.check_resume(str(ckpt), cfg, checkpoint.TrainState(data=new, schedule=schedule))
+
+
 def _rank_0(proc) -> int:
     """The first rank the rank server forked, or torchrun's child whose environment says RANK=0."""
     if isinstance(proc, ForkedJob):

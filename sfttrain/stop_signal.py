@@ -14,7 +14,8 @@ the same sum at the same step, however the signals fell between the ranks, and a
 after the same step: the trainer saves it, waits for the commit, and the run ends with exit code 8
 (StoppedBySignal) and a message naming the checkpoint. The vote is read with the step's loss, a
 step later (sfttrain/trainer.py keeps the device a step ahead of the host): the run stops one to two
-steps after the signal; a lone rank, whose own note is the verdict, after the step it is in. A save that outlasts the grace period is killed before its commit, which
+steps after the signal; a lone rank, whose own note is the verdict, after the step it is in. A
+validation sums the votes after each micro-batch (it may outlast the grace) and is cut short. A save that outlasts the grace period is killed before its commit, which
 leaves the previous checkpoint the one a resume takes (sfttrain/checkpoint_folder.py).
 
 A rank's helper processes outlive a SIGTERM from outside by GRACE_S (`leave_to_the_rank`).

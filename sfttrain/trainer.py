@@ -184,19 +184,18 @@ class FSDPSFTTrainer:
                 last = step == total
                 # every rank read the same vote (finish); a lone rank's own note is the verdict, a step sooner
                 self.stopping = self.stopping or (self.world.world_size == 1 and stop_signal.received() is not None)
-                stop = self.stopping and not last
                 validate = self.val_batches is not None and (last or (t.test_freq > 0 and step % t.test_freq == 0))
-                save = last or stop or (t.save_freq > 0 and step % t.save_freq == 0)
-                if validate or save or profiled:
+                pause = validate or profiled or self.saves(step, last)
+                if pause:
                     self.finish(queued)  # checkpoints only of steps known to be finite
                     queued = None
-                if validate:
-                    self.logger.log(step, {"val/loss": self.validate()})
-                if save:
+                if validate and (loss := self.validate()) is not None:  # None: a stop was voted during it
+                    self.logger.log(step, {"val/loss": loss})
+                if self.saves(step, last):  # (a stop voted in finish or validation saves this step)
                     self.save()
-                if stop:
+                if self.stopping and not last:
                     self.stop()
-                if validate or save or profiled:
+                if pause:
                     self.timer.restart()  # not training time; logging and data waits are (the next step's)
         self.checkpointer.close()
         if t.save_hf:
@@ -271,15 +270,29 @@ class FSDPSFTTrainer:
             return f"then resume from {saved[-1][1]} (trainer.resume_mode=auto does)."
         return "no checkpoint was written yet, so the run restarts from the beginning."
 
+    def saves(self, step: int, last: bool) -> bool:
+        t = self.cfg.trainer
+        return last or self.stopping or (t.save_freq > 0 and step % t.save_freq == 0)
+
     @torch.no_grad()
-    def validate(self) -> float:
-        """Token-weighted loss over the whole validation set, all ranks."""
+    def validate(self) -> float | None:
+        """Token-weighted loss over the whole validation set, all ranks; None where a SIGTERM stopped it
+        (validation can outlast the grace before SIGKILL). The ranks' votes to stop are summed after
+        each micro-batch and read one micro-batch later, so the device is never idle waiting on the
+        host, and every rank stops after the same micro-batch (each runs as many)."""
         phase.enter(f"validation after step {self.state.step}")
         self.lm.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.world.device)
+        votes = None
         for micro in self.val_batches:
             totals[0] += self.lm(micro.to(self.world.device)).double()
             totals[1] += micro.num_loss_tokens
+            if self.cfg.trainer.save_on_sigterm:
+                if votes is not None and votes.item() > 0:
+                    self.stopping = True
+                    return None
+                votes = self.stop_vote.flag().clone()
+                dist.all_reduce(votes)
         dist.all_reduce(totals)
         return (totals[0] / totals[1].clamp(min=1)).item()
 

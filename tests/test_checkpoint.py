@@ -448,6 +448,28 @@ def test_sigterm_to_every_process_saves_the_same_step_on_every_rank(data, ref, t
                      f"whose checkpoint {run_dir}/global_step_{stopped} is committed") == 1, out[-3000:]
 
 
+def test_a_sigterm_during_validation_stops_it_and_saves_the_step(data, ref, gsm8k_dir, tmp_path):
+    """Validation can outlast the grace before SIGKILL. SIGTERM to rank 1 alone once step 2 is logged,
+    as the validation after it starts (all 7473 GSM8K training rows: seconds on 2 CPU ranks): every rank
+    leaves the validation after the same micro-batch, saves step 2 (equal to the uninterrupted run's)
+    and exits with code 8; no validation loss is logged for the cut validation."""
+    from tests.test_errors import rank_pid
+
+    run_dir, log = tmp_path / "run", tmp_path / "log"
+    proc = launch(2, job(data, run_dir, f"data.val_files={gsm8k_dir / 'train.parquet'}", "trainer.test_freq=2"), log)
+    try:
+        assert wait_until(lambda: logged_steps(run_dir) >= 2, proc), log.read_text()[-3000:]
+        os.kill(rank_pid(proc, 1), signal.SIGTERM)
+        code = proc.wait(timeout=120)
+    finally:
+        kill_job(proc)
+    out = log.read_text()
+    assert check_checkpoints(run_dir, ref, 2) == [2], out[-3000:]
+    assert f"another rank received SIGTERM: training stopped after step 2 of {TOTAL}" in out, out[-3000:]
+    assert code == 8 if isinstance(proc, ForkedJob) else "exitcode  : 8" in out, out[-3000:]
+    assert not [m for m in read_metrics(run_dir) if "val/loss" in m], out[-3000:]
+
+
 def test_a_sigterm_to_one_rank_stops_every_rank_after_the_same_step(data, ref, tmp_path):
     """SIGTERM to rank 1 alone, as `kill` would send it: rank 0 learns it from a step's all-reduce,
     both save the same step (equal to the uninterrupted run's) and exit with code 8, and rank 0 says

@@ -4,7 +4,7 @@ checkpoints), loading for exact and elastic resume, and each rank's RNG state.
 Layout of `<run>/global_step_N/`:
   .metadata, __*.distcp   model + optimizer, sharded (torch.distributed.checkpoint), reshardable
   trainer_state.json      step, data position, data fingerprint, optimizer/LR settings, wandb id, world size,
-                          run id (sfttrain.resume), LoRA base identity (sfttrain.lora.base_identity)
+                          run id (sfttrain.resume), LoRA base and adapter settings (sfttrain.lora.trained_identity)
   rng/rank_R.pt           each rank's RNG states
   config.yaml             the resolved run config
   hf/                     the model's config, generation config and tokenizer (for export)
@@ -84,7 +84,7 @@ class TrainState:
     data: Optional[dict] = None  # the data fingerprint (sfttrain.data.fingerprint)
     schedule: Optional[dict] = None  # the optimizer and LR schedule settings (sfttrain.optim.schedule_settings)
     run_id: Optional[str] = None  # the run these checkpoints belong to (sfttrain.resume)
-    base: Optional[dict] = None  # LoRA: the base model the adapters are trained on (sfttrain.lora.base_identity)
+    base: Optional[dict] = None  # LoRA: the base and the adapter settings they are trained with (lora.trained_identity)
 
     def advance(self, batch) -> None:
         self.step += 1

@@ -14,7 +14,8 @@ reduced in fp32, so the group's all-gather and reduce-scatter each see one dtype
 
 Checkpoints hold the trainable weights only (`sfttrain.checkpoint`); the base is
 model.partial_pretrain's, recorded by `base_identity` (name, hub revision, weight files' names and
-sizes): a resume or an export onto another base is refused (`check_base`). `sfttrain.export`
+sizes) with the adapters' rank, alpha and target modules (`trained_identity`): a resume or an export
+onto another base, or a resume with other adapter settings, is refused (`check_base`). `sfttrain.export`
 writes a peft adapter folder and a merged model.
 """
 
@@ -162,6 +163,13 @@ def base_identity(name: str, folder: str) -> dict:
     return {"name": name, "revision": os.path.basename(folder) if in_hub_cache else None, "files": files}
 
 
+def trained_identity(m: ModelConfig, folder: str) -> dict:
+    """What a LoRA checkpoint's adapters are: the base's identity and the settings that fix the function
+    the adapters compute (their shapes, where they sit, alpha's scale of their output)."""
+    return {**base_identity(m.partial_pretrain, folder), "adapters": {f"model.{key}": getattr(m, key) for key in
+                                                                        ("lora_rank", "lora_alpha", "target_modules")}}
+
+
 def _file_fingerprint(path: str, sample: int = 1 << 16) -> list:
     size = os.path.getsize(path)
     digest = hashlib.sha256()
@@ -176,6 +184,7 @@ def check_base(saved: dict | None, current: dict, what: str) -> None:
     """Refuses `what` (a resume, an export) of adapters trained on `saved` onto the base `current`."""
     if saved is None:  # written before checkpoints recorded their base
         return
+    check_adapters(saved.get("adapters"), current.get("adapters"), what)
     revisions = saved["revision"] and current["revision"] and saved["revision"] != current["revision"]
     if saved["files"] == current["files"] and not revisions:
         return
@@ -184,6 +193,18 @@ def check_base(saved: dict | None, current: dict, what: str) -> None:
     raise ConfigError(f"{what}: the LoRA adapters were trained on {_named(saved)}, but the base here is "
                       f"{_named(current)}, another model (weight files that differ: {changed[:4]}). Adapters "
                       "on another base compute something else: use the base they were trained on")
+
+
+def check_adapters(saved: dict | None, current: dict | None, what: str) -> None:
+    """Refuses `what` with adapter settings other than those the adapters were trained with (an export
+    reads them from the checkpoint: it passes none)."""
+    changed = [f"{key}: {saved[key]} -> {current[key]}" for key in saved or {}
+               if key in (current or {}) and saved[key] != current[key]]
+    if changed:
+        raise ConfigError(f"{what}: the LoRA adapters were trained with other settings ({'; '.join(changed)}); "
+                          "with these they would compute another function (alpha scales their output). Set them "
+                          "back to resume, or start a new run (another trainer.default_local_dir, or "
+                          "trainer.resume_mode=disable)")
 
 
 def _named(identity: dict) -> str:

@@ -374,7 +374,7 @@ def resume_section(cfg: Config, batches: Batches, folder: Optional[str], found: 
     is), and what its start-up would refuse of that resume: a damaged checkpoint, other data, a
     schedule that ends before it, another LoRA base; and another run in the folder now."""
     from sfttrain.checkpoint import TrainState
-    from sfttrain.lora import base_identity
+    from sfttrain.lora import trained_identity
     from sfttrain.optim import schedule_settings
     from sfttrain.resume import choose_resume, review_resume
     from sfttrain.run_lock import check_not_in_use
@@ -393,7 +393,7 @@ def resume_section(cfg: Config, batches: Batches, folder: Optional[str], found: 
         return [line, *(f"    {note}" for note in chosen.notes)]
     lora_base = cfg.model.lora_rank > 0 and folder is not None
     current = TrainState(data=batches.fingerprint, schedule=schedule_settings(cfg.optim, batches.total_steps),
-                         base=base_identity(cfg.model.partial_pretrain, folder) if lora_base else None)
+                         base=trained_identity(cfg.model, folder) if lora_base else None)
     notes, refused = review_resume(chosen.path, cfg, current)
     found.problems += refused
     return [line, *(f"    {note}" for note in chosen.notes + notes)]

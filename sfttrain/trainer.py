@@ -71,7 +71,7 @@ class FSDPSFTTrainer:
         profiling.check_window(t.profile_steps, self.plan.total_steps)
         restored = remove_stale_tmp(self.run_dir) if world.is_main else []
         resume = find_resume(t, self.run_dir)
-        base = lora.base_identity(cfg.model.partial_pretrain, folder) if cfg.model.lora_rank > 0 else None
+        base = lora.trained_identity(cfg.model, folder) if cfg.model.lora_rank > 0 else None
         self.state = checkpoint.TrainState(global_batch=d.train_batch_size, seed=t.seed, data=prepared.fingerprint,
                                            schedule=schedule_settings(cfg.optim, self.plan.total_steps),
                                            run_id=resume.run_id, base=base)

@@ -221,6 +221,21 @@ def test_adapters_read_their_input_without_a_copy():
         [t.dtype for t in inputs]
 
 
+def test_other_adapter_settings_are_refused_at_resume(ref, data, tmp_path):
+    """A resume of ref's step 2 with another model.lora_alpha (it scales the adapters' output: the
+    checkpoint's adapters would compute another function) is refused at start-up, naming the key's
+    old and new value, by the run (exit code 2) and by the preflight (the same settings resume:
+    test_resume_on_another_world_size)."""
+    from sfttrain.plan import main as plan
+    from tests.test_checkpoint import one_message
+
+    changed = lora_job(data, tmp_path / "run", "model.lora_alpha=128", "trainer.resume_mode=resume_path",
+                       f"trainer.resume_from_path={ref[0] / 'global_step_2'}")
+    message = one_message(run_sfttrain(2, changed, check=False), 2)
+    assert "the LoRA adapters were trained with other settings (model.lora_alpha: 16 -> 128)" in message, message
+    assert plan([*changed, "--nproc", "2"]) == 2
+
+
 def test_another_base_is_refused(ref, tmp_path):
     """The checkpoint records the base it adapts (name, fingerprint of the weight files): resuming
     or exporting it onto another base of the same shapes is refused naming both; the same

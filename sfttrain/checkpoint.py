@@ -164,6 +164,8 @@ class Checkpointer:
         while len(self.pending) > room:  # a full queue (or a final save) waits for the oldest write
             self._wait_oldest()
         waited = time.perf_counter() - started
+        if self.in_process and not self.pending:  # (with a save in flight, its write finds a lost writer)
+            self._replace_lost_writer()
         tmp = os.path.join(self.run_dir, f".global_step_{state.step}.tmp")
         self._agree(state.step, tmp, _attempt(lambda: self._prepare(tmp)))
         (state_dict, slot), error = (None, None), None
@@ -339,6 +341,24 @@ class Checkpointer:
             self.process = WriterProcess(self.world.rank, self.world.world_size, self.write_group,
                                          self.cfg.trainer.nccl_timeout)
         return self.process
+
+    def _replace_lost_writer(self) -> None:
+        """Collective, before a save with none in flight: a writer process that ended since the last
+        save (the host's out-of-memory killer, a stray kill) would fail this save and lose every step
+        since the last one. The writers of all ranks form one group, so every rank's is replaced: the
+        save's write starts new ones (_writer_process), which are sent the kept host copies anew."""
+        codes = [None] * self.world.world_size
+        dist.all_gather_object(codes, self.process and self.process.exit_code(), group=self.agree_group)
+        lost = {rank: code for rank, code in enumerate(codes) if code is not None}
+        if not lost:
+            return
+        self.writer.submit(self._stop_writer).result()  # on the writer thread, which alone uses the process
+        self.process = None
+        if self.world.is_main:
+            logging.getLogger("sfttrain").warning(
+                f"the checkpoint writer process of rank(s) {sorted(lost)} had ended (exit code(s) {sorted(lost.values())}; "
+                "-9 is SIGKILL, most often the host's out-of-memory killer): every rank's writer is started anew "
+                "for this save")
 
     def _all_written(self, done: bool) -> bool:
         """True when every rank's write of the oldest save in flight has finished (each rank's

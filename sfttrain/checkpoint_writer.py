@@ -155,6 +155,10 @@ class WriterProcess:
             self.sent[slot] = state_dict
         return self._receive()
 
+    def exit_code(self) -> Optional[int]:
+        """None while the writer runs."""
+        return None if self.process.is_alive() else self.process.exitcode
+
     def stop(self) -> None:
         """Ends the writer at once (another rank's save failed: this rank's writer may be waiting for
         that rank's in one of DCP's collectives); the write it was running fails."""

@@ -801,12 +801,15 @@ def test_a_killed_writer_process_ends_the_job_with_one_message(data, tmp_path):
                          "trainer.nccl_timeout=600"), log)
     try:
         assert wait_until(lambda: (run_dir / "global_step_1").exists(), proc), log.read_text()[-3000:]
-        ranks = proc.ranks() if isinstance(proc, ForkedJob) else [proc.pid]  # forked, or torchrun's children
-        writers = [pid for rank in ranks for pid in descendants(rank)
-                   if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
-        assert len(writers) == 2, writers  # one per rank
+        writers = writer_processes(proc)
         os.kill(writers[1], signal.SIGUSR1)
         assert wait_until(lambda: "sfttrain/checkpoint_writer.py" in log.read_text(), proc), log.read_text()[-3000:]
+        # killed mid-write (a writer lost between saves is replaced: the next test): stopped first, then
+        # killed once a save's folder lacks its rank's shard, a save that cannot finish before the kill
+        os.kill(writers[0], signal.SIGSTOP)
+        rank = int(re.search(rb"\0RANK=(\d+)\0", b"\0" + Path(f"/proc/{writers[0]}/environ").read_bytes())[1])
+        assert wait_until(lambda: any(tmp.name.endswith(".tmp") and not list(tmp.glob(f"__{rank}_*.distcp"))
+                                      and tmp.is_dir() for tmp in run_dir.glob(".global_step_*")), proc)
         os.kill(writers[0], signal.SIGKILL)
         proc.wait(timeout=240)
     finally:
@@ -817,6 +820,35 @@ def test_a_killed_writer_process_ends_the_job_with_one_message(data, tmp_path):
                      r"\(exit code -9;", message), message
     assert "the last good checkpoint is " + str(run_dir / "global_step_") in message, message
     assert not [p.name for p in run_dir.iterdir() if p.name.startswith(".global_step")]
+
+
+def writer_processes(proc) -> list[int]:
+    """The job's checkpoint writer processes, one per rank (spawned: multiprocessing's spawn_main)."""
+    ranks = proc.ranks() if isinstance(proc, ForkedJob) else [proc.pid]  # forked, or torchrun's children
+    writers = [pid for rank in ranks for pid in descendants(rank)
+               if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert len(writers) == 2, writers
+    return writers
+
+
+def test_a_writer_process_lost_between_saves_is_replaced(data, tmp_path):
+    """A writer process killed between saves (the out-of-memory killer picks any process) does not
+    cost the next save and the steps before it: every rank's writer is replaced before that save,
+    with a warning naming the rank and the exit code, and the run ends with every checkpoint. Killed
+    within milliseconds of step 30's commit; the next save is 30 steps later."""
+    run_dir, log = tmp_path / "run", tmp_path / "job.log"
+    proc = launch(2, job(data, run_dir, "trainer.async_save_writer=process", "trainer.total_epochs=10",
+                         "trainer.save_freq=30"), log)
+    try:
+        assert wait_until(lambda: (run_dir / "global_step_30").exists(), proc), log.read_text()[-3000:]
+        os.kill(writer_processes(proc)[1], signal.SIGKILL)
+        code = proc.wait(timeout=240)
+    finally:
+        kill_job(proc)
+    out = log.read_text()
+    assert code == 0, out[-3000:]
+    assert [s for s, _ in checkpoint_folder.complete_checkpoints(str(run_dir))] == [30, 60], out[-3000:]
+    assert re.search(r"the checkpoint writer process of rank\(s\) \[\d\] had ended \(exit code\(s\) \[-9\]", out), out[-3000:]
 
 
 def test_non_finite_loss_lets_the_save_in_flight_commit(data, tmp_path):

@@ -220,7 +220,9 @@ class TrainerConfig:
     # (device on CUDA where its free memory after the first step holds every save in flight, else host)
     async_save_staging: str = "auto"
     save_thread_count: int = 4  # writer threads per rank for a checkpoint's DCP shards (one file each)
-    resume_mode: str = "auto"  # auto | disable | resume_path
+    # auto: the run folder's latest checkpoint, else resume_from_path (seeding a run folder without checkpoints), else
+    # a fresh start | disable: a fresh start (resume_from_path refused) | resume_path: resume_from_path
+    resume_mode: str = "auto"
     resume_from_path: Optional[str] = None  # a checkpoint, or a run folder (its latest checkpoint)
     save_hf: bool = False  # at the end of training, also export the model to <final checkpoint>/huggingface
     log_freq: int = 1  # console line every N steps (metrics.jsonl always gets every step)
@@ -554,6 +556,10 @@ def _validate_trainer(t: TrainerConfig) -> None:
     _choice("trainer.resume_mode", t.resume_mode, ("auto", "disable", "resume_path"))
     if t.resume_mode == "resume_path" and not t.resume_from_path:
         raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
+    if t.resume_mode == "disable" and t.resume_from_path:  # verl ignores the path; which one was meant?
+        raise ConfigError(f"trainer.resume_mode=disable starts afresh, so trainer.resume_from_path="
+                          f"{t.resume_from_path} would be ignored: drop trainer.resume_from_path to start afresh, or "
+                          "drop trainer.resume_mode=disable (trainer.resume_mode=resume_path) to resume from it")
     if t.async_save_in_flight < 1:
         raise ConfigError(f"trainer.async_save_in_flight must be >= 1 (saves in flight at once), got "
                           f"{t.async_save_in_flight}")

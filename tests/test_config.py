@@ -84,3 +84,20 @@ def test_hydra_config_path_and_name_name_the_yaml_file(tmp_path):
     (tmp_path / "composed.yaml").write_text("defaults:\n  - optim: adamw\n" + (tmp_path / "my_sft.yaml").read_text())
     with pytest.raises(ConfigError, match="defaults: Hydra's list of other config files to compose is not read here"):
         load_config(*parse_args(["-cp", str(tmp_path), "-cn", "composed"]))
+
+
+def test_a_resume_path_with_resume_mode_disable_is_refused(capsys):
+    """verl drops trainer.resume_from_path under resume_mode=disable without a word: which was meant? The run
+    stops (exit code 2) naming both keys and each way out, and the preflight lists the same problem."""
+    from sfttrain import plan
+    from tests.conftest import BASE_OVERRIDES, run_sfttrain
+
+    overrides = [*BASE_OVERRIDES, "data.train_files=absent.parquet", "trainer.resume_mode=disable",
+                 "trainer.resume_from_path=/runs/a/global_step_2"]
+    message = ("trainer.resume_mode=disable starts afresh, so trainer.resume_from_path=/runs/a/global_step_2 would be "
+               "ignored: drop trainer.resume_from_path to start afresh, or drop trainer.resume_mode=disable "
+               "(trainer.resume_mode=resume_path) to resume from it")
+    run = run_sfttrain(1, overrides, check=False)
+    assert run.returncode == 2 and message in run.stdout, run.stdout
+    assert plan.main([*overrides, "--nproc", "1"]) == 2
+    assert message in capsys.readouterr().out.split("problems:")[1]

@@ -386,7 +386,7 @@ def resume_section(cfg: Config, batches: Batches, folder: Optional[str], found: 
     step = step_of(chosen.path)
     total = batches.total_steps
     left = f", {total - step} of {total} steps left" if total and total >= step else ""
-    line = f"  resume              : from {chosen.path} (step {step}{left})"
+    line = chosen.line(f"from {chosen.path} (step {step}{left})")
     if batches.fingerprint is None:
         found.notes.append(f"the resume from {chosen.path}: whether it reads the same data and schedule needs the "
                            "training data rendered here")

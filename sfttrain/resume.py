@@ -31,6 +31,11 @@ class Resume:
     path: Optional[str]  # the checkpoint to resume from; None: a fresh start
     run_id: str  # the id this run's checkpoints get
     notes: list[str] = field(default_factory=list)  # what start-up found in the run folder and did about it
+    passed_over: str = ""  # a checkpoint the config names that `path` was chosen over, and why
+
+    def line(self, chosen: str) -> str:
+        """The start-up's (and the preflight's) resume line: what was chosen, and what was passed over."""
+        return f"  resume              : {chosen}{f'; {self.passed_over}' if self.passed_over else ''}"
 
 
 def find_resume(t: TrainerConfig, run_dir: str) -> Resume:
@@ -58,11 +63,14 @@ def choose_resume(t: TrainerConfig, run_dir: str) -> Resume:
     """disable: None. resume_path: trainer.resume_from_path. auto: the latest checkpoint of the run
     folder's newest run (the run that committed last); if it has none, resume_from_path when given
     (a run seeded from another run's checkpoint still resumes its own progress after a crash),
-    else None. A checkpoint whose files changed since its commit is refused, the one before it named.
-    Changes nothing in the run folder (the preflight asks it too)."""
+    else None (a resume_from_path passed over is said: `passed_over`). A checkpoint whose files changed
+    since its commit is refused, the one before it named. Changes nothing in the run folder (the preflight
+    asks it too)."""
     newest = latest_of_newest_run(run_dir)
+    passed_over = ""
     if t.resume_mode == "auto" and newest:
         path = newest[1]
+        passed_over = _passed_over(t.resume_from_path, path)
     elif t.resume_mode == "disable" or not t.resume_from_path:
         path = None
     else:
@@ -73,7 +81,21 @@ def choose_resume(t: TrainerConfig, run_dir: str) -> Resume:
     if path:
         check_intact(path)  # before the model loads
     run_id = _run_id(path, run_dir)
-    return Resume(path, run_id, _describe_others(run_dir, run_id, step_of(path) if path else 0))
+    return Resume(path, run_id, _describe_others(run_dir, run_id, step_of(path) if path else 0), passed_over)
+
+
+def _passed_over(resume_from_path: Optional[str], chosen: str) -> str:
+    """resume_mode=auto takes the run folder's own latest checkpoint over trainer.resume_from_path: a restart
+    of a run seeded from another run's checkpoint must continue its own progress, not start over from the
+    seed. Said, since verl's auto takes the path."""
+    if not resume_from_path:
+        return ""
+    given, chosen = os.path.abspath(os.path.expanduser(resume_from_path)), os.path.abspath(chosen)
+    if given in (chosen, os.path.dirname(chosen)):  # that checkpoint, or this run folder: the same choice
+        return ""
+    return (f"the run folder's latest checkpoint, not trainer.resume_from_path={resume_from_path}: resume_mode=auto "
+            "resumes the run folder's own checkpoints first (a restart continues its progress) and starts from the "
+            "path only where the run folder has none; trainer.resume_mode=resume_path resumes from the path")
 
 
 def _run_id(path: Optional[str], run_dir: str) -> str:

@@ -32,7 +32,7 @@ from sfttrain.model import (check_max_length, decoder_layers, embedding_rows, lo
                             local_model_folder)
 from sfttrain.optim import build_optimizer, build_scheduler, clipped_step, schedule_settings, warmup_steps
 from sfttrain.parallel import describe_compile, describe_sharding, gradient_sync, parallelize
-from sfttrain.resume import check_resume, find_resume
+from sfttrain.resume import Resume, check_resume, find_resume
 from sfttrain.rope import check_rope
 from sfttrain.run_lock import lock_run_folder
 
@@ -112,9 +112,9 @@ class FSDPSFTTrainer:
         self.timer = StepTimer(world.device)
         self.stop_vote, self.stopping = stop_signal.StopVote(world.device), False  # trainer.save_on_sigterm
         self.profiler = profiling.StepProfiler(t, self.run_dir, world.rank, world.device, self.logger.info)
-        self._print_startup(resume_from, resume_notes)
+        self._print_startup(resume, resume_notes)
 
-    def _print_startup(self, resume_from: str | None, resume_notes: list[str]) -> None:
+    def _print_startup(self, resume: Resume, resume_notes: list[str]) -> None:
         cfg, shape = self.cfg, self.model_shape
         fsdp = cfg.model.fsdp_config
         loss = ("Liger's fused linear cross-entropy" if self.liger else f"chunked linear cross-entropy, "
@@ -145,8 +145,7 @@ class FSDPSFTTrainer:
             *profiling.describe(cfg.trainer, self.run_dir, self.state.step, self.world.device),
             describe(self.data_report),
             *describe_workers(cfg.data.num_workers, ranks_of_this_launcher(), cpus_of_this_process()),
-            f"  resume              : {resume_from or 'fresh start'} (step {self.state.step}, run id "
-            f"{self.state.run_id})",
+            resume.line(f"{resume.path or 'fresh start'} (step {self.state.step}, run id {self.state.run_id})"),
             *(f"    {note}" for note in resume_notes),
             f"  host memory         : {describe_host_memory(self._host_memory_per_rank())}",
         ]

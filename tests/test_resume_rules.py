@@ -89,6 +89,27 @@ def test_finished_run_started_again_trains_nothing_and_says_so(data, saved, tmp_
     assert "nothing left to train" in out
 
 
+def test_a_resume_path_passed_over_by_auto_is_said(data, saved, tmp_path, capsys):
+    """resume_mode=auto with trainer.resume_from_path naming another checkpoint, in a run folder with checkpoints
+    of its own: the run folder's latest is resumed (the rule that lets a seeded run restart where it was), and the
+    resume line says so, naming the path passed over and how to resume from it; the preflight's line too."""
+    from sfttrain import plan
+
+    run_dir = copy_of(saved, tmp_path)
+    seed = tmp_path / "seed" / f"global_step_{SAVED_STEP}"
+    shutil.copytree(saved / f"global_step_{SAVED_STEP}", seed)
+    command = job(data, run_dir, f"trainer.total_training_steps={SAVED_STEP}", f"trainer.resume_from_path={seed}")
+    passed_over = (f"; the run folder's latest checkpoint, not trainer.resume_from_path={seed}: resume_mode=auto resumes "
+                   "the run folder's own checkpoints first (a restart continues its progress) and starts from the path "
+                   "only where the run folder has none; trainer.resume_mode=resume_path resumes from the path\n")
+    out = run_sfttrain(1, command).stdout
+    assert f"  resume              : {run_dir / f'global_step_{SAVED_STEP}'} (step {SAVED_STEP}, run id " in out, out
+    assert passed_over in out, out
+    assert plan.main([*command, "--nproc", "1"]) == 0
+    assert (f"  resume              : from {run_dir / f'global_step_{SAVED_STEP}'} (step {SAVED_STEP}, 0 of {SAVED_STEP} "
+            f"steps left){passed_over}") in capsys.readouterr().out
+
+
 def test_changed_data_refused_then_allowed(data, saved, tmp_path):
     run_dir = copy_of(saved, tmp_path)
     changed = job(data, run_dir, "trainer.total_training_steps=5", "data.max_length=100", "data.shuffle=false")

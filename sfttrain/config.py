@@ -193,7 +193,9 @@ class TrainerConfig:
     project_name: str = "sfttrain"  # wandb project; part of the default run folder
     experiment_name: str = "run"  # wandb run name; part of the default run folder
     total_epochs: int = 1  # passes over the training data (unless total_training_steps is set)
-    total_training_steps: Optional[int] = None  # if set, stops (and schedules the LR) here
+    # if set, stops (and schedules the LR) here, before the end of trainer.total_epochs or past it (the start-up's
+    # "total steps" line says which; verl's trainers stop at the end of total_epochs where this lies past it)
+    total_training_steps: Optional[int] = None
     logger: Any = "console"  # console | wandb | a list of them
     seed: int = 1  # data order and random init
     test_freq: int = -1  # validate every N steps (and always at the end); -1: only at the end
@@ -553,6 +555,9 @@ def _validate_optim(o: OptimConfig) -> None:
 
 def _validate_trainer(t: TrainerConfig) -> None:
     _positive(("trainer.total_epochs", t.total_epochs))
+    if t.total_training_steps is not None and t.total_training_steps <= 0:  # 0 read as unset would train the epochs
+        raise ConfigError(f"trainer.total_training_steps must be positive, got {t.total_training_steps}; null (the "
+                          "default) trains trainer.total_epochs")
     _choice("trainer.resume_mode", t.resume_mode, ("auto", "disable", "resume_path"))
     if t.resume_mode == "resume_path" and not t.resume_from_path:
         raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path")

@@ -175,6 +175,27 @@ def test_parity_with_a_plain_transformers_loop(gsm8k_dir, tmp_path):
     assert update_error(trained, ref, {k: start[k] for k in trained}) < UPDATE_TOL
 
 
+def test_total_training_steps_past_the_epochs_are_said(gsm8k_dir, tmp_path, capsys):
+    """trainer.total_training_steps=3 with trainer.total_epochs=1 of 2 steps (20 rows, 8 a step): the steps decide
+    (the third one trains the second epoch's first batch), and the batch plan's last line says so at start-up
+    and in the preflight alike."""
+    import pyarrow.parquet as pq
+
+    from sfttrain import plan
+
+    pq.write_table(pq.read_table(gsm8k_dir / "train.parquet").slice(0, 20), tmp_path / "train.parquet")
+    command = [*BASE_OVERRIDES, f"data.train_files={tmp_path / 'train.parquet'}", "data.max_length=128",
+               f"trainer.default_local_dir={tmp_path / 'run'}", "data.train_batch_size=8", "trainer.total_epochs=1",
+               "trainer.total_training_steps=3"]
+    line = ("  total steps         : 3 = 1 epoch and 1 of the next one's 2 steps (trainer.total_training_steps=3 wins "
+            "over trainer.total_epochs=1, 2 steps: training runs on past them)\n")
+    out = run_sfttrain(1, command).stdout
+    assert line in out, out
+    assert [(m["step"], m["epoch"]) for m in read_metrics(tmp_path / "run") if "loss" in m] == [(1, 0), (2, 0), (3, 1)]
+    assert plan.main([*command, "--nproc", "1"]) == 0
+    assert line in capsys.readouterr().out
+
+
 def test_demo_model_learns_gsm8k(demo_run):
     """The tiny real model's loss falls on GSM8K, and validation loss falls with it (plain AdamW:
     this test is about learning)."""

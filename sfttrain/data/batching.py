@@ -27,6 +27,8 @@ class BatchPlan:
     steps_per_epoch: int
     total_steps: int
     sp_size: int = 1  # ulysses_sequence_parallel_size: ranks per data-parallel rank
+    total_epochs: int = 1  # trainer.total_epochs
+    total_training_steps: Optional[int] = None  # trainer.total_training_steps: when set, the total (over the epochs)
 
     @property
     def samples_per_rank(self) -> int:
@@ -49,8 +51,30 @@ class BatchPlan:
             f"  per rank            : {micro}",
             f"  dataset             : {self.num_rows} rows -> {self.steps_per_epoch} steps per epoch "
             f"({self.num_rows - self.steps_per_epoch * self.global_batch} rows left over each epoch)",
-            f"  total steps         : {self.total_steps}",
+            f"  total steps         : {self.total_steps} = {self.in_epochs(self.total_steps)} ({self.total_source()})",
         ])
+
+    def in_epochs(self, steps: int) -> str:
+        """Steps as epochs: "2 epochs", "1 epoch and 8 of the next one's 32 steps"."""
+        full, rest = divmod(steps, self.steps_per_epoch)
+        if not full:
+            return f"{rest} of the first epoch's {self.steps_per_epoch} steps"
+        epochs = f"{full} epoch{'s' if full != 1 else ''}"
+        return f"{epochs} and {rest} of the next one's {self.steps_per_epoch} steps" if rest else epochs
+
+    def total_source(self) -> str:
+        """Which key set the total. trainer.total_training_steps wins over trainer.total_epochs (verl's
+        trainers stop at the end of total_epochs where the steps lie past it): a total that ends elsewhere
+        than the epochs do is said, not left to be found in the metrics' epoch column."""
+        epochs = f"trainer.total_epochs={self.total_epochs}"
+        if self.total_training_steps is None:
+            return epochs
+        steps = f"trainer.total_training_steps={self.total_training_steps}"
+        by_epochs = self.total_epochs * self.steps_per_epoch
+        if self.total_steps == by_epochs:
+            return f"{steps}; {epochs} agrees"
+        what = "runs on past them" if self.total_steps > by_epochs else "stops before their end"
+        return f"{steps} wins over {epochs}, {by_epochs} steps: training {what}"
 
     def split(self, lengths: list[int], costs: list[float]) -> list[list[list[int]]]:
         """Sample indices of one step, per rank, per micro-batch (same number of micro-batches
@@ -83,7 +107,8 @@ def make_plan(cfg: Config, dp_size: int, num_rows: int) -> BatchPlan:
         raise ConfigError(f"the training data has {num_rows} rows, fewer than data.train_batch_size={b}: "
                           "lower the batch size or add data")
     total = t.total_training_steps or steps_per_epoch * t.total_epochs
-    return BatchPlan(dp_size, b, mb, d.max_token_len_per_gpu, num_rows, steps_per_epoch, total, sp)
+    return BatchPlan(dp_size, b, mb, d.max_token_len_per_gpu, num_rows, steps_per_epoch, total, sp, t.total_epochs,
+                     t.total_training_steps)
 
 
 def batch_problem(b: int, mb: int, dp_size: int, token_budget: Optional[int],

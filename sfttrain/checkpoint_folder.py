@@ -178,13 +178,22 @@ def publish(tmp: str, final: str) -> None:
 def enforce_retention(run_dir: str, keep: Optional[int], run_id: Optional[str] = None,
                       delete: Optional[Callable[[str], None]] = None) -> list[int]:
     """Keeps the newest `keep` complete checkpoints of the run `run_id` (every checkpoint when
-    None), judged by what is on disk (so it holds across resumes); returns the steps deleted."""
-    if not keep or keep <= 0:
+    None or 0), judged by what is on disk (so it holds across resumes); returns the steps deleted."""
+    if not keep:
         return []
     doomed = complete_checkpoints(run_dir, run_id)[:-keep]
     for _, path in doomed:
         (delete or remove)(path)
     return [step for step, _ in doomed]
+
+
+def describe_retention(keep: Optional[int]) -> list[str]:
+    """The start-up's (and the preflight's) line for trainer.max_ckpt_to_keep=0, which reads like "keep
+    none" but keeps every checkpoint, as in verl: said, where a filling disk would otherwise say it."""
+    if keep != 0:
+        return []
+    return ["  checkpoints kept    : every one (trainer.max_ckpt_to_keep=0 means what null does, as in verl; "
+            "N > 0 keeps this run's newest N)"]
 
 
 def remove_stale_tmp(run_dir: str) -> list[str]:

@@ -200,7 +200,9 @@ class TrainerConfig:
     seed: int = 1  # data order and random init
     test_freq: int = -1  # validate every N steps (and always at the end); -1: only at the end
     save_freq: int = -1  # checkpoint every N steps (and always at the end); -1: only at the end
-    max_ckpt_to_keep: Optional[int] = None  # None keeps all (counts committed checkpoints only)
+    # keeps this run's newest N committed checkpoints (another run's in the folder are not counted); null keeps
+    # every one, and so does 0, as in verl (said at start-up: 0 reads like "keep none")
+    max_ckpt_to_keep: Optional[int] = None
     # a SIGTERM during training (a scheduler's time limit or preemption, kill, torchrun passing one on) saves the
     # step in flight and ends the run with exit code 8; false: the rank dies at once (sfttrain/stop_signal.py)
     save_on_sigterm: bool = True
@@ -558,6 +560,9 @@ def _validate_trainer(t: TrainerConfig) -> None:
     if t.total_training_steps is not None and t.total_training_steps <= 0:  # 0 read as unset would train the epochs
         raise ConfigError(f"trainer.total_training_steps must be positive, got {t.total_training_steps}; null (the "
                           "default) trains trainer.total_epochs")
+    if t.max_ckpt_to_keep is not None and t.max_ckpt_to_keep < 0:  # verl keeps every checkpoint: was that meant?
+        raise ConfigError(f"trainer.max_ckpt_to_keep={t.max_ckpt_to_keep}: set N > 0 to keep this run's newest N "
+                          "checkpoints, or null (the default; 0 is the same, as in verl) to keep every one")
     _choice("trainer.resume_mode", t.resume_mode, ("auto", "disable", "resume_path"))
     if t.resume_mode == "resume_path" and not t.resume_from_path:
         raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path")

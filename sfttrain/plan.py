@@ -24,7 +24,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from sfttrain.checkpoint_folder import room_problem, size_text, step_of
+from sfttrain.checkpoint_folder import describe_retention, room_problem, size_text, step_of
 from sfttrain.config import (Config, ConfigError, ModelConfig, as_list, load_config, mixed_precision_dtypes,
                              shard_group_size, validate)
 from sfttrain.data.batching import batch_problem, make_plan
@@ -538,6 +538,7 @@ def preflight(cfg: Config, nproc: int, nnodes: int) -> tuple[list[str], Findings
     lines += resume_section(cfg, batches, folder, found)
     lines += memory_section(cfg, dp_size, folder, found)
     lines += checkpoint_section(cfg, folder, found)
+    lines += describe_retention(cfg.trainer.max_ckpt_to_keep)
     return lines, found
 
 

@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 from sfttrain import checkpoint, export, fp8, lora, moe, phase, profiling, recompute, stop_signal
 from sfttrain.attention import describe_backend, fallback_warning
-from sfttrain.checkpoint_folder import complete_checkpoints, is_complete, read_state, remove_stale_tmp
+from sfttrain.checkpoint_folder import (complete_checkpoints, describe_retention, is_complete, read_state,
+                                       remove_stale_tmp)
 from sfttrain.config import Config, as_list, logger_names
 from sfttrain.data.chat import build_renderer, resolve_chat_template
 from sfttrain.data.loader import (StepBatch, TrainData, cpus_of_this_process, describe_workers,
@@ -141,6 +142,7 @@ class FSDPSFTTrainer:
             f"  lr                  : {cfg.optim.lr} {cfg.optim.lr_scheduler}, "
             f"{warmup_steps(cfg.optim, self.plan.total_steps)} warmup steps",
             f"  run folder          : {self.run_dir}",
+            *describe_retention(cfg.trainer.max_ckpt_to_keep),
             *self.folder_warnings,
             *profiling.describe(cfg.trainer, self.run_dir, self.state.step, self.world.device),
             describe(self.data_report),

@@ -207,6 +207,25 @@ def test_retention_across_resumes(resumed_mid_epoch):
         assert checkpoint_folder.is_complete(str(run_dir / f"global_step_{step}"))
 
 
+def test_max_ckpt_to_keep_0_keeps_every_checkpoint_and_says_so(data, tmp_path, capsys):
+    """trainer.max_ckpt_to_keep=0 reads like "keep none" and keeps every checkpoint, as in verl (and as null
+    does): the run keeps its 3 and says so at start-up, as the preflight does; a negative count is refused."""
+    from sfttrain import plan
+
+    run_dir = tmp_path / "run"
+    command = job(data, run_dir, "trainer.total_training_steps=3", "trainer.save_freq=1", "trainer.max_ckpt_to_keep=0")
+    line = ("  checkpoints kept    : every one (trainer.max_ckpt_to_keep=0 means what null does, as in verl; N > 0 "
+            "keeps this run's newest N)\n")
+    out = run_sfttrain(1, command).stdout
+    assert line in out, out
+    assert [step for step, _ in checkpoint_folder.complete_checkpoints(str(run_dir))] == [1, 2, 3]
+    assert plan.main([*command, "--nproc", "1"]) == 0
+    assert line in capsys.readouterr().out
+    assert plan.main([*command, "trainer.max_ckpt_to_keep=-1", "--nproc", "1"]) == 2
+    assert ("trainer.max_ckpt_to_keep=-1: set N > 0 to keep this run's newest N checkpoints, or null (the default; "
+            "0 is the same, as in verl) to keep every one") in capsys.readouterr().out.split("problems:")[1]
+
+
 def test_exact_resume_at_epoch_boundary(data, ref, tmp_path):
     """resume_mode=resume_path from the last step of epoch 0 (into another run folder): the
     resumed run starts epoch 1 (its own shuffled order), nothing replayed or skipped. It saves

@@ -32,18 +32,19 @@ def is_complete(path: str) -> bool:
     return os.path.isfile(os.path.join(path, COMPLETE))
 
 
+def step_folders(run_dir: str) -> list[tuple[int, str]]:
+    """(step, path) of every `global_step_N` folder in the run folder, committed or not, oldest first."""
+    if not os.path.isdir(run_dir):
+        return []
+    return sorted((int(m.group(1)), os.path.join(run_dir, name)) for name in os.listdir(run_dir)
+                  if (m := STEP_DIR.match(name)))
+
+
 def complete_checkpoints(run_dir: str, run_id: Optional[str] = None) -> list[tuple[int, str]]:
     """(step, path) of every committed checkpoint in the run folder, oldest first; with run_id,
     only that run's (see `run_id_of`)."""
-    if not os.path.isdir(run_dir):
-        return []
-    found = []
-    for name in os.listdir(run_dir):
-        m = STEP_DIR.match(name)
-        path = os.path.join(run_dir, name)
-        if m and is_complete(path) and (run_id is None or run_id_of(path) == run_id):
-            found.append((int(m.group(1)), path))
-    return sorted(found)
+    return [(step, path) for step, path in step_folders(run_dir)
+            if is_complete(path) and (run_id is None or run_id_of(path) == run_id)]
 
 
 def write_complete(tmp: str) -> int:

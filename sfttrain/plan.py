@@ -382,7 +382,8 @@ def resume_section(cfg: Config, batches: Batches, folder: Optional[str], found: 
     found.check(lambda: check_not_in_use(cfg.trainer.default_local_dir))  # another run in it now
     chosen = found.check(lambda: choose_resume(cfg.trainer, cfg.trainer.default_local_dir))
     if chosen is None or chosen.path is None:
-        return [f"  resume              : {'fresh start' if chosen else 'see the problems below'}"]
+        return [f"  resume              : {'fresh start' if chosen else 'see the problems below'}",
+                *(f"    {note}" for note in (chosen.notes if chosen else []))]
     step = step_of(chosen.path)
     total = batches.total_steps
     left = f", {total - step} of {total} steps left" if total and total >= step else ""

@@ -18,8 +18,9 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from sfttrain.checkpoint_folder import check_intact, complete_checkpoints, latest_of_newest_run, read_state, resolve, \
-    run_id_of, runs, step_of
+from sfttrain.checkpoint_folder import (COMPLETE, check_intact, complete_checkpoints, is_complete,
+                                       latest_of_newest_run, read_state, resolve, run_id_of, runs, step_folders,
+                                       step_of)
 from sfttrain.config import Config, ConfigError, TrainerConfig
 from sfttrain.data.fingerprint import differences
 from sfttrain.lora import check_base
@@ -63,9 +64,9 @@ def choose_resume(t: TrainerConfig, run_dir: str) -> Resume:
     """disable: None. resume_path: trainer.resume_from_path. auto: the latest checkpoint of the run
     folder's newest run (the run that committed last); if it has none, resume_from_path when given
     (a run seeded from another run's checkpoint still resumes its own progress after a crash),
-    else None (a resume_from_path passed over is said: `passed_over`). A checkpoint whose files changed
-    since its commit is refused, the one before it named. Changes nothing in the run folder (the preflight
-    asks it too)."""
+    else None. What auto passed over is said: a resume_from_path (`passed_over`), a later global_step_N
+    without its COMPLETE marker (a note). A checkpoint whose files changed since its commit is refused,
+    the one before it named. Changes nothing in the run folder (the preflight asks it too)."""
     newest = latest_of_newest_run(run_dir)
     passed_over = ""
     if t.resume_mode == "auto" and newest:
@@ -81,7 +82,23 @@ def choose_resume(t: TrainerConfig, run_dir: str) -> Resume:
     if path:
         check_intact(path)  # before the model loads
     run_id = _run_id(path, run_dir)
-    return Resume(path, run_id, _describe_others(run_dir, run_id, step_of(path) if path else 0), passed_over)
+    notes = _describe_others(run_dir, run_id, step_of(path) if path else 0)
+    if t.resume_mode == "auto":
+        notes = _describe_unfinished(run_dir, path) + notes
+    return Resume(path, run_id, notes, passed_over)
+
+
+def _describe_unfinished(run_dir: str, chosen: Optional[str]) -> list[str]:
+    """A line per `global_step_N` past the chosen checkpoint that auto passed over for want of its COMPLETE
+    marker (an rsync cut short, a save by another tool): the choice stands, but the user may be waiting
+    for that step, and a save of it by this run replaces the folder."""
+    mine = chosen is not None and os.path.dirname(os.path.abspath(chosen)) == os.path.abspath(run_dir)
+    after = step_of(chosen) if mine else 0
+    then = f"resuming from {os.path.basename(chosen) if mine else chosen}" if chosen else "starting afresh"
+    return [f"{os.path.basename(path)} has no {COMPLETE} marker (a save or copy that did not finish): {then}. To "
+            f"resume from it, finish copying it and start again; else delete it (a save of step {step} would "
+            "replace it)"
+            for step, path in step_folders(run_dir) if step > after and not is_complete(path)]
 
 
 def _passed_over(resume_from_path: Optional[str], chosen: str) -> str:

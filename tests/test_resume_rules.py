@@ -110,6 +110,32 @@ def test_a_resume_path_passed_over_by_auto_is_said(data, saved, tmp_path, capsys
             f"steps left){passed_over}") in capsys.readouterr().out
 
 
+def test_a_later_checkpoint_without_its_marker_is_said(data, saved, tmp_path, capsys):
+    """global_step_6 as an rsync cut short leaves it (step 3's files, some cut short, no COMPLETE): auto still
+    resumes step 3, the last committed one, and start-up and the preflight say why step 6 was passed over,
+    leaving it where it is. Alone in the run folder it is a fresh start, said the same way."""
+    from sfttrain import plan
+
+    run_dir = copy_of(saved, tmp_path)
+    unfinished = run_dir / "global_step_6"
+    shutil.copytree(run_dir / f"global_step_{SAVED_STEP}", unfinished)
+    (unfinished / "COMPLETE").unlink()
+    shard = next(unfinished.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])
+    command = job(data, run_dir, f"trainer.total_training_steps={SAVED_STEP}")
+    note = ("    global_step_6 has no COMPLETE marker (a save or copy that did not finish): {}. To resume from it, "
+            "finish copying it and start again; else delete it (a save of step 6 would replace it)\n")
+    out = run_sfttrain(1, command).stdout
+    assert f"  resume              : {run_dir / f'global_step_{SAVED_STEP}'} (step {SAVED_STEP}, run id " in out, out
+    assert note.format(f"resuming from global_step_{SAVED_STEP}") in out, out
+    assert unfinished.is_dir() and len(shard.read_bytes()) == 100
+    assert plan.main([*command, "--nproc", "1"]) == 0
+    assert note.format(f"resuming from global_step_{SAVED_STEP}") in capsys.readouterr().out
+    shutil.rmtree(run_dir / f"global_step_{SAVED_STEP}")
+    assert plan.main([*command, "--nproc", "1"]) == 0
+    assert f"  resume              : fresh start\n{note.format('starting afresh')}" in capsys.readouterr().out
+
+
 def test_changed_data_refused_then_allowed(data, saved, tmp_path):
     run_dir = copy_of(saved, tmp_path)
     changed = job(data, run_dir, "trainer.total_training_steps=5", "data.max_length=100", "data.shuffle=false")

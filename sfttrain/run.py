@@ -87,6 +87,7 @@ def stop(error: UserError) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     phase.dump_stacks_on_sigusr1()  # before any thread starts: each inherits the signal mask (see there)
+    stop_signal.follow_the_launcher()
     argv = sys.argv[1:] if argv is None else argv
     try:
         if argv and argv[0] in ("-h", "--help"):

@@ -30,9 +30,11 @@ torchrun's SIGKILL, up to 30 s after its SIGTERM, instead of at once: the cost o
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib
 import os
 import signal
+import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Iterator
@@ -43,6 +45,7 @@ if TYPE_CHECKING:
     import torch
 
 _received: list[str] = []  # the names of the signals noted (SIGTERM, SIGINT), in order
+PR_SET_PDEATHSIG = 1  # prctl(2)
 GRACE_S = 30.0  # the time after a SIGTERM that torchrun, Slurm and Kubernetes give by default before SIGKILL
 
 
@@ -61,6 +64,19 @@ def noting(enabled: bool) -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def follow_the_launcher() -> None:
+    """Under torchrun: SIGTERM to this rank when torchrun dies (the kernel's parent-death signal). A
+    torchrun killed at once (SIGKILL, its own out-of-memory death) cannot pass a signal on, and its
+    ranks trained on as orphans; now they save and stop as on any SIGTERM. (A rank started by hand is
+    left alone: its parent is a shell, which `nohup` and `&` are meant to outlive.)"""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    launcher = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != launcher:  # it died before the call
+        signal.raise_signal(signal.SIGTERM)
 
 
 def end_if_told() -> None:

@@ -467,6 +467,30 @@ def test_sigterm_to_every_process_saves_the_same_step_on_every_rank(data, ref, t
                      f"whose checkpoint {run_dir}/global_step_{stopped} is committed") == 1, out[-3000:]
 
 
+def test_a_killed_torchrun_stops_its_ranks_with_a_save(data, ref, tmp_path):
+    """torchrun killed at once (SIGKILL: nothing passed on) left its ranks training as orphans to the end.
+    Each rank now gets SIGTERM at its launcher's death: every rank stops after the same step, saves it
+    (equal to the uninterrupted run's) and exits."""
+    run_dir, log = tmp_path / "run", tmp_path / "log"
+    proc, ranks = launch(2, job(data, run_dir), log, torchrun=True), []
+    try:
+        assert wait_until(lambda: logged_steps(run_dir) >= 2, proc), log.read_text()[-3000:]
+        ranks = descendants(proc.pid)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 120
+        while any(os.path.exists(f"/proc/{pid}") for pid in ranks) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        kill_job(proc)
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    out = log.read_text()
+    (step,) = check_checkpoints(run_dir, ref, 2)
+    assert 2 <= step < TOTAL and f"training stopped after step {step} of {TOTAL}" in out, out[-3000:]
+
+
 def test_a_sigterm_during_validation_stops_it_and_saves_the_step(data, ref, gsm8k_dir, tmp_path):
     """Validation can outlast the grace before SIGKILL. SIGTERM to rank 1 alone once step 2 is logged,
     as the validation after it starts (all 7473 GSM8K training rows: seconds on 2 CPU ranks): every rank

@@ -170,11 +170,13 @@ def test_a_length_cache_of_the_users_renders_the_data_once_for_a_sweep(data, exp
 
 
 def test_rows_trained_twice_and_validation_rows_seen_in_training_are_reported(gsm8k_dir, tmp_path):
-    """Training rows 7 and 20 repeat rows 2 and 11; validation rows 1 and 4 are training rows 11 and 5, its
-    other rows are not (the reference: the same question and answer text). 2 ranks, each rendering half
-    of the validation rows: the report and the preflight name the same pairs, and both warn."""
+    """Training rows 7 and 20 repeat rows 2 and 11, rows 13 and 30 have an empty answer; validation rows 1
+    and 4 are training rows 11 and 5, its other rows are not (the reference: the same question and answer
+    text). 2 ranks, each rendering half of the validation rows: the report and the preflight name the
+    same pairs and rows, and both warn."""
     rows = pq.read_table(gsm8k_dir / "train.parquet").slice(0, ROWS).select(["question", "answer"]).to_pylist()
     rows[7], rows[20] = rows[2], rows[11]
+    rows[13]["answer"] = rows[30]["answer"] = ""
     val = pq.read_table(gsm8k_dir / "train.parquet").slice(ROWS, 6).select(["question", "answer"]).to_pylist()
     val[1], val[4] = rows[11], rows[5]
     for name, table in (("train", rows), ("val", val)):
@@ -192,6 +194,8 @@ def test_rows_trained_twice_and_validation_rows_seen_in_training_are_reported(gs
     out = run_sfttrain(2, overrides).stdout
     report = json.loads((tmp_path / "run" / "data_report.json").read_text())
     assert report["duplicate_rows"] == {"count": len(repeated), "rows": repeated}
+    empty = [i for i, r in enumerate(rows) if not r["answer"]]
+    assert empty == [13, 30] and report["empty_responses"] == {"count": 2, "rows": empty}
     assert report["validation"] == {"rows": len(val), "in_training": {
         "count": len(twins), "rows": [v for v, _ in twins], "training_rows": [t for _, t in twins]}}
     warning = "WARNING: validation rows [1, 4] (2 of 6) are training rows [11, 5] (the same tokens)"
@@ -199,4 +203,6 @@ def test_rows_trained_twice_and_validation_rows_seen_in_training_are_reported(gs
 
     with contextlib.redirect_stdout(io.StringIO()) as preflight:
         assert plan([*overrides, "--nproc", "2"]) == 0, preflight.getvalue()
-    assert warning in preflight.getvalue(), preflight.getvalue()
+    empty_warning = "WARNING: rows [13, 30] (2 in all) have an empty response: EOS alone is trained on them"
+    assert warning in preflight.getvalue() and empty_warning in preflight.getvalue(), preflight.getvalue()
+    assert empty_warning in out, out

@@ -52,9 +52,17 @@ def data_report(stats: RowStats, epoch_rows: np.ndarray, d: DataConfig) -> dict:
         "supervised_tokens_per_epoch": int(stats.loss_tokens[epoch_rows].sum()),
         "rows_per_epoch": len(epoch_rows),
         "duplicate_rows": _rows(repeated_rows(stats)),
+        "empty_responses": None if d.multiturn.enable else _rows(empty_responses(stats)),
         "rows_rendered_at_startup": stats.rendered,
         "length_cache": stats.cache_file,
     }
+
+
+def empty_responses(stats: RowStats) -> np.ndarray:
+    """The prompt/response rows whose response is empty: EOS, appended to every response, is their one
+    supervised token (any text adds one more), truncation aside. Trained, they teach the model to stop
+    at once: a data mistake more often than not."""
+    return np.flatnonzero((stats.loss_tokens == 1) & (stats.full_lengths == stats.lengths))
 
 
 def repeated_rows(stats: RowStats) -> np.ndarray:
@@ -106,6 +114,9 @@ def describe(report: dict) -> str:
     if (repeated := report["duplicate_rows"])["count"]:
         lines.insert(4, f"  duplicates          : rows {repeated['rows']} ({repeated['count']} in all) repeat an "
                         "earlier row's tokens: that sample trains more than once an epoch")
+    if (empty := report["empty_responses"]) and empty["count"]:
+        lines.append(f"  WARNING: rows {empty['rows']} ({empty['count']} in all) have an empty response: EOS alone is "
+                     "trained on them (the model learns to answer nothing). Fill in their responses or leave them out")
     if (val := report.get("validation")) and (twins := val["in_training"])["count"]:
         lines.append(f"  WARNING: validation rows {twins['rows']} ({twins['count']} of {val['rows']}) are training "
                      f"rows {twins['training_rows']} (the same tokens): the validation loss on them measures what "

@@ -312,6 +312,18 @@ def missing_files(files) -> list[str]:
     return [f for f, p in paths.items() if not (glob.glob(p, recursive=True) if is_pattern(p) else os.path.exists(p))]
 
 
+def check_val_files(d, train_files_here: bool, found: Findings) -> None:
+    """Validation files not on this machine: a mistyped path where the training files are here (the run
+    would stop on it), else only not checked."""
+    missing = missing_files(d.val_files)
+    if missing and train_files_here:
+        found.problems.append(f"data.val_files: {', '.join(missing)} not found, while data.train_files are: check "
+                              "the path (the run would stop on it at start-up)")
+    elif missing:
+        found.notes.append(f"data.val_files: {', '.join(missing)} not on this machine: the validation rows are not "
+                           "checked")
+
+
 @dataclass
 class Batches:
     lines: list[str]
@@ -331,13 +343,6 @@ def batch_section(cfg: Config, dp_size: int, folder: Optional[str], found: Findi
     if missing:  # a missing file is often only missing here (the cluster's path): not a problem
         found.notes.append(f"data.train_files: {', '.join(missing)} not on this machine: steps per epoch and the rows "
                            "are not checked" + "".join(map(hub_id_hint, missing)))
-    missing_val = missing_files(d.val_files)
-    if missing_val and d.train_files and not missing:  # the training files are here: a mistyped path
-        found.problems.append(f"data.val_files: {', '.join(missing_val)} not found, while data.train_files are: check "
-                              "the path (the run would stop on it at start-up)")
-    elif missing_val:
-        found.notes.append(f"data.val_files: {', '.join(missing_val)} not on this machine: the validation rows are "
-                           "not checked")
     elif d.train_files and folder is not None and has_tokenizer(folder):
         rendered = found.check(lambda: render_rows(cfg, folder))
         rows = int(rendered.stats.keep.sum()) if rendered else None
@@ -345,6 +350,7 @@ def batch_section(cfg: Config, dp_size: int, folder: Optional[str], found: Findi
         if folder is not None and os.path.isdir(folder):
             found.notes.append(f"{folder} has no tokenizer: the rows are counted, not rendered")
         rows = found.check(lambda: row_count(cfg))
+    check_val_files(d, bool(d.train_files) and not missing, found)
     plan = found.check(lambda: make_plan(cfg, dp_size, rows if rows is not None else d.train_batch_size))
     if plan is None:  # fewer rows than one batch
         return Batches([])

@@ -491,15 +491,12 @@ def test_a_killed_torchrun_stops_its_ranks_with_a_save(data, ref, tmp_path):
     assert 2 <= step < TOTAL and f"training stopped after step {step} of {TOTAL}" in out, out[-3000:]
 
 
-def test_a_sigterm_during_validation_stops_it_and_saves_the_step(data, ref, gsm8k_dir, tmp_path):
-    """Validation can outlast the grace before SIGKILL. SIGTERM to rank 1 alone once step 2 is logged,
-    as the validation after it starts (all 7473 GSM8K training rows: seconds on 2 CPU ranks): every rank
-    leaves the validation after the same micro-batch, saves step 2 (equal to the uninterrupted run's)
-    and exits with code 8; no validation loss is logged for the cut validation."""
+def sigterm_to_rank_1_after_step_2(data: Path, run_dir: Path, log: Path, *extra: str) -> tuple[str, int]:
+    """A 2-rank job whose rank 1 alone gets SIGTERM (as `kill` sends it) once step 2 is logged: its
+    log and exit code (the forked job's, or from torchrun's summary where SFTTRAIN_TEST_FORK=0)."""
     from tests.test_errors import rank_pid
 
-    run_dir, log = tmp_path / "run", tmp_path / "log"
-    proc = launch(2, job(data, run_dir, f"data.val_files={gsm8k_dir / 'train.parquet'}", "trainer.test_freq=2"), log)
+    proc = launch(2, job(data, run_dir, *extra), log)
     try:
         assert wait_until(lambda: logged_steps(run_dir) >= 2, proc), log.read_text()[-3000:]
         os.kill(rank_pid(proc, 1), signal.SIGTERM)
@@ -507,31 +504,30 @@ def test_a_sigterm_during_validation_stops_it_and_saves_the_step(data, ref, gsm8
     finally:
         kill_job(proc)
     out = log.read_text()
+    return out, code if isinstance(proc, ForkedJob) else int(re.findall(r"exitcode\s+: (-?\d+)", out)[0])
+
+
+def test_a_sigterm_during_validation_stops_it_and_saves_the_step(data, ref, gsm8k_dir, tmp_path):
+    """Validation can outlast the grace before SIGKILL. SIGTERM to rank 1 as the validation after step 2
+    starts (all 7473 GSM8K training rows: seconds on 2 CPU ranks): every rank leaves the validation after
+    the same micro-batch, saves step 2 (equal to the uninterrupted run's) and exits with code 8; no
+    validation loss is logged for the cut validation."""
+    run_dir = tmp_path / "run"
+    out, code = sigterm_to_rank_1_after_step_2(data, run_dir, tmp_path / "log",
+                                               f"data.val_files={gsm8k_dir / 'train.parquet'}", "trainer.test_freq=2")
     assert check_checkpoints(run_dir, ref, 2) == [2], out[-3000:]
-    assert f"another rank received SIGTERM: training stopped after step 2 of {TOTAL}" in out, out[-3000:]
-    assert code == 8 if isinstance(proc, ForkedJob) else "exitcode  : 8" in out, out[-3000:]
+    assert f"another rank received SIGTERM: training stopped after step 2 of {TOTAL}" in out and code == 8, out[-3000:]
     assert not [m for m in read_metrics(run_dir) if "val/loss" in m], out[-3000:]
 
 
 def test_a_sigterm_to_one_rank_stops_every_rank_after_the_same_step(data, ref, tmp_path):
-    """SIGTERM to rank 1 alone, as `kill` would send it: rank 0 learns it from a step's all-reduce,
-    both save the same step (equal to the uninterrupted run's) and exit with code 8, and rank 0 says
-    that another rank received the signal."""
-    from tests.test_errors import rank_pid
-
-    run_dir, log = tmp_path / "run", tmp_path / "log"
-    proc = launch(2, job(data, run_dir), log)
-    try:
-        assert wait_until(lambda: logged_steps(run_dir) >= 2, proc), log.read_text()[-3000:]
-        os.kill(rank_pid(proc, 1), signal.SIGTERM)
-        code = proc.wait(timeout=120)
-    finally:
-        kill_job(proc)
-    out = log.read_text()
+    """SIGTERM to rank 1 alone: rank 0 learns it from a step's all-reduce, both save the same step (equal
+    to the uninterrupted run's) and exit with code 8, and rank 0 says that another rank received the signal."""
+    run_dir = tmp_path / "run"
+    out, code = sigterm_to_rank_1_after_step_2(data, run_dir, tmp_path / "log")
     (step,) = check_checkpoints(run_dir, ref, 2)
     assert f"sfttrain: stopped: another rank received SIGTERM: training stopped after step {step} of {TOTAL}" in out
-    # the ranks' own exit code: the forked job's, or in torchrun's summary (SFTTRAIN_TEST_FORK=0)
-    assert code == 8 if isinstance(proc, ForkedJob) else "exitcode  : 8" in out, out[-3000:]
+    assert code == 8, out[-3000:]
 
 
 def test_a_write_over_half_the_grace_is_said_once():

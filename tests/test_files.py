@@ -144,13 +144,13 @@ def test_a_bad_cell_of_a_csv_or_arrow_file_is_named_with_its_row(tmp_path):
     """Files converted without line numbers (CSV, Arrow) name a bad cell's row in the user's file."""
     (tmp_path / "rows.csv").write_text('question,messages\nq,"[]"\nq,not json\n')
     chat = open_source([str(tmp_path / "rows.csv")], ChatMessages(["messages"], None, None), str(tmp_path / "run"))
-    with pytest.raises(DataError, match=rf"rows.csv row 1 \(from 0, the header row not counted\): messages .*JSON"):
+    with pytest.raises(DataError, match=r"rows.csv row 1 \(from 0, the header row not counted\): messages .*JSON"):
         chat.read(np.array([1]))
     table = pa.table({"question": ["q"] * 3, "answer": ["a", "a", None]})
     with pa.ipc.new_stream(str(tmp_path / "rows.arrow"), table.schema) as writer:
         writer.write_table(table, max_chunksize=2)
     source = open_source([str(tmp_path / "rows.arrow")], FIELDS, str(tmp_path / "run"))
-    with pytest.raises(DataError, match=rf"rows.arrow row 2: answer is null, expected a string"):
+    with pytest.raises(DataError, match=r"rows.arrow row 2: answer is null, expected a string"):
         source.read(np.array([2]))
 
 

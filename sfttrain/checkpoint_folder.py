@@ -67,8 +67,13 @@ def write_complete(tmp: str) -> int:
 
 def damage(path: str) -> list[str]:
     """How a committed checkpoint's files differ from the list in its COMPLETE (one line per file
-    missing or of another size: a partial copy, a failing disk, a file removed by hand). Empty for
-    an intact checkpoint, and for one committed before COMPLETE held the list."""
+    missing or of another size: a partial copy, a failing disk, a file removed by hand), and a
+    trainer_state.json that no longer reads. Empty for an intact checkpoint."""
+    return listed_damage(path) + state_damage(path)
+
+
+def listed_damage(path: str) -> list[str]:
+    """`damage` against COMPLETE's list; none for a checkpoint committed before COMPLETE held it."""
     with open(os.path.join(path, COMPLETE)) as f:
         text = f.read()
     if not text.strip():
@@ -85,6 +90,18 @@ def damage(path: str) -> list[str]:
         elif os.path.getsize(file) != size:
             found.append(f"{name} has {os.path.getsize(file)} bytes, {size} when it was committed")
     return found
+
+
+def state_damage(path: str) -> list[str]:
+    """trainer_state.json changed in place (its size kept, which COMPLETE's list cannot see): the
+    resume reads it before anything else. A missing one is `listed_damage`'s to say."""
+    if not os.path.isfile(os.path.join(path, STATE_FILE)):
+        return []
+    try:
+        read_state(path)
+    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        return [f"{STATE_FILE} does not read back as JSON ({e})"]
+    return []
 
 
 def damaged_error(path: str, problem: str) -> ConfigError:

@@ -17,6 +17,7 @@ of the reference's update, the bars of the trainer's own rank-invariance test.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import random
@@ -36,7 +37,7 @@ from sfttrain import checkpoint, checkpoint_folder, resume
 from sfttrain.config import ConfigError, TrainerConfig, load_config
 from sfttrain.metrics import REWOUND
 from tests.conftest import (BASE_OVERRIDES, LINEAR_ADAM, STORIES, ForkedJob, descendants, kill_job, launch,
-                            logged_steps, read_metrics, run_sfttrain, running_records, update_error)
+                            logged_steps, read_metrics, run_sfttrain, running_records, two_rank_job, update_error)
 
 ROWS, BATCH, EPOCHS = 52, 8, 2
 STEPS_PER_EPOCH = ROWS // BATCH  # 6
@@ -676,6 +677,30 @@ def test_a_damaged_checkpoint_is_refused_and_the_one_before_it_resumes(data, ref
     override = re.search(r"\(to resume from it: (trainer\.resume_mode=\S+ trainer\.resume_from_path=\S+?);", message)
     run_sfttrain(2, [*command, *override.group(1).split()])
     assert_resumed_like_ref(run_dir, ref, 10, SAME_WORLD_TOL)
+
+
+def test_a_state_file_garbled_at_its_size_is_a_damaged_checkpoint(gsm8k_dir, two_rank_run, tmp_path):
+    """Steps 2 and 3 of conftest's two-rank run, step 3's trainer_state.json then garbled in place (its
+    last 40 bytes: the size kept, which COMPLETE's list cannot see, and no longer JSON). The preflight
+    lists it as a problem and the resume refuses it with one message (exit code 2), both naming the
+    file and step 2, the intact checkpoint before it."""
+    from sfttrain.plan import main as plan
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(two_rank_run, run_dir)
+    state_file = run_dir / "global_step_3" / checkpoint_folder.STATE_FILE
+    text = state_file.read_bytes()
+    state_file.write_bytes(text[:-40] + b"#" * 40)
+    damage = f"the checkpoint {run_dir / 'global_step_3'} is damaged: trainer_state.json does not read back as JSON ("
+    intact = f"The newest intact checkpoint before it is {run_dir / 'global_step_2'}"
+    command = two_rank_job(gsm8k_dir, run_dir, "trainer.total_training_steps=4")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = plan([*command, "--nproc", "2"])
+    problems = printed.getvalue().split("problems:")[-1]
+    assert code == 2 and damage in problems and intact in problems, printed.getvalue()
+    message = one_message(run_sfttrain(2, command, check=False), 2)
+    assert damage in message and intact in message, message
 
 
 # --------------------------------------------------------------------------- several runs in one folder

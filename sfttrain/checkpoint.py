@@ -55,8 +55,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from sfttrain import stop_signal
 from sfttrain.checkpoint_folder import STATE_FILE, complete_checkpoints, damaged_error, disk_full_text, \
-    enforce_retention, fsync_dir, hide, publish, read_state, remove, room_problem, size_text, tree_bytes, \
-    write_complete, write_synced
+    enforce_retention, folder_gone, fsync_dir, hide, publish, read_state, remove, room_problem, size_text, \
+    tree_bytes, write_complete, write_synced
 from sfttrain.checkpoint_writer import OneLineError, Staging, WriterProcess, WriterThreadErrors, cuda_room, \
     one_line, tensor_bytes, write_shards, writer_kind
 from sfttrain.config import Config, ConfigError, to_yaml
@@ -409,6 +409,8 @@ class Checkpointer:
 
     def _not_saved(self, step: int, errors: list[Optional[str]]) -> str:
         """What failed, what is left, how much space there is, and what to do."""
+        if gone := folder_gone(self.run_dir):  # and its checkpoints and free space with it
+            return f"the checkpoint of step {step} was not saved: {gone}"
         failed = [(rank, text) for rank, text in enumerate(errors) if text is not None]
         # a rank that lost a peer inside a collective reports only that: the cause is the peer's error
         causes = [(rank, text) for rank, text in failed if not peer_lost(text)] or failed

@@ -332,3 +332,23 @@ def disk_full_error(error: BaseException, run_dir: str, where: str) -> Optional[
     return CheckpointError(f"the disk is full ({what}) in {where}: training stopped there, as the next checkpoint "
                            f"would not fit either. The steps since the last good checkpoint "
                            f"({last[1] if last else 'none'}) are lost. {fix}: with trainer.resume_mode=auto {then}")
+
+
+def folder_gone(run_dir: str) -> Optional[str]:
+    """What stops a run whose folder was deleted (or moved, or its disk unmounted) while it ran; None
+    while the folder is there."""
+    if os.path.isdir(run_dir):
+        return None
+    return (f"the run folder {run_dir} (trainer.default_local_dir) is gone: deleted, moved or unmounted while the "
+            "run ran, its checkpoints with it, so no later one can be saved. If it was moved, move it back and run "
+            "the same command: it resumes from its last checkpoint; else the same command starts afresh")
+
+
+def folder_gone_error(error: BaseException, run_dir: str, where: str) -> Optional[CheckpointError]:
+    """A file of the run folder (metrics.jsonl, a trace) that failed because the folder is gone, as one
+    message (exit code 6: the steps since the last checkpoint cannot be kept). Not at start-up, where a
+    run folder not made yet is no folder gone. None for any other error."""
+    gone = folder_gone(run_dir)
+    if not gone or where == "start-up" or not isinstance(error, OSError):
+        return None
+    return CheckpointError(f"{gone}. Found in {where}" + (f", writing {error.filename}" if error.filename else ""))

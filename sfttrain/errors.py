@@ -6,7 +6,8 @@ under torchrun it is each rank's `exitcode` in the failure summary):
     4  non-finite loss or grad norm; the update was not applied (NonFiniteLossError)
     5  missing dependency that the config asks for, e.g. wandb (DependencyError)
     6  a checkpoint could not be saved, e.g. a full disk; nothing of it was committed (CheckpointError); also a
-       disk that filled between saves, which stops the run at once (the next save would fail too)
+       disk that filled, or a run folder deleted, between saves, which stops the run at once (the next save
+       would fail too)
     7  the Hugging Face export of a committed checkpoint failed (ExportError)
     8  stopped by SIGTERM after saving the step in flight; the same command resumes (StoppedBySignal)
     9  a rank ran out of memory, the GPU's or the host's: where, and what to lower (OutOfMemory)

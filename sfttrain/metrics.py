@@ -266,6 +266,12 @@ class MetricsLogger:
 
     def _append(self, record: dict) -> None:
         try:
+            if os.fstat(self.jsonl.fileno()).st_nlink == 0:
+                # deleted under the run, its records going to no file: a new one, or (its run folder gone
+                # too) FileNotFoundError, which sfttrain.run says at once rather than at the next save
+                fresh = open(self.jsonl.name, "a")
+                self.jsonl.close()
+                self.jsonl = fresh
             self.jsonl.write(json.dumps(record) + "\n")
             self.jsonl.flush()
         except OSError as e:  # a full disk (sfttrain.run says it): the error names the file

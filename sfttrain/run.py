@@ -116,7 +116,7 @@ def train(cfg: Config) -> None:
 
 
 def _train(cfg: Config, rank: int) -> None:
-    from sfttrain.checkpoint_folder import disk_full_error
+    from sfttrain.checkpoint_folder import disk_full_error, folder_gone_error
     from sfttrain.distributed import init_world, peer_lost, shutdown
     from sfttrain.metrics import require_loggers
     from sfttrain.trainer import FSDPSFTTrainer
@@ -141,6 +141,8 @@ def _train(cfg: Config, rank: int) -> None:
             interrupted(cfg, rank)
         if full := disk_full_error(e, cfg.trainer.default_local_dir, phase.current()):
             stop(full)
+        if gone := folder_gone_error(e, cfg.trainer.default_local_dir, phase.current()):
+            stop(gone)
         if short := out_of_memory(e, cfg, rank, phase.current()):
             stop(short)
         if peer_lost(str(e)):  # another rank ended first, with the cause (its message, a traceback): torchrun

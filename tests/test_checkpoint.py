@@ -853,6 +853,54 @@ def test_a_disk_that_fills_between_saves_ends_the_job_with_one_message(data, tmp
         assert checkpoint_folder.is_complete(str(run_dir / "run" / "global_step_30"))
 
 
+def test_a_run_folder_deleted_mid_run_ends_the_job_with_one_message(data, tmp_path):
+    """A running 2-rank job's metrics.jsonl is deleted: a new one takes the next records. Then the
+    whole run folder is deleted (`rm -rf`), long before the next save: the next record's write fails,
+    and every rank ends with one message (exit code 6) naming the folder, not a traceback at the save."""
+    run_dir, log = tmp_path / "run", tmp_path / "job.log"
+    proc = launch(2, job(data, run_dir, "trainer.total_training_steps=100000", "trainer.save_freq=50000"), log)
+    try:
+        assert wait_until(lambda: logged_steps(run_dir) >= 2, proc), log.read_text()[-3000:]
+        (run_dir / "metrics.jsonl").unlink()
+        assert wait_until(lambda: logged_steps(run_dir) >= 1, proc, timeout=60), log.read_text()[-3000:]
+        shutil.rmtree(run_dir)
+        proc.wait(timeout=120)
+    finally:
+        kill_job(proc)
+    out = subprocess.CompletedProcess(proc.args, proc.returncode, stdout=log.read_text())
+    message = one_message(out, 6)
+    assert f"the run folder {run_dir} (trainer.default_local_dir) is gone" in message, message
+    assert re.search(rf"Found in step \d+, writing {run_dir}/metrics.jsonl$", message), message
+
+
+def test_a_save_into_a_run_folder_that_is_gone_is_one_message(tmp_path):
+    """The save itself finds the run folder gone (deleted after the step's metrics record): a
+    CheckpointError naming the folder (one rank's gloo group in this process, a real Checkpointer)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from sfttrain.distributed import World
+    from sfttrain.errors import CheckpointError
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    cfg = load_config(overrides=["data.train_files=x.parquet", f"model.partial_pretrain={STORIES}",
+                                 f"trainer.default_local_dir={run_dir}"])
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        world = World(0, 0, 1, torch.device("cpu"), init_device_mesh("cpu", (1,)))
+        model = torch.nn.Linear(4, 4)
+        saver = checkpoint.Checkpointer(str(run_dir), world, cfg, "run", lambda record, line: None, model,
+                                        torch.optim.AdamW(model.parameters()), None)
+        shutil.rmtree(run_dir)
+        with pytest.raises(CheckpointError, match=re.escape(
+                f"the checkpoint of step 1 was not saved: the run folder {run_dir} (trainer.default_local_dir) is gone")):
+            saver.save(checkpoint.TrainState(step=1), final=True)
+        saver.close()
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_killed_writer_process_ends_the_job_with_one_message(data, tmp_path):
     """A rank's writer process (trainer.async_save_writer=process) is a process the kernel's
     out-of-memory killer may pick. Killed once the first checkpoint is committed, the next save fails

@@ -169,6 +169,27 @@ def test_a_length_cache_of_the_users_renders_the_data_once_for_a_sweep(data, exp
     assert not (tmp_path / "d" / "data_report.json").exists()  # stopped before the scan's end
 
 
+@pytest.mark.parametrize("where", ["run folder", "data.length_cache_dir"])
+def test_a_damaged_length_cache_is_said_and_rendered_again(data, expected, tmp_path, where):
+    """A length cache cut short (a copy interrupted, a failing disk) is only a cache: the next start
+    says so in one line, renders every row again and writes the cache anew, and trains."""
+    cache = tmp_path / "run" / "row_stats" if where == "run folder" else tmp_path / "cache"
+    command = job(data, tmp_path / "run", "data.no_loss_rows=drop", "trainer.total_training_steps=1",
+                  *([f"data.length_cache_dir={cache}"] if where != "run folder" else []))
+    run_sfttrain(1, command)
+    [written] = cache.iterdir()
+    written.write_bytes(written.read_bytes()[:-40])
+    out = run_sfttrain(1, [*command, "trainer.resume_mode=disable"]).stdout
+    said = [line for line in out.splitlines() if "does not read back" in line]
+    assert said == [f"the length cache {written} does not read back (BadZipFile: File is not a zip file): ignored; "
+                    "every row is rendered again and the cache written anew"], out[-3000:]
+    report = json.loads((tmp_path / "run" / "data_report.json").read_text())
+    assert report["rows_rendered_at_startup"] == ROWS and report["length_cache"] == str(written)
+    assert list(cache.iterdir()) == [written]  # written over, no temporary file left
+    with np.load(written) as counts:
+        assert counts["full_lengths"].tolist() == expected["full"].tolist()
+
+
 def test_rows_trained_twice_and_validation_rows_seen_in_training_are_reported(gsm8k_dir, tmp_path):
     """Training rows 7 and 20 repeat rows 2 and 11, rows 13 and 30 have an empty answer; validation rows 1
     and 4 are training rows 11 and 5, its other rows are not (the reference: the same question and answer

@@ -9,6 +9,7 @@ from __future__ import annotations
 import array
 import dataclasses
 import hashlib
+import logging
 import os
 import warnings
 from dataclasses import dataclass
@@ -222,11 +223,20 @@ def row_stats(source: ParquetSource, renderer: Renderer, rank: int, world: int,
 
 
 def _load_stats(path: str) -> list[np.ndarray] | None:
-    """None where there is no cache, or one of an earlier version without every column (rendered anew)."""
+    """None where there is no cache, one of an earlier version without every column, or one that does not
+    read back (a copy cut short, a failing disk: said in one line): the rows are rendered anew, and the
+    cache written over."""
     if not os.path.isfile(path):
         return None
-    with np.load(path) as f:
-        return [f[name] for name in STATS] if set(STATS) <= set(f.files) else None
+    try:
+        with np.load(path) as f:
+            return [f[name] for name in STATS] if set(STATS) <= set(f.files) else None
+    # numpy's reader fails in many ways on a damaged file (BadZipFile, EOFError, a CRC's or a header's
+    # ValueError, tokenize's TokenError): each means the same, and a cache is worth no stop
+    except Exception as e:  # noqa: BLE001
+        logging.getLogger("sfttrain").warning(f"the length cache {path} does not read back ({type(e).__name__}: "
+                                              f"{e}): ignored; every row is rendered again and the cache written anew")
+        return None
 
 
 def _save_stats(path: str, columns: list[np.ndarray]) -> None:

@@ -54,9 +54,9 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from sfttrain import stop_signal
-from sfttrain.checkpoint_folder import STATE_FILE, complete_checkpoints, damaged_error, disk_full_text, \
-    enforce_retention, folder_gone, fsync_dir, hide, publish, read_state, remove, room_problem, size_text, \
-    tree_bytes, write_complete, write_synced
+from sfttrain.checkpoint_folder import SIZE_LIMIT_FIX, STATE_FILE, complete_checkpoints, damaged_error, \
+    disk_full_text, enforce_retention, file_at_size_limit, folder_gone, fsync_dir, hide, over_size_limit, publish, \
+    read_state, remove, room_problem, size_text, tree_bytes, write_complete, write_synced
 from sfttrain.checkpoint_writer import OneLineError, Staging, WriterProcess, WriterThreadErrors, cuda_room, \
     one_line, tensor_bytes, write_shards, writer_kind
 from sfttrain.config import Config, ConfigError, to_yaml
@@ -399,40 +399,51 @@ class Checkpointer:
         dist.all_gather_object(errors, one_line(error) if error is not None else None, group=self.agree_group)
         box = [None]
         if self.world.is_main:
+            limited = file_at_size_limit(tmp) if os.path.isdir(tmp) else None  # named before the folder goes
             for partial in [tmp, *(later.tmp for later in self.pending)]:
                 with contextlib.suppress(OSError):
                     if os.path.lexists(partial):
                         remove(partial)
-            box[0] = self._not_saved(step, errors)
+            box[0] = self._not_saved(step, errors, limited)
         dist.broadcast_object_list(box, src=0, group=self.agree_group)
         raise CheckpointError(box[0])
 
-    def _not_saved(self, step: int, errors: list[Optional[str]]) -> str:
-        """What failed, what is left, how much space there is, and what to do."""
+    def _not_saved(self, step: int, errors: list[Optional[str]], limited: Optional[str]) -> str:
+        """What failed, what is left, and what to do (`limited`: a file of the save at the file size limit)."""
         if gone := folder_gone(self.run_dir):  # and its checkpoints and free space with it
             return f"the checkpoint of step {step} was not saved: {gone}"
+        own = complete_checkpoints(self.run_dir, self.run_id)
+        last = own[-1][1] if own else None
+        why, fix = self._why_not_saved(errors, limited, last)
+        then = f"it resumes from {last}" if last else "no checkpoint of this run was committed yet, so it starts afresh"
+        return (f"the checkpoint of step {step} was not saved: {why}. Nothing of it was committed (its partial "
+                f"folder was removed); the last good checkpoint is {last or 'none'}. {fix}, then run the same "
+                f"command: with trainer.resume_mode=auto {then}")
+
+    def _why_not_saved(self, errors: list[Optional[str]], limited: Optional[str],
+                       last: Optional[str]) -> tuple[str, str]:
+        """(the failure in words, what to do): the file size limit, a full disk and how much space there
+        is, or any other error."""
         failed = [(rank, text) for rank, text in enumerate(errors) if text is not None]
         # a rank that lost a peer inside a collective reports only that: the cause is the peer's error
         causes = [(rank, text) for rank, text in failed if not peer_lost(text)] or failed
         full = [(rank, text) for rank, text in causes if _disk_full(text)]
         rank, text = (full or causes)[0]
+        if limited or over_size_limit(text):  # the disk may have room: a file met the limit (EFBIG)
+            return (f"the file size limit (ulimit -f) was reached ({f'{limited}: ' if limited else ''}{text}, on rank "
+                    f"{rank})"), SIZE_LIMIT_FIX
         why = (f"the disk is full ({text}, on rank {rank})" if full
                else f"{text} (rank {rank}{f' and {len(failed) - 1} other ranks' if len(failed) > 1 else ''})")
-        own = complete_checkpoints(self.run_dir, self.run_id)
-        last = own[-1][1] if own else None
+        if not (full or NOT_STARTED in text):
+            return why, "Fix what the error names"
         size = self.last_bytes or (tree_bytes(last) if last else None)
-        free = shutil.disk_usage(self.run_dir).free
         keep = self.cfg.trainer.max_ckpt_to_keep
-        space = f"{self.run_dir} has {size_text(free)} free" + \
+        space = f"{self.run_dir} has {size_text(shutil.disk_usage(self.run_dir).free)} free" + \
             (f"; a checkpoint takes {size_text(size)}" if size else "") + \
             (f" (max_ckpt_to_keep={keep} needs room for {keep + 1}: the oldest is deleted after the next commit)"
              if keep and size else "")
-        then = f"it resumes from {last}" if last else "no checkpoint of this run was committed yet, so it starts afresh"
-        fix = (f"{space}. Free space (or set trainer.default_local_dir on a larger disk, or lower "
-               "trainer.max_ckpt_to_keep)" if full or NOT_STARTED in text else "Fix what the error names")
-        return (f"the checkpoint of step {step} was not saved: {why}. Nothing of it was committed (its partial "
-                f"folder was removed); the last good checkpoint is {last or 'none'}. {fix}, then run the same "
-                f"command: with trainer.resume_mode=auto {then}")
+        return why, (f"{space}. Free space (or set trainer.default_local_dir on a larger disk, or lower "
+                     "trainer.max_ckpt_to_keep)")
 
     def _commit(self) -> None:
         """After every rank's write: rank 0 writes COMPLETE and renames the folder (the commit),

@@ -39,7 +39,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from sfttrain import lora
 from sfttrain.checkpoint import read_back
-from sfttrain.checkpoint_folder import check_intact, disk_full, fsync_dir, read_state, resolve, runs, size_text
+from sfttrain.checkpoint_folder import SIZE_LIMIT_FIX, check_intact, disk_full, fsync_dir, over_size_limit, \
+    read_state, resolve, runs, size_text
 from sfttrain.config import ModelConfig
 from sfttrain.dtypes import DTYPE, HF_NAMES
 from sfttrain.errors import ConfigError, ExportError
@@ -338,6 +339,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         if not disk_full(e):
             raise
         shutil.rmtree(tmp, ignore_errors=True)
+        if over_size_limit(str(e)):
+            sys.exit(f"sfttrain.export: a file of {out} reached the file size limit (ulimit -f): nothing was exported "
+                     f"(the partial folder was removed). {SIZE_LIMIT_FIX}, or export smaller files (--max_shard_size)")
         parent = os.path.dirname(out)
         sys.exit(f"sfttrain.export: the disk of {out} is full: nothing was exported (the partial folder was "
                  f"removed); {parent} has {size_text(shutil.disk_usage(parent).free)} free. Free space, or export to "

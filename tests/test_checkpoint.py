@@ -25,6 +25,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -36,8 +37,9 @@ import torch.distributed.checkpoint as dcp
 from sfttrain import checkpoint, checkpoint_folder, resume
 from sfttrain.config import ConfigError, TrainerConfig, load_config
 from sfttrain.metrics import REWOUND
-from tests.conftest import (BASE_OVERRIDES, LINEAR_ADAM, STORIES, ForkedJob, descendants, kill_job, launch,
-                            logged_steps, read_metrics, run_sfttrain, running_records, two_rank_job, update_error)
+from tests.conftest import (BASE_OVERRIDES, LINEAR_ADAM, REPO, STORIES, ForkedJob, descendants, kill_job, launch,
+                            logged_steps, rank_env, read_metrics, run_sfttrain, running_records, two_rank_job,
+                            update_error)
 
 ROWS, BATCH, EPOCHS = 52, 8, 2
 STEPS_PER_EPOCH = ROWS // BATCH  # 6
@@ -819,6 +821,44 @@ def test_full_disk(data, ref, tmp_path):
         with pytest.raises(SystemExit, match=f"the disk of {run_dir / 'hf'} is full: nothing was exported"):
             export.main([str(final), str(run_dir / "hf")])
         assert not (run_dir / "hf").exists() and not (run_dir / "hf.tmp").exists()
+
+
+def under_size_limit(argv: list[str], limit: int) -> subprocess.CompletedProcess:
+    """`python -m ...argv` whose files may grow to `limit` bytes (RLIMIT_FSIZE, which `ulimit -f` sets): a
+    write past it fails with EFBIG, "File too large" (Python ignores the SIGXFSZ that comes with it)."""
+    import resource
+
+    def limit_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return subprocess.run([sys.executable, "-m", *argv], cwd=REPO, env=rank_env(), preexec_fn=limit_files,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+
+
+def test_a_file_size_limit_is_said_as_a_full_disk_is(data, tmp_path):
+    """EFBIG, a file size limit reached (ulimit -f), is handled as a full disk: one message naming the
+    file, the limit and how to raise it, and no partial file left. 1 KB: the length cache's write at
+    start-up (exit code 2); 500 KB: the save of step 2, whose shards are larger (torch.save's error names
+    no file; exit code 6); then sfttrain.export of the checkpoint a run without the limit writes."""
+    run_dir = tmp_path / "run"
+    command = ["sfttrain.run", *job(data, run_dir, "trainer.total_training_steps=2", "trainer.save_freq=2")]
+    message = one_message(under_size_limit(command, 1000), 2)
+    assert re.search(rf"the file size limit \(ulimit -f\) was reached \(File too large: {run_dir}/row_stats/\w+\.npz\) "
+                     r"in start-up, before any step. Raise the file size limit", message), message
+    assert not list((run_dir / "row_stats").iterdir())  # no temporary file left
+
+    message = one_message(under_size_limit(command, 500_000), 6)
+    assert re.search(rf"the checkpoint of step 2 was not saved: the file size limit \(ulimit -f\) was reached "
+                     rf"\({run_dir}/\.global_step_2\.tmp/__0_\d\.distcp: ", message), message
+    assert "Raise the file size limit" in message and "the last good checkpoint is none" in message, message
+    assert not [p.name for p in run_dir.iterdir() if "global_step" in p.name]
+
+    run_sfttrain(1, command[1:])
+    out = under_size_limit(["sfttrain.export", str(run_dir), str(tmp_path / "hf")], 500_000)
+    assert out.returncode == 1 and "Traceback" not in out.stdout, out.stdout[-3000:]
+    assert (f"sfttrain.export: a file of {tmp_path / 'hf'} reached the file size limit (ulimit -f): nothing was "
+            "exported (the partial folder was removed). Raise the file size limit") in out.stdout, out.stdout[-3000:]
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "hf.tmp").exists()
 
 
 def test_a_disk_that_fills_between_saves_ends_the_job_with_one_message(data, tmp_path):

@@ -7,6 +7,7 @@ which global samples were used, whatever the world size.
 from __future__ import annotations
 
 import array
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -240,11 +241,19 @@ def _load_stats(path: str) -> list[np.ndarray] | None:
 
 
 def _save_stats(path: str, columns: list[np.ndarray]) -> None:
-    """Written whole or not at all (one rename): a start killed mid-write leaves no torn cache."""
+    """Written whole or not at all (one rename): a start killed mid-write leaves no torn cache. A write
+    that fails (a full disk, the file size limit: sfttrain.run says it) names the cache, and leaves no
+    temporary file."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp.npz"
-    np.savez(tmp, **dict(zip(STATS, columns)))
-    os.replace(tmp, path)
+    try:
+        np.savez(tmp, **dict(zip(STATS, columns)))
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        e.filename = e.filename or path
+        raise
 
 
 def _share(num_rows: int, rank: int, world: int) -> np.ndarray:

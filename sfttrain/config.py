@@ -62,7 +62,7 @@ class DataConfig:
     chat_template: Optional[str] = None  # the tokenizer's chat template replaced: a file (.jinja or any existing path) or the Jinja text
     multiturn: MultiturnConfig = field(default_factory=MultiturnConfig)  # verl's multi-turn chat keys
     shuffle: bool = True  # per-epoch order from trainer.seed and the epoch number
-    num_workers: int = 0  # >0: worker processes build the steps ahead of the training loop
+    num_workers: int = 0  # >0: worker processes build the steps ahead of the training loop (per rank)
     balance_dp_token: bool = True  # verl key; sfttrain always balances tokens across ranks (false is refused)
     no_loss_rows: str = "error"  # rows truncation leaves with no supervised token: error (stop, naming them) | drop
     # where the start-up scan keeps every row's token counts, one file per data fingerprint (the files, their
@@ -193,13 +193,13 @@ class TrainerConfig:
     project_name: str = "sfttrain"  # wandb project; part of the default run folder
     experiment_name: str = "run"  # wandb run name; part of the default run folder
     total_epochs: int = 1  # passes over the training data (unless total_training_steps is set)
-    # if set, stops (and schedules the LR) here, before the end of trainer.total_epochs or past it (the start-up's
+    # if set (>= 1), stops (and schedules the LR) here, before the end of trainer.total_epochs or past it (the start-up's
     # "total steps" line says which; verl's trainers stop at the end of total_epochs where this lies past it)
     total_training_steps: Optional[int] = None
     logger: Any = "console"  # console | wandb | a list of them
     seed: int = 1  # data order and random init
-    test_freq: int = -1  # validate every N steps (and always at the end); -1: only at the end
-    save_freq: int = -1  # checkpoint every N steps (and always at the end); -1: only at the end
+    test_freq: int = -1  # validate every N steps (and always at the end); -1 (or 0): only at the end
+    save_freq: int = -1  # checkpoint every N steps (and always at the end); -1 (or 0): only at the end
     # keeps this run's newest N committed checkpoints (another run's in the folder are not counted); null keeps
     # every one, and so does 0, as in verl (said at start-up: 0 reads like "keep none")
     max_ckpt_to_keep: Optional[int] = None
@@ -229,7 +229,7 @@ class TrainerConfig:
     resume_mode: str = "auto"
     resume_from_path: Optional[str] = None  # a checkpoint, or a run folder (its latest checkpoint)
     save_hf: bool = False  # at the end of training, also export the model to <final checkpoint>/huggingface
-    log_freq: int = 1  # console line every N steps (metrics.jsonl always gets every step)
+    log_freq: int = 1  # console line every N >= 1 steps (metrics.jsonl always gets every step)
     nnodes: Optional[int] = None  # verl keys; if given they must match torchrun's world
     n_gpus_per_node: Optional[int] = None  # verl key, see nnodes
     device: str = "auto"  # auto | cuda | cpu
@@ -472,6 +472,9 @@ def _validate_data(d: DataConfig) -> None:
     if d.max_token_len_per_gpu is not None and d.max_token_len_per_gpu < d.max_length:
         raise ConfigError(f"data.max_token_len_per_gpu={d.max_token_len_per_gpu} is below data.max_length="
                           f"{d.max_length}: a longest sample would not fit; raise it or lower data.max_length")
+    if d.num_workers < 0:
+        raise ConfigError(f"data.num_workers={d.num_workers}: the worker processes a rank builds its steps in are 0 "
+                          "(built in the rank itself, the default) or more; e.g. data.num_workers=0")
     _choice("data.truncation", d.truncation, ("error", "left", "right"))
     _choice("data.no_loss_rows", d.no_loss_rows, ("error", "drop"))
     if d.prompt_key is None and not d.multiturn.enable and d.apply_chat_template:
@@ -557,12 +560,15 @@ def _validate_optim(o: OptimConfig) -> None:
 
 def _validate_trainer(t: TrainerConfig) -> None:
     _positive(("trainer.total_epochs", t.total_epochs))
-    if t.total_training_steps is not None and t.total_training_steps <= 0:  # 0 read as unset would train the epochs
-        raise ConfigError(f"trainer.total_training_steps must be positive, got {t.total_training_steps}; null (the "
-                          "default) trains trainer.total_epochs")
+    if t.total_training_steps is not None and t.total_training_steps < 1:  # 0 was read as unset: the epochs
+        raise ConfigError(f"trainer.total_training_steps={t.total_training_steps} would train nothing: give a number "
+                          "of steps >= 1, or null to train trainer.total_epochs passes over the data")
     if t.max_ckpt_to_keep is not None and t.max_ckpt_to_keep < 0:  # verl keeps every checkpoint: was that meant?
         raise ConfigError(f"trainer.max_ckpt_to_keep={t.max_ckpt_to_keep}: set N > 0 to keep this run's newest N "
                           "checkpoints, or null (the default; 0 is the same, as in verl) to keep every one")
+    if t.log_freq < 1:  # a console line when step % log_freq == 0: 0 divides by zero after the first step
+        raise ConfigError(f"trainer.log_freq={t.log_freq}: a console line every N steps needs N >= 1 (metrics.jsonl "
+                          "gets every step whatever it is); e.g. trainer.log_freq=1, the default")
     _choice("trainer.resume_mode", t.resume_mode, ("auto", "disable", "resume_path"))
     if t.resume_mode == "resume_path" and not t.resume_from_path:
         raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path")

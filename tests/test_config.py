@@ -1,5 +1,7 @@
 """verl keys: each accepted key has its effect or is refused with what to set instead."""
 
+import re
+
 import pytest
 
 from sfttrain.config import ConfigError, load_config
@@ -24,6 +26,22 @@ def test_silently_ignored_verl_values_are_refused(override, message):
                                       "model.fsdp_config.mixed_precision.buffer_dtype=fp32"])
 def test_values_that_have_their_effect_are_accepted(override):
     load_config(overrides=[*COMMON, override])
+
+
+@pytest.mark.parametrize("override", ["trainer.log_freq=0", "trainer.log_freq=-2", "trainer.total_training_steps=0",
+                                      "trainer.total_training_steps=-1", "data.num_workers=-1"])
+def test_counts_that_crash_or_mean_nothing_are_refused_with_a_valid_value(override):
+    """log_freq=0 divided by zero after the first step, total_training_steps <= 0 trained nothing (0: the
+    epochs, silently), num_workers < 0 ended in the DataLoader's ValueError: each is refused naming the
+    key and a value, which loads. (save_freq and test_freq <= 0, -1 in verl's configs, mean "at the end
+    only"; max_ckpt_to_keep 0, as null, keeps all: accepted.)"""
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"^{re.escape(override)}\b") as refused:
+        load_config(overrides=[*COMMON, override])
+    valid = re.search(rf"e\.g\. ({re.escape(key)}=\d+)|, or (null) ", str(refused.value))
+    load_config(overrides=[*COMMON, valid.group(1) or f"{key}={valid.group(2)}"])
+    for kept in ("trainer.save_freq=0", "trainer.test_freq=0", "trainer.max_ckpt_to_keep=0"):
+        load_config(overrides=[*COMMON, kept])
 
 
 @pytest.mark.parametrize("overrides, message", [

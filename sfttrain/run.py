@@ -18,6 +18,7 @@ import gc
 import json
 import os
 import re
+import signal
 import sys
 import time
 
@@ -143,7 +144,7 @@ def _train(cfg: Config, rank: int) -> None:
             stop(full)
         if gone := folder_gone_error(e, cfg.trainer.default_local_dir, phase.current()):
             stop(gone)
-        if short := out_of_memory(e, cfg, rank, phase.current()):
+        if short := out_of_memory(e, cfg, rank, phase.current()) or killed_worker(e, cfg, rank, phase.current()):
             stop(short)
         if peer_lost(str(e)):  # another rank ended first, with the cause (its message, a traceback): torchrun
             stop_signal.end_if_told()  # ends this one (its SIGTERM, or one already noted), without a second
@@ -182,6 +183,31 @@ def out_of_memory(error: BaseException, cfg: Config, rank: int, where: str) -> O
     return OutOfMemory(f"rank {rank} ran out of {device} memory in {where} ({asked}). What fills it: {fix}. "
                        "`python -m sfttrain.plan` with the same arguments and --nproc estimates the memory per rank. "
                        f"The same command then resumes from the last checkpoint committed in {cfg.trainer.default_local_dir}")
+
+
+def killed_worker(error: BaseException, cfg: Config, rank: int, where: str) -> OutOfMemory | None:
+    """A DataLoader worker killed by SIGKILL, as one message. torch's error names the worker and the
+    signal (raised where the rank was when the worker died, or as the cause of the next step's "exited
+    unexpectedly"). SIGKILL is most often the host's out-of-memory killer, so it is said as the host's
+    running out of memory (exit code 9), with the same fix. None for any other error."""
+    from sfttrain.checkpoint_folder import latest_of_newest_run
+
+    # the signal in strsignal's words, as torch's message has them (the C library's, in this process's locale)
+    name = re.escape(signal.strsignal(signal.SIGKILL))
+    sign = re.compile(rf"DataLoader worker \(pid (\d+)\) is killed by signal: {name}")
+    killed = None
+    while error is not None and not killed:
+        killed, error = sign.search(str(error)), error.__cause__ or error.__context__
+    if not killed:
+        return None
+    last = latest_of_newest_run(cfg.trainer.default_local_dir)
+    then = f"resumes from {last[1]}" if last else "starts afresh (no checkpoint was committed yet)"
+    return OutOfMemory(f"rank {rank}'s DataLoader worker (pid {killed.group(1)}) was killed by SIGKILL in {where}: "
+                       "most often the host's out-of-memory killer (`dmesg` or `journalctl -k` names what it killed; "
+                       "a cgroup's or Slurm job's memory limit kills the same way). Each of a rank's data.num_workers="
+                       f"{cfg.data.num_workers} workers is a process holding the steps it builds ahead: lower "
+                       "data.num_workers (0 builds them in the rank itself), or give the job more host memory. The "
+                       f"same command then {then}")
 
 
 def interrupted(cfg: Config, rank: int) -> None:

@@ -1003,6 +1003,30 @@ def test_a_writer_process_lost_between_saves_is_replaced(data, tmp_path):
     assert re.search(r"the checkpoint writer process of rank\(s\) \[\d\] had ended \(exit code\(s\) \[-9\]", out), out[-3000:]
 
 
+def test_a_killed_data_worker_ends_the_job_with_one_message(data, tmp_path):
+    """Rank 0's DataLoader worker (data.num_workers=1) is killed with SIGKILL, as the host's out-of-memory
+    killer kills, once step 2's checkpoint is committed: one message and exit code 9 (out of memory, the
+    host's), naming the rank, the worker, the signal, where to look, the fix and the checkpoint the same
+    command resumes from; no traceback (torch's own error named only the pid and the signal)."""
+    from tests.test_errors import rank_pid
+
+    run_dir, log = tmp_path / "run", tmp_path / "job.log"
+    proc = launch(2, job(data, run_dir, "trainer.total_training_steps=100000", "trainer.save_freq=2",
+                         "data.num_workers=1"), log)
+    try:
+        assert wait_until(lambda: (run_dir / "global_step_2").exists(), proc), log.read_text()[-3000:]
+        [worker] = descendants(rank_pid(proc, 0))
+        os.kill(worker, signal.SIGKILL)
+        proc.wait(timeout=120)
+    finally:
+        kill_job(proc)
+    message = one_message(subprocess.CompletedProcess(proc.args, proc.returncode, stdout=log.read_text()), 9)
+    assert re.search(rf"out of memory: rank 0's DataLoader worker \(pid {worker}\) was killed by SIGKILL in step \d+: "
+                     r"most often the host's out-of-memory killer \(`dmesg`", message), message
+    assert "lower data.num_workers (0 builds them in the rank itself), or give the job more host memory" in message
+    assert re.search(rf"The same command then resumes from {run_dir}/global_step_\d+$", message), message
+
+
 def test_non_finite_loss_lets_the_save_in_flight_commit(data, tmp_path):
     """lr=1e30 without clipping: step 1's update is applied and saved in the background, step 2's
     loss is not finite (exit 4). The save of step 1 commits before the run stops, and the message

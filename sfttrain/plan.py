@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from sfttrain.checkpoint_folder import describe_retention, room_problem, size_text, step_of
-from sfttrain.config import (Config, ConfigError, ModelConfig, as_list, load_config, mixed_precision_dtypes,
-                             shard_group_size, validate)
+from sfttrain.config import (Config, ConfigError, ModelConfig, as_list, load_config, logger_names,
+                             mixed_precision_dtypes, shard_group_size, validate)
 from sfttrain.data.batching import batch_problem, make_plan
 from sfttrain.data.parquet import hub_id_hint
 from sfttrain.errors import UserError
@@ -526,6 +526,9 @@ def preflight(cfg: Config, nproc: int, nnodes: int) -> tuple[list[str], Findings
     found = Findings()
     for check in (lambda: validate(cfg), lambda: check_world(cfg, world), lambda: require_loggers(cfg)):
         found.check(check)
+    if "wandb" in logger_names(cfg.trainer) and os.environ.get("WANDB_MODE") not in ("offline", "disabled"):
+        found.notes.append("trainer.logger includes wandb: its login (`wandb login`, or WANDB_API_KEY) is checked when "
+                           "the run starts, where a missing one stops it at once (WANDB_MODE=offline needs none)")
     folder = model_folder(cfg.model, found)
     if folder is not None and os.path.isfile(os.path.join(folder, "config.json")):
         found.check(lambda: check_rope(cfg, folder))

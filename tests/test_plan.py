@@ -306,6 +306,19 @@ def test_preflight_lists_what_the_run_would_stop_on(gsm8k_dir, tmp_path):
     assert code == 0 and fp32 not in out, out
 
 
+@pytest.mark.parametrize("mode", [None, "offline"])
+def test_preflight_says_that_the_wandb_login_is_checked_at_start_up(gsm8k_dir, monkeypatch, mode):
+    """A run with wandb and no login stops at once at start-up; the preflight cannot see the cluster's
+    login, and says so (not with WANDB_MODE=offline, which needs none)."""
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    if mode:
+        monkeypatch.setenv("WANDB_MODE", mode)
+    code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={gsm8k_dir / 'train.parquet'}",
+                         "trainer.logger=[console,wandb]", "--nproc", "1")
+    assert code == 0 and ("its login (`wandb login`, or WANDB_API_KEY) is checked when the run starts" in
+                          out.split("not checked here:")[-1]) == (mode is None), out
+
+
 def test_preflight_names_the_resume_and_each_refusal_of_it(gsm8k_dir, two_rank_run, tmp_path):
     """The run folder of a finished 3-step run (checkpoints of steps 2 and 3), planned with its own
     config: the preflight names the checkpoint the run resumes from, and, the folder left as it was,

@@ -333,7 +333,8 @@ def _dotlist(overrides: tuple[str, ...] | list[str], schema: DictConfig) -> Dict
     """`key=value` arguments as one layer. Hydra's `+key` / `++key` (add / force-add) name the same
     key. A value is read as YAML (numbers, lists, null) where YAML reads it; a value that YAML
     cannot parse is the text itself, and so is any value of a string key unless it is quoted or
-    null: a chat template on the command line stays the template, unfolded and unparsed."""
+    null: a chat template on the command line stays the template, unfolded and unparsed. One word
+    for a list key is that list of one (data.prompt_dict_keys=question)."""
     layer = OmegaConf.create()
     for item in overrides:
         key, _, text = item.partition("=")
@@ -342,20 +343,23 @@ def _dotlist(overrides: tuple[str, ...] | list[str], schema: DictConfig) -> Dict
             value = safe_load(text)
         except YAMLError:
             value = text
-        if _is_string_key(schema, ALIASES.get(key, key)) and value is not None and not (
-                isinstance(value, str) and text[:1] in "'\""):
+        node = _schema_node(schema, ALIASES.get(key, key))
+        if isinstance(node, StringNode) and value is not None and not (isinstance(value, str) and text[:1] in "'\""):
             value = text
+        if isinstance(node, ListConfig) and isinstance(value, str):
+            value = [value]
         OmegaConf.update(layer, key, value, force_add=True)
     return layer
 
 
-def _is_string_key(schema: DictConfig, key: str) -> bool:
+def _schema_node(schema: DictConfig, key: str) -> Any:
+    """The schema's node of a dotted key; None for a key it does not have."""
     node: Any = schema
     for part in key.split("."):
         if not isinstance(node, DictConfig) or part not in node:
-            return False
+            return None
         node = node._get_node(part)
-    return isinstance(node, StringNode)
+    return node
 
 
 def _drop_ignored(layer: DictConfig) -> None:

@@ -83,6 +83,8 @@ def test_values_are_still_yaml_where_yaml_reads_them():
                                  "trainer.logger=[console,wandb]"])
     assert (cfg.data.prompt_key, cfg.data.val_files, cfg.optim.betas) == ("a b", None, [0.8, 0.9])
     assert cfg.trainer.logger == ["console", "wandb"]
+    one = load_config(overrides=[*COMMON, "data.prompt_dict_keys=question", "data.response_dict_keys=[answer]"])
+    assert (one.data.prompt_dict_keys, one.data.response_dict_keys) == (["question"], ["answer"])  # a word: a list of one
 
 
 def test_hydra_config_path_and_name_name_the_yaml_file(tmp_path):

@@ -306,7 +306,9 @@ class FSDPSFTTrainer:
         """Ends the run after a SIGTERM (sfttrain.stop_signal), once the step's checkpoint is committed."""
         self.checkpointer.wait()
         self.checkpointer.close()
-        who = f"{stop_signal.received()} received" if stop_signal.received() else "another rank received SIGTERM"
+        # whose signal the vote carried (a SIGTERM noted since, as torchrun ending the job sends, is not the cause)
+        own = self.stop_vote.voted or (self.world.world_size == 1 and stop_signal.received())
+        who = "SIGTERM received" if own else "another rank received SIGTERM"
         raise StoppedBySignal(
             f"{who}: training stopped after step {self.state.step} of {self.plan.total_steps}, whose checkpoint "
             f"{os.path.join(self.run_dir, f'global_step_{self.state.step}')} is committed. The same command "

@@ -209,6 +209,7 @@ def test_a_second_run_in_a_busy_run_folder_is_refused(data, tmp_path, capsys):
     lock was taken, closed its copy: an orphaned worker cannot keep the folder locked). Killed, A
     leaves nothing to clean up: B's command trains in the folder."""
     from sfttrain import plan
+    from sfttrain.phase import STACKS_HEADER
     from sfttrain.run_lock import LOCK_FILE, check_not_in_use
     from tests.test_checkpoint import one_message, wait_until
 
@@ -220,11 +221,11 @@ def test_a_second_run_in_a_busy_run_folder_is_refused(data, tmp_path, capsys):
         rank_0 = _rank_0(a)
         (worker,) = descendants(rank_0)
         log = lambda: (tmp_path / "a.log").read_text()  # noqa: E731
-        # a file of each one's stack: the rank's training loop, then the worker's loop; one process at a
-        # time, as two processes' stacks interleave in the log (file names, each one write(2), stay whole)
-        for pid, file in ((rank_0, "sfttrain/trainer.py"), (worker, "torch/utils/data/_utils/worker.py")):
+        # each one's stacks, headed by its pid (which files its main thread's shows depends on where that
+        # thread is: inside a generator, such as the worker's loop, the frames may end at the generator's own)
+        for pid in (rank_0, worker):
             os.kill(pid, signal.SIGUSR1)
-            assert wait_until(lambda: file in log(), a), log()[-3000:]
+            assert wait_until(lambda: f"{STACKS_HEADER} {pid} (SIGUSR1; it goes on)" in log(), a), log()[-3000:]
         steps = logged_steps(run_dir)
         assert wait_until(lambda: logged_steps(run_dir) > steps, a), log()[-3000:]  # training went on
         for pid in job_processes(a):

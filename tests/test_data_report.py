@@ -194,10 +194,12 @@ def test_rows_trained_twice_and_validation_rows_seen_in_training_are_reported(gs
     """Training rows 7 and 20 repeat rows 2 and 11, rows 13 and 30 have an empty answer; validation rows 1
     and 4 are training rows 11 and 5, its other rows are not (the reference: the same question and answer
     text). 2 ranks, each rendering half of the validation rows: the report and the preflight name the
-    same pairs and rows, and both warn."""
+    same pairs and rows, and both warn. An `input` column that no key names is listed as not read."""
     rows = pq.read_table(gsm8k_dir / "train.parquet").slice(0, ROWS).select(["question", "answer"]).to_pylist()
     rows[7], rows[20] = rows[2], rows[11]
     rows[13]["answer"] = rows[30]["answer"] = ""
+    for row in rows:
+        row["input"] = "context the prompt key does not name"  # Alpaca's column beside instruction, unread
     val = pq.read_table(gsm8k_dir / "train.parquet").slice(ROWS, 6).select(["question", "answer"]).to_pylist()
     val[1], val[4] = rows[11], rows[5]
     for name, table in (("train", rows), ("val", val)):
@@ -215,6 +217,7 @@ def test_rows_trained_twice_and_validation_rows_seen_in_training_are_reported(gs
     out = run_sfttrain(2, overrides).stdout
     report = json.loads((tmp_path / "run" / "data_report.json").read_text())
     assert report["duplicate_rows"] == {"count": len(repeated), "rows": repeated}
+    assert report["columns_not_read"] == ["input"] and "  columns not read    : input (data.prompt_key" in out
     empty = [i for i, r in enumerate(rows) if not r["answer"]]
     assert empty == [13, 30] and report["empty_responses"] == {"count": 2, "rows": empty}
     assert report["validation"] == {"rows": len(val), "in_training": {

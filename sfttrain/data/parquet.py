@@ -154,6 +154,7 @@ class ParquetSource:
         self.origins = origins or {}
         self.row_groups: list[RowGroup] = []
         self._columns: dict[str, list[str]] = {}  # per file: the columns its row groups are read with
+        self.unread: set[str] = set()  # the files' other columns (the data report names them)
         for file in files:
             self._add_file(os.path.expanduser(file))
         self.num_rows = sum(g.num_rows for g in self.row_groups)
@@ -174,7 +175,9 @@ class ParquetSource:
                             "(JSON Lines, JSON, CSV, TSV and Arrow files are read when named *.jsonl / *.json / "
                             "*.csv / *.tsv / *.arrow, the text ones also compressed: *.jsonl.gz, .bz2, .zst)")
         source = self.origins.get(file, file)
-        self._columns[file] = self.fields.columns(source, [n for n in meta.schema_arrow.names if n != LINE_COLUMN])
+        names = [n for n in meta.schema_arrow.names if n != LINE_COLUMN]
+        self._columns[file] = self.fields.columns(source, names)
+        self.unread.update(n for n in names if n not in self._columns[file])
         if meta.metadata.num_rows == 0:
             raise DataError(f"{source}: the file has no rows; point data.train_files / data.val_files at a file with rows")
         first = sum(g.num_rows for g in self.row_groups)

@@ -55,7 +55,8 @@ def first_epoch_report(cfg: Config, source: ParquetSource, stats: RowStats, plan
     """The data report (sfttrain.data.report) of the rows the first epoch trains."""
     first_epoch = epoch_rows(source, stats, cfg.trainer.seed, 0, cfg.data.shuffle)
     report = data_report(stats, first_epoch[:plan.steps_per_epoch * plan.global_batch], cfg.data)
-    return {"files": [{"path": f, "rows": n} for f, n in source.file_rows().items()], **report}
+    return {"files": [{"path": f, "rows": n} for f, n in source.file_rows().items()],
+            "columns_not_read": sorted(source.unread), **report}
 
 
 def validation_report(samples: list[RenderedSample], stats: RowStats, rows: int) -> dict:

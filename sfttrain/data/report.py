@@ -94,15 +94,19 @@ def validation_section(rows: int, twins: list[tuple[int, int]]) -> dict:
 
 
 def describe(report: dict) -> str:
-    full, trunc = report["tokens_before_truncation"], report["truncated"]
+    full, trunc, repeated = report["tokens_before_truncation"], report["truncated"], report["duplicate_rows"]
     lines = [
         f"  files               : {_files_text(report['files'])}",
+        *([f"  columns not read    : {', '.join(report['columns_not_read'])} (data.prompt_key, data.response_key "
+           "or data.multiturn.* name the columns read)"] if report["columns_not_read"] else []),
         f"  data                : {report['rows']} rows, {report['rows_trained']} trained "
         f"({report['rows_dropped_no_loss']['count']} dropped: no supervised token), "
         f"{report['rows_per_epoch']} per epoch, {report['supervised_tokens_per_epoch']} supervised tokens per epoch",
         f"  tokens per row      : mean {full['mean']:.1f}, p50 {full['p50']:.0f}, p99 {full['p99']:.0f}, "
         f"max {full['max']} (before truncation)",
         f"  truncated           : {trunc['count']} rows ({100 * trunc['share']:.2f}%)",
+        *([f"  duplicates          : rows {repeated['rows']} ({repeated['count']} in all) repeat an earlier row's "
+           "tokens: that sample trains more than once an epoch"] if repeated["count"] else []),
         f"  row scan            : {_row_scan(report)}",
     ]
     if trunc["count"] and trunc["effect"] == "eos_cut":
@@ -111,9 +115,6 @@ def describe(report: dict) -> str:
     if trunc["count"] and trunc["effect"] == "start_cut":
         lines.append(f"  WARNING: data.truncation=left cut the start of {trunc['count']} samples (BOS, system "
                      f"prompt and the prompt's beginning), e.g. rows {trunc['rows']}")
-    if (repeated := report["duplicate_rows"])["count"]:
-        lines.insert(4, f"  duplicates          : rows {repeated['rows']} ({repeated['count']} in all) repeat an "
-                        "earlier row's tokens: that sample trains more than once an epoch")
     if (empty := report["empty_responses"]) and empty["count"]:
         lines.append(f"  WARNING: rows {empty['rows']} ({empty['count']} in all) have an empty response: EOS alone is "
                      "trained on them (the model learns to answer nothing). Fill in their responses or leave them out")

@@ -42,6 +42,7 @@ from sfttrain.data.parquet import JSON_CELLS, LINE_COLUMN, ChatMessages, Parquet
 from sfttrain.errors import DataError
 
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".arrow", ".csv", ".tsv")
+DATA_PATTERNS = ", ".join("*" + s for s in DATA_SUFFIXES)  # for messages
 JSON_SUFFIXES = (".jsonl", ".json")
 TEXT_SUFFIXES = (".jsonl", ".json", ".csv", ".tsv")  # formats that may come compressed
 COMPRESSED = (".gz", ".bz2", ".zst")  # pyarrow detects the codec by the suffix
@@ -101,7 +102,7 @@ def is_pattern(path: str) -> bool:
 def pattern_files(pattern: str) -> list[str]:
     files = sorted(f for f in glob.glob(pattern, recursive=True) if os.path.isfile(f) and data_format(f) in DATA_SUFFIXES)
     if not files:
-        raise DataError(f"{pattern}: no data file ({', '.join('*' + s for s in DATA_SUFFIXES)}) matches this pattern; "
+        raise DataError(f"{pattern}: no data file ({DATA_PATTERNS}) matches this pattern; "
                         "check data.train_files / data.val_files")
     return files
 
@@ -117,7 +118,7 @@ def folder_files(path: str) -> list[str]:
         return saved_dataset_files(path)
     found = sorted(name for name in os.listdir(path) if data_format(name) in DATA_SUFFIXES and not name.startswith("."))
     if not found:
-        raise DataError(f"{path}: a directory without data files ({', '.join('*' + s for s in DATA_SUFFIXES)}); "
+        raise DataError(f"{path}: a directory without data files ({DATA_PATTERNS}); "
                         "point data.train_files / data.val_files at one that has them")
     by_split: dict[str, list[str]] = {}
     for name in found:

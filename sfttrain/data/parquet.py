@@ -122,8 +122,8 @@ class ChatMessages:
         parts = [[_messages(v, key, group, i) for i, v in zip(locals_, _cells(table, key))]
                  for key in self.messages_keys]
         if self.system_key in table.column_names:
-            parts.insert(0, [_system(v, self.system_key, group, i, parts[0][n])
-                             for n, (i, v) in enumerate(zip(locals_, _cells(table, self.system_key)))])
+            parts.insert(0, [_system(v, self.system_key, group, i, conversation)
+                             for i, v, conversation in zip(locals_, _cells(table, self.system_key), parts[0])])
         messages = [sum(row, []) for row in zip(*parts)]
         kwargs = [{} for _ in messages]
         for key, kwarg in self.optional:

@@ -11,7 +11,7 @@ under torchrun it is each rank's `exitcode` in the failure summary):
     7  the Hugging Face export of a committed checkpoint failed (ExportError)
     8  stopped by SIGTERM after saving the step in flight; the same command resumes (StoppedBySignal)
     9  a rank ran out of memory, the GPU's or the host's: where, and what to lower (OutOfMemory); also a data
-       worker killed by SIGKILL, most often by the host's out-of-memory killer
+       worker killed by SIGKILL (most often the host's out-of-memory killer) or SIGBUS (most often a full /dev/shm)
 
 Anything else is a bug in sfttrain and ends with its traceback (exit code 1).
 This module imports nothing, so the entry point can classify errors before torch loads.

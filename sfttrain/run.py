@@ -117,8 +117,7 @@ def train(cfg: Config) -> None:
 
 
 def _train(cfg: Config, rank: int) -> None:
-    from sfttrain.checkpoint_folder import disk_full_error, folder_gone_error
-    from sfttrain.distributed import init_world, peer_lost, shutdown
+    from sfttrain.distributed import init_world, shutdown
     from sfttrain.metrics import require_loggers
     from sfttrain.trainer import FSDPSFTTrainer
 
@@ -138,19 +137,32 @@ def _train(cfg: Config, rank: int) -> None:
     except UserError as e:
         stop(e)
     except Exception as e:  # a bug, or a collective's timeout: then where this rank was
-        if stop_signal.interrupted():  # the collective of a rank that Ctrl-C stopped first
-            interrupted(cfg, rank)
-        if full := disk_full_error(e, cfg.trainer.default_local_dir, phase.current()):
-            stop(full)
-        if gone := folder_gone_error(e, cfg.trainer.default_local_dir, phase.current()):
-            stop(gone)
-        if short := out_of_memory(e, cfg, rank, phase.current()) or killed_worker(e, cfg, rank, phase.current()):
-            stop(short)
-        if peer_lost(str(e)):  # another rank ended first, with the cause (its message, a traceback): torchrun
-            stop_signal.end_if_told()  # ends this one (its SIGTERM, or one already noted), without a second
-            time.sleep(WAIT_FOR_RANK0_S)  # traceback; past the wait, this rank says what it saw
+        try:
+            explain(e, cfg, rank)
+        except Exception as later:  # torch's SIGCHLD handler raises wherever the rank is when its data
+            explain(later, cfg, rank)  # worker dies, and the rank's read of that worker may fail first
+            raise later
         phase.report_timeout(e, rank, timeout)
         raise
+
+
+def explain(error: Exception, cfg: Config, rank: int) -> None:
+    """Ends this rank with one message where the error has a cause the user can act on (or ends it
+    quietly where another rank's message is the job's); returns for a bug."""
+    from sfttrain.checkpoint_folder import disk_full_error, folder_gone_error
+    from sfttrain.distributed import peer_lost
+
+    if stop_signal.interrupted():  # the collective of a rank that Ctrl-C stopped first
+        interrupted(cfg, rank)
+    if full := disk_full_error(error, cfg.trainer.default_local_dir, phase.current()):
+        stop(full)
+    if gone := folder_gone_error(error, cfg.trainer.default_local_dir, phase.current()):
+        stop(gone)
+    if short := out_of_memory(error, cfg, rank, phase.current()) or killed_worker(error, cfg, rank, phase.current()):
+        stop(short)
+    if peer_lost(str(error)):  # another rank ended first, with the cause (its message, a traceback): torchrun
+        stop_signal.end_if_told()  # ends this one (its SIGTERM, or one already noted), without a second
+        time.sleep(WAIT_FOR_RANK0_S)  # traceback; past the wait, this rank says what it saw
 
 
 def out_of_memory(error: BaseException, cfg: Config, rank: int, where: str) -> OutOfMemory | None:
@@ -186,15 +198,16 @@ def out_of_memory(error: BaseException, cfg: Config, rank: int, where: str) -> O
 
 
 def killed_worker(error: BaseException, cfg: Config, rank: int, where: str) -> OutOfMemory | None:
-    """A DataLoader worker killed by SIGKILL, as one message. torch's error names the worker and the
-    signal (raised where the rank was when the worker died, or as the cause of the next step's "exited
-    unexpectedly"). SIGKILL is most often the host's out-of-memory killer, so it is said as the host's
-    running out of memory (exit code 9), with the same fix. None for any other error."""
+    """A DataLoader worker killed by SIGKILL or SIGBUS, as one message. torch's error names the worker and
+    the signal (raised where the rank was when the worker died, or as the cause of the next step's "exited
+    unexpectedly"). SIGKILL is most often the host's out-of-memory killer, SIGBUS a full /dev/shm (the
+    workers hand their batches over in shared memory), so both are said as memory run out (exit code 9),
+    each with its fix. None for any other error (another signal is a crash: its traceback is the bug's)."""
     from sfttrain.checkpoint_folder import latest_of_newest_run
 
     # the signal in strsignal's words, as torch's message has them (the C library's, in this process's locale)
-    name = re.escape(signal.strsignal(signal.SIGKILL))
-    sign = re.compile(rf"DataLoader worker \(pid (\d+)\) is killed by signal: {name}")
+    names = {signal.strsignal(s): s for s in (signal.SIGKILL, signal.SIGBUS)}
+    sign = re.compile(rf"DataLoader worker \(pid (\d+)\) is killed by signal: ({'|'.join(map(re.escape, names))})")
     killed = None
     while error is not None and not killed:
         killed, error = sign.search(str(error)), error.__cause__ or error.__context__
@@ -202,12 +215,19 @@ def killed_worker(error: BaseException, cfg: Config, rank: int, where: str) -> O
         return None
     last = latest_of_newest_run(cfg.trainer.default_local_dir)
     then = f"resumes from {last[1]}" if last else "starts afresh (no checkpoint was committed yet)"
-    return OutOfMemory(f"rank {rank}'s DataLoader worker (pid {killed.group(1)}) was killed by SIGKILL in {where}: "
-                       "most often the host's out-of-memory killer (`dmesg` or `journalctl -k` names what it killed; "
-                       "a cgroup's or Slurm job's memory limit kills the same way). Each of a rank's data.num_workers="
-                       f"{cfg.data.num_workers} workers is a process holding the steps it builds ahead: lower "
-                       "data.num_workers (0 builds them in the rank itself), or give the job more host memory. The "
-                       f"same command then {then}")
+    sig = signal.Signals(names[killed.group(2)])
+    if sig == signal.SIGKILL:
+        cause = ("most often the host's out-of-memory killer (`dmesg` or `journalctl -k` names what it killed; a "
+                 "cgroup's or Slurm job's memory limit kills the same way). Each of a rank's data.num_workers="
+                 f"{cfg.data.num_workers} workers is a process holding the steps it builds ahead: lower "
+                 "data.num_workers (0 builds them in the rank itself), or give the job more host memory")
+    else:
+        cause = ("most often a full shared memory: the workers hand their batches to the rank through /dev/shm, "
+                 "which a container limits to 64 MiB unless told (`docker run --shm-size=8g`; on Kubernetes an emptyDir of "
+                 f"medium Memory mounted at /dev/shm; `df -h /dev/shm` shows its size). Or set data.num_workers=0 "
+                 f"(now {cfg.data.num_workers}): the rank then builds its batches itself, without shared memory")
+    return OutOfMemory(f"rank {rank}'s DataLoader worker (pid {killed.group(1)}) was killed by {sig.name} in "
+                       f"{where}: {cause}. The same command then {then}")
 
 
 def interrupted(cfg: Config, rank: int) -> None:

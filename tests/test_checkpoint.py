@@ -757,13 +757,14 @@ def one_message(proc, code: int) -> str:
     checks that summary for every kind of error)."""
     from tests.test_errors import launcher_traceback_only
 
-    printed = [line for line in proc.stdout.splitlines() if line.startswith("sfttrain: ")]
+    # a DataLoader worker's own last words (torch's, on SIGBUS) end in the C string's NUL
+    printed = [line for line in proc.stdout.splitlines() if line.lstrip("\0").startswith("sfttrain: ")]
     assert len(printed) == 1, proc.stdout[-4000:]
     assert launcher_traceback_only(proc.stdout), proc.stdout[-4000:]
     root_cause = proc.stdout.split("Root Cause (first observed failure):")[1:]
     status = int(re.findall(r"exitcode\s+: (-?\d+)", root_cause[0])[0]) if root_cause else proc.returncode
     assert status == code, proc.stdout[-3000:]
-    return printed[0]
+    return printed[0].lstrip("\0")
 
 
 def test_full_disk(data, ref, tmp_path):

@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import logging
 import os
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Iterator
@@ -151,12 +152,35 @@ def step_batches(data: TrainData, epoch: int, consumed: int, num_workers: int,
     device thread; a compiled layer that activation checkpointing re-runs in backward then meets
     another thread count than in forward, and torch.compile's guard on it compiles the layer again.
     A user's mistake found while a step is built is raised here, as itself."""
-    for item in DataLoader(StepStream(data, epoch, consumed), batch_size=None, num_workers=num_workers,
-                           prefetch_factor=2 if num_workers else None,
-                           worker_init_fn=leave_signals_to_the_rank if num_workers else None):
-        if isinstance(item, UserError):
-            raise item
-        yield item.pin_memory() if pin_memory else item
+    steps = iter(DataLoader(StepStream(data, epoch, consumed), batch_size=None, num_workers=num_workers,
+                            prefetch_factor=2 if num_workers else None,
+                            worker_init_fn=leave_signals_to_the_rank if num_workers else None))
+    try:
+        for item in steps:
+            if isinstance(item, UserError):
+                raise item
+            yield item.pin_memory() if pin_memory else item
+    except (EOFError, ConnectionError) as handover:  # `steps` still holds its workers here
+        if death := worker_death():
+            raise death from handover
+        raise
+
+
+def worker_death() -> RuntimeError | None:
+    """torch's error naming a worker of this rank's DataLoader that has died, and the signal that
+    killed it; None if none has. A worker killed while it hands a step over fails the rank's read
+    first (EOFError, ConnectionResetError), and torch's SIGCHLD handler, which would say who died,
+    may then run only once the loader is being torn down, where its error is lost. The kernel closes
+    a dying process's sockets before the process can be waited for: its death shows within moments."""
+    from torch.utils.data._utils.signal_handling import _error_if_any_worker_fails
+
+    for _ in range(50):
+        try:
+            _error_if_any_worker_fails()
+        except RuntimeError as death:
+            return death
+        time.sleep(0.02)
+    return None
 
 
 def describe_workers(num_workers: int, ranks_here: int, cpus: int, where: str = "this node") -> list[str]:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import transformers
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from sfttrain import attention, experts, lora, weights
 from sfttrain.config import Config, ConfigError, ModelConfig
@@ -71,11 +71,35 @@ def load_model(cfg: ModelConfig, device: torch.device) -> LoadedModel:
         model = AutoModelForCausalLM.from_config(config, dtype=weights_dtype(cfg),
                                                  attn_implementation=attention.ATTN_IMPLEMENTATION,
                                                  trust_remote_code=cfg.trust_remote_code, **moe)
+    model.generation_config = folder_generation_config(path, model)
     model.config.use_cache = False  # training never reuses a KV cache
     liger = cfg.use_liger and apply_liger(model, device, cfg.compile)
     if cfg.lora_rank > 0:
         model = lora.apply_lora(model, cfg)  # after Liger: its patched MLP still calls the wrapped linears
     return LoadedModel(model, backend, liger)
+
+
+def folder_generation_config(path: str, model: nn.Module):
+    """The folder's generation_config.json (a chat model's sampling defaults and the ids it stops
+    at), which from_config does not read; where there is none, what from_config made of config.json.
+    Every checkpoint's hf/ and export carry it."""
+    if os.path.isfile(os.path.join(path, "generation_config.json")):
+        return GenerationConfig.from_pretrained(path)
+    return model.generation_config
+
+
+def stop_generation_at(model: nn.Module, token_id: int) -> list[int]:
+    """Adds `token_id`, the token each trained answer ends with (`Renderer.end_token`), to the ids the
+    model's generation config stops at, and returns them: a base model's config stops at its EOS
+    alone, and generate() would run on past an answer trained to end with the chat template's
+    end of turn (Qwen2.5-0.5B: <|endoftext|>, then <|im_end|>)."""
+    config = model.generation_config
+    ids = config.eos_token_id
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    if token_id not in ids:
+        ids.append(token_id)
+        config.eos_token_id = ids if len(ids) > 1 else ids[0]
+    return ids
 
 
 def weights_dtype(cfg: ModelConfig) -> torch.dtype:

@@ -30,7 +30,7 @@ from sfttrain.loss import CausalLMLoss, router_metrics, router_stats, select_chu
 from sfttrain.metrics import (MetricsLogger, StepEnd, StepTimer, describe_host_memory, describe_software,
                               host_memory_gib, memory_stats, start_wandb, throughput)
 from sfttrain.model import (check_max_length, decoder_layers, embedding_rows, load_model, load_tokenizer,
-                            local_model_folder)
+                            local_model_folder, stop_generation_at)
 from sfttrain.optim import build_optimizer, build_scheduler, clipped_step, schedule_settings, warmup_steps
 from sfttrain.parallel import describe_compile, describe_sharding, gradient_sync, parallelize
 from sfttrain.resume import Resume, check_resume, find_resume
@@ -85,6 +85,7 @@ class FSDPSFTTrainer:
         self.host_rss_before_model = host_memory_gib().get("host_rss_gib")
         loaded = load_model(cfg.model, world.device)
         model, self.attn_backend, self.liger = loaded.model, loaded.attn_backend, loaded.liger
+        self.answer_end = renderer.describe_end(stop_generation_at(model, renderer.end_token_id))
         self.model_shape = ModelShape.of(model)
         chunk_loss, self.loss_kernel = select_chunk_loss(cfg.model.loss_kernel, world.device.type, cfg.model.compile)
         longest_segment = max_segment_length(d.max_length, d.pad_to_multiple, world.row_slice[1])
@@ -146,6 +147,7 @@ class FSDPSFTTrainer:
             *self.folder_warnings,
             *profiling.describe(cfg.trainer, self.run_dir, self.state.step, self.world.device),
             describe(self.data_report),
+            self.answer_end,
             *describe_workers(cfg.data.num_workers, ranks_of_this_launcher(), cpus_of_this_process()),
             resume.line(f"{resume.path or 'fresh start'} (step {self.state.step}, run id {self.state.run_id})"),
             *(f"    {note}" for note in resume_notes),

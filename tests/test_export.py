@@ -183,3 +183,31 @@ def test_cli_errors(trained, tmp_path):
     parse = export.convert_file_size_to_int
     assert parse("5GB") == 5 * 10**9 and parse("100KB") == 100_000
     assert parse("2GiB") == 2 * 2**30 and parse(123) == 123
+
+
+def test_a_base_model_trained_on_the_template_stops_at_its_end_of_turn(tiny_qwen_dir, gsm8k_dir, tmp_path):
+    """A base model (Qwen2.5-0.5B's tokenizer and generation_config.json: EOS <|endoftext|>, greedy,
+    2048 new tokens at most) fine-tuned on prompt/response pairs through the chat template: each
+    answer is trained to end with <|im_end|>, as the template writes it, and the export's
+    generation_config.json stops at it besides EOS, keeping the folder's other settings (which
+    from_config, reading config.json alone, would drop)."""
+    from transformers import GenerationConfig
+
+    base = tmp_path / "base"
+    AutoModelForCausalLM.from_pretrained(tiny_qwen_dir).save_pretrained(base)
+    AutoTokenizer.from_pretrained(tiny_qwen_dir, eos_token="<|endoftext|>").save_pretrained(base)
+    GenerationConfig(bos_token_id=151643, eos_token_id=151643, do_sample=False, max_new_tokens=2048).save_pretrained(base)
+    train = tmp_path / "train.parquet"
+    pq.write_table(pq.read_table(gsm8k_dir / "train.parquet").slice(0, 8), train)
+    run_dir = tmp_path / "run"
+    proc = run_sfttrain(1, [*BASE_OVERRIDES, f"model.partial_pretrain={base}", "data.apply_chat_template=true",
+                            f"data.train_files={train}", f"trainer.default_local_dir={run_dir}",
+                            "data.train_batch_size=8", "data.micro_batch_size_per_gpu=8",
+                            "trainer.total_training_steps=1", "trainer.save_hf=true"])
+    assert ("answers end with    : <|im_end|> (the chat template's end of turn; the tokenizer's EOS is "
+            "<|endoftext|>); generation_config.json stops at ids [151643, 151645] (<|endoftext|>, <|im_end|>)"
+            in proc.stdout), proc.stdout[-3000:]
+    exported = run_dir / "global_step_1" / export.HF_EXPORT_DIR
+    config = GenerationConfig.from_pretrained(exported)
+    assert (config.eos_token_id, config.do_sample, config.max_new_tokens) == ([151643, 151645], False, 2048)
+    assert AutoTokenizer.from_pretrained(exported).eos_token == "<|endoftext|>"

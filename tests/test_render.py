@@ -80,13 +80,21 @@ def test_qwen_mask_covers_exactly_the_response_and_eos(qwen):
         assert supervised(qwen, s) == a + "<|im_end|>"
 
 
-def test_qwen25_matches_the_templates_own_training_rendering(qwen25):
-    # Qwen2.5's template renders [user, assistant] as our prompt + answer + "<|im_end|>\n".
-    r = Renderer(qwen25, max_length=4096, truncation="error")
+@pytest.mark.parametrize("eos", ["<|im_end|>", "<|endoftext|>"], ids=["instruct", "base"])
+def test_qwen25_matches_the_templates_own_training_rendering(eos):
+    """Qwen2.5's template renders [user, assistant] as our prompt + answer + "<|im_end|>\n", whatever
+    the tokenizer's EOS: the instruct tokenizer's is <|im_end|>, the base model's (Qwen2.5-0.5B) is
+    <|endoftext|>, and a base model fine-tuned on the template must still end its answers as every
+    conversation it is served in does."""
+    tok = AutoTokenizer.from_pretrained(ASSETS / "tokenizers/qwen2.5-instruct", eos_token=eos)
+    r = Renderer(tok, max_length=4096, truncation="error")
+    assert (r.end_token, tok.eos_token) == ("<|im_end|>", eos)
     for i, row in enumerate(ROWS[:20]):
         conv = [{"role": "user", "content": row["question"]}, {"role": "assistant", "content": row["answer"]}]
-        full = qwen25.apply_chat_template(conv, tokenize=False)
-        assert qwen25.decode(r.render(row["question"], row["answer"], i).input_ids) + "\n" == full
+        full = tok.apply_chat_template(conv, tokenize=False)
+        s = r.render(row["question"], row["answer"], i)
+        assert tok.decode(s.input_ids) + "\n" == full
+        assert supervised(tok, s) == row["answer"] + "<|im_end|>"
 
 
 def test_qwen3_full_rendering_differs_by_an_empty_think_block():

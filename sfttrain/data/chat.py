@@ -39,7 +39,6 @@ from sfttrain.config import ConfigError
 from sfttrain.data.render import Renderer, RenderedSample, RowError, each_row
 
 ROLES = ("system", "user", "assistant", "tool")
-PROBE = "\x00sfttrain-probe\x00"  # an assistant content no real text contains
 
 
 class ChatRenderer(Renderer):
@@ -54,22 +53,14 @@ class ChatRenderer(Renderer):
         if not getattr(tokenizer, "is_fast", False):
             raise ConfigError("data.multiturn needs a fast tokenizer (character offsets of the rendered text); "
                               f"{type(tokenizer).__name__} is not one")
-        self.end_of_turn = self._end_of_turn()
+        if self.template_end is None:
+            raise ConfigError(f"the chat template writes {self.after_answer[:20]!r} after an assistant message, not "
+                              "an end-of-turn token of the tokenizer; data.multiturn needs a template that ends each "
+                              "assistant turn with one (set data.chat_template=...)")
 
     def _render(self, messages: list[dict], kwargs: dict, generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
                                                   chat_template=self.chat_template, **kwargs)
-
-    def _end_of_turn(self) -> str:
-        """The token the template writes right after an assistant's content, e.g. `<|im_end|>`."""
-        text = self._render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": PROBE}], {}, False)
-        after = text[text.rindex(PROBE) + len(PROBE):]
-        ids = self.tokenizer(after, add_special_tokens=False)["input_ids"]
-        if not ids or ids[0] not in self.tokenizer.added_tokens_decoder:
-            raise ConfigError(f"the chat template writes {after[:20]!r} after an assistant message, not an "
-                              "end-of-turn token of the tokenizer; data.multiturn needs a template that ends each "
-                              "assistant turn with one (set data.chat_template=...)")
-        return self.tokenizer.convert_ids_to_tokens(ids[0])
 
     def render_many(self, rows: list[tuple[list[dict], dict, int]]) -> list[RenderedSample]:
         """A conversation's masks come from character offsets of its own rendering: one at a time."""
@@ -108,11 +99,11 @@ class ChatRenderer(Renderer):
             raise ValueError(f"row {row}: message {i}: the chat template's generation prompt "
                              f"{prompt[len(before):]!r} is not how it starts the assistant turn "
                              f"({text[len(before):len(before) + 40]!r}); the turn cannot be located")
-        end = text.find(self.end_of_turn, start)
+        end = text.find(self.end_token, start)
         if end < 0:
-            raise ValueError(f"row {row}: message {i}: no end-of-turn token {self.end_of_turn!r} after the assistant "
+            raise ValueError(f"row {row}: message {i}: no end-of-turn token {self.end_token!r} after the assistant "
                              "turn in the rendered conversation")
-        return start, end + len(self.end_of_turn)
+        return start, end + len(self.end_token)
 
 
 def check_messages(messages: list[dict], row: int) -> None:

@@ -1,7 +1,11 @@
 """Turn (prompt, response) pairs into token ids and a loss mask, a block of rows at a time.
 
 The prompt is rendered as a single user turn with the tokenizer's chat template (or as plain
-text), the response is appended followed by EOS, and only the response tokens are trained.
+text), the response is appended followed by the token that ends an answer, and only the response
+tokens are trained. That token is the one the chat template writes after an assistant message
+(`<|im_end|>` for Qwen, `<|eot_id|>` for Llama 3), not the tokenizer's EOS where the two differ: a
+base model's tokenizer ends texts with `<|endoftext|>`, while every conversation its fine-tuned
+model is served in writes `<|im_end|>` after its answers. Without a template it is EOS.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from dataclasses import dataclass
 from sfttrain.config import ConfigError
 
 TRUNCATION_MODES = ("error", "left", "right")
+PROBE = "\x00sfttrain-probe\x00"  # an assistant content no real text contains
 
 
 @dataclass(frozen=True)
@@ -59,11 +64,6 @@ class Renderer:
             )
         if not isinstance(max_length, int) or max_length < 2:
             raise ConfigError(f"data.max_length must be an integer >= 2, got {max_length!r}")
-        if tokenizer.eos_token_id is None:
-            raise ConfigError(
-                "the tokenizer has no eos_token_id; every response is trained to end with EOS, "
-                "so set an eos token on the tokenizer"
-            )
         if apply_chat_template and chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise ConfigError(
                 "the tokenizer has no chat template; set data.apply_chat_template=false to use the "
@@ -74,8 +74,35 @@ class Renderer:
         self.truncation = truncation
         self.apply_chat_template = apply_chat_template
         self.chat_template = chat_template
-        self.eos_token_id = int(tokenizer.eos_token_id)
+        # what the template writes after an answer, and its special token (None: it writes none)
+        self.after_answer, self.template_end = self._after_answer() if apply_chat_template else ("", None)
+        if self.template_end is None and tokenizer.eos_token_id is None:
+            raise ConfigError(
+                "the tokenizer has no eos_token_id; every response is trained to end with EOS, "
+                "so set an eos token on the tokenizer"
+            )
+        self.end_token = self.template_end or tokenizer.eos_token  # trained after every answer
+        self.end_token_id = int(tokenizer.convert_tokens_to_ids(self.end_token))
         self.id_limit: int | None = None  # set by `limit_ids`
+
+    def _after_answer(self) -> tuple[str, str | None]:
+        """The text the chat template writes right after an assistant message's content, and the
+        special token it starts with (None where it starts with none)."""
+        text = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": PROBE}], tokenize=False,
+            chat_template=self.chat_template)
+        after = text[text.rindex(PROBE) + len(PROBE):]
+        ids = self.tokenizer(after, add_special_tokens=False)["input_ids"]
+        special = bool(ids) and ids[0] in self.tokenizer.added_tokens_decoder
+        return after, self.tokenizer.convert_ids_to_tokens(ids[0]) if special else None
+
+    def describe_end(self, stop_ids: list[int]) -> str:
+        """The start-up line of the token every answer is trained to end with, and where generation stops."""
+        eos = self.tokenizer.eos_token
+        source = ("the tokenizer's EOS" if self.end_token == eos else
+                  f"the chat template's end of turn; the tokenizer's EOS is {eos}")
+        return (f"  answers end with    : {self.end_token} ({source}); generation_config.json stops at ids {stop_ids} "
+                f"({', '.join(self.tokenizer.convert_ids_to_tokens(stop_ids))})")
 
     def limit_ids(self, embedding_rows: int | None) -> None:
         """Refuses rows with a token id at or past the model's embedding rows (config.json's
@@ -116,9 +143,9 @@ class Renderer:
         # text could merge tokens across the boundary, so the mask would not split cleanly, and
         # the ids would differ from what the model sees at inference, where it continues from
         # the generation prompt.
-        # EOS is trained so the model learns to stop. verl's single-turn SFT path drops it, and
-        # its models then never stop generating.
-        response_ids = [*response_ids, self.eos_token_id]
+        # The end token is trained so the model learns to stop. verl's single-turn SFT path drops
+        # EOS, and its models then never stop generating.
+        response_ids = [*response_ids, self.end_token_id]
         input_ids = [*prompt_ids, *response_ids]
         loss_mask = [0] * len(prompt_ids) + [1] * len(response_ids)
         return self.fit(input_ids, loss_mask, row, f"{len(prompt_ids)} prompt + {len(response_ids)} response")

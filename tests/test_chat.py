@@ -138,7 +138,12 @@ def test_bad_conversations_are_named():
              ([{"role": "assistant", "content": "hi"}], "row 2: message 0 is an assistant turn"),
              ([{"role": "user", "content": 3}, {"role": "assistant", "content": "x"}], "message 0 content is int"),
              ([{"role": "user", "content": "hi"}, {"role": "assistant"}],
-              "row 2: assistant message 1 has no content")]
+              "row 2: assistant message 1 has no content"),
+             ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": " \n"}],
+              r"row 2: assistant message 1 has no content \(null, missing or empty\); it would train the model to "
+              "answer nothing"),
+             ([{"role": "user", "content": "hi"}, {"role": "model", "content": "x"}],
+              "message 1 has role 'model'.*Gemini's name for the assistant: rename it 'assistant'")]
     for messages, message in cases:
         with pytest.raises(ValueError, match=message):
             r.render(messages, {}, row=2)
@@ -227,6 +232,34 @@ def test_sharegpt_turns_are_the_messages_they_name(tokenizer, tmp_path):
     for fields in (ChatMessages(["messages"], None, None), PromptResponse(["question"], ["answer"])):
         with pytest.raises(ConfigError, match="data.multiturn.messages_key=conversations"):
             open_source([str(tmp_path / "sharegpt.jsonl")], fields, str(tmp_path / "run"))
+
+
+def test_function_calls_tools_and_content_parts_read_as_openai_messages(tokenizer, tmp_path):
+    """LLaMA-Factory's (and glaive's) ShareGPT tool rows: a function_call turn (its value the call as
+    JSON) is the assistant turn making that call, an observation the tool's result, and the tools
+    column a JSON string, or "" where a row has none (the template's default then, as for null).
+    OpenAI's content parts read as their texts joined by newlines. Each renders as the same
+    conversation written in OpenAI's form; an image part is refused with its line."""
+    role_of = {"system": "system", "user": "human", "assistant": "gpt", "tool": "observation"}
+    sharegpt = [{"from": "function_call", "value": json.dumps(m["tool_calls"][0]["function"])} if m.get("tool_calls")
+                else {"from": role_of[m["role"]], "value": m["content"]} for m in CONVERSATION]
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Look:"}, {"type": "text", "text": "2+2?"}]},
+             {"role": "assistant", "content": "4"}]
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}, parts[1]]
+    rows = [{"conversations": sharegpt, "tools": json.dumps(TOOLS)}, {"conversations": sharegpt, "tools": ""},
+            {"conversations": parts, "tools": ""}, {"conversations": image, "tools": ""}]
+    (tmp_path / "tools.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    source = open_source([str(tmp_path / "tools.jsonl")], ChatMessages(["conversations"], "tools", None),
+                         str(tmp_path / "run"))
+    r = renderer(tokenizer)
+    openai = [{k: v for k, v in m.items() if not (k == "content" and m.get("tool_calls"))} for m in CONVERSATION]
+    joined = [{"role": "user", "content": "Look:\n2+2?"}, parts[1]]
+    assert [r.render(*row) for row in source.read(np.arange(3))] == [
+        r.render(openai, {"tools": TOOLS}, 0), r.render(openai, {}, 1), r.render(joined, {}, 2)]
+    assert CALL_TEXT in tokenizer.decode(r.render(*source.read(np.arange(1))[0]).input_ids)
+    with pytest.raises(DataError, match=r"tools.jsonl line 4: conversations\[0\]: content parts of types "
+                                        r"\['image_url'\]: sfttrain trains on text alone"):
+        source.read(np.array([3]))
 
 
 def test_a_system_column_is_the_conversations_system_message(tokenizer, tmp_path):

@@ -39,6 +39,12 @@ from sfttrain.config import ConfigError
 from sfttrain.data.render import Renderer, RenderedSample, RowError, each_row
 
 ROLES = ("system", "user", "assistant", "tool")
+ROLE_HINTS = {  # other formats' names of these roles, and what to do
+    "model": " ('model' is Gemini's name for the assistant: rename it 'assistant')",
+    "function": " ('function' is OpenAI's former name for a tool's result: rename it 'tool')",
+    "ipython": " ('ipython' is Llama 3's name for a tool's result: rename it 'tool')",
+    "developer": " ('developer' is OpenAI's newer name for the system message: rename it 'system')",
+}
 
 
 class ChatRenderer(Renderer):
@@ -112,14 +118,17 @@ def check_messages(messages: list[dict], row: int) -> None:
     answers). The reader has dropped null keys, so a null content arrives here as a missing one."""
     for i, m in enumerate(messages):
         if m.get("role") not in ROLES:
-            raise ValueError(f"row {row}: message {i} has role {m.get('role')!r}; expected one of {list(ROLES)}")
+            hint = ROLE_HINTS.get(m.get("role"), "")
+            raise ValueError(f"row {row}: message {i} has role {m.get('role')!r}; expected one of {list(ROLES)}{hint}")
         if not isinstance(m.get("content", ""), str):
             raise ValueError(f"row {row}: message {i} content is {type(m['content']).__name__}, expected a string")
         # a turn that only calls tools has no text (OpenAI's format leaves content null); any other
         # assistant turn without content would train an empty answer without a word
-        if m["role"] == "assistant" and "content" not in m and not m.get("tool_calls"):
-            raise ValueError(f"row {row}: assistant message {i} has no content (null or missing); give it the "
-                             "answer's text, or drop the turn (or the row)")
+        if m["role"] == "assistant" and not m.get("content", "").strip() and not (m.get("tool_calls") or
+                                                                             m.get("reasoning_content")):
+            raise ValueError(f"row {row}: assistant message {i} has no content (null, missing or empty); it would "
+                             "train the model to answer nothing: give it the answer's text, or drop the turn (or the "
+                             "row)")
     roles = [m["role"] for m in messages]
     if "assistant" not in roles:
         raise ValueError(f"row {row}: the conversation has no assistant message, so nothing to train on")

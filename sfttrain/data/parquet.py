@@ -129,7 +129,7 @@ class ChatMessages:
         for key, kwarg in self.optional:
             if key in table.column_names:
                 for i, row_kwargs, value in zip(locals_, kwargs, _cells(table, key)):
-                    if value is not None:  # a null cell: the template's default
+                    if value is not None and value != "":  # a null (or empty: ShareGPT's "no tools") cell: the default
                         row_kwargs[kwarg] = _json(value, key, group, i) if kwarg == "tools" else value
         return messages, kwargs
 
@@ -275,22 +275,57 @@ SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "a
 def _messages(value, key: str, group: RowGroup, local: int) -> list[dict]:
     """A row's conversation as a list of message dicts. Parquet gives every message struct the union
     of all keys, absent ones as null: they are dropped again (a template tests `tool_calls is
-    defined`, not `is none`). A JSON string of the list is accepted too, and ShareGPT's turns
-    (`from`/`value`) are read as the role/content messages they are."""
+    defined`, not `is none`). A JSON string of the list is accepted too, ShareGPT's turns
+    (`from`/`value`) are read as the role/content messages they are, and OpenAI's content parts as
+    the text they hold."""
     value = _json(value, key, group, local)
     if not isinstance(value, list) or not all(isinstance(m, dict) for m in value):
         raise DataError(f"{_where(group, local)}: {key} is {_kind(value)}, "
                           "expected a list of {role, content} messages")
-    return [_sharegpt_turn({k: v for k, v in m.items() if v is not None}) for m in value]
+    where = f"{_where(group, local)}: {key}"
+    return [_text_parts(_sharegpt_turn({k: v for k, v in m.items() if v is not None}, f"{where}[{i}]"),
+                        f"{where}[{i}]") for i, m in enumerate(value)]
 
 
-def _sharegpt_turn(message: dict) -> dict:
+def _sharegpt_turn(message: dict, where: str) -> dict:
     """A ShareGPT turn {from, value} as {role, content} (an unknown `from` is kept as the role, for the
-    check of roles to name); any other message as it is."""
+    check of roles to name); a `function_call` turn (LLaMA-Factory's, glaive's: the value a JSON call
+    {name, arguments}, or a list of them) as the assistant turn that makes those tool calls, in
+    OpenAI's form, which chat templates render; any other message as it is."""
     if "role" in message or "from" not in message or "value" not in message:
         return message
     turn = {k: v for k, v in message.items() if k not in ("from", "value")}
+    if message["from"] == "function_call":
+        return {"role": "assistant", "tool_calls": _tool_calls(message["value"], where), **turn}
     return {"role": SHAREGPT_ROLES.get(message["from"], message["from"]), "content": message["value"], **turn}
+
+
+def _tool_calls(value, where: str) -> list[dict]:
+    """A function_call turn's value as OpenAI's tool_calls."""
+    try:
+        calls = json.loads(value) if isinstance(value, str) else value
+    except json.JSONDecodeError as e:
+        raise DataError(f"{where}: a function_call turn's value is not JSON ({e}); it holds the call as "
+                        '{"name": ..., "arguments": {...}}') from None
+    calls = calls if isinstance(calls, list) else [calls]
+    if not all(isinstance(c, dict) and "name" in c for c in calls):
+        raise DataError(f"{where}: a function_call turn's value is {str(value)[:80]!r}, not a call "
+                        '{"name": ..., "arguments": {...}} (or a list of them)')
+    return [{"type": "function", "function": {"name": c["name"], "arguments": c.get("arguments", {})}} for c in calls]
+
+
+def _text_parts(message: dict, where: str) -> dict:
+    """OpenAI's content parts ([{"type": "text", "text": ...}, ...]) as one string, the texts joined
+    by newlines as vLLM joins them for a template that renders string contents; a part that is not
+    text (an image, audio) is refused: sfttrain trains text models."""
+    parts = message.get("content")
+    if not isinstance(parts, list) or not all(isinstance(p, dict) for p in parts):
+        return message
+    kinds = [p.get("type") for p in parts]
+    if any(k != "text" or not isinstance(p.get("text"), str) for k, p in zip(kinds, parts)):
+        raise DataError(f"{where}: content parts of types {kinds}: sfttrain trains on text alone (parts of type "
+                        "'text' with a 'text' string); drop the other parts, or the row")
+    return {**message, "content": "\n".join(p["text"] for p in parts)}
 
 
 def _system(value, key: str, group: RowGroup, local: int, conversation: list[dict]) -> list[dict]:

@@ -27,6 +27,7 @@ STATE_FILE = "trainer_state.json"
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
 DEBRIS = re.compile(r"^\.global_step_\d+(\.old)?\.(tmp|trash)$")
 ASIDE = re.compile(r"^\.(global_step_\d+)\.old$")
+VERL_SHARD = re.compile(r"^model_world_size_\d+_rank_\d+\.pt$")  # verl's FSDP checkpoint shards
 
 
 def is_complete(path: str) -> bool:
@@ -169,8 +170,32 @@ def resolve(path: str) -> str:
     found = latest_of_newest_run(path)
     if found:
         return found[1]
-    raise ConfigError(f"{path!r} is neither a complete sfttrain checkpoint (a global_step_N folder with a "
-                      f"{COMPLETE} marker) nor a run folder that holds one")
+    raise ConfigError(f"{path!r} {_what_instead(path)}")
+
+
+def _what_instead(path: str) -> str:
+    """What a path that holds no sfttrain checkpoint is instead, and what to do with it."""
+    if not os.path.exists(path):
+        return "does not exist"
+    names = set(os.listdir(path)) if os.path.isdir(path) else set()
+    if any(VERL_SHARD.match(name) for name in names):
+        hf = os.path.join(path, "huggingface")
+        weights = os.path.isdir(hf) and any(n.endswith((".safetensors", ".bin")) for n in os.listdir(hf))
+        start = (f"set model.partial_pretrain={hf} (its weights, saved beside the shards)" if weights else
+                 f"merge its shards into a Hugging Face folder (verl: `python -m verl.model_merger merge --backend fsdp "
+                 f"--local_dir {path} --target_dir OUT`) and set model.partial_pretrain=OUT")
+        return ("is a verl checkpoint (model_world_size_*_rank_*.pt): sfttrain resumes its own runs only (their "
+                f"optimizer, schedule and data position). To fine-tune on from its weights, {start}, without "
+                "trainer.resume_from_path")
+    if "config.json" in names and any(n.endswith((".safetensors", ".bin")) for n in names):
+        return ("is a Hugging Face model folder, not a checkpoint: to start from its weights, set "
+                f"model.partial_pretrain={path}; trainer.resume_from_path continues a sfttrain run (its optimizer, "
+                "schedule and data position)")
+    if STEP_DIR.match(os.path.basename(path)):
+        return (f"has no {COMPLETE} marker: its save (or copy) did not finish; resume from an earlier "
+                "global_step_N beside it, or finish copying it")
+    return (f"is neither a complete sfttrain checkpoint (a global_step_N folder with a {COMPLETE} marker) nor a run "
+            "folder that holds one")
 
 
 def step_of(path: str) -> int:

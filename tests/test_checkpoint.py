@@ -602,6 +602,31 @@ def test_find_resume_modes_and_errors(tmp_path):
     assert sorted(p.name for p in run_dir.iterdir()) == ["global_step_10", "global_step_12"]
 
 
+def test_a_resume_path_without_a_checkpoint_says_what_it_holds(tmp_path):
+    """trainer.resume_from_path at what a verl user has: a verl checkpoint (its shards, a huggingface/
+    folder beside them without weights, then with), a Hugging Face model, an unfinished save,
+    nothing: each is refused naming what it is and what to set instead."""
+    verl = tmp_path / "verl" / "global_step_50"
+    (verl / "huggingface").mkdir(parents=True)
+    for name in ("model_world_size_2_rank_0.pt", "optim_world_size_2_rank_0.pt", "huggingface/config.json"):
+        (verl / name).write_text("")
+
+    def refused(path: Path) -> str:
+        with pytest.raises(ConfigError, match=f"^trainer.resume_from_path: '{path}' ") as e:
+            resume.find_resume(TrainerConfig(resume_mode="resume_path", resume_from_path=str(path)), str(tmp_path))
+        return str(e.value)
+
+    assert re.search(rf"is a verl checkpoint .*`python -m verl.model_merger merge --backend fsdp --local_dir {verl} "
+                     r"--target_dir OUT`\) and set model.partial_pretrain=OUT, without trainer.resume_from_path$",
+                     refused(verl))
+    (verl / "huggingface" / "model.safetensors").write_text("")
+    assert f"set model.partial_pretrain={verl / 'huggingface'} (its weights, saved beside the shards)" in refused(verl)
+    assert f"is a Hugging Face model folder, not a checkpoint: to start from its weights, set " \
+           f"model.partial_pretrain={STORIES};" in refused(STORIES)
+    assert "has no COMPLETE marker: its save (or copy) did not finish" in refused(_fake(tmp_path / "run", 4, False))
+    assert refused(tmp_path / "missing").endswith("does not exist")
+
+
 def test_fresh_start_moves_old_metrics_aside(tmp_path):
     """A crash before the first checkpoint: the rerun starts fresh and its steps are not
     appended after the dead attempt's records."""

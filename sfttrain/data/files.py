@@ -2,7 +2,7 @@
 
 An entry is a Parquet file, a JSON Lines file (`.jsonl`, one object per line), a JSON file (`.json`:
 a list of objects, or one object per line as pandas' `to_json(orient="records", lines=True)` and
-`datasets`' `to_json` write it), a CSV or TSV file (a header row, then a row per sample; every cell
+`datasets`' `to_json` write it; not pandas' default, one object holding the whole table), a CSV or TSV file (a header row, then a row per sample; every cell
 read as text, a conversation's cell as its JSON), a directory of such files (its data files in name
 order), a pattern of them (`data/train-*.parquet`: the data files it matches, in name order), or a
 dataset folder that `datasets`' `save_to_disk` wrote (its Arrow files, in its state.json's order).
@@ -28,6 +28,7 @@ import csv
 import glob
 import hashlib
 import io
+import itertools
 import json
 import os
 import re
@@ -238,6 +239,11 @@ def convert_csv(source: str, target: str) -> None:
 def convert_json(source: str, target: str) -> None:
     """The rows of a JSON (Lines) file in two streaming passes; a malformed line raises before
     anything is written."""
+    head = list(itertools.islice(records(source), 2))
+    if len(head) == 1 and (orient := pandas_orient(head[0][1])):
+        raise DataError(f"{source}: the file is one object holding the whole table, as pandas' DataFrame.to_json("
+                        f"orient={orient!r}) writes it{' (its default)' * (orient == 'columns')}, not a row per object; "
+                        "write the rows instead: df.to_json(path, orient='records', lines=True)")
     keys = list(dict.fromkeys(key for _, row in records(source) for key in row))  # first-seen order
     if not keys:
         raise DataError(f"{source}: the file has no rows; point data.train_files / data.val_files at a file with rows")
@@ -259,6 +265,19 @@ def _table(batch: list[tuple[int, dict]], keys: list[str], schema: pa.Schema) ->
     columns = [[None if row.get(key) is None else json.dumps(row[key], ensure_ascii=False) for _, row in batch]
                for key in keys]
     return pa.table(columns + [[line for line, _ in batch]], schema=schema)
+
+
+def pandas_orient(row: dict) -> str | None:
+    """The orient of pandas' to_json a single JSON object was written with, where it holds a whole
+    table (columns: {column: {index: value}}; index: {index: {column: value}}; split: {columns,
+    index, data}); None for a row."""
+    if {"columns", "data"} <= row.keys() and isinstance(row["data"], list):
+        return "split"
+    if not row or not all(isinstance(v, dict) and v for v in row.values()):
+        return None
+    if all(k.isdigit() for v in row.values() for k in v):
+        return "columns"
+    return "index" if all(k.isdigit() for k in row) else None
 
 
 def records(path: str) -> Iterator[tuple[int, dict]]:

@@ -121,6 +121,18 @@ def test_not_prefix_stable_template_is_named_with_the_row(tokenizer):
         renderer(tokenizer, chat_template=COUNTING_TEMPLATE).render(conversation, {}, row=41)
 
 
+def test_a_template_failing_on_one_conversation_is_named_with_the_row(tokenizer):
+    """A template that raises (anything: here a ZeroDivisionError) in a branch only some rows take is
+    that row's problem, said with the row, not the template's traceback."""
+    failing = PLAIN_TEMPLATE.replace("{% for m in messages %}", "{% for m in messages %}{% if m.tool_calls %}{{ 1 / 0 }}"
+                                     "{% endif %}")
+    r = renderer(tokenizer, chat_template=failing)
+    assert r.render(CONVERSATION[:2] + [{"role": "assistant", "content": "A1"}], {}, row=0)
+    with pytest.raises(ValueError, match=r"row 7: the chat template failed on this conversation: ZeroDivisionError: "
+                                         r"division by zero; fix the template"):
+        r.render_many([(CONVERSATION, {}, 7)])
+
+
 def test_qwen3_tool_loop_reasoning_then_a_new_question_is_refused(qwen3):
     """Qwen3 shows a tool loop's reasoning until the next user message, then drops it: the turn
     after the tool result was answered seeing reasoning that the one rendering no longer has."""

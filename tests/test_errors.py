@@ -54,6 +54,9 @@ def catalogue(tmp: Path) -> dict[str, Case]:
     pq.write_table(pa.table({"messages": [[{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]]}),
                    messages)
     (tmp / "broken.jinja").write_text("{% for m in messages %}{{ m.content }}")  # no endfor
+    # parses, renders the start-up's probe, and fails in a branch that only GSM8K's row 1 ("Weng earns...") takes
+    (tmp / "weng.jinja").write_text("{% for m in messages %}{% if 'Weng' in m.content %}{{ 1 // 0 }}{% endif %}"
+                                    "{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}Answer: {% endif %}")
     dynamic = tmp / "dynamic_rope"  # stories260K with dynamic-NTK RoPE beyond 128 positions
     shutil.copytree(STORIES, dynamic)
     config = json.loads((dynamic / "config.json").read_text())
@@ -100,6 +103,9 @@ def catalogue(tmp: Path) -> dict[str, Case]:
                                      "data.chat_template={% for m in messages %}{{ m.content }"],
                                     ["data.chat_template='{% for m in messages %}{{ m.content }'",
                                      "does not parse or render"], CONFIG),
+        "template_fails_on_a_row": Case(["data.apply_chat_template=true", f"data.chat_template={tmp}/weng.jinja"], [
+            "train.parquet row 1: the chat template failed on this row's prompt (as one user turn): ZeroDivisionError: "
+            "integer division or modulo by zero; fix the template"], DATA),
         "multiturn_without_template": Case(["data.multiturn.enable=true", "data.apply_chat_template=true"], [
             "the tokenizer has none: set data.chat_template"], CONFIG),
         "messages_read_as_prompt": Case([f"data.train_files={messages}"], [
@@ -171,7 +177,7 @@ def launcher_traceback_only(out: str) -> bool:
 
 CASES = ["misspelled_key", "wrong_type", "yaml_syntax", "nan_lr", "missing_wandb", "wandb_not_logged_in",
          "non_divisible_batch",
-         "missing_model", "missing_chat_template", "template_file_fails", "template_text_fails",
+         "missing_model", "missing_chat_template", "template_file_fails", "template_text_fails", "template_fails_on_a_row",
          "multiturn_without_template", "messages_read_as_prompt", "batch_dependent_rope", "profile_beyond_the_run",
          "token_past_the_embedding", "torchrun_per_task",
          "missing_column", "missing_path", "hub_dataset_id", "empty_file", "zero_byte_parquet", "over_length_row",

@@ -387,6 +387,14 @@ def test_preflight_renders_with_the_template_the_run_would_use(gsm8k_dir, tiny_q
     code, out = run_plan(f"data.train_files={gsm8k_dir / 'train.parquet'}", f"model.partial_pretrain={tiny_qwen_dir}",
                          f"data.chat_template={tmp_path / 'broken.jinja'}", "data.train_batch_size=8", "--nproc", "1")
     assert code == 2 and "broken.jinja' does not parse or render: TemplateSyntaxError" in out, out
+    # one that fails only in a branch some rows take (GSM8K's row 1, "Weng earns..."): named with the row, as the run does
+    template = (tiny_qwen_dir / "chat_template.jinja").read_text()
+    (tmp_path / "weng.jinja").write_text("{% for m in messages %}{% if 'Weng' in m.content %}{{ raise_exception('no "
+                                         "Weng') }}{% endif %}{% endfor %}" + template)
+    code, out = run_plan(f"data.train_files={gsm8k_dir / 'train.parquet'}", f"model.partial_pretrain={tiny_qwen_dir}",
+                         f"data.chat_template={tmp_path / 'weng.jinja'}", "data.train_batch_size=8", "--nproc", "1")
+    assert code == 2 and "train.parquet row 1: the chat template failed on this row's prompt (as one user turn): " \
+                         "TemplateError: no Weng; fix the template" in out, out
 
 
 def test_readme_preflight_of_a_hub_model(tmp_path, monkeypatch):

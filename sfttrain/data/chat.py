@@ -36,7 +36,7 @@ import os
 from jinja2 import TemplateError
 
 from sfttrain.config import ConfigError
-from sfttrain.data.render import Renderer, RenderedSample, RowError, each_row
+from sfttrain.data.render import TEMPLATE_FIX, Renderer, RenderedSample, RowError, TemplateFailed, apply_template, each_row
 
 ROLES = ("system", "user", "assistant", "tool")
 ROLE_HINTS = {  # other formats' names of these roles, and what to do
@@ -65,8 +65,8 @@ class ChatRenderer(Renderer):
                               "assistant turn with one (set data.chat_template=...)")
 
     def _render(self, messages: list[dict], kwargs: dict, generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
-                                                  chat_template=self.chat_template, **kwargs)
+        return apply_template(self.tokenizer, messages, add_generation_prompt=generation_prompt,
+                              chat_template=self.chat_template, **kwargs)
 
     def render_many(self, rows: list[tuple[list[dict], dict, int]]) -> list[RenderedSample]:
         """A conversation's masks come from character offsets of its own rendering: one at a time."""
@@ -80,8 +80,8 @@ class ChatRenderer(Renderer):
             text = self._render(messages, kwargs, False)
             spans = [self._assistant_span(text, messages, kwargs, i, row)
                      for i, m in enumerate(messages) if m["role"] == "assistant"]
-        except (TemplateError, TypeError, KeyError) as e:
-            raise ValueError(f"row {row}: the chat template failed on this conversation: {e}") from None
+        except TemplateFailed as e:
+            raise ValueError(f"row {row}: the chat template failed on this conversation: {e}; {TEMPLATE_FIX}") from None
         encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         input_ids = list(encoding["input_ids"])
         loss_mask = [int(any(a < end and b > start for start, end in spans)) for a, b in encoding["offset_mapping"]]
@@ -194,7 +194,8 @@ def build_renderer(d, tokenizer, embedding_rows: int | None) -> Renderer:
     except ConfigError:
         raise
     except (TemplateError, TypeError, KeyError, ValueError, IndexError) as e:
-        e = e.__cause__ if isinstance(e, RowError) else e  # what the template raised
+        while isinstance(e, (RowError, TemplateFailed)) and e.__cause__ is not None:  # what the template raised
+            e = e.__cause__
         source = (f"data.chat_template={d.chat_template!r}" if d.chat_template is not None
                   else "the tokenizer's chat template (data.chat_template=... replaces it)")
         raise ConfigError(f"{source} does not parse or render: {type(e).__name__}: {str(e).splitlines()[0]}; fix "

@@ -16,6 +16,7 @@ from sfttrain.config import ConfigError
 
 TRUNCATION_MODES = ("error", "left", "right")
 PROBE = "\x00sfttrain-probe\x00"  # an assistant content no real text contains
+TEMPLATE_FIX = "fix the template (data.chat_template=... replaces the tokenizer's) or the row"
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,24 @@ class RenderedSample:
     loss_mask: list[int]  # 1 where token t is a training target (predicted from token t-1), else 0
     row: int  # global row id of the source row (for error messages)
     full_length: int = 0  # tokens before truncation (> len(input_ids) where data.truncation cut the sample)
+
+
+class TemplateFailed(ValueError):
+    """The chat template raised while rendering (a row's texts, or the start-up's probe): the
+    template's own exception, whatever its type, as one line (a ValueError, which each_row names
+    the row of)."""
+
+
+def apply_template(tokenizer, messages: list[dict], **kwargs) -> str:
+    """tokenizer.apply_chat_template(messages, tokenize=False, **kwargs). A template is user code
+    (Jinja) that may raise anything on some rows only, in a branch the others never take: a
+    TemplateError from raise_exception, an undefined attribute, a ZeroDivisionError, a TypeError on
+    a number where it expects text. Each is TemplateFailed, so the run and the preflight stop
+    naming the row instead of ending in the template's traceback."""
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+    except Exception as e:  # noqa: BLE001 (the template's own code: any exception is its failure)
+        raise TemplateFailed(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
 
 
 class RowError(ValueError):
@@ -88,9 +107,8 @@ class Renderer:
     def _after_answer(self) -> tuple[str, str | None]:
         """The text the chat template writes right after an assistant message's content, and the
         special token it starts with (None where it starts with none)."""
-        text = self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": PROBE}], tokenize=False,
-            chat_template=self.chat_template)
+        text = apply_template(self.tokenizer, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": PROBE}],
+                              chat_template=self.chat_template)
         after = text[text.rindex(PROBE) + len(PROBE):]
         ids = self.tokenizer(after, add_special_tokens=False)["input_ids"]
         special = bool(ids) and ids[0] in self.tokenizer.added_tokens_decoder
@@ -134,9 +152,12 @@ class Renderer:
         """The prompt as a single user turn with the generation prompt, or as plain text."""
         if not self.apply_chat_template:
             return prompt
-        return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                                  tokenize=False,
-                                                  chat_template=self.chat_template)  # None: the tokenizer's own
+        try:
+            return apply_template(self.tokenizer, [{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                  chat_template=self.chat_template)  # None: the tokenizer's own
+        except TemplateFailed as e:
+            raise TemplateFailed(f"the chat template failed on this row's prompt (as one user turn): {e}; "
+                                 f"{TEMPLATE_FIX}") from e.__cause__
 
     def _pair(self, prompt_ids: list[int], response_ids: list[int], row: int) -> RenderedSample:
         # Prompt and response are tokenized separately and concatenated. Tokenizing the joined

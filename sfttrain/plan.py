@@ -452,7 +452,11 @@ def checkpoint_section(cfg: Config, folder: Optional[str], found: Findings) -> l
     folder exists here; else the free space of its nearest existing parent is a note)."""
     if folder is None or not os.path.isfile(os.path.join(folder, "config.json")):
         return []
-    need = checkpoint_bytes(cfg, DenseShape.from_config_json(folder))
+    try:
+        shape = DenseShape.from_config_json(folder)
+    except (OSError, KeyError, json.JSONDecodeError):  # said by memory_section
+        return []
+    need = checkpoint_bytes(cfg, shape)
     run_dir = os.path.abspath(os.path.expanduser(cfg.trainer.default_local_dir))
     there = run_dir
     while not os.path.isdir(there):
@@ -507,6 +511,24 @@ def attention_section(cfg: Config, folder: str, found: Findings) -> None:
             found.notes.append(f"if this runs on GPUs: {e}")
 
 
+def check_model_config(cfg: Config, folder: str) -> None:
+    """The start-up's checks of the loaded model that its config alone decides: a family whose output
+    head sfttrain's loss reproduces (sfttrain.loss), a router loss the config can compute (sfttrain.moe),
+    and under Ulysses heads that split over the sp ranks and no router loss (sfttrain.sequence_parallel).
+    The run makes them once the model is built, after the data scan: here they are problems too."""
+    from transformers import AutoConfig
+
+    from sfttrain import sequence_parallel
+    from sfttrain.loss import output_head
+    from sfttrain.moe import RouterBalance
+
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=cfg.model.trust_remote_code)
+    output_head(config)
+    RouterBalance.of(config)
+    if cfg.ulysses_sequence_parallel_size > 1:
+        sequence_parallel.check_model(config, cfg.ulysses_sequence_parallel_size)
+
+
 def workers_section(cfg: Config, nproc: int) -> list[str]:
     """The start-up lines of data.num_workers against this machine's CPUs, said to be this machine's:
     the nodes the run lands on may have others (there, the run's own start-up lines count theirs)."""
@@ -539,6 +561,7 @@ def preflight(cfg: Config, nproc: int, nnodes: int) -> tuple[list[str], Findings
             found.notes.append(f"{e} (a problem only if the folder has none where the run starts)")
         if cfg.model.lora_rank > 0:
             found.check(lambda: linear_layer_check(cfg.model, folder))
+        found.check(lambda: check_model_config(cfg, folder))
         attention_section(cfg, folder, found)
     fp8_section(cfg, found)
     lines = [f"sfttrain plan: {nnodes} node(s) x {nproc} rank(s)"]

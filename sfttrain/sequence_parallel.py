@@ -108,14 +108,21 @@ def check_heads(model_config, sp: int) -> None:
                           f"{kv_heads} that divides {heads}")
 
 
+def check_model(model_config, sp: int) -> None:
+    """What Ulysses over sp ranks needs of the model, from its config alone (the run checks it on the
+    loaded model, the preflight on config.json): heads that split, and no router loss."""
+    check_heads(model_config, sp)
+    if getattr(model_config, "output_router_logits", False):  # its per-sample statistics would need each
+        # sample's tokens from all sp ranks
+        raise ConfigError(f"ulysses_sequence_parallel_size={sp}: the router's load-balancing loss "
+                          "(output_router_logits=true) is computed per sample and does not run under sequence "
+                          "parallelism yet; set ulysses_sequence_parallel_size=1 or output_router_logits=false")
+
+
 def apply(lm: nn.Module, group: dist.ProcessGroup, size: int) -> SequenceParallel:
     """Installs Ulysses' attention on the model of `lm` (a CausalLMLoss); the data loader feeds
     it `sfttrain.data.pack.local_slice`s."""
-    check_heads(lm.model.config, size)
-    if lm.router is not None:  # its per-sample statistics would need each sample's tokens from all sp ranks
-        raise ConfigError(f"ulysses_sequence_parallel_size={size}: the router's load-balancing loss "
-                          "(output_router_logits=true) is computed per sample and does not run under sequence "
-                          "parallelism yet; set ulysses_sequence_parallel_size=1 or output_router_logits=false")
+    check_model(lm.model.config, size)  # lm.router is there exactly where the config asks for the router loss
     sp = SequenceParallel(group, size)
     attention.register(sp.attention_forward)
     return sp

@@ -382,6 +382,24 @@ def test_preflight_checks_the_model_folder_as_the_run_loads_it(gsm8k_dir, tmp_pa
     assert code == 0, out
 
 
+def test_preflight_checks_what_the_run_checks_of_the_loaded_model(gsm8k_dir, tiny_qwen_dir, tmp_path):
+    """Checks the run makes only once the model is built (after the data scan): Ulysses' heads that
+    split over the sp ranks (tiny Qwen's 4 over 3), a family whose head the loss reproduces (GPT-2:
+    whose config.json the memory estimate cannot read either, which was a traceback)."""
+    data = [f"data.train_files={gsm8k_dir / 'train.parquet'}", "data.train_batch_size=8", "data.max_length=1024"]
+    code, out = run_plan(*data, f"model.partial_pretrain={tiny_qwen_dir}", "ulysses_sequence_parallel_size=3",
+                         "--nproc", "3")
+    assert code == 2 and "ulysses_sequence_parallel_size=3: the model's 4 attention heads do not split over 3 ranks; " \
+                         "use a size that divides 4" in out.split("problems:")[1], out
+    gpt2 = tmp_path / "gpt2"
+    shutil.copytree(tiny_qwen_dir, gpt2)
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 4,
+                                                  "vocab_size": 151665}))
+    code, out = run_plan(*data, f"model.partial_pretrain={gpt2}", "--nproc", "1")
+    assert code == 2 and "model type 'gpt2': sfttrain's loss is checked against the model's own loss only for llama" \
+                         in out.split("problems:")[1], out
+
+
 def test_preflight_renders_with_the_template_the_run_would_use(gsm8k_dir, tiny_qwen_dir, tmp_path):
     (tmp_path / "broken.jinja").write_text("{% for m in messages %}{{ m.content }}")  # no endfor
     code, out = run_plan(f"data.train_files={gsm8k_dir / 'train.parquet'}", f"model.partial_pretrain={tiny_qwen_dir}",

@@ -50,6 +50,10 @@ class DataConfig:
     train_batch_size: int = 256  # GLOBAL batch in samples per optimizer step
     micro_batch_size_per_gpu: int = 4  # samples per forward/backward on one data-parallel rank
     max_token_len_per_gpu: Optional[int] = None  # if set, micro-batches are token budgets instead
+    # verl's switch between the two (its new SFT trainer's key): true packs micro-batches up to
+    # max_token_len_per_gpu tokens (which must be set), false runs micro_batch_size_per_gpu samples
+    # (max_token_len_per_gpu must not be); null: max_token_len_per_gpu decides, as above
+    use_dynamic_bsz: Optional[bool] = None
     # packed rows are padded to a multiple of this by a masked dummy segment (<= 127 wasted tokens
     # per micro-batch): whole GEMM tiles, and a small set of shapes instead of a new one every step
     pad_to_multiple: int = 128
@@ -473,6 +477,7 @@ def _validate_data(d: DataConfig) -> None:
     _positive(("data.train_batch_size", d.train_batch_size),
               ("data.micro_batch_size_per_gpu", d.micro_batch_size_per_gpu),
               ("data.max_length", d.max_length), ("data.pad_to_multiple", d.pad_to_multiple))
+    _check_dynamic_bsz(d)
     if d.max_token_len_per_gpu is not None and d.max_token_len_per_gpu < d.max_length:
         raise ConfigError(f"data.max_token_len_per_gpu={d.max_token_len_per_gpu} is below data.max_length="
                           f"{d.max_length}: a longest sample would not fit; raise it or lower data.max_length")
@@ -492,6 +497,22 @@ def _validate_data(d: DataConfig) -> None:
     if d.multiturn.enable and not d.apply_chat_template:
         raise ConfigError("data.multiturn.enable=true renders conversations with a chat template: remove "
                           "data.apply_chat_template=false (data.chat_template=... sets a template of your own)")
+
+
+def _check_dynamic_bsz(d: DataConfig) -> None:
+    """verl's data.use_dynamic_bsz against data.max_token_len_per_gpu, which alone decides here: each
+    value of the switch is refused where the budget says otherwise, rather than one of them ignored (verl
+    packs by its default budget of 8192 tokens with the switch on, and ignores a budget with it off)."""
+    budget = d.max_token_len_per_gpu
+    if d.use_dynamic_bsz is True and budget is None:
+        raise ConfigError(f"data.use_dynamic_bsz=true packs each micro-batch up to data.max_token_len_per_gpu tokens, "
+                          f"which is not set (verl's default is 8192): set it, at least data.max_length={d.max_length},"
+                          f" e.g. data.max_token_len_per_gpu={max(8192, d.max_length)}")
+    if d.use_dynamic_bsz is False and budget is not None:
+        raise ConfigError(f"data.use_dynamic_bsz=false runs micro-batches of data.micro_batch_size_per_gpu="
+                          f"{d.micro_batch_size_per_gpu} samples, but data.max_token_len_per_gpu={budget} packs them "
+                          "by tokens instead (verl ignores it there): remove data.max_token_len_per_gpu for micro-batches "
+                          "of samples, or set data.use_dynamic_bsz=true for token budgets")
 
 
 def _validate_model(m: ModelConfig) -> None:

@@ -44,6 +44,21 @@ def test_counts_that_crash_or_mean_nothing_are_refused_with_a_valid_value(overri
         load_config(overrides=[*COMMON, kept])
 
 
+def test_verls_dynamic_batch_switch_agrees_with_the_token_budget():
+    """data.use_dynamic_bsz (verl's new SFT trainer) was an unknown key ("did you mean
+    data.response_dict_keys?"). Each value loads where the budget agrees with it; where it does not,
+    the refusal names a setting that loads."""
+    for agreeing in (["data.use_dynamic_bsz=true", "data.max_token_len_per_gpu=4096"], ["data.use_dynamic_bsz=false"]):
+        load_config(overrides=[*COMMON, *agreeing])
+    assert load_config(overrides=[*COMMON, *agreeing]).data.max_token_len_per_gpu is None
+    with pytest.raises(ConfigError, match=r"data.use_dynamic_bsz=true .* e\.g\. data.max_token_len_per_gpu=8192$"):
+        load_config(overrides=[*COMMON, "data.use_dynamic_bsz=true"])
+    load_config(overrides=[*COMMON, "data.use_dynamic_bsz=true", "data.max_token_len_per_gpu=8192"])
+    with pytest.raises(ConfigError, match=r"data.use_dynamic_bsz=false runs micro-batches of data.micro_batch_size_per"
+                                          r"_gpu=4 samples, but data.max_token_len_per_gpu=8192 .*remove data.max_token"):
+        load_config(overrides=[*COMMON, "data.use_dynamic_bsz=false", "data.max_token_len_per_gpu=8192"])
+
+
 @pytest.mark.parametrize("overrides, message", [
     (["model.fsdp_config.fsdp_size=2"], "NO_SHARD .* contradicts fsdp_size=2; .*HYBRID_SHARD"),
     (["model.fsdp_config.cpu_offload=true"], "NO_SHARD .*CPU offload moves FSDP's shards.*FULL_SHARD"),

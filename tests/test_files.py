@@ -149,14 +149,20 @@ def test_a_pattern_reads_the_files_it_matches_and_a_folder_of_splits_is_refused(
 
 
 def test_a_bad_cell_is_named_with_its_line(tmp_path):
+    """A null, a row without the key, a number: each named with its line, and what to do about it."""
     path = tmp_path / "cells.jsonl"
     path.write_text('{"question": "q", "answer": "a"}\n\n{"question": "q", "answer": null}\n'
-                    '{"question": "q", "answer": 5}\n')
+                    '{"question": "q", "answer": 5}\n{"answer": "a"}\n')
     source = open_source([str(path)], FIELDS, str(tmp_path / "run"))
-    with pytest.raises(DataError, match=rf"{path} line 3: answer is null, expected a string"):
+    with pytest.raises(DataError, match=rf"{path} line 3: answer is null, expected a string; this row has no value "
+                                        r"for it \(or no key 'answer' at all\): fill it in, or remove the row"):
         source.read(np.array([1]))
-    with pytest.raises(DataError, match=rf"{path} line 4: answer is int, expected a string"):
+    with pytest.raises(DataError, match=rf"{path} line 4: answer is int, expected a string \(5\): the text is what is "
+                                        r"trained, so write it as text in the file \(\"5\" in JSON"):
         source.read(np.array([2]))
+    with pytest.raises(DataError, match=rf"{path} line 5: question is null, expected a string; this row has no value "
+                                        r"for it \(or no key 'question' at all\)"):
+        source.read(np.array([3]))
 
 
 def test_a_bad_cell_of_a_csv_or_arrow_file_is_named_with_its_row(tmp_path):

@@ -93,7 +93,8 @@ def test_a_bad_cell_in_rank_1s_share_stops_every_rank_at_once(gsm8k_dir, tmp_pat
     out = run_sfttrain(2, [*BASE_OVERRIDES, f"data.train_files={data}", f"trainer.default_local_dir={tmp_path / 'run'}",
                            "data.train_batch_size=8", "data.micro_batch_size_per_gpu=2"], check=False, timeout=240,
                        torchrun=True)  # its root cause
-    message = f"sfttrain: data error: {data} line 34: answer is null, expected a string"
+    message = (f"sfttrain: data error: {data} line 34: answer is null, expected a string; this row has no value for "
+               "it (or no key 'answer' at all): fill it in, or remove the row")
     assert out.returncode != 0, out.stdout[-3000:]  # torchrun exits 1 when a rank failed
     assert [line for line in out.stdout.splitlines() if line.startswith("sfttrain: ")] == [message], out.stdout[-3000:]
     root_cause = out.stdout.split("Root Cause (first observed failure):")[1]

@@ -259,12 +259,22 @@ def _text(value, key_path: list[str], group: RowGroup, local: int) -> str:
                               f"{key_path[0]!r}; check data.prompt_dict_keys / data.response_dict_keys")
         value = value[key]
     if not isinstance(value, str):
-        hint = ("; for conversations set data.multiturn.enable=true (a prompt and a completion that are lists of "
-                "messages, TRL's form: with data.multiturn.messages_key=[prompt,completion])"
-                if isinstance(value, list) else "")
         raise DataError(f"{_where(group, local)}: {'.'.join(key_path)} is "
-                          f"{_kind(value)}, expected a string{hint}")
+                          f"{_kind(value)}, expected a string{_text_hint(value, key_path)}")
     return value
+
+
+def _text_hint(value, key_path: list[str]) -> str:
+    """What to do about a prompt or response cell that is not text."""
+    if isinstance(value, list):
+        return ("; for conversations set data.multiturn.enable=true (a prompt and a completion that are lists of "
+                "messages, TRL's form: with data.multiturn.messages_key=[prompt,completion])")
+    if value is None:  # a JSON file's row without the key reads as null too
+        return (f"; this row has no value for it (or no key {key_path[-1]!r} at all): fill it in, or remove the row")
+    if isinstance(value, (int, float, bool)):  # an answer column of numbers: verl fails on them too, mid-run
+        return (f" ({value!r}): the text is what is trained, so write it as text in the file (\"{value}\" in JSON, a "
+                "string column in Parquet)")
+    return ""
 
 
 # ShareGPT's turns ({"from": "human", "value": ...}) and the roles they name, as chat templates know them

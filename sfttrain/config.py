@@ -282,8 +282,23 @@ IGNORED_VERL_KEYS = {
     "data.micro_batch_size": "verl's deprecated global micro-batch, which its SFT trainer never reads either; "
                              "the micro-batch is data.micro_batch_size_per_gpu",
     "data.use_shm": "verl copies the data files through /dev/shm; sfttrain streams them where they are",
+    "data.processor": "verl's processor settings for image data (data.image_key); images are not trained here",
     "model.use_shm": "verl copies the model to /dev/shm before loading it; sfttrain reads model.partial_pretrain "
                      "where it is",
+}
+
+# Keys of verl's own sft_trainer.yaml that name something sfttrain does not have: null (their value
+# there) means none, and is dropped with a line as IGNORED_VERL_KEYS are; a value is refused with why,
+# as it would be ignored (it was an unknown key, whose suggestion misled: model.external_lib "did you
+# mean model.use_liger?").
+NULL_ONLY_VERL_KEYS = {
+    "data.custom_cls": "verl's custom Dataset class; sfttrain reads the forms of rows in the README (Your own data): "
+                       "convert the data to one of them",
+    "data.image_key": "images are not trained here (text-only causal LMs)",
+    "model.external_lib": "verl imports that module to register a custom model; sfttrain loads Hugging Face model "
+                          "folders (model.trust_remote_code=true runs a folder's own code)",
+    "trainer.resume_path": "verl's former resume key: use trainer.resume_mode=resume_path "
+                           "trainer.resume_from_path=<checkpoint or run folder>",
 }
 
 # Keys whose value may be a nested dict of their own (validated where they are used).
@@ -318,6 +333,7 @@ def load_config(yaml_path: Optional[str] = None, overrides: tuple[str, ...] | li
     for layer in layers:
         layer = _apply_aliases(layer)
         _drop_ignored(layer)
+        _drop_null_verl_keys(layer)
         _check_known_keys(layer, merged)
         try:
             merged = OmegaConf.merge(merged, layer)
@@ -376,6 +392,22 @@ def _drop_ignored(layer: DictConfig) -> None:
         OmegaConf.select(layer, parent).pop(leaf)
         if int(os.environ.get("RANK", 0)) == 0:
             print(f"sfttrain: ignoring {key}={value!r}: {why}", flush=True)
+
+
+def _drop_null_verl_keys(layer: DictConfig) -> None:
+    """Removes NULL_ONLY_VERL_KEYS that say none (null, or a section of nulls: verl's `custom_cls:
+    {path: null, name: null}`), saying so once (rank 0) for each; refuses one with a value."""
+    for key, why in NULL_ONLY_VERL_KEYS.items():
+        value = OmegaConf.select(layer, key, default="__absent__", throw_on_missing=False)
+        if value == "__absent__":
+            continue
+        plain = OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value
+        if plain not in (None, "", {}, []) and not (isinstance(plain, dict) and all(v is None for v in plain.values())):
+            raise ConfigError(f"{key}={plain!r}: {why}; remove the key (or set it to null)")
+        parent, _, leaf = key.rpartition(".")
+        OmegaConf.select(layer, parent).pop(leaf)
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"sfttrain: ignoring {key}={plain!r} (verl's key, none given): {why}", flush=True)
 
 
 def _value_problem(e: OmegaConfBaseException) -> str:

@@ -17,7 +17,7 @@ import textwrap
 import tokenize
 from typing import Any, NamedTuple
 
-from sfttrain.config import ALIASES, IGNORED_VERL_KEYS, Config, ConfigError
+from sfttrain.config import ALIASES, IGNORED_VERL_KEYS, NULL_ONLY_VERL_KEYS, Config, ConfigError
 
 
 class KeyHelp(NamedTuple):
@@ -91,6 +91,7 @@ def format_help(section: str | None = None) -> str:
     if section is None:
         lines.append("verl spellings accepted: " + ", ".join(f"{old} -> {new}" for old, new in ALIASES.items()))
         lines.append("verl keys accepted and ignored (each said at start-up): " + ", ".join(IGNORED_VERL_KEYS))
+        lines.append("verl keys accepted and ignored where null (a value is refused): " + ", ".join(NULL_ONLY_VERL_KEYS))
     return "\n".join(lines)
 
 

@@ -70,6 +70,26 @@ def test_no_shard_refuses_what_needs_shards(overrides, message):
         load_config(overrides=[*COMMON, "model.fsdp_config.sharding_strategy=NO_SHARD", *overrides])
 
 
+def test_verls_sft_trainer_yaml_keys_that_say_none(capsys):
+    """The keys of verl's own sft_trainer.yaml that name what sfttrain does not have load where they
+    say none (their values there), each said once; a value is refused with why and what to do."""
+    cfg = load_config(overrides=[*COMMON, "data.custom_cls.path=null", "data.custom_cls.name=null", "data.image_key=null",
+                                 "model.external_lib=null", "trainer.resume_path=null", "data.processor.use_fast=true"])
+    assert cfg.trainer.resume_from_path is None
+    out = capsys.readouterr().out
+    for key in ("data.custom_cls={'path': None, 'name': None}", "data.image_key=None", "model.external_lib=None",
+                "trainer.resume_path=None"):
+        assert f"sfttrain: ignoring {key} (verl's key, none given): " in out, out
+    assert "sfttrain: ignoring data.processor={'use_fast': True}: verl's processor settings for image data" in out, out
+    for override, message in [("model.external_lib=my_models", "model.external_lib='my_models': verl imports that "
+                                                               "module to register a custom model"),
+                              ("trainer.resume_path=ckpt/global_step_5", "trainer.resume_path='ckpt/global_step_5': "
+                                                                         ".*use trainer.resume_mode=resume_path"),
+                              ("data.custom_cls.path=my_dataset.py", "data.custom_cls=.*convert the data")]:
+        with pytest.raises(ConfigError, match=rf"^{message}.*; remove the key \(or set it to null\)$"):
+            load_config(overrides=[*COMMON, override])
+
+
 def test_hydra_append_syntax_and_ignored_verl_keys(capsys):
     """`+key=value` sets a key sfttrain knows; verl keys without meaning here are dropped with one
     line each saying why; a key that is neither stays an error, with or without the +."""

@@ -12,15 +12,15 @@ import torch.distributed as dist
 
 from sfttrain import checkpoint, export, fp8, lora, moe, phase, profiling, recompute, stop_signal
 from sfttrain.attention import describe_backend, fallback_warning
-from sfttrain.checkpoint_folder import (complete_checkpoints, describe_retention, is_complete, read_state,
-                                       remove_stale_tmp)
+from sfttrain.checkpoint_folder import (complete_checkpoints, describe_retention, is_complete, latest_of_newest_run,
+                                       read_state, remove_stale_tmp)
 from sfttrain.config import Config, as_list, logger_names
 from sfttrain.data.chat import build_renderer, resolve_chat_template
 from sfttrain.data.loader import (StepBatch, TrainData, cpus_of_this_process, describe_workers,
                                   step_batches, validation_batches)
 from sfttrain.data.files import open_source
 from sfttrain.data.pack import max_segment_length
-from sfttrain.data.parquet import row_fields
+from sfttrain.data.parquet import DataFileChanged, row_fields
 from sfttrain.data.prepare import prepare_data
 from sfttrain.data.report import describe
 from sfttrain.distributed import World, check_shared_run_dir, ranks_of_this_launcher
@@ -179,7 +179,7 @@ class FSDPSFTTrainer:
                 phase.enter(f"step {self.state.step + 1}")
                 wait_start = time.perf_counter()
                 self.profiler.before_step(self.state.step + 1)
-                batch = next(batches)
+                batch = self.next_batch(batches)
                 queued = self.step(batch, time.perf_counter() - wait_start, queued)
                 profiled = self.profiler.after_step(self.state.step)  # the window's end writes its trace
                 self.checkpointer.poll()  # commits a background save once every rank has written it
@@ -205,6 +205,15 @@ class FSDPSFTTrainer:
             self.export_hf()
         self.say_done(total - first_step, time.perf_counter() - started)
         self.logger.close()
+
+    def next_batch(self, batches) -> StepBatch:
+        """The next step's batch; a data file changed since start-up is said with the checkpoint to resume
+        from (the one committed last: a save still in flight needs every rank, and this one may be alone)."""
+        try:
+            return next(batches)
+        except DataFileChanged as e:
+            last = latest_of_newest_run(self.run_dir)
+            raise e.then_resume(last[1] if last else None) from None
 
     def say_done(self, steps: int, seconds: float) -> None:
         """The run's last lines: what it trained, where the result is, the commands that go on from it."""

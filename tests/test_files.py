@@ -66,6 +66,44 @@ def test_a_conversion_is_reused_until_the_source_changes(tmp_path):
     assert data_files_of(source) == [{"path": str(path), "bytes": path.stat().st_size, "rows": 3}]
 
 
+def test_a_data_file_rewritten_while_the_run_trains_stops_it_naming_the_file(gsm8k_dir, tmp_path):
+    """Row groups are read lazily after the start-up scan (here all of them: a resume reads the counts from
+    the run folder's length cache). The training file rewritten mid-run with other rows, as a data_prep
+    script run again into its folder does (here every digit replaced by the next: the same token counts, which
+    the trainer's count check alone let train silently to the end), stops the run at the next row group it
+    reads, in a data worker: one message naming the file and the checkpoint to resume from, exit code 3, no
+    traceback."""
+    import time
+
+    from tests.conftest import BASE_OVERRIDES, kill_job, launch, logged_steps
+
+    data, run_dir, log = tmp_path / "train.parquet", tmp_path / "run", tmp_path / "log"
+    rows = pq.read_table(gsm8k_dir / "train.parquet", columns=["question", "answer"])
+    pq.write_table(rows, data, row_group_size=16)  # 2 steps a group: the run reads a group from disk every 2 steps
+    job = [*BASE_OVERRIDES, f"data.train_files={data}", f"trainer.default_local_dir={run_dir}", "data.max_length=64",
+           "data.train_batch_size=8", "data.micro_batch_size_per_gpu=8", "trainer.save_freq=2"]
+    run_sfttrain(1, [*job, "trainer.total_training_steps=2"])  # the scan, the length cache, global_step_2
+    proc = launch(1, [*job, "trainer.total_training_steps=240", "data.num_workers=1"], log)
+    try:
+        deadline = time.monotonic() + 120
+        while logged_steps(run_dir) < 4 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proc.poll() is None and logged_steps(run_dir) >= 4, log.read_text()[-3000:]
+        next_digit = str.maketrans("0123456789", "1234567890")  # other numbers, the same tokens (a digit each)
+        other = {k: [text.translate(next_digit) for text in rows[k].to_pylist()] for k in rows.column_names}
+        pq.write_table(pa.table(other), data, row_group_size=16)
+        code = proc.wait(timeout=120)
+    finally:
+        kill_job(proc)
+    out = log.read_text()
+    said = [line for line in out.splitlines() if line.startswith("sfttrain: ")]
+    assert code == 3 and len(said) == 1 and "Traceback" not in out, out[-3000:]
+    last = max(int(p.name.split("_")[-1]) for p in run_dir.glob("global_step_*"))
+    assert said[0].startswith(f"sfttrain: data error: data file {data} changed while the run trained: "), said[0]
+    assert f"the same command then resumes from {run_dir / f'global_step_{last}'}" in said[0], said[0]
+    assert logged_steps(run_dir) < 240
+
+
 def test_nested_keys_and_messages_keep_their_json_values(tmp_path):
     """Rows of one file with different keys, shapes and types: each row reads back as written."""
     rows = [{"data": {"q": "one", "a": "1"}, "messages": [{"role": "user", "content": "hi"},

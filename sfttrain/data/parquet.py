@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import PurePath
@@ -62,6 +63,39 @@ class PromptResponse:
         prompts, responses = ([_text(v, path, group, i) for i, v in zip(locals_, _cells(table, path[0]))]
                               if path else [""] * len(locals_) for path in (self.prompt_path, self.response_path))
         return prompts, responses
+
+
+class DataFileChanged(DataError):
+    """A data file rewritten, replaced or deleted after the start-up scan read it: the rows read from it
+    now are not those the scan counted (and the fingerprint names), so none of them is trained on."""
+
+    def __init__(self, source: str, change: str, next_step: str = ""):
+        self.source, self.change, self.next_step = source, change, next_step
+        super().__init__(f"data file {source} changed while the run trained: {change} since the start-up scan (a "
+                         "data_prep script or rsync writing into its folder, say); the rows it holds now are not those "
+                         "the run scanned, counted and fingerprinted, so training stopped before reading "
+                         f"them{next_step}")
+
+    def __reduce__(self):  # raised in a DataLoader worker, it reaches the rank pickled
+        return DataFileChanged, (self.source, self.change, self.next_step)
+
+    def then_resume(self, last_checkpoint: Optional[str]) -> "DataFileChanged":
+        """The error with what to do next, given the run folder's last committed checkpoint."""
+        then = (f"the same command then resumes from {last_checkpoint}" if last_checkpoint else
+                "the same command then starts afresh: no checkpoint was committed yet")
+        return DataFileChanged(self.source, self.change, f". Put the file back as it was while a run reads it "
+                               f"({then}); to train on the new data, start in a new run folder "
+                               "(trainer.default_local_dir), whose start-up scans it")
+
+
+def file_stamp(path: str) -> Optional[tuple[int, ...]]:
+    """What changes when a file is rewritten in place (size, modification time) or replaced by another
+    (device and inode: rsync and most writers rename a new file over the old); None once it is gone."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def missing_file(path: str) -> DataError:
@@ -154,6 +188,7 @@ class ParquetSource:
         self.origins = origins or {}
         self.row_groups: list[RowGroup] = []
         self._columns: dict[str, list[str]] = {}  # per file: the columns its row groups are read with
+        self._stamps: dict[str, Optional[tuple[int, ...]]] = {}  # per file: its file_stamp when opened
         self.unread: set[str] = set()  # the files' other columns (the data report names them)
         for file in files:
             self._add_file(os.path.expanduser(file))
@@ -167,6 +202,7 @@ class ParquetSource:
     def _add_file(self, file: str) -> None:
         if not os.path.isfile(file):
             raise missing_file(file)
+        self._stamps[file] = file_stamp(file)  # before its metadata is read: a later change is seen
         try:
             meta = pq.ParquetFile(file)
         except (pa.ArrowException, OSError) as e:
@@ -245,10 +281,32 @@ class ParquetSource:
             self._cache.move_to_end(g)
             return self._cache[g]
         group = self.row_groups[g]
-        table = pq.ParquetFile(group.file).read_row_group(group.index, columns=self._columns[group.file])
+        try:
+            table = pq.ParquetFile(group.file).read_row_group(group.index, columns=self._columns[group.file])
+        except (pa.ArrowException, OSError):  # a file changed since start-up fails its read in many ways
+            self._check_unchanged(group)
+            raise
+        self._check_unchanged(group)  # one that still reads may hold other rows: never trained on silently
         self.groups_decoded += 1
         self._cache[g] = table.combine_chunks()
         return self._cache[g]
+
+
+    def _check_unchanged(self, group: RowGroup) -> None:
+        """Row groups are read lazily, long after the start-up scan counted their rows (a window of rows
+        is kept in memory, the rest read again as the epochs reach it): a file changed since then stops
+        the run, naming it, instead of training on rows the scan never saw."""
+        stamp = file_stamp(group.file)
+        if stamp != self._stamps[group.file]:
+            then = self._stamps[group.file]
+            now = ("deleted" if stamp is None else "another file in its place" if stamp[:2] != then[:2]
+                   else f"{then[2]} bytes -> {stamp[2]}, modified {_clock(then[3])} -> {_clock(stamp[3])}")
+            raise DataFileChanged(group.source if group.source == group.file else f"{group.source} (as {group.file})",
+                                  now)
+
+
+def _clock(mtime_ns: int) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(mtime_ns / 1e9))
 
 
 def _text(value, key_path: list[str], group: RowGroup, local: int) -> str:

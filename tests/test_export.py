@@ -172,7 +172,7 @@ def test_export_split_over_ranks(trained, trained_model, tmp_path):
 def test_cli_errors(trained, tmp_path):
     incomplete = tmp_path / "global_step_9"
     incomplete.mkdir()
-    with pytest.raises(SystemExit, match="not a complete|neither"):
+    with pytest.raises(SystemExit, match="has no COMPLETE marker: its save \\(or copy\\) did not finish"):
         export.main([str(incomplete), str(tmp_path / "out")])
     busy = tmp_path / "busy"
     busy.mkdir()

@@ -222,7 +222,7 @@ def export_lora(checkpoint_dir: str, out_dir: str, dtype: str = "auto", max_shar
     name = base_dir or cfg.partial_pretrain
     base_dir = base_dir or local_model_path(cfg.partial_pretrain)  # a hub id: its snapshot in the local cache
     if not os.path.isfile(os.path.join(base_dir, "config.json")):
-        raise FileNotFoundError(f"{checkpoint_dir} holds LoRA adapters only; their base model {base_dir!r} "
+        raise ConfigError(f"{checkpoint_dir} holds LoRA adapters only; their base model {base_dir!r} "
                                 "(model.partial_pretrain) is not a model folder here: pass --base DIR")
     lora.check_base(read_state(checkpoint_dir).get("base"), lora.base_identity(name, base_dir),
                     f"exporting {checkpoint_dir}")
@@ -298,6 +298,17 @@ def _umask() -> int:
     return mask
 
 
+def make_export_folder(tmp: str, out: str) -> None:
+    """The folder the export is written into, then renamed to `out`: made before the export's minutes
+    of reading and writing, so that a place the user cannot write fails at once, not at the end."""
+    shutil.rmtree(tmp, ignore_errors=True)  # a failed export's debris
+    try:
+        os.makedirs(tmp)
+    except OSError as e:
+        sys.exit(f"sfttrain.export: cannot create {tmp} ({e.strerror}), the folder the export is written into "
+                 f"before it is renamed to {out}: export into a folder whose parent you can write")
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(prog="python -m sfttrain.export", description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint_dir", help="a global_step_N folder, or a run folder (its latest complete checkpoint)")
@@ -326,8 +337,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     out = os.path.abspath(args.out_dir)
     if os.path.isdir(out) and os.listdir(out):
         sys.exit(f"sfttrain.export: {out} exists and is not empty; choose a new folder")
+    if os.path.lexists(out) and not os.path.isdir(out):
+        sys.exit(f"sfttrain.export: {out} is a file, not a folder; name a new (or empty) folder to export into")
     tmp = out.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
+    make_export_folder(tmp, out)
     try:
         with read_back(ckpt):
             export(ckpt, tmp, dtype=args.dtype, max_shard_size=args.max_shard_size,

@@ -179,6 +179,12 @@ def test_cli_errors(trained, tmp_path):
     (busy / "keep.txt").write_text("x")
     with pytest.raises(SystemExit, match="not empty"):
         export.main([str(trained), str(busy)])
+    # said before the export's work (it ended in a traceback once written whole, or at its first file)
+    with pytest.raises(SystemExit, match=f"{busy / 'keep.txt'} is a file, not a folder"):
+        export.main([str(trained), str(busy / "keep.txt")])
+    with pytest.raises(SystemExit, match=rf"cannot create {busy / 'keep.txt' / 'out.tmp'} \(Not a directory\)"):
+        export.main([str(trained), str(busy / "keep.txt" / "out")])  # as a read-only or another user's folder is
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["busy", "global_step_9"]  # nothing left behind
     # the sizes --max_shard_size understands (transformers' own parser, decimal and binary units)
     parse = export.convert_file_size_to_int
     assert parse("5GB") == 5 * 10**9 and parse("100KB") == 100_000

@@ -245,6 +245,7 @@ def test_another_base_is_refused(ref, tmp_path):
     from sfttrain import lora, resume
     from sfttrain.checkpoint import TrainState
     from sfttrain.export import export_lora
+    from sfttrain.export import main as export_main
 
     ckpt = ref[0] / f"global_step_{STEPS}"
     saved = json.loads((ckpt / "trainer_state.json").read_text())
@@ -258,6 +259,9 @@ def test_another_base_is_refused(ref, tmp_path):
     model.save_pretrained(other)  # same shapes, same file sizes, other weights
     assert lora.base_identity(str(moved), str(moved))["files"] == saved["base"]["files"]
     export_lora(str(ckpt), str(tmp_path / "ok"), base_dir=str(moved))
+    with pytest.raises(SystemExit, match=f"their base model '{tmp_path / 'gone'}' .* pass --base DIR"):
+        export_main([str(ckpt), str(tmp_path / "not"), "--base", str(tmp_path / "gone")])  # one line, no traceback
+    assert not (tmp_path / "not").exists() and not (tmp_path / "not.tmp").exists()
     with pytest.raises(ConfigError, match=f"trained on {STORIES}, but the base here is {other}"):
         export_lora(str(ckpt), str(tmp_path / "no"), base_dir=str(other))
     cfg = load_config(overrides=[f"model.partial_pretrain={other}", "data.train_files=x.parquet", "model.lora_rank=8"])

@@ -71,6 +71,9 @@ from sfttrain.optim import set_step
 STATE_DICT_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
 # what a failed write raises: DCP's CheckpointException (every rank's error) is a BaseException
 WRITE_ERRORS = (Exception, CheckpointException)
+# a rank's state of the oldest save's write, as the ranks agree on it (the minimum wins): failed, stuck
+# (unfinished past trainer.nccl_timeout), still writing, written
+FAILED, STUCK = -2, -1
 
 
 @dataclass
@@ -119,6 +122,10 @@ class Checkpointer:
         self.pending: collections.deque[PendingSave] = collections.deque()  # oldest first
         own = complete_checkpoints(run_dir, run_id)
         self.last_bytes = tree_bytes(own[-1][1]) if own and world.is_main else None  # rank 0's space check
+        # this run's newest committed checkpoint, known to every rank without asking the run folder's disk
+        # (a write stuck on it would leave a listing stuck too: _stuck)
+        self.committed: Optional[str] = own[-1][1] if own else None
+        self.write_began: Optional[float] = None  # perf_counter when the running write began (the writer thread's)
         self.warned_grace = False  # _warn_if_a_stop_would_not_save has said it
         # DCP's writes run collectives of their own (on the writer thread); the main thread's agreement
         # on "every rank has written" must not interleave with them, so each gets its own gloo group
@@ -327,13 +334,19 @@ class Checkpointer:
                small_files: dict[str, Any]) -> float:
         """The writer thread: the small files, then write_shards here (a final or synchronous save:
         training waits for it anyway), or a background save's in the writer process."""
-        self._write_small_files(tmp, small_files)
-        threads = self.cfg.trainer.save_thread_count
-        if slot is not None:  # a background save: its host copy (made now if it was staged on the device)
-            state_dict = self.staging.to_host(state_dict, slot)
-        if slot is None or not self.in_process:
-            return write_shards(state_dict, tmp, threads, self.write_group, self.world.is_main, self.thread_errors)
-        return self._writer_process().write(state_dict, tmp, threads, slot)  # its slot's copy: kept there
+        self.write_began = time.perf_counter()  # (_all_written: a write unfinished past trainer.nccl_timeout is stuck)
+        try:
+            self._write_small_files(tmp, small_files)
+            threads = self.cfg.trainer.save_thread_count
+            if slot is not None:  # a background save: its host copy (made now if it was staged on the device)
+                state_dict = self.staging.to_host(state_dict, slot)
+            if slot is None or not self.in_process:
+                return write_shards(state_dict, tmp, threads, self.write_group, self.world.is_main, self.thread_errors)
+            process = self._writer_process()
+            self.write_began = time.perf_counter()  # a writer started anew (a lost one's replacement): not the write
+            return process.write(state_dict, tmp, threads, slot)  # its slot's copy: kept there
+        finally:
+            self.write_began = None
 
     def _writer_process(self) -> WriterProcess:
         """Made on the writer thread, by every rank in the same order of its tasks."""
@@ -366,15 +379,37 @@ class Checkpointer:
         rank fails every rank."""
         future = self.pending[0].future
         error = future.exception() if done else None
-        status = torch.tensor([-1 if error is not None else int(done)])
+        began = self.write_began  # (the oldest save's: the writer thread writes the saves in order)
+        stuck = not done and began is not None and time.perf_counter() - began > self.cfg.trainer.nccl_timeout
+        status = torch.tensor([FAILED if error is not None else STUCK if stuck else int(done)])
         dist.all_reduce(status, op=dist.ReduceOp.MIN, group=self.agree_group)
-        if status.item() < 0:
+        if status.item() == STUCK:
+            self._stuck(self.pending[0], began)
+        if status.item() == FAILED:
             self._stop_writer()
             with contextlib.suppress(*WRITE_ERRORS):  # every rank's writer has stopped before the clean-up
                 future.result()
             failed = self.pending.popleft()
             self._fail(failed.step, failed.tmp, error)
         return status.item() == 1
+
+    def _stuck(self, p: PendingSave, began: Optional[float]) -> None:
+        """A write that every rank has not finished within trainer.nccl_timeout of its start is stuck
+        (a network filesystem that stopped answering, a writer process stopped): waiting on would hang the
+        run for good, each rank's agreement above answering every second, so no collective times out. Raised
+        on every rank without touching the run folder, whose disk may be what hangs (a listing or a removal
+        would hang too): the next start removes the partial folder."""
+        if self.process is not None:
+            self.process.process.kill()  # not joined: a process in a stuck write ends only once the write returns
+        last = self.committed
+        then = f"it resumes from {last}" if last else "no checkpoint of this run was committed yet, so it starts afresh"
+        raise CheckpointError(
+            f"the checkpoint of step {p.step} was not saved: its write has not finished "
+            f"{time.perf_counter() - (began or p.started):.0f} s after it began (trainer.nccl_timeout="
+            f"{self.cfg.trainer.nccl_timeout}): it is stuck, e.g. on a network filesystem that stopped answering or in "
+            f"a checkpoint writer process that was stopped. Nothing of it was committed; the last good checkpoint is "
+            f"{last or 'none'}. Check that {self.run_dir} answers (ls, df), then run the same command: with "
+            f"trainer.resume_mode=auto {then}. A write that is only slow needs a larger trainer.nccl_timeout")
 
     def _agree(self, step: int, tmp: str, error: Optional[BaseException]) -> None:
         """Collective: raises CheckpointError on every rank if `error` is set on any."""
@@ -459,6 +494,7 @@ class Checkpointer:
             except OSError as e:
                 error = e
         self._agree(p.step, p.tmp, error)
+        self.committed = p.final
         if world.is_main:
             enforce_retention(self.run_dir, self.cfg.trainer.max_ckpt_to_keep, self.run_id,
                               delete=lambda path: self.cleaner.submit(shutil.rmtree, hide(path), True))

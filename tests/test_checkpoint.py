@@ -37,7 +37,7 @@ import torch.distributed.checkpoint as dcp
 from sfttrain import checkpoint, checkpoint_folder, resume
 from sfttrain.config import ConfigError, TrainerConfig, load_config
 from sfttrain.metrics import REWOUND
-from tests.conftest import (BASE_OVERRIDES, LINEAR_ADAM, REPO, STORIES, ForkedJob, descendants, kill_job, launch,
+from tests.conftest import (BASE_OVERRIDES, LINEAR_ADAM, REPO, STORIES, ForkedJob, alive, descendants, kill_job, launch,
                             logged_steps, rank_env, read_metrics, run_sfttrain, running_records, two_rank_job,
                             update_error)
 
@@ -998,6 +998,32 @@ def test_a_killed_writer_process_ends_the_job_with_one_message(data, tmp_path):
                      r"\(exit code -9;", message), message
     assert "the last good checkpoint is " + str(run_dir / "global_step_") in message, message
     assert not [p.name for p in run_dir.iterdir() if p.name.startswith(".global_step")]
+
+
+def test_a_stuck_write_ends_the_run_with_one_message(data, tmp_path):
+    """A checkpoint write that never finishes (here the writer process stopped with SIGSTOP; in life a network
+    filesystem that stopped answering) hung the run for good, without a word: the ranks' agreement on the
+    write answered every second, so no collective timed out. Past trainer.nccl_timeout the run stops with one
+    message naming the step, the timeout and the last good checkpoint (exit code 6), the writer killed."""
+    run_dir, log = tmp_path / "run", tmp_path / "job.log"
+    proc = launch(1, job(data, run_dir, "trainer.save_freq=1", "trainer.async_save_writer=process",
+                         "trainer.total_epochs=100", "trainer.nccl_timeout=8"), log)
+    try:
+        assert wait_until(lambda: (run_dir / "global_step_2").exists(), proc), log.read_text()[-3000:]
+        ranks = proc.ranks() if isinstance(proc, ForkedJob) else [proc.pid]
+        [writer] = [pid for rank in ranks for pid in descendants(rank)
+                    if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        os.kill(writer, signal.SIGSTOP)
+        code = proc.wait(timeout=120)
+    finally:
+        kill_job(proc)
+    out = log.read_text()
+    message = one_message(subprocess.CompletedProcess(proc.args, code, stdout=out), 6)
+    last = max(step for step, _ in checkpoint_folder.complete_checkpoints(str(run_dir)))
+    assert re.search(r"the checkpoint of step \d+ was not saved: its write has not finished \d+ s after it began "
+                     r"\(trainer.nccl_timeout=8\): it is stuck", message), message
+    assert f"the last good checkpoint is {run_dir / f'global_step_{last}'}. " in message, message
+    assert not alive(writer)
 
 
 def writer_processes(proc) -> list[int]:

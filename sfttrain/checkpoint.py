@@ -72,8 +72,12 @@ STATE_DICT_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
 # what a failed write raises: DCP's CheckpointException (every rank's error) is a BaseException
 WRITE_ERRORS = (Exception, CheckpointException)
 # a rank's state of the oldest save's write, as the ranks agree on it (the minimum wins): failed, stuck
-# (unfinished past trainer.nccl_timeout), still writing, written
+# (unfinished past `Checkpointer.stuck_after_s`), still writing, written
 FAILED, STUCK = -2, -1
+# a write is taken for stuck only past trainer.nccl_timeout and past its rank's share of the checkpoint
+# at this rate: a large checkpoint on slow storage (one GPU's 8B model and AdamW state, 96 GB, on a
+# 50 MB/s NFS: 32 minutes) is slow, not stuck
+SLOWEST_WRITE_BYTES_PER_S = 20e6
 
 
 @dataclass
@@ -126,6 +130,8 @@ class Checkpointer:
         # (a write stuck on it would leave a listing stuck too: _stuck)
         self.committed: Optional[str] = own[-1][1] if own else None
         self.write_began: Optional[float] = None  # perf_counter when the running write began (the writer thread's)
+        self.stuck_after_s = max(cfg.trainer.nccl_timeout,
+                                 estimated_bytes(model) / world.world_size / SLOWEST_WRITE_BYTES_PER_S)
         self.warned_grace = False  # _warn_if_a_stop_would_not_save has said it
         # DCP's writes run collectives of their own (on the writer thread); the main thread's agreement
         # on "every rank has written" must not interleave with them, so each gets its own gloo group
@@ -334,7 +340,7 @@ class Checkpointer:
                small_files: dict[str, Any]) -> float:
         """The writer thread: the small files, then write_shards here (a final or synchronous save:
         training waits for it anyway), or a background save's in the writer process."""
-        self.write_began = time.perf_counter()  # (_all_written: a write unfinished past trainer.nccl_timeout is stuck)
+        self.write_began = time.perf_counter()  # (_all_written: a write unfinished past stuck_after_s is stuck)
         try:
             self._write_small_files(tmp, small_files)
             threads = self.cfg.trainer.save_thread_count
@@ -380,7 +386,7 @@ class Checkpointer:
         future = self.pending[0].future
         error = future.exception() if done else None
         began = self.write_began  # (the oldest save's: the writer thread writes the saves in order)
-        stuck = not done and began is not None and time.perf_counter() - began > self.cfg.trainer.nccl_timeout
+        stuck = not done and began is not None and time.perf_counter() - began > self.stuck_after_s
         status = torch.tensor([FAILED if error is not None else STUCK if stuck else int(done)])
         dist.all_reduce(status, op=dist.ReduceOp.MIN, group=self.agree_group)
         if status.item() == STUCK:
@@ -394,7 +400,7 @@ class Checkpointer:
         return status.item() == 1
 
     def _stuck(self, p: PendingSave, began: Optional[float]) -> None:
-        """A write that every rank has not finished within trainer.nccl_timeout of its start is stuck
+        """A write that every rank has not finished within stuck_after_s of its start is stuck
         (a network filesystem that stopped answering, a writer process stopped): waiting on would hang the
         run for good, each rank's agreement above answering every second, so no collective times out. Raised
         on every rank without touching the run folder, whose disk may be what hangs (a listing or a removal
@@ -405,10 +411,11 @@ class Checkpointer:
         then = f"it resumes from {last}" if last else "no checkpoint of this run was committed yet, so it starts afresh"
         raise CheckpointError(
             f"the checkpoint of step {p.step} was not saved: its write has not finished "
-            f"{time.perf_counter() - (began or p.started):.0f} s after it began (trainer.nccl_timeout="
-            f"{self.cfg.trainer.nccl_timeout}): it is stuck, e.g. on a network filesystem that stopped answering or in "
-            f"a checkpoint writer process that was stopped. Nothing of it was committed; the last good checkpoint is "
-            f"{last or 'none'}. Check that {self.run_dir} answers (ls, df), then run the same command: with "
+            f"{time.perf_counter() - (began or p.started):.0f} s after it began (the longest a write may take here: "
+            f"{self.stuck_after_s:.0f} s, the larger of trainer.nccl_timeout={self.cfg.trainer.nccl_timeout} and a "
+            f"rank's share of the checkpoint at {SLOWEST_WRITE_BYTES_PER_S / 1e6:.0f} MB/s): it is stuck, e.g. on a network filesystem that stopped "
+            f"answering or in a checkpoint writer process that was stopped. Nothing of it was committed; the last "
+            f"good checkpoint is {last or 'none'}. Check that {self.run_dir} answers (ls, df), then run the same command: with "
             f"trainer.resume_mode=auto {then}. A write that is only slow needs a larger trainer.nccl_timeout")
 
     def _agree(self, step: int, tmp: str, error: Optional[BaseException]) -> None:

@@ -239,7 +239,8 @@ class TrainerConfig:
     device: str = "auto"  # auto | cuda | cpu
     # seconds a collective may wait for the other ranks before the job stops (verl's nccl_timeout);
     # each rank then says which phase it was in (start-up, step N, validation, save); also the longest a
-    # checkpoint's write may run (one stuck longer, on a filesystem that stopped answering, stops the run)
+    # checkpoint's write may run, unless its rank's share takes longer at 20 MB/s (one stuck longer, on a
+    # filesystem that stopped answering, stops the run)
     nccl_timeout: int = 1800
     resume_allow_data_change: bool = False  # resume although the checkpoint's data fingerprint differs (new rows/order)
     # consecutive steps to profile with torch.profiler, e.g. [11, 12, 13]: a Chrome trace per rank and a summary

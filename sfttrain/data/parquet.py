@@ -291,7 +291,6 @@ class ParquetSource:
         self._cache[g] = table.combine_chunks()
         return self._cache[g]
 
-
     def _check_unchanged(self, group: RowGroup) -> None:
         """Row groups are read lazily, long after the start-up scan counted their rows (a window of rows
         is kept in memory, the rest read again as the epochs reach it): a file changed since then stops

@@ -75,7 +75,7 @@ def init_world(cfg: Config) -> World:
     rank, local_rank, world_size = (int(os.environ.get(k, d)) for k, d in
                                     (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
     check_one_launcher_per_node()
-    use_cuda = cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
+    use_cuda = wants_cuda(cfg)
     if use_cuda and not torch.cuda.is_available():
         raise ConfigError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu")
     mesh_shape = check_world(cfg, world_size)
@@ -102,6 +102,11 @@ def init_world(cfg: Config) -> World:
     else:
         mesh = init_device_mesh(device.type, (replicate, shard, sp), mesh_dim_names=("dp_replicate", "dp_shard", "sp"))
     return World(rank, local_rank, world_size, device, mesh, sp)
+
+
+def wants_cuda(cfg: Config) -> bool:
+    """Whether the ranks run on GPUs: trainer.device=cuda, or auto where this machine has one."""
+    return cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
 
 
 def ranks_of_this_launcher() -> int:

@@ -38,11 +38,9 @@ Layout = Literal["single", "replicated", "sharded"]
 
 
 def parallelize(lm: CausalLMLoss, world: World, cfg: Config) -> Layout:
-    fsdp = cfg.model.fsdp_config
-    offload = fsdp.offloaded()
-    if offload and world.device.type != "cuda":
-        raise ConfigError("model.fsdp_config.cpu_offload/offload_params need a CUDA device; set them to false")
-    layout = choose_layout(world, offload)
+    offload = cfg.model.fsdp_config.offloaded()
+    layout = choose_layout(world.world_size, world.mesh["dp_shard"].size(), world.sp_size, offload)
+    check_device(cfg, layout, world.device.type)
     # before FSDP wraps the weights it all-gathers; offloaded shards are gathered as they are
     fp8.apply(lm.model, cfg.model, fsdp_all_gather=layout == "sharded" and not offload)
     if cfg.model.enable_gradient_checkpointing:
@@ -57,12 +55,27 @@ def parallelize(lm: CausalLMLoss, world: World, cfg: Config) -> Layout:
     return layout
 
 
-def choose_layout(world: World, offload: bool) -> Layout:
-    if world.world_size == 1 and not offload:
+def choose_layout(world_size: int, dp_shard: int, sp_size: int, offload: bool) -> Layout:
+    """The layout of world_size ranks in shard groups of dp_shard (the mesh's dimension; the preflight,
+    sfttrain.plan, has it from distributed.check_world without any process group)."""
+    if world_size == 1 and not offload:
         return "single"
-    if world.mesh["dp_shard"].size() == 1 and world.sp_size == 1 and not offload:
+    if dp_shard == 1 and sp_size == 1 and not offload:
         return "replicated"
     return "sharded"
+
+
+def check_device(cfg: Config, layout: Layout, device_type: str) -> None:
+    """What the layout needs of the device, refused before the model is built (and by the preflight,
+    sfttrain.plan): offloading is FSDP's CPUOffloadPolicy, which moves shards between the host and a
+    GPU; DDP's bf16 reduce is a compression hook that runs through NCCL (`replicate_model`)."""
+    fsdp = cfg.model.fsdp_config
+    if fsdp.offloaded() and device_type != "cuda":
+        raise ConfigError("model.fsdp_config.cpu_offload/offload_params need a CUDA device; set them to false")
+    dtypes = mixed_precision_dtypes(fsdp)
+    if layout == "replicated" and dtypes is not None and dtypes[1] == "bf16" and device_type != "cuda":
+        raise ConfigError("model.fsdp_config.mixed_precision.reduce_dtype=bf16 with DDP (NO_SHARD or fsdp_size=1) "
+                          "compresses gradients through NCCL, on GPUs only; set reduce_dtype=fp32")
 
 
 def describe_sharding(world: World, cfg: Config, layout: Layout) -> str:
@@ -114,10 +127,7 @@ def replicate_model(lm: CausalLMLoss, world: World, cfg: Config) -> None:
     produces them; the buckets are the gradients' own storage (no second copy). A bf16 reduce
     dtype halves the traffic through DDP's bf16 compression hook (NCCL only)."""
     dtypes = mixed_precision_dtypes(cfg.model.fsdp_config)
-    bf16_reduce = dtypes is not None and dtypes[1] == "bf16"
-    if bf16_reduce and world.device.type != "cuda":
-        raise ConfigError("model.fsdp_config.mixed_precision.reduce_dtype=bf16 with DDP (NO_SHARD or fsdp_size=1) "
-                          "compresses gradients through NCCL, on GPUs only; set reduce_dtype=fp32")
+    bf16_reduce = dtypes is not None and dtypes[1] == "bf16"  # on GPUs only (`check_device`)
     # each compiled layer is an autograd node of its own, so the buckets' all-reduces already start
     # layer by layer during backward; dynamo's DDP optimizer would only split the layers' graphs
     torch._dynamo.config.optimize_ddp = False

@@ -511,6 +511,26 @@ def attention_section(cfg: Config, folder: str, found: Findings) -> None:
             found.notes.append(f"if this runs on GPUs: {e}")
 
 
+def layout_section(cfg: Config, world: int, mesh_shape: Optional[tuple[int, int]], found: Findings) -> None:
+    """What the run's layout needs of its device (sfttrain.parallel.check_device: CPU offload, DDP's bf16
+    reduce), on the device the run takes (distributed.wants_cuda). trainer.device=auto on a machine without
+    a GPU: a refusal is a note, the run's nodes may have GPUs. No mesh shape: the world's problem is listed."""
+    from sfttrain.distributed import wants_cuda
+    from sfttrain.parallel import check_device, choose_layout
+
+    if mesh_shape is None:
+        return
+    offload = cfg.model.fsdp_config.offloaded()
+    layout = choose_layout(world, mesh_shape[1], cfg.ulysses_sequence_parallel_size, offload)
+    try:
+        check_device(cfg, layout, "cuda" if wants_cuda(cfg) else "cpu")
+    except ConfigError as e:
+        if cfg.trainer.device == "auto":
+            found.notes.append(f"if this runs without GPUs (trainer.device=auto; this machine has none): {e}")
+        else:
+            found.problems.append(str(e))
+
+
 def check_model_config(cfg: Config, folder: str) -> None:
     """The start-up's checks of the loaded model that its config alone decides: a family whose output
     head sfttrain's loss reproduces (sfttrain.loss), a router loss the config can compute (sfttrain.moe),
@@ -546,8 +566,10 @@ def preflight(cfg: Config, nproc: int, nnodes: int) -> tuple[list[str], Findings
     world = nproc * nnodes
     dp_size = world // max(cfg.ulysses_sequence_parallel_size, 1)
     found = Findings()
-    for check in (lambda: validate(cfg), lambda: check_world(cfg, world), lambda: require_loggers(cfg)):
-        found.check(check)
+    found.check(lambda: validate(cfg))
+    mesh_shape = found.check(lambda: check_world(cfg, world))
+    found.check(lambda: require_loggers(cfg))
+    layout_section(cfg, world, mesh_shape, found)
     if "wandb" in logger_names(cfg.trainer) and os.environ.get("WANDB_MODE") not in ("offline", "disabled"):
         found.notes.append("trainer.logger includes wandb: its login (`wandb login`, or WANDB_API_KEY) is checked when "
                            "the run starts, where a missing one stops it at once (WANDB_MODE=offline needs none)")

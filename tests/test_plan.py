@@ -440,3 +440,24 @@ def test_preflight_usage_names_the_recipe_and_overrides(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "python -m sfttrain.plan [recipe.yaml] [key=value ...] --nproc N" in capsys.readouterr().out
+
+
+def test_preflight_refuses_the_layouts_the_device_cannot_run(tmp_path):
+    """The run's refusals of its layout on its device (sfttrain.parallel.check_device, made before the
+    model is built): CPU offload on the CPU, and DDP's bf16 gradient reduce (NO_SHARD over 2 ranks) off
+    GPUs. One rank runs unwrapped and reduces nothing: no problem there."""
+    data = [*BASE_OVERRIDES, f"data.train_files={tmp_path}/absent.parquet"]  # not rendered: only the layout is planned
+    code, out = run_plan(*data, "model.fsdp_config.cpu_offload=true", "--nproc", "2")
+    assert code == 2 and "model.fsdp_config.cpu_offload/offload_params need a CUDA device; set them to false" in \
+        out.split("problems:")[1], out
+    bf16_reduce = [*data, "model.fsdp_config.sharding_strategy=NO_SHARD",
+                   "model.fsdp_config.mixed_precision={param_dtype: bf16, reduce_dtype: bf16}"]
+    refusal = ("model.fsdp_config.mixed_precision.reduce_dtype=bf16 with DDP (NO_SHARD or fsdp_size=1) compresses "
+               "gradients through NCCL, on GPUs only; set reduce_dtype=fp32")
+    code, out = run_plan(*bf16_reduce, "--nproc", "2")
+    assert code == 2 and refusal in out.split("problems:")[1], out
+    code, out = run_plan(*bf16_reduce, "--nproc", "1")
+    assert code == 0 and refusal not in out, out
+    # trainer.device=auto: the device of the machine the run lands on; here a note where this one has no GPU
+    code, out = run_plan(*bf16_reduce, "trainer.device=auto", "--nproc", "2")
+    assert code == 0 and (refusal in out.split("not checked here:")[-1]) == (not torch.cuda.is_available()), out

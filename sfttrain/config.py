@@ -491,11 +491,15 @@ def validate(cfg: Config) -> None:
     _validate_optim(cfg.optim)
     _validate_trainer(cfg.trainer)
     _validate_fp8(cfg)
-    if cfg.ulysses_sequence_parallel_size < 1:
-        raise ConfigError(f"ulysses_sequence_parallel_size must be >= 1 (1: off), got {cfg.ulysses_sequence_parallel_size}")
+    check_sequence_parallel_size(cfg.ulysses_sequence_parallel_size)
     if not cfg.use_remove_padding:
         raise ConfigError("use_remove_padding=false: sfttrain always trains padding-free (packed rows give the "
                           "same loss as padded ones, without the pad compute); remove the key")
+
+
+def check_sequence_parallel_size(sp: int) -> None:
+    if sp < 1:
+        raise ConfigError(f"ulysses_sequence_parallel_size must be >= 1 (1: off), got {sp}")
 
 
 def _positive(*pairs: tuple[str, Any]) -> None:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from sfttrain.checkpoint_folder import write_synced
-from sfttrain.config import Config, ConfigError, shard_group_size
+from sfttrain.config import Config, ConfigError, check_sequence_parallel_size, shard_group_size
 
 
 @dataclass(frozen=True)
@@ -148,10 +148,7 @@ def _backend(cfg: Config, use_cuda: bool) -> str:
 def _mesh_shape(cfg: Config, world_size: int) -> tuple[int, int]:
     """(replicas, shards) of the data-parallel ranks, world / sp of them."""
     fsdp, sp = cfg.model.fsdp_config, cfg.ulysses_sequence_parallel_size
-    if world_size % sp:
-        raise ConfigError(f"ulysses_sequence_parallel_size={sp} must divide the world size {world_size}: "
-                          f"each group of {sp} ranks shares one sequence")
-    dp = world_size // sp
+    dp = data_parallel_size(world_size, sp)
     ranks = f"{dp} data-parallel ranks ({world_size} ranks / ulysses_sequence_parallel_size={sp})" if sp > 1 else \
         f"world size {world_size}"
     shard = shard_group_size(fsdp, dp)
@@ -162,6 +159,16 @@ def _mesh_shape(cfg: Config, world_size: int) -> tuple[int, int]:
         raise ConfigError(f"sharding_strategy=HYBRID_SHARD needs model.fsdp_config.fsdp_size smaller than the "
                           f"{ranks} (e.g. the GPUs of one node)")
     return (dp // shard, shard)
+
+
+def data_parallel_size(world_size: int, sp: int) -> int:
+    """The data-parallel ranks: world / sp groups of sp ranks (the preflight derives its batch arithmetic
+    from them, and none where they do not split)."""
+    check_sequence_parallel_size(sp)
+    if world_size % sp:
+        raise ConfigError(f"ulysses_sequence_parallel_size={sp} must divide the world size {world_size}: "
+                          f"each group of {sp} ranks shares one sequence")
+    return world_size // sp
 
 
 def _check_verl_world_keys(cfg: Config, world_size: int) -> None:

@@ -230,7 +230,8 @@ class Findings:
         try:
             return run()
         except UserError as e:
-            self.problems.append(str(e))
+            if str(e) not in self.problems:  # one mistake two of the run's checks find (validate's, the world's)
+                self.problems.append(str(e))
             return None
 
 
@@ -331,13 +332,18 @@ class Batches:
     fingerprint: Optional[dict] = None  # the data fingerprint; None: the rows were not rendered here
 
 
-def batch_section(cfg: Config, dp_size: int, folder: Optional[str], found: Findings) -> Batches:
+@dataclass
+class TrainingRows:
+    count: Optional[int]  # rows trained; None: not counted here
+    rendered: Optional[RenderedRows]  # None: not rendered here
+    missing: list[str]  # data.train_files entries not on this machine
+
+
+def training_rows(cfg: Config, folder: Optional[str], found: Findings) -> TrainingRows:
+    """The training rows as the start-up finds them: rendered with the model's tokenizer, else counted
+    (the validation files checked too). Needs no ranks, so a world or batch that does not split hides
+    none of their problems."""
     d = cfg.data
-    problem = batch_problem(d.train_batch_size, d.micro_batch_size_per_gpu, dp_size, d.max_token_len_per_gpu)
-    if problem:
-        found.problems.append(problem)
-        return Batches([f"  data-parallel ranks : {dp_size}", f"  global batch        : {d.train_batch_size} "
-                        "(does not split)"])
     missing = missing_files(d.train_files)
     rows, rendered = None, None
     if missing:  # a missing file is often only missing here (the cluster's path): not a problem
@@ -351,12 +357,29 @@ def batch_section(cfg: Config, dp_size: int, folder: Optional[str], found: Findi
             found.notes.append(f"{folder} has no tokenizer: the rows are counted, not rendered")
         rows = found.check(lambda: row_count(cfg))
     check_val_files(d, bool(d.train_files) and not missing, found)
+    return TrainingRows(rows, rendered, missing)
+
+
+def batch_section(cfg: Config, dp_size: Optional[int], folder: Optional[str], found: Findings) -> Batches:
+    """The rows checked, and the batch arithmetic over dp_size data-parallel ranks (None: the ranks do
+    not split into sequence-parallel groups, the world's problem: nothing is derived from them)."""
+    d = cfg.data
+    data = training_rows(cfg, folder, found)
+    if dp_size is None:
+        return Batches(["  data-parallel ranks : none: the ranks do not split into sequence-parallel groups (see "
+                        "the problems below)"])
+    problem = batch_problem(d.train_batch_size, d.micro_batch_size_per_gpu, dp_size, d.max_token_len_per_gpu)
+    if problem:
+        found.problems.append(problem)
+        return Batches([f"  data-parallel ranks : {dp_size}", f"  global batch        : {d.train_batch_size} "
+                        "(does not split)"])
+    rows, rendered = data.count, data.rendered
     plan = found.check(lambda: make_plan(cfg, dp_size, rows if rows is not None else d.train_batch_size))
     if plan is None:  # fewer rows than one batch
         return Batches([])
     lines = plan.describe().splitlines()
     if rows is None:  # the dataset and total-steps lines would be made up
-        reason = "not on this machine" if missing else "see the problems below"
+        reason = "not on this machine" if data.missing else "see the problems below"
         return Batches(lines[:3] + [f"  dataset             : {reason}: steps per epoch unknown"])
     found.check(lambda: check_window(cfg.trainer.profile_steps, plan.total_steps))
     if rendered is None:  # counted, not rendered
@@ -406,8 +429,8 @@ def resume_section(cfg: Config, batches: Batches, folder: Optional[str], found: 
     return [line, *(f"    {note}" for note in chosen.notes + notes)]
 
 
-def memory_section(cfg: Config, dp_size: int, folder: Optional[str], found: Findings) -> list[str]:
-    if folder is None:
+def memory_section(cfg: Config, dp_size: Optional[int], folder: Optional[str], found: Findings) -> list[str]:
+    if folder is None or dp_size is None:  # no model here, or no shard groups to divide it over
         return []
     try:
         shape = DenseShape.from_config_json(folder)
@@ -559,12 +582,15 @@ def workers_section(cfg: Config, nproc: int) -> list[str]:
 
 def preflight(cfg: Config, nproc: int, nnodes: int) -> tuple[list[str], Findings]:
     """(report lines, what was found): the run's own checks, each problem listed, none stopping the rest."""
-    from sfttrain.distributed import check_world
+    from sfttrain.distributed import check_world, data_parallel_size
     from sfttrain.metrics import require_loggers
     from sfttrain.model import check_max_length, check_weights, linear_layer_check
 
     world = nproc * nnodes
-    dp_size = world // max(cfg.ulysses_sequence_parallel_size, 1)
+    try:
+        dp_size = data_parallel_size(world, cfg.ulysses_sequence_parallel_size)
+    except ConfigError:  # listed by check_world below; nothing is derived from a split that does not exist
+        dp_size = None
     found = Findings()
     found.check(lambda: validate(cfg))
     mesh_shape = found.check(lambda: check_world(cfg, world))

@@ -461,3 +461,22 @@ def test_preflight_refuses_the_layouts_the_device_cannot_run(tmp_path):
     # trainer.device=auto: the device of the machine the run lands on; here a note where this one has no GPU
     code, out = run_plan(*bf16_reduce, "trainer.device=auto", "--nproc", "2")
     assert code == 0 and (refusal in out.split("not checked here:")[-1]) == (not torch.cuda.is_available()), out
+
+
+def test_preflight_derives_nothing_from_ranks_that_do_not_split(gsm8k_dir, tmp_path):
+    """6 ranks in Ulysses groups of 4 (the world's problem, as the run's start-up finds it): no count of
+    data-parallel ranks, batch arithmetic or memory per rank made up from them (it said 1 data-parallel
+    rank x 4), and the rows are still checked (a null cell). A size of 0, validate's problem, is listed
+    once (the world's check finds it too; it was a ZeroDivisionError)."""
+    table = pq.read_table(gsm8k_dir / "train.parquet").slice(0, 40).select(["question", "answer"]).to_pylist()
+    table[7]["answer"] = None
+    pq.write_table(pa.Table.from_pylist(table), tmp_path / "null.parquet")
+    job = [*BASE_OVERRIDES, f"data.train_files={tmp_path / 'null.parquet'}", "data.train_batch_size=8"]
+    code, out = run_plan(*job, "ulysses_sequence_parallel_size=4", "--nproc", "6")
+    report, problems = out.split("problems:")
+    assert code == 2 and "ulysses_sequence_parallel_size=4 must divide the world size 6" in problems, out
+    assert "null.parquet row 7: answer is null" in problems, out
+    assert "data-parallel ranks : none: the ranks do not split into sequence-parallel groups" in report, out
+    assert not re.search(r"data-parallel x|global batch|per rank|steps per epoch|memory per rank", report), out
+    code, out = run_plan(*job, "ulysses_sequence_parallel_size=0", "--nproc", "2")
+    assert code == 2 and out.count("ulysses_sequence_parallel_size must be >= 1 (1: off), got 0") == 1, out

@@ -75,9 +75,8 @@ def init_world(cfg: Config) -> World:
     rank, local_rank, world_size = (int(os.environ.get(k, d)) for k, d in
                                     (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
     check_one_launcher_per_node()
+    check_cuda_visible(cfg)
     use_cuda = wants_cuda(cfg)
-    if use_cuda and not torch.cuda.is_available():
-        raise ConfigError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu")
     mesh_shape = check_world(cfg, world_size)
     if use_cuda:
         if local_rank >= torch.cuda.device_count():
@@ -107,6 +106,13 @@ def init_world(cfg: Config) -> World:
 def wants_cuda(cfg: Config) -> bool:
     """Whether the ranks run on GPUs: trainer.device=cuda, or auto where this machine has one."""
     return cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
+
+
+def check_cuda_visible(cfg: Config) -> None:
+    """trainer.device=cuda needs a GPU on this machine (the preflight, on a machine other than the
+    run's nodes, notes it rather than refuse)."""
+    if cfg.trainer.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu")
 
 
 def ranks_of_this_launcher() -> int:

@@ -8,7 +8,8 @@ every problem the run would stop on, found by the run's own checks: the config's
 the world's shape, the chat template, the start-up pass over every row (rendered with the
 model's tokenizer as the run renders them: a bad cell, column or over-long row is named here),
 and the resume rules (the checkpoint the run folder would resume from, and what they refuse).
-What it cannot check on this machine (data or model only on the cluster) is said, not counted.
+What it cannot check on this machine (data or model only on the cluster, GPUs where it has none) is
+said, not counted.
 Exits 0 when nothing is wrong, else 2.
 """
 
@@ -534,13 +535,19 @@ def attention_section(cfg: Config, folder: str, found: Findings) -> None:
             found.notes.append(f"if this runs on GPUs: {e}")
 
 
-def layout_section(cfg: Config, world: int, mesh_shape: Optional[tuple[int, int]], found: Findings) -> None:
-    """What the run's layout needs of its device (sfttrain.parallel.check_device: CPU offload, DDP's bf16
-    reduce), on the device the run takes (distributed.wants_cuda). trainer.device=auto on a machine without
-    a GPU: a refusal is a note, the run's nodes may have GPUs. No mesh shape: the world's problem is listed."""
-    from sfttrain.distributed import wants_cuda
+def device_section(cfg: Config, world: int, mesh_shape: Optional[tuple[int, int]], found: Findings) -> None:
+    """What the run needs of its device: a GPU for trainer.device=cuda (distributed.check_cuda_visible; a
+    note where this machine has none, the run's nodes may have them), and what its layout needs of the
+    device (sfttrain.parallel.check_device: CPU offload, DDP's bf16 reduce) on the device the run takes
+    (distributed.wants_cuda); trainer.device=auto on a machine without a GPU: a refusal is a note, for the
+    same reason. No mesh shape: the world's problem is listed."""
+    from sfttrain.distributed import check_cuda_visible, wants_cuda
     from sfttrain.parallel import check_device, choose_layout
 
+    try:
+        check_cuda_visible(cfg)
+    except ConfigError as e:
+        found.notes.append(f"{e} (on this machine: a problem only if the nodes the run starts on have none either)")
     if mesh_shape is None:
         return
     offload = cfg.model.fsdp_config.offloaded()
@@ -595,7 +602,7 @@ def preflight(cfg: Config, nproc: int, nnodes: int) -> tuple[list[str], Findings
     found.check(lambda: validate(cfg))
     mesh_shape = found.check(lambda: check_world(cfg, world))
     found.check(lambda: require_loggers(cfg))
-    layout_section(cfg, world, mesh_shape, found)
+    device_section(cfg, world, mesh_shape, found)
     if "wandb" in logger_names(cfg.trainer) and os.environ.get("WANDB_MODE") not in ("offline", "disabled"):
         found.notes.append("trainer.logger includes wandb: its login (`wandb login`, or WANDB_API_KEY) is checked when "
                            "the run starts, where a missing one stops it at once (WANDB_MODE=offline needs none)")

@@ -480,3 +480,15 @@ def test_preflight_derives_nothing_from_ranks_that_do_not_split(gsm8k_dir, tmp_p
     assert not re.search(r"data-parallel x|global batch|per rank|steps per epoch|memory per rank", report), out
     code, out = run_plan(*job, "ulysses_sequence_parallel_size=0", "--nproc", "2")
     assert code == 2 and out.count("ulysses_sequence_parallel_size must be >= 1 (1: off), got 0") == 1, out
+
+
+def test_preflight_notes_that_this_machine_has_no_gpu_for_a_cuda_run(tmp_path, monkeypatch):
+    """trainer.device=cuda, planned on a machine without a GPU (here made one): the run's start-up would
+    refuse it there, but the nodes the run starts on may have GPUs: a note, not a problem (it said
+    neither). trainer.device=auto picks whatever the nodes have: nothing to say."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    job = [*BASE_OVERRIDES, f"data.train_files={tmp_path}/absent.parquet", "model.fsdp_config.mixed_precision=true"]
+    code, out = run_plan(*job, "trainer.device=cuda", "--nproc", "1")
+    assert code == 0 and "trainer.device=cuda but no CUDA device is visible" in out.split("not checked here:")[1], out
+    code, out = run_plan(*job, "trainer.device=auto", "--nproc", "1")
+    assert code == 0 and "no CUDA device is visible" not in out, out

@@ -24,7 +24,7 @@ def test_short_run_is_logged_and_plotted(demo_run):
     losses = [(r["step"], r["loss"]) for r in records if "loss" in r]
     val = [r["val/loss"] for r in records if "val/loss" in r][-1]
     summary = out[out.index("\ndone: "):].splitlines()[1:]
-    assert summary[0].startswith(f"done: 24 steps in ") and summary[0].endswith(
+    assert summary[0].startswith("done: 24 steps in ") and summary[0].endswith(
         f"; loss {losses[0][1]:.4g} (step 1) -> {losses[-1][1]:.4g} (step 24); val/loss {val:.4g}"), summary
     final = run_dir / "global_step_24"
     assert summary[1:] == [f"  final checkpoint : {final}",

@@ -18,7 +18,6 @@ from sfttrain import attention
 from sfttrain.config import ConfigError, load_config
 from sfttrain.data.batching import make_plan
 from sfttrain.distributed import _mesh_shape
-from sfttrain.data.pack import IGNORE_INDEX, MicroBatch
 from sfttrain.sequence_parallel import SequenceParallel, check_heads
 from tests.conftest import BASE_OVERRIDES, STORIES, free_port, load_checkpoint_model, read_metrics, run_sfttrain
 

@@ -271,7 +271,7 @@ def render_rows(cfg: Config, folder: str) -> RenderedRows:
     the run would stop on), the rows without a supervised token selected; the validation rows rendered
     too, and those that are training rows counted."""
     from sfttrain.data.chat import build_renderer
-    from sfttrain.data.fingerprint import data_fingerprint, with_rows_dropped
+    from sfttrain.data.fingerprint import data_fingerprint, with_rows
     from sfttrain.data.loader import render_share, row_stats
     from sfttrain.data.files import open_source
     from sfttrain.data.parquet import row_fields
@@ -294,7 +294,7 @@ def render_rows(cfg: Config, folder: str) -> RenderedRows:
         if d.val_files and not missing_files(d.val_files):
             val_source = open_source(as_list(d.val_files), fields, run_dir)
             validation = validation_report(render_share(val_source, renderer, 0, 1), stats, val_source.num_rows)
-    return RenderedRows(stats, with_rows_dropped(fingerprint, stats.keep), source, validation)
+    return RenderedRows(stats, with_rows(fingerprint, stats.keep, stats.digests), source, validation)
 
 
 def row_count(cfg: Config) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import os
 import shutil
 import signal
@@ -146,6 +147,28 @@ def test_changed_data_refused_then_allowed(data, saved, tmp_path):
     out = run_sfttrain(1, [*changed, "trainer.resume_allow_data_change=true"]).stdout
     assert "allowed by trainer.resume_allow_data_change" in out
     assert [m["step"] for m in read_metrics(run_dir) if "loss" in m] == [1, 2, 3, 4, 5]
+
+
+def test_data_rewritten_at_the_same_size_is_refused(gsm8k_dir, tmp_path):
+    """A JSON Lines file rewritten between runs with the same bytes, rows and name but other rows (each
+    digit shifted by one: other answers): a resume would train on them from the old position; the
+    rows' tokens are part of the data fingerprint, so it is refused naming them."""
+    data = tmp_path / "train.jsonl"
+    rows = pq.read_table(gsm8k_dir / "train.parquet").slice(0, 16).to_pylist()
+    data.write_text("".join(json.dumps({"question": r["question"], "answer": r["answer"]}) + "\n" for r in rows))
+    run_dir = tmp_path / "run"
+    keys = [*BASE_OVERRIDES, f"data.train_files={data}", f"trainer.default_local_dir={run_dir}", "data.max_length=128",
+            "data.train_batch_size=8", "data.micro_batch_size_per_gpu=4", "data.prompt_key=question",
+            "data.response_key=answer"]
+    run_sfttrain(1, [*keys, "trainer.total_training_steps=1"])
+    text = data.read_text()
+    data.write_text(text.translate(str.maketrans("0123456789", "1234567890")))
+    assert data.stat().st_size == len(text.encode())
+    out = run_sfttrain(1, [*keys, "trainer.total_training_steps=2"], check=False)
+    assert out.returncode == 2, out.stdout[-3000:]
+    assert re.search(r"the rows' tokens \(sha256; data files rewritten with other rows\): [0-9a-f]{64} -> [0-9a-f]{64}",
+                     out.stdout), out.stdout[-3000:]
+    assert "data.train_files" not in out.stdout.split("other data settings")[1].split("\nUse")[0]
 
 
 def test_checkpoint_of_an_older_sfttrain(tmp_path):

@@ -21,6 +21,7 @@ from sfttrain.data.chat import resolve_chat_template
 from sfttrain.data.parquet import ParquetSource
 
 ORDER_KEYS = ("trainer.seed", "data.shuffle", "data.train_batch_size")
+ROWS_KEY = "the rows' tokens (sha256; data files rewritten with other rows)"
 
 
 def data_fingerprint(cfg: Config, source: ParquetSource, tokenizer) -> dict:
@@ -42,10 +43,14 @@ def data_fingerprint(cfg: Config, source: ParquetSource, tokenizer) -> dict:
     }
 
 
-def with_rows_dropped(fingerprint: dict, keep) -> dict:
-    """The fingerprint with the count of rows data.no_loss_rows=drop leaves out (`keep`: a row mask):
-    they filter every epoch's order, and with the rendering fixed their count names them."""
-    return {**fingerprint, "rows dropped (data.no_loss_rows=drop)": int((~keep).sum())}
+def with_rows(fingerprint: dict, keep, digests) -> dict:
+    """The fingerprint with what the start-up scan found of the rows: the count data.no_loss_rows=drop
+    leaves out (`keep`: a row mask; they filter every epoch's order, and with the rendering fixed
+    their count names them), and a hash of every row's tokens (`digests`, `loader.digest` per row):
+    the files' paths, sizes and row counts do not change when a file is rewritten with other rows of
+    the same size (digits changed, rows reordered), which would otherwise resume on other data."""
+    return {**fingerprint, "rows dropped (data.no_loss_rows=drop)": int((~keep).sum()),
+            ROWS_KEY: hashlib.sha256(digests.tobytes()).hexdigest()}
 
 
 def rendering_key(fingerprint: dict) -> str:

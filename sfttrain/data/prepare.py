@@ -12,7 +12,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from sfttrain.config import Config, DataConfig
-from sfttrain.data.fingerprint import data_fingerprint, rendering_key, with_rows_dropped
+from sfttrain.data.fingerprint import data_fingerprint, rendering_key, with_rows
 from sfttrain.data.loader import RowStats, epoch_rows, render_share, row_stats
 from sfttrain.data.parquet import ParquetSource
 from sfttrain.data.batching import BatchPlan, make_plan
@@ -39,7 +39,7 @@ def prepare_data(cfg: Config, source: ParquetSource, val_source: Optional[Parque
     fingerprint = data_fingerprint(cfg, source, tokenizer)
     cache = length_cache_file(d, fingerprint, run_dir)
     stats = select_rows(row_stats(source, renderer, world.rank, world.world_size, cache), d)
-    fingerprint = with_rows_dropped(fingerprint, stats.keep)
+    fingerprint = with_rows(fingerprint, stats.keep, stats.digests)
     plan = make_plan(cfg, world.dp_size, int(stats.keep.sum()))
     report = first_epoch_report(cfg, source, stats, plan)
     val_samples = None

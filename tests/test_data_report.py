@@ -227,6 +227,13 @@ def test_rows_trained_twice_and_validation_rows_seen_in_training_are_reported(gs
 
     with contextlib.redirect_stdout(io.StringIO()) as preflight:
         assert plan([*overrides, "--nproc", "2"]) == 0, preflight.getvalue()
-    empty_warning = "WARNING: rows [13, 30] (2 in all) have an empty response: EOS alone is trained on them"
+    empty_warning = "WARNING: rows [13, 30] (2 in all) have an empty response: the end token alone is trained on them"
     assert warning in preflight.getvalue() and empty_warning in preflight.getvalue(), preflight.getvalue()
     assert empty_warning in out, out
+
+
+def test_a_list_of_rows_cut_short_says_so():
+    """A warning shows the first rows of many: the list says there are more (the count beside it says how many)."""
+    from sfttrain.data.report import _listed
+
+    assert (_listed([1, 4], 2), _listed([1, 4], 16)) == ("[1, 4]", "[1, 4, ...]")

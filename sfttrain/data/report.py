@@ -59,7 +59,7 @@ def data_report(stats: RowStats, epoch_rows: np.ndarray, d: DataConfig) -> dict:
 
 
 def empty_responses(stats: RowStats) -> np.ndarray:
-    """The prompt/response rows whose response is empty: EOS, appended to every response, is their one
+    """The prompt/response rows whose response is empty: the end token, appended to every response, is their one
     supervised token (any text adds one more), truncation aside. Trained, they teach the model to stop
     at once: a data mistake more often than not."""
     return np.flatnonzero((stats.loss_tokens == 1) & (stats.full_lengths == stats.lengths))
@@ -116,12 +116,14 @@ def describe(report: dict) -> str:
         lines.append(f"  WARNING: data.truncation=left cut the start of {trunc['count']} samples (BOS, system "
                      f"prompt and the prompt's beginning), e.g. rows {trunc['rows']}")
     if (empty := report["empty_responses"]) and empty["count"]:
-        lines.append(f"  WARNING: rows {empty['rows']} ({empty['count']} in all) have an empty response: EOS alone is "
-                     "trained on them (the model learns to answer nothing). Fill in their responses or leave them out")
+        lines.append(f"  WARNING: rows {empty['rows']} ({empty['count']} in all) have an empty response: the end token "
+                     "alone is trained on them (the model learns to answer nothing). Fill in their responses or leave "
+                     "them out")
     if (val := report.get("validation")) and (twins := val["in_training"])["count"]:
-        lines.append(f"  WARNING: validation rows {twins['rows']} ({twins['count']} of {val['rows']}) are training "
-                     f"rows {twins['training_rows']} (the same tokens): the validation loss on them measures what "
-                     "training saw. Give data.val_files rows kept out of data.train_files")
+        lines.append(f"  WARNING: validation rows {_listed(twins['rows'], twins['count'])} ({twins['count']} of "
+                     f"{val['rows']}) are training rows {_listed(twins['training_rows'], twins['count'])} (the same "
+                     "tokens): the validation loss on them measures what training saw. Give data.val_files rows kept "
+                     "out of data.train_files")
     return "\n".join(lines)
 
 
@@ -152,6 +154,11 @@ def _summary(values: np.ndarray) -> dict:
 
 def _rows(rows) -> dict:
     return {"count": len(rows), "rows": _first(rows)}
+
+
+def _listed(shown: list[int], count: int) -> str:
+    """The rows shown of `count`, as a list that says where there are more."""
+    return "[" + ", ".join(map(str, shown)) + (", ..." if count > len(shown) else "") + "]"
 
 
 def _first(rows) -> list[int]:

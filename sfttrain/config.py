@@ -45,7 +45,7 @@ class DataConfig:
     # is trained (raw text, with data.apply_chat_template=false)
     prompt_key: Optional[str] = "question"
     response_key: str = "answer"  # the column holding the response (the supervised tokens)
-    prompt_dict_keys: Optional[list[str]] = None  # verl's nested keys: row[prompt_key][k0][k1]...
+    prompt_dict_keys: Optional[list[str]] = None  # verl's nested keys: row[prompt_key][k0][k1]... (prompt_key=null: refused)
     response_dict_keys: Optional[list[str]] = None  # the same for the response column
     train_batch_size: int = 256  # GLOBAL batch in samples per optimizer step
     micro_batch_size_per_gpu: int = 4  # samples per forward/backward on one data-parallel rank
@@ -63,7 +63,9 @@ class DataConfig:
     allow_beyond_max_position: bool = False
     truncation: str = "error"  # error | left | right
     apply_chat_template: bool = True  # render the prompt as one user turn, generation prompt on
-    chat_template: Optional[str] = None  # the tokenizer's chat template replaced: a file (.jinja or any existing path) or the Jinja text
+    # the tokenizer's chat template replaced: a file (.jinja or any existing path) or the Jinja text (refused
+    # with apply_chat_template=false outside multiturn, where no template renders)
+    chat_template: Optional[str] = None
     multiturn: MultiturnConfig = field(default_factory=MultiturnConfig)  # verl's multi-turn chat keys
     shuffle: bool = True  # per-epoch order from trainer.seed and the epoch number
     num_workers: int = 0  # >0: worker processes build the steps ahead of the training loop (per rank)
@@ -88,7 +90,7 @@ class FSDPConfig:
     cpu_offload: bool = False  # offload parameters, gradients and optimizer state to CPU
     offload_params: bool = False  # verl's spelling of the same switch
     backward_prefetch: Optional[str] = "BACKWARD_PRE"  # FSDP2 always prefetches in backward
-    forward_prefetch: bool = False  # explicitly prefetch the next layer's all-gather in forward
+    forward_prefetch: bool = False  # explicitly prefetch the next layer's all-gather in forward (sharded models only)
     wrap_policy: Any = None  # verl key; sfttrain shards every decoder layer, see parallel.py
 
     def offloaded(self) -> bool:
@@ -102,7 +104,9 @@ class ModelConfig:
     trust_remote_code: bool = False  # run the model folder's own Python code (only for folders you trust)
     strategy: str = "fsdp2"  # verl key; sfttrain implements FSDP2 only (fsdp, FSDP1, is refused)
     enable_gradient_checkpointing: bool = True  # recompute each layer in backward: less memory, ~1/3 more compute
-    gradient_checkpointing_ratio: float = 1.0  # share of the decoder layers whose activations are recomputed (spread evenly; 0.5: every other layer), the rest kept
+    # share of the decoder layers whose activations are recomputed (spread evenly; 0.5: every other layer), the
+    # rest kept; with enable_gradient_checkpointing (another value without it is refused, as recompute_attention's)
+    gradient_checkpointing_ratio: float = 1.0
     # with checkpointing: true recomputes attention in backward too; false keeps each checkpointed layer's
     # attention output (one more hidden state per token and layer) so that attention runs once; auto: false for
     # samples of data.max_length >= 8192 tokens, where attention is much of the step (sfttrain/recompute.py).
@@ -123,7 +127,8 @@ class ModelConfig:
     # faster; its build adds ~1 min of start-up), Python for longer ones (steps of seconds: launches cost
     # nothing; at 131072 tokens the C++ one crashed), with FP8, and for checkpointed layers that rerun
     # attention (recompute_attention true or auto with short samples, or LoRA on a MoE: the C++ one cannot
-    # build them); docs/benchmarks.md
+    # build them); docs/benchmarks.md. true or false needs compile=true (refused without); true on CPU is
+    # said and ignored (the Python wrapper there)
     compile_cpp_wrapper: Any = "auto"
     # with compile: the projections that read one input (q/k/v; gate/up; with LoRA their adapters' A too)
     # run as one GEMM each (sfttrain/fuse_projections.py). auto: with LoRA (W1: +3.4%), but groups of frozen
@@ -146,7 +151,9 @@ class ModelConfig:
     # [chunk, vocab] buffer and slower per chunk, bench/loss_kernel.py)
     loss_kernel: str = "auto"
     lora_rank: int = 0  # > 0: train peft LoRA adapters of this rank on a frozen base (sfttrain/lora.py)
-    lora_alpha: int = 16  # LoRA scaling numerator: the adapter's update is scaled by lora_alpha / lora_rank
+    # LoRA scaling numerator: the adapter's update is scaled by lora_alpha / lora_rank. This key, target_modules
+    # and lora_dropout are read only with lora_rank > 0 (set with lora_rank=0: a NOTE line at start-up)
+    lora_alpha: int = 16
     target_modules: Any = "all-linear"  # all-linear (every linear layer but lm_head) or a list of layer names
     lora_dropout: float = 0.0  # dropout on the adapters' input (random: resumes exactly on the same world size only)
     # FP8 GEMMs (CUDA, compute capability >= 8.9: Hopper, Ada) for the decoder layers' linear layers,
@@ -157,7 +164,8 @@ class ModelConfig:
     fp8: str = "off"
     # model.fp8: the two gradient GEMMs (input and weight gradients) accumulate in the FP8 tensor
     # cores' fast mode too, as torchao's recipes do for the forward GEMM only; false: torchao's recipe
-    # as it is (slower; the loss at W2b's step 60 within 1% of bf16's either way: docs/benchmarks.md, AK and AU)
+    # as it is (slower; the loss at W2b's step 60 within 1% of bf16's either way: docs/benchmarks.md, AK and AU);
+    # false with fp8=off is refused (no FP8 GEMM to set)
     fp8_fast_accum_grads: bool = True
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
@@ -187,14 +195,15 @@ class OptimConfig:
     lr_warmup_steps_ratio: float = 0.1  # linear warmup over this share of the total steps
     lr_warmup_steps: int = -1  # if > 0, overrides the ratio
     lr_scheduler: str = "cosine"  # cosine | constant
-    min_lr_ratio: float = 0.0  # the cosine decays to lr * min_lr_ratio
+    min_lr_ratio: float = 0.0  # the cosine decays to lr * min_lr_ratio (constant: unread, a NOTE line at start-up)
     clip_grad: float = 1.0  # max global grad norm; <= 0 disables clipping
 
 
 @dataclass
 class TrainerConfig:
     default_local_dir: str = "checkpoints/${trainer.project_name}/${trainer.experiment_name}"  # the run folder
-    project_name: str = "sfttrain"  # wandb project; part of the default run folder
+    # wandb project; part of the default run folder (with neither: a NOTE line at start-up)
+    project_name: str = "sfttrain"
     experiment_name: str = "run"  # wandb run name; part of the default run folder
     total_epochs: int = 1  # passes over the training data (unless total_training_steps is set)
     # if set (>= 1), stops (and schedules the LR) here, before the end of trainer.total_epochs or past it (the start-up's
@@ -202,7 +211,9 @@ class TrainerConfig:
     total_training_steps: Optional[int] = None
     logger: Any = "console"  # console | wandb | a list of them
     seed: int = 1  # data order and random init
-    test_freq: int = -1  # validate every N steps (and always at the end); -1 (or 0): only at the end
+    # validate every N steps (and always at the end); -1 (or 0): only at the end; without data.val_files: unread
+    # (a NOTE line at start-up)
+    test_freq: int = -1
     save_freq: int = -1  # checkpoint every N steps (and always at the end); -1 (or 0): only at the end
     # keeps this run's newest N committed checkpoints (another run's in the folder are not counted); null keeps
     # every one, and so does 0, as in verl (said at start-up: 0 reads like "keep none")
@@ -210,7 +221,9 @@ class TrainerConfig:
     # a SIGTERM during training (a scheduler's time limit or preemption, kill, torchrun passing one on) saves the
     # step in flight and ends the run with exit code 8; false: the rank dies at once (sfttrain/stop_signal.py)
     save_on_sigterm: bool = True
-    async_save: bool = True  # periodic saves written in the background from a host copy (+1 model/optimizer shard in RAM)
+    # periodic saves written in the background from a host copy (+1 model/optimizer shard in RAM); false: the
+    # async_save_* keys below are unread (set: a NOTE line at start-up)
+    async_save: bool = True
     # CUDA, async_save: stage into pinned host buffers allocated once per staging slot (after step 1: a one-time
     # pause, said in the line on where saves stage) and reused by the later saves in it (the device-to-host copy
     # at full speed)
@@ -242,7 +255,8 @@ class TrainerConfig:
     # checkpoint's write may run, unless its rank's share takes longer at 20 MB/s (one stuck longer, on a
     # filesystem that stopped answering, stops the run)
     nccl_timeout: int = 1800
-    resume_allow_data_change: bool = False  # resume although the checkpoint's data fingerprint differs (new rows/order)
+    # resume although the checkpoint's data fingerprint differs (new rows/order); refused with resume_mode=disable
+    resume_allow_data_change: bool = False
     # consecutive steps to profile with torch.profiler, e.g. [11, 12, 13]: a Chrome trace per rank and a summary
     # (kernel time by kind, idle gaps, top kernels) in <run folder>/profile/ (sfttrain.profiling)
     profile_steps: Optional[list[int]] = None
@@ -535,6 +549,32 @@ def _validate_data(d: DataConfig) -> None:
     if d.multiturn.enable and not d.apply_chat_template:
         raise ConfigError("data.multiturn.enable=true renders conversations with a chat template: remove "
                           "data.apply_chat_template=false (data.chat_template=... sets a template of your own)")
+    _check_chat_template_used(d)
+    _check_dict_keys_have_a_column(d)
+
+
+def _check_chat_template_used(d: DataConfig) -> None:
+    """A template given for prompt/response rows that no template renders (the raw text is tokenized)
+    was read by nothing: which of the two settings was meant?"""
+    if d.chat_template is not None and not d.apply_chat_template and not d.multiturn.enable:
+        raise ConfigError(f"data.chat_template={_short(d.chat_template)} with data.apply_chat_template=false: the raw "
+                          "prompt text is tokenized, so the template would render nothing; remove data.chat_template "
+                          "for raw text, or remove data.apply_chat_template=false to render prompts with it")
+
+
+def _check_dict_keys_have_a_column(d: DataConfig) -> None:
+    """verl's nested keys follow data.prompt_key's column down; with no prompt column (whole texts)
+    they were dropped without a word."""
+    if d.prompt_key is None and d.prompt_dict_keys:
+        raise ConfigError(f"data.prompt_dict_keys={list(d.prompt_dict_keys)} with data.prompt_key=null: there is no "
+                          "prompt column to follow them into; set data.prompt_key to the column that holds them, or "
+                          "remove data.prompt_dict_keys")
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    """A value for a message, cut to one short line (a chat template's text may be kilobytes)."""
+    text = repr(value).replace("\\n", " ")
+    return text if len(text) <= limit else text[:limit - 3] + "...'"
 
 
 def _check_dynamic_bsz(d: DataConfig) -> None:
@@ -565,13 +605,33 @@ def _validate_model(m: ModelConfig) -> None:
     if not 0.0 < m.gradient_checkpointing_ratio <= 1.0:
         raise ConfigError(f"model.gradient_checkpointing_ratio must lie in (0, 1], got {m.gradient_checkpointing_ratio}; "
                           "set model.enable_gradient_checkpointing=false to recompute no layer")
+    _check_checkpointing_keys(m)
     _validate_compiled_layers(m)
     _validate_fsdp(m.fsdp_config)
     _validate_lora(m)
 
 
+def _check_checkpointing_keys(m: ModelConfig) -> None:
+    """The keys that shape gradient checkpointing (sfttrain/recompute.py) are read only with it on: set
+    with it off, they recomputed nothing and the run kept every activation without a word. Their
+    defaults (ratio 1.0, auto) mean nothing of their own and pass."""
+    if m.enable_gradient_checkpointing:
+        return
+    for key, value in (("gradient_checkpointing_ratio", m.gradient_checkpointing_ratio),
+                       ("recompute_attention", m.recompute_attention)):
+        if value != _default_of(f"model.{key}"):
+            raise ConfigError(f"model.{key}={str(value).lower()} shapes gradient checkpointing, which "
+                              "model.enable_gradient_checkpointing=false turns off (every activation kept): set "
+                              f"model.enable_gradient_checkpointing=true, or remove model.{key}")
+
+
 def _validate_compiled_layers(m: ModelConfig) -> None:
     """The switches that rewrite the compiled layers' graphs, and what each needs."""
+    if m.compile_cpp_wrapper in (True, False) and not m.compile:
+        # the wrapper launches compiled kernels: eager layers have none, and the key was dropped unread
+        raise ConfigError(f"model.compile_cpp_wrapper={str(m.compile_cpp_wrapper).lower()} chooses who launches the "
+                          "compiled layers' kernels, but model.compile=false runs them eagerly: set "
+                          "model.compile=true, or remove model.compile_cpp_wrapper")
     _choice("model.fuse_projections", m.fuse_projections, ("auto", True, False))
     if m.fuse_projections is True and not m.compile:
         raise ConfigError("model.fuse_projections=true rewrites the compiled layers' graphs: set model.compile=true, "
@@ -639,6 +699,10 @@ def _validate_trainer(t: TrainerConfig) -> None:
         raise ConfigError(f"trainer.resume_mode=disable starts afresh, so trainer.resume_from_path="
                           f"{t.resume_from_path} would be ignored: drop trainer.resume_from_path to start afresh, or "
                           "drop trainer.resume_mode=disable (trainer.resume_mode=resume_path) to resume from it")
+    if t.resume_mode == "disable" and t.resume_allow_data_change:  # nothing is resumed: which one was meant?
+        raise ConfigError("trainer.resume_allow_data_change=true lets a resume go on with changed data, but "
+                          "trainer.resume_mode=disable never resumes: remove trainer.resume_allow_data_change to "
+                          "start afresh, or remove trainer.resume_mode=disable to resume")
     if t.async_save_in_flight < 1:
         raise ConfigError(f"trainer.async_save_in_flight must be >= 1 (saves in flight at once), got "
                           f"{t.async_save_in_flight}")
@@ -718,6 +782,11 @@ def _validate_fp8(cfg: Config) -> None:
     """The device and torchao are checked at start-up (sfttrain.fp8.check_available)."""
     m, sp = cfg.model, cfg.ulysses_sequence_parallel_size
     _choice("model.fp8", m.fp8, FP8_MODES)
+    if m.fp8 == "off" and not m.fp8_fast_accum_grads:
+        # the gradient GEMMs' accumulation mode of FP8 layers: without them it was dropped unread
+        raise ConfigError("model.fp8_fast_accum_grads=false sets how FP8 gradient GEMMs accumulate, but model.fp8=off "
+                          "runs none: set model.fp8 (tensorwise, rowwise or auto), or remove "
+                          "model.fp8_fast_accum_grads")
     # the weight gradient's FP8 GEMM runs over the tokens: a rank's tokens per micro-batch (its
     # slice of the padded row) must be a multiple of 16, as every FP8 GEMM dimension
     if m.fp8 != "off" and cfg.data.pad_to_multiple % (16 * sp) != 0:
@@ -741,6 +810,84 @@ def _validate_fp8(cfg: Config) -> None:
         raise ConfigError(f"model.fp8={m.fp8} with model.fuse_projections=true: FP8 linear layers are not fused "
                           "(sfttrain/fuse_projections.py), so the setting would fuse nothing; remove "
                           "model.fuse_projections or set model.fp8=off")
+
+
+def moot_settings(cfg: Config) -> list[str]:
+    """Start-up lines (the run's and the preflight's, sfttrain.plan) for keys set away from their
+    default that this configuration never reads: accepted, as verl's command lines carry them into
+    modes where they mean nothing, but said, with what would make them count. Contradictions are
+    refused in `validate` instead."""
+    notes = [*_moot_lora(cfg.model), *_moot_data_keys(cfg.data), *_moot_schedule(cfg.optim),
+             *_moot_validation(cfg), *_moot_async_save(cfg.trainer), *_moot_run_names(cfg.trainer)]
+    return [f"  NOTE: {note}" for note in notes]
+
+
+def _set_keys(section: Any, prefix: str, keys: tuple[str, ...]) -> list[str]:
+    """`prefix.key=value` of those keys whose value differs from the schema's default."""
+    values = {key: getattr(section, key) for key in keys}
+    return [f"{prefix}.{key}={_short(value)}" for key, value in values.items()
+            if value != _default_of(f"{prefix}.{key}")]
+
+
+def _moot_lora(m: ModelConfig) -> list[str]:
+    # verl's LoRA keys sit in its model section beside lora_rank; 0 trains every weight, no adapter
+    if m.lora_rank > 0 or not (keys := _set_keys(m, "model", ("lora_alpha", "target_modules", "lora_dropout"))):
+        return []
+    return [f"{', '.join(keys)} ignored: model.lora_rank=0 trains every weight, no LoRA adapter; set model.lora_rank "
+            "> 0 (e.g. 32) for LoRA"]
+
+
+def _moot_data_keys(d: DataConfig) -> list[str]:
+    # conversations are read from the messages column(s), prompt/response rows from the prompt and
+    # response columns: the other mode's keys are read by nothing
+    if d.multiturn.enable:
+        keys = _set_keys(d, "data", ("prompt_key", "response_key", "prompt_dict_keys", "response_dict_keys"))
+        return [f"{', '.join(keys)} ignored: data.multiturn.enable=true reads conversations from "
+                f"data.multiturn.messages_key={_short(d.multiturn.messages_key)}"] if keys else []
+    keys = _set_keys(d.multiturn, "data.multiturn", ("messages_key", "tools_key", "enable_thinking_key", "system_key"))
+    return [f"{', '.join(keys)} ignored: rows are prompt/response pairs (data.prompt_key, data.response_key); set "
+            "data.multiturn.enable=true for conversations"] if keys else []
+
+
+def _moot_schedule(o: OptimConfig) -> list[str]:
+    notes = []
+    if o.lr_scheduler == "constant" and o.min_lr_ratio != _default_of("optim.min_lr_ratio"):
+        notes.append(f"optim.min_lr_ratio={o.min_lr_ratio} ignored: optim.lr_scheduler=constant never decays the LR; "
+                     "set optim.lr_scheduler=cosine to decay to lr * min_lr_ratio")
+    if o.lr_warmup_steps > 0 and o.lr_warmup_steps_ratio not in (0, _default_of("optim.lr_warmup_steps_ratio")):
+        notes.append(f"optim.lr_warmup_steps_ratio={o.lr_warmup_steps_ratio} ignored: optim.lr_warmup_steps="
+                     f"{o.lr_warmup_steps} sets the warmup; set optim.lr_warmup_steps=-1 to warm up over the ratio")
+    return notes
+
+
+def _moot_validation(cfg: Config) -> list[str]:
+    # verl's scripts pass test_freq with val_files; without them there is nothing to validate on
+    t = cfg.trainer
+    if t.test_freq > 0 and cfg.data.val_files in (None, "", []):
+        return [f"trainer.test_freq={t.test_freq} ignored: no data.val_files to validate on; set data.val_files"]
+    return []
+
+
+def _moot_async_save(t: TrainerConfig) -> list[str]:
+    keys = _set_keys(t, "trainer", ("async_save_pinned", "async_save_in_flight", "async_save_writer",
+                                    "async_save_staging"))
+    if t.async_save or not keys:
+        return []
+    return [f"{', '.join(keys)} ignored: trainer.async_save=false writes every checkpoint in the training loop; set "
+            "trainer.async_save=true for background saves"]
+
+
+def _moot_run_names(t: TrainerConfig) -> list[str]:
+    # the names are wandb's run and project, and name the default run folder: with neither they label nothing
+    if "wandb" in logger_names(t):
+        return []
+    folders = os.path.normpath(t.default_local_dir).split(os.sep)
+    keys = [f"trainer.{key}={_short(value)}" for key, value in (("project_name", t.project_name),
+                                                               ("experiment_name", t.experiment_name))
+            if value != _default_of(f"trainer.{key}") and value not in folders]
+    return [f"{', '.join(keys)} ignored: they name the wandb run and the default run folder, but trainer.logger="
+            f"{_short(t.logger)} has no wandb and trainer.default_local_dir={t.default_local_dir} is set; add wandb "
+            "to trainer.logger to use them"] if keys else []
 
 
 def logger_names(t: TrainerConfig) -> list[str]:

@@ -82,13 +82,16 @@ def describe_sharding(world: World, cfg: Config, layout: Layout) -> str:
     """One start-up line on how the weights are laid out; HSDP in particular, which a verl user gets
     from fsdp_size below the world size even with sharding_strategy=FULL_SHARD."""
     fsdp = cfg.model.fsdp_config
+    # verl's forward_prefetch prefetches FSDP's next all-gather: a model not sharded gathers nothing
+    moot = ("; model.fsdp_config.forward_prefetch=true ignored: nothing is gathered (it applies to sharded models)"
+            if fsdp.forward_prefetch and layout != "sharded" else "")
     if layout == "single":
-        return "one device, not sharded"
+        return f"one device, not sharded{moot}"
     if layout == "replicated":
         dtypes = mixed_precision_dtypes(fsdp)
         return (f"DDP: the whole model on each of {world.dp_size} ranks (model.fsdp_config.sharding_strategy="
                 f"{fsdp.sharding_strategy}, fsdp_size={fsdp.fsdp_size}), gradients all-reduced in "
-                f"{dtypes[1] if dtypes else fsdp.model_dtype} buckets during backward")
+                f"{dtypes[1] if dtypes else fsdp.model_dtype} buckets during backward{moot}")
     replicas, dp_shards = world.mesh["dp_replicate"].size(), world.mesh["dp_shard"].size()
     shards = dp_shards * world.sp_size  # FSDP shards over the sequence-parallel ranks too
     kind = "ZeRO-2 style: kept gathered from forward to backward" if fsdp.sharding_strategy == "SHARD_GRAD_OP" else \
@@ -223,6 +226,9 @@ def describe_compile(cfg: Config, world: World, model_config) -> str:
     why = ""
     if wrapper == "Python" and world.device.type == "cuda" and cfg.model.compile_cpp_wrapper == "auto":
         why = f" ({why_python_wrapper(cfg, model_config)})"
+    if world.device.type != "cuda" and cfg.model.compile_cpp_wrapper is True:  # `cpp_wrapper`: GPUs only
+        why = (f" (model.compile_cpp_wrapper=true ignored on {world.device.type}: the C++ wrapper launches GPU "
+               "kernels; on CPU the kernels are the host's own work)")
     fuse = fuse_projections.graph_pass(cfg.model, model_config)
     fused = "" if fuse is None else f"; projections sharing an input run as one GEMM{fuse.describe()} (model.fuse_projections)"
     return f"each decoder layer, dynamic shapes, kernels launched by inductor's {wrapper} wrapper{why}{fused}"

@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 
 from sfttrain.checkpoint_folder import describe_retention, room_problem, size_text, step_of
 from sfttrain.config import (Config, ConfigError, ModelConfig, as_list, load_config, logger_names,
-                             mixed_precision_dtypes, shard_group_size, validate)
+                             mixed_precision_dtypes, moot_settings, shard_group_size, validate)
 from sfttrain.data.batching import batch_problem, make_plan
 from sfttrain.data.parquet import hub_id_hint
 from sfttrain.errors import UserError
@@ -627,6 +627,7 @@ def preflight(cfg: Config, nproc: int, nnodes: int) -> tuple[list[str], Findings
     lines += memory_section(cfg, dp_size, folder, found)
     lines += checkpoint_section(cfg, folder, found)
     lines += describe_retention(cfg.trainer.max_ckpt_to_keep)
+    lines += moot_settings(cfg)
     return lines, found
 
 

@@ -14,7 +14,7 @@ from sfttrain import checkpoint, export, fp8, lora, moe, phase, profiling, recom
 from sfttrain.attention import describe_backend, fallback_warning
 from sfttrain.checkpoint_folder import (complete_checkpoints, describe_retention, is_complete, latest_of_newest_run,
                                        read_state, remove_stale_tmp)
-from sfttrain.config import Config, as_list, logger_names
+from sfttrain.config import Config, as_list, logger_names, moot_settings
 from sfttrain.data.chat import build_renderer, resolve_chat_template
 from sfttrain.data.loader import (StepBatch, TrainData, cpus_of_this_process, describe_workers,
                                   step_batches, validation_batches)
@@ -144,6 +144,7 @@ class FSDPSFTTrainer:
             f"{warmup_steps(cfg.optim, self.plan.total_steps)} warmup steps",
             f"  run folder          : {self.run_dir}",
             *describe_retention(cfg.trainer.max_ckpt_to_keep),
+            *moot_settings(cfg),
             *self.folder_warnings,
             *profiling.describe(cfg.trainer, self.run_dir, self.state.step, self.world.device),
             describe(self.data_report),

@@ -158,3 +158,82 @@ def test_a_resume_path_with_resume_mode_disable_is_refused(capsys):
     assert message in capsys.readouterr().out.split("problems:")[1]
 
 
+
+
+@pytest.mark.parametrize("overrides, message, fix", [
+    (["data.apply_chat_template=false", "data.chat_template=t.jinja"],
+     r"data.chat_template='t.jinja' with data.apply_chat_template=false: .*render nothing", "data.chat_template=null"),
+    (["data.prompt_key=null", "data.apply_chat_template=false", "data.prompt_dict_keys=[a,b]"],
+     r"data.prompt_dict_keys=\['a', 'b'\] with data.prompt_key=null: .*remove data.prompt_dict_keys",
+     "data.prompt_dict_keys=null"),
+    (["model.enable_gradient_checkpointing=false", "model.gradient_checkpointing_ratio=0.5"],
+     r"model.gradient_checkpointing_ratio=0.5 shapes gradient checkpointing, which .*=false turns off",
+     "model.enable_gradient_checkpointing=true"),
+    (["model.enable_gradient_checkpointing=false", "model.recompute_attention=true"],
+     r"model.recompute_attention=true shapes gradient checkpointing", "model.recompute_attention=auto"),
+    (["model.compile_cpp_wrapper=true"], r"model.compile_cpp_wrapper=true .* model.compile=false runs them eagerly",
+     "model.compile=true"),
+    (["model.fp8_fast_accum_grads=false"], r"model.fp8_fast_accum_grads=false .* model.fp8=off runs none",
+     "model.fp8_fast_accum_grads=true"),
+    (["trainer.resume_mode=disable", "trainer.resume_allow_data_change=true"],
+     r"trainer.resume_allow_data_change=true .* trainer.resume_mode=disable never resumes", "trainer.resume_mode=auto"),
+])
+def test_settings_that_another_setting_leaves_unread_are_refused(overrides, message, fix):
+    """Each of these loaded and ran (2 steps of recipes/demo_cpu.yaml) with the key read by nothing: a
+    template for raw text, nested keys under no prompt column, checkpointing shapes without
+    checkpointing, a C++ wrapper for eager layers, FP8's accumulation without FP8, a resume switch
+    with resumes off. Refused naming both keys; the fix the message names loads."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=[*COMMON, *overrides])
+    load_config(overrides=[*COMMON, *overrides, fix])
+
+
+@pytest.mark.parametrize("overrides, note", [
+    (["model.lora_alpha=64", "model.lora_dropout=0.1"],
+     "model.lora_alpha=64, model.lora_dropout=0.1 ignored: model.lora_rank=0 trains every weight"),
+    (["data.multiturn.enable=true", "data.prompt_key=prompt", "data.response_dict_keys=[text]"],
+     "data.prompt_key='prompt', data.response_dict_keys=['text'] ignored: data.multiturn.enable=true reads "
+     "conversations from data.multiturn.messages_key='messages'"),
+    (["data.multiturn.messages_key=conversations"],
+     "data.multiturn.messages_key='conversations' ignored: rows are prompt/response pairs"),
+    (["optim.lr_scheduler=constant", "optim.min_lr_ratio=0.1"],
+     "optim.min_lr_ratio=0.1 ignored: optim.lr_scheduler=constant never decays the LR"),
+    (["optim.lr_warmup_steps=5", "optim.lr_warmup_steps_ratio=0.3"],
+     "optim.lr_warmup_steps_ratio=0.3 ignored: optim.lr_warmup_steps=5 sets the warmup"),
+    (["trainer.test_freq=10"], "trainer.test_freq=10 ignored: no data.val_files to validate on"),
+    (["trainer.async_save=false", "trainer.async_save_writer=process"],
+     "trainer.async_save_writer='process' ignored: trainer.async_save=false writes every checkpoint"),
+    (["trainer.default_local_dir=/runs/a", "trainer.project_name=gsm8k", "trainer.logger=console"],
+     "trainer.project_name='gsm8k' ignored: they name the wandb run and the default run folder"),
+])
+def test_keys_a_mode_does_not_read_are_said_at_start_up(overrides, note):
+    """verl's command lines carry these into modes that never read them (LoRA keys in a full
+    fine-tuning, prompt keys in a multi-turn run, ...): accepted, and one start-up line each (the run's
+    and the preflight's) says it is ignored and what would make it count. Where the other setting
+    reads it, or it is left at its default, nothing is said."""
+    from sfttrain.config import moot_settings
+
+    notes = moot_settings(load_config(overrides=[*COMMON, *overrides]))
+    assert len(notes) == 1 and notes[0].startswith(f"  NOTE: {note}"), notes
+    assert moot_settings(load_config(overrides=COMMON)) == []
+    used = {"model.lora_alpha=64": "model.lora_rank=8", "data.multiturn.enable=true": "data.multiturn.enable=false",
+            "data.multiturn.messages_key=conversations": "data.multiturn.enable=true",
+            "optim.lr_scheduler=constant": "optim.lr_scheduler=cosine", "optim.lr_warmup_steps=5": "optim.lr_warmup_steps=-1",
+            "trainer.test_freq=10": "data.val_files=v.parquet", "trainer.async_save=false": "trainer.async_save=true",
+            "trainer.default_local_dir=/runs/a": "trainer.logger=wandb"}[overrides[0]]
+    assert moot_settings(load_config(overrides=[*COMMON, *overrides, used])) == []
+
+
+def test_runtime_notes_for_settings_a_device_or_layout_ignores():
+    """forward_prefetch prefetches FSDP's all-gathers, which one device or DDP does not run; the C++
+    wrapper launches GPU kernels (a CPU run takes the Python one): both were dropped without a word."""
+    import types
+
+    from sfttrain.parallel import describe_compile, describe_sharding
+
+    cfg = load_config(overrides=[*COMMON, "model.fsdp_config.forward_prefetch=true"])
+    assert describe_sharding(None, cfg, "single") == ("one device, not sharded; model.fsdp_config.forward_prefetch="
+                                                      "true ignored: nothing is gathered (it applies to sharded models)")
+    cpu = types.SimpleNamespace(device=__import__("torch").device("cpu"))
+    cfg = load_config(overrides=[*COMMON, "model.compile=true", "model.compile_cpp_wrapper=true"])
+    assert "(model.compile_cpp_wrapper=true ignored on cpu: " in describe_compile(cfg, cpu, None)

@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from sfttrain.dtypes import CONFIG_NAMES
-from sfttrain.errors import ConfigError
+from sfttrain.errors import GPU_INSTALL, ConfigError
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -160,7 +160,7 @@ def fallback_warning(requested: str, chosen: str, device_type: str) -> list[str]
     reasons = "; ".join(f"{b}: {_unavailable_reason(b, device_type)}" for b in ("flash_attn", "torch_varlen"))
     return [f"  WARNING: model.attn_implementation=auto runs sdpa_blockmask on this GPU, one attention call per "
             f"sample with a host sync per layer (several times slower than a varlen kernel) because {reasons}. "
-            "Install flash-attn (pip install 'sfttrain[gpu]') or torch>=2.11 (PyTorch's own varlen flash attention)"]
+            f"Install flash-attn ({GPU_INSTALL} in the checkout) or torch>=2.11 (PyTorch's own varlen flash attention)"]
 
 
 def register(forward=None) -> None:

@@ -18,6 +18,12 @@ This module imports nothing, so the entry point can classify errors before torch
 """
 
 
+# How the optional GPU packages (Liger kernels, flash-attn) are installed into this checkout's environment
+# (README: GPU extras): the messages that miss one name it. sfttrain is no package on PyPI, so
+# `pip install 'sfttrain[gpu]'` would look for it there; flash-attn's build imports the installed torch.
+GPU_INSTALL = "pip install -e '.[gpu]' --no-build-isolation"
+
+
 class UserError(Exception):
     """A mistake the user must fix (or a stop to resume from); the message says what to do."""
     exit_code = 2

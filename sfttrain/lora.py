@@ -34,6 +34,7 @@ from torch import nn
 from sfttrain import moe
 from sfttrain.config import ConfigError, ModelConfig, mixed_precision_dtypes
 from sfttrain.dtypes import CONFIG_NAMES, DTYPE
+from sfttrain.errors import DependencyError
 
 ALL_LINEAR = "all-linear"  # peft's spelling: every nn.Linear except the output layer
 
@@ -75,7 +76,8 @@ def wrap(model: nn.Module, cfg: ModelConfig):
     try:
         from peft import get_peft_model
     except ImportError:
-        raise ConfigError("model.lora_rank > 0 needs peft: pip install peft") from None
+        raise DependencyError("model.lora_rank > 0 needs peft, one of sfttrain's own requirements: pip install "
+                              "'peft>=0.21' (or pip install -e . in the checkout again)") from None
     target = check_target_modules(model, cfg.target_modules)
     experts, _ = moe.expert_lora_targets(model, cfg)
     with warnings.catch_warnings():

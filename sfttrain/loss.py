@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from sfttrain.config import ConfigError
+from sfttrain.errors import GPU_INSTALL
 from sfttrain.data.pack import IGNORE_INDEX, MicroBatch
 from sfttrain.moe import RouterBalance
 
@@ -168,7 +169,7 @@ def liger_unavailable_reason(device_type: str) -> str | None:
     try:
         kernel = _liger_kernel()
     except ImportError:
-        return "liger-kernel is not installed (pip install 'sfttrain[gpu]')"
+        return f"liger-kernel is not installed ({GPU_INSTALL} in the checkout)"
     expected = {*_LIGER_FIXED_ARGS, "X_ptr", "X_stride", "Y_ptr", "Y_stride", "loss_ptr", "loss_stride", "n_cols",
                 "HAS_GRADIENTS", "BLOCK_SIZE"} - {"num_warps"}
     if set(kernel.arg_names) != expected:

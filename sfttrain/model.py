@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 from sfttrain import attention, experts, lora, weights
 from sfttrain.config import Config, ConfigError, ModelConfig
 from sfttrain.dtypes import DTYPE
+from sfttrain.errors import GPU_INSTALL, DependencyError
 from sfttrain.hub import local_model_path
 
 
@@ -124,8 +125,8 @@ def apply_liger(model: nn.Module, device: torch.device, compile_layers: bool) ->
     try:
         from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN, _apply_liger_kernel_to_instance
     except ImportError:
-        raise ConfigError("model.use_liger=true but liger-kernel is not installed: pip install 'sfttrain[gpu]' "
-                          "or set model.use_liger=false") from None
+        raise DependencyError(f"model.use_liger=true but liger-kernel is not installed: {GPU_INSTALL} in the "
+                              "checkout, or set model.use_liger=false") from None
     if model.config.model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
         raise ConfigError(f"Liger has no kernels for model type {model.config.model_type!r}; set model.use_liger=false")
     # with model.compile, inductor fuses norm/SwiGLU/RoPE itself (and cannot trace Liger's autograd

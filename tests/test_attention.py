@@ -500,7 +500,7 @@ def test_auto_falling_back_to_the_per_sample_path_on_cuda_is_said():
     from sfttrain.attention import fallback_warning
 
     [line] = fallback_warning("auto", "sdpa_blockmask", "cuda")
-    assert "runs sdpa_blockmask on this GPU" in line and "pip install 'sfttrain[gpu]'" in line
+    assert "runs sdpa_blockmask on this GPU" in line and "pip install -e '.[gpu]' --no-build-isolation" in line
     assert "flash_attn: " in line and "torch_varlen: " in line and "torch>=2.11" in line
     for requested, chosen, device in (("auto", "torch_varlen", "cuda"), ("auto", "flash_attn", "cuda"),
                                       ("sdpa_blockmask", "sdpa_blockmask", "cuda"), ("auto", "sdpa_blockmask", "cpu")):

@@ -227,6 +227,21 @@ def test_each_kind_has_its_own_exit_code():
     assert sorted(k.exit_code for k in kinds) == list(range(2, 10)), kinds  # each kind its own code
 
 
+def test_a_missing_gpu_package_is_a_missing_dependency(monkeypatch):
+    """model.use_liger=true on a GPU without liger-kernel ends with exit code 5, a missing dependency as
+    wandb's and torchao's are (it was a config error, 2), and names the install of the README's GPU
+    extras into the checkout: sfttrain is no package on PyPI, so `pip install 'sfttrain[gpu]'`, which it
+    named, would look for it there."""
+    from sfttrain.errors import GPU_INSTALL, DependencyError
+    from sfttrain.model import apply_liger
+
+    assert f"`{GPU_INSTALL}`" in (REPO / "README.md").read_text()
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.monkey_patch", None)  # not importable
+    with pytest.raises(DependencyError, match=re.escape(f"liger-kernel is not installed: {GPU_INSTALL}")) as e:
+        apply_liger(torch.nn.Module(), torch.device("cuda"), compile_layers=False)
+    assert e.value.exit_code == DEPENDENCY
+
+
 def rank_pid(launcher: subprocess.Popen, rank: int) -> int | None:
     """The pid of a job's rank: forked by the suite's rank server, or a torchrun child whose
     environment says RANK (where SFTTRAIN_TEST_FORK=0 starts ranks the usual way)."""

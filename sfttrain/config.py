@@ -221,8 +221,10 @@ class TrainerConfig:
     # a SIGTERM during training (a scheduler's time limit or preemption, kill, torchrun passing one on) saves the
     # step in flight and ends the run with exit code 8; false: the rank dies at once (sfttrain/stop_signal.py)
     save_on_sigterm: bool = True
-    # periodic saves written in the background from a host copy (+1 model/optimizer shard in RAM); false: the
-    # async_save_* keys below are unread (set: a NOTE line at start-up)
+    # periodic saves written in the background from a copy of this rank's model/optimizer shard taken at the step
+    # boundary (one per save in flight, on the GPU or in host memory: async_save_in_flight, async_save_staging);
+    # false: the step waits for each write, and the async_save_* keys below are unread (set: a NOTE line at
+    # start-up). The final save is waited for either way
     async_save: bool = True
     # CUDA, async_save: stage into pinned host buffers allocated once per staging slot (after step 1: a one-time
     # pause, said in the line on where saves stage) and reused by the later saves in it (the device-to-host copy

@@ -47,6 +47,9 @@ def test_help_lists_every_key_with_its_default():
     assert "GLOBAL batch in samples per optimizer step" in out  # a trailing comment
     assert "packed rows are padded to a multiple of this" in out  # a comment block above its key
     assert "verl keys accepted and ignored (each said at start-up): trainer.default_hdfs_dir" in out
+    # a background save's copies are as many as trainer.async_save_in_flight, on the GPU on CUDA (it said "from a
+    # host copy (+1 model/optimizer shard in RAM)", from before saves staged on the device and queued)
+    assert "one per save in flight, on the GPU or in host memory: async_save_in_flight, async_save_staging" in out
     optim = subprocess.run([sys.executable, "-m", "sfttrain.run", "--help", "optim"], cwd=REPO, capture_output=True,
                            text=True, check=True).stdout
     assert "optim.lr=1e-05" in optim and "data." not in optim

@@ -115,6 +115,17 @@ def materialise_model(model: nn.Module, cfg: ModelConfig, device: torch.device, 
     weights.materialise(model, device, buffer_device, seed, None if cfg.random_init else local_model_folder(cfg))
 
 
+def liger_patching():
+    """Liger's model patching (its families, the patch function), or the DependencyError that says how to
+    install it (the preflight checks it too)."""
+    try:
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN, _apply_liger_kernel_to_instance
+    except ImportError:
+        raise DependencyError(f"model.use_liger=true but liger-kernel is not installed: {GPU_INSTALL} in the "
+                              "checkout, or set model.use_liger=false") from None
+    return MODEL_TYPE_TO_APPLY_LIGER_FN, _apply_liger_kernel_to_instance
+
+
 def apply_liger(model: nn.Module, device: torch.device, compile_layers: bool) -> bool:
     """Liger's RMSNorm, SwiGLU and RoPE kernels, patched into this model instance. The fused
     linear cross-entropy is called by sfttrain.loss itself (with the labels, so it really runs).
@@ -122,11 +133,7 @@ def apply_liger(model: nn.Module, device: torch.device, compile_layers: bool) ->
     if device.type != "cuda":
         logging.getLogger("sfttrain").warning("model.use_liger=true ignored: Liger's kernels need a CUDA device")
         return False
-    try:
-        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN, _apply_liger_kernel_to_instance
-    except ImportError:
-        raise DependencyError(f"model.use_liger=true but liger-kernel is not installed: {GPU_INSTALL} in the "
-                              "checkout, or set model.use_liger=false") from None
+    MODEL_TYPE_TO_APPLY_LIGER_FN, _apply_liger_kernel_to_instance = liger_patching()
     if model.config.model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
         raise ConfigError(f"Liger has no kernels for model type {model.config.model_type!r}; set model.use_liger=false")
     # with model.compile, inductor fuses norm/SwiGLU/RoPE itself (and cannot trace Liger's autograd

@@ -512,6 +512,24 @@ def fp8_section(cfg: Config, found: Findings) -> None:
                        "8.9: H100/H200, L40S) is checked at start-up")
 
 
+def liger_section(cfg: Config, found: Findings) -> None:
+    """model.use_liger: liger-kernel missing stops a run on GPUs at start-up (a CPU run ignores the key,
+    saying so), so it is a problem here too; trainer.device=auto on a machine without a GPU: a note."""
+    import torch
+
+    from sfttrain.model import liger_patching
+
+    if not cfg.model.use_liger or cfg.trainer.device == "cpu":
+        return
+    try:
+        liger_patching()
+    except UserError as e:
+        if cfg.trainer.device == "cuda" or torch.cuda.is_available():
+            found.problems.append(str(e))
+        else:
+            found.notes.append(f"if this runs on GPUs: {e}")
+
+
 def attention_section(cfg: Config, folder: str, found: Findings) -> None:
     """The attention backend's start-up check (fp16/bf16 compute, Gemma 2's soft-cap) for a run on
     GPUs, with the backend `auto` picks there with this machine's packages. A CPU run takes the
@@ -619,6 +637,7 @@ def preflight(cfg: Config, nproc: int, nnodes: int) -> tuple[list[str], Findings
         found.check(lambda: check_model_config(cfg, folder))
         attention_section(cfg, folder, found)
     fp8_section(cfg, found)
+    liger_section(cfg, found)
     lines = [f"sfttrain plan: {nnodes} node(s) x {nproc} rank(s)"]
     batches = batch_section(cfg, dp_size, folder, found)
     lines += batches.lines

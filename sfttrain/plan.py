@@ -558,7 +558,7 @@ def device_section(cfg: Config, world: int, mesh_shape: Optional[tuple[int, int]
     note where this machine has none, the run's nodes may have them), and what its layout needs of the
     device (sfttrain.parallel.check_device: CPU offload, DDP's bf16 reduce) on the device the run takes
     (distributed.wants_cuda); trainer.device=auto on a machine without a GPU: a refusal is a note, for the
-    same reason. No mesh shape: the world's problem is listed."""
+    same reason."""
     from sfttrain.distributed import check_cuda_visible, wants_cuda
     from sfttrain.parallel import check_device, choose_layout
 
@@ -566,10 +566,11 @@ def device_section(cfg: Config, world: int, mesh_shape: Optional[tuple[int, int]
         check_cuda_visible(cfg)
     except ConfigError as e:
         found.notes.append(f"{e} (on this machine: a problem only if the nodes the run starts on have none either)")
-    if mesh_shape is None:
-        return
     offload = cfg.model.fsdp_config.offloaded()
-    layout = choose_layout(world, mesh_shape[1], cfg.ulysses_sequence_parallel_size, offload)
+    # no mesh (the world's problem is listed): what needs no layout is still checked, offloading (always
+    # sharded); DDP's reduce, which needs the layout, is not
+    layout = choose_layout(world, mesh_shape[1], cfg.ulysses_sequence_parallel_size, offload) if mesh_shape \
+        else "sharded"
     try:
         check_device(cfg, layout, "cuda" if wants_cuda(cfg) else "cpu")
     except ConfigError as e:

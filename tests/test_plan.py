@@ -463,11 +463,16 @@ def test_preflight_lists_a_missing_liger_kernel(tmp_path, monkeypatch):
 def test_preflight_refuses_the_layouts_the_device_cannot_run(tmp_path):
     """The run's refusals of its layout on its device (sfttrain.parallel.check_device, made before the
     model is built): CPU offload on the CPU, and DDP's bf16 gradient reduce (NO_SHARD over 2 ranks) off
-    GPUs. One rank runs unwrapped and reduces nothing: no problem there."""
+    GPUs. One rank runs unwrapped and reduces nothing: no problem there. Offloading is refused also
+    where the world's own shape is a problem (no layout is planned then)."""
     data = [*BASE_OVERRIDES, f"data.train_files={tmp_path}/absent.parquet"]  # not rendered: only the layout is planned
     code, out = run_plan(*data, "model.fsdp_config.cpu_offload=true", "--nproc", "2")
     assert code == 2 and "model.fsdp_config.cpu_offload/offload_params need a CUDA device; set them to false" in \
         out.split("problems:")[1], out
+    # also where the world does not make a mesh (its own problem): offloading needs no layout to be refused
+    code, out = run_plan(*data, "model.fsdp_config.cpu_offload=true", "model.fsdp_config.fsdp_size=3", "--nproc", "2")
+    problems = out.split("problems:")[1]
+    assert code == 2 and "fsdp_size=3" in problems and "cpu_offload/offload_params need a CUDA device" in problems, out
     bf16_reduce = [*data, "model.fsdp_config.sharding_strategy=NO_SHARD",
                    "model.fsdp_config.mixed_precision={param_dtype: bf16, reduce_dtype: bf16}"]
     refusal = ("model.fsdp_config.mixed_precision.reduce_dtype=bf16 with DDP (NO_SHARD or fsdp_size=1) compresses "

@@ -173,6 +173,11 @@ def resolve(path: str) -> str:
     raise ConfigError(f"{path!r} {_what_instead(path)}")
 
 
+def holds_weights(folder: str) -> bool:
+    """A folder with a Hugging Face model's weight files (safetensors, or PyTorch's .bin)."""
+    return os.path.isdir(folder) and any(n.endswith((".safetensors", ".bin")) for n in os.listdir(folder))
+
+
 def _what_instead(path: str) -> str:
     """What a path that holds no sfttrain checkpoint is instead, and what to do with it."""
     if not os.path.exists(path):
@@ -180,14 +185,13 @@ def _what_instead(path: str) -> str:
     names = set(os.listdir(path)) if os.path.isdir(path) else set()
     if any(VERL_SHARD.match(name) for name in names):
         hf = os.path.join(path, "huggingface")
-        weights = os.path.isdir(hf) and any(n.endswith((".safetensors", ".bin")) for n in os.listdir(hf))
-        start = (f"set model.partial_pretrain={hf} (its weights, saved beside the shards)" if weights else
+        start = (f"set model.partial_pretrain={hf} (its weights, saved beside the shards)" if holds_weights(hf) else
                  f"merge its shards into a Hugging Face folder (verl: `python -m verl.model_merger merge --backend fsdp "
                  f"--local_dir {path} --target_dir OUT`) and set model.partial_pretrain=OUT")
         return ("is a verl checkpoint (model_world_size_*_rank_*.pt): sfttrain resumes its own runs only (their "
                 f"optimizer, schedule and data position). To fine-tune on from its weights, {start}, without "
                 "trainer.resume_from_path")
-    if "config.json" in names and any(n.endswith((".safetensors", ".bin")) for n in names):
+    if "config.json" in names and holds_weights(path):
         return ("is a Hugging Face model folder, not a checkpoint: to start from its weights, set "
                 f"model.partial_pretrain={path}; trainer.resume_from_path continues a sfttrain run (its optimizer, "
                 "schedule and data position)")

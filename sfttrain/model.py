@@ -12,6 +12,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from sfttrain import attention, experts, lora, weights
+from sfttrain.checkpoint_folder import holds_weights
 from sfttrain.config import Config, ConfigError, ModelConfig
 from sfttrain.dtypes import DTYPE
 from sfttrain.errors import GPU_INSTALL, DependencyError
@@ -166,7 +167,7 @@ def local_model_folder(cfg: ModelConfig) -> str:
 
 def check_weights(cfg: ModelConfig, path: str) -> None:
     """A model folder to load has weight files (unless model.random_init)."""
-    if not cfg.random_init and not any(f.endswith((".safetensors", ".bin")) for f in os.listdir(path)):
+    if not cfg.random_init and not holds_weights(path):
         raise ConfigError(f"model.partial_pretrain={path!r} has a config but no weights (*.safetensors / *.bin); "
                           "set model.random_init=true to train from a random initialisation")
 

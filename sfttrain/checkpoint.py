@@ -56,7 +56,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from sfttrain import stop_signal
 from sfttrain.checkpoint_folder import SIZE_LIMIT_FIX, STATE_FILE, complete_checkpoints, damaged_error, \
     disk_full_text, enforce_retention, file_at_size_limit, folder_gone, fsync_dir, hide, over_size_limit, publish, \
-    read_state, remove, room_problem, size_text, tree_bytes, write_complete, write_synced
+    read_state, remove, room_problem, size_text, tree_bytes, what_auto_does, write_complete, write_synced
 from sfttrain.checkpoint_writer import OneLineError, Staging, WriterProcess, WriterThreadErrors, cuda_room, \
     one_line, tensor_bytes, write_shards, writer_kind
 from sfttrain.config import Config, ConfigError, to_yaml
@@ -408,7 +408,7 @@ class Checkpointer:
         if self.process is not None:
             self.process.process.kill()  # not joined: a process in a stuck write ends only once the write returns
         last = self.committed
-        then = f"it resumes from {last}" if last else "no checkpoint of this run was committed yet, so it starts afresh"
+        then = what_auto_does(last, " of this run")
         raise CheckpointError(
             f"the checkpoint of step {p.step} was not saved: its write has not finished "
             f"{time.perf_counter() - (began or p.started):.0f} s after it began (the longest a write may take here: "
@@ -457,7 +457,7 @@ class Checkpointer:
         own = complete_checkpoints(self.run_dir, self.run_id)
         last = own[-1][1] if own else None
         why, fix = self._why_not_saved(errors, limited, last)
-        then = f"it resumes from {last}" if last else "no checkpoint of this run was committed yet, so it starts afresh"
+        then = what_auto_does(last, " of this run")
         return (f"the checkpoint of step {step} was not saved: {why}. Nothing of it was committed (its partial "
                 f"folder was removed); the last good checkpoint is {last or 'none'}. {fix}, then run the same "
                 f"command: with trainer.resume_mode=auto {then}")

@@ -385,10 +385,16 @@ def disk_full_error(error: BaseException, run_dir: str, where: str) -> Optional[
     if where == "start-up":
         return ConfigError(f"{cause} in start-up, before any step. {fix}, then run the same command")
     last = latest_of_newest_run(run_dir)
-    then = f"it resumes from {last[1]}" if last else "no checkpoint was committed yet, so it starts afresh"
+    then = what_auto_does(last[1] if last else None)
     return CheckpointError(f"{cause} in {where}: training stopped there, as the next checkpoint would fail too. The "
                            f"steps since the last good checkpoint ({last[1] if last else 'none'}) are lost. {fix}, "
                            f"then run the same command: with trainer.resume_mode=auto {then}")
+
+
+def what_auto_does(last: Optional[str], whose: str = "") -> str:
+    """What the same command does after a stop, with trainer.resume_mode=auto: resume from `last`, the
+    last committed checkpoint, or start afresh."""
+    return f"it resumes from {last}" if last else f"no checkpoint{whose} was committed yet, so it starts afresh"
 
 
 def folder_gone(run_dir: str) -> Optional[str]:

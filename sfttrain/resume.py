@@ -22,7 +22,7 @@ from sfttrain.checkpoint_folder import (COMPLETE, check_intact, complete_checkpo
                                        latest_of_newest_run, read_state, resolve, run_id_of, runs, step_folders,
                                        step_of)
 from sfttrain.config import Config, ConfigError, TrainerConfig
-from sfttrain.data.fingerprint import differences
+from sfttrain.data.fingerprint import ROWS_KEY, differences
 from sfttrain.lora import check_base
 from sfttrain.metrics import rewind_metrics
 
@@ -183,7 +183,7 @@ def check_data(path: str, saved: dict, fingerprint: dict, allow_change: bool) ->
         else saved["data"]
     changed = differences(recorded, fingerprint)
     notes = [f"data: {path} records no data fingerprint (an older sfttrain): only the batch size and seed "
-             "were checked"] if legacy else []
+             "were checked"] if legacy else unrecorded(path, recorded, fingerprint)
     if changed and not allow_change:
         raise ConfigError(f"{path} was written with other data settings; resuming would silently change which "
                           "rows come next or how they are tokenized:\n    " + "\n    ".join(changed) +
@@ -191,6 +191,18 @@ def check_data(path: str, saved: dict, fingerprint: dict, allow_change: bool) ->
                           "from its data position (epoch, samples consumed) on the new data; or "
                           "trainer.resume_mode=disable (or a new trainer.default_local_dir) to start afresh")
     return notes + [f"data (allowed by trainer.resume_allow_data_change) {c}" for c in changed]
+
+
+def unrecorded(path: str, recorded: dict, fingerprint: dict) -> list[str]:
+    """A note per fingerprint key that the checkpoint's (older) sfttrain did not record: what the key
+    guards goes unchecked, and the resume trains on from the old position whatever it was."""
+    return [f"data: {path} records no '{key}' (an older sfttrain): not checked" +
+            (ROWS_UNCHECKED if key == ROWS_KEY else "") for key in fingerprint if key not in recorded]
+
+
+ROWS_UNCHECKED = ("; a data file rewritten with other rows of the same size, or sfttrain's new rendering of a "
+                  "row (an answer now ends with the chat template's end-of-turn token where the tokenizer's EOS "
+                  "differs), would go unseen. Where either applies, start afresh (trainer.resume_mode=disable)")
 
 
 def check_schedule(path: str, saved: dict, schedule: dict) -> list[str]:

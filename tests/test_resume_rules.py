@@ -205,6 +205,27 @@ def test_a_key_that_a_newer_sfttrain_records_is_not_a_change_of_data(tmp_path):
         resume.check_resume(str(ckpt), cfg, checkpoint.TrainState(data=new, schedule=schedule))
 
 
+def test_a_checkpoint_without_the_rows_hash_is_resumed_with_what_goes_unchecked(tmp_path):
+    """A checkpoint of an sfttrain that did not hash the rows' tokens resumes (nothing it recorded
+    changed), with a note that a same-size rewrite of the data or sfttrain's new rendering of an
+    answer's end cannot be seen, and what to do where either applies."""
+    from sfttrain.data.fingerprint import ROWS_KEY
+    cfg = load_config(overrides=["data.train_files=x.parquet", "model.partial_pretrain=m"])
+    ckpt = tmp_path / "global_step_4"
+    ckpt.mkdir()
+    schedule = {"optim.lr": 1e-5, "total steps": 10}
+    old = {"data.train_batch_size": 256, "trainer.seed": 1}
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 4, "global_batch": 256, "seed": 1, "data": old,
+                                                              "schedule": schedule}))
+    notes = resume.check_resume(str(ckpt), cfg, checkpoint.TrainState(data={**old, ROWS_KEY: "0" * 64},
+                                                                       schedule=schedule))
+    unchecked = [n for n in notes if f"records no '{ROWS_KEY}'" in n]
+    assert len(unchecked) == 1 and "end-of-turn token" in unchecked[0], notes
+    assert "trainer.resume_mode=disable" in unchecked[0]
+    assert not [n for n in resume.check_resume(str(ckpt), cfg, checkpoint.TrainState(data=old, schedule=schedule))
+                if "records no" in n]
+
+
 def _rank_0(proc) -> int:
     """The first rank the rank server forked, or torchrun's child whose environment says RANK=0."""
     if isinstance(proc, ForkedJob):

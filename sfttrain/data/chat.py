@@ -36,7 +36,8 @@ import os
 from jinja2 import TemplateError
 
 from sfttrain.config import ConfigError
-from sfttrain.data.render import TEMPLATE_FIX, Renderer, RenderedSample, RowError, TemplateFailed, apply_template, each_row
+from sfttrain.data.render import Renderer, RenderedSample, RowError, each_row
+from sfttrain.data.template import TEMPLATE_FIX, TemplateFailed, apply_template
 
 ROLES = ("system", "user", "assistant", "tool")
 ROLE_HINTS = {  # other formats' names of these roles, and what to do

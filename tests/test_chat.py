@@ -14,7 +14,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from sfttrain.config import ConfigError, load_config
-from sfttrain.data.chat import ChatRenderer
+from sfttrain.data.chat import ChatRenderer, build_renderer
 from sfttrain.data.files import open_source
 from sfttrain.data.parquet import ChatMessages, ParquetSource, PromptResponse
 from sfttrain.errors import DataError
@@ -117,8 +117,22 @@ def test_not_prefix_stable_template_is_named_with_the_row(tokenizer):
     conversation = CONVERSATION[:2] + [{"role": "assistant", "content": "A1"}]
     assert trained_runs(tokenizer, renderer(tokenizer, chat_template=PLAIN_TEMPLATE).render(conversation, {}, 3)) \
         == ["A1" + EOT]
-    with pytest.raises(ValueError, match=r"row 41: the chat template is not prefix-stable at message 2"):
+    with pytest.raises(ValueError, match=r"row 41: the chat template is not prefix-stable at assistant message 2: it "
+                                         r"renders the messages before it as '[^']*system 1/2[^']*' from character 1 "
+                                         r"when the conversation ends there \(as for generation\), but as "
+                                         r"'[^']*system 1/3[^']*' in the whole conversation"):
         renderer(tokenizer, chat_template=COUNTING_TEMPLATE).render(conversation, {}, row=41)
+
+
+def test_a_prompt_response_template_that_cannot_be_trained_is_refused_at_start_up(tokenizer):
+    """build_renderer renders a probe row: a template whose rendering of the prompt changes once the
+    answer follows stops the start naming the key and why."""
+    d = load_config(None, ["data.train_files=x.parquet", "model.partial_pretrain=m",
+                           f"data.chat_template={COUNTING_TEMPLATE}"]).data
+    with pytest.raises(ConfigError, match=r"data.chat_template='.*' cannot be trained on: the chat template is not "
+                                          r"prefix-stable at this row's answer: it renders the messages before it as "
+                                          r"'<\|im_start\|>user 1/1\\nhi<\|im_end\|>.*' from character 0 when"):
+        build_renderer(d, tokenizer, None)
 
 
 def test_a_template_failing_on_one_conversation_is_named_with_the_row(tokenizer):
@@ -137,7 +151,7 @@ def test_qwen3_tool_loop_reasoning_then_a_new_question_is_refused(qwen3):
     """Qwen3 shows a tool loop's reasoning until the next user message, then drops it: the turn
     after the tool result was answered seeing reasoning that the one rendering no longer has."""
     conversation = [CONVERSATION[1], {**CONVERSATION[2], "reasoning_content": "Use the tool."}, *CONVERSATION[3:]]
-    with pytest.raises(ValueError, match="row 5: the chat template is not prefix-stable at message 3"):
+    with pytest.raises(ValueError, match="row 5: the chat template is not prefix-stable at assistant message 3"):
         renderer(qwen3).render(conversation, {}, row=5)
     assert renderer(qwen3).render(conversation[:4], {}, row=5)  # the loop on its own renders
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
+from sfttrain.config import ConfigError
 from sfttrain.data.render import RenderedSample, Renderer, RowError
 from tests.conftest import STORIES
 
@@ -54,6 +55,8 @@ def reference_prompt_ids(tok, question):
 def test_qwen_mask_covers_exactly_the_response_and_eos(qwen):
     r = Renderer(qwen, max_length=4096, truncation="error")
     im_end = qwen.convert_tokens_to_ids("<|im_end|>")
+    # Qwen3's template opens the answer with an empty think block (test_qwen3_trains_its_empty_think_block)
+    think = "<think>\n\n</think>\n\n" if "qwen3" in qwen.name_or_path else ""
     for i, row in enumerate(ROWS):
         q, a = row["question"], row["answer"]
         s = r.render(q, a, row=i)
@@ -68,16 +71,16 @@ def test_qwen_mask_covers_exactly_the_response_and_eos(qwen):
         assert qwen.decode(s.input_ids[:n_prompt]) == prompt_text
 
         # the response ids sit at the end of the sequence, found by searching for them
-        resp_ids = qwen.encode(a, add_special_tokens=False) + [im_end]
+        resp_ids = qwen.encode(think + a, add_special_tokens=False) + [im_end]
         assert s.input_ids[-len(resp_ids):] == resp_ids
         assert len(s.input_ids) == n_prompt + len(resp_ids)
 
         # no prompt token is trained; every response token is, the first one and the EOS included
         assert s.loss_mask == [0] * n_prompt + [1] * len(resp_ids)
-        assert s.loss_mask[n_prompt] == 1 and a.startswith(qwen.decode(s.input_ids[n_prompt]))
+        assert s.loss_mask[n_prompt] == 1 and (think + a).startswith(qwen.decode(s.input_ids[n_prompt]))
         assert s.input_ids[-1] == im_end and s.loss_mask[-1] == 1
         assert qwen.convert_ids_to_tokens(s.input_ids[-1]) == "<|im_end|>" == qwen.eos_token
-        assert supervised(qwen, s) == a + "<|im_end|>"
+        assert supervised(qwen, s) == think + a + "<|im_end|>"
 
 
 @pytest.mark.parametrize("eos", ["<|im_end|>", "<|endoftext|>"], ids=["instruct", "base"])
@@ -97,10 +100,11 @@ def test_qwen25_matches_the_templates_own_training_rendering(eos):
         assert supervised(tok, s) == row["answer"] + "<|im_end|>"
 
 
-def test_qwen3_full_rendering_differs_by_an_empty_think_block():
-    # Known difference, documented here: Qwen3's template puts "<think>\n\n</think>\n\n" before
-    # the last assistant answer, but its generation prompt ends at "assistant\n". We train on the
-    # generation prompt + answer, i.e. what the model continues from at inference.
+def test_qwen3_trains_its_empty_think_block():
+    """Qwen3's template writes an empty think block before the last answer, after its generation
+    prompt ("assistant\n"): the block is part of the answer as the template renders it, so it is
+    trained, as in a conversation's last turn (tests/test_chat.py), and the ids are the template's
+    own rendering of the row up to the newline after <|im_end|>."""
     tok = AutoTokenizer.from_pretrained(ASSETS / "tokenizers/qwen3")
     row = ROWS[0]
     conv = [{"role": "user", "content": row["question"]}, {"role": "assistant", "content": row["answer"]}]
@@ -108,7 +112,8 @@ def test_qwen3_full_rendering_differs_by_an_empty_think_block():
     s = Renderer(tok, max_length=4096, truncation="error").render(row["question"], row["answer"], 0)
     prompt_text, _ = reference_prompt_ids(tok, row["question"])
     assert full == prompt_text + "<think>\n\n</think>\n\n" + row["answer"] + "<|im_end|>\n"
-    assert tok.decode(s.input_ids) == prompt_text + row["answer"] + "<|im_end|>"
+    assert s.input_ids == tok(full[:-1], add_special_tokens=False)["input_ids"]
+    assert supervised(tok, s) == "<think>\n\n</think>\n\n" + row["answer"] + "<|im_end|>"
 
 
 def test_no_template_path_stories260k(stories):
@@ -169,10 +174,16 @@ def test_chat_template_override(stories, qwen25):
     assert stories.decode(s.input_ids[:n_prompt]) == "user: Hi there\nassistant: "
     assert supervised(stories, s) == "Hello</s>"
     # and it replaces a tokenizer's own template (no Qwen system prompt, no <|im_start|>)
-    s = Renderer(qwen25, max_length=4096, truncation="error", chat_template=CUSTOM_TEMPLATE).render("Hi there", "Hello", 7)
+    r = Renderer(qwen25, max_length=4096, truncation="error", chat_template=CUSTOM_TEMPLATE)
+    s = r.render("Hi there", "Hello", 7)
     n_prompt = s.loss_mask.index(1)
     assert qwen25.decode(s.input_ids[:n_prompt]) == "user: Hi there\nassistant: "
     assert supervised(qwen25, s) == "Hello<|im_end|>"
+    # the template writes a newline after an answer, no special token: the answer ends with EOS, as the line says
+    assert r.describe_end([r.end_token_id]) == ("  answers end with    : <|im_end|> (the tokenizer's EOS: the chat "
+                                                "template writes no end-of-turn token after an answer); "
+                                                "generation_config.json stops at ids [151645] (<|im_end|>)")
+
 
 
 @pytest.fixture(scope="module")

@@ -5,18 +5,21 @@ disagree with what the template writes): the whole conversation is rendered to o
 assistant turn's character span in it is located, the string is tokenized once with offsets, and a
 token is trained where it overlaps a span.
 
-An assistant turn's span starts where the template's generation prompt ends (the text the model
-is given before it answers) and ends with the template's end-of-turn token (`<|im_end|>` for
-Qwen), which is trained so the model learns to stop. The newline the template writes after it is
-not trained: generation stops at the end-of-turn token, so the model never writes that newline;
-it is glue the template puts before the next turn's header.
+An assistant turn's span is located as a prompt/response row's answer is (`sfttrain.data.template`):
+from where the template's generation prompt ends (the text the model is given before it answers)
+through the template's end-of-turn token (`<|im_end|>` for Qwen), which is trained so the model
+learns to stop. The newline the template writes after it is not trained: generation stops at the
+end-of-turn token, so the model never writes that newline; it is glue the template puts before the
+next turn's header.
 
 Locating a span needs the template to render the messages before an assistant turn the same way
-whether or not more messages follow. A template that does not (say, one that counts the turns in a
-header) gives a clear error naming the row. Qwen3's template renders every assistant turn before
-the last user message without its reasoning (its <think> block is dropped), and the turns after it
-(the last answer, and the steps of a final tool loop) with it; the trained tokens are exactly those
-of the one rendering, so:
+whether or not more messages follow. A template that does not (one that counts the turns in a
+header, Mistral's v3 and Tekken templates with a system message, which they write into the last
+user turn only) gives a clear error naming the row. The trained tokens are those of the one
+rendering, so an earlier turn trains as the template renders it for the turns after it. Qwen3's
+template renders every assistant turn before the last user message without its reasoning (its
+<think> block is dropped), and the turns after it (the last answer, and the steps of a final tool
+loop) with it; the trained tokens are exactly those of the one rendering, so:
   - an earlier turn trains its answer without reasoning, as the model sees it in later contexts;
   - the last turn trains `<think>\\n{reasoning}\\n</think>\\n\\n{answer}<|im_end|>`, the reasoning
     from `reasoning_content` or a `<think>...</think>` prefix of `content` (an empty block when
@@ -37,7 +40,7 @@ from jinja2 import TemplateError
 
 from sfttrain.config import ConfigError
 from sfttrain.data.render import Renderer, RenderedSample, RowError, each_row
-from sfttrain.data.template import TEMPLATE_FIX, TemplateFailed, apply_template
+from sfttrain.data.template import TEMPLATE_FIX, AnswerNotLocated, TemplateFailed, answer_span, apply_template
 
 ROLES = ("system", "user", "assistant", "tool")
 ROLE_HINTS = {  # other formats' names of these roles, and what to do
@@ -60,10 +63,10 @@ class ChatRenderer(Renderer):
         if not getattr(tokenizer, "is_fast", False):
             raise ConfigError("data.multiturn needs a fast tokenizer (character offsets of the rendered text); "
                               f"{type(tokenizer).__name__} is not one")
-        if self.template_end is None:
-            raise ConfigError(f"the chat template writes {self.after_answer[:20]!r} after an assistant message, not "
-                              "an end-of-turn token of the tokenizer; data.multiturn needs a template that ends each "
-                              "assistant turn with one (set data.chat_template=...)")
+        if self.turn_end.token is None:
+            raise ConfigError(f"the chat template writes {self.turn_end.tail[:20]!r} after an assistant message, no "
+                              "token of the tokenizer's own; data.multiturn needs a template that ends each assistant "
+                              "turn with one, where the next turn's text starts (set data.chat_template=...)")
 
     def _render(self, messages: list[dict], kwargs: dict, generation_prompt: bool) -> str:
         return apply_template(self.tokenizer, messages, add_generation_prompt=generation_prompt,
@@ -77,40 +80,28 @@ class ChatRenderer(Renderer):
         check_messages(messages, row)
         check_thinking_off(messages, kwargs, row)
         messages = [{**m, "content": m.get("content", "")} for m in messages]  # Qwen3's template needs a string
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         try:
             text = self._render(messages, kwargs, False)
-            spans = [self._assistant_span(text, messages, kwargs, i, row)
-                     for i, m in enumerate(messages) if m["role"] == "assistant"]
+            spans = [self._assistant_span(text, messages, kwargs, i, row) for i in turns]
         except TemplateFailed as e:
-            raise ValueError(f"row {row}: the chat template failed on this conversation: {e}; {TEMPLATE_FIX}") from None
+            raise ValueError(f"row {row}: the chat template failed on this conversation: {e}; "
+                             f"{TEMPLATE_FIX}") from None
         encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         input_ids = list(encoding["input_ids"])
         loss_mask = [int(any(a < end and b > start for start, end in spans)) for a, b in encoding["offset_mapping"]]
-        turns = len(spans)
-        return self.fit(input_ids, loss_mask, row, f"{turns} assistant turn{'s' * (turns != 1)} of {len(messages)} "
+        n = len(spans)
+        return self.fit(input_ids, loss_mask, row, f"{n} assistant turn{'s' * (n != 1)} of {len(messages)} "
                                                    f"messages, {sum(loss_mask)} trained")
 
     def _assistant_span(self, text: str, messages: list[dict], kwargs: dict, i: int, row: int) -> tuple[int, int]:
         """Character span in `text` of assistant message i: after the generation prompt, through the
-        end-of-turn token."""
-        before = self._render(messages[:i], kwargs, False)
-        if not text.startswith(before):
-            raise ValueError(f"row {row}: the chat template is not prefix-stable at message {i}: it renders the "
-                             f"{i} messages before this assistant turn differently once later messages follow, so "
-                             "the turn cannot be located in the rendered conversation (Qwen3 drops a tool loop's "
-                             "reasoning once a later user message follows); split the conversation into rows that "
-                             "end at this turn, or use a template that renders earlier messages the same way")
-        prompt = self._render(messages[:i], kwargs, True)
-        start = _common_prefix(prompt, text, len(before)) if prompt.startswith(before) else len(before)
-        if start == len(before) < len(prompt):  # the turn starts nothing like the generation prompt
-            raise ValueError(f"row {row}: message {i}: the chat template's generation prompt "
-                             f"{prompt[len(before):]!r} is not how it starts the assistant turn "
-                             f"({text[len(before):len(before) + 40]!r}); the turn cannot be located")
-        end = text.find(self.end_token, start)
-        if end < 0:
-            raise ValueError(f"row {row}: message {i}: no end-of-turn token {self.end_token!r} after the assistant "
-                             "turn in the rendered conversation")
-        return start, end + len(self.end_token)
+        end-of-turn token (`sfttrain.data.template.answer_span`)."""
+        try:
+            return answer_span(text, self._render(messages[:i], kwargs, True), self.turn_end,
+                               lambda: self._render(messages[:i], kwargs, False), f"assistant message {i}")
+        except AnswerNotLocated as e:
+            raise ValueError(f"row {row}: {e}") from None
 
 
 def check_messages(messages: list[dict], row: int) -> None:
@@ -150,12 +141,6 @@ def check_thinking_off(messages: list[dict], kwargs: dict, row: int) -> None:
             raise ValueError(f"row {row}: enable_thinking is false, but assistant message {i} has reasoning "
                              "(reasoning_content or a <think> block) that the template renders after the closed think "
                              "block of the prompt; drop its reasoning or set the row's enable_thinking to true")
-
-
-def _common_prefix(a: str, b: str, known: int) -> int:
-    """Length of the common prefix of a and b, whose first `known` characters are known to agree."""
-    n = min(len(a), len(b))
-    return next((k for k in range(known, n) if a[k] != b[k]), n)
 
 
 def resolve_chat_template(d) -> str | None:
@@ -199,5 +184,7 @@ def build_renderer(d, tokenizer, embedding_rows: int | None) -> Renderer:
             e = e.__cause__
         source = (f"data.chat_template={d.chat_template!r}" if d.chat_template is not None
                   else "the tokenizer's chat template (data.chat_template=... replaces it)")
+        if isinstance(e, AnswerNotLocated):  # it renders, but not so that an answer can be trained
+            raise ConfigError(f"{source} cannot be trained on: {e}") from None
         raise ConfigError(f"{source} does not parse or render: {type(e).__name__}: {str(e).splitlines()[0]}; fix "
                           "the template") from None

@@ -1,11 +1,14 @@
 """Turn (prompt, response) pairs into token ids and a loss mask, a block of rows at a time.
 
-The prompt is rendered as a single user turn with the tokenizer's chat template (or as plain
-text), the response is appended followed by the token that ends an answer, and only the response
-tokens are trained. That token is the one the chat template writes after an assistant message
-(`<|im_end|>` for Qwen, `<|eot_id|>` for Llama 3), not the tokenizer's EOS where the two differ: a
-base model's tokenizer ends texts with `<|endoftext|>`, while every conversation its fine-tuned
-model is served in writes `<|im_end|>` after its answers. Without a template it is EOS.
+With a chat template, a row is the template's rendering of one user turn with the prompt and one
+assistant turn with the response: the context is the template's generation prompt for the user
+turn, and the trained tokens are the response as the template writes it (trimmed where it trims,
+after the space it puts before it) through the template's end-of-turn token (`sfttrain.data.template`):
+`<|im_end|>` for Qwen, `<|eot_id|>` for Llama 3, `<end_of_turn>` for Gemma, ' </s>' for Llama 2. That
+token, not the tokenizer's EOS where the two differ: a base model's tokenizer ends texts with
+`<|endoftext|>`, while every conversation its fine-tuned model is served in writes `<|im_end|>` after
+its answers. Without a template, or where the template writes only whitespace after an answer, the
+response is followed by EOS.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sfttrain.config import ConfigError
-from sfttrain.data.template import PROBE, TEMPLATE_FIX, TemplateFailed, apply_template
+from sfttrain.data.template import TEMPLATE_FIX, TemplateFailed, TurnEnd, answer_span, apply_template, turn_end
 
 TRUNCATION_MODES = ("error", "left", "right")
 
@@ -74,33 +77,27 @@ class Renderer:
         self.truncation = truncation
         self.apply_chat_template = apply_chat_template
         self.chat_template = chat_template
-        # what the template writes after an answer, and its special token (None: it writes none)
-        self.after_answer, self.template_end = self._after_answer() if apply_chat_template else ("", None)
-        if self.template_end is None and tokenizer.eos_token_id is None:
+        self.turn_end = turn_end(tokenizer, chat_template) if apply_chat_template else TurnEnd("", None, "")
+        if self.turn_end.token is None and tokenizer.eos_token_id is None:
             raise ConfigError(
                 "the tokenizer has no eos_token_id; every response is trained to end with EOS, "
                 "so set an eos token on the tokenizer"
             )
-        self.end_token = self.template_end or tokenizer.eos_token  # trained after every answer
+        self.end_token = self.turn_end.token or tokenizer.eos_token  # trained after every answer
         self.end_token_id = int(tokenizer.convert_tokens_to_ids(self.end_token))
         self.id_limit: int | None = None  # set by `limit_ids`
 
-    def _after_answer(self) -> tuple[str, str | None]:
-        """The text the chat template writes right after an assistant message's content, and the
-        special token it starts with (None where it starts with none)."""
-        text = apply_template(self.tokenizer, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": PROBE}],
-                              chat_template=self.chat_template)
-        after = text[text.rindex(PROBE) + len(PROBE):]
-        ids = self.tokenizer(after, add_special_tokens=False)["input_ids"]
-        special = bool(ids) and ids[0] in self.tokenizer.added_tokens_decoder
-        return after, self.tokenizer.convert_ids_to_tokens(ids[0]) if special else None
-
     def describe_end(self, stop_ids: list[int]) -> str:
-        """The start-up line of the token every answer is trained to end with, and where generation stops."""
-        eos = self.tokenizer.eos_token
+        """The start-up line of what every answer is trained to end with, and where generation stops."""
+        eos, end = self.tokenizer.eos_token, self.turn_end
         source = ("the tokenizer's EOS" if self.end_token == eos else
                   f"the chat template's end of turn; the tokenizer's EOS is {eos}")
-        return (f"  answers end with    : {self.end_token} ({source}); generation_config.json stops at ids {stop_ids} "
+        if end.marker not in ("", end.token):  # text before the token, trained with it (Llama 2's ' </s>')
+            source = f"{self.end_token} and the {end.marker[:-len(end.token)]!r} before it: {source}"
+        elif self.apply_chat_template and end.token is None:
+            source += ": the chat template writes no end-of-turn token after an answer"
+        shown = self.end_token if end.marker in ("", end.token) else repr(end.marker)
+        return (f"  answers end with    : {shown} ({source}); generation_config.json stops at ids {stop_ids} "
                 f"({', '.join(self.tokenizer.convert_ids_to_tokens(stop_ids))})")
 
     def limit_ids(self, embedding_rows: int | None) -> None:
@@ -116,41 +113,55 @@ class Renderer:
 
     def render_many(self, rows: list[tuple[str, str, int]]) -> list[RenderedSample]:
         """Each (prompt, response, row) as a sample, in order. The rows' texts are tokenized in one
-        call for the prompts and one for the responses: a fast tokenizer's batch path runs its Rust
+        call for the contexts and one for the answers: a fast tokenizer's batch path runs its Rust
         code over all of them on every core, with no Python call per text. The start-up scan renders
-        every row this way, 4096 at a time: with Qwen2.5's chat template 1.7x the rows a second of a
-        call per row on 2 cores, the same on one (bench/data_scale.py; docs/benchmarks.md, thirty-second
-        session); the tokenizer's share of the work shrinks with more cores, the Python share does not."""
+        every row this way, 4096 at a time (bench/data_scale.py; docs/benchmarks.md): the tokenizer's
+        share of the work shrinks with more cores, the Python share (the template's two renderings of
+        each row) does not."""
         if not rows:
             return []
-        texts = each_row(rows, lambda r: self._prompt_text(r[0]))
+        texts = each_row(rows, lambda r: self._texts(r[0], r[1]))
         # special tokens (e.g. BOS) for a plain prompt; a chat template writes its own
-        prompts = self.tokenizer(texts, add_special_tokens=not self.apply_chat_template)["input_ids"]
-        responses = self.tokenizer([r[1] for r in rows], add_special_tokens=False)["input_ids"]
-        return each_row(list(zip(prompts, responses, (r[2] for r in rows))), lambda t: self._pair(*t))
+        contexts = self.tokenizer([c for c, _ in texts], add_special_tokens=not self.apply_chat_template)
+        contexts = contexts["input_ids"]
+        answers = self.tokenizer([a for _, a in texts], add_special_tokens=False)["input_ids"]
+        return each_row(list(zip(contexts, answers, (r[2] for r in rows))), lambda t: self._pair(*t))
 
-    def _prompt_text(self, prompt: str) -> str:
-        """The prompt as a single user turn with the generation prompt, or as plain text."""
+    def _texts(self, prompt: str, response: str) -> tuple[str, str]:
+        """The row's context and trained answer, as text: the template's rendering of the prompt as one
+        user turn and the response as the answer to it, split where the answer starts; or the plain
+        prompt and response."""
         if not self.apply_chat_template:
-            return prompt
+            return prompt, response
+        user = [{"role": "user", "content": prompt}]
+        context = self._template(user, True, "prompt (as one user turn)")
+        text = self._template(user + [{"role": "assistant", "content": response}], False,
+                              "response (as the answer to its prompt)")
+        start, stop = answer_span(text, context, self.turn_end,
+                                  lambda: self._template(user, False, "prompt (as one user turn)"), "this row's answer")
+        return text[:start], text[start:stop]
+
+    def _template(self, messages: list[dict], generation_prompt: bool, part: str) -> str:
+        """The template's rendering of the row's messages; `part` names them where the template fails."""
         try:
-            return apply_template(self.tokenizer, [{"role": "user", "content": prompt}], add_generation_prompt=True,
+            return apply_template(self.tokenizer, messages, add_generation_prompt=generation_prompt,
                                   chat_template=self.chat_template)  # None: the tokenizer's own
         except TemplateFailed as e:
-            raise TemplateFailed(f"the chat template failed on this row's prompt (as one user turn): {e}; "
+            raise TemplateFailed(f"the chat template failed on this row's {part}: {e}; "
                                  f"{TEMPLATE_FIX}") from e.__cause__
 
-    def _pair(self, prompt_ids: list[int], response_ids: list[int], row: int) -> RenderedSample:
-        # Prompt and response are tokenized separately and concatenated. Tokenizing the joined
+    def _pair(self, context_ids: list[int], answer_ids: list[int], row: int) -> RenderedSample:
+        # Context and answer are tokenized separately and concatenated. Tokenizing the joined
         # text could merge tokens across the boundary, so the mask would not split cleanly, and
         # the ids would differ from what the model sees at inference, where it continues from
         # the generation prompt.
         # The end token is trained so the model learns to stop. verl's single-turn SFT path drops
         # EOS, and its models then never stop generating.
-        response_ids = [*response_ids, self.end_token_id]
-        input_ids = [*prompt_ids, *response_ids]
-        loss_mask = [0] * len(prompt_ids) + [1] * len(response_ids)
-        return self.fit(input_ids, loss_mask, row, f"{len(prompt_ids)} prompt + {len(response_ids)} response")
+        if self.turn_end.token is None:  # the template's answer (or the plain response) ends without one
+            answer_ids = [*answer_ids, self.end_token_id]
+        input_ids = [*context_ids, *answer_ids]
+        loss_mask = [0] * len(context_ids) + [1] * len(answer_ids)
+        return self.fit(input_ids, loss_mask, row, f"{len(context_ids)} prompt + {len(answer_ids)} response")
 
     def fit(self, input_ids: list[int], loss_mask: list[int], row: int, parts: str) -> RenderedSample:
         """Applies data.max_length / data.truncation to one rendered row (`parts` says, in the error,

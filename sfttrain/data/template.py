@@ -1,6 +1,23 @@
-"""The chat template: rendering a conversation with it."""
+"""The chat template: rendering a conversation, and where an assistant's answer lies in the text.
+
+An answer's span, for prompt/response rows and conversations alike, comes from the template's own
+text, so that what is trained is what the template writes, whatever it does around the content
+(Llama 3 and Gemma trim it, Mistral v3 and Llama 2 put a space before it, Llama 2 one before its
+`</s>`, DeepSeek-R1 drops its reasoning):
+  - it starts where the template's generation prompt for the messages before it ends (the text the
+    model is given before it answers at inference), or, where the conversation's text does not hold
+    that generation prompt whole (Qwen3's `<think>` block with thinking off, DeepSeek-R1's opening
+    `<think>`), where the two part;
+  - it ends with the template's end-of-turn token, the first token of the tokenizer's own the template
+    writes after an answer (`TurnEnd`, found once by rendering a probe answer): the text before it is
+    trained with it (Llama 2's ' </s>'), what follows it is not (the newline before the next turn's
+    header, Phi-3's EOS after the conversation), since generation stops at that token.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
 
 PROBE = "\x00sfttrain-probe\x00"  # an assistant content no real text contains
 TEMPLATE_FIX = "fix the template (data.chat_template=... replaces the tokenizer's) or the row"
@@ -22,3 +39,78 @@ def apply_template(tokenizer, messages: list[dict], **kwargs) -> str:
         return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
     except Exception as e:  # noqa: BLE001 (the template's own code: any exception is its failure)
         raise TemplateFailed(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+
+
+class AnswerNotLocated(ValueError):
+    """The template's text does not let an answer be located as the model would generate it: the
+    message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class TurnEnd:
+    """What the template writes after an answer's content: `marker`, through the first token of the
+    tokenizer's own in it (`token`, None where there is none), is trained with the answer; `tail`, the
+    rest, is not."""
+
+    marker: str
+    token: str | None
+    tail: str
+
+
+def turn_end(tokenizer, chat_template: str | None) -> TurnEnd:
+    """The template's end of an answer, from its rendering of a probe conversation: through the first
+    token of the tokenizer's own (an added token: `<|im_end|>`, `</s>`) that it writes after the content."""
+    text = apply_template(tokenizer, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": PROBE}],
+                          chat_template=chat_template)
+    after = text[text.rindex(PROBE) + len(PROBE):]
+    added = {t.content for t in tokenizer.added_tokens_decoder.values() if t.content.strip()}  # not a run of spaces
+    first = min(((after.find(t), -len(t), t) for t in added if t in after), default=None)  # earliest, then longest
+    if first is not None:
+        stop = first[0] + len(first[2])
+        return TurnEnd(after[:stop], first[2], after[stop:])
+    return TurnEnd("", None, after)  # the renderer appends EOS
+
+
+def answer_span(text: str, prompt: str, end: TurnEnd, before: Callable[[], str], where: str) -> tuple[int, int]:
+    """Character span in `text` (the template's rendering of a conversation) of the answer whose
+    messages before it render to `prompt` with the generation prompt (`before()`: without it).
+    `where` names the answer in the errors, which say why it cannot be located."""
+    start = len(prompt) if text.startswith(prompt) else _start_past_generation_prompt(text, prompt, before(), where)
+    if end.token is None:  # prompt/response rows only: the answer runs to the template's trailing text
+        if not text.endswith(end.tail):
+            raise AnswerNotLocated(f"the chat template does not end {where} with {end.tail!r}, as it ends a probe "
+                                   "answer")
+        return start, max(start, len(text) - len(end.tail))
+    stop = text.find(end.token, start)
+    if stop < 0:
+        raise AnswerNotLocated(f"{where}: no end-of-turn token {end.token!r} after it in the rendered conversation")
+    return start, stop + len(end.token)
+
+
+def _start_past_generation_prompt(text: str, prompt: str, before: str, where: str) -> int:
+    """Where the answer starts when `text` does not hold the generation prompt whole: past what the
+    two share. The messages before the answer (what `prompt` and `before` agree on) must be in
+    `text` as they are: otherwise the model would train on a context it is never given."""
+    stable = _common_prefix(before, prompt, 0)
+    if not text.startswith(prompt[:stable]):
+        k = max(0, _common_prefix(prompt, text, 0) - 20)  # some of what they share, then where they part
+        raise AnswerNotLocated(
+            f"the chat template is not prefix-stable at {where}: it renders the messages before it as "
+            f"{prompt[k:k + 60]!r} from character {k} when the conversation ends there (as for generation), but as "
+            f"{text[k:k + 60]!r} in the whole conversation, so the answer's context would not be the one the model is "
+            "given at inference (Qwen3 drops a tool loop's reasoning once a later user message follows; Mistral's v3 "
+            "and Tekken templates write the system message into the last user turn only). Split the conversation "
+            "into rows that end at this answer, drop the message the template moves, or replace the template "
+            "(data.chat_template=...)")
+    start = _common_prefix(prompt, text, stable)
+    if start == stable < len(prompt):
+        raise AnswerNotLocated(f"{where}: the chat template's generation prompt {prompt[stable:]!r} is not how it "
+                               f"starts the answer ({text[stable:stable + 40]!r}); the answer cannot be located")
+    return start
+
+
+def _common_prefix(a: str, b: str, known: int) -> int:
+    """Length of the common prefix of a and b, whose first `known` characters are known to agree."""
+    n = min(len(a), len(b))
+    return next((k for k in range(known, n) if a[k] != b[k]), n)
+

@@ -132,3 +132,22 @@ def test_a_conversation_the_template_cannot_render_as_trained_is_refused_with_th
     with pytest.raises(ValueError, match=refusal):
         renderer.render(messages, {}, 7)
 
+
+def test_an_answers_reasoning_that_the_template_drops_is_refused():
+    """DeepSeek-R1's template keeps what follows </think> in every answer: an earlier turn trains
+    without its reasoning (as later turns see it), but a row whose trained answer, a prompt/response
+    row's or a conversation's last, carries reasoning is refused rather than trained without it."""
+    family = next(f for f in FAMILIES if f.name == "deepseek-r1")
+    tok = family_tokenizer(family)
+    with pytest.raises(ValueError, match=r"the chat template renders this row's response as '\\n\\nFinal answer.<｜end"
+                                         r"▁of▁sentence｜>', without part of it \('<think>\\nLast reasoning.*"
+                                         r"DeepSeek-R1's keeps what follows </think> only"):
+        Renderer(tok, max_length=4096, truncation="error").render(
+            "Q?", "<think>\nLast reasoning.\n</think>\n\nFinal answer.", 0)
+    chat = ChatRenderer(tok, max_length=4096, truncation="error")
+    for last in ({"role": "assistant", "content": "<think>\nLast reasoning.\n</think>\n\nFinal answer."},
+                 {"role": "assistant", "content": "Final answer.", "reasoning_content": "Last reasoning."}):
+        with pytest.raises(ValueError, match=r"row 4: the chat template renders assistant message 3, the last "
+                                             r"answer, as '(\\n)*Final answer.<｜end▁of▁sentence｜>', without part "
+                                             r"of its content or reasoning"):
+            chat.render([*TURNS[:3], last], {}, 4)

@@ -16,10 +16,12 @@ Locating a span needs the template to render the messages before an assistant tu
 whether or not more messages follow. A template that does not (one that counts the turns in a
 header, Mistral's v3 and Tekken templates with a system message, which they write into the last
 user turn only) gives a clear error naming the row. The trained tokens are those of the one
-rendering, so an earlier turn trains as the template renders it for the turns after it. Qwen3's
-template renders every assistant turn before the last user message without its reasoning (its
-<think> block is dropped), and the turns after it (the last answer, and the steps of a final tool
-loop) with it; the trained tokens are exactly those of the one rendering, so:
+rendering, so an earlier turn trains as the template renders it for the turns after it; the last
+answer, which nothing follows, must render all of its content and reasoning, or the row is refused
+(DeepSeek-R1's template keeps only what follows `</think>` in every answer). Qwen3's template
+renders every assistant turn before the last user message without its reasoning (its <think> block
+is dropped), and the turns after it (the last answer, and the steps of a final tool loop) with it;
+the trained tokens are exactly those of the one rendering, so:
   - an earlier turn trains its answer without reasoning, as the model sees it in later contexts;
   - the last turn trains `<think>\\n{reasoning}\\n</think>\\n\\n{answer}<|im_end|>`, the reasoning
     from `reasoning_content` or a `<think>...</think>` prefix of `content` (an empty block when
@@ -40,7 +42,8 @@ from jinja2 import TemplateError
 
 from sfttrain.config import ConfigError
 from sfttrain.data.render import Renderer, RenderedSample, RowError, each_row
-from sfttrain.data.template import TEMPLATE_FIX, AnswerNotLocated, TemplateFailed, answer_span, apply_template
+from sfttrain.data.template import (DROPPED_FIX, TEMPLATE_FIX, AnswerNotLocated, TemplateFailed, answer_span,
+                                    apply_template, dropped)
 
 ROLES = ("system", "user", "assistant", "tool")
 ROLE_HINTS = {  # other formats' names of these roles, and what to do
@@ -87,6 +90,7 @@ class ChatRenderer(Renderer):
         except TemplateFailed as e:
             raise ValueError(f"row {row}: the chat template failed on this conversation: {e}; "
                              f"{TEMPLATE_FIX}") from None
+        check_last_answer(messages[turns[-1]], text[slice(*spans[-1])], turns[-1], row)
         encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         input_ids = list(encoding["input_ids"])
         loss_mask = [int(any(a < end and b > start for start, end in spans)) for a, b in encoding["offset_mapping"]]
@@ -102,6 +106,18 @@ class ChatRenderer(Renderer):
                                lambda: self._render(messages[:i], kwargs, False), f"assistant message {i}")
         except AnswerNotLocated as e:
             raise ValueError(f"row {row}: {e}") from None
+
+
+def check_last_answer(message: dict, rendered: str, i: int, row: int) -> None:
+    """The conversation's last answer is what the model is trained to generate: a template that
+    renders it without part of its content or reasoning (DeepSeek-R1's drops what precedes
+    </think>) would train something else than the row says, so it is refused. Earlier turns are
+    trained as the template renders them in later contexts (Qwen3 drops their reasoning there)."""
+    texts = [t for t in (message.get("reasoning_content"), message["content"]) if t]
+    if lost := dropped(texts, rendered):
+        raise ValueError(f"row {row}: the chat template renders assistant message {i}, the last answer, as "
+                         f"{rendered[:80]!r}, without part of its content or reasoning ({lost[:80]!r}): what would be "
+                         f"trained is not the row's answer. {DROPPED_FIX}")
 
 
 def check_messages(messages: list[dict], row: int) -> None:

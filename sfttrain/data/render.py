@@ -16,7 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sfttrain.config import ConfigError
-from sfttrain.data.template import TEMPLATE_FIX, TemplateFailed, TurnEnd, answer_span, apply_template, turn_end
+from sfttrain.data.template import (DROPPED_FIX, TEMPLATE_FIX, AnswerNotLocated, TemplateFailed, TurnEnd, answer_span,
+                                    apply_template, dropped, turn_end)
 
 TRUNCATION_MODES = ("error", "left", "right")
 
@@ -139,6 +140,10 @@ class Renderer:
                               "response (as the answer to its prompt)")
         start, stop = answer_span(text, context, self.turn_end,
                                   lambda: self._template(user, False, "prompt (as one user turn)"), "this row's answer")
+        if lost := dropped([response], text[start:stop]):
+            raise AnswerNotLocated(f"the chat template renders this row's response as {text[start:stop][:80]!r}, "
+                                   f"without part of it ({lost[:80]!r}): what would be trained is not the response. "
+                                   f"{DROPPED_FIX}")
         return text[:start], text[start:stop]
 
     def _template(self, messages: list[dict], generation_prompt: bool, part: str) -> str:

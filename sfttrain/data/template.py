@@ -21,6 +21,9 @@ from typing import Callable
 
 PROBE = "\x00sfttrain-probe\x00"  # an assistant content no real text contains
 TEMPLATE_FIX = "fix the template (data.chat_template=... replaces the tokenizer's) or the row"
+DROPPED_FIX = ("A template that drops reasoning (DeepSeek-R1's keeps what follows </think> only) trains no "
+               "reasoning: use one that renders it (data.chat_template=... replaces the tokenizer's), or take it out "
+               "of the data")
 
 
 class TemplateFailed(ValueError):
@@ -114,3 +117,9 @@ def _common_prefix(a: str, b: str, known: int) -> int:
     n = min(len(a), len(b))
     return next((k for k in range(known, n) if a[k] != b[k]), n)
 
+
+def dropped(texts: list[str], rendered: str) -> str | None:
+    """The first of `texts` that `rendered` does not hold, whitespace aside (templates trim an answer,
+    Qwen3 writes a think block's newlines its own way); None where it holds them all."""
+    squeezed = "".join(rendered.split())
+    return next((t for t in texts if "".join(t.split()) not in squeezed), None)

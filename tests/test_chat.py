@@ -43,6 +43,9 @@ COUNTING_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }} {{ loop.in
                      "{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
                      "{% endif %}")
 PLAIN_TEMPLATE = COUNTING_TEMPLATE.replace(" {{ loop.index }}/{{ messages | length }}", "")
+# a template that renders the last answer otherwise than the earlier ones: it ends it with another token
+LAST_ENDS_OTHERWISE = PLAIN_TEMPLATE.replace("{{ m.content }}<|im_end|>", "{{ m.content }}{{ '<|endoftext|>' if "
+                                             "loop.last and m.role == 'assistant' else '<|im_end|>' }}")
 
 
 @pytest.fixture(scope="module", params=["qwen2.5-instruct", "qwen3"])
@@ -122,6 +125,20 @@ def test_not_prefix_stable_template_is_named_with_the_row(tokenizer):
                                          r"when the conversation ends there \(as for generation\), but as "
                                          r"'[^']*system 1/3[^']*' in the whole conversation"):
         renderer(tokenizer, chat_template=COUNTING_TEMPLATE).render(conversation, {}, row=41)
+
+
+def test_a_template_that_ends_earlier_answers_otherwise_is_refused_with_the_row(tokenizer):
+    """The end-of-turn token is the one the template writes after a conversation's last answer (a
+    probe's): an earlier answer that the template ends with another one would run on through the
+    next user message to a later answer's end, training the user's text. The row is refused."""
+    conversation = [CONVERSATION[1], {"role": "assistant", "content": "A1"}, CONVERSATION[5],
+                    {"role": "assistant", "content": "A2"}]
+    r = renderer(tokenizer, chat_template=LAST_ENDS_OTHERWISE)
+    assert trained_runs(tokenizer, r.render(conversation[:2], {}, 0)) == ["A1<|endoftext|>"]
+    with pytest.raises(ValueError, match=r"row 8: assistant message 1 does not end with '<\|endoftext\|>' \(the "
+                                         r"end-of-turn token the chat template writes after a conversation's last "
+                                         r"answer\) before the next assistant turn"):
+        r.render(conversation, {}, 8)
 
 
 def test_a_prompt_response_template_that_cannot_be_trained_is_refused_at_start_up(tokenizer):

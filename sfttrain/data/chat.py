@@ -13,15 +13,16 @@ end-of-turn token, so the model never writes that newline; it is glue the templa
 next turn's header.
 
 Locating a span needs the template to render the messages before an assistant turn the same way
-whether or not more messages follow. A template that does not (one that counts the turns in a
-header, Mistral's v3 and Tekken templates with a system message, which they write into the last
-user turn only) gives a clear error naming the row. The trained tokens are those of the one
-rendering, so an earlier turn trains as the template renders it for the turns after it; the last
-answer, which nothing follows, must render all of its content and reasoning, or the row is refused
-(DeepSeek-R1's template keeps only what follows `</think>` in every answer). Qwen3's template
-renders every assistant turn before the last user message without its reasoning (its <think> block
-is dropped), and the turns after it (the last answer, and the steps of a final tool loop) with it;
-the trained tokens are exactly those of the one rendering, so:
+whether or not more messages follow, and to end every assistant turn with the token it ends the
+last one with. A template that does not (one that counts the turns in a header, Mistral's v3 and
+Tekken templates with a system message, which they write into the last user turn only) gives a
+clear error naming the row. The trained tokens are those of the one rendering, so an earlier turn
+trains as the template renders it for the turns after it; the last answer, which nothing follows,
+must render all of its content and reasoning, or the row is refused (DeepSeek-R1's template keeps
+only what follows `</think>` in every answer). Qwen3's template renders every assistant turn before
+the last user message without its reasoning (its <think> block is dropped), and the turns after it
+(the last answer, and the steps of a final tool loop) with it; the trained tokens are exactly those
+of the one rendering, so:
   - an earlier turn trains its answer without reasoning, as the model sees it in later contexts;
   - the last turn trains `<think>\\n{reasoning}\\n</think>\\n\\n{answer}<|im_end|>`, the reasoning
     from `reasoning_content` or a `<think>...</think>` prefix of `content` (an empty block when
@@ -90,6 +91,7 @@ class ChatRenderer(Renderer):
         except TemplateFailed as e:
             raise ValueError(f"row {row}: the chat template failed on this conversation: {e}; "
                              f"{TEMPLATE_FIX}") from None
+        check_turns_apart(spans, turns, self.end_token, row)
         check_last_answer(messages[turns[-1]], text[slice(*spans[-1])], turns[-1], row)
         encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         input_ids = list(encoding["input_ids"])
@@ -106,6 +108,18 @@ class ChatRenderer(Renderer):
                                lambda: self._render(messages[:i], kwargs, False), f"assistant message {i}")
         except AnswerNotLocated as e:
             raise ValueError(f"row {row}: {e}") from None
+
+
+def check_turns_apart(spans: list[tuple[int, int]], turns: list[int], end_token: str, row: int) -> None:
+    """Each turn's span ends before the next one starts: a template that ends earlier turns with
+    another token than the conversation's last answer (found by the probe) would otherwise have a
+    turn run on through the next user message to a later turn's end."""
+    for (_, stop), (start, _), i in zip(spans, spans[1:], turns):
+        if stop > start:
+            raise ValueError(f"row {row}: assistant message {i} does not end with {end_token!r} (the end-of-turn "
+                             "token the chat template writes after a conversation's last answer) before the next "
+                             "assistant turn: the template ends earlier turns otherwise, and the turn cannot be "
+                             f"located; {TEMPLATE_FIX}")
 
 
 def check_last_answer(message: dict, rendered: str, i: int, row: int) -> None:

@@ -185,6 +185,19 @@ def test_chat_template_override(stories, qwen25):
                                                 "generation_config.json stops at ids [151645] (<|im_end|>)")
 
 
+def test_a_template_ending_answers_with_text_and_no_special_token_is_refused(qwen25):
+    """Qwen's tokenizer has no '</s>' of its own (it reads the text as pieces): a template that ends
+    every answer with that text ends it where generation cannot stop. It is refused at start-up,
+    naming the text and the ways out, rather than training each answer to end with EOS, which the
+    template never writes."""
+    template = CUSTOM_TEMPLATE.replace("{{ m['content'] }}\n", "{{ m['content'] }}</s>\n")
+    with pytest.raises(ConfigError, match=r"the chat template writes '</s>\\n' after an answer, which the tokenizer "
+                                          r"reads as \['</', 's', '>Ċ'\], no token of its own \(an added "
+                                          r"token\) that generation can stop at: add it to the tokenizer as a "
+                                          r"special token .* or set data.chat_template=\.\.\. to a template that "
+                                          r"ends an answer with one"):
+        Renderer(qwen25, max_length=512, truncation="error", chat_template=template)
+
 
 @pytest.fixture(scope="module")
 def long_row(qwen25):

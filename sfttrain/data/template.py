@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from sfttrain.config import ConfigError
+
 PROBE = "\x00sfttrain-probe\x00"  # an assistant content no real text contains
 TEMPLATE_FIX = "fix the template (data.chat_template=... replaces the tokenizer's) or the row"
 DROPPED_FIX = ("A template that drops reasoning (DeepSeek-R1's keeps what follows </think> only) trains no "
@@ -62,7 +64,9 @@ class TurnEnd:
 
 def turn_end(tokenizer, chat_template: str | None) -> TurnEnd:
     """The template's end of an answer, from its rendering of a probe conversation: through the first
-    token of the tokenizer's own (an added token: `<|im_end|>`, `</s>`) that it writes after the content."""
+    token of the tokenizer's own (an added token: `<|im_end|>`, `</s>`) that it writes after the content.
+    One that writes text but no such token is refused: generation could not stop where the template
+    ends an answer (a '</s>' that a tokenizer without that token splits into pieces)."""
     text = apply_template(tokenizer, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": PROBE}],
                           chat_template=chat_template)
     after = text[text.rindex(PROBE) + len(PROBE):]
@@ -71,7 +75,14 @@ def turn_end(tokenizer, chat_template: str | None) -> TurnEnd:
     if first is not None:
         stop = first[0] + len(first[2])
         return TurnEnd(after[:stop], first[2], after[stop:])
-    return TurnEnd("", None, after)  # the renderer appends EOS
+    if after.strip():
+        pieces = tokenizer.convert_ids_to_tokens(tokenizer(after, add_special_tokens=False)["input_ids"])
+        raise ConfigError(f"the chat template writes {after!r} after an answer, which the tokenizer reads as "
+                          f"{pieces[:8]}, no token of its own (an added token) that generation can stop at: "
+                          "add it to the tokenizer as a special token (and resize the model's embeddings), or set "
+                          "data.chat_template=... to a template that ends an answer with one (e.g. the tokenizer's "
+                          f"EOS, {tokenizer.eos_token})")
+    return TurnEnd("", None, after)  # whitespace only: the renderer appends EOS
 
 
 def answer_span(text: str, prompt: str, end: TurnEnd, before: Callable[[], str], where: str) -> tuple[int, int]:

@@ -127,6 +127,18 @@ def test_not_prefix_stable_template_is_named_with_the_row(tokenizer):
         renderer(tokenizer, chat_template=COUNTING_TEMPLATE).render(conversation, {}, row=41)
 
 
+def test_a_generation_prompt_a_conversation_does_not_hold_is_refused_with_the_row(tokenizer):
+    """A template whose conversations do not hold its generation prompt ('Answer: ' at generation,
+    '<|im_start|>assistant' before a conversation's answers) would train every turn in a context the
+    model is never given at inference: refused, naming the row, the turn and both texts."""
+    apart = PLAIN_TEMPLATE.replace("{% if add_generation_prompt %}<|im_start|>assistant\n", "{% if "
+                                   "add_generation_prompt %}Answer: ")
+    with pytest.raises(ValueError, match=r"row 6: assistant message 2: the chat template's generation prompt "
+                                         r"'Answer: ' is not how it starts the answer \('<\|im_start\|>assistant"):
+        renderer(tokenizer, chat_template=apart).render(CONVERSATION[:2] + [{"role": "assistant", "content": "A1"}],
+                                                        {}, 6)
+
+
 def test_a_template_that_ends_earlier_answers_otherwise_is_refused_with_the_row(tokenizer):
     """The end-of-turn token is the one the template writes after a conversation's last answer (a
     probe's): an earlier answer that the template ends with another one would run on through the

@@ -185,6 +185,28 @@ def test_chat_template_override(stories, qwen25):
                                                 "generation_config.json stops at ids [151645] (<|im_end|>)")
 
 
+# a template that writes its generation prompt for generation only: in a conversation the answer follows directly
+PROMPT_APART = ("{% for m in messages %}{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}Answer: {% endif %}")
+
+
+def test_a_generation_prompt_written_for_generation_only_is_the_rows_context(qwen25):
+    """A prompt/response row trains what the model does at inference: the generation prompt, then
+    the answer as the template writes it, whole ('Alright' shares an 'A' with 'Answer: ', which is
+    no part of the prompt). A template that writes something else where the answer goes (a header
+    other than its generation prompt) cannot be told apart from the answer: refused."""
+    s = Renderer(qwen25, max_length=4096, truncation="error", chat_template=PROMPT_APART).render("Q?", "Alright, 4.", 0)
+    n = s.loss_mask.index(1)
+    assert qwen25.decode(s.input_ids[:n]) == "Q?<|im_end|>\nAnswer: "
+    assert supervised(qwen25, s) == "Alright, 4.<|im_end|>"
+    header = PROMPT_APART.replace("{{ m['content'] }}", "{{ m['role'] + ': ' if m['role'] == 'assistant' }}"
+                                                        "{{ m['content'] }}")
+    with pytest.raises(RowError, match=r"the chat template's generation prompt 'Answer: ' is not in its rendering of "
+                                       r"the row, which has 'assistant: Alright, 4.<\|im_end\|>' where the answer "
+                                       r"goes"):
+        Renderer(qwen25, max_length=4096, truncation="error", chat_template=header).render("Q?", "Alright, 4.", 0)
+
+
 def test_a_template_ending_answers_with_text_and_no_special_token_is_refused(qwen25):
     """Qwen's tokenizer has no '</s>' of its own (it reads the text as pieces): a template that ends
     every answer with that text ends it where generation cannot stop. It is refused at start-up,

@@ -18,7 +18,8 @@ from tests.chat_families import FAMILIES, Family, family_tokenizer
 
 PAIRS = [("What is 2+2?", "2+2 is 4."),
          ("  Name a colour.\n", "  Blue, said with spaces around it.\n\n"),
-         ("Two lines?", "First line.\n\nSecond line.")]
+         ("Two lines?", "First line.\n\nSecond line."),
+         ("Markup?", "<b>Bold</b> starts like DeepSeek-R1's <think>.")]
 TURNS = [{"role": "user", "content": "First question?"},
          {"role": "assistant", "content": " First answer, spaced.\n"},
          {"role": "user", "content": "Second question?"},
@@ -63,6 +64,11 @@ def ids(tok, text: str) -> list[int]:
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
+def spans_boundary(tok, text: str, k: int) -> bool:
+    """Whether a token of `text` tokenized whole holds characters on both sides of position k."""
+    return any(a < k < b for a, b in tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"])
+
+
 def test_prompt_response_rows_train_the_answer_as_the_template_renders_it(family):
     tok = family_tokenizer(family)
     renderer = Renderer(tok, max_length=4096, truncation="error")
@@ -72,7 +78,11 @@ def test_prompt_response_rows_train_the_answer_as_the_template_renders_it(family
         assert text[end:] == family.tail
         sample = renderer.render(prompt, response, row)
         assert trained_runs(tok, sample) == [text[start:end]]
-        assert sample.input_ids == ids(tok, text[:end])  # the template's text through the answer's end
+        # the template's text through the answer's end, the generation prompt tokenized apart: the model continues
+        # from its tokens. That is the text tokenized whole where no token of it spans the two (Mistral v1's
+        # '[/INST]', plain text, and '<b>' make ']<' in Qwen's vocabulary)
+        assert sample.input_ids == ids(tok, text[:start]) + ids(tok, text[start:end])
+        assert (sample.input_ids == ids(tok, text[:end])) != spans_boundary(tok, text[:end], start)
 
 
 def conversations(family: Family) -> list[list[dict]]:

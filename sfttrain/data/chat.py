@@ -104,8 +104,9 @@ class ChatRenderer(Renderer):
         """Character span in `text` of assistant message i: after the generation prompt, through the
         end-of-turn token (`sfttrain.data.template.answer_span`)."""
         try:
-            return answer_span(text, self._render(messages[:i], kwargs, True), self.turn_end,
+            span = answer_span(self.tokenizer, text, self._render(messages[:i], kwargs, True), self.turn_end,
                                lambda: self._render(messages[:i], kwargs, False), f"assistant message {i}")
+            return span.start, span.stop
         except AnswerNotLocated as e:
             raise ValueError(f"row {row}: {e}") from None
 

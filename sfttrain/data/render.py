@@ -30,6 +30,19 @@ class RenderedSample:
     full_length: int = 0  # tokens before truncation (> len(input_ids) where data.truncation cut the sample)
 
 
+def check_answer(response: str, answer: str, apart_prompt: str | None) -> None:
+    """The trained answer is the row's response as the template renders it: all of it (whitespace
+    aside), and, where the template writes its generation prompt (`apart_prompt`) for generation
+    only, nothing the template writes before it in its place."""
+    if apart_prompt is not None and not answer.lstrip().startswith(response.lstrip()[:1]):
+        raise AnswerNotLocated(f"the chat template's generation prompt {apart_prompt!r} is not in its rendering of "
+                               f"the row, which has {answer[:40]!r} where the answer goes: the answer cannot be told "
+                               f"from what the template writes before it; {TEMPLATE_FIX}")
+    if lost := dropped([response], answer):
+        raise AnswerNotLocated(f"the chat template renders this row's response as {answer[:80]!r}, without part of "
+                               f"it ({lost[:80]!r}): what would be trained is not the response. {DROPPED_FIX}")
+
+
 class RowError(ValueError):
     """A row that cannot be rendered: the message says why, `row` which (for its file and line)."""
 
@@ -135,16 +148,14 @@ class Renderer:
         if not self.apply_chat_template:
             return prompt, response
         user = [{"role": "user", "content": prompt}]
-        context = self._template(user, True, "prompt (as one user turn)")
+        generation = self._template(user, True, "prompt (as one user turn)")
         text = self._template(user + [{"role": "assistant", "content": response}], False,
                               "response (as the answer to its prompt)")
-        start, stop = answer_span(text, context, self.turn_end,
-                                  lambda: self._template(user, False, "prompt (as one user turn)"), "this row's answer")
-        if lost := dropped([response], text[start:stop]):
-            raise AnswerNotLocated(f"the chat template renders this row's response as {text[start:stop][:80]!r}, "
-                                   f"without part of it ({lost[:80]!r}): what would be trained is not the response. "
-                                   f"{DROPPED_FIX}")
-        return text[:start], text[start:stop]
+        span = answer_span(self.tokenizer, text, generation, self.turn_end,
+                           lambda: self._template(user, False, "prompt"), "this row's answer", prompt_apart_ok=True)
+        answer = text[span.start:span.stop]
+        check_answer(response, answer, generation[span.start:] if span.prompt_apart else None)
+        return (generation if span.prompt_apart else text[:span.start]), answer
 
     def _template(self, messages: list[dict], generation_prompt: bool, part: str) -> str:
         """The template's rendering of the row's messages; `part` names them where the template fails."""

@@ -17,7 +17,7 @@ text, so that what is trained is what the template writes, whatever it does arou
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from sfttrain.config import ConfigError
 
@@ -85,26 +85,43 @@ def turn_end(tokenizer, chat_template: str | None) -> TurnEnd:
     return TurnEnd("", None, after)  # whitespace only: the renderer appends EOS
 
 
-def answer_span(text: str, prompt: str, end: TurnEnd, before: Callable[[], str], where: str) -> tuple[int, int]:
-    """Character span in `text` (the template's rendering of a conversation) of the answer whose
-    messages before it render to `prompt` with the generation prompt (`before()`: without it).
-    `where` names the answer in the errors, which say why it cannot be located."""
-    start = len(prompt) if text.startswith(prompt) else _start_past_generation_prompt(text, prompt, before(), where)
+class AnswerSpan(NamedTuple):
+    start: int  # where the answer starts in the template's text of the conversation
+    stop: int  # where it ends: after its end-of-turn token
+    prompt_apart: bool  # the template writes its generation prompt for generation only (see answer_span)
+
+
+def answer_span(tokenizer, text: str, prompt: str, end: TurnEnd, before: Callable[[], str], where: str,
+                prompt_apart_ok: bool = False) -> AnswerSpan:
+    """Where in `text` (the template's rendering of a conversation) lies the answer whose messages
+    before it render to `prompt` with the generation prompt (`before()`: without it). A template
+    may write its generation prompt for generation only (`Answer: `), the answer following the
+    messages directly in a conversation: that is refused unless `prompt_apart_ok` (a prompt/response
+    row, whose context is then the generation prompt: the model's inference exactly; a conversation's
+    later turns would see the answer without it). `where` names the answer in the errors, which say
+    why it cannot be located."""
+    start, apart = ((len(prompt), False) if text.startswith(prompt) else
+                    _start_past(tokenizer, text, prompt, before(), where))
+    if apart and not prompt_apart_ok:
+        raise AnswerNotLocated(f"{where}: the chat template's generation prompt {prompt[start:]!r} is not how it "
+                               f"starts the answer ({text[start:start + 40]!r}); the answer cannot be located")
     if end.token is None:  # prompt/response rows only: the answer runs to the template's trailing text
         if not text.endswith(end.tail):
             raise AnswerNotLocated(f"the chat template does not end {where} with {end.tail!r}, as it ends a probe "
                                    "answer")
-        return start, max(start, len(text) - len(end.tail))
+        return AnswerSpan(start, max(start, len(text) - len(end.tail)), apart)
     stop = text.find(end.token, start)
     if stop < 0:
         raise AnswerNotLocated(f"{where}: no end-of-turn token {end.token!r} after it in the rendered conversation")
-    return start, stop + len(end.token)
+    return AnswerSpan(start, stop + len(end.token), apart)
 
 
-def _start_past_generation_prompt(text: str, prompt: str, before: str, where: str) -> int:
+def _start_past(tokenizer, text: str, prompt: str, before: str, where: str) -> tuple[int, bool]:
     """Where the answer starts when `text` does not hold the generation prompt whole: past what the
-    two share. The messages before the answer (what `prompt` and `before` agree on) must be in
-    `text` as they are: otherwise the model would train on a context it is never given."""
+    two share, up to a token boundary of the generation prompt (an answer '<b>...' shares a '<' with
+    '<think>', 'Alright' an 'A' with 'Answer: '); and whether they share nothing past the messages
+    before it (the generation prompt stands apart). Those messages (what `prompt` and `before` agree
+    on) must be in `text` as they are: otherwise the model would train on a context it is never given."""
     stable = _common_prefix(before, prompt, 0)
     if not text.startswith(prompt[:stable]):
         k = max(0, _common_prefix(prompt, text, 0) - 20)  # some of what they share, then where they part
@@ -116,11 +133,12 @@ def _start_past_generation_prompt(text: str, prompt: str, before: str, where: st
             "and Tekken templates write the system message into the last user turn only). Split the conversation "
             "into rows that end at this answer, drop the message the template moves, or replace the template "
             "(data.chat_template=...)")
-    start = _common_prefix(prompt, text, stable)
-    if start == stable < len(prompt):
-        raise AnswerNotLocated(f"{where}: the chat template's generation prompt {prompt[stable:]!r} is not how it "
-                               f"starts the answer ({text[stable:stable + 40]!r}); the answer cannot be located")
-    return start
+    shared = _common_prefix(prompt, text, stable)
+    if not getattr(tokenizer, "is_fast", False):  # a Python tokenizer has no offsets (prompt/response rows only)
+        return shared, shared == stable < len(prompt)
+    offsets = tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    start = max((b for _, b in offsets if stable < b <= shared), default=stable)
+    return start, start == stable < len(prompt)
 
 
 def _common_prefix(a: str, b: str, known: int) -> int:

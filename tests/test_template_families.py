@@ -89,7 +89,7 @@ def conversations(family: Family) -> list[list[dict]]:
     with_system = [[SYSTEM, *TURNS]] if family.system else []
     history = [[TURNS[0], REASONING, *TURNS[2:]]] if family.unrendered else []
     return [TURNS, TURNS + [{"role": "user", "content": "Third question?"},
-                            {"role": "assistant", "content": "Third answer.  "}], *with_system, *history]
+                            {"role": "assistant", "content": "<b>Third</b> answer.  "}], *with_system, *history]
 
 
 def test_conversations_train_every_answer_as_the_template_renders_it(family):
@@ -99,7 +99,11 @@ def test_conversations_train_every_answer_as_the_template_renders_it(family):
         text, spans = reference_answers(family, messages)
         sample = renderer.render(messages, {}, row)
         assert trained_runs(tok, sample) == [text[a:b] for a, b in spans], row
-        assert sample.input_ids == ids(tok, text)
+        # the text tokenized in pieces cut at the answers' edges, as a prompt/response row's; whole, where no token
+        # spans an edge
+        edges = [0, *(k for span in spans for k in span), len(text)]
+        assert sample.input_ids == [t for a, b in zip(edges, edges[1:]) for t in ids(tok, text[a:b])]
+        assert (sample.input_ids == ids(tok, text)) != any(spans_boundary(tok, text, k) for k in edges)
 
 
 def test_the_start_up_line_names_the_families_end_of_turn(family):

@@ -2,8 +2,12 @@
 
 The loss mask comes from the rendered text, not from tokenizing messages one by one (which can
 disagree with what the template writes): the whole conversation is rendered to one string, each
-assistant turn's character span in it is located, the string is tokenized once with offsets, and a
-token is trained where it overlaps a span.
+assistant turn's character span in it is located, and the string is tokenized in pieces cut at the
+spans' edges (one call for all of them), the spans' tokens trained. Cut there, no token holds both an
+answer's text and its context's, as at inference, where the model continues from the generation
+prompt's tokens: tokenized whole, a plain-text header's end and the answer's start can merge (Mistral
+v1's '[/INST]' and an answer's '<b>' make one ']<' in Qwen's vocabulary), which would train a piece
+of the prompt. Elsewhere the ids are those of the text tokenized whole.
 
 An assistant turn's span is located as a prompt/response row's answer is (`sfttrain.data.template`):
 from where the template's generation prompt ends (the text the model is given before it answers)
@@ -77,7 +81,7 @@ class ChatRenderer(Renderer):
                               chat_template=self.chat_template, **kwargs)
 
     def render_many(self, rows: list[tuple[list[dict], dict, int]]) -> list[RenderedSample]:
-        """A conversation's masks come from character offsets of its own rendering: one at a time."""
+        """A conversation's masks come from its own rendering: one at a time."""
         return each_row(rows, lambda r: self.render(*r))
 
     def render(self, messages: list[dict], kwargs: dict, row: int) -> RenderedSample:
@@ -93,9 +97,10 @@ class ChatRenderer(Renderer):
                              f"{TEMPLATE_FIX}") from None
         check_turns_apart(spans, turns, self.end_token, row)
         check_last_answer(messages[turns[-1]], text[slice(*spans[-1])], turns[-1], row)
-        encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        input_ids = list(encoding["input_ids"])
-        loss_mask = [int(any(a < end and b > start for start, end in spans)) for a, b in encoding["offset_mapping"]]
+        edges = [0, *(k for span in spans for k in span), len(text)]
+        pieces = self.tokenizer([text[a:b] for a, b in zip(edges, edges[1:])], add_special_tokens=False)["input_ids"]
+        input_ids = [t for piece in pieces for t in piece]
+        loss_mask = [k % 2 for k, piece in enumerate(pieces) for _ in piece]  # every other piece is an answer
         n = len(spans)
         return self.fit(input_ids, loss_mask, row, f"{n} assistant turn{'s' * (n != 1)} of {len(messages)} "
                                                    f"messages, {sum(loss_mask)} trained")

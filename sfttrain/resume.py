@@ -22,7 +22,8 @@ from sfttrain.checkpoint_folder import (COMPLETE, check_intact, complete_checkpo
                                        latest_of_newest_run, read_state, resolve, run_id_of, runs, step_folders,
                                        step_of)
 from sfttrain.config import Config, ConfigError, TrainerConfig
-from sfttrain.data.fingerprint import ROWS_KEY, differences
+from sfttrain.data.fingerprint import RENDERING_KEY, ROWS_KEY, differences
+from sfttrain.data.render import RENDERING_CHANGE, RENDERING_VERSION
 from sfttrain.lora import check_base
 from sfttrain.metrics import rewind_metrics
 
@@ -180,17 +181,25 @@ def check_data(path: str, saved: dict, fingerprint: dict, allow_change: bool) ->
     rendered the same way, or (trainer.resume_allow_data_change=true) the user's explicit choice."""
     legacy = saved.get("data") is None  # written before checkpoints held the fingerprint
     recorded = {"data.train_batch_size": saved["global_batch"], "trainer.seed": saved["seed"]} if legacy \
-        else saved["data"]
+        else {RENDERING_KEY: 1, **saved["data"]}  # version 1 recorded none
     changed = differences(recorded, fingerprint)
     notes = [f"data: {path} records no data fingerprint (an older sfttrain): only the batch size and seed "
              "were checked"] if legacy else unrecorded(path, recorded, fingerprint)
+    if ROWS_KEY in recorded and recorded[ROWS_KEY] == fingerprint.get(ROWS_KEY):  # the tokens say it all
+        notes += [f"data: {c} (the rows' tokens are the same)" for c in changed if c.startswith(RENDERING_KEY)]
+        changed = [c for c in changed if not c.startswith(RENDERING_KEY)]
     if changed and not allow_change:
         raise ConfigError(f"{path} was written with other data settings; resuming would silently change which "
                           "rows come next or how they are tokenized:\n    " + "\n    ".join(changed) +
+                          (RENDERING_CHANGED if any(c.startswith(RENDERING_KEY) for c in changed) else "") +
                           "\nUse the checkpoint's values; or set trainer.resume_allow_data_change=true to continue "
                           "from its data position (epoch, samples consumed) on the new data; or "
                           "trainer.resume_mode=disable (or a new trainer.default_local_dir) to start afresh")
     return notes + [f"data (allowed by trainer.resume_allow_data_change) {c}" for c in changed]
+
+
+RENDERING_CHANGED = (f"\n(the sfttrain that wrote the checkpoint rendered rows otherwise; since version "
+                     f"{RENDERING_VERSION}, {RENDERING_CHANGE})")
 
 
 def unrecorded(path: str, recorded: dict, fingerprint: dict) -> list[str]:
@@ -200,9 +209,8 @@ def unrecorded(path: str, recorded: dict, fingerprint: dict) -> list[str]:
             (ROWS_UNCHECKED if key == ROWS_KEY else "") for key in fingerprint if key not in recorded]
 
 
-ROWS_UNCHECKED = ("; a data file rewritten with other rows of the same size, or sfttrain's new rendering of a "
-                  "row (an answer now ends with the chat template's end-of-turn token where the tokenizer's EOS "
-                  "differs), would go unseen. Where either applies, start afresh (trainer.resume_mode=disable)")
+ROWS_UNCHECKED = ("; a data file rewritten with other rows of the same size would go unseen. Where it was, start "
+                  "afresh (trainer.resume_mode=disable)")
 
 
 def check_schedule(path: str, saved: dict, schedule: dict) -> list[str]:

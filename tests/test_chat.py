@@ -185,6 +185,16 @@ def test_qwen3_tool_loop_reasoning_then_a_new_question_is_refused(qwen3):
     assert renderer(qwen3).render(conversation[:4], {}, row=5)  # the loop on its own renders
 
 
+def test_an_answer_holding_the_end_of_turn_token_is_refused_with_the_row(tokenizer):
+    """An earlier answer with '<|im_end|>' pasted into it would end there: the rest of it would be
+    context, untrained, and the model would learn to stop mid-answer. Refused naming the row and turn."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": f"a {EOT} b"},
+                {"role": "user", "content": "more"}, {"role": "assistant", "content": "c"}]
+    with pytest.raises(ValueError, match=r"row 3: assistant message 1 holds the chat template's end-of-turn token "
+                                         r"'<\|im_end\|>' as text"):
+        renderer(tokenizer).render(messages, {}, 3)
+
+
 def test_bad_conversations_are_named():
     tok = AutoTokenizer.from_pretrained(TOKENIZERS / "qwen2.5-instruct")
     r = renderer(tok)

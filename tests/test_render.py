@@ -207,6 +207,16 @@ def test_a_generation_prompt_written_for_generation_only_is_the_rows_context(qwe
         Renderer(qwen25, max_length=4096, truncation="error", chat_template=header).render("Q?", "Alright, 4.", 0)
 
 
+def test_a_response_holding_the_end_of_turn_token_is_refused_with_the_row(qwen25):
+    """A response with '<|im_end|>' pasted into it would end there in the template's text: the rest
+    could not be trained, and the model would learn to stop mid-answer. Refused naming the row and
+    where the token is, not trained around nor taken for a template that drops text."""
+    renderer = Renderer(qwen25, max_length=512, truncation="error")
+    with pytest.raises(RowError, match=r"this row's response holds the chat template's end-of-turn token "
+                                       r"'<\|im_end\|>' as text \(at character 2: 'a <\|im_end\|> b'\)"):
+        renderer.render_many([("q", "a <|im_end|> b", 7)])
+
+
 def test_a_template_ending_answers_with_text_and_no_special_token_is_refused(qwen25):
     """Qwen's tokenizer has no '</s>' of its own (it reads the text as pieces): a template that ends
     every answer with that text ends it where generation cannot stop. It is refused at start-up,

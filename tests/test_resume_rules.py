@@ -207,8 +207,8 @@ def test_a_key_that_a_newer_sfttrain_records_is_not_a_change_of_data(tmp_path):
 
 def test_a_checkpoint_without_the_rows_hash_is_resumed_with_what_goes_unchecked(tmp_path):
     """A checkpoint of an sfttrain that did not hash the rows' tokens resumes (nothing it recorded
-    changed), with a note that a same-size rewrite of the data or sfttrain's new rendering of an
-    answer's end cannot be seen, and what to do where either applies."""
+    changed), with a note that a same-size rewrite of the data cannot be seen, and what to do where
+    it was."""
     from sfttrain.data.fingerprint import ROWS_KEY
     cfg = load_config(overrides=["data.train_files=x.parquet", "model.partial_pretrain=m"])
     ckpt = tmp_path / "global_step_4"
@@ -220,10 +220,35 @@ def test_a_checkpoint_without_the_rows_hash_is_resumed_with_what_goes_unchecked(
     notes = resume.check_resume(str(ckpt), cfg, checkpoint.TrainState(data={**old, ROWS_KEY: "0" * 64},
                                                                        schedule=schedule))
     unchecked = [n for n in notes if f"records no '{ROWS_KEY}'" in n]
-    assert len(unchecked) == 1 and "end-of-turn token" in unchecked[0], notes
+    assert len(unchecked) == 1 and "rewritten with other rows of the same size" in unchecked[0], notes
     assert "trainer.resume_mode=disable" in unchecked[0]
     assert not [n for n in resume.check_resume(str(ckpt), cfg, checkpoint.TrainState(data=old, schedule=schedule))
                 if "records no" in n]
+
+
+def test_a_checkpoint_of_another_rendering_resumes_only_where_its_rows_tokens_are_the_same(tmp_path):
+    """A checkpoint of an sfttrain that rendered rows otherwise (version 1 recorded no version): where
+    it recorded its rows' tokens and they are the same, the resume goes on with a note; where they
+    differ, or it recorded none, it is refused naming the version and what it changed."""
+    from sfttrain.data.fingerprint import RENDERING_KEY, ROWS_KEY
+    cfg = load_config(overrides=["data.train_files=x.parquet", "model.partial_pretrain=m"])
+    ckpt = tmp_path / "global_step_4"
+    ckpt.mkdir()
+    schedule = {"optim.lr": 1e-5, "total steps": 10}
+    old = {"data.train_batch_size": 256, "trainer.seed": 1}
+
+    def resume_with(saved: dict, current: dict) -> list[str]:
+        (ckpt / "trainer_state.json").write_text(json.dumps({"step": 4, "global_batch": 256, "seed": 1,
+                                                                  "data": saved, "schedule": schedule}))
+        return resume.check_resume(str(ckpt), cfg, checkpoint.TrainState(data=current, schedule=schedule))
+
+    now = {**old, ROWS_KEY: "a" * 64, RENDERING_KEY: 2}
+    notes = resume_with({**old, ROWS_KEY: "a" * 64}, now)
+    assert f"data: {RENDERING_KEY}: 1 -> 2 (the rows' tokens are the same)" in notes, notes
+    for saved in ({**old, ROWS_KEY: "b" * 64}, old):
+        with pytest.raises(ConfigError, match=re.escape(f"{RENDERING_KEY}: 1 -> 2") + r"[\s\S]*rendered rows otherwise; "
+                                              r"since version 2, an answer is written as the chat template writes it"):
+            resume_with(saved, now)
 
 
 def _rank_0(proc) -> int:

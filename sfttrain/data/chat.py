@@ -48,7 +48,7 @@ from jinja2 import TemplateError
 from sfttrain.config import ConfigError
 from sfttrain.data.render import Renderer, RenderedSample, RowError, each_row
 from sfttrain.data.template import (DROPPED_FIX, TEMPLATE_FIX, AnswerNotLocated, TemplateFailed, answer_span,
-                                    apply_template, dropped)
+                                    apply_template, check_no_end_token, dropped)
 
 ROLES = ("system", "user", "assistant", "tool")
 ROLE_HINTS = {  # other formats' names of these roles, and what to do
@@ -89,6 +89,12 @@ class ChatRenderer(Renderer):
         check_thinking_off(messages, kwargs, row)
         messages = [{**m, "content": m.get("content", "")} for m in messages]  # Qwen3's template needs a string
         turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        try:
+            for i in turns:
+                check_no_end_token([t for t in (messages[i].get("reasoning_content"), messages[i]["content"])
+                                    if isinstance(t, str)], self.turn_end, f"assistant message {i}")
+        except AnswerNotLocated as e:
+            raise ValueError(f"row {row}: {e}") from None
         try:
             text = self._render(messages, kwargs, False)
             spans = [self._assistant_span(text, messages, kwargs, i, row) for i in turns]

@@ -19,9 +19,11 @@ from typing import Optional
 from sfttrain.config import Config
 from sfttrain.data.chat import resolve_chat_template
 from sfttrain.data.parquet import ParquetSource
+from sfttrain.data.render import RENDERING_VERSION
 
 ORDER_KEYS = ("trainer.seed", "data.shuffle", "data.train_batch_size")
 ROWS_KEY = "the rows' tokens (sha256; data files rewritten with other rows)"
+RENDERING_KEY = "sfttrain's rendering of rows (version)"
 
 
 def data_fingerprint(cfg: Config, source: ParquetSource, tokenizer) -> dict:
@@ -40,6 +42,7 @@ def data_fingerprint(cfg: Config, source: ParquetSource, tokenizer) -> dict:
         "data.response_key": [d.response_key, *(d.response_dict_keys or [])],
         "data.multiturn": asdict(d.multiturn),
         "tokenizer (sha256)": tokenizer_sha256(tokenizer),
+        RENDERING_KEY: RENDERING_VERSION,
     }
 
 

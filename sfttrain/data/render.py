@@ -17,9 +17,16 @@ from dataclasses import dataclass
 
 from sfttrain.config import ConfigError
 from sfttrain.data.template import (DROPPED_FIX, TEMPLATE_FIX, AnswerNotLocated, TemplateFailed, TurnEnd, answer_span,
-                                    apply_template, dropped, turn_end)
+                                    apply_template, check_no_end_token, dropped, turn_end)
 
 TRUNCATION_MODES = ("error", "left", "right")
+# The version of how sfttrain turns rows into tokens, part of the data fingerprint: raised with every
+# change that renders the same rows, settings and tokenizer to other tokens, so that a resume across it
+# whose rows' tokens changed is refused at start-up naming it, and the old row-length cache is not reused.
+RENDERING_VERSION = 2
+RENDERING_CHANGE = ("an answer is written as the chat template writes it: ended with its end-of-turn token where the "
+                    "tokenizer's EOS differs, trimmed or spaced where the template trims or spaces it, Qwen3's with its "
+                    "empty think block")  # what the version's rendering changed, said where a resume meets the old one
 
 
 @dataclass(frozen=True)
@@ -147,6 +154,7 @@ class Renderer:
         prompt and response."""
         if not self.apply_chat_template:
             return prompt, response
+        check_no_end_token([response], self.turn_end, "this row's response")
         user = [{"role": "user", "content": prompt}]
         generation = self._template(user, True, "prompt (as one user turn)")
         text = self._template(user + [{"role": "assistant", "content": response}], False,

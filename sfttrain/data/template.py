@@ -147,6 +147,18 @@ def _common_prefix(a: str, b: str, known: int) -> int:
     return next((k for k in range(known, n) if a[k] != b[k]), n)
 
 
+def check_no_end_token(texts: list[str], end: TurnEnd, where: str) -> None:
+    """An answer that holds the end-of-turn token as text (`<|im_end|>` pasted into a response)
+    would end there in the template's text: the rest of it could not be trained, and the model would
+    learn to stop in the middle of an answer. Refused, naming where the token is."""
+    for text in texts:
+        if end.token is not None and end.token in text:
+            k = text.index(end.token)
+            raise AnswerNotLocated(f"{where} holds the chat template's end-of-turn token {end.token!r} as text "
+                                   f"(at character {k}: {text[max(0, k - 30):k + len(end.token) + 10]!r}); the "
+                                   "model would learn to stop there. Remove it from the data")
+
+
 def dropped(texts: list[str], rendered: str) -> str | None:
     """The first of `texts` that `rendered` does not hold, whitespace aside (templates trim an answer,
     Qwen3 writes a think block's newlines its own way); None where it holds them all."""

@@ -54,14 +54,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from sfttrain import stop_signal
-from sfttrain.checkpoint_folder import SIZE_LIMIT_FIX, STATE_FILE, complete_checkpoints, damaged_error, \
-    disk_full_text, enforce_retention, file_at_size_limit, folder_gone, fsync_dir, hide, over_size_limit, publish, \
-    read_state, remove, room_problem, size_text, tree_bytes, what_auto_does, write_complete, write_synced
+from sfttrain.checkpoint_folder import STATE_FILE, complete_checkpoints, damaged_error, enforce_retention, fsync_dir, \
+    hide, publish, read_state, remove, room_problem, size_text, tree_bytes, what_auto_does, write_complete, write_synced
 from sfttrain.checkpoint_writer import OneLineError, Staging, WriterProcess, WriterThreadErrors, cuda_room, \
     one_line, tensor_bytes, write_shards, writer_kind
 from sfttrain.config import Config, ConfigError, to_yaml
 from sfttrain.distributed import World, peer_lost, ranks_of_this_launcher
 from sfttrain.errors import CheckpointError
+from sfttrain.fs_faults import SIZE_LIMIT_FIX, disk_full_text, file_at_size_limit, folder_gone, over_size_limit
 from sfttrain.metrics import rewind_metrics
 from sfttrain.optim import set_step
 

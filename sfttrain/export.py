@@ -39,11 +39,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from sfttrain import lora
 from sfttrain.checkpoint import read_back
-from sfttrain.checkpoint_folder import SIZE_LIMIT_FIX, check_intact, disk_full, fsync_dir, over_size_limit, \
-    read_state, resolve, runs, size_text
+from sfttrain.checkpoint_folder import check_intact, fsync_dir, read_state, resolve, runs, size_text
 from sfttrain.config import ModelConfig
 from sfttrain.dtypes import DTYPE, HF_NAMES
 from sfttrain.errors import ConfigError, ExportError
+from sfttrain.fs_faults import SIZE_LIMIT_FIX, disk_full, over_size_limit
 from sfttrain.hub import local_model_path
 from transformers.utils.hub import convert_file_size_to_int  # "5GB" -> bytes, as save_pretrained reads it
 

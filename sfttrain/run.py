@@ -149,7 +149,7 @@ def _train(cfg: Config, rank: int) -> None:
 def explain(error: Exception, cfg: Config, rank: int) -> None:
     """Ends this rank with one message where the error has a cause the user can act on (or ends it
     quietly where another rank's message is the job's); returns for a bug."""
-    from sfttrain.checkpoint_folder import disk_full_error, folder_gone_error
+    from sfttrain.fs_faults import disk_full_error, folder_gone_error
     from sfttrain.distributed import peer_lost
 
     if stop_signal.interrupted():  # the collective of a rank that Ctrl-C stopped first

@@ -54,7 +54,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from sfttrain import stop_signal
-from sfttrain.checkpoint_folder import STATE_FILE, complete_checkpoints, damaged_error, enforce_retention, fsync_dir, \
+from sfttrain.checkpoint_folder import STATE_FILE, complete_checkpoints, damaged_error, enforce_retention, fsync_path, \
     hide, publish, read_state, remove, room_problem, size_text, tree_bytes, what_auto_does, write_complete, write_synced
 from sfttrain.checkpoint_writer import OneLineError, Staging, WriterProcess, WriterThreadErrors, cuda_room, \
     one_line, tensor_bytes, write_shards, writer_kind
@@ -495,7 +495,7 @@ class Checkpointer:
         if world.is_main:
             try:
                 size = write_complete(p.tmp)
-                fsync_dir(p.tmp)
+                fsync_path(p.tmp)
                 publish(p.tmp, p.final)  # the commit
                 self.last_bytes = size
             except OSError as e:

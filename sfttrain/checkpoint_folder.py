@@ -216,7 +216,7 @@ def publish(tmp: str, final: str) -> None:
         shutil.rmtree(aside, ignore_errors=True)
         os.replace(final, aside)
     os.replace(tmp, final)
-    fsync_dir(parent)
+    fsync_path(parent)
     if os.path.lexists(aside):
         remove(aside)
 
@@ -259,7 +259,7 @@ def remove_stale_tmp(run_dir: str) -> list[str]:
                 remove(path)  # the replacement is in place: the old one was being deleted
             else:
                 os.replace(path, final)
-                fsync_dir(run_dir)
+                fsync_path(run_dir)
                 restored.append(f"put back {final}: a save replacing it had stopped before its commit")
     return restored
 
@@ -275,7 +275,7 @@ def hide(path: str) -> str:
     trash = os.path.join(parent, f".{name.lstrip('.')}.trash")
     shutil.rmtree(trash, ignore_errors=True)
     os.replace(path, trash)
-    fsync_dir(parent)
+    fsync_path(parent)
     return trash
 
 
@@ -296,15 +296,12 @@ def fsync_tree(root: str) -> None:
     for folder, _, files in os.walk(root):
         for name in files:
             if not name.endswith(".distcp"):
-                fd = os.open(os.path.join(folder, name), os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-        fsync_dir(folder)
+                fsync_path(os.path.join(folder, name))
+        fsync_path(folder)
 
 
-def fsync_dir(path: str) -> None:
+def fsync_path(path: str) -> None:
+    """fsyncs a file, or a folder: the names in it (a rename into it) reach the disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from sfttrain import lora
 from sfttrain.checkpoint import read_back
-from sfttrain.checkpoint_folder import check_intact, fsync_dir, read_state, resolve, runs, size_text
+from sfttrain.checkpoint_folder import check_intact, fsync_path, read_state, resolve, runs, size_text
 from sfttrain.config import ModelConfig
 from sfttrain.dtypes import DTYPE, HF_NAMES
 from sfttrain.errors import ConfigError, ExportError
@@ -199,7 +199,7 @@ def into_checkpoint(checkpoint_dir: str, rank: int, world_size: int, trust_remot
     failed = [e for e in errors if e is not None]
     if not failed and rank == 0:
         os.replace(tmp, out)
-        fsync_dir(checkpoint_dir)
+        fsync_path(checkpoint_dir)
     elif rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     dist.barrier(group=group)  # the export is in place (or gone) for every rank

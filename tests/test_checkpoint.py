@@ -775,6 +775,35 @@ def tmpfs(path: Path, size: int):
         subprocess.run(["umount", "-l", str(path)], check=True)
 
 
+@contextlib.contextmanager
+def ext4(path: Path, size: int = 64 << 20):
+    """A real ext4 filesystem at `path` (a loop-mounted image beside it) that the kernel makes read-only at
+    its first error, as a failing disk's (errors=remount-ro); yields (a function that raises such an error,
+    ext4's own trigger, and one that mounts it anew, read-write, as after a repair). Needs root."""
+    image = path.with_suffix(".img")
+    path.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a loop device needs root (CI runs as root)")
+    with open(image, "wb") as f:
+        f.truncate(size)
+    made = subprocess.run(["mkfs.ext4", "-q", str(image)], capture_output=True)
+    mount = ["mount", "-o", "loop,errors=remount-ro", str(image), str(path)]
+    mounted = subprocess.run(mount, capture_output=True) if made.returncode == 0 else made
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount an ext4 image here: {mounted.stderr.decode().strip()}")
+    device = subprocess.run(["findmnt", "-n", "-o", "SOURCE", str(path)], capture_output=True, text=True).stdout
+    trigger = Path("/sys/fs/ext4") / Path(device.strip()).name / "trigger_fs_error"
+
+    def mount_anew() -> None:
+        subprocess.run(["umount", str(path)], check=True)
+        subprocess.run(mount, check=True)
+
+    try:
+        yield lambda: trigger.write_text("test\n"), mount_anew
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
 def one_message(proc, code: int) -> str:
     """The job's one message (printed once, no traceback but torchrun's own) and its exit code: the
     first failing rank's status, which the suite's forked ranks return as the job's (torchrun's
@@ -937,6 +966,31 @@ def test_a_run_folder_deleted_mid_run_ends_the_job_with_one_message(data, tmp_pa
     message = one_message(out, 6)
     assert f"the run folder {run_dir} (trainer.default_local_dir) is gone" in message, message
     assert re.search(rf"Found in step \d+, writing {run_dir}/metrics.jsonl$", message), message
+
+
+def test_a_disk_turned_read_only_mid_run_ends_with_one_message_and_resumes(data, tmp_path):
+    """The run folder's disk (a real ext4) turns read-only mid-run, as the kernel makes a disk that failed:
+    once step 2's checkpoint is committed, ext4 is told of an error, and what the run wrote unsynced since
+    its last fsync is lost. The same command, once the disk is mounted anew, resumes from the checkpoint the
+    message names; the conversion of its JSON Lines data (data_cache/), written at start-up, reads back."""
+    rows = tmp_path / "train.jsonl"
+    rows.write_text("".join(json.dumps(row) + "\n" for row in pq.read_table(data).to_pylist()))
+    run_dir, log = tmp_path / "disk" / "run", tmp_path / "job.log"
+    command = [*job(data, run_dir, "trainer.total_training_steps=8", "trainer.save_freq=2"), f"data.train_files={rows}"]
+    with ext4(tmp_path / "disk") as (fail, mount_anew):
+        proc = launch(1, command, log)
+        try:
+            committed = lambda: any(m.get("event") == "checkpoint" for m in running_records(run_dir))  # noqa: E731
+            assert wait_until(committed, proc), log.read_text()[-3000:]  # (its rename fsynced)
+            fail()
+            proc.wait(timeout=120)
+        finally:
+            kill_job(proc)
+        assert proc.returncode != 0, log.read_text()[-3000:]
+        mount_anew()
+        run_sfttrain(1, command)
+        assert [m["step"] for m in read_metrics(run_dir) if m.get("event") == "resumed"] == [2]
+        assert checkpoint_folder.is_complete(str(run_dir / "global_step_8"))
 
 
 def test_a_save_into_a_run_folder_that_is_gone_is_one_message(tmp_path):

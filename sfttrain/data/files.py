@@ -39,6 +39,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import torch.distributed as dist
 
+from sfttrain.checkpoint_folder import fsync_path
 from sfttrain.data.parquet import JSON_CELLS, LINE_COLUMN, ChatMessages, ParquetSource, PromptResponse, missing_file
 from sfttrain.errors import DataError
 
@@ -180,7 +181,8 @@ def cached_parquet(source: str, run_dir: str) -> str:
 
 def convert(source: str, target: str) -> None:
     """`source` (JSON, JSON Lines or Arrow) as the Parquet file `target`, written whole or not at all
-    (one rename)."""
+    (one rename, after an fsync: a crash or a failing disk must not leave a conversion under its name
+    with its bytes lost, which every later start would read as the data)."""
     os.makedirs(os.path.dirname(target), exist_ok=True)
     tmp = f"{target}.{os.getpid()}.tmp"
     try:
@@ -193,7 +195,9 @@ def convert(source: str, target: str) -> None:
             raise DataError(f"{source}: cannot be decompressed ({e}); the file is cut short or not compressed as its "
                             f"name says: write it again, or name it for what it is") from None
         raise
+    fsync_path(tmp)
     os.replace(tmp, target)
+    fsync_path(os.path.dirname(target))
 
 
 def convert_arrow(source: str, target: str) -> None:

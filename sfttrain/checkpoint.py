@@ -61,7 +61,7 @@ from sfttrain.checkpoint_writer import OneLineError, Staging, WriterProcess, Wri
 from sfttrain.config import Config, ConfigError, to_yaml
 from sfttrain.distributed import World, peer_lost, ranks_of_this_launcher
 from sfttrain.errors import CheckpointError
-from sfttrain.fs_faults import SIZE_LIMIT_FIX, disk_full_text, file_at_size_limit, folder_gone, over_size_limit
+from sfttrain.fs_faults import SIZE_LIMIT_FIX, disk_full_text, fault, file_at_size_limit, folder_gone, over_size_limit
 from sfttrain.metrics import rewind_metrics
 from sfttrain.optim import set_step
 
@@ -418,12 +418,12 @@ class Checkpointer:
             f"good checkpoint is {last or 'none'}. Check that {self.run_dir} answers (ls, df), then run the same command: with "
             f"trainer.resume_mode=auto {then}. A write that is only slow needs a larger trainer.nccl_timeout")
 
-    def _agree(self, step: int, tmp: str, error: Optional[BaseException]) -> None:
+    def _agree(self, step: int, tmp: str, error: Optional[BaseException], renamed: bool = False) -> None:
         """Collective: raises CheckpointError on every rank if `error` is set on any."""
         status = torch.tensor([int(error is not None)])
         dist.all_reduce(status, op=dist.ReduceOp.MAX, group=self.agree_group)
         if status.item():
-            self._fail(step, tmp, error)
+            self._fail(step, tmp, error, renamed)
 
     def _stop_writer(self) -> None:
         """A writer process is stopped when a save failed somewhere: a rank's write cannot finish
@@ -431,7 +431,7 @@ class Checkpointer:
         if self.process is not None:
             self.process.stop()
 
-    def _fail(self, step: int, tmp: str, error: Optional[BaseException]) -> None:
+    def _fail(self, step: int, tmp: str, error: Optional[BaseException], renamed: bool = False) -> None:
         """Collective, once every rank has stopped writing: rank 0 removes the partial folder (and
         those of later saves in the queue, which are not started or end with this run) and words the
         one message every rank raises."""
@@ -446,26 +446,37 @@ class Checkpointer:
                 with contextlib.suppress(OSError):
                     if os.path.lexists(partial):
                         remove(partial)
-            box[0] = self._not_saved(step, errors, limited)
+            box[0] = self._not_saved(step, errors, limited, os.path.lexists(tmp), renamed)
         dist.broadcast_object_list(box, src=0, group=self.agree_group)
         raise CheckpointError(box[0])
 
-    def _not_saved(self, step: int, errors: list[Optional[str]], limited: Optional[str]) -> str:
-        """What failed, what is left, and what to do (`limited`: a file of the save at the file size limit)."""
+    def _not_saved(self, step: int, errors: list[Optional[str]], limited: Optional[str], left: bool,
+                   renamed: bool) -> str:
+        """What failed, what is left, and what to do (`limited`: a file of the save at the file size limit;
+        `left`: its partial folder could not be removed, on a disk turned read-only, say; `renamed`: the commit
+        failed after its rename, whose fsync a failing disk refused: the folder is whole, its name may not last)."""
         if gone := folder_gone(self.run_dir):  # and its checkpoints and free space with it
             return f"the checkpoint of step {step} was not saved: {gone}"
-        own = complete_checkpoints(self.run_dir, self.run_id)
+        own = [(s, path) for s, path in complete_checkpoints(self.run_dir, self.run_id) if not (renamed and s == step)]
         last = own[-1][1] if own else None
         why, fix = self._why_not_saved(errors, limited, last)
         then = what_auto_does(last, " of this run")
-        return (f"the checkpoint of step {step} was not saved: {why}. Nothing of it was committed (its partial "
-                f"folder was removed); the last good checkpoint is {last or 'none'}. {fix}, then run the same "
-                f"command: with trainer.resume_mode=auto {then}")
+        if renamed:
+            final = os.path.join(self.run_dir, f"global_step_{step}")
+            return (f"the checkpoint of step {step} may not be saved: {why}, in its commit, once its files were on the "
+                    f"disk and its folder renamed to {final}: whether the rename reached the disk is not known. The last "
+                    f"good checkpoint before it is {last or 'none'}. {fix}, then run the same command: with "
+                    f"trainer.resume_mode=auto it resumes from {final} where it is there (whole), else {then}")
+        partial = (f"its partial folder .global_step_{step}.tmp is left, and the next start deletes it" if left
+                   else "its partial folder was removed")
+        return (f"the checkpoint of step {step} was not saved: {why}. Nothing of it was committed ({partial}); "
+                f"the last good checkpoint is {last or 'none'}. {fix}, then run the same command: with "
+                f"trainer.resume_mode=auto {then}")
 
     def _why_not_saved(self, errors: list[Optional[str]], limited: Optional[str],
                        last: Optional[str]) -> tuple[str, str]:
         """(the failure in words, what to do): the file size limit, a full disk and how much space there
-        is, or any other error."""
+        is, another fault of a filesystem (sfttrain.fs_faults), or any other error."""
         failed = [(rank, text) for rank, text in enumerate(errors) if text is not None]
         # a rank that lost a peer inside a collective reports only that: the cause is the peer's error
         causes = [(rank, text) for rank, text in failed if not peer_lost(text)] or failed
@@ -474,6 +485,9 @@ class Checkpointer:
         if limited or over_size_limit(text):  # the disk may have room: a file met the limit (EFBIG)
             return (f"the file size limit (ulimit -f) was reached ({f'{limited}: ' if limited else ''}{text}, on rank "
                     f"{rank})"), SIZE_LIMIT_FIX
+        found = fault(text, self.run_dir)
+        if found is not None and not (full and found.in_run_folder):  # not the run folder's disk filling
+            return f"{found.cause}, on rank {rank}", found.fix  # read-only, denied, open files, another disk full
         why = (f"the disk is full ({text}, on rank {rank})" if full
                else f"{text} (rank {rank}{f' and {len(failed) - 1} other ranks' if len(failed) > 1 else ''})")
         if not (full or NOT_STARTED in text):
@@ -491,7 +505,7 @@ class Checkpointer:
         """After every rank's write: rank 0 writes COMPLETE and renames the folder (the commit),
         then applies retention to this run's checkpoints."""
         p, world = self.pending.popleft(), self.world
-        error = None
+        error, renamed = None, False
         if world.is_main:
             try:
                 size = write_complete(p.tmp)
@@ -500,7 +514,8 @@ class Checkpointer:
                 self.last_bytes = size
             except OSError as e:
                 error = e
-        self._agree(p.step, p.tmp, error)
+                renamed = os.path.isdir(p.final) and not os.path.lexists(p.tmp)  # publish's rename was done
+        self._agree(p.step, p.tmp, error, renamed)
         self.committed = p.final
         if world.is_main:
             enforce_retention(self.run_dir, self.cfg.trainer.max_ckpt_to_keep, self.run_id,

@@ -189,11 +189,24 @@ class WriterProcess:
 
 
 def _serve(conn, rank: int, world_size: int, timeout_s: int) -> None:
-    """The writer process: joins the writers' group, then writes what it is sent until None."""
+    """The writer process: joins the writers' group, then writes what it is sent until None. It ends
+    quietly once the training process is gone, also while it is still starting (its rank may stop on an
+    error of its own before the writers have met): that process says why."""
     # a DTensor's mesh arrives without the training process's groups, which the write never uses (it
     # reads the mesh's coordinates only): torch warns about that once per DTensor
     logging.getLogger("torch.distributed.device_mesh").setLevel(logging.ERROR)
-    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        _join_writers(conn, rank, world_size, datetime.timedelta(seconds=timeout_s))
+        _write_requests(conn, rank)
+    except (EOFError, ConnectionError):  # the training process is gone (a closed pipe, read or written)
+        pass
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _join_writers(conn, rank: int, world_size: int, timeout: datetime.timedelta) -> None:
+    """The writers' gloo group, met through a TCPStore that rank 0's writer hosts."""
     if rank == 0:
         host = dist.TCPStore("0.0.0.0", 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
         conn.send(("ok", host.port))
@@ -201,27 +214,26 @@ def _serve(conn, rank: int, world_size: int, timeout_s: int) -> None:
     store = host if rank == 0 else dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
     conn.send(("ok", None))
+
+
+def _write_requests(conn, rank: int) -> None:
     errors, kept = WriterThreadErrors(), {}
-    try:
-        while (request := conn.recv()) is not None:
-            slot, tmp, thread_count = request
-            state_dict = receive_shared(conn)
-            if state_dict is None:  # a kept slot's copy: sent once, then only named
-                state_dict = kept[slot]
-            elif slot is not None:
-                kept[slot] = state_dict
-            if tmp is None:  # sent ahead of its first save
-                conn.send(("ok", None))
-                continue
-            try:
-                conn.send(("ok", write_shards(state_dict, tmp, thread_count, None, rank == 0, errors)))
-            except BaseException as e:  # noqa: BLE001 - the training process words it for every rank
-                conn.send(("error", one_line(e)))
-            del state_dict
-    except EOFError:  # the training process is gone
-        pass
-    finally:
-        dist.destroy_process_group()
+    while (request := conn.recv()) is not None:
+        slot, tmp, thread_count = request
+        state_dict = receive_shared(conn)
+        if state_dict is None:  # a kept slot's copy: sent once, then only named
+            state_dict = kept[slot]
+        elif slot is not None:
+            kept[slot] = state_dict
+        if tmp is None:  # sent ahead of its first save
+            conn.send(("ok", None))
+            continue
+        try:
+            result = ("ok", write_shards(state_dict, tmp, thread_count, None, rank == 0, errors))
+        except BaseException as e:  # noqa: BLE001 - the training process words it for every rank
+            result = ("error", one_line(e))
+        conn.send(result)
+        del state_dict
 
 
 def send_shared(conn, obj: Any) -> None:

@@ -1,16 +1,22 @@
-"""What a filesystem refused the run, in the user's words: a full disk (ENOSPC, or a quota's EDQUOT), the
-file size limit (EFBIG), a run folder gone. Each is one message naming what filled (or went) and what to do;
-sfttrain.run's `explain` asks `disk_full_error` and `folder_gone_error`, the checkpointer and the exporter
-word their own failures with the same signs. A leaf: torch-free, it imports nothing of sfttrain's but its
-errors and the run folder's layout (sfttrain.checkpoint_folder).
+"""What a filesystem refused the run, in the user's words: a full disk (ENOSPC, or a quota's EDQUOT) or a
+full shared memory (/dev/shm), the file size limit (EFBIG), a read-only filesystem (EROFS), a failing disk
+(EIO), a permission (EACCES, EPERM), the open files limit (EMFILE, ENFILE), a run folder gone. Each is one
+message naming what failed where and what to do: sfttrain.run's `explain` asks `filesystem_error` and
+`folder_gone_error`, the checkpointer words its save's failure with the same `fault`, the exporter with the
+same signs. A leaf: torch-free, it imports nothing of sfttrain's but its errors and the run folder's layout
+(sfttrain.checkpoint_folder).
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import pwd
+import re
 import resource
 import shutil
+import tempfile
+from dataclasses import dataclass
 from typing import Optional
 
 from sfttrain.checkpoint_folder import latest_of_newest_run, size_text, what_auto_does
@@ -19,6 +25,7 @@ from sfttrain.errors import CheckpointError, ConfigError, UserError
 # EFBIG: a write past the process's file size limit (ulimit -f, RLIMIT_FSIZE), which a job inherits from the
 # shell, the Slurm job or the container that started it; handled as a full disk is, with its own words and fix
 FILE_TOO_LARGE = ("File too large", "Errno 27", "os error 27")
+FULL = ("No space left on device", "Disk quota exceeded", "Errno 28", "Errno 122", "os error 28", "os error 122")
 SIZE_LIMIT_FIX = ("Raise the file size limit where the job starts (`ulimit -f` shows it; `ulimit -f unlimited` in the "
                   "shell or the job script, or the limit of the Slurm job or container that sets it)")
 
@@ -32,8 +39,7 @@ def disk_full(error: BaseException) -> bool:
 
 def disk_full_text(text: str) -> bool:
     """ENOSPC, EDQUOT or EFBIG in an error's text (a rank's error reaches the others as text)."""
-    return over_size_limit(text) or any(sign in text for sign in (
-        "No space left on device", "Disk quota exceeded", "Errno 28", "Errno 122", "os error 28", "os error 122"))
+    return over_size_limit(text) or any(sign in text for sign in FULL)
 
 
 def over_size_limit(text: str) -> bool:
@@ -51,29 +57,143 @@ def file_at_size_limit(folder: str) -> Optional[str]:
                  if os.path.getsize(os.path.join(parent, name)) >= limit), None)
 
 
-def disk_full_error(error: BaseException, run_dir: str, where: str) -> Optional[UserError]:
-    """A write that found its disk full (ENOSPC, or a quota's EDQUOT) or met the file size limit (EFBIG)
-    outside a checkpoint's own save (whose failure the checkpointer words): metrics.jsonl, a cache, a
-    trace. One message with what filled, the run folder's free space (or the limit) and the checkpoint
-    to resume from: a ConfigError at start-up (nothing trained yet), else a CheckpointError (the steps
-    since the last checkpoint cannot be kept). None for any other error."""
-    if not disk_full(error):
+def filesystem_error(error: BaseException, run_dir: str, where: str) -> Optional[UserError]:
+    """A file operation that a filesystem refused (`fault`: a full disk or shared memory, the file size limit,
+    a read-only filesystem, a permission, the open files limit) outside a checkpoint's own save (whose failure
+    the checkpointer words): metrics.jsonl, a cache, a trace, a compiled kernel. One message with what failed
+    where, what to do, and the checkpoint to resume from: a ConfigError at start-up (nothing trained yet),
+    else a CheckpointError (the steps since the last checkpoint cannot be kept). None for any other error."""
+    found = fault(error, run_dir)
+    if found is None:
         return None
-    what = (f"{error.strerror}{f': {error.filename}' if error.filename else ''}" if isinstance(error, OSError)
-            else str(error).strip().splitlines()[0][:200])  # a library's own error, the OS's words in it
-    if over_size_limit(what):
-        cause, fix = f"the file size limit (ulimit -f) was reached ({what})", SIZE_LIMIT_FIX
-    else:
-        free = f"{run_dir} has {size_text(shutil.disk_usage(run_dir).free)} free" if os.path.isdir(run_dir) else ""
-        cause = f"the disk is full ({what})"
-        fix = f"{free}. Free space (or set trainer.default_local_dir on a larger disk)"
     if where == "start-up":
-        return ConfigError(f"{cause} in start-up, before any step. {fix}, then run the same command")
+        return ConfigError(f"{found.cause} in start-up, before any step. {found.fix}, then run the same command")
     last = latest_of_newest_run(run_dir)
     then = what_auto_does(last[1] if last else None)
-    return CheckpointError(f"{cause} in {where}: training stopped there, as the next checkpoint would fail too. The "
-                           f"steps since the last good checkpoint ({last[1] if last else 'none'}) are lost. {fix}, "
-                           f"then run the same command: with trainer.resume_mode=auto {then}")
+    lasting = ", as the next checkpoint would fail too" if found.lasting else ""
+    return CheckpointError(f"{found.cause} in {where}: training stopped there{lasting}. The steps since the last good "
+                           f"checkpoint ({last[1] if last else 'none'}) are lost. {found.fix}, then run the same "
+                           f"command: with trainer.resume_mode=auto {then}")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """What a filesystem refused, in words: `cause` names what failed where, `fix` what to do (each a
+    sentence without its full stop); `lasting`: every later write there fails too (a full or read-only disk)."""
+    cause: str
+    fix: str
+    lasting: bool
+    in_run_folder: bool  # the path that failed is the run folder's (or the error named none)
+
+
+# the OS's words for each fault, as an error's text carries them (a library's own error, or a rank's error
+# that reaches the others as text)
+READ_ONLY = ("Read-only file system", "Errno 30", "errno 30", "os error 30")  # EROFS
+DENIED = ("Permission denied", "Errno 13", "errno 13", "os error 13", "Operation not permitted")  # EACCES, EPERM
+OPEN_FILES = ("Too many open files", "Errno 24", "errno 24", "os error 24", "Errno 23")  # EMFILE, ENFILE
+IO_ERROR = ("Input/output error", "[Errno 5]", "(os error 5)")  # EIO: the disk (or its server) failed
+SHARED_MEMORY = "unable to allocate shared memory"  # torch's, for a shared memory (/dev/shm) segment it cannot make
+SHARED_MEMORY_FIX = ("`df -h /dev/shm` shows its size, which a container limits to 64 MiB unless told (`docker run "
+                     "--shm-size=8g`; on Kubernetes an emptyDir of medium Memory mounted at /dev/shm). Give it more, or "
+                     "use less of it: data.num_workers=0 (data workers hand their batches to the rank through it), "
+                     "trainer.async_save_writer=thread (the checkpoint writer process reads each save's copy from it)")
+OPEN_FILES_FIX = ("Raise the open files limit where the job starts (`ulimit -n 65536` in the shell or the job script, "
+                  "or the limit of the Slurm job or container that sets it; `ulimit -Hn` is the most it may be raised "
+                  "to), or lower data.num_workers (a data worker holds a file descriptor per tensor of the steps it "
+                  "hands over)")
+# a path in an error's text: one the OS's words follow (a compiler's "when writing output to PATH: No space
+# left on device"), else a quoted one (pyarrow's "Failed to open local file '/x'", safetensors' 'at path "/x"')
+PATH_BEFORE_WORDS = re.compile(r"(/[^\s'\"]+): (?:No space left|Disk quota|Read-only|Permission denied|Operation not)")
+QUOTED_PATH = re.compile(r"""['"](/[^'"\n]+)['"]""")
+ALL_SIGNS = (*FULL, *FILE_TOO_LARGE, *READ_ONLY, *IO_ERROR, *DENIED, *OPEN_FILES, SHARED_MEMORY)
+
+
+def fault(error: BaseException | str, run_dir: str) -> Optional[Fault]:
+    """`error` (or its text) as a filesystem fault the user can act on, or None. A permission needs the path
+    it was refused on (an EPERM without one is a process's, e.g. a signal's); the others without a path are
+    said of the run folder, where the run writes."""
+    text = str(error)
+    code = error.errno if isinstance(error, OSError) else None
+    line = _words_line(text)
+    path = (os.fsdecode(error.filename) if isinstance(error, OSError) and error.filename else _path_in(line))
+    what = (f"{error.strerror}{f': {error.filename}' if error.filename else ''}" if isinstance(error, OSError)
+            and error.strerror else line[:200] or type(error).__name__)
+    in_run = path is None or _inside(path, run_dir)
+    place = f"the run folder {run_dir}" if in_run else path
+    if SHARED_MEMORY in text or (path or "").startswith("/dev/shm/") and disk_full(error):
+        return Fault(f"the shared memory (/dev/shm) is full ({what})", SHARED_MEMORY_FIX, False, False)
+    if disk_full(error):
+        if over_size_limit(what):
+            return Fault(f"the file size limit (ulimit -f) was reached ({what})", SIZE_LIMIT_FIX, True, in_run)
+        return Fault(f"the disk is full ({what})", _free_space_fix(path, run_dir, in_run), True, in_run)
+    if code == errno.EROFS or any(sign in text for sign in READ_ONLY):
+        fix = ("It was mounted read-only, or the kernel made it read-only after a disk error (`dmesg` says which; "
+               "`mount` shows ro): make it writable again")
+        return Fault(f"the filesystem of {place} is read-only ({what})",
+                     fix + _elsewhere(in_run, "a folder on a writable disk"), True, in_run)
+    if code == errno.EIO or any(sign in text for sign in IO_ERROR):
+        return Fault(f"the disk of {place} failed ({what})",
+                     "A failing disk, its network server, or a filesystem the kernel stopped after an error (`dmesg` "
+                     "says which): repair it" + _elsewhere(in_run, "a folder on another disk"), True, in_run)
+    if path and (code in (errno.EACCES, errno.EPERM) or any(sign in text for sign in DENIED)):
+        fix = (f"`ls -ld {_existing(path)}` shows its owner and mode: give this user the right to it (chown or chmod), "
+               "or run as the user it belongs to")
+        return Fault(f"this user ({_user()}) is not allowed to use {path} ({what})",
+                     fix + _elsewhere(in_run, "a folder of this user's own"), False, in_run)
+    if code in (errno.EMFILE, errno.ENFILE) or any(sign in text for sign in OPEN_FILES):
+        limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        return Fault(f"this process has too many files open ({what}; its limit, `ulimit -n`, is {limit})",
+                     OPEN_FILES_FIX, False, True)
+    return None
+
+
+def _words_line(text: str) -> str:
+    """The line of an error's text with the OS's words in it (a DataLoader worker's error carries its whole
+    traceback, a compiler's its command line before them), else its first line."""
+    lines = [line.strip() for line in text.strip().splitlines()]
+    worded = [line for line in lines if any(sign in line for sign in ALL_SIGNS)]
+    return (worded or lines or [""])[-1 if worded else 0]
+
+
+def _path_in(line: str) -> Optional[str]:
+    found = PATH_BEFORE_WORDS.search(line) or QUOTED_PATH.search(line)
+    return found.group(1) if found else None
+
+
+def _inside(path: str, folder: str) -> bool:
+    return os.path.commonpath([os.path.abspath(path), os.path.abspath(folder)]) == os.path.abspath(folder)
+
+
+def _free_space_fix(path: Optional[str], run_dir: str, in_run: bool) -> str:
+    """A full disk's fix: the free space of the run folder, or of the other place that filled (the temporary
+    folder, where torch.compile writes its kernels, said as TMPDIR)."""
+    if in_run:
+        free = f"{run_dir} has {size_text(shutil.disk_usage(run_dir).free)} free" if os.path.isdir(run_dir) else ""
+        return f"{free}. Free space (or set trainer.default_local_dir on a larger disk)"
+    there = _existing(path)
+    temporary = _inside(path, tempfile.gettempdir())
+    return (f"{there} has {size_text(shutil.disk_usage(there).free)} free (not the run folder's disk" +
+            (f": it is the temporary folder, {tempfile.gettempdir()}" if temporary else "") + "). Free space there" +
+            (", or set TMPDIR to a folder on a larger disk" if temporary else ""))
+
+
+def _elsewhere(in_run: bool, what: str) -> str:
+    return f", or set trainer.default_local_dir to {what}" if in_run else ""
+
+
+def _existing(path: str) -> str:
+    """`path`, or its nearest folder that exists."""
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
+def _user() -> str:
+    uid = os.geteuid()
+    try:
+        return f"{pwd.getpwuid(uid).pw_name}, uid {uid}"
+    except KeyError:
+        return f"uid {uid}"
 
 
 def folder_gone(run_dir: str) -> Optional[str]:

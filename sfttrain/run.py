@@ -149,13 +149,13 @@ def _train(cfg: Config, rank: int) -> None:
 def explain(error: Exception, cfg: Config, rank: int) -> None:
     """Ends this rank with one message where the error has a cause the user can act on (or ends it
     quietly where another rank's message is the job's); returns for a bug."""
-    from sfttrain.fs_faults import disk_full_error, folder_gone_error
+    from sfttrain.fs_faults import filesystem_error, folder_gone_error
     from sfttrain.distributed import peer_lost
 
     if stop_signal.interrupted():  # the collective of a rank that Ctrl-C stopped first
         interrupted(cfg, rank)
-    if full := disk_full_error(error, cfg.trainer.default_local_dir, phase.current()):
-        stop(full)
+    if refused := filesystem_error(error, cfg.trainer.default_local_dir, phase.current()):
+        stop(refused)
     if gone := folder_gone_error(error, cfg.trainer.default_local_dir, phase.current()):
         stop(gone)
     if short := out_of_memory(error, cfg, rank, phase.current()) or killed_worker(error, cfg, rank, phase.current()):

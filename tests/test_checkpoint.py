@@ -971,8 +971,10 @@ def test_a_run_folder_deleted_mid_run_ends_the_job_with_one_message(data, tmp_pa
 def test_a_disk_turned_read_only_mid_run_ends_with_one_message_and_resumes(data, tmp_path):
     """The run folder's disk (a real ext4) turns read-only mid-run, as the kernel makes a disk that failed:
     once step 2's checkpoint is committed, ext4 is told of an error, and what the run wrote unsynced since
-    its last fsync is lost. The same command, once the disk is mounted anew, resumes from the checkpoint the
-    message names; the conversion of its JSON Lines data (data_cache/), written at start-up, reads back."""
+    its last fsync is lost. The next write (a metrics.jsonl record, or a save) fails with EROFS: one message
+    (exit code 6, not a traceback) naming the run folder, what happened and the checkpoint to resume from,
+    which the same command resumes from once the disk is mounted anew; the conversion of its JSON Lines data
+    (data_cache/), written at start-up, reads back."""
     rows = tmp_path / "train.jsonl"
     rows.write_text("".join(json.dumps(row) + "\n" for row in pq.read_table(data).to_pylist()))
     run_dir, log = tmp_path / "disk" / "run", tmp_path / "job.log"
@@ -986,10 +988,14 @@ def test_a_disk_turned_read_only_mid_run_ends_with_one_message_and_resumes(data,
             proc.wait(timeout=120)
         finally:
             kill_job(proc)
-        assert proc.returncode != 0, log.read_text()[-3000:]
+        message = one_message(subprocess.CompletedProcess(proc.args, proc.returncode, stdout=log.read_text()), 6)
+        assert f"the filesystem of the run folder {run_dir} is read-only (" in message, message
+        assert "`dmesg` says which" in message and "make it writable again" in message, message
+        last = re.search(rf"it resumes from {run_dir}/global_step_(\d+)$", message)
+        assert last, message
         mount_anew()
         run_sfttrain(1, command)
-        assert [m["step"] for m in read_metrics(run_dir) if m.get("event") == "resumed"] == [2]
+        assert [m["step"] for m in read_metrics(run_dir) if m.get("event") == "resumed"] == [int(last[1])]
         assert checkpoint_folder.is_complete(str(run_dir / "global_step_8"))
 
 

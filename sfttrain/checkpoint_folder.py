@@ -173,7 +173,14 @@ def resolve(path: str) -> str:
 
 def holds_weights(folder: str) -> bool:
     """A folder with a Hugging Face model's weight files (safetensors, or PyTorch's .bin)."""
-    return os.path.isdir(folder) and any(n.endswith((".safetensors", ".bin")) for n in os.listdir(folder))
+    return bool(weight_files(folder))
+
+
+def weight_files(folder: str) -> list[str]:
+    """A Hugging Face model folder's weight files (safetensors, or PyTorch's .bin)."""
+    if not os.path.isdir(folder):
+        return []
+    return [os.path.join(folder, n) for n in sorted(os.listdir(folder)) if n.endswith((".safetensors", ".bin"))]
 
 
 def _what_instead(path: str) -> str:

@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from sfttrain.checkpoint_folder import write_synced
 from sfttrain.config import Config, ConfigError, check_sequence_parallel_size, shard_group_size
+from sfttrain.fs_faults import check_writable
 
 
 @dataclass(frozen=True)
@@ -222,15 +223,16 @@ def shutdown(world: World) -> None:
 
 def check_shared_run_dir(run_dir: str, world: World, patience_s: float = 10.0) -> None:
     """Collective, at start-up: every rank must see the run folder rank 0 writes to (checkpoints are
-    written by all ranks into one folder and committed by rank 0). Rank 0 writes a file with a
-    fresh token; a rank that cannot read that token there (a node-local disk, or a path that
-    resolves differently on its node) makes every rank stop with a ConfigError naming it. A
-    rank waits up to patience_s for the file, for network filesystems' attribute caches."""
+    written by all ranks into one folder and committed by rank 0). Rank 0 checks that this user can
+    write it (sfttrain.fs_faults.check_writable), then writes a file with a fresh token; a rank that
+    cannot read that token there (a node-local disk, or a path that resolves differently on its node)
+    makes every rank stop with a ConfigError naming it. A rank waits up to patience_s for the file,
+    for network filesystems' attribute caches."""
     box = [_write_probe(run_dir) if world.is_main else None]
     dist.broadcast_object_list(box, src=0)  # after rank 0's write: the others look for it now
     token, error = box[0]
     if error is not None:
-        raise ConfigError(f"trainer.default_local_dir={run_dir!r} cannot be written: {error}")
+        raise ConfigError(error)
     probe = os.path.join(run_dir, f".shared-check-{token}")
     deadline = time.monotonic() + patience_s
     while not _reads(probe, token) and time.monotonic() < deadline:
@@ -248,13 +250,16 @@ def check_shared_run_dir(run_dir: str, world: World, patience_s: float = 10.0) -
 
 
 def _write_probe(run_dir: str) -> tuple[Optional[str], Optional[str]]:
-    """(token, None) once the probe file holds it, or (None, why it could not be written)."""
+    """(token, None) once the probe file holds it, or (None, why the run folder cannot be written)."""
     token = uuid.uuid4().hex
     try:
+        check_writable(run_dir)
         os.makedirs(run_dir, exist_ok=True)
         write_synced(os.path.join(run_dir, f".shared-check-{token}"), token)
-    except OSError as e:
+    except ConfigError as e:
         return None, str(e)
+    except OSError as e:
+        return None, f"trainer.default_local_dir={run_dir!r} cannot be written: {e}"
     return token, None
 
 

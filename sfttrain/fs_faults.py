@@ -19,7 +19,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Optional
 
-from sfttrain.checkpoint_folder import latest_of_newest_run, size_text, what_auto_does
+from sfttrain.checkpoint_folder import STEP_DIR, latest_of_newest_run, size_text, what_auto_does
 from sfttrain.errors import CheckpointError, ConfigError, UserError
 
 # EFBIG: a write past the process's file size limit (ulimit -f, RLIMIT_FSIZE), which a job inherits from the
@@ -108,17 +108,17 @@ QUOTED_PATH = re.compile(r"""['"](/[^'"\n]+)['"]""")
 ALL_SIGNS = (*FULL, *FILE_TOO_LARGE, *READ_ONLY, *IO_ERROR, *DENIED, *OPEN_FILES, SHARED_MEMORY)
 
 
-def fault(error: BaseException | str, run_dir: str) -> Optional[Fault]:
+def fault(error: BaseException | str, run_dir: Optional[str]) -> Optional[Fault]:
     """`error` (or its text) as a filesystem fault the user can act on, or None. A permission needs the path
     it was refused on (an EPERM without one is a process's, e.g. a signal's); the others without a path are
-    said of the run folder, where the run writes."""
+    said of the run folder, where the run writes (run_dir None: a path that is no run folder's)."""
     text = str(error)
     code = error.errno if isinstance(error, OSError) else None
     line = _words_line(text)
     path = (os.fsdecode(error.filename) if isinstance(error, OSError) and error.filename else _path_in(line))
     what = (f"{error.strerror}{f': {error.filename}' if error.filename else ''}" if isinstance(error, OSError)
             and error.strerror else line[:200] or type(error).__name__)
-    in_run = path is None or _inside(path, run_dir)
+    in_run = run_dir is not None and (path is None or _inside(path, run_dir))
     place = f"the run folder {run_dir}" if in_run else path
     if SHARED_MEMORY in text or (path or "").startswith("/dev/shm/") and disk_full(error):
         return Fault(f"the shared memory (/dev/shm) is full ({what})", SHARED_MEMORY_FIX, False, False)
@@ -145,6 +145,49 @@ def fault(error: BaseException | str, run_dir: str) -> Optional[Fault]:
         return Fault(f"this process has too many files open ({what}; its limit, `ulimit -n`, is {limit})",
                      OPEN_FILES_FIX, False, True)
     return None
+
+
+def check_writable(run_dir: str) -> None:
+    """ConfigError where this user could not write the run folder (checked at start-up by rank 0 before any
+    data is read, and by the preflight): the folder, or the one it would be made in, on a read-only
+    filesystem or not this user's to write; or, in a run folder left by another user, a folder in it or a
+    file it holds (its lock, metrics.jsonl) that this user may not write, which would stop the run only
+    where it first writes there: its lock, the length cache after the row scan, metrics.jsonl once the
+    model is loaded."""
+    run_dir = os.path.abspath(os.path.expanduser(run_dir))
+    there = _existing(run_dir)
+    paths = _run_folder_paths(run_dir) if there == run_dir else [there]
+    denied = [p for p in paths if not os.access(p, os.W_OK)]
+    if not denied:
+        return
+    code = errno.EROFS if os.statvfs(denied[0]).f_flag & os.ST_RDONLY else errno.EACCES
+    found = fault(OSError(code, os.strerror(code), denied[0]), run_dir)
+    more = f" (and {len(denied) - 1} more of its files and folders)" if len(denied) > 1 and code == errno.EACCES else ""
+    fix = found.fix if found.in_run_folder else f"{found.fix}, or set it to a folder this user can write"
+    raise ConfigError(f"trainer.default_local_dir={run_dir!r} cannot be written: {found.cause}{more}. {fix}")
+
+
+def _run_folder_paths(run_dir: str) -> list[str]:
+    """The run folder, the files directly in it (the lock, metrics.jsonl and the others the run writes again)
+    and every folder in it but the committed checkpoints' (one may have been made read-only to keep it)."""
+    top = [os.path.join(run_dir, name) for name in sorted(os.listdir(run_dir))]
+    folders = []
+    for parent, names, _ in os.walk(run_dir):
+        names[:] = [name for name in names if not (parent == run_dir and STEP_DIR.match(name))]
+        folders += [os.path.join(parent, name) for name in names]
+    return [run_dir, *sorted(set(folders) | {p for p in top if not os.path.isdir(p)})]
+
+
+def unreadable(paths: list[str]) -> Optional[str]:
+    """Why this user may not read the first of `paths` it may not (a folder: list it and enter it), and how
+    many more; None where each reads, or is not there (the caller says what that means)."""
+    denied = [p for p in paths if os.path.lexists(p) and
+              not os.access(p, os.R_OK | (os.X_OK if os.path.isdir(p) else 0))]
+    if not denied:
+        return None
+    found = fault(PermissionError(errno.EACCES, os.strerror(errno.EACCES), denied[0]), None)
+    more = f" (and {len(denied) - 1} more)" if len(denied) > 1 else ""
+    return f"{found.cause}{more}. {found.fix}"
 
 
 def _words_line(text: str) -> str:

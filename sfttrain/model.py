@@ -12,10 +12,11 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from sfttrain import attention, experts, lora, weights
-from sfttrain.checkpoint_folder import holds_weights
+from sfttrain.checkpoint_folder import holds_weights, weight_files
 from sfttrain.config import Config, ConfigError, ModelConfig
 from sfttrain.dtypes import DTYPE
 from sfttrain.errors import GPU_INSTALL, DependencyError
+from sfttrain.fs_faults import unreadable
 from sfttrain.hub import local_model_path
 
 
@@ -156,13 +157,27 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def local_model_folder(cfg: ModelConfig) -> str:
-    """model.partial_pretrain as a local folder (a hub id is downloaded once, see sfttrain.hub).
-    Collective when it is a hub id."""
+    """model.partial_pretrain as a local folder (a hub id is downloaded once, see sfttrain.hub), which this
+    user may read. Collective when it is a hub id."""
     path = local_model_path(cfg.partial_pretrain)
+    check_readable(cfg, [path, os.path.join(path, "config.json")])  # else said as a folder that is not there
     if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError(f"model.partial_pretrain={cfg.partial_pretrain!r} is not a local model folder with a "
                           "config.json, nor a hub id (org/name, such as Qwen/Qwen2.5-0.5B-Instruct)")
     return path
+
+
+def check_readable(cfg: ModelConfig, paths: list[str]) -> None:
+    """ConfigError where this user may not read one of the model folder's `paths`."""
+    if problem := unreadable(paths):
+        raise ConfigError(f"model.partial_pretrain={cfg.partial_pretrain!r} cannot be read: {problem}")
+
+
+def check_weights_readable(cfg: ModelConfig, folder: str) -> None:
+    """The model's weight files, which this user must read (unless model.random_init): checked at start-up,
+    before the data scan, where an unreadable one would stop the run only once the scan is done."""
+    if not cfg.random_init:
+        check_readable(cfg, weight_files(folder))
 
 
 def check_weights(cfg: ModelConfig, path: str) -> None:

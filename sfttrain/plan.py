@@ -252,6 +252,14 @@ def model_folder(m: ModelConfig, found: Findings) -> Optional[str]:
     return folder
 
 
+def readable_model_folder(cfg: ModelConfig, folder: str) -> str:
+    """`folder`, where this user may read it and its config.json (the run's own check)."""
+    from sfttrain.model import check_readable
+
+    check_readable(cfg, [folder, os.path.join(folder, "config.json")])
+    return folder
+
+
 def has_tokenizer(folder: str) -> bool:
     return any(os.path.isfile(os.path.join(folder, f)) for f in ("tokenizer.json", "tokenizer_config.json",
                                                                  "tokenizer.model"))
@@ -471,6 +479,18 @@ def checkpoint_bytes(cfg: Config, shape: DenseShape) -> int:
     return (3 * count + tied_copy) * value_bytes
 
 
+def run_folder_check(cfg: Config, found: Findings) -> None:
+    """Whether this user can write the run folder, by the start-up's own check: a problem where the folder
+    exists here, a note where only the folder it would be made in does (the run's machine may differ)."""
+    from sfttrain.fs_faults import check_writable
+
+    try:
+        check_writable(cfg.trainer.default_local_dir)
+    except ConfigError as e:
+        exists = os.path.isdir(os.path.expanduser(cfg.trainer.default_local_dir))
+        (found.problems if exists else found.notes).append(str(e))
+
+
 def checkpoint_section(cfg: Config, folder: Optional[str], found: Findings) -> list[str]:
     """A checkpoint's size, and whether the run folder's disk takes one (a problem where the run
     folder exists here; else the free space of its nearest existing parent is a note)."""
@@ -610,7 +630,7 @@ def preflight(cfg: Config, nproc: int, nnodes: int) -> tuple[list[str], Findings
     """(report lines, what was found): the run's own checks, each problem listed, none stopping the rest."""
     from sfttrain.distributed import check_world, data_parallel_size
     from sfttrain.metrics import require_loggers
-    from sfttrain.model import check_max_length, check_weights, linear_layer_check
+    from sfttrain.model import check_max_length, check_weights, check_weights_readable, linear_layer_check
 
     world = nproc * nnodes
     try:
@@ -626,6 +646,10 @@ def preflight(cfg: Config, nproc: int, nnodes: int) -> tuple[list[str], Findings
         found.notes.append("trainer.logger includes wandb: its login (`wandb login`, or WANDB_API_KEY) is checked when "
                            "the run starts, where a missing one stops it at once (WANDB_MODE=offline needs none)")
     folder = model_folder(cfg.model, found)
+    if folder is not None and found.check(lambda: readable_model_folder(cfg.model, folder)) is None:
+        folder = None  # nothing of it can be read here: the problem is listed
+    if folder is not None:
+        found.check(lambda: check_weights_readable(cfg.model, folder))
     if folder is not None and os.path.isfile(os.path.join(folder, "config.json")):
         found.check(lambda: check_rope(cfg, folder))
         found.check(lambda: check_max_length(cfg, folder))
@@ -643,6 +667,7 @@ def preflight(cfg: Config, nproc: int, nnodes: int) -> tuple[list[str], Findings
     batches = batch_section(cfg, dp_size, folder, found)
     lines += batches.lines
     lines += workers_section(cfg, nproc)
+    run_folder_check(cfg, found)
     lines += resume_section(cfg, batches, folder, found)
     lines += memory_section(cfg, dp_size, folder, found)
     lines += checkpoint_section(cfg, folder, found)

@@ -29,8 +29,8 @@ from sfttrain.flops import ModelShape
 from sfttrain.loss import CausalLMLoss, router_metrics, router_stats, select_chunk_loss, step_objective
 from sfttrain.metrics import (MetricsLogger, StepEnd, StepTimer, describe_host_memory, describe_software,
                               host_memory_gib, memory_stats, start_wandb, throughput)
-from sfttrain.model import (check_max_length, decoder_layers, embedding_rows, load_model, load_tokenizer,
-                            local_model_folder, stop_generation_at)
+from sfttrain.model import (check_max_length, check_weights_readable, decoder_layers, embedding_rows, load_model,
+                            load_tokenizer, local_model_folder, stop_generation_at)
 from sfttrain.optim import build_optimizer, build_scheduler, clipped_step, schedule_settings, warmup_steps
 from sfttrain.parallel import describe_compile, describe_sharding, gradient_sync, parallelize
 from sfttrain.resume import Resume, check_resume, find_resume
@@ -59,6 +59,7 @@ class FSDPSFTTrainer:
 
         # data first: a bad file, column or batch size fails before the model is loaded
         folder = local_model_folder(cfg.model)
+        check_weights_readable(cfg.model, folder)
         check_rope(cfg, folder)  # RoPE that packing would make depend on the batch (the specific diagnosis first)
         check_max_length(cfg, folder)
         fp8.check_available(cfg.model, world.device)  # a GPU without FP8 stops before the data is read

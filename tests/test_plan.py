@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import torch
 
 from sfttrain.data.batching import batch_problem, nearest_valid_batches
 from sfttrain.plan import DenseShape, main
-from tests.conftest import BASE_OVERRIDES, REPO, STORIES, checkpoint_tensor_bytes, two_rank_job
+from tests.conftest import BASE_OVERRIDES, REPO, STORIES, checkpoint_tensor_bytes, rank_env, two_rank_job
 
 # Published sizes of two real models (their model cards: 494M and 8.03B parameters)
 QWEN25_05B = dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
@@ -27,6 +28,7 @@ QWEN25_05B = dict(model_type="qwen2", vocab_size=151936, hidden_size=896, interm
 LLAMA31_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                   num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False,
                   max_position_embeddings=131072)
+OTHER_UID = 12345  # the owner of another user's files: a uid no user namespace of the tests maps
 QWEN3_TINY = dict(model_type="qwen3", vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=24, tie_word_embeddings=False)
 
@@ -167,6 +169,70 @@ def test_preflight_says_when_the_run_folder_cannot_take_a_checkpoint(tmp_path):
     problems = out.split("problems:")[1]
     assert code == 2 and re.search(rf"trainer.default_local_dir='{tmp_path}/small' has [\d.]+ MB free and this "
                                    r"run's first checkpoint will take about 3.25 MB", problems), out
+
+
+def test_preflight_says_when_the_run_folder_is_on_a_read_only_filesystem(tmp_path):
+    """A run folder on a read-only filesystem (a real read-only bind mount: EROFS, which root meets too) is a
+    problem, the start-up's own check; one not made yet, in a read-only folder, is a note (the run's
+    machine may mount it otherwise)."""
+    run_dir = tmp_path / "ro" / "run"
+    run_dir.mkdir(parents=True)
+    with read_only(tmp_path / "ro"):
+        code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={tmp_path}/absent.parquet",
+                             f"trainer.default_local_dir={run_dir}", "--nproc", "1")
+        problems = out.split("problems:")[1]
+        assert code == 2 and (f"trainer.default_local_dir='{run_dir}' cannot be written: the filesystem of the run "
+                              f"folder {run_dir} is read-only (Read-only file system: {run_dir}). It was mounted "
+                              "read-only, or the kernel made it read-only after a disk error") in problems, out
+        code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={tmp_path}/absent.parquet",
+                             f"trainer.default_local_dir={run_dir}/new", "--nproc", "1")
+        notes = out.split("not checked here:")[1]
+        assert code == 0 and f"the filesystem of {run_dir} is read-only" in notes, out
+
+
+def test_preflight_names_what_this_user_may_not_read_or_write(gsm8k_dir, tmp_path):
+    """Files of another user, by the kernel's own permission check: the preflight runs in a user namespace
+    whose root owns nothing of an unmapped uid's, so their mode decides, as for any user. Weights this user
+    may not read (the run read them after its data scan, in a traceback), a data file (said as 'not a
+    readable Parquet file ... rewrite it') and a run folder holding another user's metrics.jsonl (a
+    traceback where the run first writes it) are each a problem, by the run's own start-up checks."""
+    if os.geteuid() != 0:
+        pytest.skip("files of another user are made by root (CI runs as root)")
+    if subprocess.run(["unshare", "-r", "true"], capture_output=True).returncode != 0:
+        pytest.skip("this machine refuses user namespaces (unshare -r)")
+    model, data, run_dir = tmp_path / "model", tmp_path / "train.parquet", tmp_path / "run"
+    shutil.copytree(STORIES, model)
+    shutil.copy(gsm8k_dir / "train.parquet", data)
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").touch()
+    for path, mode in [(model / "model.safetensors", 0o600), (data, 0o600), (run_dir / "metrics.jsonl", 0o644)]:
+        os.chown(path, OTHER_UID, OTHER_UID)
+        path.chmod(mode)
+    out = subprocess.run(["unshare", "-r", sys.executable, "-m", "sfttrain.plan", *BASE_OVERRIDES,
+                          f"model.partial_pretrain={model}", f"data.train_files={data}",
+                          f"trainer.default_local_dir={run_dir}", "--nproc", "1"],
+                         cwd=REPO, env=rank_env(), capture_output=True, text=True).stdout
+    problems = out.split("problems:")[1]
+    denied = "this user (root, uid 0) is not allowed to use {} (Permission denied: {}). `ls -ld {}` shows its owner"
+    for key, path in [(f"model.partial_pretrain='{model}' cannot be read", model / "model.safetensors"),
+                      (f"data file '{data}' (data.train_files / data.val_files) cannot be read", data),
+                      (f"trainer.default_local_dir='{run_dir}' cannot be written", run_dir / "metrics.jsonl")]:
+        assert f"{key}: {denied.format(path, path, path)}" in problems, out
+
+
+@contextlib.contextmanager
+def read_only(path: Path):
+    """`path` bind-mounted read-only onto itself (a real read-only filesystem there); needs root."""
+    if os.geteuid() != 0:
+        pytest.skip("a read-only bind mount needs root (CI runs as root)")
+    mounted = subprocess.run(["mount", "--bind", str(path), str(path)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot bind-mount here: {mounted.stderr.decode().strip()}")
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(path)], check=True)
+        yield
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
 
 
 @pytest.mark.parametrize("mb", [1, 3, 4])

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from sfttrain.checkpoint_folder import fsync_path
 from sfttrain.data.parquet import JSON_CELLS, LINE_COLUMN, ChatMessages, ParquetSource, PromptResponse, missing_file
 from sfttrain.errors import DataError
+from sfttrain.fs_faults import unreadable
 
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".arrow", ".csv", ".tsv")
 DATA_PATTERNS = ", ".join("*" + s for s in DATA_SUFFIXES)  # for messages
@@ -84,16 +85,24 @@ def open_source(paths: list[str], fields: PromptResponse | ChatMessages, run_dir
 
 def data_files(paths: list[str]) -> list[str]:
     """The files of the entries: a directory replaced by its data files (by name, hidden ones left
-    out), a pattern by the data files it matches."""
+    out), a pattern by the data files it matches; each one this user may read."""
     files = []
     for path in map(os.path.expanduser, paths):
         if is_pattern(path):
             files += pattern_files(path)
         elif os.path.isdir(path):
-            files += folder_files(path)
+            files += folder_files(readable(path))
         else:
             files.append(path)
-    return files
+    return [readable(file) for file in files]
+
+
+def readable(path: str) -> str:
+    """`path`, or a DataError where this user may not read it (pyarrow's error would say the file is no
+    Parquet file, and name rewriting it as the fix)."""
+    if problem := unreadable([path]):
+        raise DataError(f"data file {path!r} (data.train_files / data.val_files) cannot be read: {problem}")
+    return path
 
 
 def is_pattern(path: str) -> bool:

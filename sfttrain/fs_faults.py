@@ -9,6 +9,7 @@ same signs. A leaf: torch-free, it imports nothing of sfttrain's but its errors 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import pwd
@@ -176,6 +177,22 @@ def _run_folder_paths(run_dir: str) -> list[str]:
         names[:] = [name for name in names if not (parent == run_dir and STEP_DIR.match(name))]
         folders += [os.path.join(parent, name) for name in names]
     return [run_dir, *sorted(set(folders) | {p for p in top if not os.path.isdir(p)})]
+
+
+def check_open_files(need: int) -> None:
+    """Raises this process's open files limit to its hard limit, as a process may (the data workers and the
+    checkpoint writer it starts inherit it): a job's soft limit, `ulimit -n` (often 1024), is no ceiling of
+    its own. A ConfigError where even the hard limit is below `need`: at the first step that did not fit,
+    torch's handover of a worker's tensors failed on the worker's server thread, which printed the error
+    in a loop (gigabytes of log) and never answered the rank, which waited for the step forever."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    with contextlib.suppress(ValueError, OSError):  # an unlimited hard limit: the kernel's nr_open caps it
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20),
+                                                     hard))
+    if hard != resource.RLIM_INFINITY and hard < need:
+        raise ConfigError(f"the open files limit of this job is {hard} (`ulimit -Hn`, the most `ulimit -n` may be "
+                          f"raised to), and a rank and each of its data workers need up to about {need} here. "
+                          f"{OPEN_FILES_FIX}")
 
 
 def unreadable(paths: list[str]) -> Optional[str]:

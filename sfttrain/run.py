@@ -154,12 +154,12 @@ def explain(error: Exception, cfg: Config, rank: int) -> None:
 
     if stop_signal.interrupted():  # the collective of a rank that Ctrl-C stopped first
         interrupted(cfg, rank)
+    if short := out_of_memory(error, cfg, rank, phase.current()) or killed_worker(error, cfg, rank, phase.current()):
+        stop(short)  # (before the filesystems: a worker's full /dev/shm is memory run out, as its SIGBUS is)
     if refused := filesystem_error(error, cfg.trainer.default_local_dir, phase.current()):
         stop(refused)
     if gone := folder_gone_error(error, cfg.trainer.default_local_dir, phase.current()):
         stop(gone)
-    if short := out_of_memory(error, cfg, rank, phase.current()) or killed_worker(error, cfg, rank, phase.current()):
-        stop(short)
     if peer_lost(str(error)):  # another rank ended first, with the cause (its message, a traceback): torchrun
         stop_signal.end_if_told()  # ends this one (its SIGTERM, or one already noted), without a second
         time.sleep(WAIT_FOR_RANK0_S)  # traceback; past the wait, this rank says what it saw
@@ -198,13 +198,21 @@ def out_of_memory(error: BaseException, cfg: Config, rank: int, where: str) -> O
 
 
 def killed_worker(error: BaseException, cfg: Config, rank: int, where: str) -> OutOfMemory | None:
-    """A DataLoader worker killed by SIGKILL or SIGBUS, as one message. torch's error names the worker and
-    the signal (raised where the rank was when the worker died, or as the cause of the next step's "exited
-    unexpectedly"). SIGKILL is most often the host's out-of-memory killer, SIGBUS a full /dev/shm (the
-    workers hand their batches over in shared memory), so both are said as memory run out (exit code 9),
-    each with its fix. None for any other error (another signal is a crash: its traceback is the bug's)."""
+    """A DataLoader worker killed by SIGKILL or SIGBUS, or one that found the shared memory full, as one
+    message. torch's error names the worker and the signal (raised where the rank was when the worker died,
+    or as the cause of the next step's "exited unexpectedly"). SIGKILL is most often the host's out-of-memory
+    killer, SIGBUS a full /dev/shm (the workers hand their batches over in shared memory), so both are said
+    as memory run out (exit code 9), each with its fix. None for any other error (another signal is a
+    crash: its traceback is the bug's)."""
     from sfttrain.checkpoint_folder import latest_of_newest_run
+    from sfttrain.fs_faults import SHARED_MEMORY, fault
 
+    last = latest_of_newest_run(cfg.trainer.default_local_dir)
+    then = f"resumes from {last[1]}" if last else "starts afresh (no checkpoint was committed yet)"
+    if re.search(r"in DataLoader worker process \d+", str(error)) and SHARED_MEMORY in str(error):
+        full = fault(error, None)  # the worker's own error, which the DataLoader re-raised in the rank
+        return OutOfMemory(f"rank {rank}'s DataLoader worker could not hand a step over in {where}: {full.cause}. "
+                           f"{full.fix}. The same command then {then}")
     # the signal in strsignal's words, as torch's message has them (the C library's, in this process's locale)
     names = {signal.strsignal(s): s for s in (signal.SIGKILL, signal.SIGBUS)}
     sign = re.compile(rf"DataLoader worker \(pid (\d+)\) is killed by signal: ({'|'.join(map(re.escape, names))})")
@@ -213,8 +221,6 @@ def killed_worker(error: BaseException, cfg: Config, rank: int, where: str) -> O
         killed, error = sign.search(str(error)), error.__cause__ or error.__context__
     if not killed:
         return None
-    last = latest_of_newest_run(cfg.trainer.default_local_dir)
-    then = f"resumes from {last[1]}" if last else "starts afresh (no checkpoint was committed yet)"
     sig = signal.Signals(names[killed.group(2)])
     if sig == signal.SIGKILL:
         cause = ("most often the host's out-of-memory killer (`dmesg` or `journalctl -k` names what it killed; a "

@@ -16,7 +16,7 @@ from sfttrain.checkpoint_folder import (complete_checkpoints, describe_retention
                                        read_state, remove_stale_tmp)
 from sfttrain.config import Config, as_list, logger_names, moot_settings
 from sfttrain.data.chat import build_renderer, resolve_chat_template
-from sfttrain.data.loader import (StepBatch, TrainData, cpus_of_this_process, describe_workers,
+from sfttrain.data.loader import (StepBatch, TrainData, cpus_of_this_process, describe_workers, open_files_needed,
                                   step_batches, validation_batches)
 from sfttrain.data.files import open_source
 from sfttrain.data.pack import max_segment_length
@@ -26,6 +26,7 @@ from sfttrain.data.report import describe
 from sfttrain.distributed import World, check_shared_run_dir, ranks_of_this_launcher
 from sfttrain.errors import NonFiniteLossError, StoppedBySignal
 from sfttrain.flops import ModelShape
+from sfttrain.fs_faults import check_open_files
 from sfttrain.loss import CausalLMLoss, router_metrics, router_stats, select_chunk_loss, step_objective
 from sfttrain.metrics import (MetricsLogger, StepEnd, StepTimer, describe_host_memory, describe_software,
                               host_memory_gib, memory_stats, start_wandb, throughput)
@@ -56,6 +57,7 @@ class FSDPSFTTrainer:
         self.run_dir = t.default_local_dir
         check_shared_run_dir(self.run_dir, world)  # every node writes its shards there
         self.folder_warnings = lock_run_folder(self.run_dir, world)  # one run at a time in a run folder
+        check_open_files(open_files_needed(d, world.dp_size))  # the data workers' handover of each step
 
         # data first: a bad file, column or batch size fails before the model is loaded
         folder = local_model_folder(cfg.model)

@@ -283,6 +283,27 @@ def run_sfttrain(nproc: int, overrides: list[str], check: bool = True, timeout: 
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout=out, stderr="")
 
 
+def run_alone(argv: list[str], limits: dict | None = None, prefix: tuple = (), timeout: int = 300,
+              env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m ...argv` in a process of its own (not forked by the rank server), under resource limits
+    (`limits`: resource.RLIMIT_* -> (soft, hard), what `ulimit` sets) or run by a command `prefix` (unshare);
+    output as one stream. Past `timeout` (a job that hangs) every process of its session is killed."""
+    import resource
+
+    def set_limits() -> None:
+        for which, (soft, hard) in (limits or {}).items():
+            resource.setrlimit(which, (soft, hard))
+
+    with subprocess.Popen([*prefix, sys.executable, "-m", *argv], cwd=REPO, env=rank_env(env), preexec_fn=set_limits,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True) as proc:
+        try:
+            out, _ = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise AssertionError(f"{' '.join(argv[:1])} hung: killed after {timeout} s") from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout=out)
+
+
 def job_processes(proc: subprocess.Popen) -> list[int]:
     """The launcher and every process of its job: torchrun's ranks are its descendants; the rank
     server's forked ranks are not, and come with their own (DataLoader workers, writers)."""

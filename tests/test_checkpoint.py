@@ -25,7 +25,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -37,8 +36,8 @@ import torch.distributed.checkpoint as dcp
 from sfttrain import checkpoint, checkpoint_folder, resume
 from sfttrain.config import ConfigError, TrainerConfig, load_config
 from sfttrain.metrics import REWOUND
-from tests.conftest import (BASE_OVERRIDES, LINEAR_ADAM, REPO, STORIES, ForkedJob, alive, descendants, kill_job, launch,
-                            logged_steps, rank_env, read_metrics, run_sfttrain, running_records, two_rank_job,
+from tests.conftest import (BASE_OVERRIDES, LINEAR_ADAM, STORIES, ForkedJob, alive, descendants, kill_job, launch,
+                            logged_steps, read_metrics, run_alone, run_sfttrain, running_records, two_rank_job,
                             update_error)
 
 ROWS, BATCH, EPOCHS = 52, 8, 2
@@ -883,11 +882,7 @@ def under_size_limit(argv: list[str], limit: int) -> subprocess.CompletedProcess
     write past it fails with EFBIG, "File too large" (Python ignores the SIGXFSZ that comes with it)."""
     import resource
 
-    def limit_files() -> None:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-
-    return subprocess.run([sys.executable, "-m", *argv], cwd=REPO, env=rank_env(), preexec_fn=limit_files,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    return run_alone(argv, {resource.RLIMIT_FSIZE: (limit, limit)})
 
 
 def test_a_file_size_limit_is_said_as_a_full_disk_is(data, tmp_path):

@@ -27,7 +27,7 @@ import torch
 from transformers import AutoTokenizer
 
 from tests.conftest import (BASE_OVERRIDES, REPO, STORIES, ForkedJob, descendants, kill_job, launch, logged_steps,
-                            run_sfttrain)
+                            run_alone, run_sfttrain)
 
 CONFIG, DATA, NON_FINITE, DEPENDENCY = 2, 3, 4, 5
 
@@ -384,3 +384,43 @@ def test_out_of_gpu_memory_is_the_same_one_message(gsm8k_dir, tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 9 and "Traceback" not in out, out[-3000:]
     assert "sfttrain: out of memory: rank 0 ran out of GPU memory in step 1 (CUDA out of memory. Tried to allocate" in out
+
+
+def worker_job(gsm8k_dir: Path, run_dir: Path) -> list[str]:
+    """One rank whose steps (4 micro-batches of 2 rows, 20 tensors) a DataLoader worker builds."""
+    return ["sfttrain.run", *BASE_OVERRIDES, f"data.train_files={gsm8k_dir}/train.parquet",
+            f"trainer.default_local_dir={run_dir}", "data.num_workers=1", "data.train_batch_size=8",
+            "data.micro_batch_size_per_gpu=2", "data.max_length=128", "trainer.total_training_steps=2"]
+
+
+def test_data_workers_within_the_open_files_limit(gsm8k_dir, tmp_path):
+    """A worker hands each tensor of a step to the rank as a file descriptor. Under a soft open files limit
+    of 32 (`ulimit -n`; the hard one 4096) the run raises it and trains; under a hard limit of 32 it is
+    refused at start-up (exit code 2), naming the limit and the fix. Both hung before: the worker's
+    handover failed on a thread of its own, which printed its error in a loop, and the rank waited."""
+    import resource
+
+    trained = run_alone(worker_job(gsm8k_dir, tmp_path / "soft"), {resource.RLIMIT_NOFILE: (32, 4096)}, timeout=120)
+    assert trained.returncode == 0 and "Traceback" not in trained.stdout, trained.stdout[-3000:]
+    refused = run_alone(worker_job(gsm8k_dir, tmp_path / "hard"), {resource.RLIMIT_NOFILE: (32, 32)}, timeout=120)
+    assert refused.returncode == CONFIG and "Traceback" not in refused.stdout, refused.stdout[-3000:]
+    assert re.search(r"^sfttrain: config error: the open files limit of this job is 32 \(`ulimit -Hn`.*\), and a rank "
+                     r"and each of its data workers need up to about \d+ here. Raise the open files limit",
+                     refused.stdout, re.MULTILINE), refused.stdout[-3000:]
+
+
+def test_data_workers_that_find_shared_memory_full(gsm8k_dir, tmp_path):
+    """A worker hands each step over in shared memory: a /dev/shm of 64 KiB (a real tmpfs, in a mount
+    namespace of the run's own) holds no step. One message, exit code 9 (memory run out, as a worker
+    killed by SIGBUS), naming /dev/shm and its fixes. It hung before: the copy into shared memory failed on
+    the worker queue's feeder thread, which printed the error and dropped the step the rank waited for."""
+    if os.geteuid() != 0 or subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
+        pytest.skip("a mount namespace of its own (unshare -m) needs root (CI runs as root)")
+    small_shm = ("unshare", "-m", "sh", "-c", 'mount -t tmpfs -o size=64k tmpfs /dev/shm && exec "$0" "$@"')
+    out = run_alone(worker_job(gsm8k_dir, tmp_path / "run"), prefix=small_shm, timeout=120).stdout
+    printed = [line for line in out.splitlines() if line.startswith("sfttrain: ")]
+    assert len(printed) == 1 and "Traceback" not in out, out[-3000:]
+    assert printed[0].startswith("sfttrain: out of memory: rank 0's DataLoader worker could not hand a step over in "
+                                 "step 1: the shared memory (/dev/shm) is full (RuntimeError: unable to allocate shared "
+                                 "memory"), out[-3000:]
+    assert "`docker run --shm-size=8g`" in printed[0] and "data.num_workers=0" in printed[0], out[-3000:]

@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
+import math
 import os
 import time
 import warnings
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from sfttrain import stop_signal
+from sfttrain.config import DataConfig
 from sfttrain.errors import DataError, UserError
 from sfttrain.data.pack import MicroBatch, budget_bins, empty_micro_batch, local_slice, loss_tokens, pack
 from sfttrain.data.parquet import ParquetSource
@@ -46,6 +48,9 @@ class StepBatch:
 
     def pin_memory(self) -> "StepBatch":
         return dataclasses.replace(self, micro_batches=[m.pin_memory() for m in self.micro_batches])
+
+    def share_memory(self) -> "StepBatch":
+        return dataclasses.replace(self, micro_batches=[m.share_memory() for m in self.micro_batches])
 
 
 @dataclass(frozen=True)
@@ -135,10 +140,37 @@ class StepStream(IterableDataset):
         for i, position in enumerate(self.data.positions(self.epoch, self.consumed)):
             if i % workers == worker:
                 try:
-                    yield self.data.step(*position)
+                    step = self.data.step(*position)
                 except UserError as e:  # passed on as an item: torch would re-raise it inside its traceback
                     yield e
                     return
+                # a worker's step goes into shared memory here, where a full /dev/shm raises an error that
+                # the DataLoader re-raises in the rank; left to torch's queue, the copy would be made on its
+                # feeder thread, which prints such an error and drops the step: the rank waited for it forever
+                yield step.share_memory() if info else step
+
+
+PREFETCH = 2  # steps each data worker builds ahead (the DataLoader's prefetch_factor)
+# file descriptors a rank, or a data worker, holds beside the steps in flight: libraries, sockets, files
+OPEN_FILES_BASE = 256
+
+
+def open_files_needed(d: DataConfig, dp_size: int) -> int:
+    """File descriptors a rank and each of its data workers need at most; 0 without workers (a rank that
+    runs out of them otherwise gets an error, which is said; a worker's handover hangs instead). A step's
+    tensors travel from a worker to the rank as a descriptor each (torch's file_descriptor sharing), held
+    by the worker for the steps it built ahead and the one it hands over, by the rank for the step it
+    trains and the next. Under a token budget a rank's share of a step (by cost: up to a sample more than an
+    even share of the tokens) is packed first-fit, every bin but the last more than half full."""
+    if not d.num_workers:
+        return 0
+    samples = max(1, d.train_batch_size // dp_size)
+    if d.max_token_len_per_gpu:
+        tokens = (samples + 1) * d.max_length
+        micro_batches = min(d.train_batch_size, 2 * math.ceil(tokens / d.max_token_len_per_gpu) + 1)
+    else:
+        micro_batches = max(1, samples // d.micro_batch_size_per_gpu)
+    return OPEN_FILES_BASE + (PREFETCH + 1) * MicroBatch.TENSORS * micro_batches
 
 
 def step_batches(data: TrainData, epoch: int, consumed: int, num_workers: int,
@@ -153,7 +185,7 @@ def step_batches(data: TrainData, epoch: int, consumed: int, num_workers: int,
     another thread count than in forward, and torch.compile's guard on it compiles the layer again.
     A user's mistake found while a step is built is raised here, as itself."""
     steps = iter(DataLoader(StepStream(data, epoch, consumed), batch_size=None, num_workers=num_workers,
-                            prefetch_factor=2 if num_workers else None,
+                            prefetch_factor=PREFETCH if num_workers else None,
                             worker_init_fn=leave_signals_to_the_rank if num_workers else None))
     try:
         for item in steps:

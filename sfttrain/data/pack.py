@@ -51,6 +51,12 @@ class MicroBatch:
         them to the GPU is asynchronous, so the next step's batch moves while this one computes."""
         return self._map_tensors(torch.Tensor.pin_memory)
 
+    def share_memory(self) -> "MicroBatch":
+        """Its tensors moved into shared memory (/dev/shm), as a data worker hands them to the rank."""
+        return self._map_tensors(torch.Tensor.share_memory_)
+
+    TENSORS = 5  # the tensors _map_tensors maps
+
     def _map_tensors(self, fn) -> "MicroBatch":
         return MicroBatch(fn(self.input_ids), fn(self.labels), fn(self.position_ids), fn(self.cu_seqlens),
                           self.max_seqlen, self.num_loss_tokens, self.num_samples, fn(self.loss_rows))

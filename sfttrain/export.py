@@ -43,7 +43,7 @@ from sfttrain.checkpoint_folder import check_intact, fsync_path, read_state, res
 from sfttrain.config import ModelConfig
 from sfttrain.dtypes import DTYPE, HF_NAMES
 from sfttrain.errors import ConfigError, ExportError
-from sfttrain.fs_faults import SIZE_LIMIT_FIX, disk_full, over_size_limit
+from sfttrain.fs_faults import SIZE_LIMIT_FIX, disk_full, fault, over_size_limit
 from sfttrain.hub import local_model_path
 from transformers.utils.hub import convert_file_size_to_int  # "5GB" -> bytes, as save_pretrained reads it
 
@@ -349,16 +349,21 @@ def main(argv: Optional[list[str]] = None) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         sys.exit(f"sfttrain.export: {e}")
     except Exception as e:  # an OSError, or safetensors' own error with the OS's words
-        if not disk_full(e):
+        refused = fault(e, None)
+        if refused is None:
             raise
         shutil.rmtree(tmp, ignore_errors=True)
         if over_size_limit(str(e)):
             sys.exit(f"sfttrain.export: a file of {out} reached the file size limit (ulimit -f): nothing was exported "
                      f"(the partial folder was removed). {SIZE_LIMIT_FIX}, or export smaller files (--max_shard_size)")
-        parent = os.path.dirname(out)
-        sys.exit(f"sfttrain.export: the disk of {out} is full: nothing was exported (the partial folder was "
-                 f"removed); {parent} has {size_text(shutil.disk_usage(parent).free)} free. Free space, or export to "
-                 "another folder; --dtype bf16 halves an fp32 checkpoint's export")
+        if disk_full(e):
+            parent = os.path.dirname(out)
+            sys.exit(f"sfttrain.export: the disk of {out} is full: nothing was exported (the partial folder was "
+                     f"removed); {parent} has {size_text(shutil.disk_usage(parent).free)} free. Free space, or export "
+                     "to another folder; --dtype bf16 halves an fp32 checkpoint's export")
+        left = f"its partial folder {tmp} is left: delete it" if os.path.lexists(tmp) else "the partial folder was removed"
+        sys.exit(f"sfttrain.export: writing {out} failed: {refused.cause}. Nothing was exported ({left}). {refused.fix}, "
+                 "or export to another folder")
     if os.path.isdir(out):
         os.rmdir(out)
     os.replace(tmp, out)  # the folder appears complete or not at all

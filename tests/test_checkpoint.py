@@ -25,6 +25,7 @@ import re
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -969,7 +970,8 @@ def test_a_disk_turned_read_only_mid_run_ends_with_one_message_and_resumes(data,
     its last fsync is lost. The next write (a metrics.jsonl record, or a save) fails with EROFS: one message
     (exit code 6, not a traceback) naming the run folder, what happened and the checkpoint to resume from,
     which the same command resumes from once the disk is mounted anew; the conversion of its JSON Lines data
-    (data_cache/), written at start-up, reads back."""
+    (data_cache/), written at start-up, reads back. Then sfttrain.export onto that disk, which fails again
+    as the export writes: one line naming what happened and what to do (exit code 1), not a traceback."""
     rows = tmp_path / "train.jsonl"
     rows.write_text("".join(json.dumps(row) + "\n" for row in pq.read_table(data).to_pylist()))
     run_dir, log = tmp_path / "disk" / "run", tmp_path / "job.log"
@@ -992,6 +994,25 @@ def test_a_disk_turned_read_only_mid_run_ends_with_one_message_and_resumes(data,
         run_sfttrain(1, command)
         assert [m["step"] for m in read_metrics(run_dir) if m.get("event") == "resumed"] == [int(last[1])]
         assert checkpoint_folder.is_complete(str(run_dir / "global_step_8"))
+
+        # sfttrain.export onto the same disk, which fails again once the export has made its folder
+        from sfttrain import export
+
+        hf = tmp_path / "disk" / "hf"
+        watcher = threading.Thread(target=lambda: wait_for_path(hf.with_suffix(".tmp")) and fail())
+        watcher.start()
+        with pytest.raises(SystemExit, match=re.escape(f"sfttrain.export: writing {hf} failed: the filesystem of ")):
+            export.main([str(run_dir), str(hf)])
+        watcher.join()
+
+
+def wait_for_path(path: Path, timeout: float = 60) -> bool:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.0005)
+    return True
 
 
 def test_a_save_into_a_run_folder_that_is_gone_is_one_message(tmp_path):

@@ -224,9 +224,16 @@ def _inside(path: str, folder: str) -> bool:
     return os.path.commonpath([os.path.abspath(path), os.path.abspath(folder)]) == os.path.abspath(folder)
 
 
-def _free_space_fix(path: Optional[str], run_dir: str, in_run: bool) -> str:
+def _free_space_fix(path: Optional[str], run_dir: Optional[str], in_run: bool) -> str:
     """A full disk's fix: the free space of the run folder, or of the other place that filled (the temporary
-    folder, where torch.compile writes its kernels, said as TMPDIR)."""
+    folder, where torch.compile writes its kernels, said as TMPDIR); where the error names no file, that of
+    each place the run writes (Python's semaphores, which the data workers' queues use, live in /dev/shm)."""
+    if path is None:
+        places = [place for place in (run_dir, "/dev/shm", tempfile.gettempdir()) if place and os.path.isdir(place)]
+        free = "; ".join(f"{place} has {size_text(shutil.disk_usage(place).free)} free" for place in places)
+        return (f"The error names no file: {free}. Free space where it ran out: the run folder's disk (or set "
+                "trainer.default_local_dir on a larger one), /dev/shm (`df -h /dev/shm`; data.num_workers=0 and "
+                "trainer.async_save_writer=thread use none of it) or the temporary folder (TMPDIR)")
     if in_run:
         free = f"{run_dir} has {size_text(shutil.disk_usage(run_dir).free)} free" if os.path.isdir(run_dir) else ""
         return f"{free}. Free space (or set trainer.default_local_dir on a larger disk)"

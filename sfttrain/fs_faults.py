@@ -60,7 +60,7 @@ def file_at_size_limit(folder: str) -> Optional[str]:
 
 def filesystem_error(error: BaseException, run_dir: str, where: str) -> Optional[UserError]:
     """A file operation that a filesystem refused (`fault`: a full disk or shared memory, the file size limit,
-    a read-only filesystem, a permission, the open files limit) outside a checkpoint's own save (whose failure
+    a read-only or failing disk, a permission, the open files limit) outside a checkpoint's own save (whose failure
     the checkpointer words): metrics.jsonl, a cache, a trace, a compiled kernel. One message with what failed
     where, what to do, and the checkpoint to resume from: a ConfigError at start-up (nothing trained yet),
     else a CheckpointError (the steps since the last checkpoint cannot be kept). None for any other error."""
@@ -80,7 +80,8 @@ def filesystem_error(error: BaseException, run_dir: str, where: str) -> Optional
 @dataclass(frozen=True)
 class Fault:
     """What a filesystem refused, in words: `cause` names what failed where, `fix` what to do (each a
-    sentence without its full stop); `lasting`: every later write there fails too (a full or read-only disk)."""
+    sentence without its full stop); `lasting`: the next checkpoint would fail too (the run folder's disk
+    full, read-only or failing)."""
     cause: str
     fix: str
     lasting: bool
@@ -121,21 +122,22 @@ def fault(error: BaseException | str, run_dir: Optional[str]) -> Optional[Fault]
             and error.strerror else line[:200] or type(error).__name__)
     in_run = run_dir is not None and (path is None or _inside(path, run_dir))
     place = f"the run folder {run_dir}" if in_run else path
-    if SHARED_MEMORY in text or (path or "").startswith("/dev/shm/") and disk_full(error):
+    if SHARED_MEMORY in text or ((path or "").startswith("/dev/shm/") and disk_full(error)):
         return Fault(f"the shared memory (/dev/shm) is full ({what})", SHARED_MEMORY_FIX, False, False)
     if disk_full(error):
         if over_size_limit(what):
-            return Fault(f"the file size limit (ulimit -f) was reached ({what})", SIZE_LIMIT_FIX, True, in_run)
-        return Fault(f"the disk is full ({what})", _free_space_fix(path, run_dir, in_run), True, in_run)
+            return Fault(f"the file size limit (ulimit -f) was reached ({what})", SIZE_LIMIT_FIX, in_run, in_run)
+        return Fault(f"the disk is full ({what})", _free_space_fix(path, run_dir, in_run), in_run and path is not None,
+                     in_run)
     if code == errno.EROFS or any(sign in text for sign in READ_ONLY):
         fix = ("It was mounted read-only, or the kernel made it read-only after a disk error (`dmesg` says which; "
                "`mount` shows ro): make it writable again")
         return Fault(f"the filesystem of {place} is read-only ({what})",
-                     fix + _elsewhere(in_run, "a folder on a writable disk"), True, in_run)
+                     fix + _elsewhere(in_run, "a folder on a writable disk"), in_run, in_run)
     if code == errno.EIO or any(sign in text for sign in IO_ERROR):
         return Fault(f"the disk of {place} failed ({what})",
                      "A failing disk, its network server, or a filesystem the kernel stopped after an error (`dmesg` "
-                     "says which): repair it" + _elsewhere(in_run, "a folder on another disk"), True, in_run)
+                     "says which): repair it" + _elsewhere(in_run, "a folder on another disk"), in_run, in_run)
     if path and (code in (errno.EACCES, errno.EPERM) or any(sign in text for sign in DENIED)):
         fix = (f"`ls -ld {_existing(path)}` shows its owner and mode: give this user the right to it (chown or chmod), "
                "or run as the user it belongs to")

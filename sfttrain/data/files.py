@@ -203,6 +203,8 @@ def convert(source: str, target: str) -> None:
         if isinstance(e, OSError) and e.errno is None and source.endswith(COMPRESSED):  # the codec's, not the OS's
             raise DataError(f"{source}: cannot be decompressed ({e}); the file is cut short or not compressed as its "
                             f"name says: write it again, or name it for what it is") from None
+        if isinstance(e, OSError) and e.errno is not None:  # pyarrow's error names no file: sfttrain.run names it
+            e.filename = e.filename or tmp
         raise
     fsync_path(tmp)
     os.replace(tmp, target)

@@ -6,12 +6,14 @@ under torchrun it is each rank's `exitcode` in the failure summary):
     4  non-finite loss or grad norm; the update was not applied (NonFiniteLossError)
     5  missing dependency that the config asks for, e.g. wandb (DependencyError)
     6  a checkpoint could not be saved, e.g. a full disk; nothing of it was committed (CheckpointError); also a
-       disk that filled, or a run folder deleted, between saves, which stops the run at once (the next save
-       would fail too)
+       disk that filled, turned read-only or failed, a file this user may not write, or a run folder deleted,
+       between saves, which stops the run at once (sfttrain.fs_faults: the steps since the last checkpoint
+       cannot be kept)
     7  the Hugging Face export of a committed checkpoint failed (ExportError)
     8  stopped by SIGTERM after saving the step in flight; the same command resumes (StoppedBySignal)
     9  a rank ran out of memory, the GPU's or the host's: where, and what to lower (OutOfMemory); also a data
-       worker killed by SIGKILL (most often the host's out-of-memory killer) or SIGBUS (most often a full /dev/shm)
+       worker killed by SIGKILL (most often the host's out-of-memory killer) or SIGBUS (most often a full /dev/shm),
+       or one that found /dev/shm full
 
 Anything else is a bug in sfttrain and ends with its traceback (exit code 1).
 This module imports nothing, so the entry point can classify errors before torch loads.

@@ -5,11 +5,12 @@ Parse the config, start the ranks, build the trainer, train, shut down cleanly.
 
 A mistake the user must fix (sfttrain/errors.py, which lists the exit codes: 2 config, 3 data,
 4 non-finite loss, 5 missing dependency, 6 checkpoint not saved, 7 export failed, 9 out of memory;
-and 8, stopped by SIGTERM after a save), a full disk and running out of memory end the run with one
-message, printed once by rank 0, and its exit code; under torchrun the same message is rank 0's
-elastic error file, so torchrun's "Root Cause" shows it (once) instead of `error_file: <N/A>`. A rank
-whose collective fails because another rank ended first leaves the word to that one. Ctrl-C ends
-every rank with one line and exit code 130.
+and 8, stopped by SIGTERM after a save), what a filesystem refuses (a full disk, a read-only one, a
+permission: sfttrain.fs_faults) and running out of memory end the run with one message, printed once
+by rank 0, and its exit code; under torchrun the same message is rank 0's elastic error file, so
+torchrun's "Root Cause" shows it (once) instead of `error_file: <N/A>`. A rank whose collective fails
+because another rank ended first leaves the word to that one. Ctrl-C ends every rank with one line
+and exit code 130.
 """
 
 from __future__ import annotations

@@ -98,7 +98,7 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="JSON lines file to append the result to")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--tiny", action="store_true",
-                        help="smoke mode: tiny model, first 64 rows, 2x2 sequences per step, 4 steps (1 warm-up), "
+                        help="smoke mode: tiny model, first 64 rows, 2x2 sequences per step, 3 steps (1 warm-up), "
                         "max_length 256")
     parser.add_argument("--gradient_checkpointing", choices=["on", "off"], default="on")
     parser.add_argument("--micro_batch", type=int, default=16)
@@ -112,9 +112,10 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
 
 def apply_tiny(args: argparse.Namespace) -> None:
     """--tiny shrinks the run so that it finishes on a CPU in a few minutes (max_length too: the padded
-    baseline pads every sequence to it, and the logits of 152k-token vocabulary rows are large)."""
+    baseline pads every sequence to it, and the logits of 152k-token vocabulary rows are large). A warm-up
+    step and a window of two timed ones, as the other scripts' --tiny runs have."""
     if args.tiny:
-        args.micro_batch, args.grad_accum, args.steps, args.warmup = 2, 2, 4, 1
+        args.micro_batch, args.grad_accum, args.steps, args.warmup = 2, 2, 3, 1
         args.rows = args.rows or 64
         args.max_length = min(args.max_length, 256)
 

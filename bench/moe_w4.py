@@ -131,7 +131,7 @@ def main() -> None:
     p.add_argument("--trl_warmup", type=int, default=3)
     p.add_argument("--trl_timeout", type=float, default=220, help="seconds TRL's run may take, start-up included")
     p.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny MoE, batch of 4, 3 steps (TRL: "
-                   "bench.trl_w1 --tiny's 2 x 2 sequences, 4 steps)")
+                   "bench.trl_w1 --tiny's 2 x 2 sequences, 3 steps)")
     args = p.parse_args()
     if args.tiny:
         args.steps, args.warmup, args.rows = 3, 1, args.rows or 64

@@ -21,6 +21,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from sfttrain.checkpoint_folder import replace_synced
+from sfttrain.fs_faults import fault
+
 SPLITS = ("train", "test")
 HUB_DATASET, HUB_CONFIG = "openai/gsm8k", "main"
 
@@ -109,11 +112,26 @@ def main(argv: list[str] | None = None) -> None:
     except (OSError, ValueError, RuntimeError) as e:
         sys.exit(f"error: {e}")
 
-    out_dir.mkdir(parents=True, exist_ok=True)
     for split, table in tables.items():
         path = out_dir / f"{split}.parquet"
-        pq.write_table(table, path, row_group_size=args.row_group_size)
+        try:
+            write_whole(table, path, args.row_group_size)
+        except OSError as e:  # a folder that cannot be made or written, a full disk: one line, no traceback
+            found = fault(e, None)
+            sys.exit(f"error: cannot write {path}: " + (f"{found.cause}. {found.fix}" if found else str(e)))
         print(f"wrote {path}: {table.num_rows} rows")
+
+
+def write_whole(table: pa.Table, path: Path, row_group_size: int) -> None:
+    """Writes `path` under a temporary name, renamed once whole: a write cut short (a full disk, Ctrl-C)
+    leaves no file by the final name that a training run would read as the data and fail on."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        pq.write_table(table, tmp, row_group_size=row_group_size)
+        replace_synced(str(tmp), str(path))  # sfttrain's own: fsynced before the rename, the folder after it
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

@@ -134,7 +134,7 @@ def select_backend(requested: str = "auto", device_type: str | None = None) -> s
     """Resolve `requested` ("auto" or one of BACKENDS) to a backend that runs on `device_type`.
 
     "auto" picks flash_attn > torch_varlen > sdpa_blockmask by availability. A named backend
-    that cannot run here raises ValueError saying why.
+    that cannot run here is refused (model.attn_implementation), saying why.
     """
     device_type = device_type or _default_device_type()
     if requested == "auto":
@@ -145,10 +145,9 @@ def select_backend(requested: str = "auto", device_type: str | None = None) -> s
         )
     reason = _unavailable_reason(requested, device_type)
     if reason is not None:
-        raise ValueError(
-            f"attention backend {requested!r} is not available on this machine: {reason}. "
-            f"Available for {device_type!r}: {available_backends(device_type)}"
-        )
+        raise ConfigError(f"model.attn_implementation={requested}: the backend is not available here: {reason}; set "
+                          f"model.attn_implementation=auto or one available for {device_type!r}: "
+                          f"{available_backends(device_type)}")
     return requested
 
 

@@ -51,7 +51,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
 
 from sfttrain import stop_signal
 from sfttrain.checkpoint_folder import STATE_FILE, complete_checkpoints, damaged_error, enforce_retention, fsync_path, \
@@ -60,14 +61,14 @@ from sfttrain.checkpoint_writer import OneLineError, Staging, WriterProcess, Wri
     one_line, tensor_bytes, write_shards, writer_kind
 from sfttrain.config import Config, ConfigError, to_yaml
 from sfttrain.distributed import World, peer_lost, ranks_of_this_launcher
-from sfttrain.errors import CheckpointError
+from sfttrain.errors import CheckpointError, data_worker_died
 from sfttrain.fs_faults import SIZE_LIMIT_FIX, disk_full_text, fault, file_at_size_limit, folder_gone, over_size_limit
 from sfttrain.metrics import rewind_metrics
 from sfttrain.optim import set_step
 
 # frozen weights (LoRA's base) are model.partial_pretrain's, unchanged: a checkpoint holds what
 # training changes, the trainable weights and their optimizer state (full fine-tuning: everything).
-# Not strict: loading sets the trainable weights only; _check_same_model has matched their names.
+# Not strict: loading sets the trainable weights only; check_same_model has matched their names.
 STATE_DICT_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
 # what a failed write raises: DCP's CheckpointException (every rank's error) is a BaseException
 WRITE_ERRORS = (Exception, CheckpointException)
@@ -123,6 +124,9 @@ class Checkpointer:
                  model, optimizer, tokenizer):
         self.run_dir, self.world, self.cfg, self.run_id, self.report = run_dir, world, cfg, run_id, report
         self.model, self.optimizer, self.tokenizer = model, optimizer, tokenizer  # what each save holds
+        # rank 0's config.yaml of every save, rendered once: the run's config does not change, and a rendering
+        # (the whole schema through OmegaConf) would stall the training thread at each save
+        self.config_yaml = to_yaml(cfg) if world.is_main else None
         self.pending: collections.deque[PendingSave] = collections.deque()  # oldest first
         own = complete_checkpoints(run_dir, run_id)
         self.last_bytes = tree_bytes(own[-1][1]) if own and world.is_main else None  # rank 0's space check
@@ -186,7 +190,7 @@ class Checkpointer:
             model_sd, optim_sd = _state_dicts(self.model, self.optimizer)
             state_dict, slot = self._prepare_write({"model": model_sd, "optim": optim_sd}, background)
         except WRITE_ERRORS as e:  # noqa: BLE001 - any failure of any rank is agreed on below
-            error = e
+            error = _save_error(e)
         self._agree(state.step, tmp, error)  # before the write, whose collectives need every rank
         future = self.writer.submit(self._write, state_dict, tmp, slot, self._small_files(state, wandb_id))
         del state_dict
@@ -315,7 +319,7 @@ class Checkpointer:
         if world.is_main:
             extra = {**asdict(state), "wandb_id": wandb_id, "world_size": world.world_size}
             files[STATE_FILE] = json.dumps(extra, indent=1)
-            files["config.yaml"] = to_yaml(self.cfg)
+            files["config.yaml"] = self.config_yaml
         return files
 
     def _write_small_files(self, tmp: str, files: dict[str, Any]) -> None:
@@ -603,8 +607,16 @@ def _attempt(work: Callable[[], None]) -> Optional[BaseException]:
     try:
         work()
     except WRITE_ERRORS as e:  # noqa: BLE001 - reported to every rank by Checkpointer._agree
-        return e
+        return _save_error(e)
     return None
+
+
+def _save_error(error: BaseException) -> BaseException:
+    """A failure of the save, for `Checkpointer._agree` to word as one; a data worker's death that landed in the
+    save is raised on (it was worded as the checkpoint not saved, exit code 6, not the worker's, exit code 9)."""
+    if data_worker_died(error):
+        raise error
+    return error
 
 
 NOT_STARTED = "so it was not started"  # how NotEnoughSpace's message ends
@@ -626,7 +638,7 @@ def load(path: str, model, optimizer, scheduler, world: World, cfg: Config, curr
     and data position. Rank 0 then rewinds the run folder's metrics.jsonl to the loaded step."""
     extra = read_state(path)
     model_sd, optim_sd = _state_dicts(model, optimizer)
-    _check_same_model(path, model_sd)
+    check_same_model(path, model_sd)
     with read_back(path):
         dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
@@ -638,9 +650,11 @@ def load(path: str, model, optimizer, scheduler, world: World, cfg: Config, curr
     state = dataclasses.replace(current, step=extra["step"], epoch=extra["epoch"],
                                 consumed_in_epoch=extra["consumed_in_epoch"], wandb_id=extra["wandb_id"])
     if world.is_main:
-        rewind_metrics(cfg.trainer.default_local_dir, state.step,
+        run_dir = cfg.trainer.default_local_dir
+        rewind_metrics(run_dir, state.step,
                        {"step": state.step, "event": "resumed", "from": os.path.abspath(path),
-                        "saved_world_size": extra["world_size"], "world_size": world.world_size})
+                        "saved_world_size": extra["world_size"], "world_size": world.world_size},
+                       own=os.path.realpath(os.path.dirname(os.path.abspath(path))) == os.path.realpath(run_dir))
     return state
 
 
@@ -694,16 +708,26 @@ def _first_sentence(error: BaseException) -> str:
 
 
 def _state_dicts(model, optimizer) -> tuple[dict, dict]:
-    """DCP's model and optimizer state dicts, frozen weights left out. ignore_frozen_params alone
-    keeps a frozen weight tied to another (LoRA's lm_head.weight, which named_parameters skips as
-    a duplicate of the embedding): such names are dropped here."""
+    """DCP's model and optimizer state dicts, frozen weights left out."""
     model_sd, optim_sd = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
+    return _trained(model, model_sd), optim_sd
+
+
+def trained_state_dict(model) -> dict:
+    """The model's part of a checkpoint (the preflight's, of the model built on the meta device)."""
+    return _trained(model, get_model_state_dict(model, options=STATE_DICT_OPTIONS))
+
+
+def _trained(model, model_sd: dict) -> dict:
+    """ignore_frozen_params alone keeps a frozen weight tied to another (LoRA's lm_head.weight, which
+    named_parameters skips as a duplicate of the embedding): such names are dropped here."""
     frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
-    return {k: v for k, v in model_sd.items() if k not in frozen}, optim_sd
+    return {k: v for k, v in model_sd.items() if k not in frozen}
 
 
-def _check_same_model(path: str, model_sd: dict) -> None:
-    """A checkpoint of another model fails here with names and shapes, not deep inside DCP."""
+def check_same_model(path: str, model_sd: dict) -> None:
+    """A checkpoint of another model fails here with names and shapes, not deep inside DCP (and in the
+    preflight, against the model built on the meta device)."""
     metadata = _read_file(path, dcp.FileSystemReader(path).read_metadata)
     stored = {k[len("model."):]: md for k, md in metadata.state_dict_metadata.items() if k.startswith("model.")}
     missing = sorted(set(model_sd) - set(stored))

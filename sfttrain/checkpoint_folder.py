@@ -7,7 +7,8 @@ A `global_step_N` either does not exist or is complete (it holds COMPLETE, writt
 every file of the checkpoint with its size: `damage` finds a file changed after the commit). Saves
 are written into `.global_step_N.tmp`; deletions go through `.global_step_N.trash`; replacing a
 committed step moves the old one to `.global_step_N.old` first. At start-up `remove_stale_tmp`
-deletes `.tmp` and `.trash` debris and puts back an `.old` whose replacement never arrived.
+deletes `.tmp` and `.trash` debris (and `write_atomically`'s temporary files) and puts back an `.old`
+whose replacement never arrived.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ STATE_FILE = "trainer_state.json"
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
 DEBRIS = re.compile(r"^\.global_step_\d+(\.old)?\.(tmp|trash)$")
 ASIDE = re.compile(r"^\.(global_step_\d+)\.old$")
+ATOMIC_TMP = re.compile(r"^[^.].*\.\d+\.tmp(\.npz)?$")  # a temporary file of `write_atomically` (or numpy's), left by a crash mid-write
 VERL_SHARD = re.compile(r"^model_world_size_\d+_rank_\d+\.pt$")  # verl's FSDP checkpoint shards
 
 
@@ -207,6 +209,33 @@ def _what_instead(path: str) -> str:
             "folder that holds one")
 
 
+def not_a_model_folder(path: str) -> Optional[str]:
+    """What a folder given as model.partial_pretrain (which needs a config.json) is instead, and what to set: a
+    checkpoint of sfttrain's (or its run folder) or of verl's, or a peft adapter. None for anything else."""
+    names = set(os.listdir(path)) if os.path.isdir(path) else set()
+    latest = latest_of_newest_run(path)  # a run folder's; None for a checkpoint itself
+    checkpoint = path if is_complete(path) else latest[1] if latest else None
+    if checkpoint:
+        export = os.path.join(checkpoint, "huggingface")
+        weights = (f"set model.partial_pretrain={export} (trainer.save_hf's export of it)" if holds_weights(export) else
+                   f"export them (`python -m sfttrain.export {checkpoint} OUT`) and set model.partial_pretrain=OUT")
+        return (f"is a sfttrain {'checkpoint' if checkpoint == path else f'run folder (its latest checkpoint: {checkpoint})'},"
+                f" not a model folder: to fine-tune from its weights, {weights}; to go on with its run, keep its own "
+                f"model.partial_pretrain and set trainer.resume_mode=resume_path trainer.resume_from_path={checkpoint}")
+    if any(VERL_SHARD.match(name) for name in names):
+        return _what_instead(path)
+    if "adapter_config.json" in names:
+        try:
+            with open(os.path.join(path, "adapter_config.json")) as f:
+                base = json.load(f).get("base_model_name_or_path")
+        except (OSError, ValueError):
+            base = "not readable there"
+        return (f"is a peft adapter (adapter_config.json; its base: {base}), not a model folder: set "
+                "model.partial_pretrain to the base to train new adapters on it, or merge these into the base first "
+                "(peft's merge_and_unload, then save_pretrained) and fine-tune the merged folder")
+    return None
+
+
 def step_of(path: str) -> int:
     m = STEP_DIR.match(os.path.basename(path))
     return int(m.group(1)) if m else int(read_state(path)["step"])
@@ -249,17 +278,25 @@ def describe_retention(keep: Optional[int]) -> list[str]:
             "N > 0 keeps this run's newest N)"]
 
 
-def remove_stale_tmp(run_dir: str) -> list[str]:
-    """Deletes the debris of interrupted saves and deletions (never a committed checkpoint), and
-    puts back a checkpoint set aside by a replacement (`publish`) that did not finish; returns a
-    line per checkpoint put back."""
+def remove_stale_tmp(run_dir: str, caches: tuple[str, ...] = ()) -> list[str]:
+    """Deletes the debris of interrupted saves and deletions (never a committed checkpoint) and the
+    temporary files that a crash mid-write left of the run folder's own files (`write_atomically`:
+    config.yaml, data_report.json, metrics.jsonl) and of its cache subfolders `caches` (a conversion, a
+    length cache: as large as the data), and puts back a checkpoint set aside by a replacement (`publish`)
+    that did not finish; returns a line per checkpoint put back. Called under the run folder's lock, so
+    no other run is writing any of them."""
     restored = []
     if not os.path.isdir(run_dir):
         return restored
+    for cache in (os.path.join(run_dir, c) for c in caches if os.path.isdir(os.path.join(run_dir, c))):
+        for name in filter(ATOMIC_TMP.match, os.listdir(cache)):
+            os.remove(os.path.join(cache, name))
     for name in os.listdir(run_dir):
         path = os.path.join(run_dir, name)
         if DEBRIS.match(name):
             shutil.rmtree(path, ignore_errors=True)
+        elif ATOMIC_TMP.match(name) and os.path.isfile(path):
+            os.remove(path)
         elif ASIDE.match(name):
             final = os.path.join(run_dir, ASIDE.match(name).group(1))
             if os.path.lexists(final):
@@ -293,6 +330,30 @@ def write_synced(path: str, text: str) -> None:
         os.fsync(f.fileno())
 
 
+def write_atomically(path: str, text: str) -> None:
+    """`text` as the file `path`, whole or not at all: written under a temporary name, fsynced, renamed
+    (`replace_synced`). For the run folder's files written once per start (config.yaml, data_report.json):
+    after a crash or a power loss the old file or the new one is there, never a torn or empty one; a
+    write that fails (a full disk) leaves the old one and no temporary file."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        write_synced(tmp, text)
+        replace_synced(tmp, path)
+    except OSError:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def replace_synced(tmp: str, path: str) -> None:
+    """`tmp` (written whole) becomes `path`: fsynced first, so that the rename never reaches the disk
+    before the bytes it names (a crash would leave `path` empty or short, with its old content gone),
+    then the folder, so that the rename itself survives one."""
+    fsync_path(tmp)
+    os.replace(tmp, path)
+    fsync_path(os.path.dirname(os.path.abspath(path)))
+
+
 def tree_bytes(root: str) -> int:
     return sum(os.path.getsize(os.path.join(folder, name)) for folder, _, files in os.walk(root) for name in files)
 
@@ -318,6 +379,14 @@ def fsync_path(path: str) -> None:
 
 def size_text(n: int) -> str:
     return f"{n / 1e9:.3g} GB" if n >= 1e8 else f"{n / 1e6:.3g} MB"
+
+
+def nearest_existing(path: str) -> str:
+    """`path` made absolute, or the nearest of its parents that exists: where a folder `path` would be made."""
+    there = os.path.abspath(os.path.expanduser(path))
+    while not os.path.lexists(there):
+        there = os.path.dirname(there)
+    return there
 
 
 def room_problem(run_dir: str, free: int, need: int, estimated: bool) -> Optional[str]:

@@ -109,6 +109,19 @@ def wants_cuda(cfg: Config) -> bool:
     return cfg.trainer.device == "cuda" or (cfg.trainer.device == "auto" and torch.cuda.is_available())
 
 
+def describe_auto_cpu(cfg: Config, device: torch.device) -> list[str]:
+    """A start-up line where trainer.device=auto (the default) runs on the CPU: verl's default is cuda,
+    and a GPU machine whose torch sees no GPU (a CPU-only build of torch, a CUDA_VISIBLE_DEVICES that
+    hides them) would otherwise train there at a fraction of the speed, said only by `(cpu)`."""
+    if cfg.trainer.device != "auto" or device.type != "cpu":
+        return []
+    why = (f"torch {torch.__version__} is a CPU-only build" if torch.version.cuda is None
+           else f"torch {torch.__version__} sees no CUDA device (CUDA_VISIBLE_DEVICES="
+                f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
+    return [f"  NOTE: trainer.device=auto runs on the CPU: {why}. Set trainer.device=cuda to stop instead where "
+            "a GPU is meant, or trainer.device=cpu to say the CPU is"]
+
+
 def check_cuda_visible(cfg: Config) -> None:
     """trainer.device=cuda needs a GPU on this machine (the preflight, on a machine other than the
     run's nodes, notes it rather than refuse)."""

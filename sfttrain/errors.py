@@ -80,3 +80,11 @@ class OutOfMemory(UserError, RuntimeError):
     """A rank ran out of memory (the GPU's or the host's); the message names the phase and what to lower."""
     exit_code = 9
     kind = "out of memory"
+
+
+def data_worker_died(error: BaseException) -> bool:
+    """torch's DataLoader raises this RuntimeError in the rank's main thread, at whatever line runs, when one of its
+    worker processes dies (its SIGCHLD handler): the data workers' failure, never that of the code it lands in (a
+    checkpoint's save, say), which passes it on for sfttrain.run to word (`killed_worker`)."""
+    text = str(error)
+    return isinstance(error, RuntimeError) and "DataLoader worker (pid" in text and "is killed by signal" in text

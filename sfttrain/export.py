@@ -16,7 +16,8 @@ written, as transformers' own save_pretrained does.
 
 A LoRA checkpoint (adapters only, model.lora_rank > 0) is exported by `export_lora`: OUT_DIR gets
 the base model with the adapters merged in, and OUT_DIR/adapter the peft adapter folder; the
-base is read from the checkpoint's model.partial_pretrain, or from --base.
+base is read from the checkpoint's model.partial_pretrain (a relative path from the folder the run read it
+from, where the export runs in another working directory), or from --base.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from sfttrain import lora
 from sfttrain.checkpoint import read_back
-from sfttrain.checkpoint_folder import check_intact, fsync_path, read_state, resolve, runs, size_text
+from sfttrain.checkpoint_folder import check_intact, fsync_path, fsync_tree, read_state, resolve, runs, size_text
 from sfttrain.config import ModelConfig
 from sfttrain.dtypes import DTYPE, HF_NAMES
 from sfttrain.errors import ConfigError, ExportError
@@ -198,6 +199,7 @@ def into_checkpoint(checkpoint_dir: str, rank: int, world_size: int, trust_remot
     dist.all_gather_object(errors, error, group=group)
     failed = [e for e in errors if e is not None]
     if not failed and rank == 0:
+        fsync_tree(tmp)  # its files on disk before the rename names them: a crash leaves no empty weights there
         os.replace(tmp, out)
         fsync_path(checkpoint_dir)
     elif rank == 0:
@@ -219,13 +221,13 @@ def export_lora(checkpoint_dir: str, out_dir: str, dtype: str = "auto", max_shar
     (`peft.PeftModel.from_pretrained(base, out_dir/adapter)`). The merge is done in fp32 on the
     CPU, so it holds the whole base model in fp32 (4 bytes per parameter)."""
     cfg = checkpoint_model_config(checkpoint_dir)
+    trained_on = read_state(checkpoint_dir).get("base")
     name = base_dir or cfg.partial_pretrain
-    base_dir = base_dir or local_model_path(cfg.partial_pretrain)  # a hub id: its snapshot in the local cache
+    base_dir = base_dir or base_folder(cfg.partial_pretrain, trained_on)
     if not os.path.isfile(os.path.join(base_dir, "config.json")):
         raise ConfigError(f"{checkpoint_dir} holds LoRA adapters only; their base model {base_dir!r} "
                                 "(model.partial_pretrain) is not a model folder here: pass --base DIR")
-    lora.check_base(read_state(checkpoint_dir).get("base"), lora.base_identity(name, base_dir),
-                    f"exporting {checkpoint_dir}")
+    lora.check_base(trained_on, lora.base_identity(name, base_dir), f"exporting {checkpoint_dir}")
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, trust_remote_code=trust_remote_code)
@@ -242,6 +244,16 @@ def export_lora(checkpoint_dir: str, out_dir: str, dtype: str = "auto", max_shar
     merged = peft_model.merge_and_unload().to(final_dtype)
     merged.save_pretrained(out_dir, max_shard_size=max_shard_size)
     _write_metadata_files(os.path.join(checkpoint_dir, "hf"), out_dir, final_dtype)
+
+
+def base_folder(given: str, trained_on: dict | None) -> str:
+    """A LoRA checkpoint's base: model.partial_pretrain as the run gave it (a hub id: its snapshot in the
+    local cache) or, where that is no folder from here (a relative path given in another working
+    directory), the absolute folder the run read it from, if it is still there."""
+    found = (trained_on or {}).get("folder")
+    if not os.path.isdir(given) and found and os.path.isdir(found):
+        return found
+    return local_model_path(given)
 
 
 def checkpoint_model_config(checkpoint_dir: str) -> ModelConfig:
@@ -345,6 +357,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         with read_back(ckpt):
             export(ckpt, tmp, dtype=args.dtype, max_shard_size=args.max_shard_size,
                    trust_remote_code=args.trust_remote_code, base_dir=args.base)
+        fsync_tree(tmp)  # on disk before the rename names it: a crash after it must not leave empty weights
     except ConfigError as e:  # e.g. a LoRA checkpoint onto another base, a damaged checkpoint
         shutil.rmtree(tmp, ignore_errors=True)
         sys.exit(f"sfttrain.export: {e}")
@@ -367,6 +380,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     if os.path.isdir(out):
         os.rmdir(out)
     os.replace(tmp, out)  # the folder appears complete or not at all
+    fsync_path(os.path.dirname(os.path.abspath(out)))
     print(f"sfttrain.export: {ckpt} -> {out}", flush=True)
     gc.freeze()  # skip the interpreter's final collection of torch's object graph (seconds of CPU)
 

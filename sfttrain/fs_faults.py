@@ -20,7 +20,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Optional
 
-from sfttrain.checkpoint_folder import STEP_DIR, latest_of_newest_run, size_text, what_auto_does
+from sfttrain.checkpoint_folder import STEP_DIR, latest_of_newest_run, nearest_existing, size_text, what_auto_does
 from sfttrain.errors import CheckpointError, ConfigError, UserError
 
 # EFBIG: a write past the process's file size limit (ulimit -f, RLIMIT_FSIZE), which a job inherits from the
@@ -139,7 +139,7 @@ def fault(error: BaseException | str, run_dir: Optional[str]) -> Optional[Fault]
                      "A failing disk, its network server, or a filesystem the kernel stopped after an error (`dmesg` "
                      "says which): repair it" + _elsewhere(in_run, "a folder on another disk"), in_run, in_run)
     if path and (code in (errno.EACCES, errno.EPERM) or any(sign in text for sign in DENIED)):
-        fix = (f"`ls -ld {_existing(path)}` shows its owner and mode: give this user the right to it (chown or chmod), "
+        fix = (f"`ls -ld {nearest_existing(path)}` shows its owner and mode: give this user the right to it (chown or chmod), "
                "or run as the user it belongs to")
         return Fault(f"this user ({_user()}) is not allowed to use {path} ({what})",
                      fix + _elsewhere(in_run, "a folder of this user's own"), False, in_run)
@@ -158,7 +158,10 @@ def check_writable(run_dir: str) -> None:
     where it first writes there: its lock, the length cache after the row scan, metrics.jsonl once the
     model is loaded."""
     run_dir = os.path.abspath(os.path.expanduser(run_dir))
-    there = _existing(run_dir)
+    there = nearest_existing(run_dir)
+    if not os.path.isdir(there):
+        raise ConfigError(f"trainer.default_local_dir={run_dir!r} cannot be written: {there} is a file, not a folder; "
+                          "name another path, or move the file away")
     paths = _run_folder_paths(run_dir) if there == run_dir else [there]
     denied = [p for p in paths if not os.access(p, os.W_OK)]
     if not denied:
@@ -191,10 +194,18 @@ def check_open_files(need: int) -> None:
     with contextlib.suppress(ValueError, OSError):  # an unlimited hard limit: the kernel's nr_open caps it
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20),
                                                      hard))
-    if hard != resource.RLIM_INFINITY and hard < need:
-        raise ConfigError(f"the open files limit of this job is {hard} (`ulimit -Hn`, the most `ulimit -n` may be "
-                          f"raised to), and a rank and each of its data workers need up to about {need} here. "
-                          f"{OPEN_FILES_FIX}")
+    if problem := open_files_problem(need):
+        raise ConfigError(problem)
+
+
+def open_files_problem(need: int) -> Optional[str]:
+    """Why this process's hard open files limit (what a job started from it gets) is below `need`; None where it
+    is not. The preflight's check too, which raises no limit."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard == resource.RLIM_INFINITY or hard >= need:
+        return None
+    return (f"the open files limit of this job is {hard} (`ulimit -Hn`, the most `ulimit -n` may be raised to), and "
+            f"a rank and each of its data workers need up to about {need} here. {OPEN_FILES_FIX}")
 
 
 def unreadable(paths: list[str]) -> Optional[str]:
@@ -239,7 +250,7 @@ def _free_space_fix(path: Optional[str], run_dir: Optional[str], in_run: bool) -
     if in_run:
         free = f"{run_dir} has {size_text(shutil.disk_usage(run_dir).free)} free" if os.path.isdir(run_dir) else ""
         return f"{free}. Free space (or set trainer.default_local_dir on a larger disk)"
-    there = _existing(path)
+    there = nearest_existing(path)
     temporary = _inside(path, tempfile.gettempdir())
     return (f"{there} has {size_text(shutil.disk_usage(there).free)} free (not the run folder's disk" +
             (f": it is the temporary folder, {tempfile.gettempdir()}" if temporary else "") + "). Free space there" +
@@ -248,13 +259,6 @@ def _free_space_fix(path: Optional[str], run_dir: Optional[str], in_run: bool) -
 
 def _elsewhere(in_run: bool, what: str) -> str:
     return f", or set trainer.default_local_dir to {what}" if in_run else ""
-
-
-def _existing(path: str) -> str:
-    """`path`, or its nearest folder that exists."""
-    while not os.path.exists(path) and os.path.dirname(path) != path:
-        path = os.path.dirname(path)
-    return path
 
 
 def _user() -> str:

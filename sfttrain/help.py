@@ -17,7 +17,7 @@ import textwrap
 import tokenize
 from typing import Any, NamedTuple
 
-from sfttrain.config import ALIASES, IGNORED_VERL_KEYS, NULL_ONLY_VERL_KEYS, Config, ConfigError
+from sfttrain.config import ALIASES, CHECKPOINT_KEYS, IGNORED_VERL_KEYS, NULL_ONLY_VERL_KEYS, Config, ConfigError
 
 
 class KeyHelp(NamedTuple):
@@ -92,6 +92,9 @@ def format_help(section: str | None = None) -> str:
         lines.append("verl spellings accepted: " + ", ".join(f"{old} -> {new}" for old, new in ALIASES.items()))
         lines.append("verl keys accepted and ignored (each said at start-up): " + ", ".join(IGNORED_VERL_KEYS))
         lines.append("verl keys accepted and ignored where null (a value is refused): " + ", ".join(NULL_ONLY_VERL_KEYS))
+        # verl command lines carry them; the README says what they do, and --help must name them too
+        lines.append(f"verl's {' and '.join(CHECKPOINT_KEYS)}: accepted and ignored (a checkpoint always holds the "
+                     "model, optimizer and extra state); hf_model among the contents sets trainer.save_hf=true")
     return "\n".join(lines)
 
 

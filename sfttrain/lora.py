@@ -84,6 +84,9 @@ def wrap(model: nn.Module, cfg: ModelConfig):
         # peft >= 0.21 converts transformers 4's expert names itself and checks the rank pattern it
         # adds for gate_up_proj against modules, not the parameters it applies to (it does apply)
         warnings.filterwarnings("ignore", r"The following (rank|alpha)_pattern keys did not match", RuntimeWarning)
+        # PeftModel reads the model's is_gradient_checkpointing, which transformers 5 deprecates: a warning on
+        # every LoRA run (and preflight) that the user can do nothing about
+        warnings.filterwarnings("ignore", r"`is_gradient_checkpointing` is deprecated", FutureWarning)
         return get_peft_model(model, lora_config(cfg, target, experts), autocast_adapter_dtype=True)
 
 
@@ -157,12 +160,15 @@ def base_identity(name: str, folder: str) -> dict:
     """Which base a LoRA checkpoint adapts: model.partial_pretrain as given, the hub revision (the
     snapshot's commit, for a folder in the hub cache) and a cheap fingerprint of the weights: per
     weight or index file its size and a digest of three small samples of its bytes (start,
-    middle, end), so another base of the same shapes differs too, for a few hundred KB read."""
+    middle, end), so another base of the same shapes differs too, for a few hundred KB read; and the
+    absolute folder it was read from (an export from another working directory finds a relative
+    model.partial_pretrain there)."""
     folder = os.path.abspath(folder)
     in_hub_cache = os.path.basename(os.path.dirname(folder)) == "snapshots"
     files = {os.path.basename(f): _file_fingerprint(f) for pattern in ("*.safetensors", "*.bin", "*.index.json")
              for f in sorted(glob.glob(os.path.join(folder, pattern)))}
-    return {"name": name, "revision": os.path.basename(folder) if in_hub_cache else None, "files": files}
+    return {"name": name, "revision": os.path.basename(folder) if in_hub_cache else None, "files": files,
+            "folder": folder}
 
 
 def trained_identity(m: ModelConfig, folder: str) -> dict:

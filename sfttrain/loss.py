@@ -180,18 +180,25 @@ def liger_unavailable_reason(device_type: str) -> str | None:
 ChunkLoss = Callable[[torch.Tensor, torch.Tensor, bool], tuple]
 
 
+def chunk_loss_kernel(kernel: str, device_type: str) -> str:
+    """model.loss_kernel resolved on `device_type`: liger or torch, refusing liger where Liger's
+    kernel cannot run (the preflight checks it too)."""
+    if kernel == "torch":
+        return "torch"
+    reason = liger_unavailable_reason(device_type)
+    if reason is not None and kernel == "liger":
+        raise ConfigError(f"model.loss_kernel=liger: Liger's cross-entropy kernel cannot run here: {reason}; "
+                          "set model.loss_kernel=auto or torch")
+    return "torch" if reason else "liger"
+
+
 def select_chunk_loss(kernel: str, device_type: str, compile_torch: bool) -> tuple[ChunkLoss, str]:
     """LinearCrossEntropy's softmax-and-gradient kernel for model.loss_kernel, and its name.
     liger: Liger's kernel (CUDA, liger-kernel 0.8 installed); torch: chunk_loss_and_grad, compiled
     on CUDA or with model.compile (eager it would allocate several fp32 [chunk, vocab]
     temporaries); auto: liger where it can run, else torch."""
-    if kernel != "torch":
-        reason = liger_unavailable_reason(device_type)
-        if reason is None:
-            return liger_chunk_loss_and_grad, "liger"
-        if kernel == "liger":
-            raise ConfigError(f"model.loss_kernel=liger: Liger's cross-entropy kernel cannot run here: {reason}; "
-                              "set model.loss_kernel=auto or torch")
+    if chunk_loss_kernel(kernel, device_type) == "liger":
+        return liger_chunk_loss_and_grad, "liger"
     if compile_torch or device_type == "cuda":
         return torch.compile(chunk_loss_and_grad, dynamic=True), "torch (compiled)"
     return chunk_loss_and_grad, "torch"

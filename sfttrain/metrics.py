@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
+import logging
 import os
 import statistics
 import subprocess
@@ -20,6 +21,7 @@ from typing import Optional
 import torch
 from tqdm import tqdm
 
+from sfttrain.checkpoint_folder import write_atomically
 from sfttrain.config import Config, logger_names, to_yaml
 from sfttrain.errors import DependencyError
 from sfttrain.flops import ModelShape, mfu, peak_flops
@@ -235,8 +237,7 @@ class MetricsLogger:
         if not enabled:
             return
         os.makedirs(run_dir, exist_ok=True)
-        with open(os.path.join(run_dir, "config.yaml"), "w") as f:
-            f.write(to_yaml(cfg))
+        write_atomically(os.path.join(run_dir, "config.yaml"), to_yaml(cfg))
         self.jsonl = open(os.path.join(run_dir, METRICS), "a")
         self.progress = ProgressBar(start_step, total_steps, interactive=sys.stderr.isatty())
 
@@ -258,10 +259,14 @@ class MetricsLogger:
             self.progress.write(line if self.progress.bar is not None else f"{line} | {self.progress.eta(step)}")
 
     def event(self, record: Optional[dict], line: str) -> None:
-        """A record that is not a step's metrics (a checkpoint committed): metrics.jsonl (if any) and one line."""
+        """A record that is not a step's metrics (a checkpoint committed): metrics.jsonl (if any) and one line.
+        metrics.jsonl is fsynced with it: a checkpoint's commit is where a crash's resume goes back to, so the
+        records up to it survive a power loss as the checkpoint does (one fsync per save; one per step, or per
+        log_freq steps, would keep records that the resume rewinds anyway)."""
         if self.enabled:
             if record is not None:
                 self._append(record)
+                self._sync()
             tqdm.write(line)
 
     def _append(self, record: dict) -> None:
@@ -275,6 +280,13 @@ class MetricsLogger:
             self.jsonl.write(json.dumps(record) + "\n")
             self.jsonl.flush()
         except OSError as e:  # a full disk (sfttrain.run says it): the error names the file
+            e.filename = e.filename or self.jsonl.name
+            raise
+
+    def _sync(self) -> None:
+        try:
+            os.fsync(self.jsonl.fileno())
+        except OSError as e:  # a failing disk (sfttrain.run says it): the error names the file
             e.filename = e.filename or self.jsonl.name
             raise
 
@@ -307,6 +319,7 @@ class MetricsLogger:
         # every record was flushed when written: closing fails only on the one whose write failed, and that
         # error is already on its way (a second one would hide it)
         with contextlib.suppress(OSError):
+            os.fsync(self.jsonl.fileno())  # the run's last records, after its final checkpoint
             self.jsonl.close()
         if self.wandb:
             self.wandb.finish()
@@ -323,22 +336,26 @@ def format_line(record: dict, total_steps: int) -> str:
     return " | ".join(parts)
 
 
-def rewind_metrics(run_dir: str, step: int, note: Optional[dict] = None) -> None:
+def rewind_metrics(run_dir: str, step: int, note: Optional[dict] = None, own: bool = False) -> None:
     """Makes metrics.jsonl the history of the state being resumed: records of steps after `step`
     (logged by an attempt that crashed or was stopped after its last checkpoint; the resumed run
-    logs those steps again) and a torn last line move to metrics_rewound.jsonl; `note` is appended."""
+    logs those steps again) and lines that do not read (a last line cut short by a crash or a full
+    disk) move to metrics_rewound.jsonl; `note` is appended. What a crash took is said in one line:
+    lines that did not read, or (`own`: the checkpoint resumed is this run folder's, whose records
+    up to it were written here) the records up to `step` gone, metrics.jsonl missing or empty."""
     path = os.path.join(run_dir, METRICS)
-    if not os.path.isfile(path):
-        return
-    keep, dropped = [], []
-    with open(path) as f:
-        for line in f:
-            try:
-                record = json.loads(line) if line.endswith("\n") else None
-            except json.JSONDecodeError:
-                record = None
-            ok = isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step
-            (keep if ok else dropped).append(line if line.endswith("\n") else line + "\n")
+    keep, dropped, torn = [], [], 0
+    if os.path.isfile(path):
+        with open(path, errors="replace") as f:
+            for line in f:
+                try:
+                    record = json.loads(line) if line.endswith("\n") else None
+                except json.JSONDecodeError:
+                    record = None
+                ok = isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step
+                torn += not isinstance(record, dict) and bool(line.strip())
+                (keep if ok else dropped).append(line if line.endswith("\n") else line + "\n")
+    _say_lost(path, step, torn, len(keep), own)
     if note is not None:
         keep.append(json.dumps(note) + "\n")
     if not dropped and note is None:
@@ -346,9 +363,20 @@ def rewind_metrics(run_dir: str, step: int, note: Optional[dict] = None) -> None
     if dropped:
         with open(os.path.join(run_dir, REWOUND), "a") as f:
             f.writelines(dropped)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.writelines(keep)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+            f.flush()
+            os.fsync(f.fileno())  # on the disk before metrics.jsonl's replacement drops them
+    write_atomically(path, "".join(keep))  # the rewound history, not the old one, after a crash of the resumed run
+
+
+def _say_lost(path: str, step: int, torn: int, kept: int, own: bool) -> None:
+    """A resume's note of what a crash (or a full disk) took from metrics.jsonl: lines cut short, moved
+    aside so that the resumed run's records follow whole lines; or every record up to the checkpoint
+    (the file missing or empty: its bytes never reached the disk), which no curve will show."""
+    say = logging.getLogger("sfttrain").warning
+    if torn and kept:
+        say(f"{path}: {torn} line(s) cut short (a crash or a full disk while the run wrote them) moved to "
+            f"{REWOUND}; the records before them are kept and the resumed run's follow them")
+    if own and step > 0 and kept == 0:
+        gone = "is empty" if os.path.isfile(path) else "is missing"
+        say(f"{path} {gone} (lost in a crash before it reached the disk, or deleted): the records of steps 1-{step} "
+            f"are gone, and its curves (python -m sfttrain.plot) start at step {step + 1}, where this run resumes")

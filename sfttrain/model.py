@@ -8,16 +8,19 @@ from dataclasses import dataclass
 
 import torch
 import transformers
+from huggingface_hub.errors import StrictDataclassError
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from sfttrain import attention, experts, lora, weights
-from sfttrain.checkpoint_folder import holds_weights, weight_files
+from sfttrain import attention, experts, lora, sequence_parallel, weights
+from sfttrain.checkpoint_folder import holds_weights, not_a_model_folder, weight_files
 from sfttrain.config import Config, ConfigError, ModelConfig
 from sfttrain.dtypes import DTYPE
 from sfttrain.errors import GPU_INSTALL, DependencyError
 from sfttrain.fs_faults import unreadable
 from sfttrain.hub import local_model_path
+from sfttrain.loss import output_head
+from sfttrain.moe import RouterBalance
 
 
 def load_tokenizer(cfg: ModelConfig, chat_template: str | None = None):
@@ -27,7 +30,12 @@ def load_tokenizer(cfg: ModelConfig, chat_template: str | None = None):
     # samples longer than the tokenizer's model_max_length are handled by data.truncation
     logging.getLogger("transformers.tokenization_utils_base").setLevel(logging.ERROR)
     transformers.utils.logging.disable_progress_bar()
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+    except Exception as e:  # files to fix: JSON that does not parse, or what the tokenizers library cannot read
+        raise ConfigError(f"model.partial_pretrain={cfg.partial_pretrain!r}: its tokenizer does not load from {path} "
+                          f"({type(e).__name__}: {str(e).splitlines()[0]}); restore the model's own tokenizer files "
+                          "(tokenizer.json, tokenizer_config.json)") from None
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     return tokenizer
@@ -44,6 +52,18 @@ def check_max_length(cfg: Config, folder: str) -> None:
                           f"{limit} ({cfg.model.partial_pretrain}): samples would train positions it never saw. Lower "
                           f"data.max_length to {limit} (data.truncation cuts longer samples), or set "
                           "data.allow_beyond_max_position=true if the model is meant to extend its context")
+
+
+def check_model_config(cfg: Config, folder: str) -> None:
+    """The checks of the model that its config.json alone decides, before any data is read: a family whose
+    output head sfttrain's loss reproduces (sfttrain.loss), a router loss the config can compute
+    (sfttrain.moe), and under Ulysses heads that split over the sp ranks and no router loss
+    (sfttrain.sequence_parallel). The built model meets them again; the preflight lists them."""
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=cfg.model.trust_remote_code)
+    output_head(config)
+    RouterBalance.of(config)
+    if cfg.ulysses_sequence_parallel_size > 1:
+        sequence_parallel.check_model(config, cfg.ulysses_sequence_parallel_size)
 
 
 def embedding_rows(cfg: ModelConfig, folder: str) -> int | None:
@@ -65,21 +85,34 @@ def load_model(cfg: ModelConfig, device: torch.device) -> LoadedModel:
     (`sfttrain.weights`): no rank builds the full model on the host."""
     path = local_model_folder(cfg)
     check_weights(cfg, path)
-    backend = attention.select_backend(cfg.attn_implementation, device.type)
-    attention.configure(backend)
     config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
-    attention.check_model(config, backend, lora.base_dtype(cfg))
-    moe = {"experts_implementation": name} if (name := experts.implementation_for(config)) else {}
-    with weights.parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(config, dtype=weights_dtype(cfg),
-                                                 attn_implementation=attention.ATTN_IMPLEMENTATION,
-                                                 trust_remote_code=cfg.trust_remote_code, **moe)
+    backend = attention_backend(cfg, config, device.type)
+    attention.configure(backend)
+    model = build_on_meta(cfg, config)
     model.generation_config = folder_generation_config(path, model)
     model.config.use_cache = False  # training never reuses a KV cache
     liger = cfg.use_liger and apply_liger(model, device, cfg.compile)
     if cfg.lora_rank > 0:
         model = lora.apply_lora(model, cfg)  # after Liger: its patched MLP still calls the wrapped linears
     return LoadedModel(model, backend, liger)
+
+
+def attention_backend(cfg: ModelConfig, config, device_type: str) -> str:
+    """The backend model.attn_implementation takes on `device_type`, refused where it cannot run there
+    or cannot compute this model's attention in the run's compute dtype (the preflight checks it too)."""
+    backend = attention.select_backend(cfg.attn_implementation, device_type)
+    attention.check_model(config, backend, lora.base_dtype(cfg))
+    return backend
+
+
+def build_on_meta(cfg: ModelConfig, config) -> nn.Module:
+    """The model of `config`, its parameters on the meta device in the dtype they train in (the
+    preflight builds it so too, to check it as the run does, without weights or memory)."""
+    moe = {"experts_implementation": name} if (name := experts.implementation_for(config)) else {}
+    with weights.parameters_on_meta():
+        return AutoModelForCausalLM.from_config(config, dtype=weights_dtype(cfg),
+                                                attn_implementation=attention.ATTN_IMPLEMENTATION,
+                                                trust_remote_code=cfg.trust_remote_code, **moe)
 
 
 def folder_generation_config(path: str, model: nn.Module):
@@ -160,11 +193,29 @@ def local_model_folder(cfg: ModelConfig) -> str:
     """model.partial_pretrain as a local folder (a hub id is downloaded once, see sfttrain.hub), which this
     user may read. Collective when it is a hub id."""
     path = local_model_path(cfg.partial_pretrain)
-    check_readable(cfg, [path, os.path.join(path, "config.json")])  # else said as a folder that is not there
-    if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
-        raise ConfigError(f"model.partial_pretrain={cfg.partial_pretrain!r} is not a local model folder with a "
-                          "config.json, nor a hub id (org/name, such as Qwen/Qwen2.5-0.5B-Instruct)")
+    check_model_folder(cfg, path)
     return path
+
+
+def check_model_folder(cfg: ModelConfig, path: str) -> None:
+    """`path`, model.partial_pretrain's folder on this machine, holds a config.json that transformers reads
+    (the preflight checks it too) and this user may read: not a traceback of whichever start-up step
+    reads it first, nor an unreadable folder said as one that is not there."""
+    config = os.path.join(path, "config.json")
+    check_readable(cfg, [path, config])
+    if not os.path.isfile(config):
+        instead = not_a_model_folder(path) or ("is not a local model folder with a config.json, nor a hub id (org/name, "
+                                               "such as Qwen/Qwen2.5-0.5B-Instruct)")
+        raise ConfigError(f"model.partial_pretrain={cfg.partial_pretrain!r} {instead}")
+    try:
+        AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+    # not JSON; no or an unknown model_type; code it would have to trust; sizes its family's validation
+    # refuses (a hidden size that the heads do not divide), raised as huggingface_hub's own error type
+    except (OSError, ValueError, StrictDataclassError) as e:
+        reason = e.__cause__ if isinstance(e, StrictDataclassError) and e.__cause__ else e
+        raise ConfigError(f"model.partial_pretrain={cfg.partial_pretrain!r}: transformers cannot read {config}: "
+                          f"{str(reason).splitlines()[0]} Restore the model's own config.json, or use a transformers "
+                          "that knows its model type") from None
 
 
 def check_readable(cfg: ModelConfig, paths: list[str]) -> None:
@@ -185,13 +236,3 @@ def check_weights(cfg: ModelConfig, path: str) -> None:
     if not cfg.random_init and not holds_weights(path):
         raise ConfigError(f"model.partial_pretrain={path!r} has a config but no weights (*.safetensors / *.bin); "
                           "set model.random_init=true to train from a random initialisation")
-
-
-def linear_layer_check(cfg: ModelConfig, path: str) -> None:
-    """model.target_modules (LoRA) against the linear layers of the model, built on the meta device
-    (no memory) from its config alone: the preflight's form of the check the run makes once it has
-    built the model."""
-    config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
-    with weights.parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code)
-    lora.check_target_modules(model, cfg.target_modules)

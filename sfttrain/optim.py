@@ -62,9 +62,40 @@ def warmup_steps(cfg: OptimConfig, total_steps: int) -> int:
     return cfg.lr_warmup_steps if cfg.lr_warmup_steps > 0 else int(cfg.lr_warmup_steps_ratio * total_steps)
 
 
+def describe_schedule(cfg: OptimConfig, total_steps: int) -> list[str]:
+    """The start-up's lr and weight-decay lines, and its warnings (`schedule_warnings`). Both say where
+    they differ from verl's SFT trainer, whose command lines run here unchanged: its scheduler (transformers'
+    formula) trains the first warmup step at lr 0, and its AdamW decays every parameter."""
+    warmup = warmup_steps(cfg, total_steps)
+    first = f" (the first at lr x 1/{warmup}; verl's starts at 0)" if warmup > 1 else ""
+    lines = [f"  lr                  : {cfg.lr} {cfg.lr_scheduler}, {warmup} warmup steps{first}"]
+    if cfg.weight_decay > 0:
+        lines.append(f"  weight decay        : {cfg.weight_decay} on matrices, none on norms and biases (verl decays "
+                     "every parameter)")
+    return [*lines, *schedule_warnings(cfg, total_steps)]
+
+
+def schedule_warnings(cfg: OptimConfig, total_steps: int) -> list[str]:
+    """Warnings of a learning rate that trains less than asked, said at start-up and by the preflight:
+    optim.lr=0 (no weight moves: a throughput or data test can mean it, a fine-tune cannot), and
+    optim.lr_warmup_steps outlasting the run (a verl command line cut to a few steps for a test, or steps
+    meant as a ratio), where the rate never reaches optim.lr."""
+    if cfg.lr == 0:
+        return ["  WARNING: optim.lr=0: no weight changes (AdamW's steps and its weight decay both scale with the "
+                "rate), so the run trains nothing; set optim.lr (verl's default is 1e-5)"]
+    warmup = warmup_steps(cfg, total_steps)
+    if warmup <= total_steps:
+        return []
+    return [f"  WARNING: optim.lr_warmup_steps={warmup} is more than the run's {total_steps} steps: the learning rate "
+            f"is still warming up at the last step, at {total_steps / warmup:.0%} of optim.lr. Lower it, or set "
+            "optim.lr_warmup_steps=0 and optim.lr_warmup_steps_ratio (a share of the run's steps)"]
+
+
 def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
-    """Multiplier of optim.lr for optimizer step `step` (0-based): linear warmup, then cosine
-    down to min_lr_ratio at the last step, or constant."""
+    """Multiplier of optim.lr for optimizer step `step` (0-based): linear warmup, (step + 1) / warmup, so that
+    the first step trains and the last warmup step is at optim.lr (transformers' and verl's get_cosine_schedule_
+    with_warmup give step / warmup: the first step at 0, which moves no weight), then the cosine of those
+    schedulers down to min_lr_ratio (reached one step past the last), or constant."""
     warmup = warmup_steps(cfg, total_steps)
     if step < warmup:
         return (step + 1) / warmup

@@ -120,7 +120,7 @@ def single_device(lm: CausalLMLoss, world: World, cfg: Config) -> None:
         # (and be saved for backward in fp32)
         lm.model.get_input_embeddings().register_forward_hook(lambda _module, _args, out: out.to(dtype))
     if cfg.model.compile:
-        compile_layers(decoder_layers(lm.model), cpp_wrapper(cfg, world, lm.model.config),
+        compile_layers(decoder_layers(lm.model), cpp_wrapper(cfg, world.device.type, lm.model.config),
                        fuse_projections.graph_pass(cfg.model, lm.model.config))
 
 
@@ -175,7 +175,7 @@ def allow_side_effects_in_checkpoints() -> None:
 CPP_WRAPPER_MAX_TOKENS = 65536
 
 
-def cpp_wrapper(cfg: Config, world: World, model_config) -> bool:
+def cpp_wrapper(cfg: Config, device_type: str, model_config) -> bool:
     """Whether inductor's C++ wrapper launches the compiled layers' kernels (model.compile_cpp_wrapper).
     GPUs only: there the host just launches kernels and can fall behind them (W1, full fine-tuning
     or LoRA, is host-bound); on CPU the kernels are the host's own work, and the wrapper's C++ build
@@ -185,8 +185,8 @@ def cpp_wrapper(cfg: Config, world: World, model_config) -> bool:
     (docs/benchmarks.md), nor for checkpointed layers that rerun attention
     (recompute.reruns_attention_compiled: the C++ wrapper cannot build them; W2b with LoRA, a 2 s
     step the GPU limits, ran at 43.9% MFU so (run BP), 38.3% with the checkpoint around C++-wrapped
-    layers (BE))."""
-    if world.device.type != "cuda":
+    layers (BE)). An explicit true that cannot be built is refused (the preflight checks it too)."""
+    if device_type != "cuda":
         return False
     setting, blocked = cfg.model.compile_cpp_wrapper, _grouped_gemm_without_cpp_call(model_config)
     reruns_attention = _reruns_attention(cfg, model_config)
@@ -222,7 +222,7 @@ def describe_compile(cfg: Config, world: World, model_config) -> str:
     """The start-up line on compilation."""
     if not cfg.model.compile:
         return "off (eager)"
-    wrapper = "C++" if cpp_wrapper(cfg, world, model_config) else "Python"
+    wrapper = "C++" if cpp_wrapper(cfg, world.device.type, model_config) else "Python"
     why = ""
     if wrapper == "Python" and world.device.type == "cuda" and cfg.model.compile_cpp_wrapper == "auto":
         why = f" ({why_python_wrapper(cfg, model_config)})"
@@ -256,7 +256,8 @@ def shard(lm: CausalLMLoss, world: World, cfg: Config, offload: bool) -> None:
         common["offload_policy"] = CPUOffloadPolicy()
     layers = decoder_layers(lm.model)
     if cfg.model.compile:
-        compile_layers(layers, cpp_wrapper(cfg, world, lm.model.config), fuse_projections.graph_pass(cfg.model, lm.model.config))
+        compile_layers(layers, cpp_wrapper(cfg, world.device.type, lm.model.config),
+                       fuse_projections.graph_pass(cfg.model, lm.model.config))
     for i, layer in enumerate(layers):
         # the last layer's parameters are needed again at once by backward (as torchtitan does)
         last = i == len(layers) - 1

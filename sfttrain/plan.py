@@ -7,7 +7,8 @@ estimate of memory per rank from the model folder's config.json alone (no weight
 every problem the run would stop on, found by the run's own checks: the config's validation,
 the world's shape, the chat template, the start-up pass over every row (rendered with the
 model's tokenizer as the run renders them: a bad cell, column or over-long row is named here),
-and the resume rules (the checkpoint the run folder would resume from, and what they refuse).
+the model as the run builds it (on the meta device: no weights, no memory), and the resume rules
+(the checkpoint the run folder would resume from, and what they refuse).
 What it cannot check on this machine (data or model only on the cluster, GPUs where it has none) is
 said, not counted.
 Exits 0 when nothing is wrong, else 2.
@@ -25,15 +26,16 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from sfttrain.checkpoint_folder import describe_retention, room_problem, size_text, step_of
-from sfttrain.config import (Config, ConfigError, ModelConfig, as_list, load_config, logger_names,
-                             mixed_precision_dtypes, moot_settings, shard_group_size, validate)
+from sfttrain.checkpoint_folder import describe_retention, nearest_existing, room_problem, size_text, step_of
+from sfttrain.config import (Config, ConfigError, ModelConfig, as_list, config_problems, load_config, logger_names,
+                             mixed_precision_dtypes, moot_settings, shard_group_size)
 from sfttrain.data.batching import batch_problem, make_plan
 from sfttrain.data.parquet import hub_id_hint
 from sfttrain.errors import UserError
 from sfttrain.hub import cached_folder, is_repo_id
 from sfttrain.lora import base_dtype
 from sfttrain.moe import MoeShape
+from sfttrain.optim import schedule_warnings
 from sfttrain.profiling import check_window
 from sfttrain.recompute import checkpointed, wants_attention_kept
 from sfttrain.rope import check_rope
@@ -231,32 +233,34 @@ class Findings:
         try:
             return run()
         except UserError as e:
-            if str(e) not in self.problems:  # one mistake two of the run's checks find (validate's, the world's)
-                self.problems.append(str(e))
+            self.add(str(e))
             return None
+
+    def add(self, problem: str) -> None:
+        if problem not in self.problems:  # one mistake two of the run's checks find (validate's, the world's)
+            self.problems.append(problem)
 
 
 def model_folder(m: ModelConfig, found: Findings) -> Optional[str]:
-    """model.partial_pretrain as a folder on this machine: as given, or a hub id's snapshot in the
-    local hub cache (never downloaded here); None with a note on how to point the preflight at one."""
+    """model.partial_pretrain as a folder on this machine, checked as the run checks it: as given, or a hub
+    id's snapshot in the local hub cache (never downloaded here; None with a note on how to point the
+    preflight at one). None where the folder is not a model's (a problem)."""
+    from sfttrain.model import check_model_folder
+
     if not m.partial_pretrain:  # the validation's problem already
         return None
-    if not is_repo_id(m.partial_pretrain):
-        return m.partial_pretrain
-    folder = cached_folder(m.partial_pretrain)
+    folder = cached_folder(m.partial_pretrain) if is_repo_id(m.partial_pretrain) else m.partial_pretrain
     if folder is None:
         found.notes.append(f"model.partial_pretrain={m.partial_pretrain!r} is a hub id that is not in this machine's "
                            "hub cache: memory and the rendering of the rows are not checked; fill the cache with "
                            f"`hf download {m.partial_pretrain} --include '*.json' '*.model' '*.jinja'` or add "
                            "model.partial_pretrain=/path/to/a/local/copy to this command")
-    return folder
-
-
-def readable_model_folder(cfg: ModelConfig, folder: str) -> str:
-    """`folder`, where this user may read it and its config.json (the run's own check)."""
-    from sfttrain.model import check_readable
-
-    check_readable(cfg, [folder, os.path.join(folder, "config.json")])
+        return None
+    try:
+        check_model_folder(m, folder)
+    except ConfigError as e:
+        found.add(str(e))
+        return None
     return folder
 
 
@@ -273,14 +277,16 @@ class RenderedRows:
     validation: Optional[dict]  # the data report's validation part; None: no data.val_files here
 
 
-def render_rows(cfg: Config, folder: str) -> RenderedRows:
+def render_rows(cfg: Config, folder: str, found: Findings) -> Optional[RenderedRows]:
     """The rows the run trains, found as its start-up finds them (sfttrain.data.prepare): the
     tokenizer, the chat template, every row rendered (a bad cell or an over-long row is the DataError
     the run would stop on), the rows without a supervised token selected; the validation rows rendered
-    too, and those that are training rows counted."""
+    too, and those that are training rows counted. The two are rendered apart, their problems recorded
+    in `found`: a bad training row, which the run stops on first, hides no bad validation row (None
+    where the training rows fail)."""
     from sfttrain.data.chat import build_renderer
     from sfttrain.data.fingerprint import data_fingerprint, with_rows
-    from sfttrain.data.loader import render_share, row_stats
+    from sfttrain.data.loader import row_stats
     from sfttrain.data.files import open_source
     from sfttrain.data.parquet import row_fields
     from sfttrain.data.prepare import length_cache_file, validation_report
@@ -295,14 +301,25 @@ def render_rows(cfg: Config, folder: str) -> RenderedRows:
     fingerprint = data_fingerprint(cfg, source, tokenizer)
     # a folder of the user's own is read and filled; the run folder's cache is read, never made here
     cache = length_cache_file(d, fingerprint, run_dir)
-    validation = None
+    cached = cache if d.length_cache_dir or os.path.isfile(cache) else None
     with one_rank_group():
-        stats = select_rows(row_stats(source, renderer, 0, 1, cache if d.length_cache_dir or os.path.isfile(cache)
-                                      else None), d)
-        if d.val_files and not missing_files(d.val_files):
-            val_source = open_source(as_list(d.val_files), fields, run_dir)
-            validation = validation_report(render_share(val_source, renderer, 0, 1), stats, val_source.num_rows)
+        stats = found.check(lambda: select_rows(row_stats(source, renderer, 0, 1, cached), d))
+        val = found.check(lambda: validation_rows(d, fields, run_dir, renderer))
+        if stats is None:
+            return None
+        validation = validation_report(val[1], stats, val[0].num_rows) if val else None
     return RenderedRows(stats, with_rows(fingerprint, stats.keep, stats.digests), source, validation)
+
+
+def validation_rows(d, fields, run_dir: str, renderer) -> Optional[tuple[Any, list]]:
+    """(the validation rows' ParquetSource, their samples rendered), or None without data.val_files here."""
+    from sfttrain.data.files import open_source
+    from sfttrain.data.loader import render_share
+
+    if not d.val_files or missing_files(d.val_files):
+        return None
+    source = open_source(as_list(d.val_files), fields, run_dir)
+    return source, render_share(source, renderer, 0, 1)
 
 
 def row_count(cfg: Config) -> int:
@@ -345,7 +362,7 @@ class Batches:
 class TrainingRows:
     count: Optional[int]  # rows trained; None: not counted here
     rendered: Optional[RenderedRows]  # None: not rendered here
-    missing: list[str]  # data.train_files entries not on this machine
+    missing: list[str]  # data.train_files entries not on this machine (none where others are: a mistyped path)
 
 
 def training_rows(cfg: Config, folder: Optional[str], found: Findings) -> TrainingRows:
@@ -355,18 +372,23 @@ def training_rows(cfg: Config, folder: Optional[str], found: Findings) -> Traini
     d = cfg.data
     missing = missing_files(d.train_files)
     rows, rendered = None, None
-    if missing:  # a missing file is often only missing here (the cluster's path): not a problem
+    here = [f for f in as_list(d.train_files) if f not in missing]
+    if missing and here:  # the others are here: a mistyped path, which the run stops on
+        found.problems.append(f"data.train_files: {', '.join(missing)} not found, while {', '.join(here)} "
+                              f"{'is' if len(here) == 1 else 'are'}: check the path (the run would stop on it at "
+                              "start-up)" + "".join(map(hub_id_hint, missing)))
+    elif missing:  # a missing file is often only missing here (the cluster's path): not a problem
         found.notes.append(f"data.train_files: {', '.join(missing)} not on this machine: steps per epoch and the rows "
                            "are not checked" + "".join(map(hub_id_hint, missing)))
     elif d.train_files and folder is not None and has_tokenizer(folder):
-        rendered = found.check(lambda: render_rows(cfg, folder))
+        rendered = found.check(lambda: render_rows(cfg, folder, found))
         rows = int(rendered.stats.keep.sum()) if rendered else None
     elif d.train_files:  # (none given: the validation's problem)
         if folder is not None and os.path.isdir(folder):
             found.notes.append(f"{folder} has no tokenizer: the rows are counted, not rendered")
         rows = found.check(lambda: row_count(cfg))
     check_val_files(d, bool(d.train_files) and not missing, found)
-    return TrainingRows(rows, rendered, missing)
+    return TrainingRows(rows, rendered, [] if here else missing)  # (a mistyped one: the problems say so)
 
 
 def batch_section(cfg: Config, dp_size: Optional[int], folder: Optional[str], found: Findings) -> Batches:
@@ -391,6 +413,7 @@ def batch_section(cfg: Config, dp_size: Optional[int], folder: Optional[str], fo
         reason = "not on this machine" if data.missing else "see the problems below"
         return Batches(lines[:3] + [f"  dataset             : {reason}: steps per epoch unknown"])
     found.check(lambda: check_window(cfg.trainer.profile_steps, plan.total_steps))
+    lines += schedule_warnings(cfg.optim, plan.total_steps)
     if rendered is None:  # counted, not rendered
         return Batches(lines, plan.total_steps)
     return Batches(lines + data_lines(cfg, rendered, plan), plan.total_steps, rendered.fingerprint)
@@ -407,13 +430,15 @@ def data_lines(cfg: Config, rendered: RenderedRows, plan) -> list[str]:
     return describe(report).splitlines()
 
 
-def resume_section(cfg: Config, batches: Batches, folder: Optional[str], found: Findings) -> list[str]:
+def resume_section(cfg: Config, batches: Batches, folder: Optional[str], model, found: Findings) -> list[str]:
     """The checkpoint the run would resume from (sfttrain.resume's rules, the run folder left as it
     is), and what its start-up would refuse of that resume: a damaged checkpoint, other data, a
-    schedule that ends before it, another LoRA base; and another run in the folder now."""
-    from sfttrain.checkpoint import TrainState
+    schedule that ends before it, another LoRA base, another model or LoRA setup (against `model`, the
+    planned model; None: not built here); and another run in the folder now."""
+    from sfttrain.checkpoint import TrainState, check_same_model, trained_state_dict
     from sfttrain.lora import trained_identity
     from sfttrain.optim import schedule_settings
+    from sfttrain.profiling import window_passed
     from sfttrain.resume import choose_resume, review_resume
     from sfttrain.run_lock import check_not_in_use
 
@@ -426,16 +451,20 @@ def resume_section(cfg: Config, batches: Batches, folder: Optional[str], found: 
     total = batches.total_steps
     left = f", {total - step} of {total} steps left" if total and total >= step else ""
     line = chosen.line(f"from {chosen.path} (step {step}{left})")
+    passed = window_passed(cfg.trainer.profile_steps, step)
+    said = chosen.notes + ([f"trainer.profile_steps: {passed}"] if passed else [])
+    if model is not None:
+        found.check(lambda: check_same_model(chosen.path, trained_state_dict(model)))
     if batches.fingerprint is None:
         found.notes.append(f"the resume from {chosen.path}: whether it reads the same data and schedule needs the "
                            "training data rendered here")
-        return [line, *(f"    {note}" for note in chosen.notes)]
+        return [line, *(f"    {note}" for note in said)]
     lora_base = cfg.model.lora_rank > 0 and folder is not None
     current = TrainState(data=batches.fingerprint, schedule=schedule_settings(cfg.optim, batches.total_steps),
                          base=trained_identity(cfg.model, folder) if lora_base else None)
     notes, refused = review_resume(chosen.path, cfg, current)
     found.problems += refused
-    return [line, *(f"    {note}" for note in chosen.notes + notes)]
+    return [line, *(f"    {note}" for note in said + notes)]
 
 
 def memory_section(cfg: Config, dp_size: Optional[int], folder: Optional[str], found: Findings) -> list[str]:
@@ -487,14 +516,16 @@ def run_folder_check(cfg: Config, found: Findings) -> None:
     try:
         check_writable(cfg.trainer.default_local_dir)
     except ConfigError as e:
-        exists = os.path.isdir(os.path.expanduser(cfg.trainer.default_local_dir))
-        (found.problems if exists else found.notes).append(str(e))
+        run_dir = os.path.abspath(os.path.expanduser(cfg.trainer.default_local_dir))
+        there = nearest_existing(run_dir)
+        here = there == run_dir or not os.path.isdir(there)  # the folder itself, or a file in its path
+        (found.problems if here else found.notes).append(str(e))
 
 
 def checkpoint_section(cfg: Config, folder: Optional[str], found: Findings) -> list[str]:
     """A checkpoint's size, and whether the run folder's disk takes one (a problem where the run
     folder exists here; else the free space of its nearest existing parent is a note)."""
-    if folder is None or not os.path.isfile(os.path.join(folder, "config.json")):
+    if folder is None:
         return []
     try:
         shape = DenseShape.from_config_json(folder)
@@ -502,9 +533,9 @@ def checkpoint_section(cfg: Config, folder: Optional[str], found: Findings) -> l
         return []
     need = checkpoint_bytes(cfg, shape)
     run_dir = os.path.abspath(os.path.expanduser(cfg.trainer.default_local_dir))
-    there = run_dir
-    while not os.path.isdir(there):
-        there = os.path.dirname(there)
+    there = nearest_existing(run_dir)
+    if not os.path.isdir(there):  # a file in the way: run_folder_check's problem
+        return []
     free = shutil.disk_usage(there).free
     if there == run_dir and (problem := room_problem(run_dir, free, need, estimated=True)):
         found.problems.append(problem)
@@ -532,54 +563,51 @@ def fp8_section(cfg: Config, found: Findings) -> None:
                        "8.9: H100/H200, L40S) is checked at start-up")
 
 
-def liger_section(cfg: Config, found: Findings) -> None:
-    """model.use_liger: liger-kernel missing stops a run on GPUs at start-up (a CPU run ignores the key,
-    saying so), so it is a problem here too; trainer.device=auto on a machine without a GPU: a note."""
+def on_run_device(cfg: Config, found: Findings, check: Callable[[str], Any]) -> None:
+    """check(device type) on the device the run takes, its refusal a problem: trainer.device's, or for auto
+    the GPU this machine has. trainer.device=auto on a machine without one: the nodes the run lands on may
+    have GPUs or not, so each device's refusal is a note."""
     import torch
 
+    from sfttrain.distributed import wants_cuda
+
+    if cfg.trainer.device != "auto" or torch.cuda.is_available():
+        found.check(lambda: check("cuda" if wants_cuda(cfg) else "cpu"))
+        return
+    for device, where in (("cuda", "on GPUs"), ("cpu", "without GPUs (trainer.device=auto; this machine has none)")):
+        try:
+            check(device)
+        except UserError as e:
+            found.notes.append(f"if this runs {where}: {e}")
+
+
+def liger_section(cfg: Config, found: Findings) -> None:
+    """model.use_liger: liger-kernel missing stops a run on GPUs at start-up (a CPU run ignores the key,
+    saying so)."""
     from sfttrain.model import liger_patching
 
-    if not cfg.model.use_liger or cfg.trainer.device == "cpu":
-        return
-    try:
-        liger_patching()
-    except UserError as e:
-        if cfg.trainer.device == "cuda" or torch.cuda.is_available():
-            found.problems.append(str(e))
-        else:
-            found.notes.append(f"if this runs on GPUs: {e}")
+    if cfg.model.use_liger:
+        on_run_device(cfg, found, lambda device: device == "cuda" and liger_patching())
 
 
 def attention_section(cfg: Config, folder: str, found: Findings) -> None:
-    """The attention backend's start-up check (fp16/bf16 compute, Gemma 2's soft-cap) for a run on
-    GPUs, with the backend `auto` picks there with this machine's packages. A CPU run takes the
-    per-sample path, which computes anything; trainer.device=auto on a machine without a GPU: a note."""
-    import torch
+    """The attention backend's start-up check (sfttrain.model.attention_backend): a backend the device
+    cannot run, fp16/bf16 compute, Gemma 2's soft-cap; `auto` picks with this machine's packages."""
     from transformers import AutoConfig
 
-    from sfttrain import attention
+    from sfttrain.model import attention_backend
 
-    if cfg.trainer.device == "cpu":
-        return
-    m = cfg.model
-    backend = attention.select_backend("auto", "cuda") if m.attn_implementation == "auto" else m.attn_implementation
-    config = AutoConfig.from_pretrained(folder, trust_remote_code=m.trust_remote_code)
-    try:
-        attention.check_model(config, backend, base_dtype(m))
-    except ConfigError as e:
-        if cfg.trainer.device == "cuda" or torch.cuda.is_available():
-            found.problems.append(str(e))
-        else:
-            found.notes.append(f"if this runs on GPUs: {e}")
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=cfg.model.trust_remote_code)
+    on_run_device(cfg, found, lambda device: attention_backend(cfg.model, config, device))
 
 
 def device_section(cfg: Config, world: int, mesh_shape: Optional[tuple[int, int]], found: Findings) -> None:
     """What the run needs of its device: a GPU for trainer.device=cuda (distributed.check_cuda_visible; a
-    note where this machine has none, the run's nodes may have them), and what its layout needs of the
-    device (sfttrain.parallel.check_device: CPU offload, DDP's bf16 reduce) on the device the run takes
-    (distributed.wants_cuda); trainer.device=auto on a machine without a GPU: a refusal is a note, for the
-    same reason."""
-    from sfttrain.distributed import check_cuda_visible, wants_cuda
+    note where this machine has none, the run's nodes may have them), what its layout needs of the
+    device (sfttrain.parallel.check_device: CPU offload, DDP's bf16 reduce), and a loss kernel that runs
+    there (sfttrain.loss.chunk_loss_kernel)."""
+    from sfttrain.distributed import check_cuda_visible
+    from sfttrain.loss import chunk_loss_kernel
     from sfttrain.parallel import check_device, choose_layout
 
     try:
@@ -591,31 +619,43 @@ def device_section(cfg: Config, world: int, mesh_shape: Optional[tuple[int, int]
     # sharded); DDP's reduce, which needs the layout, is not
     layout = choose_layout(world, mesh_shape[1], cfg.ulysses_sequence_parallel_size, offload) if mesh_shape \
         else "sharded"
-    try:
-        check_device(cfg, layout, "cuda" if wants_cuda(cfg) else "cpu")
+    on_run_device(cfg, found, lambda device: check_device(cfg, layout, device))
+    on_run_device(cfg, found, lambda device: chunk_loss_kernel(cfg.model.loss_kernel, device))
+
+
+def model_section(cfg: Config, folder: str, found: Findings):
+    """The start-up's checks of the model folder (its config.json here) and of the model the run builds,
+    built here on the meta device (`planned_model`): the model, or None where it cannot be built."""
+    from sfttrain.model import check_max_length, check_model_config, check_weights, decoder_layers
+    from sfttrain.parallel import cpp_wrapper
+    from sfttrain.recompute import chosen_layers
+
+    found.check(lambda: check_rope(cfg, folder))
+    found.check(lambda: check_max_length(cfg, folder))
+    try:  # a folder of config files only is how a model elsewhere is planned here (the hub cache's too)
+        check_weights(cfg.model, folder)
     except ConfigError as e:
-        if cfg.trainer.device == "auto":
-            found.notes.append(f"if this runs without GPUs (trainer.device=auto; this machine has none): {e}")
-        else:
-            found.problems.append(str(e))
+        found.notes.append(f"{e} (a problem only if the folder has none where the run starts)")
+    found.check(lambda: check_model_config(cfg, folder))
+    attention_section(cfg, folder, found)
+    model = found.check(lambda: planned_model(cfg.model, folder))
+    if model is not None and cfg.model.enable_gradient_checkpointing:
+        found.check(lambda: chosen_layers(decoder_layers(model), cfg.model))
+    if model is not None and cfg.model.compile:  # a GPU run refuses it as it compiles the layers
+        on_run_device(cfg, found, lambda device: cpp_wrapper(cfg, device, model.config))
+    return model
 
 
-def check_model_config(cfg: Config, folder: str) -> None:
-    """The start-up's checks of the loaded model that its config alone decides: a family whose output
-    head sfttrain's loss reproduces (sfttrain.loss), a router loss the config can compute (sfttrain.moe),
-    and under Ulysses heads that split over the sp ranks and no router loss (sfttrain.sequence_parallel).
-    The run makes them once the model is built, after the data scan: here they are problems too."""
+def planned_model(m: ModelConfig, folder: str):
+    """The model as the run builds it (sfttrain.model.load_model), on the meta device, LoRA's adapters
+    applied: their targets checked against its linear layers (and a MoE's experts), as the run does."""
     from transformers import AutoConfig
 
-    from sfttrain import sequence_parallel
-    from sfttrain.loss import output_head
-    from sfttrain.moe import RouterBalance
+    from sfttrain.lora import apply_lora
+    from sfttrain.model import build_on_meta
 
-    config = AutoConfig.from_pretrained(folder, trust_remote_code=cfg.model.trust_remote_code)
-    output_head(config)
-    RouterBalance.of(config)
-    if cfg.ulysses_sequence_parallel_size > 1:
-        sequence_parallel.check_model(config, cfg.ulysses_sequence_parallel_size)
+    model = build_on_meta(m, AutoConfig.from_pretrained(folder, trust_remote_code=m.trust_remote_code))
+    return apply_lora(model, m) if m.lora_rank > 0 else model
 
 
 def workers_section(cfg: Config, nproc: int) -> list[str]:
@@ -626,19 +666,46 @@ def workers_section(cfg: Config, nproc: int) -> list[str]:
     return describe_workers(cfg.data.num_workers, nproc, cpus_of_this_process(), where="this machine")
 
 
+def open_files_check(cfg: Config, dp_size: Optional[int], found: Findings) -> None:
+    """The start-up's refusal of a hard open files limit below what the data workers need
+    (sfttrain.fs_faults.check_open_files), by this process's limit: a run started from the same shell has it."""
+    from sfttrain.data.loader import open_files_needed
+    from sfttrain.fs_faults import open_files_problem
+
+    if dp_size is not None and (problem := open_files_problem(open_files_needed(cfg.data, dp_size))):
+        found.add(problem)
+
+
 def preflight(cfg: Config, nproc: int, nnodes: int) -> tuple[list[str], Findings]:
     """(report lines, what was found): the run's own checks, each problem listed, none stopping the rest."""
+    found = Findings()
+    refused = config_problems(cfg)
+    for problem in refused:  # each on its own line, as the run's refusal lists them
+        found.add(problem)
+    lines = [f"sfttrain plan: {nnodes} node(s) x {nproc} rank(s)"]
+    try:
+        plan_sections(cfg, nproc, nnodes, found, lines)
+    except Exception as e:  # noqa: BLE001 -- only where the config is refused; else a bug, raised
+        # the sections compute with the config's values, some of which (a micro-batch of 0, a dtype or a
+        # seed the run refuses) they cannot take: the run stops on the config's problems before them
+        if not refused:
+            raise
+        found.notes.append(f"the rest of the plan needs the config's problems fixed first ({type(e).__name__}: "
+                           f"{e}): fix them and run the preflight again")
+    return lines, found
+
+
+def plan_sections(cfg: Config, nproc: int, nnodes: int, found: Findings, lines: list[str]) -> None:
+    """The checks and the report beyond the config's validation, appended to `lines` and `found`."""
     from sfttrain.distributed import check_world, data_parallel_size
     from sfttrain.metrics import require_loggers
-    from sfttrain.model import check_max_length, check_weights, check_weights_readable, linear_layer_check
+    from sfttrain.model import check_weights_readable
 
     world = nproc * nnodes
     try:
         dp_size = data_parallel_size(world, cfg.ulysses_sequence_parallel_size)
     except ConfigError:  # listed by check_world below; nothing is derived from a split that does not exist
         dp_size = None
-    found = Findings()
-    found.check(lambda: validate(cfg))
     mesh_shape = found.check(lambda: check_world(cfg, world))
     found.check(lambda: require_loggers(cfg))
     device_section(cfg, world, mesh_shape, found)
@@ -646,34 +713,21 @@ def preflight(cfg: Config, nproc: int, nnodes: int) -> tuple[list[str], Findings
         found.notes.append("trainer.logger includes wandb: its login (`wandb login`, or WANDB_API_KEY) is checked when "
                            "the run starts, where a missing one stops it at once (WANDB_MODE=offline needs none)")
     folder = model_folder(cfg.model, found)
-    if folder is not None and found.check(lambda: readable_model_folder(cfg.model, folder)) is None:
-        folder = None  # nothing of it can be read here: the problem is listed
     if folder is not None:
         found.check(lambda: check_weights_readable(cfg.model, folder))
-    if folder is not None and os.path.isfile(os.path.join(folder, "config.json")):
-        found.check(lambda: check_rope(cfg, folder))
-        found.check(lambda: check_max_length(cfg, folder))
-        try:  # a folder of config files only is how a model elsewhere is planned here (the hub cache's too)
-            check_weights(cfg.model, folder)
-        except ConfigError as e:
-            found.notes.append(f"{e} (a problem only if the folder has none where the run starts)")
-        if cfg.model.lora_rank > 0:
-            found.check(lambda: linear_layer_check(cfg.model, folder))
-        found.check(lambda: check_model_config(cfg, folder))
-        attention_section(cfg, folder, found)
+    model = model_section(cfg, folder, found) if folder is not None else None
     fp8_section(cfg, found)
     liger_section(cfg, found)
-    lines = [f"sfttrain plan: {nnodes} node(s) x {nproc} rank(s)"]
     batches = batch_section(cfg, dp_size, folder, found)
     lines += batches.lines
     lines += workers_section(cfg, nproc)
+    open_files_check(cfg, dp_size, found)
     run_folder_check(cfg, found)
-    lines += resume_section(cfg, batches, folder, found)
+    lines += resume_section(cfg, batches, folder, model, found)
     lines += memory_section(cfg, dp_size, folder, found)
     lines += checkpoint_section(cfg, folder, found)
     lines += describe_retention(cfg.trainer.max_ckpt_to_keep)
     lines += moot_settings(cfg)
-    return lines, found
 
 
 def main(argv: list[str] | None = None) -> int:

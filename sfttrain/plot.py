@@ -29,17 +29,39 @@ PANELS = {
 
 
 def read_series(path: str) -> dict[str, tuple[list[int], list[float]]]:
-    """key -> (steps, values); a step logged twice (a run resumed after it) keeps its last value."""
+    """key -> (steps, values); a step logged twice (a run resumed after it) keeps its last value. Lines
+    that do not read as a record (a last line cut short by a crash or a full disk while the run wrote
+    it) are left out and said on stderr; a file without a record is a DataError."""
     if not os.path.isfile(path):
         raise DataError(f"{path} does not exist: give the run folder (trainer.default_local_dir) of a run")
     by_key: dict[str, dict[int, float]] = {}
-    with open(path) as f:
-        for line in f:
-            record = json.loads(line)
+    unread = []
+    with open(path, errors="replace") as f:
+        for number, line in enumerate(f, 1):
+            record = _record(line)
+            if record is None:
+                unread += [number] if line.strip() else []
+                continue
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)):
                     by_key.setdefault(key, {})[record["step"]] = value
+    if unread:
+        print(f"sfttrain plot: {path}: line(s) {', '.join(map(str, unread[:5]))}{' ...' if len(unread) > 5 else ''} "
+              "do not read as a JSON record (cut short by a crash or a full disk while the run wrote them): left out "
+              "of the curves. The run's next start (a resume) moves them to metrics_rewound.jsonl", file=sys.stderr)
+    if not by_key:
+        raise DataError(f"{path} holds no step's record ({os.path.getsize(path)} bytes): the run logged no step yet, "
+                        "or the file was lost in a crash before it reached the disk (a resume says so and starts it "
+                        "again at the step it resumes from)")
     return {key: (sorted(values), [values[s] for s in sorted(values)]) for key, values in by_key.items()}
+
+
+def _record(line: str) -> dict | None:
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("step"), int) else None
 
 
 def plot(series: dict[str, tuple[list[int], list[float]]], title: str, out: str) -> None:

@@ -64,15 +64,21 @@ def describe(t: TrainerConfig, run_dir: str, steps_done: int, device: torch.devi
     steps = t.profile_steps
     if not steps:
         return []
-    if max(steps) <= steps_done:
-        return [f"  profile             : steps {window_name(steps)} ran before this resume (after step {steps_done}): "
-                "nothing is profiled"]
+    if passed := window_passed(steps, steps_done):
+        return [f"  profile             : {passed}"]
     memory = ""
     if t.profile_memory:
         memory = (", the allocator's history (trainer.profile_memory)" if device.type == "cuda" else
                   "; trainer.profile_memory records a CUDA allocator's history: none on this CPU run")
     return [f"  profile             : steps {window_name(steps)} (torch.profiler{memory}), a trace per rank and a "
             f"summary in {os.path.join(run_dir, PROFILE_DIR)}"]
+
+
+def window_passed(steps: list[int] | None, steps_done: int) -> str | None:
+    """Said where a resume starts after the window (the start-up's profile line, and the preflight)."""
+    if steps and max(steps) <= steps_done:
+        return f"steps {window_name(steps)} ran before this resume (after step {steps_done}): nothing is profiled"
+    return None
 
 
 def window_name(steps: list[int]) -> str:

@@ -50,11 +50,8 @@ def apply(model: nn.Module, layers: list[nn.Module], cfg: ModelConfig, max_lengt
     """Activation checkpointing on model.gradient_checkpointing_ratio of `layers`, spread evenly (a
     model whose weights and optimizer state leave room for some activations recomputes only the
     layers that do not fit), keeping what `keeps_attention` and model.recompute_qkv say."""
-    chosen = checkpointed(layers, cfg.gradient_checkpointing_ratio)
+    chosen = chosen_layers(layers, cfg)
     if has_eager_parts_compiled(cfg, chosen):
-        if not cfg.recompute_qkv:
-            raise ConfigError("model.recompute_qkv=false: this model's layers run parts outside their compiled "
-                              "graph (LoRA on a MoE's experts), whose checkpoint recomputes everything; remove it")
         transformers_checkpointing(model, layers, chosen)
         return
     keep_attention = wants_attention_kept(cfg, max_length)
@@ -64,6 +61,16 @@ def apply(model: nn.Module, layers: list[nn.Module], cfg: ModelConfig, max_lengt
               if keep_attention or qkv else {})
     for layer in chosen:
         layer.forward = functools.partial(checkpointed_forward, layer.forward, **policy)
+
+
+def chosen_layers(layers: list[nn.Module], cfg: ModelConfig) -> list[nn.Module]:
+    """The layers model.gradient_checkpointing_ratio checkpoints, refusing model.recompute_qkv=false where
+    they run parts outside their compiled graph (the preflight checks it on the model built on meta)."""
+    chosen = checkpointed(layers, cfg.gradient_checkpointing_ratio)
+    if has_eager_parts_compiled(cfg, chosen) and not cfg.recompute_qkv:
+        raise ConfigError("model.recompute_qkv=false: this model's layers run parts outside their compiled "
+                          "graph (LoRA on a MoE's experts), whose checkpoint recomputes everything; remove it")
+    return chosen
 
 
 def checkpointed(layers: list[nn.Module], ratio: float) -> list[nn.Module]:

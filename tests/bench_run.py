@@ -32,9 +32,15 @@ CUDA = torch.cuda.is_available()
 KEEP_FREED_MEMORY = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 36)}
 
 
-def run_bench(module: str, *args: str, timeout: int = 600) -> str:
-    """`python -m bench.X ...` from the checkout, on CPU ranks; its output, or a failure showing its end."""
-    with subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO, env=rank_env(KEEP_FREED_MEMORY),
+def run_bench(module: str, *args: str, timeout: int = 600, gpus: bool = False) -> str:
+    """`python -m bench.X ...` from the checkout, on CPU ranks (gpus: seeing the GPUs this process sees, which
+    rank_env hides); its output, or a failure showing its end."""
+    env = rank_env(KEEP_FREED_MEMORY)
+    if gpus:  # this process's own setting back, or none
+        del env["CUDA_VISIBLE_DEVICES"]
+        if "CUDA_VISIBLE_DEVICES" in os.environ:
+            env["CUDA_VISIBLE_DEVICES"] = os.environ["CUDA_VISIBLE_DEVICES"]
+    with subprocess.Popen([sys.executable, "-m", module, *args], cwd=REPO, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True) as proc:
         try:
             out, _ = proc.communicate(timeout=timeout)

@@ -39,11 +39,19 @@ STORIES = ASSETS / "models" / "stories260K"
 # jobs one apart from test_cli.py: as one file, bench's (~45% of the suite) decided when the suite
 # ended whenever its share grew past half. test_parallel.py and test_fuse_projections.py compile layers
 # with inductor: on a fresh clone, with no compiled kernels cached, they took 3.0 minutes together
-# (1.9 warm; 2026-12-04), so they start early too.
+# (1.9 warm; 2026-12-04), so they start early too. The files after test_multinode.py, slowest first, are
+# the rest's that took over 10 s (their sums on 2 idle workers, 2026-12-05: experts 35, plan 32, hub 20,
+# data_report 20, lora 16, chat 16, plot 15, resume_rules 15, export 13, moe 11; the 18 others 46 in all;
+# reference_loops, added later, 12 alone): in collection order test_experts.py (a compiled layer),
+# test_plan.py and test_resume_rules.py
+# were handed out near the end, where the worker that took one could end up to half a minute after
+# the other; what is left for the end now are files of a few seconds each.
 SLOWEST_FILES = ["test_bench_w1.py", "test_checkpoint.py", "test_bench_w2b.py", "test_article.py", "test_bench_moe.py",
                  "test_parallel.py", "test_bench_scale.py", "test_errors.py", "test_trainer.py",
                  "test_fuse_projections.py", "test_files.py", "test_sequence_parallel.py", "test_cli.py",
-                 "test_multinode.py"]
+                 "test_multinode.py", "test_experts.py", "test_plan.py", "test_hub.py", "test_data_report.py",
+                 "test_lora.py", "test_chat.py", "test_plot.py", "test_resume_rules.py", "test_export.py",
+                 "test_reference_loops.py", "test_moe.py"]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -101,6 +109,24 @@ def gsm8k_dir(tmp_path_factory) -> Path:
 VAL_ROWS = 32
 
 
+# The training rows of the jobs and preflights that train or plan a few steps and check nothing of
+# the rows they never reach: the first HEAD_ROWS of gsm8k_dir's train.parquet, as many as one step of
+# the default data.train_batch_size. A start-up renders every row of its files (a preflight too): the
+# whole 2000-row split cost ~0.6 s of each such job.
+HEAD_ROWS = 256
+
+
+@pytest.fixture(scope="session")
+def gsm8k_head(gsm8k_dir, tmp_path_factory) -> Path:
+    """The first HEAD_ROWS rows of gsm8k_dir's train.parquet, as a train.parquet of their own."""
+    import pyarrow.parquet as pq
+
+    def build(out: Path) -> None:
+        pq.write_table(pq.read_table(gsm8k_dir / "train.parquet").slice(0, HEAD_ROWS), out / "train.parquet")
+
+    return built_once(tmp_path_factory, "gsm8k_head", build) / "train.parquet"
+
+
 @pytest.fixture(scope="session")
 def gsm8k_val(gsm8k_dir, tmp_path_factory) -> Path:
     """The first VAL_ROWS rows of gsm8k_dir's test.parquet, as a Parquet file of their own."""
@@ -150,20 +176,26 @@ def update_error(trained: dict, reference: dict, start: dict) -> float:
 
 
 def launch(nproc: int, overrides: list[str], log: Path, cwd: Path = REPO, env: dict | None = None,
-           torchrun: bool = False) -> subprocess.Popen:
+           torchrun: bool = False, module: str = "sfttrain.run") -> subprocess.Popen:
     """Starts `torchrun --nproc_per_node=nproc -m sfttrain.run ...` as a user would, output to `log`.
     One rank runs as `python -m sfttrain.run ...` (also a user's way; the ~2 s of torchrun's own
     start-up, over the suite's many one-rank jobs, is time spent testing nothing) unless torchrun.
     The ranks of a job that needs neither torchrun (its summary, its error files) nor an environment
-    or folder of its own are forked from this process's rank server instead (ForkServer)."""
-    if FORK_RANKS and not torchrun and Path(cwd).resolve() == REPO and ForkServer.accepts(rank_env(env)):
-        return ForkServer.get().launch(nproc, overrides, log)
+    or folder of its own are forked from this process's rank server instead (ForkServer). `module`:
+    what runs, sfttrain.run's arguments being `overrides` (or a tool's, sfttrain.export on one rank)."""
+    if forks(cwd, env, torchrun):
+        return ForkServer.get().launch(nproc, overrides, log, module)
     launcher = (["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
                  "--master_port", str(free_port())] if torchrun or nproc > 1 else [])
-    cmd = [sys.executable, *launcher, "-m", "sfttrain.run", *overrides]
+    cmd = [sys.executable, *launcher, "-m", module, *overrides]
     with open(log, "w") as f:
         return subprocess.Popen(cmd, cwd=cwd, env=rank_env(env), stdout=f, stderr=subprocess.STDOUT,
                                 start_new_session=True)
+
+
+def forks(cwd: Path = REPO, env: dict | None = None, torchrun: bool = False) -> bool:
+    """Whether a job started in `cwd` with `env` (rank_env's extra) is forked from the rank server."""
+    return FORK_RANKS and not torchrun and Path(cwd).resolve() == REPO and ForkServer.accepts(rank_env(env))
 
 
 # SFTTRAIN_TEST_FORK=0 starts every rank the usual way (a check that no result depends on the start method)
@@ -241,13 +273,17 @@ class ForkServer:
                     and not (k == "TORCHINDUCTOR_CACHE_DIR" and v == default_cache_dir())}
         return key(env) == key(cls._running.env if cls._running else rank_env())
 
-    def launch(self, nproc: int, overrides: list[str], log: Path) -> ForkedJob:
-        pids = self.dir / f"job{next(self.job_ids)}.pids"
-        cmd = [sys.executable, str(REPO / "tests" / "forkrank.py"), str(self.socket), str(nproc), str(pids), "--",
-               *overrides]
+    def launch(self, nproc: int, args: list[str], log: Path, module: str = "sfttrain.run") -> ForkedJob:
+        cmd, pids = self.command(nproc, args, module)
         with open(log, "w") as f:
             return ForkedJob(cmd, pids, cwd=REPO, env=rank_env(), stdout=f, stderr=subprocess.STDOUT,
                              start_new_session=True)
+
+    def command(self, nproc: int, args: list[str], module: str = "sfttrain.run") -> tuple[list[str], Path]:
+        """A job's launcher (tests/forkrank.py, run in REPO with rank_env()) and the file of its ranks' pids."""
+        pids = self.dir / f"job{next(self.job_ids)}.pids"
+        return [sys.executable, str(REPO / "tests" / "forkrank.py"), str(self.socket), str(nproc), str(pids), "-m",
+                module, *args], pids
 
 
 def pytest_unconfigure(config):
@@ -267,10 +303,11 @@ def rank_env(extra: dict | None = None) -> dict:
 
 
 def run_sfttrain(nproc: int, overrides: list[str], check: bool = True, timeout: int = 300, cwd: Path = REPO,
-                 env: dict | None = None, torchrun: bool = False) -> subprocess.CompletedProcess:
+                 env: dict | None = None, torchrun: bool = False,
+                 module: str = "sfttrain.run") -> subprocess.CompletedProcess:
     """Runs a job to its end (`launch`); on timeout every rank is killed (none is left running)."""
     with tempfile.NamedTemporaryFile(suffix=".log") as log:
-        proc = launch(nproc, overrides, Path(log.name), cwd, env, torchrun)
+        proc = launch(nproc, overrides, Path(log.name), cwd, env, torchrun, module)
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -302,6 +339,13 @@ def run_alone(argv: list[str], limits: dict | None = None, prefix: tuple = (), t
             os.killpg(proc.pid, signal.SIGKILL)
             raise AssertionError(f"{' '.join(argv[:1])} hung: killed after {timeout} s") from None
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout=out)
+
+
+def run_on_ranks(nproc: int, function: Callable, *args: str) -> None:
+    """function(*args) on each of `nproc` ranks in a gloo group of their own (tests/rank_function.py),
+    started as a job is (launch: forked from the rank server, not an interpreter each as
+    torch.multiprocessing's spawn starts them); a rank that fails fails the test with the job's output."""
+    run_sfttrain(nproc, [function.__module__, function.__name__, *args], module="tests.rank_function")
 
 
 def job_processes(proc: subprocess.Popen) -> list[int]:
@@ -399,17 +443,18 @@ def load_checkpoint_model(ckpt_dir: Path) -> dict:
 TWO_RANK_STEPS = 3
 
 
-def two_rank_job(gsm8k_dir: Path, run_dir, *extra: str) -> list[str]:
-    return [*BASE_OVERRIDES, f"data.train_files={gsm8k_dir}/train.parquet", f"trainer.default_local_dir={run_dir}",
+def two_rank_job(train_file: Path, run_dir, *extra: str) -> list[str]:
+    """On gsm8k_head's rows (its 3 steps shuffle them)."""
+    return [*BASE_OVERRIDES, f"data.train_files={train_file}", f"trainer.default_local_dir={run_dir}",
             "data.max_length=128", "data.train_batch_size=8", "data.micro_batch_size_per_gpu=2",
             f"trainer.total_training_steps={TWO_RANK_STEPS}", "trainer.save_freq=2", "data.shuffle=true", *extra]
 
 
 @pytest.fixture(scope="session")
-def two_rank_run(gsm8k_dir, tmp_path_factory) -> Path:
+def two_rank_run(gsm8k_head, tmp_path_factory) -> Path:
     """two_rank_job on one node with torchrun, run once for the tests comparing other launches with it."""
     def build(out: Path) -> None:
-        run_sfttrain(2, two_rank_job(gsm8k_dir, out / "run"))
+        run_sfttrain(2, two_rank_job(gsm8k_head, out / "run"))
 
     return built_once(tmp_path_factory, "two_rank", build) / "run"
 

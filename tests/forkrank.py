@@ -1,19 +1,22 @@
 """A test job's launcher when its ranks are forked from the preloaded server (tests/forkserver.py):
-`python tests/forkrank.py SOCKET NPROC PIDFILE -- sfttrain.run's arguments`.
+`python tests/forkrank.py SOCKET NPROC PIDFILE -m MODULE ARGS...` (MODULE: sfttrain.run, or a
+one-process tool such as sfttrain.export).
 
-It stands where `python -m sfttrain.run` (one rank) or torchrun (several) would, started by the same
-Popen call (environment, working folder, output): it sends the server its own environment, working
-folder, arguments and stdout, writes the ranks' pids to PIDFILE (kill_job freezes and kills them with
-it), waits for them and exits with their status: one rank's own (a signal as a signal, as Popen
-reports a killed `python -m`), or for several the first failing rank's (the server stops the others,
-as torchrun does). Its death makes the server kill the job's ranks. It imports no torch: it costs
-an interpreter start, not the ~5 CPU-s of torch and transformers that the server paid once.
+It stands where `python -m MODULE` (one rank) or torchrun (several) would, started by the same
+Popen call (environment, working folder, output, file size limit): it sends the server its own
+environment, working folder, module and arguments, stdout and file size limit (`ulimit -f`, which a
+process inherits from its launcher), writes the ranks' pids to PIDFILE (kill_job freezes and kills
+them with it), waits for them and exits with their status: one rank's own (a signal as a signal, as
+Popen reports a killed `python -m`), or for several the first failing rank's (the server stops the
+others, as torchrun does). Its death makes the server kill the job's ranks. It imports no torch: it
+costs an interpreter start, not the ~5 CPU-s of torch and transformers that the server paid once.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import socket
 import sys
@@ -48,11 +51,12 @@ def exit_like(status: int) -> None:
 
 
 def main(argv: list[str]) -> None:
-    path, nproc, pid_file, sep, *args = argv
-    assert sep == "--", argv
+    path, nproc, pid_file, flag, module, *args = argv
+    assert flag == "-m", argv
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
         conn.connect(path)
-        send(conn, {"nproc": int(nproc), "argv": args, "env": dict(os.environ), "cwd": os.getcwd()}, [1])
+        send(conn, {"nproc": int(nproc), "module": module, "argv": args, "env": dict(os.environ), "cwd": os.getcwd(),
+                    "file_size_limit": resource.getrlimit(resource.RLIMIT_FSIZE)}, [1])
         started, _ = receive(conn)
         if started is None:
             sys.exit("forkrank: the fork server ended the connection (its log is beside its socket)")

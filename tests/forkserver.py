@@ -4,9 +4,10 @@ tests/conftest.py (one per pytest worker, in the environment and folder of the t
 A rank spends ~5 CPU-s importing torch, transformers and sfttrain before its first line of work, and
 the suite starts ~190 of them. This process imports all that once, then forks one child per rank a
 client (tests/forkrank.py) asks for. The child takes the client's environment (wholesale), working
-folder, arguments and stdout, and runs sfttrain.run as `python -m sfttrain.run` does: the product's
-own entry point in a real process. conftest forks only jobs whose environment and folder equal this
-server's (nothing read at import differs); the others start the usual way.
+folder, arguments, stdout and file size limit, and runs the module the client names (sfttrain.run,
+or a tool such as sfttrain.export) as `python -m` does: the product's own entry point in a real
+process. conftest forks only jobs whose environment and folder equal this server's (nothing read at
+import differs); the others start the usual way.
 
 For a job of several ranks the child gets torchrun's rendezvous variables, and the server does what
 the tests rely on torchrun for: when a rank fails, the others get SIGTERM (SIGKILL 30 s later), and
@@ -16,6 +17,7 @@ the job's status is the first failing rank's. Tests of torchrun's own output lau
 from __future__ import annotations
 
 import os
+import resource
 import runpy
 import selectors
 import signal
@@ -172,9 +174,11 @@ class Server:
 
 
 def become_rank(request: dict, rank: int, port: int | None, out_fd: int) -> None:
-    """This child as `python -m sfttrain.run` started by the client's launcher: its own session (as
-    torchrun starts ranks, as launch starts one), output, folder, environment and arguments."""
+    """This child as `python -m MODULE` started by the client's launcher: its own session (as
+    torchrun starts ranks, as launch starts one), output, folder, environment, arguments and file
+    size limit (a process inherits its launcher's)."""
     os.setsid()
+    resource.setrlimit(resource.RLIMIT_FSIZE, tuple(request["file_size_limit"]))
     os.dup2(out_fd, 1)
     os.dup2(out_fd, 2)
     os.close(out_fd)
@@ -193,6 +197,9 @@ def become_rank(request: dict, rank: int, port: int | None, out_fd: int) -> None
     # jobs, test_multinode's two agents for one, keep ranks with seeds of their own in the suite).
     numpy.random.seed()
     sys.argv = [sys.argv[0], *request["argv"]]
+    # a module imported here already (sfttrain.export, through the trainer's imports) runs anew as
+    # __main__, as in a fresh `python -m`, where nothing imported it before (runpy warns otherwise)
+    sys.modules.pop(request["module"], None)
 
 
 def on_sigterm(signum, frame):
@@ -201,5 +208,5 @@ def on_sigterm(signum, frame):
 
 if __name__ == "__main__":
     signal.signal(signal.SIGTERM, on_sigterm)
-    Server(socket.socket(fileno=int(sys.argv[1])), int(sys.argv[2])).serve()
-    runpy.run_module("sfttrain.run", run_name="__main__", alter_sys=True)
+    request = Server(socket.socket(fileno=int(sys.argv[1])), int(sys.argv[2])).serve()
+    runpy.run_module(request["module"], run_name="__main__", alter_sys=True)

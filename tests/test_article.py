@@ -6,7 +6,6 @@ files, not tests."""
 import os
 import shutil
 import subprocess
-import sys
 from importlib.metadata import version
 
 import pyarrow.parquet as pq
@@ -70,14 +69,17 @@ def test_article_command_line_runs_unchanged(home_with_gsm8k, tiny_qwen_dir, tmp
 
 def test_article_lora_keys_run_and_export(home_with_gsm8k, tiny_qwen_dir, tmp_path):
     """Article 003, section 6.1: the article's YAML with its LoRA keys (bf16 base, fp32 adapters,
-    2 ranks); the checkpoint holds the adapters only and exports to a folder peft loads."""
+    2 ranks); the checkpoint holds the adapters only and exports to a folder peft loads, also from
+    another working directory than the run's, whose model.partial_pretrain was a relative path (the
+    export stopped asking for --base)."""
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from tests.test_checkpoint import state
 
-    proc = run_sfttrain(2, [str(REPO / "recipes" / "verl_sft_fsdp2.yaml"), f"model.partial_pretrain={tiny_qwen_dir}",
+    relative = os.path.relpath(tiny_qwen_dir, tmp_path)
+    proc = run_sfttrain(2, [str(REPO / "recipes" / "verl_sft_fsdp2.yaml"), f"model.partial_pretrain={relative}",
                             "model.enable_gradient_checkpointing=true", "model.lora_rank=64", "model.lora_alpha=32",
                             "model.target_modules=all-linear", "data.micro_batch_size_per_gpu=2",
                             "trainer.total_training_steps=1", "data.train_batch_size=4"],
@@ -87,8 +89,8 @@ def test_article_lora_keys_run_and_export(home_with_gsm8k, tiny_qwen_dir, tmp_pa
     ckpt = tmp_path / "checkpoints" / "global_step_1"
     assert all(".lora_" in name for name in state(ckpt)["model"])
     out = tmp_path / "exported"
-    subprocess.run([sys.executable, "-m", "sfttrain.export", str(ckpt), str(out)], check=True, cwd=REPO,
-                   capture_output=True)
+    assert not (REPO / relative).exists()
+    run_sfttrain(1, [str(ckpt), str(out)], module="sfttrain.export", cwd=REPO)
     base = AutoModelForCausalLM.from_pretrained(tiny_qwen_dir, dtype=torch.float32)
     assert PeftModel.from_pretrained(base, out / "adapter").peft_config["default"].r == 64
     assert (out / "model.safetensors").exists()

@@ -64,7 +64,7 @@ def test_a_failed_job_keeps_why(tmp_path):
     assert why_it_failed(str(log), chars=3000) == start[-3000:]
 
 
-def test_a_job_stopped_at_its_timeout_leaves_its_stacks(gsm8k_dir, tmp_path):
+def test_a_job_stopped_at_its_timeout_leaves_its_stacks(gsm8k_head, tmp_path):
     """What a bench does with a job still running at its timeout (bench/jobs.py): torchrun's 2 ranks,
     each with a DataLoader worker, print their threads' Python stacks into the job's log (SIGUSR1),
     torchrun's agent is spared that signal (it would end it), and the job is then stopped. The
@@ -74,7 +74,7 @@ def test_a_job_stopped_at_its_timeout_leaves_its_stacks(gsm8k_dir, tmp_path):
     from tests.test_checkpoint import wait_until
 
     run_dir, log = tmp_path / "run", tmp_path / "log"
-    proc = launch(2, [*BASE_OVERRIDES, f"data.train_files={gsm8k_dir}/train.parquet", f"trainer.default_local_dir={run_dir}",
+    proc = launch(2, [*BASE_OVERRIDES, f"data.train_files={gsm8k_head}", f"trainer.default_local_dir={run_dir}",
                       "data.train_batch_size=4", "data.micro_batch_size_per_gpu=2", "trainer.total_training_steps=100000",
                       "data.num_workers=1"],
                   log, torchrun=True)

@@ -385,9 +385,40 @@ def test_gsm8k_messages_data_prep(tmp_path):
                            {"role": "assistant", "content": first["answer"]}]
 
 
+def _assistant_labels(tok, conversation: list[dict]) -> tuple[list[int], list[int]]:
+    """The template's rendering of a conversation tokenized, and its labels located here in the ids: each
+    '<|im_start|>assistant\n' header's following tokens through its '<|im_end|>' (IGNORE elsewhere)."""
+    ids = tok(tok.apply_chat_template(conversation, tokenize=False), add_special_tokens=False)["input_ids"]
+    header = tok("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    end = tok.convert_tokens_to_ids(EOT)
+    labels, i = [-100] * len(ids), 0
+    while i < len(ids):
+        if ids[i:i + len(header)] == header:
+            i += len(header)
+            while ids[i] != end:
+                labels[i] = ids[i]
+                i += 1
+            labels[i] = end
+        i += 1
+    return ids, labels
+
+
 def test_training_on_conversations_counts_assistant_tokens(tiny_qwen_dir, tmp_path):
     """Two ranks, the chat recipe, 8 multi-turn rows: every row's loss tokens counted another way,
-    by tokenizing each assistant content alone (+1 for <|im_end|>), must add up in metrics.jsonl."""
+    by tokenizing each assistant content alone (+1 for <|im_end|>), must add up in metrics.jsonl.
+    Validation on 7 three-turn conversations with a system prompt (token-budget micro-batches, 3 and 4
+    a rank): val/loss against a plain loop on the final weights, the supervised tokens located in the
+    template's rendering here (`_assistant_labels`: each assistant turn's content and <|im_end|>, nothing
+    of the system and user turns), sum of token losses / sum of tokens. fp32, packed rows on two ranks
+    against one row at a time: another summation order, 1e-5 relative. optim.lr=0.1: two steps take the
+    random model's token losses apart (at the recipe's 1e-5 all sit near ln(vocab), and no mask mistake
+    would show); the mask shifted by one token (each '\n' of a header trained in place of the turn's
+    <|im_end|>, the same count) moves val/loss by 1e-3 relative."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    from tests.conftest import load_checkpoint_model
+
     tok = AutoTokenizer.from_pretrained(tiny_qwen_dir)
     questions = [json.loads(line) for line in (REPO / "assets/data/gsm8k/train.jsonl").read_text().splitlines()[:16]]
     conversations = [[{"role": "system", "content": "Solve the problem."},
@@ -395,15 +426,37 @@ def test_training_on_conversations_counts_assistant_tokens(tiny_qwen_dir, tmp_pa
                       {"role": "user", "content": b["question"]}, {"role": "assistant", "content": b["answer"]}]
                      for a, b in zip(questions[::2], questions[1::2])]
     write_chat_parquet(tmp_path / "train.parquet", conversations)
+    tests = [json.loads(line) for line in (REPO / "assets/data/gsm8k/test.jsonl").read_text().splitlines()[:21]]
+    val = []
+    for i in range(7):  # every other conversation answers with the final number alone: rows of unequal weight
+        turns = [(q["question"], q["answer"].split("####")[-1].strip() if i % 2 else q["answer"])
+                 for q in tests[3 * i:3 * i + 3]]
+        val.append([{"role": "system", "content": "Answer briefly."},
+                    *(m for q, a in turns for m in ({"role": "user", "content": q}, {"role": "assistant", "content": a}))])
+    write_chat_parquet(tmp_path / "val.parquet", val)
     expected = sum(len(tok(m["content"], add_special_tokens=False)["input_ids"]) + 1
                    for c in conversations for m in c if m["role"] == "assistant")
     run_dir = tmp_path / "run"
     run_sfttrain(2, [str(REPO / "recipes/qwen2.5-0.5b_multiturn_chat.yaml"), f"model.partial_pretrain={tiny_qwen_dir}",
-                     f"data.train_files={tmp_path / 'train.parquet'}", "data.val_files=null",
+                     f"data.train_files={tmp_path / 'train.parquet'}", f"data.val_files={tmp_path / 'val.parquet'}",
                      "data.train_batch_size=4", "data.max_token_len_per_gpu=2048", "data.max_length=2048",
-                     "data.num_workers=0",
+                     "data.num_workers=0", "optim.lr=1e-1", "optim.lr_warmup_steps_ratio=0",
                      "model.enable_gradient_checkpointing=false", "trainer.test_freq=-1", "trainer.save_freq=-1",
                      "model.fsdp_config.mixed_precision=false", "trainer.device=cpu", "trainer.total_epochs=1",
                      f"trainer.default_local_dir={run_dir}"], timeout=600)
     steps = [m for m in read_metrics(run_dir) if "loss" in m]
     assert len(steps) == 2 and sum(m["loss_tokens"] for m in steps) == expected
+    model = Qwen2ForCausalLM.from_pretrained(tiny_qwen_dir, attn_implementation="eager").eval()
+    missing, unexpected = model.load_state_dict(load_checkpoint_model(run_dir / "global_step_2"), strict=False)
+    assert unexpected == [] and set(missing) <= {"lm_head.weight"}, (missing, unexpected)  # tied to the embedding
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for conversation in val:
+            ids, labels = _assistant_labels(tok, conversation)
+            logits = model(input_ids=torch.tensor([ids])).logits[0, :-1]
+            targets = torch.tensor(labels[1:])
+            total += torch.nn.functional.cross_entropy(logits, targets, ignore_index=-100, reduction="sum").item()
+            count += int((targets != -100).sum())
+    assert count == sum(len(tok(m["content"], add_special_tokens=False)["input_ids"]) + 1
+                        for c in val for m in c if m["role"] == "assistant")
+    assert [m["val/loss"] for m in read_metrics(run_dir) if "val/loss" in m] == [pytest.approx(total / count, rel=1e-5)]

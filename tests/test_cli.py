@@ -14,7 +14,7 @@ import pytest
 from tests.conftest import BASE_OVERRIDES, REPO, read_metrics, run_sfttrain
 
 
-def test_one_process_job_takes_no_port(gsm8k_dir, tmp_path):
+def test_one_process_job_takes_no_port(gsm8k_head, tmp_path):
     """`python -m sfttrain.run` (no torchrun) while torch's default rendezvous port is taken, as by
     another such job on the machine (one per GPU): it trains. It used to bind 29500 and fail."""
     with socket.socket() as held:
@@ -23,7 +23,7 @@ def test_one_process_job_takes_no_port(gsm8k_dir, tmp_path):
             held.listen()
         except OSError:
             pass  # 29500 is taken already: by another process, which is the case under test too
-        run_sfttrain(1, [*BASE_OVERRIDES, f"data.train_files={gsm8k_dir / 'train.parquet'}", "data.train_batch_size=4",
+        run_sfttrain(1, [*BASE_OVERRIDES, f"data.train_files={gsm8k_head}", "data.train_batch_size=4",
                          "trainer.total_training_steps=1", f"trainer.default_local_dir={tmp_path / 'run'}"])
     assert read_metrics(tmp_path / "run")[0]["step"] == 1
 
@@ -47,6 +47,9 @@ def test_help_lists_every_key_with_its_default():
     assert "GLOBAL batch in samples per optimizer step" in out  # a trailing comment
     assert "packed rows are padded to a multiple of this" in out  # a comment block above its key
     assert "verl keys accepted and ignored (each said at start-up): trainer.default_hdfs_dir" in out
+    # verl's checkpoint contents, which the README says are taken, are named too (--help did not name them)
+    assert "verl's trainer.checkpoint.save_contents and trainer.checkpoint.load_contents: accepted" in out
+    assert "hf_model among the contents sets trainer.save_hf=true" in out
     # a background save's copies are as many as trainer.async_save_in_flight, on the GPU on CUDA (it said "from a
     # host copy (+1 model/optimizer shard in RAM)", from before saves staged on the device and queued)
     assert "one per save in flight, on the GPU or in host memory: async_save_in_flight, async_save_staging" in out

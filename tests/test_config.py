@@ -29,10 +29,11 @@ def test_values_that_have_their_effect_are_accepted(override):
 
 
 @pytest.mark.parametrize("override", ["trainer.log_freq=0", "trainer.log_freq=-2", "trainer.total_training_steps=0",
-                                      "trainer.total_training_steps=-1", "data.num_workers=-1"])
+                                      "trainer.total_training_steps=-1", "data.num_workers=-1", "trainer.seed=-1"])
 def test_counts_that_crash_or_mean_nothing_are_refused_with_a_valid_value(override):
     """log_freq=0 divided by zero after the first step, total_training_steps <= 0 trained nothing (0: the
-    epochs, silently), num_workers < 0 ended in the DataLoader's ValueError: each is refused naming the
+    epochs, silently), num_workers < 0 ended in the DataLoader's ValueError, a negative seed in numpy's once
+    the rows were read (preflight and run, a traceback): each is refused naming the
     key and a value, which loads. (save_freq and test_freq <= 0, -1 in verl's configs, mean "at the end
     only"; max_ckpt_to_keep 0, as null, keeps all: accepted.)"""
     key = override.split("=")[0]
@@ -88,6 +89,39 @@ def test_verls_sft_trainer_yaml_keys_that_say_none(capsys):
                               ("data.custom_cls.path=my_dataset.py", "data.custom_cls=.*convert the data")]:
         with pytest.raises(ConfigError, match=rf"^{message}.*; remove the key \(or set it to null\)$"):
             load_config(overrides=[*COMMON, override])
+
+
+def test_verls_checkpoint_contents(tmp_path, capsys):
+    """verl's trainer.checkpoint section (its sft_trainer.yaml's, load_contents an interpolation of
+    save_contents) loads, said once; hf_model on the command line is trainer.save_hf=true; an unknown
+    content or key is refused naming verl's."""
+    yaml = tmp_path / "verl.yaml"
+    yaml.write_text("trainer:\n  checkpoint:\n    save_contents: [model, optimizer, extra]\n"
+                    "    load_contents: ${trainer.checkpoint.save_contents}\n")
+    assert load_config(str(yaml), COMMON).trainer.save_hf is False
+    assert "sfttrain: ignoring trainer.checkpoint (save_contents=['model', 'optimizer', 'extra'], load_contents=" \
+           "${trainer.checkpoint.save_contents}): sfttrain's checkpoints always hold" in capsys.readouterr().out
+    cfg = load_config(str(yaml), [*COMMON, "trainer.checkpoint.save_contents=[model,optimizer,extra,hf_model]"])
+    assert cfg.trainer.save_hf is True and "hf_model is trainer.save_hf=true" in capsys.readouterr().out
+    for override, message in [("+trainer.checkpoint.save_contents=[model,hf]", r"\['hf'\] unknown; verl's contents are"),
+                              ("trainer.checkpoint.keep=2", "trainer.checkpoint.keep: unknown key")]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(overrides=[*COMMON, override])
+
+
+def test_verls_ppo_keys_are_named_as_such(tmp_path):
+    """A seed article's GRPO template (actor_rollout_ref.*, trainer.critic_warmup beside data.train_batch_size)
+    pasted into an SFT run: each PPO key is said to be one, once per section, with SFT's batch keys,
+    not a suggestion of the closest SFT key (trainer.nccl_timeout)."""
+    yaml = tmp_path / "grpo.yaml"
+    yaml.write_text("data:\n  train_batch_size: 60\ntrainer:\n  critic_warmup: 0\nactor_rollout_ref:\n  actor:\n"
+                    "    ppo_mini_batch_size: 60\n    fsdp_config:\n      fsdp_size: -1\n  rollout:\n    n: 12\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(str(yaml), COMMON)
+    lines = str(e.value).splitlines()
+    assert [line.split(":")[0] for line in lines] == ["trainer.critic_warmup", "actor_rollout_ref"], lines
+    assert all("a key of verl's PPO/GRPO trainer (ppo_trainer.yaml), not of its SFT trainer" in line and
+               "data.micro_batch_size_per_gpu" in line and "did you mean" not in line for line in lines), lines
 
 
 def test_hydra_append_syntax_and_ignored_verl_keys(capsys):
@@ -237,3 +271,42 @@ def test_runtime_notes_for_settings_a_device_or_layout_ignores():
     cpu = types.SimpleNamespace(device=__import__("torch").device("cpu"))
     cfg = load_config(overrides=[*COMMON, "model.compile=true", "model.compile_cpp_wrapper=true"])
     assert "(model.compile_cpp_wrapper=true ignored on cpu: " in describe_compile(cfg, cpu, None)
+
+
+def test_a_run_that_auto_places_on_the_cpu_says_so():
+    """trainer.device=auto (verl's default is cuda) on a machine whose torch sees no GPU says so at
+    start-up, naming why and the keys that decide; trainer.device=cpu, which says the CPU is meant, not."""
+    import torch
+
+    from sfttrain.distributed import describe_auto_cpu
+
+    cpu = torch.device("cpu")
+    note = describe_auto_cpu(load_config(overrides=COMMON), cpu)
+    why = "is a CPU-only build" if torch.version.cuda is None else "sees no CUDA device (CUDA_VISIBLE_DEVICES="
+    assert len(note) == 1 and note[0].startswith("  NOTE: trainer.device=auto runs on the CPU: torch ") and why in note[0]
+    assert "Set trainer.device=cuda to stop instead" in note[0], note
+    assert describe_auto_cpu(load_config(overrides=[*COMMON, "trainer.device=cpu"]), cpu) == []
+
+
+@pytest.mark.parametrize("override, message", [
+    ("optim.betas=[0.9,1.5]", r"optim.betas=\[0.9, 1.5\]: each must lie in \[0, 1\)"),
+    ("optim.betas=[-0.1,0.95]", r"optim.betas=\[-0.1, 0.95\]: each must lie in \[0, 1\)"),
+    ("optim.eps=-1e-8", r"optim.eps=-1e-08 is negative; .*default 1e-08"),
+    ("optim.weight_decay=-0.1", r"optim.weight_decay=-0.1 is negative .*default 0.01"),
+])
+def test_adamw_values_torch_checks_only_in_its_defaults_are_refused(override, message):
+    """sfttrain sets betas, eps and weight decay per parameter group, where torch's AdamW does not check
+    them: a beta of 1.5 trained two steps into a NaN loss (exit code 4), a negative weight decay trained
+    on. Each is refused at start-up (and listed by the preflight, which lists config_problems)."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=[*COMMON, override])
+
+
+def test_a_prompt_read_from_the_responses_cell_is_refused():
+    """data.response_key=question beside the default prompt_key=question trained every question after
+    itself, silently. One column read at two nested keys (verl's GSM8K command line) is accepted."""
+    with pytest.raises(ConfigError, match=r"data.prompt_key='question' and data.response_key='question' read the same "
+                                          r"cell: .*set data.response_key to the answers' column"):
+        load_config(overrides=[*COMMON, "data.response_key=question"])
+    load_config(overrides=[*COMMON, "data.prompt_key=extra_info", "data.response_key=extra_info",
+                           "data.prompt_dict_keys=[question]", "data.response_dict_keys=[answer]"])

@@ -82,3 +82,24 @@ def test_row_without_answer_names_file_and_line(tmp_path):
     p = run("--local_dir", tmp_path / "out", "--input_dir", tmp_path / "in")
     assert p.returncode != 0
     assert f"{tmp_path / 'in/train.jsonl'}:3" in p.stderr and "'answer'" in p.stderr
+
+
+def test_a_write_that_fails_says_why_and_leaves_no_file(tmp_path):
+    """An output folder that cannot be made (a file in its way), and a write cut short (the file size limit,
+    `ulimit -f`, as a full disk would): one line naming the file and the fix, exit code 1, no traceback, and
+    no train.parquet for a run to read as the data (written under a temporary name, renamed once whole)."""
+    import resource
+
+    (tmp_path / "afile").write_text("")
+    p = run("--local_dir", tmp_path / "afile" / "out", "--input_dir", SAMPLE)
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+    assert f"error: cannot write {tmp_path}/afile/out/train.parquet: [Errno 20] Not a directory" in p.stderr, p.stderr
+
+    out = tmp_path / "out"
+    p = subprocess.run([sys.executable, str(SCRIPT), "--local_dir", str(out), "--input_dir", str(SAMPLE)], cwd=REPO,
+                       capture_output=True, text=True,
+                       preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (50_000, 50_000)))
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+    assert (f"error: cannot write {out}/train.parquet: the file size limit (ulimit -f) was reached (" in p.stderr
+            and "). Raise the file size limit" in p.stderr), p.stderr  # pyarrow's words for EFBIG between
+    assert list(out.iterdir()) == []

@@ -108,7 +108,7 @@ def test_a_row_whose_counts_changed_since_the_scan_stops_the_run(data, tmp_path)
     from sfttrain.data.loader import _save_stats, digest
     from sfttrain.data.pack import loss_tokens
     from sfttrain.data.parquet import row_fields
-    from sfttrain.data.prepare import CACHE_DIR
+    from sfttrain.data.prepare import LENGTHS_DIR
     from sfttrain.model import load_tokenizer
 
     run_dir = tmp_path / "run"
@@ -122,14 +122,14 @@ def test_a_row_whose_counts_changed_since_the_scan_stops_the_run(data, tmp_path)
                                           for s in samples))]
     columns[1][3] += 1
     assert not dist.is_initialized()
-    _save_stats(str(run_dir / CACHE_DIR / f"{rendering_key(data_fingerprint(cfg, source, tokenizer))}.npz"), columns)
+    _save_stats(str(run_dir / LENGTHS_DIR / f"{rendering_key(data_fingerprint(cfg, source, tokenizer))}.npz"), columns)
     out = run_sfttrain(1, overrides, check=False)
     assert out.returncode == 3, out.stdout[-3000:]
     assert "every row's length read from" in out.stdout  # the counts came from the cache
     n, loss = len(samples[3].input_ids), loss_tokens(samples[3])
     assert (f"{data} row 3 renders now to {n} tokens, {loss} supervised, but the start-up row scan "
             f"counted {n} and {loss + 1}") in out.stdout, out.stdout[-3000:]
-    assert f"delete {run_dir / CACHE_DIR}/" in out.stdout and "Traceback" not in out.stdout
+    assert f"delete {run_dir / LENGTHS_DIR}/" in out.stdout and "Traceback" not in out.stdout
     assert not (run_dir / "metrics.jsonl").exists() or not read_metrics(run_dir)
 
 
@@ -194,7 +194,9 @@ def test_rows_trained_twice_and_validation_rows_seen_in_training_are_reported(gs
     """Training rows 7 and 20 repeat rows 2 and 11, rows 13 and 30 have an empty answer; validation rows 1
     and 4 are training rows 11 and 5, its other rows are not (the reference: the same question and answer
     text). 2 ranks, each rendering half of the validation rows: the report and the preflight name the
-    same pairs and rows, and both warn. An `input` column that no key names is listed as not read."""
+    same pairs and rows, and both warn. An `input` column that no key names is listed as not read. The
+    training rows are two files: the warnings name each row by its file and row there (row ids count
+    through both)."""
     rows = pq.read_table(gsm8k_dir / "train.parquet").slice(0, ROWS).select(["question", "answer"]).to_pylist()
     rows[7], rows[20] = rows[2], rows[11]
     rows[13]["answer"] = rows[30]["answer"] = ""
@@ -202,8 +204,9 @@ def test_rows_trained_twice_and_validation_rows_seen_in_training_are_reported(gs
         row["input"] = "context the prompt key does not name"  # Alpaca's column beside instruction, unread
     val = pq.read_table(gsm8k_dir / "train.parquet").slice(ROWS, 6).select(["question", "answer"]).to_pylist()
     val[1], val[4] = rows[11], rows[5]
-    for name, table in (("train", rows), ("val", val)):
+    for name, table in (("train_a", rows[:16]), ("train_b", rows[16:]), ("val", val)):
         pq.write_table(pa.Table.from_pylist(table), tmp_path / f"{name}.parquet")
+    train_a, train_b = tmp_path / "train_a.parquet", tmp_path / "train_b.parquet"
     first = {}
     text = [(r["question"], r["answer"]) for r in rows]
     for i, t in enumerate(text):
@@ -212,22 +215,25 @@ def test_rows_trained_twice_and_validation_rows_seen_in_training_are_reported(gs
     twins = [(v, first[t]) for v, t in enumerate((r["question"], r["answer"]) for r in val) if t in first]
     assert repeated == [7, 20] and twins == [(1, 11), (4, 5)]
 
-    overrides = job(tmp_path / "train.parquet", tmp_path / "run", f"data.val_files={tmp_path / 'val.parquet'}",
+    overrides = job(f"[{train_a},{train_b}]", tmp_path / "run", f"data.val_files={tmp_path / 'val.parquet'}",
                     "data.truncation=left", "trainer.total_training_steps=1")
     out = run_sfttrain(2, overrides).stdout
     report = json.loads((tmp_path / "run" / "data_report.json").read_text())
-    assert report["duplicate_rows"] == {"count": len(repeated), "rows": repeated}
+    assert report["duplicate_rows"] == {"count": len(repeated), "rows": repeated,  # row ids over both files
+                                        "at": [f"{train_a} row 7", f"{train_b} row 4"]}
     assert report["columns_not_read"] == ["input"] and "  columns not read    : input (data.prompt_key" in out
     empty = [i for i, r in enumerate(rows) if not r["answer"]]
-    assert empty == [13, 30] and report["empty_responses"] == {"count": 2, "rows": empty}
+    assert empty == [13, 30] and report["empty_responses"] == {"count": 2, "rows": empty,
+                                                               "at": [f"{train_a} row 13", f"{train_b} row 14"]}
     assert report["validation"] == {"rows": len(val), "in_training": {
         "count": len(twins), "rows": [v for v, _ in twins], "training_rows": [t for _, t in twins]}}
     warning = "WARNING: validation rows [1, 4] (2 of 6) are training rows [11, 5] (the same tokens)"
-    assert warning in out and "rows [7, 20] (2 in all) repeat an earlier row's tokens" in out
+    assert warning in out and f"rows [{train_a} row 7, {train_b} row 4] (2 in all) repeat an earlier row's" in out
 
     with contextlib.redirect_stdout(io.StringIO()) as preflight:
         assert plan([*overrides, "--nproc", "2"]) == 0, preflight.getvalue()
-    empty_warning = "WARNING: rows [13, 30] (2 in all) have an empty response: the end token alone is trained on them"
+    empty_warning = (f"WARNING: rows [{train_a} row 13, {train_b} row 14] (2 in all) have an empty response: the end "
+                     "token alone is trained on them")
     assert warning in preflight.getvalue() and empty_warning in preflight.getvalue(), preflight.getvalue()
     assert empty_warning in out, out
 

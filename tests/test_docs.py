@@ -30,9 +30,10 @@ def test_every_key_the_readme_names_is_one_the_config_takes():
     not an unknown key."""
     from omegaconf import OmegaConf
 
-    from sfttrain.config import ALIASES, IGNORED_VERL_KEYS, NULL_ONLY_VERL_KEYS, Config, _flat_keys
+    from sfttrain.config import ALIASES, CHECKPOINT_KEYS, IGNORED_VERL_KEYS, NULL_ONLY_VERL_KEYS, Config, _flat_keys
 
-    keys = {*_flat_keys(OmegaConf.structured(Config)), *ALIASES, *IGNORED_VERL_KEYS, *NULL_ONLY_VERL_KEYS}
+    keys = {*_flat_keys(OmegaConf.structured(Config)), *ALIASES, *IGNORED_VERL_KEYS, *NULL_ONLY_VERL_KEYS,
+            *CHECKPOINT_KEYS}
     sections = {key.rpartition(".")[0] for key in keys}
     named = set(re.findall(r"`\+?((?:[a-z_]+\.)*[a-z_]+)(?:=[^`]*)?`", README)) - {"python", "torchrun"}
     dotted = {n for n in named if n.split(".")[0] in ("data", "model", "optim", "trainer")}

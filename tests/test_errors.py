@@ -8,6 +8,7 @@ sfttrain.run` (the suite's forked ranks: no torchrun start-up per case), and pri
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -114,7 +115,7 @@ def catalogue(tmp: Path) -> dict[str, Case]:
             "rope_scaling rope_type='dynamic'", "data.max_length=256 above original_max_position_embeddings=128",
             "Set data.max_length<=128"], CONFIG),
         "token_past_the_embedding": Case([f"model.partial_pretrain={added}"], [
-            "train.parquet", "row 0 has token ids [512] (['Natalia']) at or past the model's 512 embedding rows",
+            "train.parquet", "row 0: the row has token ids [512] (['Natalia']) at or past the model's 512 embedding rows",
             "resize_token_embeddings"], DATA),
         # a seed article's sbatch: `#SBATCH --ntasks-per-node=8`, then `srun torchrun --nproc_per_node=8 ...`
         "torchrun_per_task": Case([], ["srun started 8 tasks on a node (SLURM_STEP_TASKS_PER_NODE=8(x2))",
@@ -143,9 +144,9 @@ def catalogue(tmp: Path) -> dict[str, Case]:
     }
 
 
-def _run(name: str, case: Case, tmp: Path, gsm8k_dir: Path):
+def _run(name: str, case: Case, tmp: Path, train_file: Path):
     run_dir = tmp / name
-    args = [*BASE_OVERRIDES, f"data.train_files={gsm8k_dir}/train.parquet", f"trainer.default_local_dir={run_dir}",
+    args = [*BASE_OVERRIDES, f"data.train_files={train_file}", f"trainer.default_local_dir={run_dir}",
             "trainer.total_training_steps=3", *case.overrides]
     if case.yaml is not None:
         recipe = tmp / f"{name}.yaml"
@@ -155,14 +156,15 @@ def _run(name: str, case: Case, tmp: Path, gsm8k_dir: Path):
 
 
 @pytest.fixture(scope="module")
-def outcomes(gsm8k_dir, tmp_path_factory):
+def outcomes(gsm8k_head, tmp_path_factory):
     """Every case's output, the cases run three at a time (most stop before the model loads, so
-    each is mostly start-up: overlapping them keeps the suite fast)."""
+    each is mostly start-up: overlapping them keeps the suite fast), on conftest's gsm8k_head (the
+    rows the cases name, 0 and 1, and rows over 256 tokens are among its rows)."""
     tmp = tmp_path_factory.mktemp("errors")
     cases = catalogue(tmp)
     assert sorted(cases) == sorted(CASES)
     with ThreadPoolExecutor(3) as pool:
-        procs = {name: pool.submit(_run, name, case, tmp, gsm8k_dir) for name, case in cases.items()}
+        procs = {name: pool.submit(_run, name, case, tmp, gsm8k_head) for name, case in cases.items()}
         return {name: (cases[name], procs[name].result(), tmp / name) for name in cases}
 
 
@@ -258,14 +260,14 @@ def rank_pid(launcher: subprocess.Popen, rank: int) -> int | None:
     return None
 
 
-def test_collective_timeout_names_the_phase(gsm8k_dir, tmp_path):
+def test_collective_timeout_names_the_phase(gsm8k_head, tmp_path):
     """Two gloo ranks; rank 1 is frozen (SIGSTOP, a real stall) once training runs: rank 0's
     collective times out after trainer.nccl_timeout and it says which rank it is and the step it
     was in. Then rank 1 gets a segmentation fault (SIGSEGV, as from a kernel library): its log
     shows its Python stack in the trainer, not only the signal's number (torch's `record`, which
     sfttrain.run wraps the training in, turns on faulthandler)."""
     run_dir, log = tmp_path / "run", tmp_path / "log"
-    proc = launch(2, [*BASE_OVERRIDES, f"data.train_files={gsm8k_dir}/train.parquet", f"trainer.default_local_dir={run_dir}",
+    proc = launch(2, [*BASE_OVERRIDES, f"data.train_files={gsm8k_head}", f"trainer.default_local_dir={run_dir}",
                       "data.train_batch_size=4", "data.micro_batch_size_per_gpu=2", "trainer.total_training_steps=100000",
                       "trainer.nccl_timeout=20"],
                   log)
@@ -295,12 +297,12 @@ def test_collective_timeout_names_the_phase(gsm8k_dir, tmp_path):
                     r"\(trainer.nccl_timeout=20\)", said[0]), said[0]
 
 
-def test_ctrl_c_ends_every_rank_in_one_line(gsm8k_dir, tmp_path):
+def test_ctrl_c_ends_every_rank_in_one_line(gsm8k_head, tmp_path):
     """SIGINT to both ranks at once, as torchrun passes a Ctrl-C on, once a step is logged: one line
     naming the run folder and exit code 130, without a traceback of either rank (one of them may
     have been in a collective with the other when it stopped)."""
     run_dir, log = tmp_path / "run", tmp_path / "log"
-    proc = launch(2, [*BASE_OVERRIDES, f"data.train_files={gsm8k_dir}/train.parquet", f"trainer.default_local_dir={run_dir}",
+    proc = launch(2, [*BASE_OVERRIDES, f"data.train_files={gsm8k_head}", f"trainer.default_local_dir={run_dir}",
                       "data.train_batch_size=4", "data.micro_batch_size_per_gpu=2", "trainer.total_training_steps=100000"],
                   log)
     try:
@@ -323,16 +325,26 @@ def test_ctrl_c_ends_every_rank_in_one_line(gsm8k_dir, tmp_path):
         assert "exitcode  : 130" in out, out[-3000:]
 
 
-MEMORY_LIMIT = 16 << 30  # the rank's address space (RLIMIT_AS): one thread for torch, two malloc arenas
+@functools.cache
+def memory_limit() -> int:
+    """A rank's address space (RLIMIT_AS; one thread for torch, two malloc arenas): 16 GiB more than an
+    interpreter maps once it has imported sfttrain's trainer. A CUDA build of torch maps its libraries there,
+    gigabytes of address space (none of it memory) that a fixed limit counted against the rank."""
+    probe = subprocess.run([sys.executable, "-c", "import sfttrain.trainer; print(open('/proc/self/status').read())"],
+                           cwd=REPO, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, capture_output=True, text=True,
+                           check=True)
+    return (int(re.search(r"VmPeak:\s+(\d+) kB", probe.stdout).group(1)) << 10) + (16 << 30)
 
 
 def run_under_memory_limit(tmp_path: Path, gsm8k_dir: Path, name: str, shape: dict, *overrides: str,
                            limit_host: bool = True):
     """One rank (`python -m sfttrain.run`) of a model built from stories260K's config with `shape`
-    (random weights, its tokenizer), its address space limited to MEMORY_LIMIT (unless not
-    limit_host: CUDA reserves more address space than that): an allocation past it fails in the
-    allocator as on a host whose memory is used up, without touching that memory."""
+    (random weights, its tokenizer), its address space limited (`memory_limit`; unless not limit_host: CUDA
+    reserves more address space than that, and the GPUs are hidden where it is limited): an allocation past it
+    fails in the allocator as on a host whose memory is used up, without touching that memory."""
     import resource
+
+    limit_bytes = memory_limit() if limit_host else None
 
     folder = tmp_path / name
     folder.mkdir()
@@ -343,12 +355,13 @@ def run_under_memory_limit(tmp_path: Path, gsm8k_dir: Path, name: str, shape: di
     (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1, **shape}))
 
     def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
+        resource.setrlimit(resource.RLIMIT_AS, (limit_bytes, limit_bytes))
 
     command = [sys.executable, "-m", "sfttrain.run", *BASE_OVERRIDES, f"model.partial_pretrain={folder}",
                "model.random_init=true", f"data.train_files={gsm8k_dir}/train.parquet",
                f"trainer.default_local_dir={tmp_path / name}_run", *overrides]
-    return subprocess.run(command, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2"},
+    hidden = {"CUDA_VISIBLE_DEVICES": ""} if limit_host else {}
+    return subprocess.run(command, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2", **hidden},
                           preexec_fn=limit if limit_host else None, capture_output=True, text=True, timeout=300)
 
 
@@ -396,17 +409,23 @@ def worker_job(gsm8k_dir: Path, run_dir: Path) -> list[str]:
 def test_data_workers_within_the_open_files_limit(gsm8k_dir, tmp_path):
     """A worker hands each tensor of a step to the rank as a file descriptor. Under a soft open files limit
     of 32 (`ulimit -n`; the hard one 4096) the run raises it and trains; under a hard limit of 32 it is
-    refused at start-up (exit code 2), naming the limit and the fix. Both hung before: the worker's
-    handover failed on a thread of its own, which printed its error in a loop, and the rank waited."""
+    refused at start-up (exit code 2), naming the limit and the fix, and listed by the preflight under that
+    limit. Both hung before: the worker's handover failed on a thread of its own, which printed its error in a
+    loop, and the rank waited."""
     import resource
 
     trained = run_alone(worker_job(gsm8k_dir, tmp_path / "soft"), {resource.RLIMIT_NOFILE: (32, 4096)}, timeout=120)
     assert trained.returncode == 0 and "Traceback" not in trained.stdout, trained.stdout[-3000:]
     refused = run_alone(worker_job(gsm8k_dir, tmp_path / "hard"), {resource.RLIMIT_NOFILE: (32, 32)}, timeout=120)
     assert refused.returncode == CONFIG and "Traceback" not in refused.stdout, refused.stdout[-3000:]
-    assert re.search(r"^sfttrain: config error: the open files limit of this job is 32 \(`ulimit -Hn`.*\), and a rank "
-                     r"and each of its data workers need up to about \d+ here. Raise the open files limit",
-                     refused.stdout, re.MULTILINE), refused.stdout[-3000:]
+    message = re.search(r"^sfttrain: config error: (the open files limit of this job is 32 \(`ulimit -Hn`.*\), and a "
+                        r"rank and each of its data workers need up to about \d+ here. Raise the open files limit.*)$",
+                        refused.stdout, re.MULTILINE)
+    assert message, refused.stdout[-3000:]
+    # the preflight of the same job, started under the same limit, lists that refusal (it said no problem)
+    plan = run_alone(["sfttrain.plan", *worker_job(gsm8k_dir, tmp_path / "hard")[1:], "--nproc", "1"],
+                     {resource.RLIMIT_NOFILE: (32, 32)}, timeout=120)
+    assert plan.returncode == 2 and f"  - {message.group(1)}" in plan.stdout.split("problems:")[-1], plan.stdout[-3000:]
 
 
 def test_data_workers_that_find_shared_memory_full(gsm8k_dir, tmp_path):
@@ -424,3 +443,86 @@ def test_data_workers_that_find_shared_memory_full(gsm8k_dir, tmp_path):
                                  "step 1: the shared memory (/dev/shm) is full (RuntimeError: unable to allocate shared "
                                  "memory"), out[-3000:]
     assert "`docker run --shm-size=8g`" in printed[0] and "data.num_workers=0" in printed[0], out[-3000:]
+
+
+# --------------------------------------------------------------------------- a full disk, as sfttrain.fs_faults words it
+
+def full_disk_error() -> OSError:
+    """A real ENOSPC: a write to /dev/full, whose error (a buffered write's, as metrics.jsonl's, pyarrow's
+    or torch.save's) names no file."""
+    import contextlib
+
+    f = open("/dev/full", "w")
+    try:
+        f.write("x")
+        f.flush()
+    except OSError as e:
+        return e
+    finally:
+        with contextlib.suppress(OSError):
+            f.close()
+    raise AssertionError("a write to /dev/full succeeded")
+
+
+def test_a_full_disk_whose_error_names_no_file_still_names_the_run_folder_s_disk(tmp_path):
+    """An ENOSPC that names no file: the message names the run folder and its free space (and the other places
+    the run writes), and does not say that the next checkpoint would fail too: which disk filled is not known."""
+    import errno
+
+    from sfttrain.fs_faults import filesystem_error
+
+    error = full_disk_error()
+    assert error.errno == errno.ENOSPC and error.filename is None
+    message = str(filesystem_error(error, str(tmp_path), "step 3"))
+    assert message.startswith("the disk is full (No space left on device) in step 3: training stopped there. "), message
+    assert f"The error names no file: {tmp_path} has " in message, message
+    assert "Free space where it ran out: the run folder's disk (or set trainer.default_local_dir" in message, message
+    assert "would fail too" not in message, message
+
+
+@pytest.mark.parametrize("where", ["run folder", "temporary folder", "shared memory"])
+def test_the_next_checkpoint_would_fail_too_only_where_the_run_folder_s_disk_is_full(tmp_path, where):
+    """A real ENOSPC, named (as metrics.jsonl's write, a compiled kernel's or a worker's handover name it) in
+    the run folder, in the temporary folder (TMPDIR, where torch.compile writes) or in /dev/shm: only the run
+    folder's full disk stops the next checkpoint too, and only there is it said."""
+    import tempfile
+
+    from sfttrain.fs_faults import filesystem_error
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    error = full_disk_error()
+    error.filename = {"run folder": str(run_dir / "metrics.jsonl"),
+                      "temporary folder": os.path.join(tempfile.gettempdir(), "torchinductor_root", "k.so"),
+                      "shared memory": "/dev/shm/torch_1_2"}[where]
+    message = str(filesystem_error(error, str(run_dir), "step 3"))
+    lasting = "in step 3: training stopped there, as the next checkpoint would fail too. "
+    assert (lasting in message) == (where == "run folder"), message
+    assert {"run folder": f"{run_dir} has ",
+            "temporary folder": f"(not the run folder's disk: it is the temporary folder, {tempfile.gettempdir()})",
+            "shared memory": "the shared memory (/dev/shm) is full"}[where] in message, message
+
+
+def test_a_full_data_cache_is_one_message_naming_its_file(tmp_path):
+    """The conversion of JSON Lines rows into the run folder's data_cache/ finds its disk (a real 1 MiB tmpfs)
+    full: one message at start-up (exit code 2) naming the conversion's file and the run folder's free space,
+    and no partial file left."""
+    import random
+    import string
+
+    from tests.test_checkpoint import one_message, tmpfs
+
+    rows = tmp_path / "rows.jsonl"
+    letters = random.Random(0)
+    rows.write_text("".join(json.dumps({"prompt": "q", "response": "".join(letters.choices(string.ascii_letters,
+                                                                                         k=8000))}) + "\n"
+                            for _ in range(300)))  # 2.4 MB that Parquet cannot compress below 1 MiB
+    run_dir = tmp_path / "disk" / "run"
+    with tmpfs(tmp_path / "disk", 1 << 20):
+        message = one_message(run_sfttrain(1, [*BASE_OVERRIDES, f"data.train_files={rows}", "data.prompt_key=prompt",
+                                               "data.response_key=response", f"trainer.default_local_dir={run_dir}",
+                                               "trainer.total_training_steps=1"], check=False), 2)
+        assert re.search(rf"the disk is full \(.*No space left on device: {run_dir}/data_cache/rows\.\w+\.parquet\.\d+"
+                         rf"\.tmp\) in start-up, before any step\. {run_dir} has [\d.]+ MB free\. Free space \(or set "
+                         r"trainer.default_local_dir on a larger disk\), then run the same command$", message), message
+        assert not list((run_dir / "data_cache").iterdir())

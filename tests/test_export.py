@@ -8,8 +8,6 @@ torch's own DCP reader (dcp_to_torch_save), a path independent of sfttrain.expor
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -21,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from sfttrain import export
 from sfttrain.data.pack import IGNORE_INDEX, shifted_labels
 from sfttrain.data.render import Renderer
-from tests.conftest import BASE_OVERRIDES, REPO, STORIES, load_checkpoint_model, read_metrics, run_sfttrain
+from tests.conftest import BASE_OVERRIDES, STORIES, load_checkpoint_model, read_metrics, run_sfttrain
 
 STEPS = 3
 PROMPT = "Natalia sold clips to 48 of her friends in April"
@@ -105,9 +103,7 @@ def test_cli_bf16_sharded(trained, trained_model, tmp_path):
     """`python -m sfttrain.export RUN_DIR OUT --dtype bf16 --max_shard_size 100KB`: the run
     folder resolves to its latest checkpoint; several shards of at most 100 KB plus an index."""
     out = tmp_path / "hf_bf16"
-    proc = subprocess.run([sys.executable, "-m", "sfttrain.export", str(trained), str(out), "--dtype", "bf16",
-                           "--max_shard_size", "100KB"], cwd=REPO, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
+    run_sfttrain(1, [str(trained), str(out), "--dtype", "bf16", "--max_shard_size", "100KB"], module="sfttrain.export")
     index = json.loads((out / export.INDEX_FILE).read_text())
     shards = sorted(out.glob("model-*.safetensors"))
     assert len(shards) >= 3 and set(index["weight_map"].values()) == {p.name for p in shards}

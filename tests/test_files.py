@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from sfttrain.data import files
-from sfttrain.data.files import CACHE_DIR, open_source, records
+from sfttrain.data.files import CONVERTED_DIR, open_source, records
 from sfttrain.data.fingerprint import _files as data_files_of
 from sfttrain.data.parquet import ChatMessages, PromptResponse
 from sfttrain.errors import DataError
@@ -46,7 +46,7 @@ def test_jsonl_json_and_a_directory_read_as_their_rows(tmp_path, monkeypatch):
     for path in ("a.jsonl", "b.json", "c.json", "folder"):
         source = open_source([str(tmp_path / path)], FIELDS, str(tmp_path / "run"))
         assert [(p, r) for p, r, _ in read_all(source)] == want, path
-    converted = sorted((tmp_path / "run" / CACHE_DIR).glob("*.parquet"))
+    converted = sorted((tmp_path / "run" / CONVERTED_DIR).glob("*.parquet"))
     assert len(converted) == 4 and all(pq.ParquetFile(f).num_row_groups >= 2 for f in converted)
     assert [line for line, _ in records(str(tmp_path / "b.json"))][:2] == [2, 6]  # where each object starts
 
@@ -140,6 +140,23 @@ def test_malformed_files_are_named_with_their_line(tmp_path, monkeypatch, name, 
     assert not list((tmp_path / "run").rglob("*.parquet"))  # nothing written
 
 
+def test_a_file_not_in_utf8_is_named_with_its_line(tmp_path):
+    """A CSV that Excel saved in the system's code page (GBK), one whose bad byte lies past the reader's
+    first block (pyarrow's CSV reader finds it), and a JSON Lines file that PowerShell's `>` wrote
+    (UTF-16) stop with their file and line and how to write them as UTF-8, not a UnicodeDecodeError."""
+    rows = [f"question {i},answer {i}" for i in range(2000)]
+    (tmp_path / "gbk.csv").write_bytes("question,answer\nq,a\n问题,答案\n".encode("gbk"))
+    (tmp_path / "late.csv").write_bytes("\n".join(["question,answer", *rows[:1500], "Café?,oui", *rows[1500:]])
+                                        .encode("latin-1"))
+    (tmp_path / "ps.jsonl").write_text('{"question": "q", "answer": "a"}\n', encoding="utf-16")
+    cases = {"gbk.csv": r"gbk.csv line 3: not UTF-8 text: bytes b'\\xce\\xca\\xcc\\xe2'; .* Save As 'CSV UTF-8'",
+             "late.csv": r"late.csv line 1502: not UTF-8 text: bytes b'\\xe9\?,o'",
+             "ps.jsonl": r"ps.jsonl line 1: not UTF-8 text: UTF-16 \(it starts with UTF-16's byte order mark\)"}
+    for name, message in cases.items():
+        with pytest.raises(DataError, match=message):
+            open_source([str(tmp_path / name)], FIELDS, str(tmp_path / "run"))
+
+
 @pytest.mark.parametrize("orient", ["columns", "index", "split", "records"])
 def test_pandas_whole_table_json_is_named_with_the_orient_that_reads(tmp_path, orient):
     """pandas' DataFrame.to_json writes one object holding the whole table unless told orient='records'
@@ -218,9 +235,17 @@ def test_a_bad_cell_of_a_csv_or_arrow_file_is_named_with_its_row(tmp_path):
 
 
 def test_an_empty_directory_is_named(tmp_path):
+    """A folder without data files is named; one whose data files lie in a subfolder (a hub dataset's
+    snapshot: README.md beside data/) names that subfolder."""
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="a directory without data files"):
         open_source([str(tmp_path / "empty")], FIELDS, str(tmp_path / "run"))
+    (tmp_path / "snapshot" / "data").mkdir(parents=True)
+    (tmp_path / "snapshot" / "README.md").write_text("# a dataset\n")
+    pq.write_table(pa.table({"question": ["q"], "answer": ["a"]}), tmp_path / "snapshot" / "data" / "train.parquet")
+    with pytest.raises(DataError, match=rf"snapshot: a directory without data files .*; its subfolder "
+                                        rf"{tmp_path}/snapshot/data holds some \(a folder's files are read, not those"):
+        open_source([str(tmp_path / "snapshot")], FIELDS, str(tmp_path / "run"))
 
 
 def readme_commands() -> list[list[str]]:
@@ -246,11 +271,12 @@ def test_the_readme_commands_train_on_the_example_files(tiny_qwen_dir, tmp_path)
         list(pool.map(run, range(len(commands))))
     for i, command in enumerate(commands):
         assert [m["step"] for m in read_metrics(tmp_path / str(i)) if "loss" in m] == [1, 2], command
-        assert len(list((tmp_path / str(i) / CACHE_DIR).glob("*.parquet"))) == 1  # the example converted once
+        assert len(list((tmp_path / str(i) / CONVERTED_DIR).glob("*.parquet"))) == 1  # the example converted once
 
 
 def test_a_row_that_does_not_render_is_named_with_its_line(tmp_path):
-    """The start-up scan (one real gloo rank) names a render error with the file and line first."""
+    """The start-up scan (one real gloo rank) names a render error with the file and line first, and
+    no other row: the renderer's row id counts through all the files (here 3, the second file's row 1)."""
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
@@ -258,13 +284,51 @@ def test_a_row_that_does_not_render_is_named_with_its_line(tmp_path):
     from sfttrain.data.render import Renderer
     from tests.conftest import STORIES
 
-    path = tmp_path / "long.jsonl"
+    first, path = tmp_path / "a.jsonl", tmp_path / "long.jsonl"
+    first.write_text('{"question": "q", "answer": "a"}\n' * 2)
     path.write_text('{"question": "q", "answer": "a"}\n\n' + json.dumps({"question": "q " * 100, "answer": "a"}) + "\n")
     renderer = Renderer(AutoTokenizer.from_pretrained(STORIES), max_length=32, truncation="error",
                         apply_chat_template=False)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        with pytest.raises(DataError, match=rf"{path} line 3: row 1 has \d+ tokens .* more than data.max_length=32"):
+        with pytest.raises(DataError, match=rf"{path} line 3: the row has \d+ tokens .* more than data.max_length=32"):
+            render_share(open_source([str(first), str(path)], FIELDS, str(tmp_path / "run")), renderer, 0, 1)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_file_with_several_bad_rows_names_the_first_few_at_once(tmp_path, monkeypatch):
+    """Bad cells and rows that do not render, in two blocks of the start-up scan (one real gloo rank):
+    the first is said in full, the next ones by their lines and the count, so that one start finds them
+    rather than one start per row; the scan stops at five (a column of nulls is not read row by row),
+    its count then a lower bound, and fewer are counted exactly."""
+    import torch.distributed as dist
+    from transformers import AutoTokenizer
+
+    from sfttrain.data import loader
+    from sfttrain.data.loader import render_share
+    from sfttrain.data.render import Renderer
+    from tests.conftest import STORIES
+
+    rows = [{"question": "q", "answer": "a"} for _ in range(12)]
+    for i in (2, 5, 9, 10):
+        rows[i]["answer"] = None
+    rows[7]["question"] = "q " * 100  # over data.max_length
+    rows[11]["answer"] = 5
+    path = tmp_path / "bad.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    renderer = Renderer(AutoTokenizer.from_pretrained(STORIES), max_length=32, truncation="error",
+                        apply_chat_template=False)
+    monkeypatch.setattr(loader, "SCAN_BLOCK_ROWS", 8)  # two blocks
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(DataError, match=rf"^{path} line 3: answer is null, expected a string; .* \(5 or more bad "
+                                            rf"rows; the next: line 6, line 8, line 10, line 11\)$"):
+            render_share(open_source([str(path)], FIELDS, str(tmp_path / "run")), renderer, 0, 1)
+        rows[11]["answer"], rows[10]["answer"] = "a", "a"
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        with pytest.raises(DataError, match=r"line 3: answer is null, .* \(4 bad rows; the next: line 6, line 8, "
+                                            r"line 10\)$"):
             render_share(open_source([str(path)], FIELDS, str(tmp_path / "run")), renderer, 0, 1)
     finally:
         dist.destroy_process_group()
@@ -382,4 +446,4 @@ def test_compressed_text_files_read_as_their_rows(tmp_path):
     for name in ("cut.jsonl.gz", "plain.jsonl.gz"):
         with pytest.raises(DataError, match=f"{name}: cannot be decompressed"):
             open_source([str(tmp_path / name)], FIELDS, run_dir)
-    assert not list((tmp_path / "run" / CACHE_DIR).glob("*.tmp"))  # no partial conversion left
+    assert not list((tmp_path / "run" / CONVERTED_DIR).glob("*.tmp"))  # no partial conversion left

@@ -2,12 +2,11 @@
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from sfttrain.flops import (GPU_BF16_PEAK_FLOPS, H200_BF16_PEAK_FLOPS, count_params, flops_per_token, mfu,
                              peak_flops)
+from tests.conftest import run_on_ranks
 
 # V vocab, D hidden, F MLP, L layers, H query heads, K key/value heads, head size D / H = 8
 V, D, F, L, H, K = 128, 32, 64, 2, 4, 2
@@ -52,28 +51,22 @@ def test_count_params_w1_is_qwen25_05b():
     assert count_params(model) == 494_032_768  # Qwen2.5-0.5B's published size
 
 
-def _sharded_counts(rank, world, init_file, result):
+def _sharded_counts() -> None:
+    """On each of 2 ranks (run_on_ranks): the global count of a model FSDP2 shards over them."""
     from torch.distributed.fsdp import fully_shard
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        for tied in (True, False):
-            model = _model(Qwen2Config, tied)
-            for layer in model.model.layers:
-                fully_shard(layer)
-            fully_shard(model)
-            local = sum(p.to_local().numel() for p in model.parameters())
-            assert local < count_params(model)  # really sharded, yet the count is global
-            result[rank, tied] = count_params(model)
-    finally:
-        dist.destroy_process_group()
+    for tied in (True, False):
+        model = _model(Qwen2Config, tied)
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        local = sum(p.to_local().numel() for p in model.parameters())
+        assert local < count_params(model)  # really sharded, yet the count is global
+        assert count_params(model) == _hand_count(True, tied), tied
 
 
-def test_count_params_fsdp2_sharded(tmp_path):
-    result = mp.Manager().dict()
-    mp.spawn(_sharded_counts, args=(2, str(tmp_path / "pg"), result), nprocs=2)
-    expected = {tied: _hand_count(True, tied) for tied in (True, False)}
-    assert dict(result) == {(rank, tied): n for rank in (0, 1) for tied, n in expected.items()}
+def test_count_params_fsdp2_sharded():
+    run_on_ranks(2, _sharded_counts)
 
 
 def test_flops_per_token_by_hand():

@@ -1,6 +1,7 @@
 """model.fuse_projections (sfttrain/fuse_projections.py): which projections are fused, and that the
 fused layers compute what the unfused ones do, eagerly and compiled by inductor."""
 
+import copy
 import random
 
 import pytest
@@ -80,46 +81,85 @@ ADAPTERS_A = [["q_proj.lora_A", "k_proj.lora_A", "v_proj.lora_A"], ["gate_proj.l
     (True, 0, False, [QKV, *ADAPTERS_A]),
 ])
 def test_the_projections_of_one_input_are_fused_and_compute_what_they_did(lora, frozen_max_bytes, recompute_qkv,
-                                                                         groups, monkeypatch):
+                                                                         groups, captured, monkeypatch):
     """Each layer's graph as dynamo captures it for inductor, rewritten by the pass and then run
     eagerly: the groups are the projections of one input with weights trained alike (frozen ones
     within auto's bound), and the model's loss and every gradient are those of the unrewritten layers."""
-    lm, batch = stories(lora)
-    plain = loss_and_grads(lm, batch)
+    layers = captured(lora)
     graph_pass = FuseSharedInputProjections()
     if frozen_max_bytes is not None:
         monkeypatch.setattr(fuse_projections, "FROZEN_GROUP_MAX_BYTES", frozen_max_bytes)
         cfg = ModelConfig(compile=True, lora_rank=8, enable_gradient_checkpointing=True, recompute_qkv=recompute_qkv)
-        graph_pass = fuse_projections.graph_pass(cfg, lm.model.config)
-    fused, seen, _ = rewritten_run(lm, batch, graph_pass)
+        graph_pass = fuse_projections.graph_pass(cfg, layers.lm.model.config)
+    fused, seen, _ = layers.run(graph_pass)
     # on the CPU the attention's host syncs break a layer into several graphs, and a graph may be
     # captured again (a guard on the first call's shapes): the distinct groups of all of them
     assert {tuple(group) for graph in seen for group in graph} == {tuple(group) for group in groups}
-    assert_same(fused, plain)
+    assert_same(fused, layers.plain)
 
 
-def rewritten_run(lm: CausalLMLoss, batch, graph_pass):
-    """Loss and gradients with each layer's graph, as dynamo captures it for inductor, rewritten by
-    `graph_pass` and run eagerly; and per graph, the groups of weights concatenated (by their roles) and
-    the frozen projections folded with their adapters (sfttrain.lora_fold), one tuple a fold."""
-    seen, folded = [], set()
+class CapturedLayers:
+    """stories(lora) with each decoder layer compiled by dynamo (as for inductor) once, for all of this
+    module's tests of it: each test rewrites the same captured graphs with its own pass. Tracing the
+    layers (9 graphs: host syncs break them) took ~10 s of each test's ~11; a copy's rewrite takes
+    milliseconds. dynamo's cache keeps the backend's callables, which run the copies the current test's
+    pass rewrote (`run`); the graphs as captured stay unrewritten. `plain`: the eager loss and gradients."""
 
-    def roles(node):
-        return tuple(weight_role(w) for w in node.args[0]) if node.target is torch.cat else (weight_role(node),)
+    def __init__(self, lora: bool):
+        self.lm, self.batch = stories(lora)
+        self.plain = loss_and_grads(self.lm, self.batch)
+        self.graphs: list[list] = []  # per captured graph: [the GraphModule dynamo made, its rewrite's forward]
+        self.graph_pass, self.seen, self.folded = None, [], set()
+        torch._dynamo.reset()
+        backend = self.backend  # one callable for every layer: dynamo compiles their shared code once
+        for layer in decoder_layers(self.lm.model):
+            layer.compile(backend=backend, dynamic=True)
 
-    def backend(gm, example_inputs):
-        graph_pass(gm.graph)
+    def backend(self, gm, example_inputs):
+        entry = [gm, None]
+        self.graphs.append(entry)
+        self.rewrite(entry)
+        return lambda *args: entry[1](*args)
+
+    def rewrite(self, entry: list) -> None:
+        """A copy of the captured graph (its nodes' meta, fake values included, shared), rewritten by the pass."""
+        def roles(node):
+            return tuple(weight_role(w) for w in node.args[0]) if node.target is torch.cat else (weight_role(node),)
+
+        gm = torch.fx.GraphModule(entry[0], copy.deepcopy(entry[0].graph))
+        self.graph_pass(gm.graph)
         gm.recompile()
-        seen.append([[weight_role(w) for w in node.args[0]] for node in gm.graph.nodes if node.target is torch.cat
-                     and all(w.op == "placeholder" for w in node.args[0]) and "bias" not in node.args[0][0].name])
-        folded.update(roles(node.args[2]) for node in gm.graph.nodes
-                      if node.target is torch.ops.sfttrain.lora_linear.default)
-        return gm.forward
+        self.seen.append([[weight_role(w) for w in node.args[0]] for node in gm.graph.nodes if node.target is torch.cat
+                          and all(w.op == "placeholder" for w in node.args[0]) and "bias" not in node.args[0][0].name])
+        self.folded.update(roles(node.args[2]) for node in gm.graph.nodes
+                           if node.target is torch.ops.sfttrain.lora_linear.default)
+        entry[1] = gm.forward
 
-    torch._dynamo.reset()
-    for layer in decoder_layers(lm.model):
-        layer.compile(backend=backend, dynamic=True)
-    return loss_and_grads(lm, batch), seen, folded
+    def run(self, graph_pass):
+        """Loss and gradients with each layer's graph, as dynamo captured it for inductor, rewritten by
+        `graph_pass` and run eagerly; and per graph, the groups of weights concatenated (by their roles) and
+        the frozen projections folded with their adapters (sfttrain.lora_fold), one tuple a fold. Graphs
+        dynamo captures during the step (the first, or after a torch._dynamo.reset) are rewritten as captured."""
+        self.graph_pass, self.seen, self.folded = graph_pass, [], set()
+        for entry in self.graphs:
+            self.rewrite(entry)
+        return loss_and_grads(self.lm, self.batch), self.seen, self.folded
+
+
+@pytest.fixture(scope="module")
+def captured():
+    """CapturedLayers by `lora`, made at first use. One model's graphs in dynamo's cache at a time (each
+    made anew resets dynamo): the tests of one model are consecutive here."""
+    made: dict[bool, CapturedLayers] = {}
+
+    def get(lora: bool) -> CapturedLayers:
+        if lora not in made:
+            made.clear()
+            made[lora] = CapturedLayers(lora)
+        return made[lora]
+
+    yield get
+    torch._dynamo.reset()  # the layers' compiled code holds the module's models: dropped with them
 
 
 @pytest.mark.parametrize("settings, folded, groups", [
@@ -130,17 +170,16 @@ def rewritten_run(lm: CausalLMLoss, batch, graph_pass):
     ({"fuse_projections": True, "recompute_qkv": False, "enable_gradient_checkpointing": True},
      [["o_proj"], GATE_UP, ["down_proj"]], [QKV, GATE_UP, *ADAPTERS_A]),
 ])
-def test_lora_folded_into_the_frozen_gemms_computes_what_peft_does(settings, folded, groups, monkeypatch):
+def test_lora_folded_into_the_frozen_gemms_computes_what_peft_does(settings, folded, groups, captured, monkeypatch):
     """model.fold_lora: the groups named run with their adapters' B inside one GEMM each; loss and every
     gradient are those of peft's layers (assert_same: one GEMM's fp32 sum in place of two added)."""
-    lm, batch = stories(lora=True)
-    plain = loss_and_grads(lm, batch)
+    layers = captured(lora=True)
     monkeypatch.setattr(fuse_projections, "FROZEN_GROUP_MAX_BYTES", 64 << 10)
     cfg = ModelConfig(compile=True, lora_rank=8, fold_lora=True, **settings)
-    fused, seen, found = rewritten_run(lm, batch, fuse_projections.graph_pass(cfg, lm.model.config))
+    fused, seen, found = layers.run(fuse_projections.graph_pass(cfg, layers.lm.model.config))
     assert found == {tuple(group) for group in folded}
     assert {tuple(group) for graph in seen for group in graph} == {tuple(group) for group in groups}
-    assert_same(fused, plain)
+    assert_same(fused, layers.plain)
 
 
 @pytest.mark.parametrize("fold_lora", [False, True])

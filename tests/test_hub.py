@@ -36,23 +36,23 @@ def hub_cache(tmp_path_factory) -> Path:
     return cache
 
 
-def job(gsm8k_dir: Path, run_dir: Path, model: str) -> list[str]:
-    return two_rank_job(gsm8k_dir, run_dir, f"model.partial_pretrain={model}")
+def job(train_file: Path, run_dir: Path, model: str) -> list[str]:
+    return two_rank_job(train_file, run_dir, f"model.partial_pretrain={model}")
 
 
-def test_hub_id_trains_from_the_local_cache(gsm8k_dir, hub_cache, tmp_path, two_rank_run):
+def test_hub_id_trains_from_the_local_cache(gsm8k_head, hub_cache, tmp_path, two_rank_run):
     """`org/name` resolves to the cached snapshot on both ranks: the run equals the same run
     from the local folder (conftest's two_rank_run: same model, same data, fp32), and its
     checkpoint holds the tokenizer."""
     offline = {"HF_HUB_CACHE": str(hub_cache), "HF_HUB_OFFLINE": "1"}
-    proc = run_sfttrain(2, job(gsm8k_dir, tmp_path / "hub", "org/name"), env=offline)
+    proc = run_sfttrain(2, job(gsm8k_head, tmp_path / "hub", "org/name"), env=offline)
     assert "model               : org/name" in proc.stdout
     assert train_losses(tmp_path / "hub") == train_losses(two_rank_run)
     assert (tmp_path / "hub" / "global_step_3" / "hf" / "tokenizer_config.json").is_file()
 
 
-def test_offline_model_not_in_cache_is_one_clear_message(gsm8k_dir, hub_cache, tmp_path):
-    proc = run_sfttrain(2, job(gsm8k_dir, tmp_path / "run", "org/missing"), check=False,
+def test_offline_model_not_in_cache_is_one_clear_message(gsm8k_head, hub_cache, tmp_path):
+    proc = run_sfttrain(2, job(gsm8k_head, tmp_path / "run", "org/missing"), check=False,
                         env={"HF_HUB_CACHE": str(hub_cache), "HF_HUB_OFFLINE": "1"})
     assert proc.returncode != 0
     message = "model.partial_pretrain='org/missing' is not a local folder, and as a Hugging Face hub id it is " \

@@ -165,13 +165,13 @@ def test_resume_refuses_another_lora_setup(ref):
         model = apply_lora(AutoModelForCausalLM.from_pretrained(STORIES), cfg.model)
         return {k: v for k, v in model.state_dict().items() if ".lora_" in k}
 
-    checkpoint._check_same_model(ckpt, adapters("model.lora_rank=8"))  # the same adapters: fine
+    checkpoint.check_same_model(ckpt, adapters("model.lora_rank=8"))  # the same adapters: fine
     with pytest.raises(ConfigError, match="of other shapes"):
-        checkpoint._check_same_model(ckpt, adapters("model.lora_rank=4"))
+        checkpoint.check_same_model(ckpt, adapters("model.lora_rank=4"))
     with pytest.raises(ConfigError, match="not in this model"):
-        checkpoint._check_same_model(ckpt, adapters("model.lora_rank=8", "model.target_modules=[q_proj]"))
+        checkpoint.check_same_model(ckpt, adapters("model.lora_rank=8", "model.target_modules=[q_proj]"))
     with pytest.raises(ConfigError, match="weights missing"):
-        checkpoint._check_same_model(ckpt, AutoModelForCausalLM.from_pretrained(STORIES).state_dict())
+        checkpoint.check_same_model(ckpt, AutoModelForCausalLM.from_pretrained(STORIES).state_dict())
 
 
 def test_target_modules_are_checked_against_the_model():
@@ -269,3 +269,21 @@ def test_another_base_is_refused(ref, tmp_path):
                          base=lora.base_identity(str(other), str(other)))
     with pytest.raises(ConfigError, match=f"resuming from {ckpt}: the LoRA adapters were trained on {STORIES}"):
         resume.check_resume(str(ckpt), cfg, current)
+
+
+def test_steps_train_in_training_mode_and_validation_leaves_it_so(data, tmp_path):
+    """The training mode is set once before the first step and again after each validation (which runs in eval
+    mode), not at every step. LoRA's dropout shows the mode: with it the losses
+    from step 2 on (lora_B is zero before the first update) are not those without it, and a validation after
+    every step leaves them as they were (it neither trains without dropout afterwards nor draws dropout's
+    random numbers itself). One rank, the same computation in the same order: equal to float32 rounding."""
+    def losses(name: str, *extra: str) -> list[float]:
+        run_sfttrain(1, lora_job(data, tmp_path / name, *extra))
+        return [m["loss"] for m in read_metrics(tmp_path / name) if "loss" in m]
+
+    dropout = losses("dropout", "model.lora_dropout=0.5")
+    validated = losses("validated", "model.lora_dropout=0.5", f"data.val_files={data}", "trainer.test_freq=1")
+    plain = losses("plain")
+    assert validated == pytest.approx(dropout, rel=REL_TOL), (validated, dropout)
+    assert dropout[0] == pytest.approx(plain[0], rel=REL_TOL) and dropout[1:] != pytest.approx(plain[1:], rel=1e-3), \
+        (dropout, plain)

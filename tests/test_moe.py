@@ -146,15 +146,15 @@ def tiny_moe_dir(tmp_path_factory) -> Path:
     return out
 
 
-def _job(gsm8k_dir, model_dir, run_dir, *extra):
+def _job(gsm8k_head, model_dir, run_dir, *extra):
     from tests.conftest import BASE_OVERRIDES, LINEAR_ADAM
 
     return [*BASE_OVERRIDES, *LINEAR_ADAM, f"model.partial_pretrain={model_dir}",
-            f"data.train_files={gsm8k_dir}/train.parquet", f"trainer.default_local_dir={run_dir}",
+            f"data.train_files={gsm8k_head}", f"trainer.default_local_dir={run_dir}",
             "data.train_batch_size=16", "trainer.total_training_steps=3", *extra]
 
 
-def test_sharded_moe_trains_like_one_rank(gsm8k_dir, tiny_moe_dir, tmp_path):
+def test_sharded_moe_trains_like_one_rank(gsm8k_head, tiny_moe_dir, tmp_path):
     """FSDP2 over the fused expert tensors, the router's loss on, fp32: 2 ranks x 2 micro-batches
     train as 1 rank x 1 (losses, router_aux, updates: the objective's normalisation does not
     depend on the split; tolerances as tests/test_trainer.py's, sums in another order only).
@@ -163,10 +163,10 @@ def test_sharded_moe_trains_like_one_rank(gsm8k_dir, tiny_moe_dir, tmp_path):
     from tests.conftest import load_checkpoint_model, read_metrics, run_sfttrain, update_error
 
     one, two, resumed = tmp_path / "one", tmp_path / "two", tmp_path / "resumed"
-    log = run_sfttrain(1, _job(gsm8k_dir, tiny_moe_dir, one, "data.micro_batch_size_per_gpu=16")).stdout
-    run_sfttrain(2, _job(gsm8k_dir, tiny_moe_dir, two, "data.micro_batch_size_per_gpu=4", "trainer.save_freq=1",
+    log = run_sfttrain(1, _job(gsm8k_head, tiny_moe_dir, one, "data.micro_batch_size_per_gpu=16")).stdout
+    run_sfttrain(2, _job(gsm8k_head, tiny_moe_dir, two, "data.micro_batch_size_per_gpu=4", "trainer.save_freq=1",
                          "trainer.save_hf=true"))
-    run_sfttrain(1, _job(gsm8k_dir, tiny_moe_dir, resumed, "data.micro_batch_size_per_gpu=8",
+    run_sfttrain(1, _job(gsm8k_head, tiny_moe_dir, resumed, "data.micro_batch_size_per_gpu=8",
                          "trainer.resume_mode=resume_path", f"trainer.resume_from_path={two / 'global_step_1'}"))
     assert "active per token (2 of 4 experts" in log
     assert re.search(r"router_aux \S+ \| expert_load \S+", log)
@@ -221,7 +221,7 @@ def test_per_expert_checkpoint_fills_fused_experts(name, tmp_path):
 LORA = ["model.lora_rank=4", "model.lora_alpha=8", "model.target_modules=all-linear"]
 
 
-def test_lora_adapts_the_fused_experts(gsm8k_dir, tiny_moe_dir, tmp_path):
+def test_lora_adapts_the_fused_experts(gsm8k_head, tiny_moe_dir, tmp_path):
     """LoRA (all-linear) on a Qwen3-MoE adapts the fused experts through peft's target_parameters
     and says so; 2 FSDP ranks train as 1 (fp32: losses and adapter updates as in
     test_sharded_moe_trains_like_one_rank), and the merged export computes what the base with
@@ -231,9 +231,9 @@ def test_lora_adapts_the_fused_experts(gsm8k_dir, tiny_moe_dir, tmp_path):
     from tests.conftest import load_checkpoint_model, read_metrics, run_sfttrain, update_error
 
     one, two = tmp_path / "one", tmp_path / "two"
-    log = run_sfttrain(1, _job(gsm8k_dir, tiny_moe_dir, one, *LORA, "data.micro_batch_size_per_gpu=16",
+    log = run_sfttrain(1, _job(gsm8k_head, tiny_moe_dir, one, *LORA, "data.micro_batch_size_per_gpu=16",
                                "trainer.total_training_steps=2")).stdout
-    run_sfttrain(2, _job(gsm8k_dir, tiny_moe_dir, two, *LORA, "data.micro_batch_size_per_gpu=4",
+    run_sfttrain(2, _job(gsm8k_head, tiny_moe_dir, two, *LORA, "data.micro_batch_size_per_gpu=4",
                          "trainer.total_training_steps=2", "trainer.save_hf=true"))
     assert "routed experts adapted per expert (down_proj rank 4, gate_up_proj rank " in log
     losses = {d: [m["loss"] for m in read_metrics(d) if "loss" in m] for d in (one, two)}

@@ -49,8 +49,8 @@ def run_two_nodes(overrides: list[str], logs: Path, node_env: list[dict], timeou
     return [(logs / f"node{node}.log").read_text() for node in range(len(node_env))], [p.returncode for p in procs]
 
 
-def test_two_nodes_train_as_one_node_with_two_ranks(gsm8k_dir, tmp_path, two_rank_run):
-    outs, codes = run_two_nodes(two_rank_job(gsm8k_dir, str(tmp_path / "two_nodes")), tmp_path, [{}, {}])
+def test_two_nodes_train_as_one_node_with_two_ranks(gsm8k_head, tmp_path, two_rank_run):
+    outs, codes = run_two_nodes(two_rank_job(gsm8k_head, str(tmp_path / "two_nodes")), tmp_path, [{}, {}])
     assert codes == [0, 0], "\n".join(out[-3000:] for out in outs)
     one_node = two_rank_run  # the same job, one torchrun agent with 2 ranks
     two, one = train_losses(tmp_path / "two_nodes"), train_losses(one_node)
@@ -63,14 +63,14 @@ def test_two_nodes_train_as_one_node_with_two_ranks(gsm8k_dir, tmp_path, two_ran
     assert max((want[k] - start[k]).abs().max().item() for k in want) > 1e-4  # the weights did move
 
 
-def test_run_folder_not_shared_between_nodes_is_refused(gsm8k_dir, tmp_path):
+def test_run_folder_not_shared_between_nodes_is_refused(gsm8k_head, tmp_path):
     """The run folder named through each node's own $TMPDIR (node-local scratch on a cluster), as
     a user would write it: every node resolves it to a folder of its own. The run stops at
     start-up with one message naming trainer.default_local_dir and the ranks that are blind."""
     nodes = [{"TMPDIR": str(tmp_path / f"scratch{node}")} for node in range(2)]
     for env in nodes:
         Path(env["TMPDIR"]).mkdir()
-    outs, _ = run_two_nodes(two_rank_job(gsm8k_dir, "${oc.env:TMPDIR}/run"), tmp_path, nodes)
+    outs, _ = run_two_nodes(two_rank_job(gsm8k_head, "${oc.env:TMPDIR}/run"), tmp_path, nodes)
     both = "".join(outs)
     # rank 0's agent reports its exit code 2, a configuration error (sfttrain.errors); the other rank
     # waits for rank 0 to end the job (sfttrain.run.stop) and is killed with its node

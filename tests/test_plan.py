@@ -19,7 +19,7 @@ import torch
 
 from sfttrain.data.batching import batch_problem, nearest_valid_batches
 from sfttrain.plan import DenseShape, main
-from tests.conftest import BASE_OVERRIDES, REPO, STORIES, checkpoint_tensor_bytes, rank_env, two_rank_job
+from tests.conftest import BASE_OVERRIDES, REPO, STORIES, checkpoint_tensor_bytes, rank_env, run_sfttrain, two_rank_job
 
 # Published sizes of two real models (their model cards: 494M and 8.03B parameters)
 QWEN25_05B = dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
@@ -257,13 +257,13 @@ def run_plan(*argv: str) -> tuple[int, str]:
     return code, out.getvalue()
 
 
-def test_plan_reports_steps_from_the_data(gsm8k_dir, tiny_qwen_dir):
+def test_plan_reports_steps_from_the_data(gsm8k_head, tiny_qwen_dir):
     """The batch arithmetic, and the data workers against this machine's CPUs (a warning, not a problem,
     where the 2 ranks' 2 x 4 workers and the ranks outnumber them)."""
-    code, out = run_plan(f"data.train_files={gsm8k_dir}/train.parquet", f"model.partial_pretrain={tiny_qwen_dir}",
+    code, out = run_plan(f"data.train_files={gsm8k_head}", f"model.partial_pretrain={tiny_qwen_dir}",
                          "data.train_batch_size=32", "data.micro_batch_size_per_gpu=4", "data.num_workers=4",
                          "--nproc", "2")
-    rows = pq.read_metadata(gsm8k_dir / "train.parquet").num_rows
+    rows = pq.read_metadata(gsm8k_head).num_rows
     assert code == 0, out
     assert f"{rows} rows -> {rows // 32} steps per epoch" in out
     assert "4 samples/micro-batch x 4 accumulation steps" in out
@@ -278,10 +278,22 @@ def test_plan_lists_every_problem_with_a_valid_fix(tmp_path):
                          "data.train_batch_size=7", "--nproc", "2")
     assert code == 2
     assert "data.train_batch_size=7 is not divisible by the 2 data-parallel ranks; use data.train_batch_size=8" in out
-    assert "no readable config.json" in out
+    assert f"model.partial_pretrain='{tmp_path}/none' is not a local model folder with a config.json" in out
     code, out = run_plan(f"data.train_files={tmp_path}/absent.parquet", f"model.partial_pretrain={STORIES}",
                          "data.train_batch_size=8", "data.max_length=512", "--nproc", "2")
     assert code == 0 and "steps per epoch unknown" in out  # data only on the cluster: said, not an error
+
+
+@pytest.mark.parametrize("refused", ["data.micro_batch_size_per_gpu=0", "model.fsdp_config.model_dtype=fp64"])
+def test_plan_lists_a_refused_value_that_its_later_sections_cannot_take(refused, gsm8k_head):
+    """A micro-batch of 0 divided by zero in the batch arithmetic, a dtype the run does not know was a
+    KeyError building the model: the preflight ended in a traceback where the run names the key. Now it
+    lists the config's problem and says that the rest of the plan needs it fixed."""
+    code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={gsm8k_head}", "data.train_batch_size=8", refused,
+                         "--nproc", "1")
+    key, value = refused.split("=")
+    assert code == 2 and f"  - {key}" in out.split("problems:")[-1] and value in out, out
+    assert "the rest of the plan needs the config's problems fixed first" in out, out
 
 
 # nproc per recipe, the model each one names (a config-only folder of its shape), and what the
@@ -297,6 +309,20 @@ RECIPES = {
 
 def test_every_recipe_is_planned():
     assert sorted(RECIPES) == sorted(p.stem for p in (REPO / "recipes").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_a_recipe_header_names_the_keys_it_leaves_to_the_command_line(name):
+    """A required key that a recipe leaves unset (W1's model and data, which its benchmark passes) is
+    named in the recipe's header, with its value's form: planned as it is, it stops on that key."""
+    from omegaconf import OmegaConf
+
+    text = (REPO / "recipes" / f"{name}.yaml").read_text()
+    header = "\n".join(line for line in text.splitlines() if line.startswith("#"))
+    recipe = OmegaConf.create(text)
+    for key in ("data.train_files", "model.partial_pretrain"):
+        if OmegaConf.select(recipe, key) is None:
+            assert f"{key}=" in header, f"recipes/{name}.yaml sets no {key} and its header does not say to pass it"
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -324,11 +350,11 @@ def test_recipe_preflight(name, tmp_path, monkeypatch, gsm8k_dir):
     assert 0 < total < 75, out  # fits an 80 GB GPU with room for the CUDA context
 
 
-def test_preflight_lists_what_the_run_would_stop_on(gsm8k_dir, tmp_path):
+def test_preflight_lists_what_the_run_would_stop_on(gsm8k_head, tmp_path):
     """The run's own checks, each problem listed and none stopping the others: a bad value, a null
     response cell (found by rendering every row, as the run's start-up does), for a CPU fp32 config
     whose memory table has no GPU or bf16 rows."""
-    table = pq.read_table(gsm8k_dir / "train.parquet").slice(0, 40).select(["question", "answer"]).to_pylist()
+    table = pq.read_table(gsm8k_head).slice(0, 40).select(["question", "answer"]).to_pylist()
     table[7]["answer"] = None
     pq.write_table(pa.Table.from_pylist(table), tmp_path / "null.parquet", row_group_size=16)
     code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={tmp_path / 'null.parquet'}", "data.train_batch_size=8",
@@ -338,55 +364,225 @@ def test_preflight_lists_what_the_run_would_stop_on(gsm8k_dir, tmp_path):
     assert "null.parquet row 7: answer is null, expected a string" in problems, out
     assert "host memory per rank" in out and "GPU" not in out and "bf16" not in out, out
 
-    code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={gsm8k_dir / 'train.parquet'}", "data.response_key=nope",
+    code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={gsm8k_head}", "data.response_key=nope",
                          "--nproc", "1")
     assert code == 2 and "no column 'nope'" in out.split("problems:")[1] and "not on this machine" not in out, out
 
     # the training files are here and the validation file is not: a mistyped path, which the run stops on
-    code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={gsm8k_dir / 'train.parquet'}",
-                         f"data.val_files={gsm8k_dir / 'tset.parquet'}", "--nproc", "1")
-    assert code == 2 and f"data.val_files: {gsm8k_dir / 'tset.parquet'} not found" in out.split("problems:")[1], out
+    mistyped = gsm8k_head.parent / "tset.parquet"
+    code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={gsm8k_head}", f"data.val_files={mistyped}", "--nproc", "1")
+    assert code == 2 and f"data.val_files: {mistyped} not found" in out.split("problems:")[1], out
+    # so is a training file listed beside one that is here (it was a note: only missing on this machine)
+    code, out = run_plan(*BASE_OVERRIDES, f"data.train_files=[{gsm8k_head},{mistyped}]", "--nproc", "1")
+    assert code == 2 and f"data.train_files: {mistyped} not found, while {gsm8k_head} is" in out.split("problems:")[1], out
 
     # a pattern: the files it matches, named in the data report
-    code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={gsm8k_dir}/tr*.parquet", "--nproc", "1")
-    rows = pq.read_metadata(gsm8k_dir / "train.parquet").num_rows
-    assert code == 0 and f"  files               : 1: {gsm8k_dir / 'train.parquet'} ({rows} rows)" in out, out
+    code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={gsm8k_head.parent}/tr*.parquet", "--nproc", "1")
+    rows = pq.read_metadata(gsm8k_head).num_rows
+    assert code == 0 and f"  files               : 1: {gsm8k_head} ({rows} rows)" in out, out
+    # a file listed twice is read twice: said as such (it was one file of twice its rows)
+    code, out = run_plan(*BASE_OVERRIDES, f"data.train_files=[{gsm8k_head},{gsm8k_head}]", "--nproc", "1")
+    assert code == 0 and (f"  files               : 2: {gsm8k_head} ({rows} rows), {gsm8k_head} ({rows} rows); listed more "
+                          f"than once: {gsm8k_head} 2 times, so its rows train as many times an epoch") in out, out
 
     # a hub dataset's id (TRL's way) is not on this machine, nor on any other: the note says what to do
     code, out = run_plan(*BASE_OVERRIDES, "data.train_files=openai/gsm8k", "--nproc", "1")
     assert "openai/gsm8k not on this machine" in out and "looks like a Hugging Face hub dataset id" in out, out
 
-    code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={gsm8k_dir / 'train.parquet'}", "trainer.total_training_steps=3",
-                         "trainer.profile_steps=[3,4]", "--nproc", "1")
+    code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={gsm8k_head}", "trainer.total_training_steps=3",
+                         "trainer.profile_steps=[3,4]", "optim.lr_warmup_steps=10", "--nproc", "1")
     assert code == 2 and "trainer.profile_steps=[3, 4]: the run has 3 steps" in out.split("problems:")[1], out
+    # warmup steps beyond the run (a verl command line cut to a few steps): the rate never reaches optim.lr
+    assert ("  WARNING: optim.lr_warmup_steps=10 is more than the run's 3 steps: the learning rate is still warming "
+            "up at the last step, at 30% of optim.lr.") in out, out
+    code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={gsm8k_head}", "optim.lr=0", "--nproc", "1")
+    assert code == 0 and "  WARNING: optim.lr=0: no weight changes" in out, out
 
     # fp32 compute on GPUs, where every backend but the per-sample one takes fp16/bf16 only: a problem
     # for trainer.device=cuda; for auto it depends on the machine the run lands on (here a note)
     fp32 = "computes in fp16/bf16 only, and this run computes in fp32: set model.fsdp_config.mixed_precision=true"
     for device, problem in (("cuda", True), ("auto", torch.cuda.is_available()), ("cpu", None)):
-        code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={gsm8k_dir / 'train.parquet'}",
+        code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={gsm8k_head}",
                              f"trainer.device={device}", "--nproc", "1")
         where = out.split("problems:")[1] if problem else out.split("not checked here:")[-1]
         assert (code == 2) == bool(problem) and (fp32 in where) == (problem is not None), (device, out)
-    code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={gsm8k_dir / 'train.parquet'}", "trainer.device=cuda",
+    code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={gsm8k_head}", "trainer.device=cuda",
                          "model.fsdp_config.mixed_precision=true", "--nproc", "1")
     assert code == 0 and fp32 not in out, out
 
 
+def stories_tokenizer_beside(folder: Path, config: dict | None = None) -> Path:
+    """`folder` with stories260K's tokenizer files (and `config` as its config.json)."""
+    folder.mkdir(exist_ok=True)
+    for file in [*STORIES.glob("tokenizer*"), STORIES / "special_tokens_map.json"]:
+        shutil.copy(file, folder)
+    if config is not None:
+        (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def tiny_moe(tmp: Path) -> Path:
+    """A 2-layer Qwen3-MoE with random weights and stories260K's tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("qwen3_moe", vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+                                  num_experts_per_tok=2, moe_intermediate_size=16, max_position_embeddings=512)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp / "moe")
+    return stories_tokenizer_beside(tmp / "moe")
+
+
+def resume_into_another_model(tmp: Path, job: list[str]) -> list[str]:
+    """The job run once (its checkpoint of step 1), then resumed with a model of 4 layers instead of 5
+    (the same tokenizer: the data is the checkpoint's)."""
+    run_sfttrain(1, job)
+    config = json.loads((STORIES / "config.json").read_text())
+    other = stories_tokenizer_beside(tmp / "four_layers", {**config, "num_hidden_layers": 4})
+    return [f"model.partial_pretrain={other}", "model.random_init=true"]
+
+
+def a_checkpoint_as_the_model(tmp: Path, job: list[str]) -> list[str]:
+    """The job run once; its run folder then given as the model to fine-tune (the export was meant)."""
+    run_sfttrain(1, job)
+    return [f"model.partial_pretrain={next(a for a in job if a.startswith('trainer.default_local_dir=')).split('=', 1)[1]}",
+            f"trainer.default_local_dir={tmp / 'next_run'}"]
+
+
+def a_peft_adapter_as_the_model(tmp: Path, job: list[str]) -> list[str]:
+    (tmp / "adapter").mkdir()
+    (tmp / "adapter" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8,
+                                                                     "base_model_name_or_path": str(STORIES)}))
+    return [f"model.partial_pretrain={tmp / 'adapter'}"]
+
+
+def run_folder_under_a_file(tmp: Path, job: list[str]) -> list[str]:
+    (tmp / "notes.txt").write_text("a file where the run folder's parent would be")
+    return [f"trainer.default_local_dir={tmp / 'notes.txt' / 'run'}"]
+
+
+def model_config_cut_short(tmp: Path, job: list[str]) -> list[str]:
+    folder = stories_tokenizer_beside(tmp / "cut")
+    (folder / "config.json").write_text('{"model_type": "llama", "hidden_size"')  # a copy that stopped there
+    return [f"model.partial_pretrain={folder}", "model.random_init=true"]
+
+
+def model_config_its_family_refuses(tmp: Path, job: list[str]) -> list[str]:
+    config = json.loads((STORIES / "config.json").read_text())
+    folder = stories_tokenizer_beside(tmp / "six_heads", {**config, "num_attention_heads": 6, "num_key_value_heads": 3})
+    return [f"model.partial_pretrain={folder}", "model.random_init=true"]  # hidden size 64 is no multiple of 6
+
+
+def tokenizer_cut_short(tmp: Path, job: list[str]) -> list[str]:
+    folder = tmp / "cut"
+    shutil.copytree(STORIES, folder)
+    (folder / "tokenizer.json").write_text((STORIES / "tokenizer.json").read_text()[:3000])
+    return [f"model.partial_pretrain={folder}"]
+
+
+# Start-up refusals of a 1-rank CPU run of stories260K on 40 GSM8K rows that the preflight missed, stopped
+# at the first of, or said in other words: for each, the key (or file) the refusal names and the
+# overrides that make it, given the test's folder and the job (set up there where the mistake needs it)
+REFUSALS = {
+    "config: every mistake, not the first": ("trainer.log_freq", lambda tmp, job: ["optim.lr=-1", "trainer.log_freq=0"]),
+    "config: every unknown key, not the first": ("optim.lrr", lambda tmp, job: ["data.max_lenght=3", "optim.lrr=2"]),
+    # a traceback of the run (a ValueError), missed by the preflight
+    "attention backend the device cannot run": ("model.attn_implementation",
+                                                lambda tmp, job: ["model.attn_implementation=flash_attn"]),
+    "loss kernel the device cannot run": ("model.loss_kernel", lambda tmp, job: ["model.loss_kernel=liger"]),
+    # refusals of the model the run builds, which the preflight now builds on the meta device
+    "LoRA dropout on a MoE's experts": ("model.lora_dropout", lambda tmp, job: [
+        f"model.partial_pretrain={tiny_moe(tmp)}", "model.lora_rank=4", "model.lora_dropout=0.1"]),
+    "recompute_qkv=false where LoRA runs a MoE's experts eagerly": ("model.recompute_qkv", lambda tmp, job: [
+        f"model.partial_pretrain={tiny_moe(tmp)}", "model.lora_rank=4", "model.compile=true",
+        "model.enable_gradient_checkpointing=true", "model.recompute_qkv=false"]),
+    "resume into another model": ("model.partial_pretrain", resume_into_another_model),
+    "run folder under a file": ("trainer.default_local_dir", run_folder_under_a_file),
+    # said in other words by the preflight; a traceback of both
+    "model folder missing": ("model.partial_pretrain", lambda tmp, job: [f"model.partial_pretrain={tmp}/no_model"]),
+    # said as a folder without a config.json: the run folder meant as its export, an adapter meant as its base
+    "a run folder as the model": ("is a sfttrain run folder", a_checkpoint_as_the_model),
+    "a peft adapter as the model": ("is a peft adapter (adapter_config.json; its base:", a_peft_adapter_as_the_model),
+    "model config.json cut short": ("model.partial_pretrain", model_config_cut_short),
+    "model config.json its family's validation refuses": ("model.partial_pretrain", model_config_its_family_refuses),
+    "tokenizer.json cut short": ("model.partial_pretrain", tokenizer_cut_short),
+}
+
+
+@pytest.mark.parametrize("case", REFUSALS)
+def test_preflight_lists_each_start_up_refusal_in_the_runs_words(case, gsm8k_dir, tmp_path):
+    """The run refuses at start-up (exit code 2, one message naming the key); the preflight of the same
+    command lists every line of that message among its problems."""
+    key, mistakes = REFUSALS[case]
+    rows = tmp_path / "rows.parquet"
+    pq.write_table(pq.read_table(gsm8k_dir / "train.parquet").slice(0, 40), rows)
+    job = [*BASE_OVERRIDES, f"data.train_files={rows}", "data.train_batch_size=8", "trainer.total_training_steps=1",
+           f"trainer.default_local_dir={tmp_path / 'run'}"]
+    job += mistakes(tmp_path, job)
+    refused = run_sfttrain(1, job, check=False)
+    message = re.search(r"^sfttrain: [a-z ]+: (.*)", refused.stdout, re.MULTILINE | re.DOTALL)
+    assert refused.returncode == 2 and message and key in message.group(1), refused.stdout
+    code, out = run_plan(*job, "--nproc", "1")
+    problems = out.split("problems:")[-1]
+    assert code == 2 and all(line.strip() in problems for line in message.group(1).strip().splitlines()), \
+        (refused.stdout[-3000:], out)
+
+
+def test_preflight_lists_a_bad_validation_row_beside_a_bad_training_row(gsm8k_dir, tmp_path):
+    """The run stops on a bad training row; that row fixed, on a bad validation row. The preflight lists
+    both at once, each in the run's words (it rendered no validation row once a training row failed)."""
+    def parquet(name: str, rows: list[dict]) -> Path:
+        pq.write_table(pa.Table.from_pylist(rows), tmp_path / name)
+        return tmp_path / name
+
+    train = pq.read_table(gsm8k_dir / "train.parquet").slice(0, 40).select(["question", "answer"]).to_pylist()
+    val = pq.read_table(gsm8k_dir / "test.parquet").slice(0, 8).select(["question", "answer"]).to_pylist()
+    good = parquet("train.parquet", train)
+    train[3]["answer"], val[5]["question"] = None, None
+    bad = parquet("bad_train.parquet", train)
+    job = [*BASE_OVERRIDES, "data.train_batch_size=8", "trainer.total_training_steps=1",
+           f"data.val_files={parquet('val.parquet', val)}", f"trainer.default_local_dir={tmp_path / 'run'}"]
+    refusals = [run_sfttrain(1, [*job, f"data.train_files={rows}"], check=False).stdout for rows in (bad, good)]
+    messages = [re.search(r"^sfttrain: data error: (.*)$", out, re.MULTILINE).group(1) for out in refusals]
+    assert "bad_train.parquet row 3: answer is null" in messages[0] and "val.parquet row 5: question is null" in \
+        messages[1], refusals
+    code, out = run_plan(*job, f"data.train_files={bad}", "--nproc", "1")
+    assert code == 2 and all(message in out.split("problems:")[1] for message in messages), (messages, out)
+
+
+def test_preflight_lists_the_cpp_wrapper_a_gpu_run_refuses(tmp_path):
+    """model.compile_cpp_wrapper=true on compiled, checkpointed layers that rerun attention: a run on GPUs
+    refuses it once the model is built (sfttrain.parallel.cpp_wrapper; a CPU run ignores the key, so no
+    CPU run shows it), after the data scan. The preflight of a trainer.device=cuda run lists that refusal
+    in the words of the run's function."""
+    from transformers import AutoConfig
+
+    from sfttrain.config import ConfigError, load_config
+    from sfttrain.parallel import cpp_wrapper
+
+    job = [*BASE_OVERRIDES, f"data.train_files={tmp_path}/absent.parquet", "model.compile=true",
+           "model.enable_gradient_checkpointing=true", "model.compile_cpp_wrapper=true",
+           "model.fsdp_config.mixed_precision=true", "trainer.device=cuda"]
+    with pytest.raises(ConfigError, match="model.compile_cpp_wrapper=true") as refused:
+        cpp_wrapper(load_config(None, job), "cuda", AutoConfig.from_pretrained(STORIES))
+    code, out = run_plan(*job, "--nproc", "1")
+    assert code == 2 and str(refused.value) in out.split("problems:")[1], out
+
+
 @pytest.mark.parametrize("mode", [None, "offline"])
-def test_preflight_says_that_the_wandb_login_is_checked_at_start_up(gsm8k_dir, monkeypatch, mode):
+def test_preflight_says_that_the_wandb_login_is_checked_at_start_up(gsm8k_head, monkeypatch, mode):
     """A run with wandb and no login stops at once at start-up; the preflight cannot see the cluster's
     login, and says so (not with WANDB_MODE=offline, which needs none)."""
     monkeypatch.delenv("WANDB_MODE", raising=False)
     if mode:
         monkeypatch.setenv("WANDB_MODE", mode)
-    code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={gsm8k_dir / 'train.parquet'}",
+    code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={gsm8k_head}",
                          "trainer.logger=[console,wandb]", "--nproc", "1")
     assert code == 0 and ("its login (`wandb login`, or WANDB_API_KEY) is checked when the run starts" in
                           out.split("not checked here:")[-1]) == (mode is None), out
 
 
-def test_preflight_names_the_resume_and_each_refusal_of_it(gsm8k_dir, two_rank_run, tmp_path):
+def test_preflight_names_the_resume_and_each_refusal_of_it(gsm8k_head, two_rank_run, tmp_path):
     """The run folder of a finished 3-step run (checkpoints of steps 2 and 3), planned with its own
     config: the preflight names the checkpoint the run resumes from, and, the folder left as it was,
     each refusal the run's start-up would stop on: other data (a batch size) and a schedule that ends
@@ -395,10 +591,13 @@ def test_preflight_names_the_resume_and_each_refusal_of_it(gsm8k_dir, two_rank_r
     run_dir = tmp_path / "run"
     shutil.copytree(two_rank_run, run_dir)
     before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*"))
-    job = two_rank_job(gsm8k_dir, run_dir)
+    job = two_rank_job(gsm8k_head, run_dir)
     code, out = run_plan(*job, "--nproc", "2")
     assert code == 0 and f"resume              : from {run_dir / 'global_step_3'} (step 3, 0 of 3 steps left)\n" in out, out
     assert "the checkpoint is this run's last step (3): nothing left to train" in out, out
+    code, out = run_plan(*job, "trainer.profile_steps=[1,2]", "--nproc", "2")  # the window lies before the resume
+    assert code == 0 and "trainer.profile_steps: steps 1-2 ran before this resume (after step 3): nothing is " \
+        "profiled" in out, out
 
     changed = [*job, "data.train_batch_size=16", "trainer.total_training_steps=1"]
     code, out = run_plan(*changed, "--nproc", "2")
@@ -429,7 +628,7 @@ def test_preflight_names_the_resume_and_each_refusal_of_it(gsm8k_dir, two_rank_r
     assert sorted(p.relative_to(run_dir) for p in run_dir.rglob("*")) == before
 
 
-def test_preflight_checks_the_model_folder_as_the_run_loads_it(gsm8k_dir, tmp_path):
+def test_preflight_checks_the_model_folder_as_the_run_loads_it(gsm8k_head, tmp_path):
     """A folder with a config but no weights (a note: a model planned from its config files only),
     and LoRA target modules that name no linear layer of the model (built on the meta device from
     its config, as the run builds it: a problem)."""
@@ -437,23 +636,24 @@ def test_preflight_checks_the_model_folder_as_the_run_loads_it(gsm8k_dir, tmp_pa
     folder.mkdir()
     for file in [*STORIES.glob("tokenizer*"), STORIES / "config.json", STORIES / "special_tokens_map.json"]:
         shutil.copy(file, folder)
-    code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={gsm8k_dir / 'train.parquet'}",
+    code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={gsm8k_head}",
                          f"model.partial_pretrain={folder}", "model.lora_rank=4", "model.target_modules=[q_proj,qkv_proj]",
                          "--nproc", "1")
     notes, problems = out.split("not checked here:")[1].split("problems:")
     assert code == 2 and f"model.partial_pretrain='{folder}' has a config but no weights" in notes, out
     assert re.search(r"\['qkv_proj'\] names no linear layer of LlamaForCausalLM; its linear layers are \['down_proj', "
                      r"'gate_proj', 'k_proj', 'o_proj', 'q_proj', 'up_proj', 'v_proj'\]", problems), out
-    code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={gsm8k_dir / 'train.parquet'}", "model.lora_rank=4",
+    code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={gsm8k_head}", "model.lora_rank=4",
                          "model.target_modules=[q_proj,v_proj]", "--nproc", "1")
     assert code == 0, out
 
 
-def test_preflight_checks_what_the_run_checks_of_the_loaded_model(gsm8k_dir, tiny_qwen_dir, tmp_path):
+def test_preflight_checks_what_the_run_checks_of_the_loaded_model(gsm8k_head, tiny_qwen_dir, tmp_path):
     """Checks the run makes only once the model is built (after the data scan): Ulysses' heads that
     split over the sp ranks (tiny Qwen's 4 over 3), a family whose head the loss reproduces (GPT-2:
-    whose config.json the memory estimate cannot read either, which was a traceback)."""
-    data = [f"data.train_files={gsm8k_dir / 'train.parquet'}", "data.train_batch_size=8", "data.max_length=1024"]
+    whose config.json the memory estimate cannot read either, which was a traceback). The run now makes
+    them from config.json before the data scan."""
+    data = [f"data.train_files={gsm8k_head}", "data.train_batch_size=8", "data.max_length=1024"]
     code, out = run_plan(*data, f"model.partial_pretrain={tiny_qwen_dir}", "ulysses_sequence_parallel_size=3",
                          "--nproc", "3")
     assert code == 2 and "ulysses_sequence_parallel_size=3: the model's 4 attention heads do not split over 3 ranks; " \
@@ -465,18 +665,24 @@ def test_preflight_checks_what_the_run_checks_of_the_loaded_model(gsm8k_dir, tin
     code, out = run_plan(*data, f"model.partial_pretrain={gpt2}", "--nproc", "1")
     assert code == 2 and "model type 'gpt2': sfttrain's loss is checked against the model's own loss only for llama" \
                          in out.split("problems:")[1], out
+    # the run refuses it from config.json before the data scan (it rendered every row, then built the model)
+    run_dir = tmp_path / "run"
+    refused = run_sfttrain(1, [*data, f"model.partial_pretrain={gpt2}", f"trainer.default_local_dir={run_dir}"],
+                           check=False)
+    assert refused.returncode == 2 and "model type 'gpt2': sfttrain's loss is checked" in refused.stdout, refused.stdout
+    assert not (run_dir / "row_stats").exists() and not (run_dir / "data_report.json").exists()
 
 
-def test_preflight_renders_with_the_template_the_run_would_use(gsm8k_dir, tiny_qwen_dir, tmp_path):
+def test_preflight_renders_with_the_template_the_run_would_use(gsm8k_head, tiny_qwen_dir, tmp_path):
     (tmp_path / "broken.jinja").write_text("{% for m in messages %}{{ m.content }}")  # no endfor
-    code, out = run_plan(f"data.train_files={gsm8k_dir / 'train.parquet'}", f"model.partial_pretrain={tiny_qwen_dir}",
+    code, out = run_plan(f"data.train_files={gsm8k_head}", f"model.partial_pretrain={tiny_qwen_dir}",
                          f"data.chat_template={tmp_path / 'broken.jinja'}", "data.train_batch_size=8", "--nproc", "1")
     assert code == 2 and "broken.jinja' does not parse or render: TemplateSyntaxError" in out, out
     # one that fails only in a branch some rows take (GSM8K's row 1, "Weng earns..."): named with the row, as the run does
     template = (tiny_qwen_dir / "chat_template.jinja").read_text()
     (tmp_path / "weng.jinja").write_text("{% for m in messages %}{% if 'Weng' in m.content %}{{ raise_exception('no "
                                          "Weng') }}{% endif %}{% endfor %}" + template)
-    code, out = run_plan(f"data.train_files={gsm8k_dir / 'train.parquet'}", f"model.partial_pretrain={tiny_qwen_dir}",
+    code, out = run_plan(f"data.train_files={gsm8k_head}", f"model.partial_pretrain={tiny_qwen_dir}",
                          f"data.chat_template={tmp_path / 'weng.jinja'}", "data.train_batch_size=8", "--nproc", "1")
     assert code == 2 and "train.parquet row 1: the chat template failed on this row's prompt (as one user turn): " \
                          "TemplateError: no Weng; fix the template" in out, out
@@ -581,3 +787,28 @@ def test_preflight_notes_that_this_machine_has_no_gpu_for_a_cuda_run(tmp_path, m
     assert code == 0 and "trainer.device=cuda but no CUDA device is visible" in out.split("not checked here:")[1], out
     code, out = run_plan(*job, "trainer.device=auto", "--nproc", "1")
     assert code == 0 and "no CUDA device is visible" not in out, out
+
+
+def test_preflight_lists_a_refused_rendering_setting_once(gsm8k_head, tmp_path):
+    """data.max_length and data.truncation are checked with the config and again by the renderer the data
+    scan builds, which the preflight runs past the config's problems: each mistake is one problem, not two
+    in other words (and max_length=1, which the config took, is refused by both, as the run does)."""
+    code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={gsm8k_head}", "data.truncation=bogus",
+                         "data.max_length=1", f"trainer.default_local_dir={tmp_path / 'run'}", "--nproc", "1")
+    problems = out.split("problems:")[-1]
+    assert code == 2 and problems.count("data.truncation") == 1 and problems.count("data.max_length") == 1, out
+
+
+def test_a_folders_subfolders_with_data_are_said_as_not_read(gsm8k_head, tmp_path):
+    """A folder with data files of its own stands for those: its subfolders' files are not read. The report
+    says so (the user may have meant them), and the pattern it names reads them all."""
+    (tmp_path / "data" / "more").mkdir(parents=True)
+    shutil.copy(gsm8k_head, tmp_path / "data" / "train.parquet")
+    shutil.copy(gsm8k_head, tmp_path / "data" / "more" / "extra.parquet")
+    code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={tmp_path / 'data'}", "--nproc", "1")
+    assert code == 0 and "  files               : 1: " in out and (
+        f"  NOTE: {tmp_path / 'data'}'s subfolder {tmp_path / 'data' / 'more'} holds data files that are not read (a "
+        f"folder's own files are); list them in data.train_files, or give the pattern {tmp_path / 'data' / '**' / '*'}"
+    ) in out, out
+    code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={tmp_path / 'data' / '**' / '*'}", "--nproc", "1")
+    assert code == 0 and "  files               : 2: " in out and "data files that are not read" not in out, out

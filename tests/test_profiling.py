@@ -15,12 +15,12 @@ from sfttrain.profiling import (StepProfiler, allocation_site, describe, gemm_sh
 from tests.conftest import run_sfttrain, train_losses, two_rank_job
 
 
-def test_profiled_steps_leave_a_trace_per_rank_a_summary_and_the_same_losses(gsm8k_dir, tmp_path, two_rank_run):
+def test_profiled_steps_leave_a_trace_per_rank_a_summary_and_the_same_losses(gsm8k_head, tmp_path, two_rank_run):
     """two_rank_job (3 steps) with steps 2-3 profiled: each rank's Chrome trace holds those two
     steps' ranges (not step 1's) with the matrix products inside them, rank 0 prints and writes the
     summary, and the losses are those of conftest's unprofiled run of the same job."""
     run_dir = tmp_path / "run"
-    proc = run_sfttrain(2, two_rank_job(gsm8k_dir, run_dir, "trainer.profile_steps=[2,3]"))
+    proc = run_sfttrain(2, two_rank_job(gsm8k_head, run_dir, "trainer.profile_steps=[2,3]"))
     assert f"profile             : steps 2-3 (torch.profiler), a trace per rank and a summary in {run_dir}/profile" \
         in proc.stdout
     for rank in (0, 1):
@@ -82,11 +82,11 @@ def test_profile_memory_needs_the_window_and_a_gpu():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the allocator's history is CUDA's")
-def test_profile_memory_on_a_gpu_names_the_peak(gsm8k_dir, tmp_path):
+def test_profile_memory_on_a_gpu_names_the_peak(gsm8k_head, tmp_path):
     """One GPU, steps 2-3 with the allocator's history: a snapshot file, and the summary's peak no
     lower than what was allocated before the window, with the window's allocations by site."""
     run_dir = tmp_path / "run"
-    proc = run_sfttrain(1, two_rank_job(gsm8k_dir, run_dir, "trainer.device=cuda", "trainer.profile_steps=[2,3]",
+    proc = run_sfttrain(1, two_rank_job(gsm8k_head, run_dir, "trainer.device=cuda", "trainer.profile_steps=[2,3]",
                                         "trainer.profile_memory=true", "model.fsdp_config.mixed_precision=true"),
                         env={"CUDA_VISIBLE_DEVICES": "0"})
     assert (run_dir / "profile" / "memory_steps_2-3_rank0.pickle").is_file()

@@ -6,12 +6,9 @@ gradients, grouped-query heads split and repeated); whole runs with sp=2 (2 rank
 against sp=1 on the real stories260K model, fp32: losses, the first step's grad norm, validation
 loss and weights; checkpoints resume across sp sizes."""
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from sfttrain import attention
@@ -19,7 +16,7 @@ from sfttrain.config import ConfigError, load_config
 from sfttrain.data.batching import make_plan
 from sfttrain.distributed import _mesh_shape
 from sfttrain.sequence_parallel import SequenceParallel, check_heads
-from tests.conftest import BASE_OVERRIDES, STORIES, free_port, load_checkpoint_model, read_metrics, run_sfttrain
+from tests.conftest import BASE_OVERRIDES, STORIES, load_checkpoint_model, read_metrics, run_on_ranks, run_sfttrain
 
 SP = 2
 STEPS = 3
@@ -29,13 +26,11 @@ TOL = 1e-5
 
 
 # ------------------------------------------------------------------ the attention exchange alone
-def _attention_worker(rank: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=SP)
+def _attention_worker() -> None:
+    """On each of the SP ranks (run_on_ranks)."""
     attention.configure("sdpa_blockmask", "cpu")
     for kv_heads in (4, 2, 1):  # split over the ranks (4, 2), repeated to them (1)
-        _check_attention(rank, kv_heads)
-    dist.destroy_process_group()
+        _check_attention(dist.get_rank(), kv_heads)
 
 
 def _check_attention(rank: int, kv_heads: int) -> None:
@@ -63,9 +58,10 @@ def _check_attention(rank: int, kv_heads: int) -> None:
 def test_ulysses_attention_equals_whole_row_attention():
     """Each rank's slice of the output and of the q/k/v gradients equals the whole row's (fp64),
     for 4 query heads with 4 and 2 KV heads (split over the ranks) and 1 (repeated to them)."""
-    # spawn, not fork: a child forked from a process whose OpenMP thread pool has run (any earlier
-    # test) can deadlock in its first parallel region
-    mp.start_processes(_attention_worker, args=(free_port(),), nprocs=SP, join=True, start_method="spawn")
+    # ranks forked from the rank server (which has run no torch op), not from this process: a child
+    # forked from a process whose OpenMP thread pool has run (any earlier test) can deadlock in its
+    # first parallel region
+    run_on_ranks(SP, _attention_worker)
 
 
 def test_head_counts_that_do_not_split_are_refused():
@@ -80,14 +76,14 @@ def test_head_counts_that_do_not_split_are_refused():
 
 
 # ------------------------------------------------------------------ whole runs
-def _job(gsm8k_dir, gsm8k_val, run_dir, *extra):
-    return [*BASE_OVERRIDES, f"data.train_files={gsm8k_dir}/train.parquet", f"data.val_files={gsm8k_val}",
+def _job(gsm8k_head, gsm8k_val, run_dir, *extra):
+    return [*BASE_OVERRIDES, f"data.train_files={gsm8k_head}", f"data.val_files={gsm8k_val}",
             f"trainer.default_local_dir={run_dir}", "data.train_batch_size=8", "data.micro_batch_size_per_gpu=2",
             f"trainer.total_training_steps={STEPS}", "trainer.save_freq=2", *extra]
 
 
 @pytest.fixture(scope="module")
-def runs(gsm8k_dir, gsm8k_val, tmp_path_factory):
+def runs(gsm8k_head, gsm8k_val, tmp_path_factory):
     """sp=1 on 2 ranks (the reference); sp=2 on 2 ranks with gradient checkpointing; 2 x 2 on 4
     ranks with token-budget packing (FSDP shards over all 4)."""
     root = tmp_path_factory.mktemp("sp")
@@ -98,7 +94,7 @@ def runs(gsm8k_dir, gsm8k_val, tmp_path_factory):
     out = {}
     for name, (nproc, extra) in jobs.items():
         out[name] = root / name
-        out[name + ".stdout"] = run_sfttrain(nproc, _job(gsm8k_dir, gsm8k_val, out[name], *extra)).stdout
+        out[name + ".stdout"] = run_sfttrain(nproc, _job(gsm8k_head, gsm8k_val, out[name], *extra)).stdout
     return out
 
 
@@ -129,11 +125,11 @@ def test_start_up_plan_names_the_sequence_parallel_ranks(runs):
     assert "mesh (1, 2, 2) ('dp_replicate', 'dp_shard', 'sp')" in runs["dp2_sp2.stdout"]
 
 
-def test_checkpoint_resumes_with_another_sp_size(runs, gsm8k_dir, gsm8k_val, tmp_path):
+def test_checkpoint_resumes_with_another_sp_size(runs, gsm8k_head, gsm8k_val, tmp_path):
     """sp=2's step-2 checkpoint (2 ranks) resumed without sequence parallelism on 1 rank (DCP
     reshards; the data position is global): the reference's last step and weights."""
     run_dir = tmp_path / "resumed"
-    run_sfttrain(1, _job(gsm8k_dir, gsm8k_val, run_dir, "trainer.resume_mode=resume_path",
+    run_sfttrain(1, _job(gsm8k_head, gsm8k_val, run_dir, "trainer.resume_mode=resume_path",
                          f"trainer.resume_from_path={runs['sp2'] / 'global_step_2'}"))
     assert _by_step(run_dir, "loss") == pytest.approx({s: v for s, v in _by_step(runs["ref"], "loss").items() if s > 2},
                                                       rel=TOL)
@@ -150,3 +146,30 @@ def test_world_and_batch_not_divisible_are_refused_in_data_parallel_ranks(tmp_pa
     with pytest.raises(ConfigError, match=r"not divisible by the 4 data-parallel ranks \(8 ranks = 4 data-parallel x "
                                           r"2 sequence-parallel\); use data.train_batch_size=16"):
         make_plan(cfg, 4, 100)
+
+
+def test_validation_loss_under_sequence_parallelism_counts_every_row_once(gsm8k_head, gsm8k_val, tmp_path):
+    """4 ranks = 2 data-parallel x 2 sequence-parallel, 13 validation rows of very unequal weight (6 and
+    7 a data-parallel rank, micro-batches of 2: one rank's last micro-batch is the empty one, itself cut
+    in two slices): val/loss after one step is the token-weighted loss of every row once, each sp rank
+    adding its slice's loss and loss tokens. Reference: a plain transformers loop over the 13 rows,
+    unpacked, on the run's step-1 weights (tests/test_reference_loops.py's rows and loop). fp32, sums in
+    another order (packed rows, slices, 4 ranks): ~1e-6 relative on any machine, TOL = 1e-5; a row
+    counted twice or an sp rank counting the whole row's tokens moves it by >= 1e-3."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_reference_loops import _val_rows, reference_val_loss
+
+    val = _val_rows(gsm8k_val)
+    pq.write_table(pa.Table.from_pylist(val), tmp_path / "val.parquet")
+    run_dir = tmp_path / "run"
+    run_sfttrain(4, [*BASE_OVERRIDES, f"data.train_files={gsm8k_head}", f"data.val_files={tmp_path / 'val.parquet'}",
+                     f"trainer.default_local_dir={run_dir}", "data.train_batch_size=4",
+                     "data.micro_batch_size_per_gpu=2", "data.max_length=2048", "data.truncation=error",
+                     "data.allow_beyond_max_position=true", "trainer.total_training_steps=1",
+                     f"ulysses_sequence_parallel_size={SP}"])
+    model = AutoModelForCausalLM.from_pretrained(STORIES, attn_implementation="eager", torch_dtype=torch.float32)
+    model.load_state_dict(load_checkpoint_model(run_dir / "global_step_1"))
+    assert _by_step(run_dir, "val/loss") == {1: pytest.approx(reference_val_loss(model, val), rel=TOL)}

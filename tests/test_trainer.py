@@ -18,8 +18,9 @@ from tests.conftest import (BASE_OVERRIDES, LINEAR_ADAM, STORIES, load_checkpoin
 LOSS_TOL, UPDATE_TOL = 1e-5, 1e-4
 
 
-def _job(gsm8k_dir, run_dir, *extra):
-    return [*BASE_OVERRIDES, *LINEAR_ADAM, f"data.train_files={gsm8k_dir}/train.parquet",
+def _job(train_file, run_dir, *extra):
+    """On conftest's gsm8k_head: these runs train its first 32 rows at most."""
+    return [*BASE_OVERRIDES, *LINEAR_ADAM, f"data.train_files={train_file}",
             f"trainer.default_local_dir={run_dir}", *extra]
 
 
@@ -28,11 +29,11 @@ BATCH_16 = ["data.train_batch_size=16", "trainer.total_training_steps=2"]
 
 
 @pytest.fixture(scope="module")
-def one_rank_16(gsm8k_dir, tmp_path_factory):
+def one_rank_16(gsm8k_head, tmp_path_factory):
     """BATCH_16 on one rank as one micro-batch: the reference of the tests that split the same steps
     over ranks, micro-batches, token budgets or compiled kernels (one job for all of them)."""
     run_dir = tmp_path_factory.mktemp("one_rank_16")
-    run_sfttrain(1, _job(gsm8k_dir, run_dir, *BATCH_16, "data.micro_batch_size_per_gpu=16"))
+    run_sfttrain(1, _job(gsm8k_head, run_dir, *BATCH_16, "data.micro_batch_size_per_gpu=16"))
     return run_dir
 
 
@@ -47,7 +48,7 @@ def _update_error(run_dir, ref_dir, step: int) -> float:
     return update_error(trained, ref, {k: start[k] for k in ref})
 
 
-def test_update_invariant_to_ranks_and_micro_batches(gsm8k_dir, tmp_path, one_rank_16):
+def test_update_invariant_to_ranks_and_micro_batches(gsm8k_head, tmp_path, one_rank_16):
     """Same global batch of 16, split as 1 rank x 1 micro-batch, 2 ranks x 1, 2 ranks x 4 micro-batches,
     4 ranks as HSDP (2 replicas x 2 shards, 2 micro-batches each, all-reduced across the replicas
     once per step), and 2 DDP ranks x 4 micro-batches (gradients accumulated locally, all-reduced in
@@ -61,7 +62,7 @@ def test_update_invariant_to_ranks_and_micro_batches(gsm8k_dir, tmp_path, one_ra
     logs = {}
     for name, (nproc, micro, extra) in runs.items():
         run_dir = tmp_path / name
-        logs[name] = run_sfttrain(nproc, _job(gsm8k_dir, run_dir, *BATCH_16, *extra,
+        logs[name] = run_sfttrain(nproc, _job(gsm8k_head, run_dir, *BATCH_16, *extra,
                                               f"data.micro_batch_size_per_gpu={micro}")).stdout
         losses[name] = train_losses(run_dir)
         weights[name] = load_checkpoint_model(run_dir / "global_step_2")
@@ -76,14 +77,14 @@ def test_update_invariant_to_ranks_and_micro_batches(gsm8k_dir, tmp_path, one_ra
         assert update_error(weights[name], weights["1x16"], start) < UPDATE_TOL, name
 
 
-def test_token_budget_micro_batches_give_the_same_update(gsm8k_dir, tmp_path, one_rank_16):
+def test_token_budget_micro_batches_give_the_same_update(gsm8k_head, tmp_path, one_rank_16):
     budget = tmp_path / "budget"
-    run_sfttrain(2, _job(gsm8k_dir, budget, *BATCH_16, "data.max_token_len_per_gpu=400"))
+    run_sfttrain(2, _job(gsm8k_head, budget, *BATCH_16, "data.max_token_len_per_gpu=400"))
     assert train_losses(budget) == pytest.approx(train_losses(one_rank_16), rel=LOSS_TOL)
     assert _update_error(budget, one_rank_16, 2) < UPDATE_TOL
 
 
-def test_mixed_precision_one_device_fsdp_and_ddp_agree(gsm8k_dir, tmp_path):
+def test_mixed_precision_one_device_fsdp_and_ddp_agree(gsm8k_head, tmp_path):
     """bf16 compute three ways: one rank runs unsharded under autocast, two ranks under FSDP2's
     MixedPrecisionPolicy, two DDP ranks under autocast (gradients all-reduced in fp32); all keep
     fp32 master weights and must train alike. bf16 rounds each product and activation to
@@ -92,7 +93,7 @@ def test_mixed_precision_one_device_fsdp_and_ddp_agree(gsm8k_dir, tmp_path):
     mp = ["model.fsdp_config.mixed_precision=true", "data.train_batch_size=8", "data.micro_batch_size_per_gpu=4",
           "trainer.total_training_steps=3"]
     runs = {"one": (1, []), "fsdp": (2, []), "ddp": (2, ["model.fsdp_config.sharding_strategy=NO_SHARD"])}
-    logs = {name: run_sfttrain(nproc, _job(gsm8k_dir, tmp_path / name, *mp, *extra)).stdout
+    logs = {name: run_sfttrain(nproc, _job(gsm8k_head, tmp_path / name, *mp, *extra)).stdout
             for name, (nproc, extra) in runs.items()}
     assert "gradients all-reduced in fp32 buckets" in logs["ddp"]
     for name in ("fsdp", "ddp"):
@@ -100,7 +101,7 @@ def test_mixed_precision_one_device_fsdp_and_ddp_agree(gsm8k_dir, tmp_path):
         assert _update_error(tmp_path / name, tmp_path / "one", 3) < 5e-2, name
 
 
-def test_compiled_decoder_matches_eager(gsm8k_dir, tmp_path, one_rank_16):
+def test_compiled_decoder_matches_eager(gsm8k_head, tmp_path, one_rank_16):
     """model.compile on two DDP ranks compiles each decoder layer with dynamic shapes (and the loss
     kernel): the same losses and updates as eager on one rank (one_rank_16: the same steps, unsplit;
     DDP's all-reduce runs beside the compiled layers' backward, dynamo's DDP optimizer off), no
@@ -111,7 +112,7 @@ def test_compiled_decoder_matches_eager(gsm8k_dir, tmp_path, one_rank_16):
     (and past dynamo's cache limit, 8, the remaining layers of a larger model would silently run
     eager). Recompiles for other reasons (how a torch or transformers version wraps a forward) stay
     under that count."""
-    proc = run_sfttrain(2, _job(gsm8k_dir, tmp_path / "compiled", *BATCH_16, "data.micro_batch_size_per_gpu=4",
+    proc = run_sfttrain(2, _job(gsm8k_head, tmp_path / "compiled", *BATCH_16, "data.micro_batch_size_per_gpu=4",
                                 "data.pad_to_multiple=1", "model.compile=true",
                                 "model.fsdp_config.sharding_strategy=NO_SHARD"), env={"TORCH_LOGS": "recompiles"})
     assert "DDP: the whole model on each of 2 ranks" in proc.stdout
@@ -124,35 +125,38 @@ def test_compiled_decoder_matches_eager(gsm8k_dir, tmp_path, one_rank_16):
     assert _update_error(tmp_path / "compiled", one_rank_16, 2) < UPDATE_TOL
 
 
-def test_worker_processes_build_the_same_steps(gsm8k_dir, tmp_path):
+def test_worker_processes_build_the_same_steps(gsm8k_head, tmp_path):
     """data.num_workers=3: three DataLoader worker processes build steps 0,3,6.. / 1,4,7.. /
     2,5,8..; the trainer must still see them in order, as the in-process stream makes them."""
     common = ["data.train_batch_size=4", "data.micro_batch_size_per_gpu=4", "trainer.total_training_steps=7",
               "data.shuffle=true"]
-    run_sfttrain(1, _job(gsm8k_dir, tmp_path / "inline", *common))
-    run_sfttrain(1, _job(gsm8k_dir, tmp_path / "workers", *common, "data.num_workers=3"))
+    run_sfttrain(1, _job(gsm8k_head, tmp_path / "inline", *common))
+    run_sfttrain(1, _job(gsm8k_head, tmp_path / "workers", *common, "data.num_workers=3"))
     inline, workers = read_metrics(tmp_path / "inline"), read_metrics(tmp_path / "workers")
     assert [m["tokens"] for m in workers if "loss" in m] == [m["tokens"] for m in inline if "loss" in m]
     assert train_losses(tmp_path / "workers") == train_losses(tmp_path / "inline")
 
 
-def test_parity_with_a_plain_transformers_loop(gsm8k_dir, tmp_path):
+def test_parity_with_a_plain_transformers_loop(gsm8k_head, tmp_path):
     """Reference: HF's own loss (labels shifted by the model, mean over the step's response tokens)
     on unpacked samples, torch AdamW, clipping; same rows (unshuffled), same hyper-parameters
-    (LINEAR_ADAM). Two ranks against one process: the sums run in another order (LOSS_TOL, UPDATE_TOL)."""
+    (LINEAR_ADAM). Two ranks against one process: the sums run in another order (LOSS_TOL, UPDATE_TOL).
+    The grad_norm logged is clip_grad_norm_'s over the whole unsharded model (the norm the clip applies,
+    before clipping): under FSDP each rank holds a shard's partial norm, and one not all-reduced, or a
+    rank's own, is off by ~sqrt(2) (LOSS_TOL: a norm of fp32 sums in another order)."""
     import pyarrow.parquet as pq
 
     run_dir = tmp_path / "run"
     batch, steps = 4, 2
-    run_sfttrain(2, _job(gsm8k_dir, run_dir, f"data.train_batch_size={batch}", "data.micro_batch_size_per_gpu=1",
+    run_sfttrain(2, _job(gsm8k_head, run_dir, f"data.train_batch_size={batch}", "data.micro_batch_size_per_gpu=1",
                          "data.max_length=2048", "data.truncation=error", f"trainer.total_training_steps={steps}",
                          "data.allow_beyond_max_position=true"))  # no row cut: the reference trains them whole
     tok = AutoTokenizer.from_pretrained(STORIES)
     model = AutoModelForCausalLM.from_pretrained(STORIES, attn_implementation="eager")
     start = {k: v.clone() for k, v in model.state_dict().items()}
     opt = torch.optim.AdamW(model.parameters(), lr=0.1, betas=(0.9, 0.95), eps=1.0, weight_decay=0.0)
-    rows = pq.read_table(gsm8k_dir / "train.parquet").to_pylist()
-    ref_losses = []
+    rows = pq.read_table(gsm8k_head).to_pylist()
+    ref_losses, ref_norms = [], []
     for step in range(steps):
         examples = []
         for r in rows[step * batch:(step + 1) * batch]:
@@ -165,11 +169,13 @@ def test_parity_with_a_plain_transformers_loop(gsm8k_dir, tmp_path):
             loss = model(input_ids=ids, labels=labels, num_items_in_batch=n_tokens).loss
             loss.backward()
             total += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        ref_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item())
         opt.step()
         opt.zero_grad()
         ref_losses.append(total)
     assert train_losses(run_dir) == pytest.approx(ref_losses, rel=LOSS_TOL)
+    assert min(ref_norms) > 1.0  # the clip applies: the update checked below is the clipped one
+    assert [m["grad_norm"] for m in read_metrics(run_dir) if "loss" in m] == pytest.approx(ref_norms, rel=LOSS_TOL)
     trained = load_checkpoint_model(run_dir / f"global_step_{steps}")
     ref = {k: v for k, v in model.state_dict().items() if k in trained}
     assert update_error(trained, ref, {k: start[k] for k in trained}) < UPDATE_TOL

@@ -20,10 +20,13 @@ file. Each cell is stored as its JSON text and decoded again when read (sfttrain
 rows of one file may hold different keys, nested structures of different shapes or a null where
 others hold a string, and the readers see exactly the values of the file, so a bad cell is named
 at the start-up scan as in a Parquet file (with its line).
+Text files are read as UTF-8 (a byte order mark allowed); one that is not is named with its first
+line that is not (`not_utf8`).
 """
 
 from __future__ import annotations
 
+import codecs
 import csv
 import glob
 import hashlib
@@ -39,7 +42,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import torch.distributed as dist
 
-from sfttrain.checkpoint_folder import fsync_path
+from sfttrain.checkpoint_folder import replace_synced
 from sfttrain.data.parquet import JSON_CELLS, LINE_COLUMN, ChatMessages, ParquetSource, PromptResponse, missing_file
 from sfttrain.errors import DataError
 from sfttrain.fs_faults import unreadable
@@ -52,7 +55,7 @@ COMPRESSED = (".gz", ".bz2", ".zst")  # pyarrow detects the codec by the suffix
 CONVERTED_SUFFIXES = DATA_SUFFIXES[1:]  # read through a Parquet conversion in the run folder
 SAVED_DATASET = "state.json"  # in a folder datasets' save_to_disk wrote (beside dataset_info.json)
 SAVED_DATASET_DICT = "dataset_dict.json"  # in the folder of a DatasetDict's save_to_disk (a folder per split)
-CACHE_DIR = "data_cache"  # in the run folder
+CONVERTED_DIR = "data_cache"  # in the run folder: the JSON, CSV and Arrow files converted to Parquet
 ROW_GROUP_ROWS = 1000  # rows per row group of a conversion (as data_prep/gsm8k.py writes)
 CHUNK_CHARS = 1 << 20  # a JSON list is read this many characters at a time
 FORMAT_VERSION = 1  # part of a conversion's name: a change of format converts again
@@ -118,6 +121,14 @@ def pattern_files(pattern: str) -> list[str]:
     return files
 
 
+def pattern_files_or_none(pattern: str) -> list[str]:
+    """pattern_files, with no error where nothing matches."""
+    try:
+        return pattern_files(pattern)
+    except DataError:
+        return []
+
+
 def folder_files(path: str) -> list[str]:
     """The data files of a directory; a DatasetDict's folder, or one whose files are named for
     several splits, is refused with what to name instead."""
@@ -129,7 +140,10 @@ def folder_files(path: str) -> list[str]:
         return saved_dataset_files(path)
     found = sorted(name for name in os.listdir(path) if data_format(name) in DATA_SUFFIXES and not name.startswith("."))
     if not found:
-        raise DataError(f"{path}: a directory without data files ({DATA_PATTERNS}); "
+        inside = subfolders_with_data(path)
+        where = (f"; its subfolder{'s' * (len(inside) > 1)} {', '.join(inside[:3])} hold{'s' * (len(inside) == 1)} "
+                 "some (a folder's files are read, not those of its subfolders)") if inside else ""
+        raise DataError(f"{path}: a directory without data files ({DATA_PATTERNS}){where}; "
                         "point data.train_files / data.val_files at one that has them")
     by_split: dict[str, list[str]] = {}
     for name in found:
@@ -139,6 +153,20 @@ def folder_files(path: str) -> list[str]:
                         "name one split's files (or list the files): " +
                         "; ".join(f"{split}: {split_pattern(path, names)}" for split, names in by_split.items() if split))
     return [os.path.join(path, name) for name in found]
+
+
+def subfolders_with_data(path: str) -> list[str]:
+    """The subfolders of a folder, one or two levels down (not **: a folder may hold a large tree), that
+    hold data files: a folder's own files are what it stands for, so these are not read."""
+    return sorted({os.path.dirname(f) for depth in (1, 2)
+                   for f in pattern_files_or_none(os.path.join(glob.escape(path), *["*"] * depth, "*"))})
+
+
+def unread_subfolders(paths: list[str]) -> dict[str, list[str]]:
+    """For each folder entry of data.train_files that has data files of its own, its subfolders that hold
+    some too, which the run does not read (said at start-up: the user may have meant them)."""
+    folders = [p for p in map(os.path.expanduser, paths) if not is_pattern(p) and os.path.isdir(p)]
+    return {folder: inside for folder in folders if (inside := subfolders_with_data(folder))}
 
 
 def split_of(name: str) -> str | None:
@@ -185,7 +213,7 @@ def cached_parquet(source: str, run_dir: str) -> str:
     stat = os.stat(source)
     key = json.dumps([os.path.abspath(source), stat.st_size, stat.st_mtime_ns, FORMAT_VERSION])
     stem = os.path.splitext(os.path.basename(source))[0]
-    return os.path.join(run_dir, CACHE_DIR, f"{stem}.{hashlib.sha256(key.encode()).hexdigest()[:16]}.parquet")
+    return os.path.join(run_dir, CONVERTED_DIR, f"{stem}.{hashlib.sha256(key.encode()).hexdigest()[:16]}.parquet")
 
 
 def convert(source: str, target: str) -> None:
@@ -200,15 +228,33 @@ def convert(source: str, target: str) -> None:
     except BaseException as e:
         if os.path.exists(tmp):
             os.remove(tmp)
+        if isinstance(e, UnicodeDecodeError):  # a traceback from deep in the reader otherwise
+            raise not_utf8(source) from None
         if isinstance(e, OSError) and e.errno is None and source.endswith(COMPRESSED):  # the codec's, not the OS's
             raise DataError(f"{source}: cannot be decompressed ({e}); the file is cut short or not compressed as its "
                             f"name says: write it again, or name it for what it is") from None
         if isinstance(e, OSError) and e.errno is not None:  # pyarrow's error names no file: sfttrain.run names it
             e.filename = e.filename or tmp
         raise
-    fsync_path(tmp)
-    os.replace(tmp, target)
-    fsync_path(os.path.dirname(target))
+    replace_synced(tmp, target)
+
+
+def not_utf8(source: str) -> DataError:
+    """The error for a text file that is not UTF-8, naming its first such line: a CSV that Excel saved
+    in the system's code page (GBK, Windows-1252), or a file that PowerShell's `>` wrote (UTF-16)."""
+    with io.BufferedReader(pa.input_stream(source, compression="detect")) as f:
+        utf16 = f.peek(2)[:2] in (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
+        line, bad = 0, b""
+        for line, raw in enumerate(f, start=1):
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                bad = raw[e.start:e.start + 4]
+                break
+    found = "UTF-16 (it starts with UTF-16's byte order mark)" if utf16 else f"bytes {bad!r}"
+    return DataError(f"{source} line {line}: not UTF-8 text: {found}; data files are read as UTF-8: write it again "
+                     "as UTF-8 (Excel: Save As 'CSV UTF-8'; PowerShell: Out-File -Encoding utf8; or "
+                     "iconv -f GBK -t UTF-8 with the encoding it has)")
 
 
 def convert_arrow(source: str, target: str) -> None:
@@ -248,6 +294,8 @@ def convert_csv(source: str, target: str) -> None:
                                 convert_options=pacsv.ConvertOptions(column_types={name: pa.string() for name in header}))
         _write_batches(source, target, reader.schema, iter(reader))
     except pa.ArrowInvalid as e:
+        if "invalid UTF8" in str(e):  # pyarrow names neither the line nor the bytes
+            raise not_utf8(source) from None
         raise DataError(f"{source}: not a readable {'TSV' if delimiter == chr(9) else 'CSV'} file ({e})") from None
 
 

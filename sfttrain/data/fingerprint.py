@@ -81,7 +81,7 @@ def tokenizer_sha256(tokenizer) -> str:
 
 
 def _files(source: ParquetSource) -> list[dict]:
-    return [{"path": os.path.abspath(f), "bytes": os.path.getsize(f), "rows": n} for f, n in source.file_rows().items()]
+    return [{"path": os.path.abspath(f), "bytes": os.path.getsize(f), "rows": n} for f, n in source.file_rows()]
 
 
 def _sha256(text: Optional[str]) -> str:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from sfttrain import stop_signal
+from sfttrain.checkpoint_folder import replace_synced
 from sfttrain.config import DataConfig
 from sfttrain.errors import DataError, UserError
 from sfttrain.data.pack import MicroBatch, budget_bins, empty_micro_batch, local_slice, loss_tokens, pack
@@ -297,14 +298,15 @@ def _load_stats(path: str) -> list[np.ndarray] | None:
 
 
 def _save_stats(path: str, columns: list[np.ndarray]) -> None:
-    """Written whole or not at all (one rename): a start killed mid-write leaves no torn cache. A write
-    that fails (a full disk, the file size limit: sfttrain.run says it) names the cache, and leaves no
+    """Written whole or not at all (one rename, fsynced: a start killed mid-write, or a crash of the machine
+    after it, leaves no torn cache; one written once, so the fsync costs nothing per step). A write that
+    fails (a full disk, the file size limit: sfttrain.run says it) names the cache, and leaves no
     temporary file."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp.npz"
     try:
         np.savez(tmp, **dict(zip(STATS, columns)))
-        os.replace(tmp, path)
+        replace_synced(tmp, path)
     except OSError as e:
         with contextlib.suppress(OSError):
             os.remove(tmp)
@@ -316,36 +318,84 @@ def _share(num_rows: int, rank: int, world: int) -> np.ndarray:
     return np.arange(rank * num_rows // world, (rank + 1) * num_rows // world)
 
 
-def _blocks_of(source: ParquetSource, rows: np.ndarray, block: int = 4096) -> Iterator[list[tuple]]:
-    """The rows' texts, a block at a time (a share's text is never all in memory at once)."""
-    for start in range(0, len(rows), block):
-        yield source.read(rows[start:start + block])
+SCAN_BLOCK_ROWS = 4096  # rows read and rendered at once by the start-up scan
+
+
+def _blocks_of(rows: np.ndarray) -> Iterator[np.ndarray]:
+    """The rows a block at a time (a share's text is never all in memory at once)."""
+    for start in range(0, len(rows), SCAN_BLOCK_ROWS):
+        yield rows[start:start + SCAN_BLOCK_ROWS]
+
+
+# a file with several bad rows is said with its first few at once, not one row per start
+NAMED_BAD_ROWS = 5
+
+
+def _render_block(source: ParquetSource, renderer: Renderer, rows: np.ndarray,
+                  bad: list[tuple[int, str]]) -> list[RenderedSample]:
+    """The block's samples. A row that does not read (a bad cell) or render goes to `bad` as (row, its
+    message), the block's other rows rendered one at a time; an error that is not a row's (a file that
+    no longer reads) is raised."""
+    try:
+        return renderer.render_many(source.read(rows))
+    except (DataError, RowError):
+        pass
+    samples = []
+    for row in rows:
+        if len(bad) == NAMED_BAD_ROWS:  # enough to name: the scan stops (a column of nulls is not read row by row)
+            break
+        try:
+            samples += renderer.render_many(source.read(np.array([row])))
+        except RowError as e:  # the rendering of a row failed: its file and row (or line) go first
+            bad.append((int(row), f"{source.where(e.row)}: {_without_row_id(str(e), e.row)}"))
+        except DataError as e:  # a bad cell names its file and row first; another error is the file's
+            if not str(e).startswith(source.where(int(row)) + ":"):
+                raise
+            bad.append((int(row), str(e)))
+    return samples
 
 
 def _scan(source: ParquetSource, renderer: Renderer, rank: int, world: int,
           keep: bool) -> tuple[list[RenderedSample], np.ndarray]:
-    """Renders this rank's share of the rows: (the samples if keep, [row, *STATS] per row). A bad cell
-    (read) or a render error on any rank stops every rank at once with the same message (e.g. a null
-    response, a sample over data.max_length with data.truncation=error): a rank that raised alone would
-    leave the others waiting here."""
-    error, samples, stats = None, [], []
+    """Renders this rank's share of the rows: (the samples if keep, [row, *STATS] per row). Bad cells
+    (read) or render errors on any rank stop every rank at once with the same message, the first bad
+    row's (e.g. a null response, a sample over data.max_length with data.truncation=error) and where
+    the next ones are: a rank that raised alone would leave the others waiting here."""
+    error, bad, samples, stats = None, [], [], []
     try:
-        for block in _blocks_of(source, _share(source.num_rows, rank, world)):
-            for sample in renderer.render_many(block):
+        for rows in _blocks_of(_share(source.num_rows, rank, world)):
+            if len(bad) == NAMED_BAD_ROWS:
+                break
+            for sample in _render_block(source, renderer, rows, bad):
                 stats.append((sample.row, len(sample.input_ids), loss_tokens(sample), sample.full_length,
                               digest(sample)))
                 if keep:
                     samples.append(sample)
-    except DataError as e:  # a bad cell, named with its file
+    except DataError as e:  # not a row's: the file's
         error = str(e)
-    except RowError as e:  # the rendering of a row failed: its file and row (or line) go first
-        error = f"{source.where(e.row)}: {e}"
-    errors = [None] * dist.get_world_size()  # all ranks, also when `world` counts data-parallel ranks only
-    dist.all_gather_object(errors, error)
-    first = next((e for e in errors if e), None)
-    if first:
+    found = [None] * dist.get_world_size()  # all ranks, also when `world` counts data-parallel ranks only
+    dist.all_gather_object(found, (error, len(bad), bad[:NAMED_BAD_ROWS]))
+    if first := next((e for e, _, _ in found if e), None):
         raise DataError(first)
+    if total := sum(n for _, n, _ in found):
+        rows = sorted(b for _, _, named in found for b in named)
+        file = source.where(rows[0][0]).rsplit(" ", 2)[0]  # the next rows in that file by their row or line alone
+        more = ", ".join(source.where(row).removeprefix(file + " ") for row, _ in rows[1:NAMED_BAD_ROWS])
+        count = f"{total} or more" if any(n == NAMED_BAD_ROWS for _, n, _ in found) else str(total)
+        raise DataError(rows[0][1] + (f" ({count} bad rows; the next: {more})" if total > 1 else ""))
     return samples, np.array(stats, dtype=np.int64).reshape(-1, 1 + len(STATS))
+
+
+def _without_row_id(message: str, row: int) -> str:
+    """A renderer's message without its leading `row N`: N counts through all the files, so after the
+    file's own row or line (`ParquetSource.where`) it named a second, different row ("b.jsonl line 3:
+    row 22: ...") that the user's file does not have."""
+    own = f"row {row}"
+    if message.startswith(own + ": "):
+        return message[len(own) + 2:]
+    if message.startswith(own + " "):
+        return "the row" + message[len(own):]
+    return message
 
 
 def validation_batches(samples: list[RenderedSample], micro_batch: int, token_budget: int | None, pad_to: int,

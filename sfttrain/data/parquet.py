@@ -222,11 +222,14 @@ class ParquetSource:
             self.row_groups.append(RowGroup(file, i, first, n, source))
             first += n
 
-    def file_rows(self) -> dict[str, int]:
-        """Rows per user's file (a converted file's rows under its source's name), in reading order."""
-        rows: dict[str, int] = {}
+    def file_rows(self) -> list[tuple[str, int]]:
+        """(user's file, rows) per file as listed, in reading order: a converted file's rows under its
+        source's name; a file listed twice is read twice, and named twice."""
+        rows: list[tuple[str, int]] = []
         for group in self.row_groups:
-            rows[group.source] = rows.get(group.source, 0) + group.num_rows
+            if group.index == 0:  # a file's first row group
+                rows.append((group.source, 0))
+            rows[-1] = (group.source, rows[-1][1] + group.num_rows)
         return rows
 
     def where(self, row: int) -> str:

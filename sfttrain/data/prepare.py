@@ -11,17 +11,19 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from sfttrain.config import Config, DataConfig
+from sfttrain.config import Config, DataConfig, as_list
+from sfttrain.data.files import unread_subfolders
 from sfttrain.data.fingerprint import data_fingerprint, rendering_key, with_rows
 from sfttrain.data.loader import RowStats, epoch_rows, render_share, row_stats
 from sfttrain.data.parquet import ParquetSource
 from sfttrain.data.batching import BatchPlan, make_plan
 from sfttrain.data.render import RenderedSample, Renderer
-from sfttrain.data.report import data_report, select_rows, training_twins, validation_section, write_report
+from sfttrain.data.report import (data_report, locate_rows, select_rows, training_twins, validation_section,
+                                  write_report)
 from sfttrain.distributed import World
 from sfttrain.errors import ConfigError
 
-CACHE_DIR = "row_stats"  # in the run folder (unless data.length_cache_dir names another): <rendering key>.npz
+LENGTHS_DIR = "row_stats"  # in the run folder (unless data.length_cache_dir names another): <rendering key>.npz
 
 
 @dataclass(frozen=True)
@@ -55,8 +57,12 @@ def first_epoch_report(cfg: Config, source: ParquetSource, stats: RowStats, plan
     """The data report (sfttrain.data.report) of the rows the first epoch trains."""
     first_epoch = epoch_rows(source, stats, cfg.trainer.seed, 0, cfg.data.shuffle)
     report = data_report(stats, first_epoch[:plan.steps_per_epoch * plan.global_batch], cfg.data)
-    return {"files": [{"path": f, "rows": n} for f, n in source.file_rows().items()],
-            "columns_not_read": sorted(source.unread), **report}
+    report = {"files": [{"path": f, "rows": n} for f, n in source.file_rows()],
+              "subfolders_not_read": unread_subfolders(as_list(cfg.data.train_files)),
+              "columns_not_read": sorted(source.unread), **report}
+    if len(report["files"]) > 1:
+        locate_rows(report, source.where)
+    return report
 
 
 def validation_report(samples: list[RenderedSample], stats: RowStats, rows: int) -> dict:
@@ -72,7 +78,7 @@ def length_cache_file(d: DataConfig, fingerprint: dict, run_dir: str) -> str:
     here, and refused at once if it cannot be written: the scan's work would be lost at its end) or
     the run folder's row_stats/."""
     if d.length_cache_dir is None:
-        folder = os.path.join(run_dir, CACHE_DIR)
+        folder = os.path.join(run_dir, LENGTHS_DIR)
     else:
         folder = os.path.abspath(os.path.expanduser(d.length_cache_dir))
         try:
@@ -82,5 +88,5 @@ def length_cache_file(d: DataConfig, fingerprint: dict, run_dir: str) -> str:
         except OSError as e:
             raise ConfigError(f"data.length_cache_dir={d.length_cache_dir!r}: cannot keep the row lengths there "
                               f"({e}); name a folder this user can write, or null for the run folder's "
-                              f"{CACHE_DIR}/") from None
+                              f"{LENGTHS_DIR}/") from None
     return os.path.join(folder, rendering_key(fingerprint) + ".npz")

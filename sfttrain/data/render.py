@@ -15,11 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sfttrain.config import ConfigError
+from sfttrain.config import ConfigError, rendering_problems
 from sfttrain.data.template import (DROPPED_FIX, TEMPLATE_FIX, AnswerNotLocated, TemplateFailed, TurnEnd, answer_span,
                                     apply_template, check_no_end_token, dropped, turn_end)
 
-TRUNCATION_MODES = ("error", "left", "right")
 # The version of how sfttrain turns rows into tokens, part of the data fingerprint: raised with every
 # change that renders the same rows, settings and tokenizer to other tokens, so that a resume across it
 # whose rows' tokens changed is refused at start-up naming it, and the old row-length cache is not reused.
@@ -82,12 +81,8 @@ class Renderer:
         apply_chat_template: bool = True,
         chat_template: str | None = None,
     ):
-        if truncation not in TRUNCATION_MODES:
-            raise ConfigError(
-                f"data.truncation={truncation!r} is not supported; use one of {', '.join(TRUNCATION_MODES)}"
-            )
-        if not isinstance(max_length, int) or max_length < 2:
-            raise ConfigError(f"data.max_length must be an integer >= 2, got {max_length!r}")
+        for problem in rendering_problems(max_length, truncation):
+            raise ConfigError(problem)
         if apply_chat_template and chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise ConfigError(
                 "the tokenizer has no chat template; set data.apply_chat_template=false to use the "

@@ -12,9 +12,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections import Counter
+from typing import Callable
 
 import numpy as np
 
+from sfttrain.checkpoint_folder import write_atomically
 from sfttrain.config import ConfigError, DataConfig
 from sfttrain.data.loader import RowStats, digest
 from sfttrain.data.render import RenderedSample
@@ -97,6 +100,10 @@ def describe(report: dict) -> str:
     full, trunc, repeated = report["tokens_before_truncation"], report["truncated"], report["duplicate_rows"]
     lines = [
         f"  files               : {_files_text(report['files'])}",
+        *(f"  NOTE: {folder}'s subfolder{'s' * (len(inside) > 1)} {', '.join(inside[:SHOWN_FILES])} "
+          f"hold{'s' * (len(inside) == 1)} data files that are not read (a folder's own files are); list them in "
+          f"data.train_files, or give the pattern {os.path.join(folder, '**', '*')} (every data file under it)"
+          for folder, inside in report["subfolders_not_read"].items()),
         *([f"  columns not read    : {', '.join(report['columns_not_read'])} (data.prompt_key, data.response_key "
            "or data.multiturn.* name the columns read)"] if report["columns_not_read"] else []),
         f"  data                : {report['rows']} rows, {report['rows_trained']} trained "
@@ -105,18 +112,18 @@ def describe(report: dict) -> str:
         f"  tokens per row      : mean {full['mean']:.1f}, p50 {full['p50']:.0f}, p99 {full['p99']:.0f}, "
         f"max {full['max']} (before truncation)",
         f"  truncated           : {trunc['count']} rows ({100 * trunc['share']:.2f}%)",
-        *([f"  duplicates          : rows {repeated['rows']} ({repeated['count']} in all) repeat an earlier row's "
+        *([f"  duplicates          : rows {_row_list(repeated)} ({repeated['count']} in all) repeat an earlier row's "
            "tokens: that sample trains more than once an epoch"] if repeated["count"] else []),
         f"  row scan            : {_row_scan(report)}",
     ]
     if trunc["count"] and trunc["effect"] == "eos_cut":
         lines.append(f"  WARNING: data.truncation=right cut the end of {trunc['count']} responses, EOS "
-                     f"included (those samples never learn to stop), e.g. rows {trunc['rows']}")
+                     f"included (those samples never learn to stop), e.g. rows {_row_list(trunc)}")
     if trunc["count"] and trunc["effect"] == "start_cut":
         lines.append(f"  WARNING: data.truncation=left cut the start of {trunc['count']} samples (BOS, system "
-                     f"prompt and the prompt's beginning), e.g. rows {trunc['rows']}")
+                     f"prompt and the prompt's beginning), e.g. rows {_row_list(trunc)}")
     if (empty := report["empty_responses"]) and empty["count"]:
-        lines.append(f"  WARNING: rows {empty['rows']} ({empty['count']} in all) have an empty response: the end token "
+        lines.append(f"  WARNING: rows {_row_list(empty)} ({empty['count']} in all) have an empty response: the end token "
                      "alone is trained on them (the model learns to answer nothing). Fill in their responses or leave "
                      "them out")
     if (val := report.get("validation")) and (twins := val["in_training"])["count"]:
@@ -130,7 +137,10 @@ def describe(report: dict) -> str:
 def _files_text(files: list[dict]) -> str:
     """The files read (row numbers count through them in this order): the first few, with their rows."""
     shown = ", ".join(f"{f['path']} ({f['rows']} rows)" for f in files[:SHOWN_FILES])
-    return f"{len(files)}: {shown}" + (f" and {len(files) - SHOWN_FILES} more" if len(files) > SHOWN_FILES else "")
+    listed = Counter(f["path"] for f in files)
+    again = ", ".join(f"{path} {n} times" for path, n in listed.items() if n > 1)
+    return (f"{len(files)}: {shown}" + (f" and {len(files) - SHOWN_FILES} more" if len(files) > SHOWN_FILES else "")
+            + (f"; listed more than once: {again}, so its rows train as many times an epoch" if again else ""))
 
 
 def _row_scan(report: dict) -> str:
@@ -143,8 +153,7 @@ def _row_scan(report: dict) -> str:
 
 def write_report(report: dict, run_dir: str) -> None:
     os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, REPORT_FILE), "w") as f:
-        json.dump(report, f, indent=1)
+    write_atomically(os.path.join(run_dir, REPORT_FILE), json.dumps(report, indent=1))
 
 
 def _summary(values: np.ndarray) -> dict:
@@ -156,7 +165,24 @@ def _rows(rows) -> dict:
     return {"count": len(rows), "rows": _first(rows)}
 
 
-def _listed(shown: list[int], count: int) -> str:
+# the report's sections whose rows a warning lists
+LISTED_SECTIONS = ("truncated", "duplicate_rows", "empty_responses")
+
+
+def locate_rows(report: dict, where: Callable[[int], str]) -> None:
+    """Each listed row also by its file and row (or line), `at`, for data of several files: a row id
+    counts through all the files in order, which no file of the user's shows."""
+    for key in LISTED_SECTIONS:
+        if report.get(key):
+            report[key]["at"] = [where(row) for row in report[key]["rows"]]
+
+
+def _row_list(section: dict) -> str:
+    """A section's listed rows: where they are in their files (several files), else their row ids."""
+    return _listed(section.get("at") or section["rows"], section["count"])
+
+
+def _listed(shown: list, count: int) -> str:
     """The rows shown of `count`, as a list that says where there are more."""
     return "[" + ", ".join(map(str, shown)) + (", ..." if count > len(shown) else "") + "]"
 

@@ -102,3 +102,24 @@ def test_the_readme_says_flash_attn_is_untested():
     assert "The `flash_attn` attention backend is untested" in README
     assert "`model.attn_implementation=torch_varlen`" in README and "**Untested**" in DESIGN
     assert BACKENDS[0] == "flash_attn", "auto no longer prefers flash_attn: update the README's warning"
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation but hyphens dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_between_the_docs_lands():
+    """A relative link in the README or docs/ (`[x](docs/design.md#data)`) names a file of the checkout
+    and, where it has one, a heading of that file: a section renamed must not leave a dead link."""
+    dead = []
+    for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text()):
+            if re.match(r"[a-z]+://", target):
+                continue
+            file, _, anchor = target.partition("#")
+            linked = (path.parent / file).resolve() if file else path
+            headings = re.findall(r"^#+ (.*)$", linked.read_text(), re.M) if linked.is_file() else []
+            if not linked.exists() or (anchor and anchor not in map(slug, headings)):
+                dead.append(f"{path.name}: {target}")
+    assert not dead, f"links that land nowhere: {dead}"

@@ -123,3 +123,20 @@ def test_every_link_between_the_docs_lands():
             if not linked.exists() or (anchor and anchor not in map(slug, headings)):
                 dead.append(f"{path.name}: {target}")
     assert not dead, f"links that land nowhere: {dead}"
+
+
+def test_the_first_runs_batch_arithmetic_is_what_the_demo_prints(gsm8k_dir, tmp_path):
+    """The README's "First run" shows the lines rank 0 prints for `make demo`: the preflight of the demo's
+    recipe on the demo's data (the same lines, from the same code) prints them as shown."""
+    import contextlib
+    import io
+
+    from sfttrain.plan import main
+
+    shown = README.split("Rank 0 prints the batch arithmetic before any compute:\n\n```\n")[1].split("```")[0]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main([str(REPO / "recipes" / "demo_cpu.yaml"), f"data.train_files={gsm8k_dir / 'train.parquet'}",
+                     f"data.val_files={gsm8k_dir / 'test.parquet'}", f"trainer.default_local_dir={tmp_path / 'run'}",
+                     f"model.partial_pretrain={REPO / 'assets' / 'models' / 'stories260K'}", "--nproc", "2"])
+    assert code == 0 and shown in out.getvalue(), out.getvalue()

@@ -6,7 +6,7 @@ torchao's `Float8Linear` replaces each one: forward and both backward GEMMs take
 (e4m3; e5m2 for the output gradient under tensorwise) with scales computed from each tensor's
 current amax, and produce bf16. All three accumulate in the tensor cores' fast mode: torchao's
 recipes keep the gradient GEMMs in the precise one, which W2b measured slower at no gain in its
-loss (runs AK, AU; model.fp8_fast_accum_grads=false restores it). What stays as it was: the
+loss (docs/benchmarks.md; model.fp8_fast_accum_grads=false restores it). What stays as it was: the
 embeddings, norms, attention itself, lm_head (the chunked loss reads its weight directly,
 sfttrain.loss) and a mixture of experts' experts (fused 3-D weights run by grouped GEMMs,
 sfttrain.experts: not linear layers) and router.

@@ -4,8 +4,8 @@ A decoder layer's q, k and v projections read the same normed hidden state, and 
 and up projections (with LoRA, their adapters' A matrices too). Separately that is five GEMMs where
 two would do: the input is read once instead of five times, the narrow k and v GEMMs (128 columns
 on W1's model) ride in a wide one, and backward's input gradient is one GEMM per group instead of a
-GEMM per projection and their sum. On a host-bound step (W1 with LoRA launches ~1,700 GEMMs a step,
-docs/benchmarks.md, run AZ) fewer launches also mean less host time.
+GEMM per projection and their sum. On a host-bound step (W1 with LoRA launches ~1,700 GEMMs a step)
+fewer launches also mean less host time.
 
 How: an inductor pre-grad pass (`FuseSharedInputProjections`) over each compiled layer's graph
 rewrites `linear(x, w_i, b_i)` for i in a group into `linear(x, cat(w), cat(b))` split back into
@@ -22,8 +22,8 @@ and a sum fewer a group, forward and backward, ~10 us of host time each where th
 host's (W1's). Both are fixed per micro-batch, so the break-even is a weight size: copying 32 MiB
 twice takes ~30 us at ~4.5 TB/s, what the ~3 launches of a two-projection group take. Groups of
 frozen weights over FROZEN_GROUP_MAX_BYTES are left unfused (`graph_pass`): on W2b's 8B Llama the
-gate/up weights are 224 MiB a layer, whose copies held 0.22 GiB at the peak and ~1-2% of the step
-(docs/benchmarks.md, runs BT, BU); W1's largest group is 17 MiB. Trained groups, the adapters' A,
+gate/up weights are 224 MiB a layer, whose copies cost memory at the peak and time each step
+(docs/benchmarks.md); W1's largest group is 17 MiB. Trained groups, the adapters' A,
 are small, and a fused full fine-tuning is what model.fuse_projections=true asks for. The q/k/v
 group whose GEMM output model.recompute_qkv=false keeps stays fused whatever its size: that keeping
 needs its one GEMM (sfttrain.recompute).

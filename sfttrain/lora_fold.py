@@ -5,8 +5,7 @@ writes its output, B's GEMM writes a second output of the same size, and whateve
 reads both (forward, and again in backward where inductor recomputes the sum rather than save it).
 On W1's MLP that is two extra 13.7k x 4864 tensors written once and read three times a layer; with
 backward's extra GEMM g @ B, the adapters cost W1 more GPU time than the weight gradients LoRA skips
-(a layer's seven projections at W1's 13,696 tokens, forward and backward: 2.97 ms with peft's
-adapters, 1.45 ms frozen alone, 2.09 ms fully trained, 2.56 ms folded; docs/benchmarks.md, runs CC and CD).
+(docs/benchmarks.md times a layer's seven projections each way).
 
 Folded, a group of adapted projections of one input x (q/k/v; gate/up; o; down) is one GEMM over
 the input widened by the adapters' A outputs:
@@ -25,8 +24,7 @@ input's copy fuses with the norm that makes x, and no Python runs per call.
 The rewrite is an inductor pre-grad pass over each compiled layer (sfttrain.fuse_projections runs it
 before fusing the remaining groups, on the groups whose frozen weights it would fuse). The model, its
 parameters and checkpoints are unchanged. model.fold_lora=auto (the default) folds wherever LoRA's
-projections are fused: W1 LoRA ran 158.7k real tokens/s folded, 120.1k unfolded, in one call (run CG;
-CF: 144.2k and 99.7k; the unfolded step is the host's, and moves between runs).
+projections are fused, where W1 LoRA measured it faster than unfolded in the same call (docs/benchmarks.md).
 """
 
 from __future__ import annotations

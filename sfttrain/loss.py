@@ -119,7 +119,7 @@ def chunk_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor, with_grad: b
     softmax - onehot (zero on ignored rows) in the logits' dtype. Softmax in fp32; under
     torch.compile this is one kernel, two passes over the chunk and no fp32 [C, V] buffer.
     (Writing the gradient into the logits in place would save one buffer, but inductor then
-    emits much slower kernels: docs/benchmarks.md, second session.)"""
+    emits much slower kernels: docs/benchmarks.md.)"""
     logits32 = logits.float()
     lse = torch.logsumexp(logits32, dim=-1)
     valid = labels != IGNORE_INDEX

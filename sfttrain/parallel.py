@@ -171,7 +171,7 @@ def allow_side_effects_in_checkpoints() -> None:
 
 
 # the longest micro-batch `auto` gives the C++ wrapper: the longest it was measured to run at (W2b with
-# LoRA, 65,536 tokens); at 131,072 it crashed inside a compiled backward (docs/benchmarks.md, runs BB, BC)
+# LoRA, 65,536 tokens); at 131,072 it crashed inside a compiled backward (docs/benchmarks.md)
 CPP_WRAPPER_MAX_TOKENS = 65536
 
 
@@ -183,9 +183,8 @@ def cpp_wrapper(cfg: Config, device_type: str, model_config) -> bool:
     take seconds, nor for a mixture of experts before torch 2.12, whose C++ wrapper cannot call the
     experts' grouped GEMM, nor with FP8 GEMMs (model.fp8), measured on the Python wrapper only
     (docs/benchmarks.md), nor for checkpointed layers that rerun attention
-    (recompute.reruns_attention_compiled: the C++ wrapper cannot build them; W2b with LoRA, a 2 s
-    step the GPU limits, ran at 43.9% MFU so (run BP), 38.3% with the checkpoint around C++-wrapped
-    layers (BE)). An explicit true that cannot be built is refused (the preflight checks it too)."""
+    (recompute.reruns_attention_compiled: the C++ wrapper cannot build them, and W2b with LoRA ran
+    slower with the checkpoint around C++-wrapped layers). An explicit true that cannot be built is refused (the preflight checks it too)."""
     if device_type != "cuda":
         return False
     setting, blocked = cfg.model.compile_cpp_wrapper, _grouped_gemm_without_cpp_call(model_config)

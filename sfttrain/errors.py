@@ -7,7 +7,7 @@ under torchrun it is each rank's `exitcode` in the failure summary):
     5  missing dependency that the config asks for, e.g. wandb (DependencyError)
     6  a checkpoint could not be saved, e.g. a full disk; nothing of it was committed (CheckpointError); also a
        disk that filled, turned read-only or failed, a file this user may not write, or a run folder deleted,
-       between saves, which stops the run at once (sfttrain.fs_faults: the steps since the last checkpoint
+       between saves, which stops the run at once (sfttrain.faults: the steps since the last checkpoint
        cannot be kept)
     7  the Hugging Face export of a committed checkpoint failed (ExportError)
     8  stopped by SIGTERM after saving the step in flight; the same command resumes (StoppedBySignal)
@@ -85,6 +85,6 @@ class OutOfMemory(UserError, RuntimeError):
 def data_worker_died(error: BaseException) -> bool:
     """torch's DataLoader raises this RuntimeError in the rank's main thread, at whatever line runs, when one of its
     worker processes dies (its SIGCHLD handler): the data workers' failure, never that of the code it lands in (a
-    checkpoint's save, say), which passes it on for sfttrain.run to word (`killed_worker`)."""
+    checkpoint's save, say), which passes it on for sfttrain.faults to word. torch says it only in the text."""
     text = str(error)
     return isinstance(error, RuntimeError) and "DataLoader worker (pid" in text and "is killed by signal" in text

@@ -102,8 +102,8 @@ def _chain(error: BaseException | str) -> list[BaseException]:
         if not isinstance(e, BaseException) or any(e is s for s in seen):
             continue
         seen.append(e)
-        failures = getattr(e, "failures", None)  # torch.distributed.checkpoint's {rank: WrappedException}
-        wrapped = [getattr(w, "exc", w) for w in failures.values()] if isinstance(failures, dict) else []
+        failures = getattr(e, "failures", None)  # DCP's CheckpointException: {rank: (exception, its traceback)}
+        wrapped = [w[0] for w in failures.values() if isinstance(w, tuple)] if isinstance(failures, dict) else []
         todo += [e.__cause__, e.__context__, *wrapped]
     return seen
 

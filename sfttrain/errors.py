@@ -10,7 +10,7 @@ under torchrun it is each rank's `exitcode` in the failure summary):
        between saves, which stops the run at once (sfttrain.faults: the steps since the last checkpoint
        cannot be kept)
     7  the Hugging Face export of a committed checkpoint failed (ExportError)
-    8  stopped by SIGTERM after saving the step in flight; the same command resumes (StoppedBySignal)
+    8  stopped by SIGTERM or a first Ctrl-C after saving the step in flight; the same command resumes (StoppedBySignal)
     9  a rank ran out of memory, the GPU's or the host's: where, and what to lower (OutOfMemory); also a data
        worker killed by SIGKILL (most often the host's out-of-memory killer) or SIGBUS (most often a full /dev/shm),
        or one that found /dev/shm full
@@ -70,7 +70,7 @@ class ExportError(UserError, RuntimeError):
 
 
 class StoppedBySignal(UserError, RuntimeError):
-    """A SIGTERM stopped training; the step in flight was saved first (sfttrain/stop_signal.py)."""
+    """A SIGTERM or a first Ctrl-C stopped training; the step in flight was saved first (sfttrain/stop_signal.py)."""
     exit_code = 8
     kind = "stopped"
     every_rank = True

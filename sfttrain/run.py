@@ -5,12 +5,13 @@ Parse the config, start the ranks, build the trainer, train, shut down cleanly.
 
 A mistake the user must fix (sfttrain/errors.py, which lists the exit codes: 2 config, 3 data,
 4 non-finite loss, 5 missing dependency, 6 checkpoint not saved, 7 export failed, 9 out of memory;
-and 8, stopped by SIGTERM after a save), what a filesystem refuses (a full disk, a read-only one, a
+and 8, stopped by SIGTERM or Ctrl-C after a save), what a filesystem refuses (a full disk, a read-only one, a
 permission: sfttrain.faults) and running out of memory end the run with one message, printed once
 by rank 0, and its exit code; under torchrun the same message is rank 0's elastic error file, so
 torchrun's "Root Cause" shows it (once) instead of `error_file: <N/A>`. A rank whose collective fails
-because another rank ended first leaves the word to that one. Ctrl-C ends every rank with one line
-and exit code 130.
+because another rank ended first leaves the word to that one. A first Ctrl-C in training saves and
+stops as SIGTERM does (exit code 8); one outside it, or a second, ends every rank with one line naming
+the checkpoint the same command resumes from, and exit code 130.
 """
 
 from __future__ import annotations
@@ -161,13 +162,14 @@ def explain(error: Exception, cfg: Config, rank: int) -> None:
 
 
 def interrupted(cfg: Config, rank: int) -> None:
-    """Ctrl-C: one line (rank 0) and exit code 130, the shell's for SIGINT, without a traceback per rank.
-    Nothing after the last committed checkpoint is kept (a save in flight is never committed)."""
-    from sfttrain import phase
+    """A Ctrl-C that stops at once (outside the training loop, or a second one, sfttrain.stop_signal): one
+    line (rank 0) and exit code 130, the shell's for SIGINT, without a traceback per rank. Nothing after the
+    last committed checkpoint is kept (a save in flight is never committed)."""
+    from sfttrain.faults import what_next_in
 
     if rank == 0:
-        print(f"sfttrain: interrupted (Ctrl-C) in {phase.current()}; the same command resumes from the last checkpoint "
-              f"committed in {cfg.trainer.default_local_dir}", file=sys.stderr, flush=True)
+        print(f"sfttrain: interrupted (Ctrl-C) in {phase.current()}, without a save. "
+              f"{what_next_in(cfg.trainer.default_local_dir)}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(130)
 

@@ -1,5 +1,7 @@
-"""trainer.save_on_sigterm: a SIGTERM during training saves the step in flight and stops the run;
-and Ctrl-C (SIGINT) remembered, so that a rank it stops ends in one line (sfttrain.run).
+"""trainer.save_on_sigterm: a SIGTERM or a first Ctrl-C (SIGINT) during training saves the step in
+flight and stops the run; a second Ctrl-C stops it at once, remembered, so that a rank it stops ends in
+one line (sfttrain.run). torchrun passes the terminal's Ctrl-C on to its ranks, which the terminal
+signalled too: a Ctrl-C within ECHO_S of the first is that echo, not a second one.
 
 SIGTERM is how a job is ended from outside: Slurm at its time limit or a preemption (SIGKILL follows
 after the cluster's KillWait, 30 s by default), Kubernetes at an eviction (its grace period, 30 s by
@@ -44,7 +46,10 @@ from sfttrain import phase
 if TYPE_CHECKING:
     import torch
 
-_received: list[str] = []  # the names of the signals noted (SIGTERM, SIGINT), in order
+_received: list[str] = []  # the signals noted for a save and stop (SIGTERM, a first Ctrl-C's SIGINT), in order
+_ctrl_c: list[float] = []  # when the first Ctrl-C was noted (time.monotonic)
+_interrupted: list[bool] = []  # a Ctrl-C stopped the rank at once
+ECHO_S = 2.0  # a second Ctrl-C sooner than this is torchrun passing the first on
 PR_SET_PDEATHSIG = 1  # prctl(2)
 GRACE_S = 30.0  # the time after a SIGTERM that torchrun, Slurm and Kubernetes give by default before SIGKILL
 
@@ -53,18 +58,28 @@ def _note(signum: int, frame) -> None:
     _received.append(signal.Signals(signum).name)
 
 
+def _note_ctrl_c(signum: int, frame) -> None:
+    """A first Ctrl-C is noted as a SIGTERM is; a second one, ECHO_S or more later, stops the rank at once."""
+    if not _ctrl_c:
+        _ctrl_c.append(time.monotonic())
+        _received.append("Ctrl-C (SIGINT)")
+    elif time.monotonic() - _ctrl_c[0] >= ECHO_S:
+        _interrupt(signum, frame)
+
+
 @contextlib.contextmanager
 def noting(enabled: bool) -> Iterator[None]:
-    """SIGTERM is noted inside the block (when enabled) and has its previous action outside it."""
+    """SIGTERM and Ctrl-C are noted inside the block (when enabled) and have their previous actions outside it."""
     if not enabled:
         yield
         return
-    previous = signal.signal(signal.SIGTERM, _note)
+    previous = signal.signal(signal.SIGTERM, _note), signal.signal(signal.SIGINT, _note_ctrl_c)
     try:
         yield
     finally:
         if not interrupted():  # an interrupted rank keeps noting SIGTERM (`_interrupt`)
-            signal.signal(signal.SIGTERM, previous)
+            signal.signal(signal.SIGTERM, previous[0])
+        signal.signal(signal.SIGINT, previous[1])
 
 
 def follow_the_launcher() -> None:
@@ -84,16 +99,28 @@ def end_if_told() -> None:
     """After the loop ended on an error: a SIGTERM it noted ends this rank now, by the signal's
     default action (torchrun's, sent once another rank failed, reached a rank blocked in a collective
     that then failed for that rank's loss)."""
-    if received():
+    if "SIGTERM" in _received:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.raise_signal(signal.SIGTERM)
 
 
 def note_interrupts() -> None:
-    """Ctrl-C (SIGINT, which torchrun passes on to its ranks) raises KeyboardInterrupt as before, and
-    is remembered: a rank whose collective fails because another rank already stopped on it was
-    interrupted too, not failing."""
+    """Ctrl-C outside the training loop (`noting`) raises KeyboardInterrupt, and is remembered: a rank whose
+    collective fails because another rank already stopped on it was interrupted too, not failing. SIGTERM
+    ends the rank as by default, unless a Ctrl-C came first (`_end_unless_interrupted`)."""
     signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _end_unless_interrupted)
+
+
+def _end_unless_interrupted(signum: int, frame) -> None:
+    """A rank blocked in a collective runs its Python handlers only once the collective returns: the
+    launcher's SIGTERM, sent as soon as another rank ended on the same Ctrl-C, came before this rank's
+    Ctrl-C was handled, and its default action killed the rank before it said anything. Python handles
+    pending signals in their numbers' order, SIGINT's before SIGTERM's."""
+    if interrupted():
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.raise_signal(signal.SIGTERM)
 
 
 def _interrupt(signum: int, frame) -> None:
@@ -102,18 +129,18 @@ def _interrupt(signum: int, frame) -> None:
     a rank 0 slower to unwind died of it before it printed its line (1 run in 8 on 2 loaded cores). Noted,
     not ignored: a SIGTERM already caught for a Python handler would then raise "Signal 15 ignored due to
     race condition" (a traceback). A rank stuck on its way out still ends at the launcher's SIGKILL."""
-    _received.append(signal.Signals(signum).name)
+    _interrupted.append(True)
     signal.signal(signal.SIGTERM, _note)
     raise KeyboardInterrupt
 
 
 def interrupted() -> bool:
-    return "SIGINT" in _received
+    return bool(_interrupted)
 
 
 def received() -> str | None:
-    """The first SIGTERM noted, if any."""
-    return "SIGTERM" if "SIGTERM" in _received else None
+    """The first signal noted for a save and stop, in words ("SIGTERM", "Ctrl-C (SIGINT)"), if any."""
+    return _received[0] if _received else None
 
 
 def grace_warning(write_s: float) -> str | None:

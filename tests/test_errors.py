@@ -522,3 +522,21 @@ def test_a_full_data_cache_is_one_message_naming_its_file(tmp_path):
                          rf"\.tmp\) in start-up, before any step\. {run_dir} has [\d.]+ MB free\. Free space \(or set "
                          r"trainer.default_local_dir on a larger disk\), then run the same command$", message), message
         assert not list((run_dir / "data_cache").iterdir())
+
+
+@pytest.mark.parametrize("exported", [True, False])
+def test_a_finished_run_started_again_says_where_its_results_are(tmp_path, exported):
+    """Its last checkpoint is the schedule's end: the start-up says that it finished, where its last checkpoint
+    and its export are (or how to export it), and how to train longer or start afresh (it said only "nothing
+    left to train", and the run ended saying its loss was not logged)."""
+    from sfttrain.resume import check_schedule
+
+    last = tmp_path / "run" / "global_step_3"
+    (last / "huggingface" if exported else last).mkdir(parents=True)
+    schedule = {"total steps": 3, "optim.lr": 1e-3}
+    export = (f"its Hugging Face export is {last}/huggingface" if exported else "it has no Hugging Face export "
+              f"(trainer.save_hf=true exports it now; `python -m sfttrain.export {last} OUT_DIR` does too)")
+    assert check_schedule(str(last), {"step": 3, "schedule": schedule}, schedule) == [
+        f"the checkpoint is this run's last step (3): nothing left to train. The run finished: its last checkpoint is "
+        f"{last}, and {export}. To train longer, raise trainer.total_training_steps (or trainer.total_epochs); to "
+        "start afresh, set trainer.default_local_dir to a new folder"]

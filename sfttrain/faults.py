@@ -357,6 +357,13 @@ def killed_worker(error: BaseException, cfg: Config, rank: int, where: str) -> O
                        f"{where}: {KILLED_FIX[sig].format(n=cfg.data.num_workers)}. {then}")
 
 
+def timed_out(error: BaseException) -> bool:
+    """A collective's timeout: gloo's is a RuntimeError, NCCL's a DistBackendError (as is any of its other
+    failures), whose text alone says it timed out."""
+    text = str(error).lower()
+    return "timed out" in text or "timeout" in text
+
+
 def peer_lost(text: str) -> bool:
     """A collective's error that says another rank's process is gone, not what ended it: gloo's and NCCL's
     errors are RuntimeErrors (DistBackendError) whose text alone tells this from another failure, and

@@ -20,6 +20,8 @@ import threading
 import time
 import traceback
 
+from sfttrain.faults import timed_out
+
 # the first line of each dump (bench/jobs.py finds it); not "sfttrain: ", which starts a run's one message
 STACKS_HEADER = "Python stacks of process"
 _lock = threading.Lock()
@@ -51,8 +53,7 @@ def _report(rank: int, timeout_s: int) -> None:
 
 def report_timeout(error: BaseException, rank: int, timeout_s: int) -> None:
     """Called with an exception on its way out: says the phase if it is a collective's timeout."""
-    text = str(error).lower()
-    if "timed out" in text or "timeout" in text:
+    if timed_out(error):
         _report(rank, timeout_s)
 
 

@@ -19,13 +19,13 @@ from __future__ import annotations
 import gc
 import json
 import os
-import signal
 import sys
 import time
 
 from sfttrain import phase, stop_signal
 from sfttrain.config import Config, ConfigError, load_config
 from sfttrain.errors import UserError
+from sfttrain.faults import classify, peer_lost, what_next_in
 from sfttrain.help import print_help
 
 # a rank other than 0 waits this long for rank 0 to report the same error and end the job
@@ -150,8 +150,6 @@ def _train(cfg: Config, rank: int) -> None:
 def explain(error: Exception, cfg: Config, rank: int) -> None:
     """Ends this rank with one message where the error has a cause the user can act on (or ends it
     quietly where another rank's message is the job's); returns for a bug."""
-    from sfttrain.faults import classify, peer_lost
-
     if stop_signal.interrupted():  # the collective of a rank that Ctrl-C stopped first
         interrupted(cfg, rank)
     if known := classify(error, cfg, rank, phase.current()):
@@ -165,8 +163,6 @@ def interrupted(cfg: Config, rank: int) -> None:
     """A Ctrl-C that stops at once (outside the training loop, or a second one, sfttrain.stop_signal): one
     line (rank 0) and exit code 130, the shell's for SIGINT, without a traceback per rank. Nothing after the
     last committed checkpoint is kept (a save in flight is never committed)."""
-    from sfttrain.faults import what_next_in
-
     if rank == 0:
         print(f"sfttrain: interrupted (Ctrl-C) in {phase.current()}, without a save. "
               f"{what_next_in(cfg.trainer.default_local_dir)}", file=sys.stderr, flush=True)

@@ -267,7 +267,8 @@ def refused_message(error: BaseException, refused: Fault, out: str, tmp: str) ->
         return (f"the disk of {out} is full: nothing was exported ({left}); {parent} has "
                 f"{size_text(shutil.disk_usage(parent).free)} free. Free space, or export to another folder; "
                 "--dtype bf16 halves an fp32 checkpoint's export")
-    return f"writing {out} failed: {refused.cause}. Nothing was exported ({left}). {refused.fix}, or export to another folder"
+    return (f"writing {out} failed: {refused.cause}. Nothing was exported ({left}). {refused.fix}, or export to "
+            "another folder")
 
 
 def checkpoint_model_config(checkpoint_dir: str) -> ModelConfig:

@@ -44,8 +44,8 @@ SHORT_WRITE = "unexpected pos"
 SIZE_LIMIT_FIX = ("Raise the file size limit where the job starts (`ulimit -f` shows it; `ulimit -f unlimited` in the "
                   "shell or the job script, or the limit of the Slurm job or container that sets it)")
 SHARED_MEMORY_FIX = ("`df -h /dev/shm` shows its size, which a container limits to 64 MiB unless told (`docker run "
-                     "--shm-size=8g`; on Kubernetes an emptyDir of medium Memory mounted at /dev/shm). Give it more, or "
-                     "use less of it: data.num_workers=0 (data workers hand their batches to the rank through it), "
+                     "--shm-size=8g`; on Kubernetes an emptyDir of medium Memory mounted at /dev/shm). Give it more, "
+                     "or use less of it: data.num_workers=0 (data workers hand their batches to the rank through it), "
                      "trainer.async_save_writer=thread (the checkpoint writer process reads each save's copy from it)")
 OPEN_FILES_FIX = ("Raise the open files limit where the job starts (`ulimit -n 65536` in the shell or the job script, "
                   "or the limit of the Slurm job or container that sets it; `ulimit -Hn` is the most it may be raised "
@@ -200,12 +200,9 @@ def fault(error: BaseException | str, run_dir: Optional[str]) -> Optional[Fault]
 
 
 def check_writable(run_dir: str) -> None:
-    """ConfigError where this user could not write the run folder (checked at start-up by rank 0 before any
-    data is read, and by the preflight): the folder, or the one it would be made in, on a read-only
-    filesystem or not this user's to write; or, in a run folder left by another user, a folder in it or a
-    file it holds (its lock, metrics.jsonl) that this user may not write, which would stop the run only
-    where it first writes there: its lock, the length cache after the row scan, metrics.jsonl once the
-    model is loaded."""
+    """ConfigError where this user could not write the run folder, or the folder it would be made in (a
+    read-only filesystem, another user's), or a folder or file in it that the run writes again (its lock,
+    metrics.jsonl): checked before any data is read, not where the run first writes there."""
     run_dir = os.path.abspath(os.path.expanduser(run_dir))
     there = nearest_existing(run_dir)
     if not os.path.isdir(there):
@@ -234,11 +231,10 @@ def _run_folder_paths(run_dir: str) -> list[str]:
 
 
 def check_open_files(need: int) -> None:
-    """Raises this process's open files limit to its hard limit, as a process may (the data workers and the
-    checkpoint writer it starts inherit it): a job's soft limit, `ulimit -n` (often 1024), is no ceiling of
-    its own. A ConfigError where even the hard limit is below `need`: at the first step that did not fit,
-    torch's handover of a worker's tensors failed on the worker's server thread, which printed the error
-    in a loop (gigabytes of log) and never answered the rank, which waited for the step forever."""
+    """Raises this process's open files limit to its hard limit, which its data workers inherit (the soft
+    one, often 1024, is no ceiling of its own). A ConfigError where even the hard limit is below `need`:
+    torch's handover of a worker's tensors then fails on a thread that logs it in a loop, and the rank
+    waits for the step forever."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     with contextlib.suppress(ValueError, OSError):  # an unlimited hard limit: the kernel's nr_open caps it
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20),
@@ -267,7 +263,6 @@ def unreadable(paths: list[str]) -> Optional[str]:
     found = fault(PermissionError(errno.EACCES, os.strerror(errno.EACCES), denied[0]), None)
     more = f" (and {len(denied) - 1} more)" if len(denied) > 1 else ""
     return f"{found.cause}{more}. {found.fix}"
-
 
 
 def _words_line(text: str) -> str:
@@ -315,8 +310,8 @@ def _what_fills(cfg: Config, where: str) -> str:
         budget = (f"data.max_token_len_per_gpu={d.max_token_len_per_gpu}" if d.max_token_len_per_gpu
                   else f"data.micro_batch_size_per_gpu={d.micro_batch_size_per_gpu}")
         return (f"a micro-batch's activations and its loss's logits: lower {budget} or model.loss_chunk_tokens="
-                f"{m.loss_chunk_tokens}" + ("" if m.enable_gradient_checkpointing else
-                                           ", or recompute activations in backward (model.enable_gradient_checkpointing=true)"))
+                f"{m.loss_chunk_tokens}" + ("" if m.enable_gradient_checkpointing else ", or recompute activations in "
+                                           "backward (model.enable_gradient_checkpointing=true)"))
     if where.startswith("the save"):
         return "a checkpoint's staged copy: trainer.async_save_staging=host, or a lower trainer.async_save_in_flight"
     return "what this phase holds"

@@ -32,9 +32,9 @@ if TYPE_CHECKING:
 
 FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # EFBIG: the file size limit (ulimit -f), said as its own
 HANDLED = (*FULL, errno.EROFS, errno.EIO, errno.EACCES, errno.EPERM, errno.EMFILE, errno.ENFILE)
-# Rust's io::Error in safetensors' and tokenizers' errors ("os error 28", "code: 28"), Python's and
-# pyarrow's text ("[Errno 28]", "[errno 28]"): the number where only the text travels
-ERRNO_IN_TEXT = re.compile(r"(?:[Ee]rrno|os error|code:) (\d+)")
+# Python's and pyarrow's text ("[Errno 28]", "[errno 28]"), Rust's io::Error in safetensors' and
+# tokenizers' errors ("os error 28", "Os { code: 28"): the number where only the text travels
+ERRNO_IN_TEXT = re.compile(r"\[[Ee]rrno (\d+)\]|os error (\d+)|Os \{ code: (\d+)")
 WORDS = {os.strerror(code): code for code in HANDLED}  # the C library's words, as every library quotes them
 # torch's shared memory allocator (libshm) raises a RuntimeError with these words and no errno
 SHARED_MEMORY = "unable to allocate shared memory"
@@ -89,7 +89,7 @@ def os_errno(error: BaseException | str) -> Optional[int]:
             return e.errno
     text = str(error)
     if found := ERRNO_IN_TEXT.search(text):
-        return int(found.group(1))
+        return int(found.group(found.lastindex))
     found = [code for words, code in WORDS.items() if words in text]
     return found[0] if found else errno.ENOSPC if SHORT_WRITE in text else None
 

@@ -3,15 +3,12 @@
 Parse the config, start the ranks, build the trainer, train, shut down cleanly.
 `python -m sfttrain.run --help [section]` lists every key (sfttrain/help.py).
 
-A mistake the user must fix (sfttrain/errors.py, which lists the exit codes: 2 config, 3 data,
-4 non-finite loss, 5 missing dependency, 6 checkpoint not saved, 7 export failed, 9 out of memory;
-and 8, stopped by SIGTERM or Ctrl-C after a save), what a filesystem refuses (a full disk, a read-only one, a
-permission: sfttrain.faults) and running out of memory end the run with one message, printed once
-by rank 0, and its exit code; under torchrun the same message is rank 0's elastic error file, so
-torchrun's "Root Cause" shows it (once) instead of `error_file: <N/A>`. A rank whose collective fails
-because another rank ended first leaves the word to that one. A first Ctrl-C in training saves and
-stops as SIGTERM does (exit code 8); one outside it, or a second, ends every rank with one line naming
-the checkpoint the same command resumes from, and exit code 130.
+A mistake the user must fix (sfttrain/errors.py lists the exit codes) and a fault the user can act on
+(sfttrain.faults: memory run out, what a filesystem refused) end the run with one message, printed once
+by rank 0, and its exit code; under torchrun it is rank 0's elastic error file too, so torchrun's
+"Root Cause" shows it. A rank whose collective fails because another rank ended first leaves the word
+to that one. A Ctrl-C that stops at once (sfttrain.stop_signal) ends every rank with one line and exit
+code 130.
 """
 
 from __future__ import annotations
@@ -62,13 +59,10 @@ def hydra_flags(argv: list[str]) -> tuple[dict[str, str], list[str]]:
 
 
 def stop(error: UserError) -> None:
-    """Ends this rank on a user mistake: the message goes to the elastic error file (torchrun's
-    summary shows it) and to stderr; the process exits with the code of its kind. Every rank
-    usually raises the same error (same config; data checks gather their verdicts): rank 0 reports
-    it, and torchrun stops the others when rank 0 exits, before they have written or printed
-    anything, so the summary holds the message once. A rank that outlives the wait is the one
-    that knows (an error of its own), and reports it itself. An error every rank raises at the same
-    point (StoppedBySignal) needs no wait: each rank writes it to its error file, rank 0 prints it."""
+    """Ends this rank on a user mistake, its message in the elastic error file and on stderr, with the
+    exit code of its kind. Every rank usually raises the same error: rank 0 says it, and torchrun stops
+    the others when it exits; a rank that outlives the wait had an error of its own, and says it. An
+    error every rank raises at the same point (StoppedBySignal) needs no wait."""
     message = f"sfttrain: {error.kind}: {error}"
     rank0 = int(os.environ.get("RANK", 0)) == 0
     if not (rank0 or error.every_rank):

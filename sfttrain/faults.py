@@ -28,7 +28,7 @@ from sfttrain.checkpoint_folder import STEP_DIR, latest_of_newest_run, nearest_e
 from sfttrain.errors import CheckpointError, ConfigError, OutOfMemory, UserError
 
 if TYPE_CHECKING:
-    from sfttrain.config import Config
+    from sfttrain.config import Config, TrainerConfig
 
 FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # EFBIG: the file size limit (ulimit -f), said as its own
 HANDLED = (*FULL, errno.EROFS, errno.EIO, errno.EACCES, errno.EPERM, errno.EMFILE, errno.ENFILE)
@@ -57,27 +57,29 @@ PATH_BEFORE_WORDS = re.compile(rf"(/[^\s'\"]+): (?:{'|'.join(map(re.escape, WORD
 QUOTED_PATH = re.compile(r"""['"](/[^'"\n]+)['"]""")
 
 
-def what_next(last: Optional[str], whose: str = "") -> str:
-    """What the same command does next with trainer.resume_mode=auto (the default): resume from `last`, the
-    run folder's last committed checkpoint, or start afresh."""
+def what_next(t: TrainerConfig) -> str:
+    """What the same command does next: resume from the checkpoint its start-up would take (the resume
+    rule, sfttrain.resume), or start afresh."""
+    from sfttrain.resume import choose_resume  # it imports torch, loaded by the time a run can fail
+
+    try:
+        last = choose_resume(t, t.default_local_dir).path
+    except ConfigError as refused:  # a damaged checkpoint
+        return f"The same command then stops at start-up: {refused}"
     if last:
         return f"The same command then resumes from {last}"
-    return f"The same command then starts afresh: no checkpoint{whose} was committed yet"
-
-
-def what_next_in(run_dir: str) -> str:
-    """`what_next` from the run folder's last committed checkpoint."""
-    last = latest_of_newest_run(run_dir) if os.path.isdir(run_dir) else None
-    return what_next(last[1] if last else None)
+    if t.resume_mode == "disable":
+        return "The same command then starts afresh (trainer.resume_mode=disable)"
+    return "The same command then starts afresh: no checkpoint was committed yet"
 
 
 def classify(error: BaseException, cfg: Config, rank: int, where: str) -> Optional[UserError]:
     """The UserError that ends the run for `error` (memory run out, a data worker's death, a filesystem's
     refusal, the run folder gone), raised in `where` (sfttrain.phase); None for a bug."""
-    run_dir = cfg.trainer.default_local_dir
     # memory first: a data worker's full /dev/shm is memory run out, as its SIGBUS death is
     return (out_of_memory(error, cfg, rank, where) or killed_worker(error, cfg, rank, where) or
-            filesystem_error(error, run_dir, where) or folder_gone_error(error, run_dir, where))
+            filesystem_error(error, cfg.trainer, where) or
+            folder_gone_error(error, cfg.trainer.default_local_dir, where))
 
 
 def os_errno(error: BaseException | str) -> Optional[int]:
@@ -129,21 +131,20 @@ def file_at_size_limit(folder: str) -> Optional[str]:
                  if os.path.getsize(os.path.join(parent, name)) >= limit), None)
 
 
-def filesystem_error(error: BaseException, run_dir: str, where: str) -> Optional[UserError]:
+def filesystem_error(error: BaseException, t: TrainerConfig, where: str) -> Optional[UserError]:
     """A file operation that a filesystem refused (`fault`) outside a checkpoint's own save (whose failure the
     checkpointer words): metrics.jsonl, a cache, a trace, a compiled kernel. A ConfigError at start-up (nothing
     trained yet), else a CheckpointError (the steps since the last checkpoint cannot be kept); None for any
     other error."""
-    found = fault(error, run_dir)
+    found = fault(error, t.default_local_dir)
     if found is None:
         return None
     if where == "start-up":
         return ConfigError(f"{found.cause} in start-up, before any step. {found.fix}, then run the same command")
-    last = latest_of_newest_run(run_dir)
+    last = latest_of_newest_run(t.default_local_dir)
     lasting = ", as the next checkpoint would fail too" if found.lasting else ""
     return CheckpointError(f"{found.cause} in {where}: training stopped there{lasting}. The steps since the last good "
-                           f"checkpoint ({last[1] if last else 'none'}) are lost. {found.fix}. "
-                           f"{what_next(last[1] if last else None)}")
+                           f"checkpoint ({last[1] if last else 'none'}) are lost. {found.fix}. {what_next(t)}")
 
 
 @dataclass(frozen=True)
@@ -298,7 +299,7 @@ def out_of_memory(error: BaseException, cfg: Config, rank: int, where: str) -> O
         return None
     return OutOfMemory(f"rank {rank} ran out of {device} memory in {where} ({asked}). What fills it: "
                        f"{_what_fills(cfg, where)}. `python -m sfttrain.plan` with the same arguments and --nproc "
-                       f"estimates the memory per rank. {what_next_in(cfg.trainer.default_local_dir)}")
+                       f"estimates the memory per rank. {what_next(cfg.trainer)}")
 
 
 def _what_fills(cfg: Config, where: str) -> str:
@@ -336,7 +337,7 @@ def killed_worker(error: BaseException, cfg: Config, rank: int, where: str) -> O
     /dev/shm), or one that found the shared memory full, as memory run out (exit code 9) with its fix. torch's
     error is raised where the rank was when the worker died, or is the cause of the next step's "exited
     unexpectedly". None for any other error (another signal is a crash: its traceback is the bug's)."""
-    then = what_next_in(cfg.trainer.default_local_dir)
+    then = what_next(cfg.trainer)
     # the worker's own error, re-raised in the rank as a RuntimeError with its traceback as text
     if re.search(r"in DataLoader worker process \d+", str(error)) and SHARED_MEMORY in str(error):
         full = fault(error, None)

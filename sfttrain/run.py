@@ -22,7 +22,7 @@ import time
 from sfttrain import phase, stop_signal
 from sfttrain.config import Config, ConfigError, load_config
 from sfttrain.errors import UserError
-from sfttrain.faults import classify, peer_lost, what_next_in
+from sfttrain.faults import classify, peer_lost, what_next
 from sfttrain.help import print_help
 
 # a rank other than 0 waits this long for rank 0 to report the same error and end the job
@@ -159,7 +159,7 @@ def interrupted(cfg: Config, rank: int) -> None:
     last committed checkpoint is kept (a save in flight is never committed)."""
     if rank == 0:
         print(f"sfttrain: interrupted (Ctrl-C) in {phase.current()}, without a save. "
-              f"{what_next_in(cfg.trainer.default_local_dir)}", file=sys.stderr, flush=True)
+              f"{what_next(cfg.trainer)}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(130)
 

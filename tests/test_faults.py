@@ -193,18 +193,31 @@ def test_what_is_no_fault_of_the_filesystem_is_a_bug(run_dir):
         assert faults.classify(error, config(run_dir), 0, "step 3") is None, error
 
 
-@pytest.mark.parametrize("last", [True, False])
-def test_what_next(tmp_path, last):
-    """The one sentence of what the same command does next: resume from the run folder's last committed
-    checkpoint, or start afresh where it has none (or is not there)."""
-    folder = tmp_path / "run"
-    if last:
-        for step in (2, 4):
-            (folder / f"global_step_{step}").mkdir(parents=True)
-            (folder / f"global_step_{step}" / STATE_FILE).write_text(json.dumps({"run_id": "r1", "step": step}))
-            write_complete(str(folder / f"global_step_{step}"))
-    assert faults.what_next_in(str(folder)) == (f"The same command then resumes from {folder}/global_step_4" if last
-                                                else "The same command then starts afresh: no checkpoint was committed yet")
+@pytest.mark.parametrize("mode", ["auto", "auto, no checkpoint", "disable", "resume_path", "damaged"])
+def test_what_next(tmp_path, mode):
+    """The one sentence of what the same command does next, by the resume rule: auto resumes from the run
+    folder's last committed checkpoint (or trainer.resume_from_path where it has none), disable starts
+    afresh, resume_path resumes from its path, and a damaged checkpoint stops the start-up."""
+    folder, seed = tmp_path / "run", tmp_path / "seed" / "global_step_7"
+    for step, path in [(2, folder / "global_step_2"), (4, folder / "global_step_4"), (7, seed)]:
+        if mode != "auto, no checkpoint" or path == seed:
+            path.mkdir(parents=True)
+            (path / STATE_FILE).write_text(json.dumps({"run_id": "r1", "step": step}))
+            write_complete(str(path))
+    if mode == "damaged":
+        (folder / "global_step_4" / STATE_FILE).write_text("{}")
+    resume = {"disable": "disable", "resume_path": "resume_path"}.get(mode, "auto")
+    seeded = [] if mode == "disable" else [f"trainer.resume_from_path={seed}"]
+    t = config(str(folder), f"trainer.resume_mode={resume}", *seeded).trainer
+    said = faults.what_next(t)
+    assert said == {
+        "auto": f"The same command then resumes from {folder}/global_step_4",
+        "auto, no checkpoint": f"The same command then resumes from {seed}",
+        "disable": "The same command then starts afresh (trainer.resume_mode=disable)",
+        "resume_path": f"The same command then resumes from {seed}",
+    }.get(mode, said), said
+    assert mode != "damaged" or said.startswith(f"The same command then stops at start-up: the checkpoint "
+                                                f"{folder}/global_step_4 is damaged: "), said
 
 
 @pytest.mark.parametrize("where, error, message", [

@@ -66,6 +66,8 @@ def what_next(t: TrainerConfig) -> str:
         last = choose_resume(t, t.default_local_dir).path
     except ConfigError as refused:  # a damaged checkpoint
         return f"The same command then stops at start-up: {refused}"
+    except OSError as e:  # the run folder's disk failing
+        return f"What the same command resumes from is not known: the run folder does not read ({e})"
     if last:
         return f"The same command then resumes from {last}"
     if t.resume_mode == "disable":

@@ -59,7 +59,7 @@ QUOTED_PATH = re.compile(r"""['"](/[^'"\n]+)['"]""")
 
 def what_next(t: TrainerConfig) -> str:
     """What the same command does next: resume from the checkpoint its start-up would take (the resume
-    rule, sfttrain.resume), or start afresh."""
+    rule, sfttrain.resume), or start afresh. Reads the run folder."""
     from sfttrain.resume import choose_resume  # it imports torch, loaded by the time a run can fail
 
     try:
@@ -68,10 +68,15 @@ def what_next(t: TrainerConfig) -> str:
         return f"The same command then stops at start-up: {refused}"
     except OSError as e:  # the run folder's disk failing
         return f"What the same command resumes from is not known: the run folder does not read ({e})"
+    if not last and t.resume_mode == "disable":
+        return "The same command then starts afresh (trainer.resume_mode=disable)"
+    return resumes_from(last)
+
+
+def resumes_from(last: Optional[str]) -> str:
+    """`what_next` from the checkpoint a caller knows to be the last, where the run folder may not answer."""
     if last:
         return f"The same command then resumes from {last}"
-    if t.resume_mode == "disable":
-        return "The same command then starts afresh (trainer.resume_mode=disable)"
     return "The same command then starts afresh: no checkpoint was committed yet"
 
 

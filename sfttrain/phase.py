@@ -60,16 +60,10 @@ def report_timeout(error: BaseException, rank: int, timeout_s: int) -> None:
 def dump_stacks_on_sigusr1() -> None:
     """SIGUSR1 prints every thread's Python stack to stderr, and the process goes on. Called first thing
     in a process (sfttrain.run, its helper processes): SIGUSR1 is blocked in this thread, so in every
-    thread started from now on, and a thread of its own takes it (sigwait) and prints the stacks while
-    it holds the GIL, so that no frame is read while its thread changes it. That works while the main
-    thread waits in a collective or on a lock (they release the GIL). faulthandler, whose C handler
-    runs on whichever thread the kernel picks, can read the main thread's frames while they change: a
-    busy DataLoader worker died (SIGSEGV) in a test, most likely of that. A DataLoader worker, forked
-    with the mask but not the thread, and the spawned checkpoint writer call this again
-    (sfttrain.stop_signal). The Python handler serves a thread started before the mask: the main
-    thread prints, between bytecodes.
-    A handler set before (by whatever runs sfttrain in its process), or a caller off the main thread
-    (where Python sets no handler), leaves it as it is."""
+    thread started later, and a thread of its own takes it (sigwait) and prints while it holds the GIL,
+    so that no frame is read while it changes (faulthandler's C handler, on whichever thread the kernel
+    picks, can); that works while the main thread waits in a collective or on a lock. A handler set
+    before, or a caller off the main thread, leaves it as it is."""
     if (threading.current_thread() is not threading.main_thread()
             or signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, _on_sigusr1)):
         return

@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from sfttrain.checkpoint_folder import write_synced
 from sfttrain.config import Config, ConfigError, check_sequence_parallel_size, shard_group_size
-from sfttrain.fs_faults import check_writable
+from sfttrain.faults import check_writable, peer_lost  # noqa: F401 - peer_lost: checkpoint.py's import
 
 
 @dataclass(frozen=True)
@@ -220,13 +220,6 @@ def barrier(world: World) -> None:
         dist.barrier()
 
 
-def peer_lost(text: str) -> bool:
-    """A collective's error that says another rank's process is gone (gloo; NCCL with async error
-    handling), not what ended it."""
-    return any(sign in text for sign in ("Connection closed by peer", "Connection reset by peer",
-                                         "remote process exited"))
-
-
 def shutdown(world: World) -> None:
     # all ranks pass a barrier first: on gloo a rank that exits while another still finishes a
     # checkpoint write can abort with "terminate called without an active exception".
@@ -237,7 +230,7 @@ def shutdown(world: World) -> None:
 def check_shared_run_dir(run_dir: str, world: World, patience_s: float = 10.0) -> None:
     """Collective, at start-up: every rank must see the run folder rank 0 writes to (checkpoints are
     written by all ranks into one folder and committed by rank 0). Rank 0 checks that this user can
-    write it (sfttrain.fs_faults.check_writable), then writes a file with a fresh token; a rank that
+    write it (sfttrain.faults.check_writable), then writes a file with a fresh token; a rank that
     cannot read that token there (a node-local disk, or a path that resolves differently on its node)
     makes every rank stop with a ConfigError naming it. A rank waits up to patience_s for the file,
     for network filesystems' attribute caches."""

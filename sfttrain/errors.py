@@ -7,10 +7,10 @@ under torchrun it is each rank's `exitcode` in the failure summary):
     5  missing dependency that the config asks for, e.g. wandb (DependencyError)
     6  a checkpoint could not be saved, e.g. a full disk; nothing of it was committed (CheckpointError); also a
        disk that filled, turned read-only or failed, a file this user may not write, or a run folder deleted,
-       between saves, which stops the run at once (sfttrain.fs_faults: the steps since the last checkpoint
+       between saves, which stops the run at once (sfttrain.faults: the steps since the last checkpoint
        cannot be kept)
     7  the Hugging Face export of a committed checkpoint failed (ExportError)
-    8  stopped by SIGTERM after saving the step in flight; the same command resumes (StoppedBySignal)
+    8  stopped by SIGTERM or a first Ctrl-C after saving the step in flight; the same command resumes (StoppedBySignal)
     9  a rank ran out of memory, the GPU's or the host's: where, and what to lower (OutOfMemory); also a data
        worker killed by SIGKILL (most often the host's out-of-memory killer) or SIGBUS (most often a full /dev/shm),
        or one that found /dev/shm full
@@ -70,7 +70,7 @@ class ExportError(UserError, RuntimeError):
 
 
 class StoppedBySignal(UserError, RuntimeError):
-    """A SIGTERM stopped training; the step in flight was saved first (sfttrain/stop_signal.py)."""
+    """A SIGTERM or a first Ctrl-C stopped training; the step in flight was saved first (sfttrain/stop_signal.py)."""
     exit_code = 8
     kind = "stopped"
     every_rank = True
@@ -85,6 +85,6 @@ class OutOfMemory(UserError, RuntimeError):
 def data_worker_died(error: BaseException) -> bool:
     """torch's DataLoader raises this RuntimeError in the rank's main thread, at whatever line runs, when one of its
     worker processes dies (its SIGCHLD handler): the data workers' failure, never that of the code it lands in (a
-    checkpoint's save, say), which passes it on for sfttrain.run to word (`killed_worker`)."""
+    checkpoint's save, say), which passes it on for sfttrain.faults to word. torch says it only in the text."""
     text = str(error)
     return isinstance(error, RuntimeError) and "DataLoader worker (pid" in text and "is killed by signal" in text

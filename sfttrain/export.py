@@ -44,7 +44,7 @@ from sfttrain.checkpoint_folder import check_intact, fsync_path, fsync_tree, rea
 from sfttrain.config import ModelConfig
 from sfttrain.dtypes import DTYPE, HF_NAMES
 from sfttrain.errors import ConfigError, ExportError
-from sfttrain.fs_faults import SIZE_LIMIT_FIX, disk_full, fault, over_size_limit
+from sfttrain.faults import SIZE_LIMIT_FIX, Fault, disk_full, fault, over_size_limit
 from sfttrain.hub import local_model_path
 from transformers.utils.hub import convert_file_size_to_int  # "5GB" -> bytes, as save_pretrained reads it
 
@@ -256,6 +256,21 @@ def base_folder(given: str, trained_on: dict | None) -> str:
     return local_model_path(given)
 
 
+def refused_message(error: BaseException, refused: Fault, out: str, tmp: str) -> str:
+    """What a filesystem refused the export into `out` (written as `tmp`), what is left and what to do."""
+    left = f"its partial folder {tmp} is left: delete it" if os.path.lexists(tmp) else "the partial folder was removed"
+    if over_size_limit(error):
+        return (f"a file of {out} reached the file size limit (ulimit -f): nothing was exported ({left}). "
+                f"{SIZE_LIMIT_FIX}, or export smaller files (--max_shard_size)")
+    if disk_full(error):
+        parent = os.path.dirname(out)
+        return (f"the disk of {out} is full: nothing was exported ({left}); {parent} has "
+                f"{size_text(shutil.disk_usage(parent).free)} free. Free space, or export to another folder; "
+                "--dtype bf16 halves an fp32 checkpoint's export")
+    return (f"writing {out} failed: {refused.cause}. Nothing was exported ({left}). {refused.fix}, or export to "
+            "another folder")
+
+
 def checkpoint_model_config(checkpoint_dir: str) -> ModelConfig:
     """The model section of the checkpoint's config.yaml (LoRA settings, base model path)."""
     from omegaconf import OmegaConf
@@ -366,17 +381,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         if refused is None:
             raise
         shutil.rmtree(tmp, ignore_errors=True)
-        if over_size_limit(str(e)):
-            sys.exit(f"sfttrain.export: a file of {out} reached the file size limit (ulimit -f): nothing was exported "
-                     f"(the partial folder was removed). {SIZE_LIMIT_FIX}, or export smaller files (--max_shard_size)")
-        if disk_full(e):
-            parent = os.path.dirname(out)
-            sys.exit(f"sfttrain.export: the disk of {out} is full: nothing was exported (the partial folder was "
-                     f"removed); {parent} has {size_text(shutil.disk_usage(parent).free)} free. Free space, or export "
-                     "to another folder; --dtype bf16 halves an fp32 checkpoint's export")
-        left = f"its partial folder {tmp} is left: delete it" if os.path.lexists(tmp) else "the partial folder was removed"
-        sys.exit(f"sfttrain.export: writing {out} failed: {refused.cause}. Nothing was exported ({left}). {refused.fix}, "
-                 "or export to another folder")
+        sys.exit(f"sfttrain.export: {refused_message(e, refused, out, tmp)}")
     if os.path.isdir(out):
         os.rmdir(out)
     os.replace(tmp, out)  # the folder appears complete or not at all

@@ -20,6 +20,8 @@ import threading
 import time
 import traceback
 
+from sfttrain.faults import timed_out
+
 # the first line of each dump (bench/jobs.py finds it); not "sfttrain: ", which starts a run's one message
 STACKS_HEADER = "Python stacks of process"
 _lock = threading.Lock()
@@ -51,24 +53,17 @@ def _report(rank: int, timeout_s: int) -> None:
 
 def report_timeout(error: BaseException, rank: int, timeout_s: int) -> None:
     """Called with an exception on its way out: says the phase if it is a collective's timeout."""
-    text = str(error).lower()
-    if "timed out" in text or "timeout" in text:
+    if timed_out(error):
         _report(rank, timeout_s)
 
 
 def dump_stacks_on_sigusr1() -> None:
     """SIGUSR1 prints every thread's Python stack to stderr, and the process goes on. Called first thing
     in a process (sfttrain.run, its helper processes): SIGUSR1 is blocked in this thread, so in every
-    thread started from now on, and a thread of its own takes it (sigwait) and prints the stacks while
-    it holds the GIL, so that no frame is read while its thread changes it. That works while the main
-    thread waits in a collective or on a lock (they release the GIL). faulthandler, whose C handler
-    runs on whichever thread the kernel picks, can read the main thread's frames while they change: a
-    busy DataLoader worker died (SIGSEGV) in a test, most likely of that. A DataLoader worker, forked
-    with the mask but not the thread, and the spawned checkpoint writer call this again
-    (sfttrain.stop_signal). The Python handler serves a thread started before the mask: the main
-    thread prints, between bytecodes.
-    A handler set before (by whatever runs sfttrain in its process), or a caller off the main thread
-    (where Python sets no handler), leaves it as it is."""
+    thread started later, and a thread of its own takes it (sigwait) and prints while it holds the GIL,
+    so that no frame is read while it changes (faulthandler's C handler, on whichever thread the kernel
+    picks, can); that works while the main thread waits in a collective or on a lock. A handler set
+    before, or a caller off the main thread, leaves it as it is."""
     if (threading.current_thread() is not threading.main_thread()
             or signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, _on_sigusr1)):
         return

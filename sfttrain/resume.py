@@ -24,6 +24,7 @@ from sfttrain.checkpoint_folder import (COMPLETE, check_intact, complete_checkpo
 from sfttrain.config import Config, ConfigError, TrainerConfig
 from sfttrain.data.fingerprint import RENDERING_KEY, ROWS_KEY, differences
 from sfttrain.data.render import RENDERING_CHANGE, RENDERING_VERSION
+from sfttrain.export import HF_EXPORT_DIR
 from sfttrain.lora import check_base
 from sfttrain.metrics import rewind_metrics
 
@@ -228,8 +229,19 @@ def check_schedule(path: str, saved: dict, schedule: dict) -> list[str]:
         return [f"optimizer: {path} records no optimizer settings (an older sfttrain): the config's apply"]
     notes = [f"optimizer (the config's apply) {c}" for c in differences(old, schedule)]
     if step >= total:
-        notes.append(f"the checkpoint is this run's last step ({step}): nothing left to train")
+        notes.append(finished(path, step))
     return notes
+
+
+def finished(path: str, step: int) -> str:
+    """What a finished run started again says: it trains nothing, where its results are, and how to go on."""
+    exported = os.path.join(path, HF_EXPORT_DIR)
+    export = (f"its Hugging Face export is {exported}" if os.path.isdir(exported) else
+              f"it has no Hugging Face export (trainer.save_hf=true exports it now; `python -m sfttrain.export {path} "
+              "OUT_DIR` does too)")
+    return (f"the checkpoint is this run's last step ({step}): nothing left to train. The run finished: its last "
+            f"checkpoint is {path}, and {export}. To train longer, raise trainer.total_training_steps (or "
+            "trainer.total_epochs); to start afresh, set trainer.default_local_dir to a new folder")
 
 
 def _rank() -> int:

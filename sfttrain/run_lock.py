@@ -1,20 +1,15 @@
 """One run at a time in a run folder: rank 0 holds an exclusive lock on `<run folder>/.sfttrain.lock`
 for as long as its process lives.
 
-Two runs started in one folder (a job submitted twice, a requeued job whose first attempt still
-runs, a second experiment that forgot its own trainer.default_local_dir) would each resume the
-other's checkpoints, rewind the other's metrics.jsonl and save the same steps over each other, both
-ending as if nothing happened: before this lock, a second run started 10 s after a first resumed its
-step 30 and both wrote steps 40-150 into one folder without a word. The second run is now refused
-at start-up, before it reads any data, naming the first.
+Two runs in one folder (a job submitted twice, a requeued job whose first attempt still runs) would
+each resume the other's checkpoints and save the same steps over each other without a word: the
+second is refused at start-up, before it reads any data, naming the first.
 
-The lock is flock(2): the kernel drops it when the holding process ends, however it ends (a crash
-or SIGKILL leaves nothing to clean up), and NFS carries it between nodes. The file says who holds
-it (host, pid, since when, the Slurm job), for the message of the run it refuses; it stays behind,
-and only the lock counts. A filesystem without locks (Lustre mounted without `flock`) is said at
+The lock is flock(2): the kernel drops it when the holder ends, however it ends, and NFS carries it
+between nodes. The file says who holds it (host, pid, since when, the Slurm job) for the refusal's
+message; only the lock counts. A filesystem without locks (Lustre without `flock`) is said at
 start-up: there, a second run would not be caught.
 """
-
 from __future__ import annotations
 
 import errno

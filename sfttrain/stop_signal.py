@@ -1,30 +1,21 @@
-"""trainer.save_on_sigterm: a SIGTERM during training saves the step in flight and stops the run;
-and Ctrl-C (SIGINT) remembered, so that a rank it stops ends in one line (sfttrain.run).
+"""trainer.save_on_sigterm: a SIGTERM or a first Ctrl-C during training saves the step in flight and
+stops the run (exit code 8, StoppedBySignal); a second Ctrl-C stops it at once (sfttrain.run says so
+in one line). torchrun passes a terminal's Ctrl-C on to ranks the terminal signalled too: a Ctrl-C
+within ECHO_S of the first is that echo, not a second one.
 
-SIGTERM is how a job is ended from outside: Slurm at its time limit or a preemption (SIGKILL follows
-after the cluster's KillWait, 30 s by default), Kubernetes at an eviction (its grace period, 30 s by
-default), `kill`, and torchrun, which passes a SIGTERM it receives on to its ranks and kills them
-30 s later (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, or --shutdown_timeout, raises that on the torch versions
-that have them). A rank that dies at once loses every step since the last save.
+SIGTERM is how a job is ended from outside (Slurm, Kubernetes, `kill`, torchrun passing its own on),
+with SIGKILL after a grace, 30 s by default (GRACE_S). The handler only notes the signal; the note
+travels in the all-reduce each step makes anyway (`StopVote.flag`), so every rank stops after the
+same step, however the signals fell: the trainer saves it, waits for the commit, and ends the run
+with a message naming the checkpoint. The vote is read a step later (the device runs a step ahead),
+a lone rank's own note at once; a validation sums the votes per micro-batch and is cut short. A save
+that outlasts the grace is killed before its commit: a resume takes the previous checkpoint.
 
-The handler only notes the signal; another one changes nothing (Slurm may signal every process of
-the job while torchrun passes its own on: SIGKILL is what ends a rank at once). The note travels in
-the all-reduce each step makes anyway (one more number in it, `StopVote.flag`), so every rank reads
-the same sum at the same step, however the signals fell between the ranks, and all of them stop
-after the same step: the trainer saves it, waits for the commit, and the run ends with exit code 8
-(StoppedBySignal) and a message naming the checkpoint. The vote is read with the step's loss, a
-step later (sfttrain/trainer.py keeps the device a step ahead of the host): the run stops one to two
-steps after the signal; a lone rank, whose own note is the verdict, after the step it is in. A
-validation sums the votes after each micro-batch (it may outlast the grace) and is cut short. A save that outlasts the grace period is killed before its commit, which
-leaves the previous checkpoint the one a resume takes (sfttrain/checkpoint_folder.py).
-
-A rank's helper processes outlive a SIGTERM from outside by GRACE_S (`leave_to_the_rank`).
-SIGTERM is noted only while the training loop runs (`noting`, which gives SIGTERM its previous
-action back however the loop ends): during start-up there is nothing to save, and after an error
-the rank must die when torchrun ends the job. A rank blocked in a collective (another rank has
-died) runs no Python handler: where the collective then fails for the lost rank (gloo), the noted
-SIGTERM ends the rank at once (`end_if_told`); where it stays blocked (NCCL), the rank dies at
-torchrun's SIGKILL, up to 30 s after its SIGTERM, instead of at once: the cost of the note.
+Signals are noted only while the training loop runs (`noting`): at start-up there is nothing to save,
+and after an error the rank must die when torchrun ends the job. A rank blocked in a collective runs
+no Python handler until it returns: gloo's fails for a lost rank and the noted SIGTERM then ends the
+rank (`end_if_told`); a blocked NCCL one waits for torchrun's SIGKILL, the cost of the note. A rank's
+helper processes outlive a SIGTERM from outside by GRACE_S (`leave_to_the_rank`).
 """
 
 from __future__ import annotations
@@ -44,7 +35,10 @@ from sfttrain import phase
 if TYPE_CHECKING:
     import torch
 
-_received: list[str] = []  # the names of the signals noted (SIGTERM, SIGINT), in order
+_received: list[str] = []  # the signals noted for a save and stop (SIGTERM, a first Ctrl-C's SIGINT), in order
+_ctrl_c: list[float] = []  # when the first Ctrl-C was noted (time.monotonic)
+_interrupted: list[bool] = []  # a Ctrl-C stopped the rank at once
+ECHO_S = 2.0  # a second Ctrl-C sooner than this is torchrun passing the first on
 PR_SET_PDEATHSIG = 1  # prctl(2)
 GRACE_S = 30.0  # the time after a SIGTERM that torchrun, Slurm and Kubernetes give by default before SIGKILL
 
@@ -53,18 +47,27 @@ def _note(signum: int, frame) -> None:
     _received.append(signal.Signals(signum).name)
 
 
+def _note_ctrl_c(signum: int, frame) -> None:
+    """A first Ctrl-C is noted as a SIGTERM is; a second one, ECHO_S or more later, stops the rank at once."""
+    if not _ctrl_c:
+        _ctrl_c.append(time.monotonic())
+        _received.append("Ctrl-C (SIGINT)")
+    elif time.monotonic() - _ctrl_c[0] >= ECHO_S:
+        _interrupt(signum, frame)
+
+
 @contextlib.contextmanager
 def noting(enabled: bool) -> Iterator[None]:
-    """SIGTERM is noted inside the block (when enabled) and has its previous action outside it."""
+    """SIGTERM and Ctrl-C are noted inside the block (when enabled) and have their previous actions outside it."""
     if not enabled:
         yield
         return
-    previous = signal.signal(signal.SIGTERM, _note)
+    previous = signal.signal(signal.SIGTERM, _note), signal.signal(signal.SIGINT, _note_ctrl_c)
     try:
         yield
     finally:
-        if not interrupted():  # an interrupted rank keeps noting SIGTERM (`_interrupt`)
-            signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGTERM, previous[0])
+        signal.signal(signal.SIGINT, previous[1])
 
 
 def follow_the_launcher() -> None:
@@ -84,36 +87,40 @@ def end_if_told() -> None:
     """After the loop ended on an error: a SIGTERM it noted ends this rank now, by the signal's
     default action (torchrun's, sent once another rank failed, reached a rank blocked in a collective
     that then failed for that rank's loss)."""
-    if received():
+    if "SIGTERM" in _received:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.raise_signal(signal.SIGTERM)
 
 
 def note_interrupts() -> None:
-    """Ctrl-C (SIGINT, which torchrun passes on to its ranks) raises KeyboardInterrupt as before, and
-    is remembered: a rank whose collective fails because another rank already stopped on it was
-    interrupted too, not failing."""
+    """For the whole run: Ctrl-C outside `noting` stops the rank at once, and is remembered (a rank whose
+    collective fails because another stopped on it was interrupted too, not failing); SIGTERM ends the
+    rank as by default, unless a Ctrl-C came first."""
     signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _end_unless_interrupted)
+
+
+def _end_unless_interrupted(signum: int, frame) -> None:
+    """Every rank gets the Ctrl-C, and the launcher SIGTERMs the others once one has ended: a rank blocked
+    in a collective handles both only once it returns, SIGINT first (Python runs pending handlers in
+    signal order), and must live to say its line. A rank stuck on its way out ends at the SIGKILL."""
+    if not interrupted():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.raise_signal(signal.SIGTERM)
 
 
 def _interrupt(signum: int, frame) -> None:
-    """The rank is on its way out (exit code 130, sfttrain.run's one line): SIGTERM is only noted from now
-    on. Every rank gets the Ctrl-C, and the launcher SIGTERMs the others as soon as one of them has ended:
-    a rank 0 slower to unwind died of it before it printed its line (1 run in 8 on 2 loaded cores). Noted,
-    not ignored: a SIGTERM already caught for a Python handler would then raise "Signal 15 ignored due to
-    race condition" (a traceback). A rank stuck on its way out still ends at the launcher's SIGKILL."""
-    _received.append(signal.Signals(signum).name)
-    signal.signal(signal.SIGTERM, _note)
+    _interrupted.append(True)
     raise KeyboardInterrupt
 
 
 def interrupted() -> bool:
-    return "SIGINT" in _received
+    return bool(_interrupted)
 
 
 def received() -> str | None:
-    """The first SIGTERM noted, if any."""
-    return "SIGTERM" if "SIGTERM" in _received else None
+    """The first signal noted for a save and stop, in words ("SIGTERM", "Ctrl-C (SIGINT)"), if any."""
+    return _received[0] if _received else None
 
 
 def grace_warning(write_s: float) -> str | None:
@@ -129,14 +136,10 @@ def grace_warning(write_s: float) -> str | None:
 
 def leave_to_the_rank() -> None:
     """In a rank's helper process (a DataLoader worker, the checkpoint writer), from its main thread.
-    Ctrl-C is ignored: it reaches a terminal's whole process group, and the rank answers it. Slurm
-    signals every process of the job: a helper that died at once would fail the batch or the
-    background save its rank needs on its way to the stop. So a SIGTERM from anyone but its rank ends
-    the helper only GRACE_S later (by then its rank has saved and gone, or SIGKILL came
-    first); its rank's own (multiprocessing's terminate, as the rank exits) ends it at once, as
-    before. SIGTERM is blocked in every thread and taken by one that reads who sent it. SIGUSR1 prints
-    the helper's stacks, as in its rank (sfttrain.phase: a worker forks without its rank's thread that
-    takes it, and a spawned process starts anew)."""
+    Ctrl-C, which reaches a terminal's whole process group, is ignored: the rank answers it. Slurm
+    signals every process of the job, and a helper dead at once would fail the batch or save its rank
+    needs to stop: a SIGTERM from anyone but its rank ends the helper GRACE_S later, its rank's own at
+    once (a thread that reads who sent it takes it). SIGUSR1 prints its stacks, as in its rank."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads started later inherit the mask
     phase.dump_stacks_on_sigusr1()  # its thread after the mask: a SIGTERM it took would end the helper at once

@@ -297,32 +297,83 @@ def test_collective_timeout_names_the_phase(gsm8k_head, tmp_path):
                     r"\(trainer.nccl_timeout=20\)", said[0]), said[0]
 
 
-def test_ctrl_c_ends_every_rank_in_one_line(gsm8k_head, tmp_path):
-    """SIGINT to both ranks at once, as torchrun passes a Ctrl-C on, once a step is logged: one line
-    naming the run folder and exit code 130, without a traceback of either rank (one of them may
-    have been in a collective with the other when it stopped)."""
-    run_dir, log = tmp_path / "run", tmp_path / "log"
+def ctrl_c_job(gsm8k_head: Path, run_dir: Path, log: Path, *overrides: str) -> tuple[int, str]:
+    """A 2-rank job given SIGINT at both ranks at once, as a terminal's Ctrl-C reaches them, once a step is
+    logged: (its exit code, its output)."""
     proc = launch(2, [*BASE_OVERRIDES, f"data.train_files={gsm8k_head}", f"trainer.default_local_dir={run_dir}",
-                      "data.train_batch_size=4", "data.micro_batch_size_per_gpu=2", "trainer.total_training_steps=100000"],
-                  log)
+                      "data.train_batch_size=4", "data.micro_batch_size_per_gpu=2", "trainer.total_training_steps=100000",
+                      *overrides], log)
     try:
         deadline = time.monotonic() + 300
         while logged_steps(run_dir) < 1 and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.2)
         assert logged_steps(run_dir) >= 1, log.read_text()[-3000:]
-        pids = [rank_pid(proc, rank) for rank in (0, 1)]
-        for pid in pids:
+        for pid in [rank_pid(proc, rank) for rank in (0, 1)]:
             os.kill(pid, signal.SIGINT)
         code = proc.wait(timeout=120)
     finally:
         kill_job(proc)
     out = log.read_text()
-    assert out.count("sfttrain: interrupted (Ctrl-C) in ") == 1, out[-3000:]
-    assert f"the same command resumes from the last checkpoint committed in {run_dir}" in out
-    if isinstance(proc, ForkedJob):  # torchrun (SFTTRAIN_TEST_FORK=0) prints its own traceback of the failure
-        assert code == 130 and "Traceback" not in out, out[-3000:]
-    else:
-        assert "exitcode  : 130" in out, out[-3000:]
+    if not isinstance(proc, ForkedJob):  # torchrun's summary names the first failing rank's exit code
+        code = int(re.findall(r"exitcode\s+: (-?\d+)", out)[0])
+    return code, out
+
+
+def test_ctrl_c_saves_and_stops_as_sigterm_does(gsm8k_head, tmp_path):
+    """A first Ctrl-C in training saves the step in flight on every rank and stops: one message naming the
+    step and its committed checkpoint, exit code 8. Before, it stopped at once and lost the steps since the
+    last save, saying the same command resumes from "the last checkpoint committed"."""
+    from sfttrain.checkpoint_folder import is_complete
+
+    run_dir = tmp_path / "run"
+    code, out = ctrl_c_job(gsm8k_head, run_dir, tmp_path / "log", "trainer.save_freq=100000")
+    said = [line for line in out.splitlines() if line.startswith("sfttrain: ")]
+    assert len(said) == 1 and code == 8, out[-3000:]
+    stopped = re.search(rf"training stopped after step (\d+) of 100000, whose checkpoint {run_dir}/global_step_(\d+) is "
+                        r"committed\. ", said[0])
+    assert stopped and stopped[1] == stopped[2], said[0]
+    assert is_complete(str(run_dir / f"global_step_{stopped[1]}")), said[0]
+
+
+def test_a_ctrl_c_that_stops_at_once_says_what_the_same_command_does(gsm8k_head, tmp_path):
+    """Without trainer.save_on_sigterm a Ctrl-C stops every rank at once: one line, exit code 130, no
+    traceback of either rank (one may have been in a collective with the other), saying what the same
+    command does in a run folder with no checkpoint (it said "resumes from the last checkpoint committed")."""
+    run_dir = tmp_path / "run"
+    code, out = ctrl_c_job(gsm8k_head, run_dir, tmp_path / "log", "trainer.save_on_sigterm=false")
+    said = [line for line in out.splitlines() if line.startswith("sfttrain: ")]
+    assert len(said) == 1 and code == 130, out[-3000:]
+    assert re.fullmatch(r"sfttrain: interrupted \(Ctrl-C\) in step \d+, without a save\. The same command then "
+                        "starts afresh: no checkpoint was committed yet", said[0]), said[0]
+    assert "Traceback" not in out.split("Root Cause")[0], out[-3000:]
+
+
+def test_a_first_ctrl_c_is_noted_and_a_second_stops_at_once(monkeypatch):
+    """In the training loop (stop_signal.noting): a first Ctrl-C is noted for a save and stop, as a SIGTERM is;
+    another within ECHO_S (torchrun passing the terminal's on) changes nothing; a later one raises
+    KeyboardInterrupt; outside the loop, Ctrl-C has its previous action again."""
+    from sfttrain import stop_signal
+
+    for name in ("_received", "_ctrl_c", "_interrupted"):
+        monkeypatch.setattr(stop_signal, name, [])
+    monkeypatch.setattr(stop_signal, "ECHO_S", 0.5)
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    outside = []
+    signal.signal(signal.SIGINT, lambda *_: outside.append("SIGINT"))
+    try:
+        with stop_signal.noting(True):
+            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)
+            assert stop_signal.received() == "Ctrl-C (SIGINT)" and not stop_signal.interrupted() and not outside
+            time.sleep(0.5)
+            with pytest.raises(KeyboardInterrupt):
+                signal.raise_signal(signal.SIGINT)
+            assert stop_signal.interrupted()
+        signal.raise_signal(signal.SIGINT)
+        assert outside == ["SIGINT"]
+    finally:
+        signal.signal(signal.SIGINT, before[0])
+        signal.signal(signal.SIGTERM, before[1])
 
 
 @functools.cache
@@ -445,63 +496,8 @@ def test_data_workers_that_find_shared_memory_full(gsm8k_dir, tmp_path):
     assert "`docker run --shm-size=8g`" in printed[0] and "data.num_workers=0" in printed[0], out[-3000:]
 
 
-# --------------------------------------------------------------------------- a full disk, as sfttrain.fs_faults words it
-
-def full_disk_error() -> OSError:
-    """A real ENOSPC: a write to /dev/full, whose error (a buffered write's, as metrics.jsonl's, pyarrow's
-    or torch.save's) names no file."""
-    import contextlib
-
-    f = open("/dev/full", "w")
-    try:
-        f.write("x")
-        f.flush()
-    except OSError as e:
-        return e
-    finally:
-        with contextlib.suppress(OSError):
-            f.close()
-    raise AssertionError("a write to /dev/full succeeded")
-
-
-def test_a_full_disk_whose_error_names_no_file_still_names_the_run_folder_s_disk(tmp_path):
-    """An ENOSPC that names no file: the message names the run folder and its free space (and the other places
-    the run writes), and does not say that the next checkpoint would fail too: which disk filled is not known."""
-    import errno
-
-    from sfttrain.fs_faults import filesystem_error
-
-    error = full_disk_error()
-    assert error.errno == errno.ENOSPC and error.filename is None
-    message = str(filesystem_error(error, str(tmp_path), "step 3"))
-    assert message.startswith("the disk is full (No space left on device) in step 3: training stopped there. "), message
-    assert f"The error names no file: {tmp_path} has " in message, message
-    assert "Free space where it ran out: the run folder's disk (or set trainer.default_local_dir" in message, message
-    assert "would fail too" not in message, message
-
-
-@pytest.mark.parametrize("where", ["run folder", "temporary folder", "shared memory"])
-def test_the_next_checkpoint_would_fail_too_only_where_the_run_folder_s_disk_is_full(tmp_path, where):
-    """A real ENOSPC, named (as metrics.jsonl's write, a compiled kernel's or a worker's handover name it) in
-    the run folder, in the temporary folder (TMPDIR, where torch.compile writes) or in /dev/shm: only the run
-    folder's full disk stops the next checkpoint too, and only there is it said."""
-    import tempfile
-
-    from sfttrain.fs_faults import filesystem_error
-
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    error = full_disk_error()
-    error.filename = {"run folder": str(run_dir / "metrics.jsonl"),
-                      "temporary folder": os.path.join(tempfile.gettempdir(), "torchinductor_root", "k.so"),
-                      "shared memory": "/dev/shm/torch_1_2"}[where]
-    message = str(filesystem_error(error, str(run_dir), "step 3"))
-    lasting = "in step 3: training stopped there, as the next checkpoint would fail too. "
-    assert (lasting in message) == (where == "run folder"), message
-    assert {"run folder": f"{run_dir} has ",
-            "temporary folder": f"(not the run folder's disk: it is the temporary folder, {tempfile.gettempdir()})",
-            "shared memory": "the shared memory (/dev/shm) is full"}[where] in message, message
-
+# --------------------------------------------------------------------------- a full disk (tests/test_faults.py asks
+# sfttrain.faults directly)
 
 def test_a_full_data_cache_is_one_message_naming_its_file(tmp_path):
     """The conversion of JSON Lines rows into the run folder's data_cache/ finds its disk (a real 1 MiB tmpfs)
@@ -526,3 +522,21 @@ def test_a_full_data_cache_is_one_message_naming_its_file(tmp_path):
                          rf"\.tmp\) in start-up, before any step\. {run_dir} has [\d.]+ MB free\. Free space \(or set "
                          r"trainer.default_local_dir on a larger disk\), then run the same command$", message), message
         assert not list((run_dir / "data_cache").iterdir())
+
+
+@pytest.mark.parametrize("exported", [True, False])
+def test_a_finished_run_started_again_says_where_its_results_are(tmp_path, exported):
+    """Its last checkpoint is the schedule's end: the start-up says that it finished, where its last checkpoint
+    and its export are (or how to export it), and how to train longer or start afresh (it said only "nothing
+    left to train", and the run ended saying its loss was not logged)."""
+    from sfttrain.resume import check_schedule
+
+    last = tmp_path / "run" / "global_step_3"
+    (last / "huggingface" if exported else last).mkdir(parents=True)
+    schedule = {"total steps": 3, "optim.lr": 1e-3}
+    export = (f"its Hugging Face export is {last}/huggingface" if exported else "it has no Hugging Face export "
+              f"(trainer.save_hf=true exports it now; `python -m sfttrain.export {last} OUT_DIR` does too)")
+    assert check_schedule(str(last), {"step": 3, "schedule": schedule}, schedule) == [
+        f"the checkpoint is this run's last step (3): nothing left to train. The run finished: its last checkpoint is "
+        f"{last}, and {export}. To train longer, raise trainer.total_training_steps (or trainer.total_epochs); to "
+        "start afresh, set trainer.default_local_dir to a new folder"]

@@ -1,0 +1,252 @@
+"""The schema: every key with its default and its help (the field's metadata, which `--help` prints)."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from omegaconf import ListConfig
+
+# the values a key takes (and the module that reads it)
+DTYPES = ("fp32", "bf16", "fp16")
+TRUNCATION_MODES = ("error", "left", "right")  # data.truncation (sfttrain.data.render)
+LOSS_KERNELS = ("auto", "liger", "torch")  # model.loss_kernel (sfttrain.loss)
+LOGGERS = ("console", "wandb")  # trainer.logger (sfttrain.metrics)
+FP8_MODES = ("off", "auto", "tensorwise", "rowwise")  # model.fp8 (sfttrain.fp8)
+WRITERS = ("auto", "process", "thread")  # trainer.async_save_writer (sfttrain.checkpoint_writer)
+STAGINGS = ("auto", "device", "host")  # trainer.async_save_staging (sfttrain.checkpoint_writer)
+
+
+def key(default: Any = None, text: str = "", factory: Optional[Callable[[], Any]] = None) -> Any:
+    """A schema field whose help lives beside its default."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"help": text})
+    return field(default=default, metadata={"help": text})
+
+
+@dataclass
+class MultiturnConfig:
+    enable: bool = key(False, "rows are conversations (messages_key), loss on the assistant turns")
+    messages_key: Any = key("messages", "column of [{role, content}] messages (or their JSON), or a list of columns "
+                                        "joined into one conversation, e.g. [prompt,completion] (TRL's form)")
+    tools_key: Optional[str] = key("tools", "column of tool schemas passed as the template's tools=, where present")
+    enable_thinking_key: Optional[str] = key("enable_thinking", "bool column passed as enable_thinking= (Qwen3), "
+                                                                "where present")
+    system_key: Optional[str] = key("system", "column of a system prompt put before the conversation (ShareGPT), "
+                                              "where present")
+
+
+@dataclass
+class DataConfig:
+    train_files: Any = key(None, "Parquet, JSON Lines, JSON, CSV/TSV or Arrow files: a file, a directory, a "
+                                 "pattern, a save_to_disk folder, or a list of these (README: Your own data)")
+    val_files: Any = key(None, "optional; validation reads all of it")
+    prompt_key: Optional[str] = key("question", "the prompt's column; null: none, the response column is the whole "
+                                                "text and every token is trained (with apply_chat_template=false)")
+    response_key: str = key("answer", "the response's column (the supervised tokens)")
+    prompt_dict_keys: Optional[list[str]] = key(None, "verl's nested keys: row[prompt_key][k0][k1]...")
+    response_dict_keys: Optional[list[str]] = key(None, "the same for the response column")
+    train_batch_size: int = key(256, "GLOBAL batch in samples per optimizer step")
+    micro_batch_size_per_gpu: int = key(4, "samples per forward/backward on one data-parallel rank")
+    max_token_len_per_gpu: Optional[int] = key(None, "if set, micro-batches are token budgets instead")
+    use_dynamic_bsz: Optional[bool] = key(None, "verl's switch: true packs micro-batches up to max_token_len_per_gpu "
+                                                "(which must be set), false runs micro_batch_size_per_gpu samples; "
+                                                "null: max_token_len_per_gpu decides")
+    pad_to_multiple: int = key(128, "packed rows are padded to a multiple of this: whole GEMM tiles, and few "
+                                    "distinct shapes")
+    max_length: int = key(1024, "tokens per sample (prompt + response)")
+    allow_beyond_max_position: bool = key(False, "allow max_length above the model's max_position_embeddings "
+                                                 "(positions its RoPE never trained on)")
+    truncation: str = key("error", "error | left | right")
+    apply_chat_template: bool = key(True, "render the prompt as one user turn, generation prompt on")
+    chat_template: Optional[str] = key(None, "replaces the tokenizer's chat template: a file, or the Jinja text")
+    multiturn: MultiturnConfig = field(default_factory=MultiturnConfig)
+    shuffle: bool = key(True, "per-epoch order from trainer.seed and the epoch")
+    num_workers: int = key(0, "> 0: worker processes build the steps ahead of the loop (per rank)")
+    balance_dp_token: bool = key(True, "verl key; sfttrain always balances tokens across ranks (false is refused)")
+    no_loss_rows: str = key("error", "rows truncation leaves without a supervised token: error (naming them) | drop")
+    length_cache_dir: Optional[str] = key(None, "where the start-up scan keeps each row's token counts; null: the "
+                                                "run folder's row_stats/. A folder shared by a sweep's runs (and "
+                                                "the preflight) renders the data once")
+
+
+@dataclass
+class FSDPConfig:
+    model_dtype: str = key("fp32", "dtype of the master weights and optimizer state")
+    mixed_precision: Any = key(True, "true: bf16 compute, fp32 reduce; false: compute in model_dtype; or verl's "
+                                     "{param_dtype, reduce_dtype, buffer_dtype}")
+    sharding_strategy: str = key("FULL_SHARD", "FULL_SHARD | SHARD_GRAD_OP | HYBRID_SHARD | NO_SHARD (DDP: every "
+                                               "rank holds the whole model, for one that fits a GPU with its "
+                                               "gradients and AdamW state)")
+    fsdp_size: int = key(-1, "shard group size; -1: all data-parallel ranks (HSDP below that; 1: DDP)")
+    cpu_offload: bool = key(False, "offload parameters, gradients and optimizer state to CPU")
+    offload_params: bool = key(False, "verl's spelling of cpu_offload")
+    backward_prefetch: Optional[str] = key("BACKWARD_PRE", "FSDP2 always prefetches in backward")
+    forward_prefetch: bool = key(False, "prefetch the next layer's all-gather in forward (sharded models)")
+    wrap_policy: Any = key(None, "verl key; sfttrain shards every decoder layer")
+
+    def offloaded(self) -> bool:
+        return self.cpu_offload or self.offload_params
+
+
+@dataclass
+class ModelConfig:
+    partial_pretrain: Optional[str] = key(None, "a local Hugging Face model folder, or a hub id (downloaded once)")
+    random_init: bool = key(False, "build from the folder's config.json with random weights")
+    trust_remote_code: bool = key(False, "run the model folder's own Python code (only folders you trust)")
+    strategy: str = key("fsdp2", "verl key; sfttrain implements FSDP2 only")
+    enable_gradient_checkpointing: bool = key(True, "recompute each layer in backward: less memory, ~1/3 more "
+                                                    "compute")
+    gradient_checkpointing_ratio: float = key(1.0, "share of the decoder layers recomputed, spread evenly (0.5: "
+                                                   "every other layer)")
+    recompute_attention: Any = key("auto", "with checkpointing: true recomputes attention too; false keeps its "
+                                           "output (one hidden state per token and layer); auto: false from "
+                                           "max_length 8192, where attention is much of the step")
+    recompute_qkv: bool = key(True, "with checkpointing and fused projections: false keeps the fused q/k/v "
+                                    "output, so backward does not rerun that GEMM (more memory)")
+    attn_implementation: str = key("auto", "auto | flash_attn | torch_varlen | sdpa_blockmask")
+    use_liger: bool = key(False, "Liger's fused RMSNorm/SwiGLU/RoPE and linear cross-entropy")
+    compile: bool = key(False, "torch.compile each decoder layer (compiled once, shared by the layers)")
+    compile_cpp_wrapper: Any = key("auto", "with compile on CUDA: launch kernels from inductor's C++ wrapper "
+                                           "(true; cheaper launches, longer start-up) or its Python one; auto: C++ "
+                                           "where it can build and launches matter (docs/benchmarks.md)")
+    fuse_projections: Any = key("auto", "with compile: projections reading one input (q/k/v; gate/up) run as one "
+                                        "GEMM; auto: with LoRA, where it gains (docs/benchmarks.md)")
+    fold_lora: Any = key("auto", "with LoRA and fused projections: each adapter's B runs inside its frozen "
+                                 "projection's GEMM; auto: wherever it can (no lora_dropout)")
+    loss_chunk_tokens: int = key(1024, "tokens per chunk of the linear cross-entropy; larger: a little faster, "
+                                       "more peak memory")
+    loss_kernel: str = key("auto", "auto (liger where it runs) | liger (Triton, CUDA) | torch (compiled on CUDA, "
+                                   "a second logits buffer)")
+    lora_rank: int = key(0, "> 0: train LoRA adapters of this rank on a frozen base")
+    lora_alpha: int = key(16, "LoRA scaling: the update is scaled by lora_alpha / lora_rank")
+    target_modules: Any = key("all-linear", "all-linear (every linear layer but lm_head) or a list of layer names")
+    lora_dropout: float = key(0.0, "dropout on the adapters' input (random: resumes exactly on the same world "
+                                   "size only)")
+    fp8: str = key("off", "torchao's FP8 GEMMs (pip install -e '.[fp8]') in the decoder layers on Hopper/Ada GPUs: "
+                          "off | tensorwise | rowwise | auto (tensorwise from hidden_size 4096, where it gains)")
+    fp8_fast_accum_grads: bool = key(True, "with fp8: the gradient GEMMs accumulate in fast mode too; false: "
+                                           "torchao's recipe as it is (slower)")
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+
+    def fuses_projections(self) -> bool:
+        """auto fuses with LoRA only: its skinny GEMMs gain, full fine-tuning loses (docs/benchmarks.md)."""
+        if self.fuse_projections == "auto":
+            return self.compile and self.lora_rank > 0
+        return self.fuse_projections
+
+    def folds_lora(self) -> bool:
+        """auto folds wherever LoRA's projections are fused and A reads the projection's own input
+        (lora_dropout gives A a dropped-out copy)."""
+        folds = self.lora_rank > 0 and self.fuses_projections() and self.lora_dropout == 0
+        return folds if self.fold_lora == "auto" else self.fold_lora
+
+
+@dataclass
+class OptimConfig:
+    optimizer: str = key("adamw", "adamw (fused on CUDA)")
+    lr: float = key(1e-5, "peak learning rate, reached after the warmup")
+    betas: list[float] = key(text="AdamW's (beta1, beta2)", factory=lambda: [0.9, 0.95])
+    eps: float = key(1e-8, "AdamW's epsilon")
+    weight_decay: float = key(0.01, "not applied to norms and biases")
+    lr_warmup_steps_ratio: float = key(0.1, "linear warmup over this share of the total steps")
+    lr_warmup_steps: int = key(-1, "if > 0, overrides the ratio")
+    lr_scheduler: str = key("cosine", "cosine | constant")
+    min_lr_ratio: float = key(0.0, "the cosine decays to lr * min_lr_ratio")
+    clip_grad: float = key(1.0, "max global gradient norm; <= 0: no clipping")
+
+
+@dataclass
+class TrainerConfig:
+    default_local_dir: str = key("checkpoints/${trainer.project_name}/${trainer.experiment_name}", "the run folder")
+    project_name: str = key("sfttrain", "wandb project; part of the default run folder")
+    experiment_name: str = key("run", "wandb run name; part of the default run folder")
+    total_epochs: int = key(1, "passes over the training data (unless total_training_steps is set)")
+    total_training_steps: Optional[int] = key(None, "if set (>= 1), stops and schedules the LR here, before or past "
+                                                    "the end of total_epochs")
+    logger: Any = key("console", "console | wandb | a list of them")
+    seed: int = key(1, "data order and random init")
+    test_freq: int = key(-1, "validate every N steps and at the end; -1 (or 0): at the end only")
+    save_freq: int = key(-1, "checkpoint every N steps and at the end; -1 (or 0): at the end only")
+    max_ckpt_to_keep: Optional[int] = key(None, "keep this run's newest N checkpoints; null (or 0, as in verl): all")
+    save_on_sigterm: bool = key(True, "a SIGTERM (time limit, preemption) saves the step in flight and exits with "
+                                      "code 8; false: the rank dies at once")
+    async_save: bool = key(True, "periodic saves written in the background from a copy taken at the step boundary "
+                                 "(one per save in flight, on the GPU or in host memory: async_save_in_flight, "
+                                 "async_save_staging); the final save is waited for")
+    async_save_pinned: bool = key(True, "CUDA: stage into pinned host buffers allocated once and reused (full-speed "
+                                        "copies)")
+    async_save_in_flight: int = key(2, "saves staged or being written at once, each holding a copy of the shard; "
+                                       "more wait for the oldest write")
+    async_save_writer: str = key("auto", "process (one writer per rank, no GIL shared with the loop) | thread | "
+                                         "auto (process on CUDA, thread on CPU)")
+    async_save_staging: str = key("auto", "device (a GPU copy, milliseconds) | host (the step waits for the copy) | "
+                                          "auto (device where GPU memory holds every save in flight)")
+    save_thread_count: int = key(4, "writer threads per rank for a checkpoint's DCP files")
+    resume_mode: str = key("auto", "auto: the run folder's latest checkpoint, else resume_from_path, else a fresh "
+                                   "start | disable | resume_path: resume_from_path")
+    resume_from_path: Optional[str] = key(None, "a checkpoint, or a run folder (its latest checkpoint)")
+    save_hf: bool = key(False, "also export the final model to <final checkpoint>/huggingface")
+    log_freq: int = key(1, "a console line every N >= 1 steps (metrics.jsonl gets every step)")
+    nnodes: Optional[int] = key(None, "verl key; if given, must match torchrun's world")
+    n_gpus_per_node: Optional[int] = key(None, "verl key, see nnodes")
+    device: str = key("auto", "auto | cuda | cpu")
+    nccl_timeout: int = key(1800, "seconds a collective waits for the other ranks before the run stops naming "
+                                  "each rank's phase; also bounds a checkpoint's write")
+    resume_allow_data_change: bool = key(False, "resume although the data's fingerprint changed")
+    profile_steps: Optional[list[int]] = key(None, "consecutive steps to profile, e.g. [11, 12, 13]: traces and a "
+                                                   "summary in <run folder>/profile/")
+    profile_memory: bool = key(False, "with profile_steps on CUDA: also record the allocator's history (a snapshot "
+                                      "for pytorch.org/memory_viz)")
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    ulysses_sequence_parallel_size: int = key(1, "ranks sharing each packed row, attention heads split over them")
+    use_remove_padding: bool = key(True, "verl key; sfttrain is always padding-free")
+
+    def micro_batch_tokens(self) -> int:
+        """Tokens of the largest micro-batch on one rank (split over the sequence-parallel group)."""
+        d = self.data
+        return (d.max_token_len_per_gpu or d.micro_batch_size_per_gpu * d.max_length) // self.ulysses_sequence_parallel_size
+
+
+@functools.cache
+def _defaults() -> Config:
+    return Config()
+
+
+def default_of(key: str) -> Any:
+    """The schema's default of a dotted key."""
+    return functools.reduce(getattr, key.split("."), _defaults())
+
+
+def logger_names(t: TrainerConfig) -> list[str]:
+    return [t.logger] if isinstance(t.logger, str) else list(t.logger)
+
+
+def shard_group_size(f: FSDPConfig, dp_size: int) -> int:
+    """Ranks that share one copy of the weights, each holding a shard (1 with NO_SHARD: all of it)."""
+    if f.sharding_strategy == "NO_SHARD":
+        return 1
+    return dp_size if f.fsdp_size in (-1, 0) else f.fsdp_size
+
+
+def as_list(value: Any) -> list[str]:
+    """A path or a list of paths as a list of str."""
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple, ListConfig)):
+        return [str(v) for v in value]
+    return [str(value)]
+
+
+def short(value: Any, limit: int = 60) -> str:
+    """A value for a message, cut to one short line (a chat template's text may be kilobytes)."""
+    text = repr(value).replace("\\n", " ")
+    return text if len(text) <= limit else text[:limit - 3] + "...'"

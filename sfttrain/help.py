@@ -26,18 +26,21 @@ def schema_keys(cls: type = Config, prefix: str = "") -> list[KeyHelp]:
         if dataclasses.is_dataclass(default):
             keys.extend(schema_keys(type(default), f"{prefix}{f.name}."))
         else:
-            keys.append(KeyHelp(prefix + f.name, default, f.metadata.get("help", "")))
+            choices = " | ".join(str(c).lower() if isinstance(c, bool) else c for c in f.metadata.get("choices", ()))
+            keys.append(KeyHelp(prefix + f.name, default, f"{choices}; {f.metadata['help']}" if choices
+                                else f.metadata["help"]))
     return keys
 
 
 def _select(keys: list[KeyHelp], word: str) -> list[KeyHelp]:
-    """A section's keys; else the keys whose name holds the word, or another trainer's name for it;
-    else those whose help mentions it."""
+    """A section's keys; else the keys whose name holds the word (or another trainer's name for them
+    does), then those whose help mentions it."""
     if section := [k for k in keys if k.key.startswith(word + ".")]:
         return section
     word = word.lower()
-    named = [k for k in keys if word in k.key or k.key in {v for n, v in FOREIGN_NAMES.items() if word in n}]
-    return named or [k for k in keys if word in k.meaning.lower()]
+    foreign = {key for name, key in FOREIGN_NAMES.items() if word in name}
+    named = [k for k in keys if word in k.key or k.key in foreign]
+    return named + [k for k in keys if word in k.meaning.lower() and k not in named]
 
 
 def format_help(section: str | None = None) -> str:

@@ -62,37 +62,23 @@ PPO_KEYS = ("trainer.critic_warmup", "trainer.val_before_train", "trainer.balanc
 # other trainers' names (in any section, or none) -> the key here; the schema's own names in another
 # section are found without this table
 FOREIGN_NAMES = {name: key for names, key in {
-    "learning_rate": "optim.lr",
-    "num_train_epochs num_epochs epochs": "trainer.total_epochs",
-    "max_steps": "trainer.total_training_steps",
+    "learning_rate": "optim.lr", "num_train_epochs num_epochs epochs": "trainer.total_epochs",
+    "max_steps": "trainer.total_training_steps", "global_batch_size": "data.train_batch_size",
     "per_device_train_batch_size micro_batch_size batch_size": "data.micro_batch_size_per_gpu",
-    "global_batch_size": "data.train_batch_size",
     "max_seq_length max_seq_len sequence_len seq_length cutoff_len model_max_length": "data.max_length",
     "gradient_checkpointing activation_checkpointing enable_activation_checkpointing":
         "model.enable_gradient_checkpointing",
-    "lora_r use_peft": "model.lora_rank",
-    "lora_target_modules lora_attn_modules": "model.target_modules",
-    "warmup_ratio": "optim.lr_warmup_steps_ratio",
-    "warmup_steps num_warmup_steps": "optim.lr_warmup_steps",
-    "max_grad_norm clip_grad_norm gradient_clipping": "optim.clip_grad",
-    "lr_scheduler_type": "optim.lr_scheduler",
-    "adam_beta1 adam_beta2": "optim.betas",
-    "adam_epsilon": "optim.eps",
-    "output_dir": "trainer.default_local_dir",
-    "save_steps": "trainer.save_freq",
-    "eval_steps": "trainer.test_freq",
-    "logging_steps log_every_n_steps": "trainer.log_freq",
-    "save_total_limit": "trainer.max_ckpt_to_keep",
-    "resume_from_checkpoint": "trainer.resume_from_path",
+    "lora_r use_peft": "model.lora_rank", "lora_target_modules lora_attn_modules": "model.target_modules",
+    "warmup_ratio": "optim.lr_warmup_steps_ratio", "warmup_steps num_warmup_steps": "optim.lr_warmup_steps",
+    "max_grad_norm clip_grad_norm gradient_clipping": "optim.clip_grad", "lr_scheduler_type": "optim.lr_scheduler",
+    "adam_beta1 adam_beta2": "optim.betas", "adam_epsilon": "optim.eps", "output_dir": "trainer.default_local_dir",
+    "save_steps": "trainer.save_freq", "eval_steps": "trainer.test_freq", "save_total_limit": "trainer.max_ckpt_to_keep",
+    "logging_steps log_every_n_steps": "trainer.log_freq", "resume_from_checkpoint": "trainer.resume_from_path",
     "model_name_or_path base_model pretrained_model_name_or_path": "model.partial_pretrain",
-    "report_to metric_logger": "trainer.logger",
-    "wandb_project": "trainer.project_name",
-    "run_name wandb_name": "trainer.experiment_name",
-    "dataloader_num_workers": "data.num_workers",
-    "torch_compile": "model.compile",
-    "use_liger_kernel": "model.use_liger",
-    "bf16": "model.fsdp_config.mixed_precision",
-    "dataset_text_field": "data.response_key",
+    "report_to metric_logger": "trainer.logger", "wandb_project": "trainer.project_name",
+    "run_name wandb_name": "trainer.experiment_name", "dataloader_num_workers": "data.num_workers",
+    "torch_compile": "model.compile", "use_liger_kernel": "model.use_liger",
+    "bf16": "model.fsdp_config.mixed_precision", "dataset_text_field": "data.response_key",
 }.items() for name in names.split()}
 # where the key here differs from the name's meaning there
 FOREIGN_NOTES = {
@@ -107,8 +93,7 @@ FOREIGN_NOTES = {
 FOREIGN_WITHOUT_KEY = {
     "gradient_accumulation_steps": "no key here: data.train_batch_size is the global batch and "
                                    "data.micro_batch_size_per_gpu one forward's; the accumulation follows from them",
-    "packing": "no key here: sfttrain always packs rows padding-free; remove it",
-    "sample_packing": "no key here: sfttrain always packs rows padding-free; remove it",
+    **dict.fromkeys(("packing", "sample_packing"), "no key here: sfttrain always packs rows padding-free; remove it"),
 }
 
 

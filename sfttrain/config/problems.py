@@ -3,21 +3,31 @@ the key to change. Batch arithmetic that needs the world size is in `sfttrain.da
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Iterator, Optional
 
 from omegaconf import ListConfig
 
 from sfttrain.config.compat import verl_switch_problems
-from sfttrain.config.schema import (DTYPES, FP8_MODES, LOGGERS, LOSS_KERNELS, STAGINGS, TRUNCATION_MODES, WRITERS,
-                                    Config, DataConfig, FSDPConfig, ModelConfig, OptimConfig, TrainerConfig,
-                                    default_of, logger_names, short)
+from sfttrain.config.schema import (DTYPES, LOGGERS, Config, DataConfig, FSDPConfig, ModelConfig, OptimConfig,
+                                    TrainerConfig, default_of, logger_names, short)
 from sfttrain.errors import ConfigError
 
 
 def _choice(key: str, value: Any, choices: tuple) -> Iterator[str]:
     if value not in choices:
         yield f"{key}={value!r} is not one of {list(choices)}"
+
+
+def _choice_problems(section: Any, prefix: str = "") -> Iterator[str]:
+    """Every key whose schema field lists the values it takes, in every section."""
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _choice_problems(value, f"{prefix}{f.name}.")
+        elif f.metadata.get("choices"):
+            yield from _choice(prefix + f.name, value, f.metadata["choices"])
 
 
 def validate(cfg: Config) -> None:
@@ -30,7 +40,7 @@ def validate(cfg: Config) -> None:
 def config_problems(cfg: Config) -> list[str]:
     """Every problem, not the first only, so that a config is fixed in one go; one that two checks
     find (a mixed-precision dtype) is said once."""
-    problems = [*_validate_data(cfg.data), *_validate_model(cfg.model), *verl_switch_problems(cfg),
+    problems = [*_choice_problems(cfg), *_validate_data(cfg.data), *_validate_model(cfg.model), *verl_switch_problems(cfg),
                 *_check_no_shard(cfg), *_validate_optim(cfg.optim), *_validate_trainer(cfg.trainer),
                 *_validate_fp8(cfg), *_sequence_parallel_size_problems(cfg.ulysses_sequence_parallel_size)]
     return list(dict.fromkeys(problems))
@@ -53,12 +63,11 @@ def _positive(*pairs: tuple[str, Any]) -> Iterator[str]:
 
 
 def rendering_problems(max_length: int, truncation: str) -> Iterator[str]:
-    """data.max_length and data.truncation: checked with the config, and by the renderer that takes them
-    (the same words, so the preflight, which goes on past the config's problems, lists each once)."""
+    """Checked with the config and by the renderer, in the same words (the preflight lists each once)."""
     yield from _positive(("data.max_length", max_length))
     if max_length == 1:
         yield "data.max_length=1 leaves no token to train on (a prompt token, then its next); use at least 2"
-    yield from _choice("data.truncation", truncation, TRUNCATION_MODES)
+    yield from _choice("data.truncation", truncation, ("error", "left", "right"))
 
 
 def _validate_data(d: DataConfig) -> Iterator[str]:
@@ -76,7 +85,6 @@ def _validate_data(d: DataConfig) -> Iterator[str]:
     if d.num_workers < 0:
         yield (f"data.num_workers={d.num_workers}: the worker processes a rank builds its steps in are 0 "
                "(built in the rank itself, the default) or more; e.g. data.num_workers=0")
-    yield from _choice("data.no_loss_rows", d.no_loss_rows, ("error", "drop"))
     if d.prompt_key is None and not d.multiturn.enable and d.apply_chat_template:
         yield ("data.prompt_key=null trains whole texts without a prompt, which a chat template would "
                "render as an empty user turn: set data.apply_chat_template=false")
@@ -94,8 +102,6 @@ def _validate_data(d: DataConfig) -> Iterator[str]:
 
 
 def _check_chat_template_used(d: DataConfig) -> Iterator[str]:
-    """A template given for prompt/response rows that no template renders (the raw text is tokenized)
-    was read by nothing: which of the two settings was meant?"""
     if d.chat_template is not None and not d.apply_chat_template and not d.multiturn.enable:
         yield (f"data.chat_template={short(d.chat_template)} with data.apply_chat_template=false: the raw "
                "prompt text is tokenized, so the template would render nothing; remove data.chat_template "
@@ -103,8 +109,6 @@ def _check_chat_template_used(d: DataConfig) -> Iterator[str]:
 
 
 def _check_dict_keys_have_a_column(d: DataConfig) -> Iterator[str]:
-    """verl's nested keys follow data.prompt_key's column down; with no prompt column (whole texts)
-    they were dropped without a word."""
     if d.prompt_key is None and d.prompt_dict_keys:
         yield (f"data.prompt_dict_keys={list(d.prompt_dict_keys)} with data.prompt_key=null: there is no "
                "prompt column to follow them into; set data.prompt_key to the column that holds them, or "
@@ -112,8 +116,7 @@ def _check_dict_keys_have_a_column(d: DataConfig) -> Iterator[str]:
 
 
 def _check_prompt_is_not_the_response(d: DataConfig) -> Iterator[str]:
-    """A prompt read from the response's own cell trained each answer after itself as its prompt, without a
-    word. (One column with other nested keys, verl's extra_info with question and answer, is two cells.)"""
+    """One column read at two nested keys (verl's extra_info: question, answer) is two cells."""
     prompt, response = [d.prompt_key, *(d.prompt_dict_keys or [])], [d.response_key, *(d.response_dict_keys or [])]
     if d.prompt_key is not None and not d.multiturn.enable and prompt == response:
         yield (f"data.prompt_key={d.prompt_key!r} and data.response_key={d.response_key!r} read the same cell: each "
@@ -122,9 +125,7 @@ def _check_prompt_is_not_the_response(d: DataConfig) -> Iterator[str]:
 
 
 def _check_dynamic_bsz(d: DataConfig) -> Iterator[str]:
-    """verl's data.use_dynamic_bsz against data.max_token_len_per_gpu, which alone decides here: each
-    value of the switch is refused where the budget says otherwise, rather than one of them ignored (verl
-    packs by its default budget of 8192 tokens with the switch on, and ignores a budget with it off)."""
+    """verl's switch against the token budget, which alone decides here: a disagreement is refused."""
     budget = d.max_token_len_per_gpu
     if d.use_dynamic_bsz is True and budget is None:
         yield (f"data.use_dynamic_bsz=true packs each micro-batch up to data.max_token_len_per_gpu tokens, "
@@ -141,11 +142,6 @@ def _validate_model(m: ModelConfig) -> Iterator[str]:
     if m.partial_pretrain in (None, ""):
         yield "model.partial_pretrain is required: a local Hugging Face model folder or a hub id"
     yield from _positive(("model.loss_chunk_tokens", m.loss_chunk_tokens))
-    yield from _choice("model.loss_kernel", m.loss_kernel, LOSS_KERNELS)
-    yield from _choice("model.compile_cpp_wrapper", m.compile_cpp_wrapper, ("auto", True, False))
-    yield from _choice("model.recompute_attention", m.recompute_attention, ("auto", True, False))
-    yield from _choice("model.attn_implementation", m.attn_implementation,
-                       ("auto", "flash_attn", "torch_varlen", "sdpa_blockmask"))
     if not 0.0 < m.gradient_checkpointing_ratio <= 1.0:
         yield (f"model.gradient_checkpointing_ratio must lie in (0, 1], got {m.gradient_checkpointing_ratio}; "
                "set model.enable_gradient_checkpointing=false to recompute no layer")
@@ -156,9 +152,7 @@ def _validate_model(m: ModelConfig) -> Iterator[str]:
 
 
 def _check_checkpointing_keys(m: ModelConfig) -> Iterator[str]:
-    """The keys that shape gradient checkpointing (sfttrain/recompute.py) are read only with it on: set
-    with it off, they recomputed nothing and the run kept every activation without a word. Their
-    defaults (ratio 1.0, auto) mean nothing of their own and pass."""
+    """The keys that shape gradient checkpointing, set with it off (their defaults pass)."""
     if m.enable_gradient_checkpointing:
         return
     for key, value in (("gradient_checkpointing_ratio", m.gradient_checkpointing_ratio),
@@ -170,13 +164,11 @@ def _check_checkpointing_keys(m: ModelConfig) -> Iterator[str]:
 
 
 def _validate_compiled_layers(m: ModelConfig) -> Iterator[str]:
-    """The switches that rewrite the compiled layers' graphs, and what each needs."""
+    """The switches of the compiled layers, and what each needs."""
     if m.compile_cpp_wrapper in (True, False) and not m.compile:
-        # the wrapper launches compiled kernels: eager layers have none, and the key was dropped unread
         yield (f"model.compile_cpp_wrapper={str(m.compile_cpp_wrapper).lower()} chooses who launches the "
                "compiled layers' kernels, but model.compile=false runs them eagerly: set "
                "model.compile=true, or remove model.compile_cpp_wrapper")
-    yield from _choice("model.fuse_projections", m.fuse_projections, ("auto", True, False))
     if m.fuse_projections is True and not m.compile:
         yield ("model.fuse_projections=true rewrites the compiled layers' graphs: set model.compile=true, "
                "or remove model.fuse_projections")
@@ -185,7 +177,6 @@ def _validate_compiled_layers(m: ModelConfig) -> Iterator[str]:
                "layers: it needs model.enable_gradient_checkpointing=true, model.compile=true and fused "
                "projections (model.fuse_projections=true; auto fuses them with LoRA only); set those "
                "or remove model.recompute_qkv")
-    yield from _choice("model.fold_lora", m.fold_lora, ("auto", True, False))
     if m.fold_lora is True and not (m.lora_rank > 0 and m.fuses_projections()):
         yield ("model.fold_lora=true folds LoRA adapters into the fused projections of compiled layers: "
                "it needs model.lora_rank > 0, model.compile=true and fused projections "
@@ -197,9 +188,6 @@ def _validate_compiled_layers(m: ModelConfig) -> Iterator[str]:
 
 
 def _validate_fsdp(f: FSDPConfig) -> Iterator[str]:
-    yield from _choice("model.fsdp_config.model_dtype", f.model_dtype, DTYPES)
-    yield from _choice("model.fsdp_config.sharding_strategy", f.sharding_strategy,
-                       ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"))
     if f.backward_prefetch not in (None, "BACKWARD_PRE"):
         yield ("model.fsdp_config.backward_prefetch: FSDP2 always prefetches the next layer's "
                "all-gather in backward (BACKWARD_PRE); remove the key or set it to BACKWARD_PRE")
@@ -218,7 +206,6 @@ def _validate_fsdp(f: FSDPConfig) -> Iterator[str]:
 
 def _validate_optim(o: OptimConfig) -> Iterator[str]:
     yield from _choice("optim.optimizer", o.optimizer.lower(), ("adamw",))
-    yield from _choice("optim.lr_scheduler", o.lr_scheduler, ("cosine", "constant"))
     for key, value in (("optim.lr", o.lr), ("optim.eps", o.eps), ("optim.weight_decay", o.weight_decay),
                        ("optim.clip_grad", o.clip_grad)):
         if not math.isfinite(value):
@@ -226,11 +213,9 @@ def _validate_optim(o: OptimConfig) -> Iterator[str]:
                    f"{default_of(key)}")
     if o.lr < 0:
         yield f"optim.lr={o.lr} is negative; use a positive rate such as 1e-5"
+    # torch's AdamW checks betas, eps and weight decay in its defaults only, not in parameter groups
     if len(o.betas) != 2:
         yield f"optim.betas must have two values, got {o.betas}"
-    # torch's AdamW checks these only in its defaults, not in the parameter groups sfttrain sets them
-    # in (sfttrain.optim.group_settings): unchecked, a beta of 1 or more trained to a NaN loss and a
-    # negative eps or weight decay trained on silently
     elif not all(0.0 <= beta < 1.0 for beta in o.betas):
         yield (f"optim.betas={list(o.betas)}: each must lie in [0, 1), such as its default "
                f"{default_of('optim.betas')}")
@@ -246,36 +231,32 @@ def _validate_optim(o: OptimConfig) -> Iterator[str]:
 
 def _validate_trainer(t: TrainerConfig) -> Iterator[str]:
     yield from _positive(("trainer.total_epochs", t.total_epochs))
-    if t.seed < 0:  # numpy's generator (the shuffled data order) takes none: a traceback once the rows were read
+    if t.seed < 0:  # numpy's generator takes none
         yield f"trainer.seed={t.seed}: give a seed >= 0, e.g. trainer.seed={default_of('trainer.seed')}"
-    if t.total_training_steps is not None and t.total_training_steps < 1:  # 0 was read as unset: the epochs
+    if t.total_training_steps is not None and t.total_training_steps < 1:
         yield (f"trainer.total_training_steps={t.total_training_steps} would train nothing: give a number "
                "of steps >= 1, or null to train trainer.total_epochs passes over the data")
-    if t.max_ckpt_to_keep is not None and t.max_ckpt_to_keep < 0:  # verl keeps every checkpoint: was that meant?
+    if t.max_ckpt_to_keep is not None and t.max_ckpt_to_keep < 0:
         yield (f"trainer.max_ckpt_to_keep={t.max_ckpt_to_keep}: set N > 0 to keep this run's newest N "
                "checkpoints, or null (the default; 0 is the same, as in verl) to keep every one")
-    if t.log_freq < 1:  # a console line when step % log_freq == 0: 0 divides by zero after the first step
+    if t.log_freq < 1:
         yield (f"trainer.log_freq={t.log_freq}: a console line every N steps needs N >= 1 (metrics.jsonl "
                "gets every step whatever it is); e.g. trainer.log_freq=1, the default")
-    yield from _choice("trainer.resume_mode", t.resume_mode, ("auto", "disable", "resume_path"))
     if t.resume_mode == "resume_path" and not t.resume_from_path:
         yield "trainer.resume_mode=resume_path needs trainer.resume_from_path"
-    if t.resume_mode == "disable" and t.resume_from_path:  # verl ignores the path; which one was meant?
+    if t.resume_mode == "disable" and t.resume_from_path:  # verl ignores the path: which was meant?
         yield (f"trainer.resume_mode=disable starts afresh, so trainer.resume_from_path="
                f"{t.resume_from_path} would be ignored: drop trainer.resume_from_path to start afresh, or "
                "drop trainer.resume_mode=disable (trainer.resume_mode=resume_path) to resume from it")
-    if t.resume_mode == "disable" and t.resume_allow_data_change:  # nothing is resumed: which one was meant?
+    if t.resume_mode == "disable" and t.resume_allow_data_change:
         yield ("trainer.resume_allow_data_change=true lets a resume go on with changed data, but "
                "trainer.resume_mode=disable never resumes: remove trainer.resume_allow_data_change to "
                "start afresh, or remove trainer.resume_mode=disable to resume")
     if t.async_save_in_flight < 1:
         yield (f"trainer.async_save_in_flight must be >= 1 (saves in flight at once), got "
                f"{t.async_save_in_flight}")
-    yield from _choice("trainer.async_save_writer", t.async_save_writer, WRITERS)
-    yield from _choice("trainer.async_save_staging", t.async_save_staging, STAGINGS)
     if t.save_thread_count < 1:
         yield f"trainer.save_thread_count must be >= 1, got {t.save_thread_count}"
-    yield from _choice("trainer.device", t.device, ("auto", "cuda", "cpu"))
     if t.nccl_timeout <= 0:
         yield (f"trainer.nccl_timeout must be a positive number of seconds, got {t.nccl_timeout}; "
                "the default is 1800")
@@ -284,7 +265,7 @@ def _validate_trainer(t: TrainerConfig) -> Iterator[str]:
         yield ("trainer.profile_memory=true records memory over trainer.profile_steps: name those steps "
                "too, e.g. trainer.profile_steps=[11]")
     for name in logger_names(t):
-        if name not in LOGGERS:  # verl's list is longer (tensorboard, mlflow, swanlab, ...): say what there is instead
+        if name not in LOGGERS:  # verl's list is longer: say what there is instead
             yield (f"trainer.logger={name!r} is not one of {list(LOGGERS)}. Every run writes its metrics "
                    "to <run folder>/metrics.jsonl (`python -m sfttrain.plot <run folder>` draws them); for "
                    "a dashboard use wandb (WANDB_MODE=offline keeps it on this machine)")
@@ -302,7 +283,7 @@ def _validate_lora(m: ModelConfig) -> Iterator[str]:
     """The names in target_modules are checked against the model at load (sfttrain.lora)."""
     if m.lora_rank < 0:
         yield f"model.lora_rank must be 0 (full fine-tuning) or positive, got {m.lora_rank}"
-    if m.lora_rank <= 0:  # no adapters: the keys below are not read
+    if m.lora_rank <= 0:
         return
     if m.lora_alpha <= 0:
         yield f"model.lora_alpha must be positive, got {m.lora_alpha}"
@@ -318,35 +299,26 @@ def _validate_lora(m: ModelConfig) -> Iterator[str]:
 
 
 def _validate_fp8(cfg: Config) -> Iterator[str]:
-    """The device and torchao are checked at start-up (sfttrain.fp8.check_available)."""
+    """The device and torchao are checked at start-up (sfttrain.fp8)."""
     m, sp = cfg.model, cfg.ulysses_sequence_parallel_size
-    yield from _choice("model.fp8", m.fp8, FP8_MODES)
     if m.fp8 == "off" and not m.fp8_fast_accum_grads:
-        # the gradient GEMMs' accumulation mode of FP8 layers: without them it was dropped unread
         yield ("model.fp8_fast_accum_grads=false sets how FP8 gradient GEMMs accumulate, but model.fp8=off "
                "runs none: set model.fp8 (tensorwise, rowwise or auto), or remove "
                "model.fp8_fast_accum_grads")
-    # the weight gradient's FP8 GEMM runs over the tokens: a rank's tokens per micro-batch (its
-    # slice of the padded row) must be a multiple of 16, as every FP8 GEMM dimension (an sp below 1 is
-    # its own problem)
+    # the weight gradient's GEMM runs over a rank's tokens, a dimension FP8 wants divisible by 16
     if m.fp8 != "off" and sp >= 1 and cfg.data.pad_to_multiple % (16 * sp) != 0:
         yield (f"model.fp8={m.fp8} needs data.pad_to_multiple={cfg.data.pad_to_multiple} to be a multiple "
                f"of {16 * sp} (16 tokens per rank{f' x {sp} Ulysses ranks' if sp > 1 else ''}: FP8 GEMMs "
                f"take dimensions that divide by 16); set data.pad_to_multiple={math.lcm(128, 16 * sp)}")
     if m.fp8 != "off" and m.lora_rank > 0:
-        # torchao's float8 linear computes every weight's gradient, a frozen one's too: the base's
-        # GEMMs would do a third more work in FP8 than they skip in bf16
         yield (f"model.fp8={m.fp8} with model.lora_rank={m.lora_rank}: FP8 linear layers compute the "
                "weight gradient of the frozen base too (work LoRA skips in bf16), so they would slow "
                "LoRA down; set model.fp8=off for LoRA")
     if m.fp8 != "off" and m.recompute_qkv is False:
-        # torchao's float8 linear is not a linear call the fusion pass can group: there would be no
-        # fused q/k/v GEMM to keep, and the setting would do nothing
         yield (f"model.fp8={m.fp8} with model.recompute_qkv=false: FP8 linear layers are not fused "
                "(sfttrain/fuse_projections.py), so there is no q/k/v GEMM output to keep; remove "
                "model.recompute_qkv or set model.fp8=off")
     if m.fp8 != "off" and m.fuse_projections is True:
-        # the same: the pass would find no group among the FP8 layers, and the setting would do nothing
         yield (f"model.fp8={m.fp8} with model.fuse_projections=true: FP8 linear layers are not fused "
                "(sfttrain/fuse_projections.py), so the setting would fuse nothing; remove "
                "model.fuse_projections or set model.fp8=off")
@@ -369,9 +341,7 @@ def _check_no_shard(cfg: Config) -> Iterator[str]:
 
 
 def mixed_precision_dtypes(f: FSDPConfig) -> Optional[tuple[str, str]]:
-    """(param_dtype, reduce_dtype) for FSDP's MixedPrecisionPolicy, or None for no mixed precision.
-
-    Accepts verl's two spellings: a bool, or a dict {param_dtype, reduce_dtype, buffer_dtype}."""
+    """(param_dtype, reduce_dtype) for FSDP's MixedPrecisionPolicy, None for none; verl's bool or dict."""
     mp = f.mixed_precision
     if mp is False or mp is None:
         return None

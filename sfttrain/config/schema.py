@@ -8,21 +8,18 @@ from typing import Any, Callable, Optional
 
 from omegaconf import ListConfig
 
-# the values a key takes (and the module that reads it)
 DTYPES = ("fp32", "bf16", "fp16")
-TRUNCATION_MODES = ("error", "left", "right")  # data.truncation (sfttrain.data.render)
-LOSS_KERNELS = ("auto", "liger", "torch")  # model.loss_kernel (sfttrain.loss)
-LOGGERS = ("console", "wandb")  # trainer.logger (sfttrain.metrics)
-FP8_MODES = ("off", "auto", "tensorwise", "rowwise")  # model.fp8 (sfttrain.fp8)
-WRITERS = ("auto", "process", "thread")  # trainer.async_save_writer (sfttrain.checkpoint_writer)
-STAGINGS = ("auto", "device", "host")  # trainer.async_save_staging (sfttrain.checkpoint_writer)
+LOGGERS = ("console", "wandb")  # trainer.logger, one or a list (sfttrain.metrics)
+AUTO_ON_OFF = ("auto", True, False)
 
 
-def key(default: Any = None, text: str = "", factory: Optional[Callable[[], Any]] = None) -> Any:
-    """A schema field whose help lives beside its default."""
+def key(default: Any = None, text: str = "", factory: Optional[Callable[[], Any]] = None,
+        choices: tuple = ()) -> Any:
+    """A schema field whose help, and the values it takes where they are few, live beside its default."""
+    metadata = {"help": text, "choices": choices}
     if factory is not None:
-        return field(default_factory=factory, metadata={"help": text})
-    return field(default=default, metadata={"help": text})
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
@@ -58,14 +55,16 @@ class DataConfig:
     max_length: int = key(1024, "tokens per sample (prompt + response)")
     allow_beyond_max_position: bool = key(False, "allow max_length above the model's max_position_embeddings "
                                                  "(positions its RoPE never trained on)")
-    truncation: str = key("error", "error | left | right")
+    truncation: str = key("error", "a sample over max_length: refused, or cut on that side",
+                          choices=("error", "left", "right"))
     apply_chat_template: bool = key(True, "render the prompt as one user turn, generation prompt on")
     chat_template: Optional[str] = key(None, "replaces the tokenizer's chat template: a file, or the Jinja text")
     multiturn: MultiturnConfig = field(default_factory=MultiturnConfig)
     shuffle: bool = key(True, "per-epoch order from trainer.seed and the epoch")
     num_workers: int = key(0, "> 0: worker processes build the steps ahead of the loop (per rank)")
     balance_dp_token: bool = key(True, "verl key; sfttrain always balances tokens across ranks (false is refused)")
-    no_loss_rows: str = key("error", "rows truncation leaves without a supervised token: error (naming them) | drop")
+    no_loss_rows: str = key("error", "rows truncation leaves without a supervised token: refused (naming them) or "
+                                     "dropped", choices=("error", "drop"))
     length_cache_dir: Optional[str] = key(None, "where the start-up scan keeps each row's token counts; null: the "
                                                 "run folder's row_stats/. A folder shared by a sweep's runs (and "
                                                 "the preflight) renders the data once")
@@ -73,12 +72,12 @@ class DataConfig:
 
 @dataclass
 class FSDPConfig:
-    model_dtype: str = key("fp32", "dtype of the master weights and optimizer state")
+    model_dtype: str = key("fp32", "dtype of the master weights and optimizer state", choices=DTYPES)
     mixed_precision: Any = key(True, "true: bf16 compute, fp32 reduce; false: compute in model_dtype; or verl's "
                                      "{param_dtype, reduce_dtype, buffer_dtype}")
-    sharding_strategy: str = key("FULL_SHARD", "FULL_SHARD | SHARD_GRAD_OP | HYBRID_SHARD | NO_SHARD (DDP: every "
-                                               "rank holds the whole model, for one that fits a GPU with its "
-                                               "gradients and AdamW state)")
+    sharding_strategy: str = key("FULL_SHARD", "NO_SHARD is DDP: every rank holds the whole model, for one that "
+                                               "fits a GPU with its gradients and AdamW state",
+                                 choices=("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"))
     fsdp_size: int = key(-1, "shard group size; -1: all data-parallel ranks (HSDP below that; 1: DDP)")
     cpu_offload: bool = key(False, "offload parameters, gradients and optimizer state to CPU")
     offload_params: bool = key(False, "verl's spelling of cpu_offload")
@@ -102,30 +101,34 @@ class ModelConfig:
                                                    "every other layer)")
     recompute_attention: Any = key("auto", "with checkpointing: true recomputes attention too; false keeps its "
                                            "output (one hidden state per token and layer); auto: false from "
-                                           "max_length 8192, where attention is much of the step")
+                                           "max_length 8192, where attention is much of the step",
+                                 choices=AUTO_ON_OFF)
     recompute_qkv: bool = key(True, "with checkpointing and fused projections: false keeps the fused q/k/v "
                                     "output, so backward does not rerun that GEMM (more memory)")
-    attn_implementation: str = key("auto", "auto | flash_attn | torch_varlen | sdpa_blockmask")
+    attn_implementation: str = key("auto", "the attention kernel; auto: the first of the others that runs here",
+                                   choices=("auto", "flash_attn", "torch_varlen", "sdpa_blockmask"))
     use_liger: bool = key(False, "Liger's fused RMSNorm/SwiGLU/RoPE and linear cross-entropy")
     compile: bool = key(False, "torch.compile each decoder layer (compiled once, shared by the layers)")
     compile_cpp_wrapper: Any = key("auto", "with compile on CUDA: launch kernels from inductor's C++ wrapper "
                                            "(true; cheaper launches, longer start-up) or its Python one; auto: C++ "
-                                           "where it can build and launches matter (docs/benchmarks.md)")
+                                           "where it can build and launches matter (docs/benchmarks.md)",
+                                 choices=AUTO_ON_OFF)
     fuse_projections: Any = key("auto", "with compile: projections reading one input (q/k/v; gate/up) run as one "
-                                        "GEMM; auto: with LoRA, where it gains (docs/benchmarks.md)")
+                                        "GEMM; auto: with LoRA, where it gains (docs/benchmarks.md)", choices=AUTO_ON_OFF)
     fold_lora: Any = key("auto", "with LoRA and fused projections: each adapter's B runs inside its frozen "
-                                 "projection's GEMM; auto: wherever it can (no lora_dropout)")
+                                 "projection's GEMM; auto: wherever it can (no lora_dropout)", choices=AUTO_ON_OFF)
     loss_chunk_tokens: int = key(1024, "tokens per chunk of the linear cross-entropy; larger: a little faster, "
                                        "more peak memory")
-    loss_kernel: str = key("auto", "auto (liger where it runs) | liger (Triton, CUDA) | torch (compiled on CUDA, "
-                                   "a second logits buffer)")
+    loss_kernel: str = key("auto", "auto: liger where it runs (Triton, CUDA); torch: compiled on CUDA, a second "
+                                   "logits buffer", choices=("auto", "liger", "torch"))
     lora_rank: int = key(0, "> 0: train LoRA adapters of this rank on a frozen base")
     lora_alpha: int = key(16, "LoRA scaling: the update is scaled by lora_alpha / lora_rank")
     target_modules: Any = key("all-linear", "all-linear (every linear layer but lm_head) or a list of layer names")
     lora_dropout: float = key(0.0, "dropout on the adapters' input (random: resumes exactly on the same world "
                                    "size only)")
-    fp8: str = key("off", "torchao's FP8 GEMMs (pip install -e '.[fp8]') in the decoder layers on Hopper/Ada GPUs: "
-                          "off | tensorwise | rowwise | auto (tensorwise from hidden_size 4096, where it gains)")
+    fp8: str = key("off", "torchao's FP8 GEMMs (pip install -e '.[fp8]') in the decoder layers on Hopper/Ada GPUs; "
+                          "auto: tensorwise from hidden_size 4096, where it gains",
+                   choices=("off", "auto", "tensorwise", "rowwise"))
     fp8_fast_accum_grads: bool = key(True, "with fp8: the gradient GEMMs accumulate in fast mode too; false: "
                                            "torchao's recipe as it is (slower)")
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
@@ -152,7 +155,7 @@ class OptimConfig:
     weight_decay: float = key(0.01, "not applied to norms and biases")
     lr_warmup_steps_ratio: float = key(0.1, "linear warmup over this share of the total steps")
     lr_warmup_steps: int = key(-1, "if > 0, overrides the ratio")
-    lr_scheduler: str = key("cosine", "cosine | constant")
+    lr_scheduler: str = key("cosine", "the LR after the warmup", choices=("cosine", "constant"))
     min_lr_ratio: float = key(0.0, "the cosine decays to lr * min_lr_ratio")
     clip_grad: float = key(1.0, "max global gradient norm; <= 0: no clipping")
 
@@ -165,7 +168,7 @@ class TrainerConfig:
     total_epochs: int = key(1, "passes over the training data (unless total_training_steps is set)")
     total_training_steps: Optional[int] = key(None, "if set (>= 1), stops and schedules the LR here, before or past "
                                                     "the end of total_epochs")
-    logger: Any = key("console", "console | wandb | a list of them")
+    logger: Any = key("console", "console | wandb | a list of them (metrics.jsonl is always written)")
     seed: int = key(1, "data order and random init")
     test_freq: int = key(-1, "validate every N steps and at the end; -1 (or 0): at the end only")
     save_freq: int = key(-1, "checkpoint every N steps and at the end; -1 (or 0): at the end only")
@@ -180,18 +183,20 @@ class TrainerConfig:
     async_save_in_flight: int = key(2, "saves staged or being written at once, each holding a copy of the shard; "
                                        "more wait for the oldest write")
     async_save_writer: str = key("auto", "process (one writer per rank, no GIL shared with the loop) | thread | "
-                                         "auto (process on CUDA, thread on CPU)")
+                                         "auto (process on CUDA, thread on CPU)", choices=("auto", "process", "thread"))
     async_save_staging: str = key("auto", "device (a GPU copy, milliseconds) | host (the step waits for the copy) | "
-                                          "auto (device where GPU memory holds every save in flight)")
+                                          "auto (device where GPU memory holds every save in flight)",
+                                  choices=("auto", "device", "host"))
     save_thread_count: int = key(4, "writer threads per rank for a checkpoint's DCP files")
     resume_mode: str = key("auto", "auto: the run folder's latest checkpoint, else resume_from_path, else a fresh "
-                                   "start | disable | resume_path: resume_from_path")
+                                   "start | disable | resume_path: resume_from_path",
+                           choices=("auto", "disable", "resume_path"))
     resume_from_path: Optional[str] = key(None, "a checkpoint, or a run folder (its latest checkpoint)")
     save_hf: bool = key(False, "also export the final model to <final checkpoint>/huggingface")
     log_freq: int = key(1, "a console line every N >= 1 steps (metrics.jsonl gets every step)")
     nnodes: Optional[int] = key(None, "verl key; if given, must match torchrun's world")
     n_gpus_per_node: Optional[int] = key(None, "verl key, see nnodes")
-    device: str = key("auto", "auto | cuda | cpu")
+    device: str = key("auto", "auto: cuda where torch sees a GPU", choices=("auto", "cuda", "cpu"))
     nccl_timeout: int = key(1800, "seconds a collective waits for the other ranks before the run stops naming "
                                   "each rank's phase; also bounds a checkpoint's write")
     resume_allow_data_change: bool = key(False, "resume although the data's fingerprint changed")

@@ -8,8 +8,9 @@ import shutil
 import textwrap
 from typing import Any, NamedTuple
 
-from sfttrain.config import ALIASES, CHECKPOINT_KEYS, IGNORED_VERL_KEYS, NULL_ONLY_VERL_KEYS, Config, ConfigError
+from sfttrain.config import ALIASES, CHECKPOINT_KEYS, IGNORED_VERL_KEYS, NULL_ONLY_VERL_KEYS, ConfigError
 from sfttrain.config.compat import FOREIGN_NAMES
+from sfttrain.config.schema import schema_fields
 
 
 class KeyHelp(NamedTuple):
@@ -18,17 +19,13 @@ class KeyHelp(NamedTuple):
     meaning: str
 
 
-def schema_keys(cls: type = Config, prefix: str = "") -> list[KeyHelp]:
-    """Every key of the schema, depth first in the order the schema declares them."""
+def schema_keys() -> list[KeyHelp]:
+    """Every key of the schema with its default and help, led by the values it takes where they are few."""
     keys = []
-    for f in dataclasses.fields(cls):
+    for key, f in schema_fields():
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-        if dataclasses.is_dataclass(default):
-            keys.extend(schema_keys(type(default), f"{prefix}{f.name}."))
-        else:
-            choices = " | ".join(str(c).lower() if isinstance(c, bool) else c for c in f.metadata.get("choices", ()))
-            keys.append(KeyHelp(prefix + f.name, default, f"{choices}; {f.metadata['help']}" if choices
-                                else f.metadata["help"]))
+        choices = " | ".join(str(c).lower() if isinstance(c, bool) else c for c in f.metadata["choices"])
+        keys.append(KeyHelp(key, default, f"{choices}; {f.metadata['help']}" if choices else f.metadata["help"]))
     return keys
 
 

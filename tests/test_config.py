@@ -357,13 +357,20 @@ def test_every_name_from_other_trainers_is_said_at_once():
     assert "'packing': no key here: sfttrain always packs" in lines[-1]
 
 
-def test_a_value_outside_a_keys_choices_is_refused_naming_them():
-    """The schema lists the values of the keys that take few; each refuses another, naming them, at once."""
-    from sfttrain.help import schema_keys
+def test_a_value_outside_a_keys_choices_or_below_its_least_is_refused():
+    """The schema names the values of the keys that take few, and the least of counts; every key outside
+    them is refused at once, naming them."""
+    from sfttrain.config.schema import schema_fields
 
-    chosen = [k.key for k in schema_keys() if " | " in k.meaning.split(";")[0]]
+    fields = {key: f.metadata for key, f in schema_fields()}
+    chosen = [key for key, meta in fields.items() if meta["choices"]]
+    counts = {key: meta["minimum"] for key, meta in fields.items() if meta["minimum"] is not None}
     assert {"data.truncation", "model.fp8", "trainer.async_save_writer", "model.fold_lora"} <= set(chosen)
+    assert {"data.micro_batch_size_per_gpu", "trainer.nccl_timeout"} <= set(counts)
     with pytest.raises(ConfigError) as refused:
-        load_config(overrides=[*COMMON, *(f"{key}=nonsense" for key in chosen)])
+        load_config(overrides=[*COMMON, *(f"{key}=nonsense" for key in chosen),
+                               *(f"{key}={least - 1}" for key, least in counts.items())])
     for key in chosen:
         assert re.search(rf"^{re.escape(key)}='nonsense' is not one of \[", str(refused.value), re.MULTILINE), key
+    for key, least in counts.items():
+        assert f"\n{key} must be >= {least}, got {least - 1}" in f"\n{refused.value}", key

@@ -3,7 +3,6 @@ the key to change. Batch arithmetic that needs the world size is in `sfttrain.da
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any, Iterator, Optional
 
@@ -11,7 +10,7 @@ from omegaconf import ListConfig
 
 from sfttrain.config.compat import verl_switch_problems
 from sfttrain.config.schema import (DTYPES, LOGGERS, Config, DataConfig, FSDPConfig, ModelConfig, OptimConfig,
-                                    TrainerConfig, default_of, logger_names, short)
+                                    TrainerConfig, default_of, logger_names, schema_fields, short, value_of)
 from sfttrain.errors import ConfigError
 
 
@@ -20,14 +19,13 @@ def _choice(key: str, value: Any, choices: tuple) -> Iterator[str]:
         yield f"{key}={value!r} is not one of {list(choices)}"
 
 
-def _choice_problems(section: Any, prefix: str = "") -> Iterator[str]:
-    """Every key whose schema field lists the values it takes, in every section."""
-    for f in dataclasses.fields(section):
-        value = getattr(section, f.name)
-        if dataclasses.is_dataclass(value):
-            yield from _choice_problems(value, f"{prefix}{f.name}.")
-        elif f.metadata.get("choices"):
-            yield from _choice(prefix + f.name, value, f.metadata["choices"])
+def _schema_problems(cfg: Config) -> Iterator[str]:
+    """Every key outside the values, or below the least, that its schema field names."""
+    for key, f in schema_fields():
+        value, least = value_of(cfg, key), f.metadata["minimum"]
+        yield from _choice(key, value, f.metadata["choices"]) if f.metadata["choices"] else ()
+        if least is not None and value < least:
+            yield f"{key} must be >= {least}, got {value}"
 
 
 def validate(cfg: Config) -> None:
@@ -40,7 +38,7 @@ def validate(cfg: Config) -> None:
 def config_problems(cfg: Config) -> list[str]:
     """Every problem, not the first only, so that a config is fixed in one go; one that two checks
     find (a mixed-precision dtype) is said once."""
-    problems = [*_choice_problems(cfg), *_validate_data(cfg.data), *_validate_model(cfg.model), *verl_switch_problems(cfg),
+    problems = [*_schema_problems(cfg), *_validate_data(cfg.data), *_validate_model(cfg.model), *verl_switch_problems(cfg),
                 *_check_no_shard(cfg), *_validate_optim(cfg.optim), *_validate_trainer(cfg.trainer),
                 *_validate_fp8(cfg), *_sequence_parallel_size_problems(cfg.ulysses_sequence_parallel_size)]
     return list(dict.fromkeys(problems))
@@ -56,15 +54,10 @@ def _sequence_parallel_size_problems(sp: int) -> Iterator[str]:
         yield f"ulysses_sequence_parallel_size must be >= 1 (1: off), got {sp}"
 
 
-def _positive(*pairs: tuple[str, Any]) -> Iterator[str]:
-    for key, value in pairs:
-        if value <= 0:
-            yield f"{key} must be positive, got {value}"
-
-
 def rendering_problems(max_length: int, truncation: str) -> Iterator[str]:
     """Checked with the config and by the renderer, in the same words (the preflight lists each once)."""
-    yield from _positive(("data.max_length", max_length))
+    if max_length <= 0:
+        yield f"data.max_length must be positive, got {max_length}"
     if max_length == 1:
         yield "data.max_length=1 leaves no token to train on (a prompt token, then its next); use at least 2"
     yield from _choice("data.truncation", truncation, ("error", "left", "right"))
@@ -74,9 +67,6 @@ def _validate_data(d: DataConfig) -> Iterator[str]:
     if d.train_files in (None, "", []):
         yield ("data.train_files is required: a Parquet, JSON Lines, JSON or CSV file, a directory or a "
                "pattern of them, or a list of these")
-    yield from _positive(("data.train_batch_size", d.train_batch_size),
-                         ("data.micro_batch_size_per_gpu", d.micro_batch_size_per_gpu),
-                         ("data.pad_to_multiple", d.pad_to_multiple))
     yield from rendering_problems(d.max_length, d.truncation)
     yield from _check_dynamic_bsz(d)
     if d.max_token_len_per_gpu is not None and d.max_token_len_per_gpu < d.max_length:
@@ -141,7 +131,6 @@ def _check_dynamic_bsz(d: DataConfig) -> Iterator[str]:
 def _validate_model(m: ModelConfig) -> Iterator[str]:
     if m.partial_pretrain in (None, ""):
         yield "model.partial_pretrain is required: a local Hugging Face model folder or a hub id"
-    yield from _positive(("model.loss_chunk_tokens", m.loss_chunk_tokens))
     if not 0.0 < m.gradient_checkpointing_ratio <= 1.0:
         yield (f"model.gradient_checkpointing_ratio must lie in (0, 1], got {m.gradient_checkpointing_ratio}; "
                "set model.enable_gradient_checkpointing=false to recompute no layer")
@@ -230,7 +219,6 @@ def _validate_optim(o: OptimConfig) -> Iterator[str]:
 
 
 def _validate_trainer(t: TrainerConfig) -> Iterator[str]:
-    yield from _positive(("trainer.total_epochs", t.total_epochs))
     if t.seed < 0:  # numpy's generator takes none
         yield f"trainer.seed={t.seed}: give a seed >= 0, e.g. trainer.seed={default_of('trainer.seed')}"
     if t.total_training_steps is not None and t.total_training_steps < 1:
@@ -252,14 +240,6 @@ def _validate_trainer(t: TrainerConfig) -> Iterator[str]:
         yield ("trainer.resume_allow_data_change=true lets a resume go on with changed data, but "
                "trainer.resume_mode=disable never resumes: remove trainer.resume_allow_data_change to "
                "start afresh, or remove trainer.resume_mode=disable to resume")
-    if t.async_save_in_flight < 1:
-        yield (f"trainer.async_save_in_flight must be >= 1 (saves in flight at once), got "
-               f"{t.async_save_in_flight}")
-    if t.save_thread_count < 1:
-        yield f"trainer.save_thread_count must be >= 1, got {t.save_thread_count}"
-    if t.nccl_timeout <= 0:
-        yield (f"trainer.nccl_timeout must be a positive number of seconds, got {t.nccl_timeout}; "
-               "the default is 1800")
     yield from _check_profile_steps(t.profile_steps)
     if t.profile_memory and not t.profile_steps:
         yield ("trainer.profile_memory=true records memory over trainer.profile_steps: name those steps "

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from omegaconf import ListConfig
 
@@ -14,9 +15,10 @@ AUTO_ON_OFF = ("auto", True, False)
 
 
 def key(default: Any = None, text: str = "", factory: Optional[Callable[[], Any]] = None,
-        choices: tuple = ()) -> Any:
-    """A schema field whose help, and the values it takes where they are few, live beside its default."""
-    metadata = {"help": text, "choices": choices}
+        choices: tuple = (), minimum: Optional[int] = None) -> Any:
+    """A schema field whose help, the values it takes where they are few, and its least, live beside its
+    default."""
+    metadata = {"help": text, "choices": choices, "minimum": minimum}
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -44,14 +46,14 @@ class DataConfig:
     response_key: str = key("answer", "the response's column (the supervised tokens)")
     prompt_dict_keys: Optional[list[str]] = key(None, "verl's nested keys: row[prompt_key][k0][k1]...")
     response_dict_keys: Optional[list[str]] = key(None, "the same for the response column")
-    train_batch_size: int = key(256, "GLOBAL batch in samples per optimizer step")
-    micro_batch_size_per_gpu: int = key(4, "samples per forward/backward on one data-parallel rank")
+    train_batch_size: int = key(256, "GLOBAL batch in samples per optimizer step", minimum=1)
+    micro_batch_size_per_gpu: int = key(4, "samples per forward/backward on one data-parallel rank", minimum=1)
     max_token_len_per_gpu: Optional[int] = key(None, "if set, micro-batches are token budgets instead")
     use_dynamic_bsz: Optional[bool] = key(None, "verl's switch: true packs micro-batches up to max_token_len_per_gpu "
                                                 "(which must be set), false runs micro_batch_size_per_gpu samples; "
                                                 "null: max_token_len_per_gpu decides")
     pad_to_multiple: int = key(128, "packed rows are padded to a multiple of this: whole GEMM tiles, and few "
-                                    "distinct shapes")
+                                    "distinct shapes", minimum=1)
     max_length: int = key(1024, "tokens per sample (prompt + response)")
     allow_beyond_max_position: bool = key(False, "allow max_length above the model's max_position_embeddings "
                                                  "(positions its RoPE never trained on)")
@@ -118,7 +120,7 @@ class ModelConfig:
     fold_lora: Any = key("auto", "with LoRA and fused projections: each adapter's B runs inside its frozen "
                                  "projection's GEMM; auto: wherever it can (no lora_dropout)", choices=AUTO_ON_OFF)
     loss_chunk_tokens: int = key(1024, "tokens per chunk of the linear cross-entropy; larger: a little faster, "
-                                       "more peak memory")
+                                       "more peak memory", minimum=1)
     loss_kernel: str = key("auto", "auto: liger where it runs (Triton, CUDA); torch: compiled on CUDA, a second "
                                    "logits buffer", choices=("auto", "liger", "torch"))
     lora_rank: int = key(0, "> 0: train LoRA adapters of this rank on a frozen base")
@@ -165,7 +167,7 @@ class TrainerConfig:
     default_local_dir: str = key("checkpoints/${trainer.project_name}/${trainer.experiment_name}", "the run folder")
     project_name: str = key("sfttrain", "wandb project; part of the default run folder")
     experiment_name: str = key("run", "wandb run name; part of the default run folder")
-    total_epochs: int = key(1, "passes over the training data (unless total_training_steps is set)")
+    total_epochs: int = key(1, "passes over the training data (unless total_training_steps is set)", minimum=1)
     total_training_steps: Optional[int] = key(None, "if set (>= 1), stops and schedules the LR here, before or past "
                                                     "the end of total_epochs")
     logger: Any = key("console", "console | wandb | a list of them (metrics.jsonl is always written)")
@@ -181,13 +183,13 @@ class TrainerConfig:
     async_save_pinned: bool = key(True, "CUDA: stage into pinned host buffers allocated once and reused (full-speed "
                                         "copies)")
     async_save_in_flight: int = key(2, "saves staged or being written at once, each holding a copy of the shard; "
-                                       "more wait for the oldest write")
+                                       "more wait for the oldest write", minimum=1)
     async_save_writer: str = key("auto", "process (one writer per rank, no GIL shared with the loop) | thread | "
                                          "auto (process on CUDA, thread on CPU)", choices=("auto", "process", "thread"))
     async_save_staging: str = key("auto", "device (a GPU copy, milliseconds) | host (the step waits for the copy) | "
                                           "auto (device where GPU memory holds every save in flight)",
                                   choices=("auto", "device", "host"))
-    save_thread_count: int = key(4, "writer threads per rank for a checkpoint's DCP files")
+    save_thread_count: int = key(4, "writer threads per rank for a checkpoint's DCP files", minimum=1)
     resume_mode: str = key("auto", "auto: the run folder's latest checkpoint, else resume_from_path, else a fresh "
                                    "start | disable | resume_path: resume_from_path",
                            choices=("auto", "disable", "resume_path"))
@@ -198,7 +200,7 @@ class TrainerConfig:
     n_gpus_per_node: Optional[int] = key(None, "verl key, see nnodes")
     device: str = key("auto", "auto: cuda where torch sees a GPU", choices=("auto", "cuda", "cpu"))
     nccl_timeout: int = key(1800, "seconds a collective waits for the other ranks before the run stops naming "
-                                  "each rank's phase; also bounds a checkpoint's write")
+                                  "each rank's phase; also bounds a checkpoint's write", minimum=1)
     resume_allow_data_change: bool = key(False, "resume although the data's fingerprint changed")
     profile_steps: Optional[list[int]] = key(None, "consecutive steps to profile, e.g. [11, 12, 13]: traces and a "
                                                    "summary in <run folder>/profile/")
@@ -221,6 +223,20 @@ class Config:
         return (d.max_token_len_per_gpu or d.micro_batch_size_per_gpu * d.max_length) // self.ulysses_sequence_parallel_size
 
 
+def schema_fields(cls: type = Config, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field]]:
+    """Every key of the schema with its field, depth first in the order the schema declares them."""
+    for f in dataclasses.fields(cls):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(default):
+            yield from schema_fields(type(default), f"{prefix}{f.name}.")
+        else:
+            yield prefix + f.name, f
+
+
+def value_of(cfg: Config, key: str) -> Any:
+    return functools.reduce(getattr, key.split("."), cfg)
+
+
 @functools.cache
 def _defaults() -> Config:
     return Config()
@@ -228,7 +244,7 @@ def _defaults() -> Config:
 
 def default_of(key: str) -> Any:
     """The schema's default of a dotted key."""
-    return functools.reduce(getattr, key.split("."), _defaults())
+    return value_of(_defaults(), key)
 
 
 def logger_names(t: TrainerConfig) -> list[str]:

@@ -78,10 +78,10 @@ def test_verls_sft_trainer_yaml_keys_that_say_none(capsys):
                                  "model.external_lib=null", "trainer.resume_path=null", "data.processor.use_fast=true"])
     assert cfg.trainer.resume_from_path is None
     out = capsys.readouterr().out
-    for key in ("data.custom_cls={'path': None, 'name': None}", "data.image_key=None", "model.external_lib=None",
-                "trainer.resume_path=None"):
+    for key in ("data.custom_cls={path: null, name: null}", "data.image_key=null", "model.external_lib=null",
+                "trainer.resume_path=null"):  # as typed: YAML's null, not Python's None
         assert f"sfttrain: ignoring {key} (verl's key, none given): " in out, out
-    assert "sfttrain: ignoring data.processor={'use_fast': True}: verl's processor settings for image data" in out, out
+    assert "sfttrain: ignoring data.processor={use_fast: true}: verl's processor settings for image data" in out, out
     for override, message in [("model.external_lib=my_models", "model.external_lib='my_models': verl imports that "
                                                                "module to register a custom model"),
                               ("trainer.resume_path=ckpt/global_step_5", "trainer.resume_path='ckpt/global_step_5': "
@@ -131,7 +131,7 @@ def test_hydra_append_syntax_and_ignored_verl_keys(capsys):
                                  "trainer.default_hdfs_dir=null", "data.micro_batch_size=8"])
     assert cfg.data.response_dict_keys == ["answer"] and cfg.optim.lr == 2e-5
     out = capsys.readouterr().out
-    assert "ignoring trainer.default_hdfs_dir=None: verl copies each checkpoint to HDFS" in out
+    assert "ignoring trainer.default_hdfs_dir=null: verl copies each checkpoint to HDFS" in out
     assert "ignoring data.micro_batch_size=8" in out
     for key in ("+data.promt_key=x", "trainer.default_hdfs_dirs=x"):
         with pytest.raises(ConfigError, match="unknown config key"):

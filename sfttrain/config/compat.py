@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from typing import Any, Iterator, Optional
 
+import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from sfttrain.config.schema import Config
@@ -125,14 +126,14 @@ def translate(layer: DictConfig) -> None:
     _checkpoint_contents(layer)
     for key, why in IGNORED_VERL_KEYS.items():
         if (value := _pop(layer, key)) is not _ABSENT:
-            _say(f"sfttrain: ignoring {key}={_plain(value)!r}: {why}")
+            _say(f"sfttrain: ignoring {key}={_as_typed(value)}: {why}")
     for key, why in NULL_ONLY_VERL_KEYS.items():
         if (value := _pop(layer, key)) is _ABSENT:
             continue
         plain = _plain(value)
         if plain not in (None, "", {}, []) and not (isinstance(plain, dict) and all(v is None for v in plain.values())):
             raise ConfigError(f"{key}={plain!r}: {why}; remove the key (or set it to null)")
-        _say(f"sfttrain: ignoring {key}={plain!r} (verl's key, none given): {why}")
+        _say(f"sfttrain: ignoring {key}={_as_typed(plain)} (verl's key, none given): {why}")
 
 
 _ABSENT = object()
@@ -149,6 +150,12 @@ def _pop(layer: DictConfig, key: str) -> Any:
 
 def _plain(value: Any) -> Any:
     return OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value
+
+
+def _as_typed(value: Any) -> str:
+    """A value as the user typed it (null, not Python's None)."""
+    text = yaml.safe_dump(_plain(value), default_flow_style=True, width=10**9, sort_keys=False)
+    return text.removesuffix("...\n").strip()
 
 
 def _say(line: str) -> None:

@@ -184,14 +184,14 @@ class TrainerConfig:
                                         "copies)")
     async_save_in_flight: int = key(2, "saves staged or being written at once, each holding a copy of the shard; "
                                        "more wait for the oldest write", minimum=1)
-    async_save_writer: str = key("auto", "process (one writer per rank, no GIL shared with the loop) | thread | "
-                                         "auto (process on CUDA, thread on CPU)", choices=("auto", "process", "thread"))
-    async_save_staging: str = key("auto", "device (a GPU copy, milliseconds) | host (the step waits for the copy) | "
-                                          "auto (device where GPU memory holds every save in flight)",
+    async_save_writer: str = key("auto", "process: a writer per rank, no GIL shared with the loop; auto: process on "
+                                         "CUDA, thread on CPU", choices=("auto", "process", "thread"))
+    async_save_staging: str = key("auto", "device: a GPU copy (milliseconds); host: the step waits for the copy; auto: "
+                                          "device where GPU memory holds every save in flight",
                                   choices=("auto", "device", "host"))
     save_thread_count: int = key(4, "writer threads per rank for a checkpoint's DCP files", minimum=1)
     resume_mode: str = key("auto", "auto: the run folder's latest checkpoint, else resume_from_path, else a fresh "
-                                   "start | disable | resume_path: resume_from_path",
+                                   "start; disable: a fresh start; resume_path: resume_from_path",
                            choices=("auto", "disable", "resume_path"))
     resume_from_path: Optional[str] = key(None, "a checkpoint, or a run folder (its latest checkpoint)")
     save_hf: bool = key(False, "also export the final model to <final checkpoint>/huggingface")

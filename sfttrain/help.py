@@ -61,7 +61,8 @@ def format_help(section: str | None = None) -> str:
     if section is None:
         lines.append("verl spellings accepted: " + ", ".join(f"{old} -> {new}" for old, new in ALIASES.items()))
         lines.append("verl keys accepted and ignored (each said at start-up): " + ", ".join(IGNORED_VERL_KEYS))
-        lines.append("verl keys accepted and ignored where null (a value is refused): " + ", ".join(NULL_ONLY_VERL_KEYS))
+        lines.append("verl keys accepted and ignored where null (a value is refused): "
+                     + ", ".join(NULL_ONLY_VERL_KEYS))
         lines.append(f"verl's {' and '.join(CHECKPOINT_KEYS)}: accepted and ignored (a checkpoint always holds the "
                      "model, optimizer and extra state); hf_model among the contents sets trainer.save_hf=true")
     return "\n".join(lines)

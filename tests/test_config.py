@@ -313,25 +313,30 @@ def test_a_prompt_read_from_the_responses_cell_is_refused():
 
 
 # names from Hugging Face's TrainingArguments, TRL, Axolotl and torchtune, and the key meant here
-FOREIGN = {"learning_rate": "optim.lr", "num_train_epochs": "trainer.total_epochs", "epochs": "trainer.total_epochs",
-           "num_epochs": "trainer.total_epochs", "max_steps": "trainer.total_training_steps",
-           "per_device_train_batch_size": "data.micro_batch_size_per_gpu", "batch_size": "data.micro_batch_size_per_gpu",
-           "max_seq_length": "data.max_length", "sequence_len": "data.max_length", "max_seq_len": "data.max_length",
-           "gradient_checkpointing": "model.enable_gradient_checkpointing",
-           "enable_activation_checkpointing": "model.enable_gradient_checkpointing", "lora_r": "model.lora_rank",
-           "lora_rank": "model.lora_rank", "lora_alpha": "model.lora_alpha", "lora_dropout": "model.lora_dropout",
-           "lora_target_modules": "model.target_modules", "warmup_ratio": "optim.lr_warmup_steps_ratio",
-           "warmup_steps": "optim.lr_warmup_steps", "weight_decay": "optim.weight_decay",
-           "max_grad_norm": "optim.clip_grad", "clip_grad_norm": "optim.clip_grad", "output_dir": "trainer.default_local_dir",
-           "lr_scheduler_type": "optim.lr_scheduler", "seed": "trainer.seed", "save_steps": "trainer.save_freq",
-           "logging_steps": "trainer.log_freq", "save_total_limit": "trainer.max_ckpt_to_keep",
-           "model_name_or_path": "model.partial_pretrain", "base_model": "model.partial_pretrain",
-           "resume_from_checkpoint": "trainer.resume_from_path", "adam_epsilon": "optim.eps", "report_to": "trainer.logger"}
-# the section a user would guess for each (the leaf alone, at the top level, is tried too)
-GUESSED = {"optim": ("learning_rate", "warmup_ratio", "warmup_steps", "max_grad_norm", "lr_scheduler_type", "adam_epsilon", "seed"),
-           "model": ("gradient_checkpointing", "lora_r", "lora_target_modules", "max_seq_length", "model_name_or_path"),
-           "data": ("max_seq_length", "sequence_len", "per_device_train_batch_size", "batch_size"),
-           "trainer": ("num_train_epochs", "max_steps", "output_dir", "learning_rate", "weight_decay")}
+FOREIGN = {
+    "learning_rate": "optim.lr", "num_train_epochs": "trainer.total_epochs", "epochs": "trainer.total_epochs",
+    "num_epochs": "trainer.total_epochs", "max_steps": "trainer.total_training_steps",
+    "per_device_train_batch_size": "data.micro_batch_size_per_gpu", "batch_size": "data.micro_batch_size_per_gpu",
+    "max_seq_length": "data.max_length", "sequence_len": "data.max_length", "max_seq_len": "data.max_length",
+    "gradient_checkpointing": "model.enable_gradient_checkpointing",
+    "enable_activation_checkpointing": "model.enable_gradient_checkpointing", "lora_r": "model.lora_rank",
+    "lora_rank": "model.lora_rank", "lora_alpha": "model.lora_alpha", "lora_dropout": "model.lora_dropout",
+    "lora_target_modules": "model.target_modules", "warmup_ratio": "optim.lr_warmup_steps_ratio",
+    "warmup_steps": "optim.lr_warmup_steps", "weight_decay": "optim.weight_decay", "max_grad_norm": "optim.clip_grad",
+    "clip_grad_norm": "optim.clip_grad", "output_dir": "trainer.default_local_dir",
+    "lr_scheduler_type": "optim.lr_scheduler", "seed": "trainer.seed", "save_steps": "trainer.save_freq",
+    "logging_steps": "trainer.log_freq", "save_total_limit": "trainer.max_ckpt_to_keep",
+    "model_name_or_path": "model.partial_pretrain", "base_model": "model.partial_pretrain",
+    "resume_from_checkpoint": "trainer.resume_from_path", "adam_epsilon": "optim.eps", "report_to": "trainer.logger",
+}
+# the section a user would guess for some (each name alone, at the top level, is tried too)
+GUESSED = {
+    "optim": ("learning_rate", "warmup_ratio", "warmup_steps", "max_grad_norm", "lr_scheduler_type", "adam_epsilon",
+              "seed"),
+    "model": ("gradient_checkpointing", "lora_r", "lora_target_modules", "max_seq_length", "model_name_or_path"),
+    "data": ("max_seq_length", "sequence_len", "per_device_train_batch_size", "batch_size"),
+    "trainer": ("num_train_epochs", "max_steps", "output_dir", "learning_rate", "weight_decay"),
+}
 
 
 @pytest.mark.parametrize("key", sorted({*FOREIGN, *(f"{s}.{n}" for s, names in GUESSED.items() for n in names)}))
@@ -339,7 +344,8 @@ def test_names_from_other_trainers_point_to_the_key_meant(key):
     """optim.learning_rate suggested optim.min_lr_ratio, model.gradient_checkpointing the ratio: each name
     users bring, at the top level or in the section they guess, names the key it is here, which loads."""
     meant = FOREIGN[key.rpartition(".")[2]]
-    with pytest.raises(ConfigError, match=rf"^unknown config key '{re.escape(key)}'; did you mean {re.escape(meant)}\?"):
+    suggestion = rf"^unknown config key '{re.escape(key)}'; did you mean {re.escape(meant)}\?"
+    with pytest.raises(ConfigError, match=suggestion):
         load_config(overrides=[*COMMON, f"{key}=1"])
     value = {"data.max_length": "512", "trainer.logger": "console", "optim.lr_scheduler": "constant"}.get(meant, "1")
     load_config(overrides=[*COMMON, f"{meant}={value}"])

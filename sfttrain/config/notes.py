@@ -13,7 +13,8 @@ from sfttrain.config.schema import Config, TrainerConfig, default_of, logger_nam
 _UNREAD: list[tuple[Callable[[Config], bool], str, tuple[str, ...], Callable[[Config], str]]] = [
     (lambda c: c.model.lora_rank <= 0, "model", ("lora_alpha", "target_modules", "lora_dropout"),
      lambda c: "model.lora_rank=0 trains every weight, no LoRA adapter; set model.lora_rank > 0 (e.g. 32) for LoRA"),
-    (lambda c: c.data.multiturn.enable, "data", ("prompt_key", "response_key", "prompt_dict_keys", "response_dict_keys"),
+    (lambda c: c.data.multiturn.enable, "data",
+     ("prompt_key", "response_key", "prompt_dict_keys", "response_dict_keys"),
      lambda c: "data.multiturn.enable=true reads conversations from data.multiturn.messages_key="
                f"{short(c.data.multiturn.messages_key)}"),
     (lambda c: not c.data.multiturn.enable, "data.multiturn",

@@ -38,9 +38,10 @@ def validate(cfg: Config) -> None:
 def config_problems(cfg: Config) -> list[str]:
     """Every problem, not the first only, so that a config is fixed in one go; one that two checks
     find (a mixed-precision dtype) is said once."""
-    problems = [*_schema_problems(cfg), *_validate_data(cfg.data), *_validate_model(cfg.model), *verl_switch_problems(cfg),
-                *_check_no_shard(cfg), *_validate_optim(cfg.optim), *_validate_trainer(cfg.trainer),
-                *_validate_fp8(cfg), *_sequence_parallel_size_problems(cfg.ulysses_sequence_parallel_size)]
+    problems = [*_schema_problems(cfg), *_validate_data(cfg.data), *_validate_model(cfg.model),
+                *verl_switch_problems(cfg), *_check_no_shard(cfg), *_validate_optim(cfg.optim),
+                *_validate_trainer(cfg.trainer), *_validate_fp8(cfg),
+                *_sequence_parallel_size_problems(cfg.ulysses_sequence_parallel_size)]
     return list(dict.fromkeys(problems))
 
 

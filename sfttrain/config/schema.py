@@ -116,7 +116,8 @@ class ModelConfig:
                                            "where it can build and launches matter (docs/benchmarks.md)",
                                  choices=AUTO_ON_OFF)
     fuse_projections: Any = key("auto", "with compile: projections reading one input (q/k/v; gate/up) run as one "
-                                        "GEMM; auto: with LoRA, where it gains (docs/benchmarks.md)", choices=AUTO_ON_OFF)
+                                        "GEMM; auto: with LoRA, where it gains (docs/benchmarks.md)",
+                                choices=AUTO_ON_OFF)
     fold_lora: Any = key("auto", "with LoRA and fused projections: each adapter's B runs inside its frozen "
                                  "projection's GEMM; auto: wherever it can (no lora_dropout)", choices=AUTO_ON_OFF)
     loss_chunk_tokens: int = key(1024, "tokens per chunk of the linear cross-entropy; larger: a little faster, "
@@ -220,7 +221,8 @@ class Config:
     def micro_batch_tokens(self) -> int:
         """Tokens of the largest micro-batch on one rank (split over the sequence-parallel group)."""
         d = self.data
-        return (d.max_token_len_per_gpu or d.micro_batch_size_per_gpu * d.max_length) // self.ulysses_sequence_parallel_size
+        tokens = d.max_token_len_per_gpu or d.micro_batch_size_per_gpu * d.max_length
+        return tokens // self.ulysses_sequence_parallel_size
 
 
 def schema_fields(cls: type = Config, prefix: str = "") -> Iterator[tuple[str, dataclasses.Field]]:

@@ -29,11 +29,9 @@ class MultiturnConfig:
     enable: bool = key(False, "rows are conversations (messages_key), loss on the assistant turns")
     messages_key: Any = key("messages", "column of [{role, content}] messages (or their JSON), or a list of columns "
                                         "joined into one conversation, e.g. [prompt,completion] (TRL's form)")
-    tools_key: Optional[str] = key("tools", "column of tool schemas passed as the template's tools=, where present")
-    enable_thinking_key: Optional[str] = key("enable_thinking", "bool column passed as enable_thinking= (Qwen3), "
-                                                                "where present")
-    system_key: Optional[str] = key("system", "column of a system prompt put before the conversation (ShareGPT), "
-                                              "where present")
+    tools_key: Optional[str] = key("tools", "column of tool schemas passed as the template's tools=, if present")
+    enable_thinking_key: Optional[str] = key("enable_thinking", "bool column passed as enable_thinking=, if present")
+    system_key: Optional[str] = key("system", "column of a system prompt put first (ShareGPT), if present")
 
 
 @dataclass
@@ -55,8 +53,7 @@ class DataConfig:
     pad_to_multiple: int = key(128, "packed rows are padded to a multiple of this: whole GEMM tiles, and few "
                                     "distinct shapes", minimum=1)
     max_length: int = key(1024, "tokens per sample (prompt + response)")
-    allow_beyond_max_position: bool = key(False, "allow max_length above the model's max_position_embeddings "
-                                                 "(positions its RoPE never trained on)")
+    allow_beyond_max_position: bool = key(False, "allow max_length above the positions the model was trained on")
     truncation: str = key("error", "a sample over max_length: refused, or cut on that side",
                           choices=("error", "left", "right"))
     apply_chat_template: bool = key(True, "render the prompt as one user turn, generation prompt on")
@@ -97,10 +94,8 @@ class ModelConfig:
     random_init: bool = key(False, "build from the folder's config.json with random weights")
     trust_remote_code: bool = key(False, "run the model folder's own Python code (only folders you trust)")
     strategy: str = key("fsdp2", "verl key; sfttrain implements FSDP2 only")
-    enable_gradient_checkpointing: bool = key(True, "recompute each layer in backward: less memory, ~1/3 more "
-                                                    "compute")
-    gradient_checkpointing_ratio: float = key(1.0, "share of the decoder layers recomputed, spread evenly (0.5: "
-                                                   "every other layer)")
+    enable_gradient_checkpointing: bool = key(True, "recompute each layer in backward: less memory, more compute")
+    gradient_checkpointing_ratio: float = key(1.0, "share of the layers recomputed, spread evenly (0.5: every other)")
     recompute_attention: Any = key("auto", "with checkpointing: true recomputes attention too; false keeps its "
                                            "output (one hidden state per token and layer); auto: false from "
                                            "max_length 8192, where attention is much of the step",
@@ -127,8 +122,7 @@ class ModelConfig:
     lora_rank: int = key(0, "> 0: train LoRA adapters of this rank on a frozen base")
     lora_alpha: int = key(16, "LoRA scaling: the update is scaled by lora_alpha / lora_rank")
     target_modules: Any = key("all-linear", "all-linear (every linear layer but lm_head) or a list of layer names")
-    lora_dropout: float = key(0.0, "dropout on the adapters' input (random: resumes exactly on the same world "
-                                   "size only)")
+    lora_dropout: float = key(0.0, "dropout on the adapters' input (resumes exactly on the same world size only)")
     fp8: str = key("off", "torchao's FP8 GEMMs (pip install -e '.[fp8]') in the decoder layers on Hopper/Ada GPUs; "
                           "auto: tensorwise from hidden_size 4096, where it gains",
                    choices=("off", "auto", "tensorwise", "rowwise"))
@@ -181,8 +175,7 @@ class TrainerConfig:
     async_save: bool = key(True, "periodic saves written in the background from a copy taken at the step boundary "
                                  "(one per save in flight, on the GPU or in host memory: async_save_in_flight, "
                                  "async_save_staging); the final save is waited for")
-    async_save_pinned: bool = key(True, "CUDA: stage into pinned host buffers allocated once and reused (full-speed "
-                                        "copies)")
+    async_save_pinned: bool = key(True, "CUDA: stage into pinned host buffers, allocated once and reused")
     async_save_in_flight: int = key(2, "saves staged or being written at once, each holding a copy of the shard; "
                                        "more wait for the oldest write", minimum=1)
     async_save_writer: str = key("auto", "process: a writer per rank, no GIL shared with the loop; auto: process on "

@@ -2,6 +2,7 @@
 tests/test_article.py), and --help."""
 
 import os
+import re
 import shlex
 import socket
 import subprocess
@@ -29,8 +30,8 @@ def test_one_process_job_takes_no_port(gsm8k_head, tmp_path):
 
 
 def test_help_lists_every_key_with_its_default():
-    """Generated from the schema: every key of sfttrain/config.py, with its default, and its
-    comment where it has one; `--help SECTION` narrows the list."""
+    """Generated from the schema: every key of sfttrain/config/schema.py, with its default, and its
+    help; `--help SECTION` narrows the list."""
     from sfttrain.config import Config
     from omegaconf import OmegaConf
 
@@ -44,21 +45,34 @@ def test_help_lists_every_key_with_its_default():
                          check=True, env=wide).stdout
     for key, default in schema.items():
         assert f"  {key}={default!r}" in out, key
-    assert "GLOBAL batch in samples per optimizer step" in out  # a trailing comment
-    assert "packed rows are padded to a multiple of this" in out  # a comment block above its key
+    assert "GLOBAL batch in samples per optimizer step" in out
+    assert "error | left | right; a sample over max_length" in out  # the values a key takes, from the schema
     assert "verl keys accepted and ignored (each said at start-up): trainer.default_hdfs_dir" in out
     # verl's checkpoint contents, which the README says are taken, are named too (--help did not name them)
     assert "verl's trainer.checkpoint.save_contents and trainer.checkpoint.load_contents: accepted" in out
     assert "hf_model among the contents sets trainer.save_hf=true" in out
-    # a background save's copies are as many as trainer.async_save_in_flight, on the GPU on CUDA (it said "from a
-    # host copy (+1 model/optimizer shard in RAM)", from before saves staged on the device and queued)
-    assert "one per save in flight, on the GPU or in host memory: async_save_in_flight, async_save_staging" in out
     optim = subprocess.run([sys.executable, "-m", "sfttrain.run", "--help", "optim"], cwd=REPO, capture_output=True,
                            text=True, check=True).stdout
     assert "optim.lr=1e-05" in optim and "data." not in optim
     bad = subprocess.run([sys.executable, "-m", "sfttrain.run", "--help", "nope"], cwd=REPO, capture_output=True,
                          text=True)
     assert bad.returncode == 2 and "sections: data, data.multiturn, model, model.fsdp_config, optim, trainer" in bad.stderr
+
+
+def test_help_finds_keys_by_a_word_or_another_trainers_name():
+    """`--help lora` said "no such section": a word that is no section lists the keys named by it (or by
+    another trainer's name holding it), else those whose help mentions it."""
+    from sfttrain.help import format_help
+
+    def keys(word):
+        return re.findall(r"^  ([a-z_.]+)=", format_help(word), re.MULTILINE)
+
+    assert keys("lora") == ["model.fold_lora", "model.lora_rank", "model.lora_alpha", "model.target_modules",
+                            "model.lora_dropout", "model.fuse_projections"]  # the last by its help
+    assert keys("learning_rate") == ["optim.lr"] and keys("gradient_checkpointing") == [
+        "model.enable_gradient_checkpointing", "model.gradient_checkpointing_ratio"]
+    assert keys("profile") == ["trainer.profile_steps", "trainer.profile_memory"]
+    assert keys("wandb") == ["trainer.project_name", "trainer.experiment_name", "trainer.logger"]
 
 
 # verl's own SFT example scripts (volcengine/verl examples/sft/gsm8k/*.sh, the FSDP trainer's; the

@@ -78,10 +78,10 @@ def test_verls_sft_trainer_yaml_keys_that_say_none(capsys):
                                  "model.external_lib=null", "trainer.resume_path=null", "data.processor.use_fast=true"])
     assert cfg.trainer.resume_from_path is None
     out = capsys.readouterr().out
-    for key in ("data.custom_cls={'path': None, 'name': None}", "data.image_key=None", "model.external_lib=None",
-                "trainer.resume_path=None"):
+    for key in ("data.custom_cls={path: null, name: null}", "data.image_key=null", "model.external_lib=null",
+                "trainer.resume_path=null"):  # as typed: YAML's null, not Python's None
         assert f"sfttrain: ignoring {key} (verl's key, none given): " in out, out
-    assert "sfttrain: ignoring data.processor={'use_fast': True}: verl's processor settings for image data" in out, out
+    assert "sfttrain: ignoring data.processor={use_fast: true}: verl's processor settings for image data" in out, out
     for override, message in [("model.external_lib=my_models", "model.external_lib='my_models': verl imports that "
                                                                "module to register a custom model"),
                               ("trainer.resume_path=ckpt/global_step_5", "trainer.resume_path='ckpt/global_step_5': "
@@ -131,7 +131,7 @@ def test_hydra_append_syntax_and_ignored_verl_keys(capsys):
                                  "trainer.default_hdfs_dir=null", "data.micro_batch_size=8"])
     assert cfg.data.response_dict_keys == ["answer"] and cfg.optim.lr == 2e-5
     out = capsys.readouterr().out
-    assert "ignoring trainer.default_hdfs_dir=None: verl copies each checkpoint to HDFS" in out
+    assert "ignoring trainer.default_hdfs_dir=null: verl copies each checkpoint to HDFS" in out
     assert "ignoring data.micro_batch_size=8" in out
     for key in ("+data.promt_key=x", "trainer.default_hdfs_dirs=x"):
         with pytest.raises(ConfigError, match="unknown config key"):
@@ -310,3 +310,73 @@ def test_a_prompt_read_from_the_responses_cell_is_refused():
         load_config(overrides=[*COMMON, "data.response_key=question"])
     load_config(overrides=[*COMMON, "data.prompt_key=extra_info", "data.response_key=extra_info",
                            "data.prompt_dict_keys=[question]", "data.response_dict_keys=[answer]"])
+
+
+# names from Hugging Face's TrainingArguments, TRL, Axolotl and torchtune, and the key meant here
+FOREIGN = {
+    "learning_rate": "optim.lr", "num_train_epochs": "trainer.total_epochs", "epochs": "trainer.total_epochs",
+    "num_epochs": "trainer.total_epochs", "max_steps": "trainer.total_training_steps",
+    "per_device_train_batch_size": "data.micro_batch_size_per_gpu", "batch_size": "data.micro_batch_size_per_gpu",
+    "max_seq_length": "data.max_length", "sequence_len": "data.max_length", "max_seq_len": "data.max_length",
+    "gradient_checkpointing": "model.enable_gradient_checkpointing",
+    "enable_activation_checkpointing": "model.enable_gradient_checkpointing", "lora_r": "model.lora_rank",
+    "lora_rank": "model.lora_rank", "lora_alpha": "model.lora_alpha", "lora_dropout": "model.lora_dropout",
+    "lora_target_modules": "model.target_modules", "warmup_ratio": "optim.lr_warmup_steps_ratio",
+    "warmup_steps": "optim.lr_warmup_steps", "weight_decay": "optim.weight_decay", "max_grad_norm": "optim.clip_grad",
+    "clip_grad_norm": "optim.clip_grad", "output_dir": "trainer.default_local_dir",
+    "lr_scheduler_type": "optim.lr_scheduler", "seed": "trainer.seed", "save_steps": "trainer.save_freq",
+    "logging_steps": "trainer.log_freq", "save_total_limit": "trainer.max_ckpt_to_keep",
+    "model_name_or_path": "model.partial_pretrain", "base_model": "model.partial_pretrain",
+    "resume_from_checkpoint": "trainer.resume_from_path", "adam_epsilon": "optim.eps", "report_to": "trainer.logger",
+}
+# the section a user would guess for some (each name alone, at the top level, is tried too)
+GUESSED = {
+    "optim": ("learning_rate", "warmup_ratio", "warmup_steps", "max_grad_norm", "lr_scheduler_type", "adam_epsilon",
+              "seed"),
+    "model": ("gradient_checkpointing", "lora_r", "lora_target_modules", "max_seq_length", "model_name_or_path"),
+    "data": ("max_seq_length", "sequence_len", "per_device_train_batch_size", "batch_size"),
+    "trainer": ("num_train_epochs", "max_steps", "output_dir", "learning_rate", "weight_decay"),
+}
+
+
+@pytest.mark.parametrize("key", sorted({*FOREIGN, *(f"{s}.{n}" for s, names in GUESSED.items() for n in names)}))
+def test_names_from_other_trainers_point_to_the_key_meant(key):
+    """optim.learning_rate suggested optim.min_lr_ratio, model.gradient_checkpointing the ratio: each name
+    users bring, at the top level or in the section they guess, names the key it is here, which loads."""
+    meant = FOREIGN[key.rpartition(".")[2]]
+    suggestion = rf"^unknown config key '{re.escape(key)}'; did you mean {re.escape(meant)}\?"
+    with pytest.raises(ConfigError, match=suggestion):
+        load_config(overrides=[*COMMON, f"{key}=1"])
+    value = {"data.max_length": "512", "trainer.logger": "console", "optim.lr_scheduler": "constant"}.get(meant, "1")
+    load_config(overrides=[*COMMON, f"{meant}={value}"])
+
+
+def test_every_name_from_other_trainers_is_said_at_once():
+    """A whole TrainingArguments-style file: one error lists every name with its key, and a name with no
+    key here (gradient accumulation, packing) says why."""
+    with pytest.raises(ConfigError) as refused:
+        load_config(overrides=[*COMMON, *(f"{name}=1" for name in FOREIGN), "gradient_accumulation_steps=4",
+                               "packing=true"])
+    lines = str(refused.value).splitlines()
+    assert len(lines) == len(FOREIGN) + 2, lines
+    assert "'gradient_accumulation_steps': no key here: data.train_batch_size is the global batch" in lines[-2]
+    assert "'packing': no key here: sfttrain always packs" in lines[-1]
+
+
+def test_a_value_outside_a_keys_choices_or_below_its_least_is_refused():
+    """The schema names the values of the keys that take few, and the least of counts; every key outside
+    them is refused at once, naming them."""
+    from sfttrain.config.schema import schema_fields
+
+    fields = {key: f.metadata for key, f in schema_fields()}
+    chosen = [key for key, meta in fields.items() if meta["choices"]]
+    counts = {key: meta["minimum"] for key, meta in fields.items() if meta["minimum"] is not None}
+    assert {"data.truncation", "model.fp8", "trainer.async_save_writer", "model.fold_lora"} <= set(chosen)
+    assert {"data.micro_batch_size_per_gpu", "trainer.nccl_timeout"} <= set(counts)
+    with pytest.raises(ConfigError) as refused:
+        load_config(overrides=[*COMMON, *(f"{key}=nonsense" for key in chosen),
+                               *(f"{key}={least - 1}" for key, least in counts.items())])
+    for key in chosen:
+        assert re.search(rf"^{re.escape(key)}='nonsense' is not one of \[", str(refused.value), re.MULTILINE), key
+    for key, least in counts.items():
+        assert f"\n{key} must be >= {least}, got {least - 1}" in f"\n{refused.value}", key

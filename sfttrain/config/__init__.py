@@ -1,0 +1,17 @@
+"""The one configuration: the schema (schema.py), the names users bring from verl, Hydra and other
+trainers (compat.py), loading and overrides (load.py), checks (problems.py) and start-up notes
+(notes.py). Other modules import from here."""
+
+from sfttrain.config.compat import ALIASES, CHECKPOINT_KEYS, IGNORED_VERL_KEYS, NULL_ONLY_VERL_KEYS
+from sfttrain.config.load import _flat_keys, load_config, to_yaml
+from sfttrain.config.notes import moot_settings
+from sfttrain.config.problems import (check_sequence_parallel_size, config_problems, mixed_precision_dtypes,
+                                      rendering_problems, validate)
+from sfttrain.config.schema import (Config, DataConfig, FSDPConfig, ModelConfig, MultiturnConfig, OptimConfig,
+                                    TrainerConfig, as_list, logger_names, shard_group_size)
+from sfttrain.errors import ConfigError
+
+__all__ = ["ALIASES", "CHECKPOINT_KEYS", "IGNORED_VERL_KEYS", "NULL_ONLY_VERL_KEYS", "_flat_keys", "load_config",
+           "to_yaml", "moot_settings", "check_sequence_parallel_size", "config_problems", "mixed_precision_dtypes",
+           "rendering_problems", "validate", "Config", "DataConfig", "FSDPConfig", "ModelConfig", "MultiturnConfig",
+           "OptimConfig", "TrainerConfig", "as_list", "logger_names", "shard_group_size", "ConfigError"]

@@ -1,0 +1,128 @@
+"""Defaults <- YAML file <- command-line `key=value` overrides (Hydra's `+key=value` too), into a typed
+`Config`; an unknown key is an error naming the key meant, every one of them at once."""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any, Optional
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from omegaconf.nodes import StringNode
+from yaml import YAMLError, safe_load
+
+from sfttrain.config.compat import ALIASES, foreign_key_problem, translate
+from sfttrain.config.problems import validate
+from sfttrain.config.schema import Config
+from sfttrain.errors import ConfigError
+
+# keys whose value may be a dict of its own (checked where they are used)
+FREE_FORM = ("model.fsdp_config.mixed_precision", "model.fsdp_config.wrap_policy")
+
+
+def load_config(yaml_path: Optional[str] = None, overrides: tuple[str, ...] | list[str] = (),
+                check: bool = True) -> Config:
+    """The merged, resolved configuration, validated with `check` (the preflight lists a bad value
+    beside its other problems instead)."""
+    layers = []
+    if yaml_path is not None:
+        try:
+            layers.append(OmegaConf.load(yaml_path))
+        except FileNotFoundError:
+            raise ConfigError(f"config file {yaml_path!r} does not exist") from None
+        except YAMLError as e:
+            raise ConfigError(f"config file {yaml_path!r} is not valid YAML: {_yaml_problem(e)}") from None
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ConfigError(f"overrides must look like key=value, got {bad}")
+    merged = OmegaConf.structured(Config)
+    layers.append(_dotlist(overrides, merged))
+    try:
+        for layer in layers:
+            translate(layer)
+            _check_known_keys(layer, merged)
+            merged = OmegaConf.merge(merged, layer)
+        OmegaConf.resolve(merged)
+        cfg: Config = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        raise ConfigError(_value_problem(e)) from None
+    if check:
+        validate(cfg)
+    return cfg
+
+
+def _dotlist(overrides: tuple[str, ...] | list[str], schema: DictConfig) -> DictConfig:
+    """`key=value` arguments as one layer; `+key` and `++key` name the same key. A value is YAML where
+    YAML reads it, except for a string key, whose unquoted value is the text itself (a chat template
+    stays unparsed); one word for a list key is a list of one."""
+    layer = OmegaConf.create()
+    for item in overrides:
+        key, _, text = item.partition("=")
+        key = key.lstrip("+")
+        try:
+            value = safe_load(text)
+        except YAMLError:
+            value = text
+        node = _schema_node(schema, ALIASES.get(key, key))
+        if isinstance(node, StringNode) and value is not None and not (isinstance(value, str) and text[:1] in "'\""):
+            value = text
+        if isinstance(node, ListConfig) and isinstance(value, str):
+            value = [value]
+        OmegaConf.update(layer, key, value, force_add=True)
+    return layer
+
+
+def _schema_node(schema: DictConfig, key: str) -> Any:
+    """The schema's node of a dotted key; None for a key it does not have."""
+    node: Any = schema
+    for part in key.split("."):
+        if not isinstance(node, DictConfig) or part not in node:
+            return None
+        node = node._get_node(part)
+    return node
+
+
+def _flat_keys(node: Any, prefix: str = "") -> list[str]:
+    if not isinstance(node, DictConfig):
+        return [prefix]
+    keys = []
+    for k in node.keys():
+        path = f"{prefix}.{k}" if prefix else str(k)
+        keys.extend(_flat_keys(node._get_node(k), path))
+    return keys
+
+
+def _check_known_keys(layer: DictConfig, schema: DictConfig) -> None:
+    """Every unknown key of the layer, each with the key meant; a section's keys are one problem."""
+    known = set(_flat_keys(schema)) | set(ALIASES)
+    unknown = [key for key in _flat_keys(layer)
+               if key not in known and not any(key.startswith(k + ".") for k in FREE_FORM)]
+    if unknown:
+        raise ConfigError("\n".join(dict.fromkeys(_unknown_key(key, known) for key in unknown)))
+
+
+def _unknown_key(key: str, known: set[str]) -> str:
+    if problem := foreign_key_problem(key, known):
+        return problem
+    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+    return f"unknown config key {key!r}" + (f"; did you mean {close[0]}?" if close else "")
+
+
+def _value_problem(e: OmegaConfBaseException) -> str:
+    """omegaconf's message in one line, led by the key."""
+    first_line = str(getattr(e, "msg", None) or e).splitlines()[0]
+    key = getattr(e, "full_key", None)
+    if not key:
+        return f"bad config value: {first_line}"
+    return f"bad value for {key}: {first_line}; see python -m sfttrain.run --help"
+
+
+def _yaml_problem(e: YAMLError) -> str:
+    """The parser's problem and its line, without its multi-line context dump."""
+    mark = getattr(e, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    return f"{getattr(e, 'problem', None) or e}{where}"
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

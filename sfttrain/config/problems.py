@@ -1,0 +1,342 @@
+"""Checks of the configuration that need no world size and no data, per section, each problem naming
+the key to change. Batch arithmetic that needs the world size is in `sfttrain.data.batching`."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterator, Optional
+
+from omegaconf import ListConfig
+
+from sfttrain.config.compat import verl_switch_problems
+from sfttrain.config.schema import (DTYPES, LOGGERS, Config, DataConfig, FSDPConfig, ModelConfig, OptimConfig,
+                                    TrainerConfig, default_of, logger_names, schema_fields, short, value_of)
+from sfttrain.errors import ConfigError
+
+
+def _choice(key: str, value: Any, choices: tuple) -> Iterator[str]:
+    if value not in choices:
+        yield f"{key}={value!r} is not one of {list(choices)}"
+
+
+def _schema_problems(cfg: Config) -> Iterator[str]:
+    """Every key outside the values, or below the least, that its schema field names."""
+    for key, f in schema_fields():
+        value, least = value_of(cfg, key), f.metadata["minimum"]
+        yield from _choice(key, value, f.metadata["choices"]) if f.metadata["choices"] else ()
+        if least is not None and value < least:
+            yield f"{key} must be >= {least}, got {value}"
+
+
+def validate(cfg: Config) -> None:
+    """Refuses the configuration with every problem `config_problems` finds, one a line."""
+    problems = config_problems(cfg)
+    if problems:
+        raise ConfigError("\n".join(problems))
+
+
+def config_problems(cfg: Config) -> list[str]:
+    """Every problem, not the first only, so that a config is fixed in one go; one that two checks
+    find (a mixed-precision dtype) is said once."""
+    problems = [*_schema_problems(cfg), *_validate_data(cfg.data), *_validate_model(cfg.model),
+                *verl_switch_problems(cfg), *_check_no_shard(cfg), *_validate_optim(cfg.optim),
+                *_validate_trainer(cfg.trainer), *_validate_fp8(cfg),
+                *_sequence_parallel_size_problems(cfg.ulysses_sequence_parallel_size)]
+    return list(dict.fromkeys(problems))
+
+
+def check_sequence_parallel_size(sp: int) -> None:
+    for problem in _sequence_parallel_size_problems(sp):
+        raise ConfigError(problem)
+
+
+def _sequence_parallel_size_problems(sp: int) -> Iterator[str]:
+    if sp < 1:
+        yield f"ulysses_sequence_parallel_size must be >= 1 (1: off), got {sp}"
+
+
+def rendering_problems(max_length: int, truncation: str) -> Iterator[str]:
+    """Checked with the config and by the renderer, in the same words (the preflight lists each once)."""
+    if max_length <= 0:
+        yield f"data.max_length must be positive, got {max_length}"
+    if max_length == 1:
+        yield "data.max_length=1 leaves no token to train on (a prompt token, then its next); use at least 2"
+    yield from _choice("data.truncation", truncation, ("error", "left", "right"))
+
+
+def _validate_data(d: DataConfig) -> Iterator[str]:
+    if d.train_files in (None, "", []):
+        yield ("data.train_files is required: a Parquet, JSON Lines, JSON or CSV file, a directory or a "
+               "pattern of them, or a list of these")
+    yield from rendering_problems(d.max_length, d.truncation)
+    yield from _check_dynamic_bsz(d)
+    if d.max_token_len_per_gpu is not None and d.max_token_len_per_gpu < d.max_length:
+        yield (f"data.max_token_len_per_gpu={d.max_token_len_per_gpu} is below data.max_length="
+               f"{d.max_length}: a longest sample would not fit; raise it or lower data.max_length")
+    if d.num_workers < 0:
+        yield (f"data.num_workers={d.num_workers}: the worker processes a rank builds its steps in are 0 "
+               "(built in the rank itself, the default) or more; e.g. data.num_workers=0")
+    if d.prompt_key is None and not d.multiturn.enable and d.apply_chat_template:
+        yield ("data.prompt_key=null trains whole texts without a prompt, which a chat template would "
+               "render as an empty user turn: set data.apply_chat_template=false")
+    keys = d.multiturn.messages_key
+    if not (isinstance(keys, str) and keys or isinstance(keys, (list, tuple, ListConfig)) and keys
+            and all(isinstance(k, str) and k for k in keys)):
+        yield (f"data.multiturn.messages_key={keys!r}: give a column name, or a list of columns whose "
+               "message lists make one conversation, e.g. [prompt,completion]")
+    if d.multiturn.enable and not d.apply_chat_template:
+        yield ("data.multiturn.enable=true renders conversations with a chat template: remove "
+               "data.apply_chat_template=false (data.chat_template=... sets a template of your own)")
+    yield from _check_chat_template_used(d)
+    yield from _check_dict_keys_have_a_column(d)
+    yield from _check_prompt_is_not_the_response(d)
+
+
+def _check_chat_template_used(d: DataConfig) -> Iterator[str]:
+    if d.chat_template is not None and not d.apply_chat_template and not d.multiturn.enable:
+        yield (f"data.chat_template={short(d.chat_template)} with data.apply_chat_template=false: the raw "
+               "prompt text is tokenized, so the template would render nothing; remove data.chat_template "
+               "for raw text, or remove data.apply_chat_template=false to render prompts with it")
+
+
+def _check_dict_keys_have_a_column(d: DataConfig) -> Iterator[str]:
+    if d.prompt_key is None and d.prompt_dict_keys:
+        yield (f"data.prompt_dict_keys={list(d.prompt_dict_keys)} with data.prompt_key=null: there is no "
+               "prompt column to follow them into; set data.prompt_key to the column that holds them, or "
+               "remove data.prompt_dict_keys")
+
+
+def _check_prompt_is_not_the_response(d: DataConfig) -> Iterator[str]:
+    """One column read at two nested keys (verl's extra_info: question, answer) is two cells."""
+    prompt, response = [d.prompt_key, *(d.prompt_dict_keys or [])], [d.response_key, *(d.response_dict_keys or [])]
+    if d.prompt_key is not None and not d.multiturn.enable and prompt == response:
+        yield (f"data.prompt_key={d.prompt_key!r} and data.response_key={d.response_key!r} read the same cell: each "
+               "sample would be its answer after itself as the prompt; set data.response_key to the answers' column "
+               "(or data.prompt_dict_keys / data.response_dict_keys to a nested column's two fields)")
+
+
+def _check_dynamic_bsz(d: DataConfig) -> Iterator[str]:
+    """verl's switch against the token budget, which alone decides here: a disagreement is refused."""
+    budget = d.max_token_len_per_gpu
+    if d.use_dynamic_bsz is True and budget is None:
+        yield (f"data.use_dynamic_bsz=true packs each micro-batch up to data.max_token_len_per_gpu tokens, "
+               f"which is not set (verl's default is 8192): set it, at least data.max_length={d.max_length},"
+               f" e.g. data.max_token_len_per_gpu={max(8192, d.max_length)}")
+    if d.use_dynamic_bsz is False and budget is not None:
+        yield (f"data.use_dynamic_bsz=false runs micro-batches of data.micro_batch_size_per_gpu="
+               f"{d.micro_batch_size_per_gpu} samples, but data.max_token_len_per_gpu={budget} packs them "
+               "by tokens instead (verl ignores it there): remove data.max_token_len_per_gpu for micro-batches "
+               "of samples, or set data.use_dynamic_bsz=true for token budgets")
+
+
+def _validate_model(m: ModelConfig) -> Iterator[str]:
+    if m.partial_pretrain in (None, ""):
+        yield "model.partial_pretrain is required: a local Hugging Face model folder or a hub id"
+    if not 0.0 < m.gradient_checkpointing_ratio <= 1.0:
+        yield (f"model.gradient_checkpointing_ratio must lie in (0, 1], got {m.gradient_checkpointing_ratio}; "
+               "set model.enable_gradient_checkpointing=false to recompute no layer")
+    yield from _check_checkpointing_keys(m)
+    yield from _validate_compiled_layers(m)
+    yield from _validate_fsdp(m.fsdp_config)
+    yield from _validate_lora(m)
+
+
+def _check_checkpointing_keys(m: ModelConfig) -> Iterator[str]:
+    """The keys that shape gradient checkpointing, set with it off (their defaults pass)."""
+    if m.enable_gradient_checkpointing:
+        return
+    for key, value in (("gradient_checkpointing_ratio", m.gradient_checkpointing_ratio),
+                       ("recompute_attention", m.recompute_attention)):
+        if value != default_of(f"model.{key}"):
+            yield (f"model.{key}={str(value).lower()} shapes gradient checkpointing, which "
+                   "model.enable_gradient_checkpointing=false turns off (every activation kept): set "
+                   f"model.enable_gradient_checkpointing=true, or remove model.{key}")
+
+
+def _validate_compiled_layers(m: ModelConfig) -> Iterator[str]:
+    """The switches of the compiled layers, and what each needs."""
+    if m.compile_cpp_wrapper in (True, False) and not m.compile:
+        yield (f"model.compile_cpp_wrapper={str(m.compile_cpp_wrapper).lower()} chooses who launches the "
+               "compiled layers' kernels, but model.compile=false runs them eagerly: set "
+               "model.compile=true, or remove model.compile_cpp_wrapper")
+    if m.fuse_projections is True and not m.compile:
+        yield ("model.fuse_projections=true rewrites the compiled layers' graphs: set model.compile=true, "
+               "or remove model.fuse_projections")
+    if m.recompute_qkv is False and not (m.enable_gradient_checkpointing and m.fuses_projections()):
+        yield ("model.recompute_qkv=false keeps the fused q/k/v GEMM's output of checkpointed, compiled "
+               "layers: it needs model.enable_gradient_checkpointing=true, model.compile=true and fused "
+               "projections (model.fuse_projections=true; auto fuses them with LoRA only); set those "
+               "or remove model.recompute_qkv")
+    if m.fold_lora is True and not (m.lora_rank > 0 and m.fuses_projections()):
+        yield ("model.fold_lora=true folds LoRA adapters into the fused projections of compiled layers: "
+               "it needs model.lora_rank > 0, model.compile=true and fused projections "
+               "(model.fuse_projections auto or true); set those or remove model.fold_lora")
+    if m.fold_lora is True and m.lora_dropout > 0:
+        yield (f"model.fold_lora=true with model.lora_dropout={m.lora_dropout}: an adapter folded into its "
+               "frozen projection's GEMM reads that projection's input, but with dropout its A reads a "
+               "dropped-out copy, so nothing would fold; set model.lora_dropout=0 or remove model.fold_lora")
+
+
+def _validate_fsdp(f: FSDPConfig) -> Iterator[str]:
+    if f.backward_prefetch not in (None, "BACKWARD_PRE"):
+        yield ("model.fsdp_config.backward_prefetch: FSDP2 always prefetches the next layer's "
+               "all-gather in backward (BACKWARD_PRE); remove the key or set it to BACKWARD_PRE")
+    if f.wrap_policy not in (None, {}, {"min_num_params": 0}):
+        yield ("model.fsdp_config.wrap_policy: sfttrain shards every decoder layer and the root; "
+               "a custom wrap policy is not supported, remove the key")
+    try:
+        dtypes = mixed_precision_dtypes(f) or ()
+    except ConfigError as e:
+        yield str(e)
+        dtypes = ()
+    if "fp16" in (f.model_dtype, *dtypes):
+        yield ("fp16 (model.fsdp_config.model_dtype or mixed_precision) needs loss scaling, which sfttrain "
+               "does not implement (small gradients would underflow to zero); use bf16")
+
+
+def _validate_optim(o: OptimConfig) -> Iterator[str]:
+    yield from _choice("optim.optimizer", o.optimizer.lower(), ("adamw",))
+    for key, value in (("optim.lr", o.lr), ("optim.eps", o.eps), ("optim.weight_decay", o.weight_decay),
+                       ("optim.clip_grad", o.clip_grad)):
+        if not math.isfinite(value):
+            yield (f"{key}={value} is not a finite number; set a number such as its default "
+                   f"{default_of(key)}")
+    if o.lr < 0:
+        yield f"optim.lr={o.lr} is negative; use a positive rate such as 1e-5"
+    # torch's AdamW checks betas, eps and weight decay in its defaults only, not in parameter groups
+    if len(o.betas) != 2:
+        yield f"optim.betas must have two values, got {o.betas}"
+    elif not all(0.0 <= beta < 1.0 for beta in o.betas):
+        yield (f"optim.betas={list(o.betas)}: each must lie in [0, 1), such as its default "
+               f"{default_of('optim.betas')}")
+    if o.eps < 0:
+        yield (f"optim.eps={o.eps} is negative; use a small positive number such as its default "
+               f"{default_of('optim.eps')}")
+    if o.weight_decay < 0:
+        yield (f"optim.weight_decay={o.weight_decay} is negative (it would grow the weights); use 0 (none) or a "
+               f"positive value such as its default {default_of('optim.weight_decay')}")
+    if not 0.0 <= o.lr_warmup_steps_ratio <= 1.0 or not 0.0 <= o.min_lr_ratio <= 1.0:
+        yield "optim.lr_warmup_steps_ratio and optim.min_lr_ratio must lie in [0, 1]"
+
+
+def _validate_trainer(t: TrainerConfig) -> Iterator[str]:
+    if t.seed < 0:  # numpy's generator takes none
+        yield f"trainer.seed={t.seed}: give a seed >= 0, e.g. trainer.seed={default_of('trainer.seed')}"
+    if t.total_training_steps is not None and t.total_training_steps < 1:
+        yield (f"trainer.total_training_steps={t.total_training_steps} would train nothing: give a number "
+               "of steps >= 1, or null to train trainer.total_epochs passes over the data")
+    if t.max_ckpt_to_keep is not None and t.max_ckpt_to_keep < 0:
+        yield (f"trainer.max_ckpt_to_keep={t.max_ckpt_to_keep}: set N > 0 to keep this run's newest N "
+               "checkpoints, or null (the default; 0 is the same, as in verl) to keep every one")
+    if t.log_freq < 1:
+        yield (f"trainer.log_freq={t.log_freq}: a console line every N steps needs N >= 1 (metrics.jsonl "
+               "gets every step whatever it is); e.g. trainer.log_freq=1, the default")
+    if t.resume_mode == "resume_path" and not t.resume_from_path:
+        yield "trainer.resume_mode=resume_path needs trainer.resume_from_path"
+    if t.resume_mode == "disable" and t.resume_from_path:  # verl ignores the path: which was meant?
+        yield (f"trainer.resume_mode=disable starts afresh, so trainer.resume_from_path="
+               f"{t.resume_from_path} would be ignored: drop trainer.resume_from_path to start afresh, or "
+               "drop trainer.resume_mode=disable (trainer.resume_mode=resume_path) to resume from it")
+    if t.resume_mode == "disable" and t.resume_allow_data_change:
+        yield ("trainer.resume_allow_data_change=true lets a resume go on with changed data, but "
+               "trainer.resume_mode=disable never resumes: remove trainer.resume_allow_data_change to "
+               "start afresh, or remove trainer.resume_mode=disable to resume")
+    yield from _check_profile_steps(t.profile_steps)
+    if t.profile_memory and not t.profile_steps:
+        yield ("trainer.profile_memory=true records memory over trainer.profile_steps: name those steps "
+               "too, e.g. trainer.profile_steps=[11]")
+    for name in logger_names(t):
+        if name not in LOGGERS:  # verl's list is longer: say what there is instead
+            yield (f"trainer.logger={name!r} is not one of {list(LOGGERS)}. Every run writes its metrics "
+                   "to <run folder>/metrics.jsonl (`python -m sfttrain.plot <run folder>` draws them); for "
+                   "a dashboard use wandb (WANDB_MODE=offline keeps it on this machine)")
+
+
+def _check_profile_steps(steps: Optional[list[int]]) -> Iterator[str]:
+    if not steps:
+        return
+    if min(steps) < 1 or sorted(steps) != list(range(min(steps), max(steps) + 1)):
+        yield (f"trainer.profile_steps={list(steps)}: give consecutive step numbers from 1 on, once each, "
+               "e.g. [11, 12, 13] (one window is profiled)")
+
+
+def _validate_lora(m: ModelConfig) -> Iterator[str]:
+    """The names in target_modules are checked against the model at load (sfttrain.lora)."""
+    if m.lora_rank < 0:
+        yield f"model.lora_rank must be 0 (full fine-tuning) or positive, got {m.lora_rank}"
+    if m.lora_rank <= 0:
+        return
+    if m.lora_alpha <= 0:
+        yield f"model.lora_alpha must be positive, got {m.lora_alpha}"
+    if not 0.0 <= m.lora_dropout < 1.0:
+        yield f"model.lora_dropout must lie in [0, 1), got {m.lora_dropout}"
+    if m.random_init:
+        yield ("model.lora_rank > 0 with model.random_init=true: LoRA adapts pretrained weights, and a "
+               "random base would be in no checkpoint (they hold the adapters only); save the random "
+               "model to a folder first, or set model.lora_rank=0")
+    targets = m.target_modules
+    if not (isinstance(targets, str) or (isinstance(targets, list) and all(isinstance(t, str) for t in targets))):
+        yield f"model.target_modules must be all-linear or a list of linear layer names, got {targets!r}"
+
+
+def _validate_fp8(cfg: Config) -> Iterator[str]:
+    """The device and torchao are checked at start-up (sfttrain.fp8)."""
+    m, sp = cfg.model, cfg.ulysses_sequence_parallel_size
+    if m.fp8 == "off" and not m.fp8_fast_accum_grads:
+        yield ("model.fp8_fast_accum_grads=false sets how FP8 gradient GEMMs accumulate, but model.fp8=off "
+               "runs none: set model.fp8 (tensorwise, rowwise or auto), or remove "
+               "model.fp8_fast_accum_grads")
+    # the weight gradient's GEMM runs over a rank's tokens, a dimension FP8 wants divisible by 16
+    if m.fp8 != "off" and sp >= 1 and cfg.data.pad_to_multiple % (16 * sp) != 0:
+        yield (f"model.fp8={m.fp8} needs data.pad_to_multiple={cfg.data.pad_to_multiple} to be a multiple "
+               f"of {16 * sp} (16 tokens per rank{f' x {sp} Ulysses ranks' if sp > 1 else ''}: FP8 GEMMs "
+               f"take dimensions that divide by 16); set data.pad_to_multiple={math.lcm(128, 16 * sp)}")
+    if m.fp8 != "off" and m.lora_rank > 0:
+        yield (f"model.fp8={m.fp8} with model.lora_rank={m.lora_rank}: FP8 linear layers compute the "
+               "weight gradient of the frozen base too (work LoRA skips in bf16), so they would slow "
+               "LoRA down; set model.fp8=off for LoRA")
+    if m.fp8 != "off" and m.recompute_qkv is False:
+        yield (f"model.fp8={m.fp8} with model.recompute_qkv=false: FP8 linear layers are not fused "
+               "(sfttrain/fuse_projections.py), so there is no q/k/v GEMM output to keep; remove "
+               "model.recompute_qkv or set model.fp8=off")
+    if m.fp8 != "off" and m.fuse_projections is True:
+        yield (f"model.fp8={m.fp8} with model.fuse_projections=true: FP8 linear layers are not fused "
+               "(sfttrain/fuse_projections.py), so the setting would fuse nothing; remove "
+               "model.fuse_projections or set model.fp8=off")
+
+
+def _check_no_shard(cfg: Config) -> Iterator[str]:
+    """NO_SHARD is DDP: every rank holds the whole model, so nothing that needs FSDP's shards."""
+    f = cfg.model.fsdp_config
+    if f.sharding_strategy != "NO_SHARD":
+        return
+    key = "model.fsdp_config.sharding_strategy=NO_SHARD (every rank holds the whole model)"
+    if f.fsdp_size not in (-1, 0, 1):
+        yield (f"{key} contradicts fsdp_size={f.fsdp_size}; remove fsdp_size, or use HYBRID_SHARD for "
+               "shard groups of that size")
+    if f.offloaded():
+        yield f"{key}: CPU offload moves FSDP's shards to the host; use FULL_SHARD with cpu_offload=true"
+    if cfg.ulysses_sequence_parallel_size > 1:
+        yield (f"{key}: Ulysses ranks share one copy of the weights through FSDP; use FULL_SHARD with "
+               "ulysses_sequence_parallel_size > 1")
+
+
+def mixed_precision_dtypes(f: FSDPConfig) -> Optional[tuple[str, str]]:
+    """(param_dtype, reduce_dtype) for FSDP's MixedPrecisionPolicy, None for none; verl's bool or dict."""
+    mp = f.mixed_precision
+    if mp is False or mp is None:
+        return None
+    if mp is True:
+        return ("bf16", "fp32")
+    if isinstance(mp, dict):
+        unknown = set(mp) - {"param_dtype", "reduce_dtype", "buffer_dtype"}
+        if unknown:
+            raise ConfigError(f"model.fsdp_config.mixed_precision: unknown keys {sorted(unknown)}")
+        param, reduce = mp.get("param_dtype", "bf16"), mp.get("reduce_dtype", "fp32")
+        for key, value in (("param_dtype", param), ("reduce_dtype", reduce)):
+            for problem in _choice(f"model.fsdp_config.mixed_precision.{key}", value, DTYPES):
+                raise ConfigError(problem)
+        return (param, reduce)
+    raise ConfigError(f"model.fsdp_config.mixed_precision must be true, false or a dict, got {mp!r}")
+
+

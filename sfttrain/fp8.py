@@ -28,7 +28,7 @@ model.compile=true (the start-up line warns without it: eager, they are kernels 
 Converting also applies torchao's workaround for a Triton FP8-store miscompile (inductor's min/max
 codegen in its `tl.where` form, numerically the same) for the whole process.
 
-LoRA is refused (config.py): torchao's float8 linear computes every weight's gradient, a frozen
+LoRA is refused (sfttrain/config/problems.py): torchao's float8 linear computes every weight's gradient, a frozen
 base's too, so the base's GEMMs would do a third more work in FP8 than they skip in bf16.
 
 `auto` turns FP8 on (tensorwise) only for layers wide enough to gain: the casts and amax

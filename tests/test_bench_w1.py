@@ -34,9 +34,9 @@ def test_sfttrain_w1_profiled_beside_a_baseline_tree(tmp_path):
     each run's config.yaml (written by the code that ran) shows which code that was."""
     base = tmp_path / "base"
     shutil.copytree(REPO / "sfttrain", base / "sfttrain", ignore=shutil.ignore_patterns("__pycache__"))
-    config = base / "sfttrain" / "config.py"
-    assert config.read_text().count("pad_to_multiple: int = 128") == 1
-    config.write_text(config.read_text().replace("pad_to_multiple: int = 128", "pad_to_multiple: int = 96"))
+    config = base / "sfttrain" / "config" / "schema.py"
+    assert config.read_text().count("pad_to_multiple: int = key(128,") == 1
+    config.write_text(config.read_text().replace("pad_to_multiple: int = key(128,", "pad_to_multiple: int = key(96,"))
     out = tmp_path / "w1.jsonl"
     run_bench_here("bench.sfttrain_w1", "--tiny", "--device", "cpu", "--variant", "eager", "--data", SAMPLE,
                    "--work", str(tmp_path), "--out", str(out), "--override", "trainer.profile_steps=[3,4]",

@@ -10,13 +10,14 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import PurePath
 from typing import Optional
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from sfttrain.config import ConfigError, as_list
@@ -44,24 +45,29 @@ class RowGroup:
 
 class PromptResponse:
     """Row fields of prompt/response data: two strings, found by verl's (nested) key paths; or, with
-    no prompt path (data.prompt_key=null), the response alone: a whole text, every token trained."""
+    no prompt path (data.prompt_key=null), the response alone: a whole text, every token trained.
+    `joined_keys`: further prompt columns (Alpaca's input after its instruction) whose non-empty texts
+    follow the prompt's, a line apart, as LLaMA-Factory joins them."""
 
-    def __init__(self, prompt_path: Optional[list[str]], response_path: list[str]):
-        self.prompt_path, self.response_path = prompt_path, response_path
-        self.paths = [path for path in (prompt_path, response_path) if path]
+    def __init__(self, prompt_path: Optional[list[str]], response_path: list[str], joined_keys: list[str] = ()):
+        self.prompt_path, self.response_path, self.joined_keys = prompt_path, response_path, list(joined_keys)
+        self.paths = [path for path in (prompt_path, response_path) if path] + [[key] for key in self.joined_keys]
 
     def columns(self, file: str, names: list[str]) -> list[str]:
         for key_path in self.paths:
             if key_path[0] not in names:
                 raise DataError(f"{file}: no column {key_path[0]!r} (columns: {names}); set data.prompt_key / "
                                 f"data.response_key to the right columns{_form_hint(names)}")
-        return [path[0] for path in self.paths]
+        return list(dict.fromkeys(path[0] for path in self.paths))
 
     def decode(self, table, group: RowGroup, locals_: list[int]) -> tuple[list, list]:
         """(prompts, responses) of rows of a row group (`locals_`: their numbers in the group); a
         prompt is empty without a prompt path."""
         prompts, responses = ([_text(v, path, group, i) for i, v in zip(locals_, _cells(table, path[0]))]
                               if path else [""] * len(locals_) for path in (self.prompt_path, self.response_path))
+        for key in self.joined_keys:
+            texts = [None if v in (None, "") else _text(v, [key], group, i) for i, v in zip(locals_, _cells(table, key))]
+            prompts = [f"{p}\n{t}" if p and t else p or t or "" for p, t in zip(prompts, texts)]
         return prompts, responses
 
 
@@ -173,7 +179,9 @@ def row_fields(d) -> PromptResponse | ChatMessages:
     m = d.multiturn
     if m.enable:
         return ChatMessages(as_list(m.messages_key), m.tools_key, m.enable_thinking_key, m.system_key)
-    return PromptResponse(key_path(d.prompt_key, d.prompt_dict_keys), key_path(d.response_key, d.response_dict_keys))
+    prompt_keys = as_list(d.prompt_key)  # a column, or columns joined (Alpaca's [instruction,input])
+    return PromptResponse(key_path(next(iter(prompt_keys), None), d.prompt_dict_keys),
+                          key_path(d.response_key, d.response_dict_keys), prompt_keys[1:])
 
 
 class ParquetSource:
@@ -221,6 +229,22 @@ class ParquetSource:
             n = meta.metadata.row_group(i).num_rows
             self.row_groups.append(RowGroup(file, i, first, n, source))
             first += n
+
+    def unread_text(self) -> dict[str, int]:
+        """Per text column not read, the rows where it holds text beside the prompt (Alpaca's input under
+        data.prompt_key=instruction): said with its count, not dropped without a word."""
+        if not isinstance(self.fields, PromptResponse) or not self.fields.prompt_path:
+            return {}
+        counts: Counter[str] = Counter()
+        for file, read in self._columns.items():
+            parquet = pq.ParquetFile(file)
+            json_cells = JSON_CELLS.encode() in (parquet.schema_arrow.metadata or {})
+            text = [f.name for f in parquet.schema_arrow if f.name not in read and f.name != LINE_COLUMN
+                    and (pa.types.is_string(f.type) or pa.types.is_large_string(f.type))]
+            for batch in parquet.iter_batches(columns=text) if text else ():
+                for name, cells in zip(batch.schema.names, batch.columns):
+                    counts[name] += _text_cells(cells, json_cells)
+        return {name: n for name, n in sorted(counts.items()) if n}
 
     def file_rows(self) -> list[tuple[str, int]]:
         """(user's file, rows) per file as listed, in reading order: a converted file's rows under its
@@ -431,6 +455,13 @@ def _cells(table: pa.Table, column: str) -> list:
     if JSON_CELLS.encode() not in (table.schema.metadata or {}):
         return values
     return [None if v is None else json.loads(v) for v in values]
+
+
+def _text_cells(cells: pa.Array, json_cells: bool) -> int:
+    """The cells holding a non-empty string (in a JSON conversion, a JSON string other than \"\")."""
+    if json_cells:
+        return pc.sum(pc.and_(pc.starts_with(cells, '"'), pc.greater(pc.utf8_length(cells), 2))).as_py() or 0
+    return pc.sum(pc.greater(pc.utf8_length(cells), 0)).as_py() or 0
 
 
 def _where(group: RowGroup, local: int) -> str:

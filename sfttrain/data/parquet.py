@@ -279,12 +279,9 @@ class ParquetSource:
 
     def read(self, rows: np.ndarray) -> list[tuple]:
         """(prompt, response, row id), or (messages, template kwargs, row id), for each global row id,
-        in the given order. The rows are taken group by group (one `take` and one conversion to
-        Python per row group touched), so a step's rows scattered over a shuffle window cost their
-        own size, not their groups'. Groups are visited in the order the rows first name them, so
-        that for a request in epoch order (a step's rows) the cache, trimmed after the read, drops
-        the groups of the window that ended, not those of the window that began: each group is
-        decoded once per epoch."""
+        in the given order: one `take` per row group touched, so scattered rows cost their own size.
+        Groups are visited in the order the rows first name them, so that the cache, trimmed after
+        the read, drops the window that ended, not the one that began: a group is decoded once an epoch."""
         rows = np.asarray(rows, dtype=np.int64)
         groups = np.searchsorted(self._starts, rows, side="right") - 1
         out: list = [None] * len(rows)
@@ -301,9 +298,8 @@ class ParquetSource:
         return out
 
     def _group(self, g: int) -> pa.Table:
-        """Row group g's columns, decoded once and kept as Arrow buffers (about the text's own size,
-        not Python objects) while the cache holds at most a shuffle window: a window's rows are
-        read in random order, so each of its groups stays until the window is consumed."""
+        """Row group g's columns, kept as Arrow buffers (about the text's size) while the cache holds
+        a shuffle window, whose rows are read in random order."""
         if g in self._cache:
             self._cache.move_to_end(g)
             return self._cache[g]
@@ -319,9 +315,8 @@ class ParquetSource:
         return self._cache[g]
 
     def _check_unchanged(self, group: RowGroup) -> None:
-        """Row groups are read lazily, long after the start-up scan counted their rows (a window of rows
-        is kept in memory, the rest read again as the epochs reach it): a file changed since then stops
-        the run, naming it, instead of training on rows the scan never saw."""
+        """Row groups are read long after the start-up scan counted them: a file changed since then
+        stops the run, naming it, instead of training on rows the scan never saw."""
         stamp = file_stamp(group.file)
         if stamp != self._stamps[group.file]:
             then = self._stamps[group.file]
@@ -367,11 +362,9 @@ SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "a
 
 
 def _messages(value, key: str, group: RowGroup, local: int) -> list[dict]:
-    """A row's conversation as a list of message dicts. Parquet gives every message struct the union
-    of all keys, absent ones as null: they are dropped again (a template tests `tool_calls is
-    defined`, not `is none`). A JSON string of the list is accepted too, ShareGPT's turns
-    (`from`/`value`) are read as the role/content messages they are, and OpenAI's content parts as
-    the text they hold."""
+    """A row's conversation (or its JSON text) as message dicts: the null keys Parquet's struct union
+    adds dropped (a template tests `tool_calls is defined`), ShareGPT's turns as role/content, and
+    OpenAI's content parts as their text."""
     value = _json(value, key, group, local)
     if not isinstance(value, list) or not all(isinstance(m, dict) for m in value):
         raise DataError(f"{_where(group, local)}: {key} is {_kind(value)}, "

@@ -484,6 +484,7 @@ def test_alpaca_input_is_joined_to_the_instruction_or_warned_about(tmp_path):
     out = run_sfttrain(1, [*job, "data.prompt_key=instruction", f"trainer.default_local_dir={tmp_path / 'a'}",
                            "trainer.total_training_steps=1"]).stdout
     assert "WARNING: text the run does not read, beside the prompt: column input in 6 of 16 rows." in out, out[-3000:]
+    assert "data.prompt_key=[instruction,input]" in out
     out = run_sfttrain(1, [*job, "data.prompt_key=[instruction,input]", f"trainer.default_local_dir={tmp_path / 'b'}"])
     assert "WARNING: text the run does not read" not in out.stdout
     prompts = [len(tokenizer("\n".join(filter(None, (r["instruction"], r["input"]))))["input_ids"]) for r in rows]

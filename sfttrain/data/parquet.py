@@ -230,9 +230,9 @@ class ParquetSource:
             self.row_groups.append(RowGroup(file, i, first, n, source))
             first += n
 
-    def unread_text(self) -> dict[str, int]:
-        """Per text column not read, the rows where it holds text beside the prompt (Alpaca's input under
-        data.prompt_key=instruction): said with its count, not dropped without a word."""
+    def unread_text(self) -> dict:
+        """The prompt's columns and, per text column not read, the rows where it holds text beside them
+        (Alpaca's input under data.prompt_key=instruction): said with its count, not dropped unsaid."""
         if not isinstance(self.fields, PromptResponse) or not self.fields.prompt_path:
             return {}
         counts: Counter[str] = Counter()
@@ -244,7 +244,8 @@ class ParquetSource:
             for batch in parquet.iter_batches(columns=text) if text else ():
                 for name, cells in zip(batch.schema.names, batch.columns):
                     counts[name] += _text_cells(cells, json_cells)
-        return {name: n for name, n in sorted(counts.items()) if n}
+        rows = {name: n for name, n in sorted(counts.items()) if n}
+        return {"prompt_key": [self.fields.prompt_path[0], *self.fields.joined_keys], "rows": rows} if rows else {}
 
     def file_rows(self) -> list[tuple[str, int]]:
         """(user's file, rows) per file as listed, in reading order: a converted file's rows under its

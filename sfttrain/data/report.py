@@ -117,11 +117,11 @@ def describe(report: dict) -> str:
         f"  row scan            : {_row_scan(report)}",
     ]
     if text := report.get("unread_text"):
-        rows = report["rows"]
+        rows, joined = report["rows"], ",".join([*text["prompt_key"], next(iter(text["rows"]))])
         lines.append(f"  WARNING: text the run does not read, beside the prompt: "
-                     f"{', '.join(f'column {c} in {n} of {rows} rows' for c, n in text.items())}. A column "
+                     f"{', '.join(f'column {c} in {n} of {rows} rows' for c, n in text['rows'].items())}. A column "
                      f"that belongs to the prompt (Alpaca's input after its instruction) is joined to it when listed "
-                     f"after the prompt's column: data.prompt_key=[instruction,{next(iter(text))}]")
+                     f"in data.prompt_key: data.prompt_key=[{joined}]")
     if trunc["count"] and trunc["effect"] == "eos_cut":
         lines.append(f"  WARNING: data.truncation=right cut the end of {trunc['count']} responses, EOS "
                      f"included (those samples never learn to stop), e.g. rows {_row_list(trunc)}")

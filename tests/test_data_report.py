@@ -222,6 +222,8 @@ def test_rows_trained_twice_and_validation_rows_seen_in_training_are_reported(gs
     assert report["duplicate_rows"] == {"count": len(repeated), "rows": repeated,  # row ids over both files
                                         "at": [f"{train_a} row 7", f"{train_b} row 4"]}
     assert report["columns_not_read"] == ["input"] and "  columns not read    : input (data.prompt_key" in out
+    assert report["unread_text"] == {"prompt_key": ["question"], "rows": {"input": ROWS}}
+    assert f"column input in {ROWS} of {ROWS} rows. A column" in out and "data.prompt_key=[question,input]" in out
     empty = [i for i, r in enumerate(rows) if not r["answer"]]
     assert empty == [13, 30] and report["empty_responses"] == {"count": 2, "rows": empty,
                                                                "at": [f"{train_a} row 13", f"{train_b} row 14"]}

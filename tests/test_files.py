@@ -447,3 +447,49 @@ def test_compressed_text_files_read_as_their_rows(tmp_path):
         with pytest.raises(DataError, match=f"{name}: cannot be decompressed"):
             open_source([str(tmp_path / name)], FIELDS, run_dir)
     assert not list((tmp_path / "run" / CONVERTED_DIR).glob("*.tmp"))  # no partial conversion left
+
+
+def test_prompt_columns_are_joined_where_they_hold_text(tmp_path):
+    """data.prompt_key=[instruction,input]: the input follows the instruction a line apart; an input that
+    is empty, null or absent adds nothing; one that is not text is named with its line."""
+    path = tmp_path / "alpaca.jsonl"
+    path.write_text('{"instruction": "Add.", "input": "5, 8", "output": "13"}\n{"instruction": "Hi.", "input": "", '
+                    '"output": "a"}\n{"instruction": "Hi.", "input": null, "output": "b"}\n{"instruction": "Hi.", '
+                    '"output": "c"}\n{"instruction": "Add.", "input": [5, 8], "output": "13"}\n')
+    source = open_source([str(path)], PromptResponse(["instruction"], ["output"], ["input"]), str(tmp_path / "run"))
+    assert [(p, r) for p, r, _ in source.read(np.arange(4))] == [("Add.\n5, 8", "13"), ("Hi.", "a"), ("Hi.", "b"),
+                                                                 ("Hi.", "c")]
+    with pytest.raises(DataError, match=rf"{path} line 5: input is list, expected a string"):
+        source.read(np.array([4]))
+
+
+def test_alpaca_input_is_joined_to_the_instruction_or_warned_about(tmp_path):
+    """An Alpaca-shaped JSON list (instruction, input, output; input empty in most rows, as in Alpaca)
+    on stories260K. With data.prompt_key=instruction the input is not read: a warning counts the rows
+    whose input holds text. With data.prompt_key=[instruction,input] each step's token counts are those
+    of the instruction and the non-empty input joined by a line break, counted here straight from the
+    tokenizer (BOS + prompt, then response + EOS)."""
+    from transformers import AutoTokenizer
+
+    from tests.conftest import BASE_OVERRIDES, STORIES
+
+    tokenizer = AutoTokenizer.from_pretrained(STORIES)
+    short = [r for r in GSM8K if len(tokenizer(f"Solve.\n{r['question']} {r['answer']}")["input_ids"]) < 500][:16]
+    rows = [{"instruction": "Solve.", "input": r["question"], "output": r["answer"]} if i % 3 == 0
+            else {"instruction": r["question"], "input": "", "output": r["answer"]} for i, r in enumerate(short)]
+    path = tmp_path / "alpaca_data.json"
+    path.write_text(json.dumps(rows, indent=4))
+    job = [*BASE_OVERRIDES, f"data.train_files={path}", "data.response_key=output", "data.max_length=512",
+           "data.train_batch_size=4", "data.micro_batch_size_per_gpu=4", "trainer.total_training_steps=4"]
+    out = run_sfttrain(1, [*job, "data.prompt_key=instruction", f"trainer.default_local_dir={tmp_path / 'a'}",
+                           "trainer.total_training_steps=1"]).stdout
+    assert "WARNING: text the run does not read, beside the prompt: column input in 6 of 16 rows." in out, out[-3000:]
+    assert "data.prompt_key=[instruction,input]" in out
+    out = run_sfttrain(1, [*job, "data.prompt_key=[instruction,input]", f"trainer.default_local_dir={tmp_path / 'b'}"])
+    assert "WARNING: text the run does not read" not in out.stdout
+    prompts = [len(tokenizer("\n".join(filter(None, (r["instruction"], r["input"]))))["input_ids"]) for r in rows]
+    answers = [len(tokenizer(r["output"], add_special_tokens=False)["input_ids"]) + 1 for r in rows]
+    assert len(rows) == 16 and max(p + a for p, a in zip(prompts, answers)) <= 512  # none truncated
+    logged = [m for m in read_metrics(tmp_path / "b") if "loss" in m]
+    assert [(m["tokens"], m["loss_tokens"]) for m in logged] == \
+        [(sum(prompts[i:i + 4]) + sum(answers[i:i + 4]), sum(answers[i:i + 4])) for i in range(0, 16, 4)]

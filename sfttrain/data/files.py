@@ -12,16 +12,11 @@ A directory whose files are named for several splits (a hub dataset's `data/` wi
 A text file may be compressed, named with its compression's suffix after its own (`train.jsonl.gz`,
 `.bz2`, `.zst`): it is read through pyarrow's decompressing stream.
 
-A JSON file is converted once into a Parquet file in the run folder (`data_cache/`), named by the
-source's fingerprint (path, size, modification time): a later start, or a resume, reads that
-instead, and an edited source gets a conversion of its own. The conversion streams: one pass
-collects the keys, one writes row groups of ROW_GROUP_ROWS rows, so memory does not grow with the
-file. Each cell is stored as its JSON text and decoded again when read (sfttrain.data.parquet):
-rows of one file may hold different keys, nested structures of different shapes or a null where
-others hold a string, and the readers see exactly the values of the file, so a bad cell is named
-at the start-up scan as in a Parquet file (with its line).
-Text files are read as UTF-8 (a byte order mark allowed); one that is not is named with its first
-line that is not (`not_utf8`).
+A JSON, CSV or Arrow file is converted once into a Parquet file in the run folder's data_cache/, named
+by the source's path, size and modification time: later starts read it, an edited source converts
+anew. A JSON cell is stored as its JSON text and decoded when read (sfttrain.data.parquet): rows
+that differ in keys and types read back as written, and a bad cell is named with its line. Text
+files are read as UTF-8 (a byte order mark allowed); one that is not is named with its first bad line.
 """
 
 from __future__ import annotations
@@ -59,6 +54,7 @@ CONVERTED_DIR = "data_cache"  # in the run folder: the JSON, CSV and Arrow files
 ROW_GROUP_ROWS = 1000  # rows per row group of a conversion (as data_prep/gsm8k.py writes)
 CHUNK_CHARS = 1 << 20  # a JSON list is read this many characters at a time
 FORMAT_VERSION = 1  # part of a conversion's name: a change of format converts again
+NOT_SPACE = re.compile(r"\S")
 SPLITS = ("train", "test", "validation", "valid", "val", "dev", "eval")  # a split named in a file name, as a word
 
 
@@ -300,8 +296,10 @@ def convert_csv(source: str, target: str) -> None:
 
 
 def convert_json(source: str, target: str) -> None:
-    """The rows of a JSON (Lines) file in two streaming passes; a malformed line raises before
-    anything is written."""
+    """The rows of a JSON (Lines) file in two streaming passes, the keys then the row groups; a
+    malformed line raises before anything is written. A cell is kept as its JSON text: rows that
+    differ in keys and types (a number, a null, a nested shape) read back as written, where pyarrow's
+    JSON reader refuses a column that changes type and datasets' reads a list whole."""
     head = list(itertools.islice(records(source), 2))
     if len(head) == 1 and (orient := pandas_orient(head[0][1])):
         raise DataError(f"{source}: the file is one object holding the whole table, as pandas' DataFrame.to_json("
@@ -310,24 +308,13 @@ def convert_json(source: str, target: str) -> None:
     keys = list(dict.fromkeys(key for _, row in records(source) for key in row))  # first-seen order
     if not keys:
         raise DataError(f"{source}: the file has no rows; point data.train_files / data.val_files at a file with rows")
-    schema = pa.schema([(key, pa.string()) for key in keys] + [(LINE_COLUMN, pa.int64())],
-                       metadata={JSON_CELLS: "1"})
+    schema = pa.schema([(key, pa.string()) for key in keys] + [(LINE_COLUMN, pa.int64())], metadata={JSON_CELLS: "1"})
     with pq.ParquetWriter(target, schema) as writer:
-        batch: list[tuple[int, dict]] = []
-        for record in records(source):
-            batch.append(record)
-            if len(batch) == ROW_GROUP_ROWS:
-                writer.write_table(_table(batch, keys, schema))
-                batch = []
-        if batch:
-            writer.write_table(_table(batch, keys, schema))
-
-
-def _table(batch: list[tuple[int, dict]], keys: list[str], schema: pa.Schema) -> pa.Table:
-    """One row group: each cell as its JSON text (null where the row has no such key, or null)."""
-    columns = [[None if row.get(key) is None else json.dumps(row[key], ensure_ascii=False) for _, row in batch]
-               for key in keys]
-    return pa.table(columns + [[line for line, _ in batch]], schema=schema)
+        rows = records(source)
+        while batch := list(itertools.islice(rows, ROW_GROUP_ROWS)):
+            cells = [[None if row.get(key) is None else json.dumps(row[key], ensure_ascii=False) for _, row in batch]
+                     for key in keys]
+            writer.write_table(pa.table(cells + [[line for line, _ in batch]], schema=schema))
 
 
 def pandas_orient(row: dict) -> str | None:
@@ -345,92 +332,85 @@ def pandas_orient(row: dict) -> str | None:
 
 def records(path: str) -> Iterator[tuple[int, dict]]:
     """(line, object) of each row of a JSON Lines file, or of a JSON file's list of objects."""
-    as_list = data_format(path) == ".json" and _first_char(path) == "["
+    if data_format(path) == ".json":
+        with open_text(path) as f:
+            if (items := _ListItems(f, path)).peek() == "[":
+                yield from items
+                return
     with open_text(path) as f:
-        yield from (_list_records if as_list else _line_records)(f, path)
+        for line, text in enumerate(f, start=1):
+            if text.strip():
+                yield line, _row(_line_value(text, path, line), path, line)
 
 
-def _first_char(path: str) -> str:
-    """The first character of the file that is not white space."""
-    with open_text(path) as f:
-        while (chunk := f.read(CHUNK_CHARS)) and not chunk.strip():
-            pass
-    return chunk.lstrip()[:1]
+def _line_value(text: str, path: str, line: int):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        hint = " (a .json file holds a list of objects, or one object per line)" * (data_format(path) == ".json")
+        raise DataError(f"{path} line {line}: not valid JSON ({e.msg}, column {e.colno}){hint}; fix or remove "
+                        "the line") from None
 
 
-def _line_records(f, path: str) -> Iterator[tuple[int, dict]]:
-    for line, text in enumerate(f, start=1):
-        if not text.strip():
-            continue
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError as e:
-            json_file = data_format(path) == ".json"
-            hint = " (a .json file holds a list of objects, or one object per line)" if json_file else ""
-            raise DataError(f"{path} line {line}: not valid JSON ({e.msg}, column {e.colno}){hint}; fix or remove "
-                            "the line") from None
-        yield line, _row(value, path, line)
-
-
-def _list_records(f, path: str) -> Iterator[tuple[int, dict]]:
-    reader = _ListReader(f, path)
-    reader.expect("[")
-    if reader.peek() == "]":
-        return
-    while True:
-        line, value = reader.value()
-        yield line, _row(value, path, line)
-        if reader.peek() == "]":
-            return
-        reader.expect(",")
-
-
-class _ListReader:
-    """Reads a JSON list's items one by one, holding about one item's text at a time."""
+class _ListItems:
+    """The rows of a JSON list, decoded one by one from a buffer of about one item's text (neither
+    pyarrow nor the json module reads a list an item at a time)."""
 
     def __init__(self, f, path: str):
         self.f, self.path = f, path
-        self.text, self.pos, self.lines_before, self.eof = "", 0, 0, False  # lines_before: lines of text dropped
+        self.text, self.pos, self.eof = "", 0, False
+        self.lines, self.counted = 0, 0  # the lines before text[counted] (counted once: positions only grow)
         self.decoder = json.JSONDecoder()
+
+    def __iter__(self) -> Iterator[tuple[int, dict]]:
+        self._expect("[")
+        if self.peek() == "]":
+            return
+        while True:
+            line, value = self._value()
+            yield line, _row(value, self.path, line)
+            if self.peek() == "]":
+                return
+            self._expect(",")
 
     def _read_more(self) -> None:
         """Drops the text before pos and appends more (at least as much as held: an item much longer
         than a chunk is decoded a bounded number of times)."""
-        self.lines_before += self.text.count("\n", 0, self.pos)
+        self._line(self.pos)
         chunk = self.f.read(max(CHUNK_CHARS, len(self.text)))
-        self.text, self.pos, self.eof = self.text[self.pos:] + chunk, 0, not chunk
+        self.text, self.pos, self.counted, self.eof = self.text[self.pos:] + chunk, 0, 0, not chunk
 
-    def line(self, pos: int) -> int:
-        return self.lines_before + self.text.count("\n", 0, pos) + 1
+    def _line(self, pos: int) -> int:
+        self.lines, self.counted = self.lines + self.text.count("\n", self.counted, pos), pos
+        return self.lines + 1
 
     def peek(self) -> str:
         """The next character that is not white space ('' at the end of the file)."""
         while True:
-            while self.pos < len(self.text) and self.text[self.pos].isspace():
-                self.pos += 1
+            self.pos = found.start() if (found := NOT_SPACE.search(self.text, self.pos)) else len(self.text)
             if self.pos < len(self.text) or self.eof:
                 return self.text[self.pos:self.pos + 1]
             self._read_more()
 
-    def expect(self, char: str) -> None:
+    def _expect(self, char: str) -> None:
         if self.peek() != char:
             found = repr(self.peek()) if self.peek() else "the end of the file"
-            raise DataError(f"{self.path} line {self.line(self.pos)}: expected {char!r} in the list of rows, found "
+            raise DataError(f"{self.path} line {self._line(self.pos)}: expected {char!r} in the list of rows, found "
                             f"{found}; a .json file holds a list of objects, or one object per line")
         self.pos += 1
 
-    def value(self) -> tuple[int, object]:
+    def _value(self) -> tuple[int, object]:
         """(line, value) of the next item."""
         self.peek()
         while True:
             try:
                 value, end = self.decoder.raw_decode(self.text, self.pos)
                 if end < len(self.text) or self.eof:  # else a number could go on in the next chunk
-                    line, self.pos = self.line(self.pos), end
+                    line, self.pos = self._line(self.pos), end
                     return line, value
             except json.JSONDecodeError as e:
                 if self.eof:
-                    raise DataError(f"{self.path} line {self.line(e.pos)}: not valid JSON ({e.msg}); fix the "
+                    raise DataError(f"{self.path} line {self._line(e.pos)}: not valid JSON ({e.msg}); fix the "
                                     "row there") from None
             self._read_more()
 

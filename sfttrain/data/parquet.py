@@ -10,13 +10,14 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import PurePath
 from typing import Optional
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from sfttrain.config import ConfigError, as_list
@@ -44,24 +45,29 @@ class RowGroup:
 
 class PromptResponse:
     """Row fields of prompt/response data: two strings, found by verl's (nested) key paths; or, with
-    no prompt path (data.prompt_key=null), the response alone: a whole text, every token trained."""
+    no prompt path (data.prompt_key=null), the response alone: a whole text, every token trained.
+    `joined_keys`: further prompt columns (Alpaca's input after its instruction) whose non-empty texts
+    follow the prompt's, a line apart, as LLaMA-Factory joins them."""
 
-    def __init__(self, prompt_path: Optional[list[str]], response_path: list[str]):
-        self.prompt_path, self.response_path = prompt_path, response_path
-        self.paths = [path for path in (prompt_path, response_path) if path]
+    def __init__(self, prompt_path: Optional[list[str]], response_path: list[str], joined_keys: list[str] = ()):
+        self.prompt_path, self.response_path, self.joined_keys = prompt_path, response_path, list(joined_keys)
+        self.paths = [path for path in (prompt_path, response_path) if path] + [[key] for key in self.joined_keys]
 
     def columns(self, file: str, names: list[str]) -> list[str]:
         for key_path in self.paths:
             if key_path[0] not in names:
                 raise DataError(f"{file}: no column {key_path[0]!r} (columns: {names}); set data.prompt_key / "
                                 f"data.response_key to the right columns{_form_hint(names)}")
-        return [path[0] for path in self.paths]
+        return list(dict.fromkeys(path[0] for path in self.paths))
 
     def decode(self, table, group: RowGroup, locals_: list[int]) -> tuple[list, list]:
         """(prompts, responses) of rows of a row group (`locals_`: their numbers in the group); a
         prompt is empty without a prompt path."""
         prompts, responses = ([_text(v, path, group, i) for i, v in zip(locals_, _cells(table, path[0]))]
                               if path else [""] * len(locals_) for path in (self.prompt_path, self.response_path))
+        for key in self.joined_keys:
+            texts = [None if v in (None, "") else _text(v, [key], group, i) for i, v in zip(locals_, _cells(table, key))]
+            prompts = [f"{p}\n{t}" if p and t else p or t or "" for p, t in zip(prompts, texts)]
         return prompts, responses
 
 
@@ -173,7 +179,9 @@ def row_fields(d) -> PromptResponse | ChatMessages:
     m = d.multiturn
     if m.enable:
         return ChatMessages(as_list(m.messages_key), m.tools_key, m.enable_thinking_key, m.system_key)
-    return PromptResponse(key_path(d.prompt_key, d.prompt_dict_keys), key_path(d.response_key, d.response_dict_keys))
+    prompt_keys = as_list(d.prompt_key)  # a column, or columns joined (Alpaca's [instruction,input])
+    return PromptResponse(key_path(next(iter(prompt_keys), None), d.prompt_dict_keys),
+                          key_path(d.response_key, d.response_dict_keys), prompt_keys[1:])
 
 
 class ParquetSource:
@@ -222,6 +230,23 @@ class ParquetSource:
             self.row_groups.append(RowGroup(file, i, first, n, source))
             first += n
 
+    def unread_text(self) -> dict:
+        """The prompt's columns and, per text column not read, the rows where it holds text beside them
+        (Alpaca's input under data.prompt_key=instruction): said with its count, not dropped unsaid."""
+        if not isinstance(self.fields, PromptResponse) or not self.fields.prompt_path:
+            return {}
+        counts: Counter[str] = Counter()
+        for file, read in self._columns.items():
+            parquet = pq.ParquetFile(file)
+            json_cells = JSON_CELLS.encode() in (parquet.schema_arrow.metadata or {})
+            text = [f.name for f in parquet.schema_arrow if f.name not in read and f.name != LINE_COLUMN
+                    and (pa.types.is_string(f.type) or pa.types.is_large_string(f.type))]
+            for batch in parquet.iter_batches(columns=text) if text else ():
+                for name, cells in zip(batch.schema.names, batch.columns):
+                    counts[name] += _text_cells(cells, json_cells)
+        rows = {name: n for name, n in sorted(counts.items()) if n}
+        return {"prompt_key": [self.fields.prompt_path[0], *self.fields.joined_keys], "rows": rows} if rows else {}
+
     def file_rows(self) -> list[tuple[str, int]]:
         """(user's file, rows) per file as listed, in reading order: a converted file's rows under its
         source's name; a file listed twice is read twice, and named twice."""
@@ -255,12 +280,9 @@ class ParquetSource:
 
     def read(self, rows: np.ndarray) -> list[tuple]:
         """(prompt, response, row id), or (messages, template kwargs, row id), for each global row id,
-        in the given order. The rows are taken group by group (one `take` and one conversion to
-        Python per row group touched), so a step's rows scattered over a shuffle window cost their
-        own size, not their groups'. Groups are visited in the order the rows first name them, so
-        that for a request in epoch order (a step's rows) the cache, trimmed after the read, drops
-        the groups of the window that ended, not those of the window that began: each group is
-        decoded once per epoch."""
+        in the given order: one `take` per row group touched, so scattered rows cost their own size.
+        Groups are visited in the order the rows first name them, so that the cache, trimmed after
+        the read, drops the window that ended, not the one that began: a group is decoded once an epoch."""
         rows = np.asarray(rows, dtype=np.int64)
         groups = np.searchsorted(self._starts, rows, side="right") - 1
         out: list = [None] * len(rows)
@@ -277,9 +299,8 @@ class ParquetSource:
         return out
 
     def _group(self, g: int) -> pa.Table:
-        """Row group g's columns, decoded once and kept as Arrow buffers (about the text's own size,
-        not Python objects) while the cache holds at most a shuffle window: a window's rows are
-        read in random order, so each of its groups stays until the window is consumed."""
+        """Row group g's columns, kept as Arrow buffers (about the text's size) while the cache holds
+        a shuffle window, whose rows are read in random order."""
         if g in self._cache:
             self._cache.move_to_end(g)
             return self._cache[g]
@@ -295,9 +316,8 @@ class ParquetSource:
         return self._cache[g]
 
     def _check_unchanged(self, group: RowGroup) -> None:
-        """Row groups are read lazily, long after the start-up scan counted their rows (a window of rows
-        is kept in memory, the rest read again as the epochs reach it): a file changed since then stops
-        the run, naming it, instead of training on rows the scan never saw."""
+        """Row groups are read long after the start-up scan counted them: a file changed since then
+        stops the run, naming it, instead of training on rows the scan never saw."""
         stamp = file_stamp(group.file)
         if stamp != self._stamps[group.file]:
             then = self._stamps[group.file]
@@ -343,11 +363,9 @@ SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "a
 
 
 def _messages(value, key: str, group: RowGroup, local: int) -> list[dict]:
-    """A row's conversation as a list of message dicts. Parquet gives every message struct the union
-    of all keys, absent ones as null: they are dropped again (a template tests `tool_calls is
-    defined`, not `is none`). A JSON string of the list is accepted too, ShareGPT's turns
-    (`from`/`value`) are read as the role/content messages they are, and OpenAI's content parts as
-    the text they hold."""
+    """A row's conversation (or its JSON text) as message dicts: the null keys Parquet's struct union
+    adds dropped (a template tests `tool_calls is defined`), ShareGPT's turns as role/content, and
+    OpenAI's content parts as their text."""
     value = _json(value, key, group, local)
     if not isinstance(value, list) or not all(isinstance(m, dict) for m in value):
         raise DataError(f"{_where(group, local)}: {key} is {_kind(value)}, "
@@ -431,6 +449,13 @@ def _cells(table: pa.Table, column: str) -> list:
     if JSON_CELLS.encode() not in (table.schema.metadata or {}):
         return values
     return [None if v is None else json.loads(v) for v in values]
+
+
+def _text_cells(cells: pa.Array, json_cells: bool) -> int:
+    """The cells holding a non-empty string (in a JSON conversion, a JSON string other than \"\")."""
+    if json_cells:
+        return pc.sum(pc.and_(pc.starts_with(cells, '"'), pc.greater(pc.utf8_length(cells), 2))).as_py() or 0
+    return pc.sum(pc.greater(pc.utf8_length(cells), 0)).as_py() or 0
 
 
 def _where(group: RowGroup, local: int) -> str:

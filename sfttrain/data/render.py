@@ -1,14 +1,10 @@
 """Turn (prompt, response) pairs into token ids and a loss mask, a block of rows at a time.
 
-With a chat template, a row is the template's rendering of one user turn with the prompt and one
-assistant turn with the response: the context is the template's generation prompt for the user
-turn, and the trained tokens are the response as the template writes it (trimmed where it trims,
-after the space it puts before it) through the template's end-of-turn token (`sfttrain.data.template`):
-`<|im_end|>` for Qwen, `<|eot_id|>` for Llama 3, `<end_of_turn>` for Gemma, ' </s>' for Llama 2. That
-token, not the tokenizer's EOS where the two differ: a base model's tokenizer ends texts with
-`<|endoftext|>`, while every conversation its fine-tuned model is served in writes `<|im_end|>` after
-its answers. Without a template, or where the template writes only whitespace after an answer, the
-response is followed by EOS.
+With a chat template, the context is the template's generation prompt for one user turn, and the
+trained tokens are the response as the template writes it through its end-of-turn token
+(`<|im_end|>`, `<|eot_id|>`, `<end_of_turn>`, ' </s>'; sfttrain.data.template), not the tokenizer's
+EOS where the two differ: the served model stops where its template ends a turn. Without a template,
+or where it writes only whitespace after an answer, the response is followed by EOS.
 """
 
 from __future__ import annotations
@@ -19,9 +15,8 @@ from sfttrain.config import ConfigError, rendering_problems
 from sfttrain.data.template import (DROPPED_FIX, TEMPLATE_FIX, AnswerNotLocated, TemplateFailed, TurnEnd, answer_span,
                                     apply_template, check_no_end_token, dropped, turn_end)
 
-# The version of how sfttrain turns rows into tokens, part of the data fingerprint: raised with every
-# change that renders the same rows, settings and tokenizer to other tokens, so that a resume across it
-# whose rows' tokens changed is refused at start-up naming it, and the old row-length cache is not reused.
+# part of the data fingerprint, raised with every change that renders the same rows to other tokens:
+# a resume across it is refused naming it, and the old row-length cache is not reused
 RENDERING_VERSION = 2
 RENDERING_CHANGE = ("an answer is written as the chat template writes it: ended with its end-of-turn token where the "
                     "tokenizer's EOS differs, trimmed or spaced where the template trims or spaces it, Qwen3's with its "
@@ -72,33 +67,19 @@ def each_row(rows: list[tuple], render_one) -> list:
 
 
 class Renderer:
-    def __init__(
-        self,
-        tokenizer,
-        *,
-        max_length: int,
-        truncation: str,
-        apply_chat_template: bool = True,
-        chat_template: str | None = None,
-    ):
+    def __init__(self, tokenizer, *, max_length: int, truncation: str, apply_chat_template: bool = True,
+                 chat_template: str | None = None):
         for problem in rendering_problems(max_length, truncation):
             raise ConfigError(problem)
         if apply_chat_template and chat_template is None and not getattr(tokenizer, "chat_template", None):
-            raise ConfigError(
-                "the tokenizer has no chat template; set data.apply_chat_template=false to use the "
-                "raw prompt text, or pass a Jinja template with data.chat_template=..."
-            )
-        self.tokenizer = tokenizer
-        self.max_length = max_length
-        self.truncation = truncation
-        self.apply_chat_template = apply_chat_template
-        self.chat_template = chat_template
+            raise ConfigError("the tokenizer has no chat template; set data.apply_chat_template=false to use the "
+                              "raw prompt text, or pass a Jinja template with data.chat_template=...")
+        self.tokenizer, self.max_length, self.truncation = tokenizer, max_length, truncation
+        self.apply_chat_template, self.chat_template = apply_chat_template, chat_template
         self.turn_end = turn_end(tokenizer, chat_template) if apply_chat_template else TurnEnd("", None, "")
         if self.turn_end.token is None and tokenizer.eos_token_id is None:
-            raise ConfigError(
-                "the tokenizer has no eos_token_id; every response is trained to end with EOS, "
-                "so set an eos token on the tokenizer"
-            )
+            raise ConfigError("the tokenizer has no eos_token_id; every response is trained to end with EOS, "
+                              "so set an eos token on the tokenizer")
         self.end_token = self.turn_end.token or tokenizer.eos_token  # trained after every answer
         self.end_token_id = int(tokenizer.convert_tokens_to_ids(self.end_token))
         self.id_limit: int | None = None  # set by `limit_ids`
@@ -117,10 +98,8 @@ class Renderer:
                 f"({', '.join(self.tokenizer.convert_ids_to_tokens(stop_ids))})")
 
     def limit_ids(self, embedding_rows: int | None) -> None:
-        """Refuses rows with a token id at or past the model's embedding rows (config.json's
-        vocab_size): on a GPU such an id ends the run with a CUDA device-side assert, on the CPU
-        with an IndexError. Only a tokenizer with more tokens than that can produce one (tokens
-        added without resizing the model's embeddings), so only then is each row checked."""
+        """Refuses rows with a token id at or past the model's embedding rows (a CUDA device-side assert
+        otherwise), checked only where the tokenizer has more tokens than that."""
         reachable = embedding_rows is not None and len(self.tokenizer) > embedding_rows
         self.id_limit = embedding_rows if reachable else None
 
@@ -128,12 +107,8 @@ class Renderer:
         return self.render_many([(prompt, response, row)])[0]
 
     def render_many(self, rows: list[tuple[str, str, int]]) -> list[RenderedSample]:
-        """Each (prompt, response, row) as a sample, in order. The rows' texts are tokenized in one
-        call for the contexts and one for the answers: a fast tokenizer's batch path runs its Rust
-        code over all of them on every core, with no Python call per text. The start-up scan renders
-        every row this way, 4096 at a time (bench/data_scale.py; docs/benchmarks.md): the tokenizer's
-        share of the work shrinks with more cores, the Python share (the template's two renderings of
-        each row) does not."""
+        """Each (prompt, response, row) as a sample, in order; the texts tokenized in one batch call
+        for the contexts and one for the answers (a fast tokenizer's Rust code on every core)."""
         if not rows:
             return []
         texts = each_row(rows, lambda r: self._texts(r[0], r[1]))
@@ -170,12 +145,8 @@ class Renderer:
                                  f"{TEMPLATE_FIX}") from e.__cause__
 
     def _pair(self, context_ids: list[int], answer_ids: list[int], row: int) -> RenderedSample:
-        # Context and answer are tokenized separately and concatenated. Tokenizing the joined
-        # text could merge tokens across the boundary, so the mask would not split cleanly, and
-        # the ids would differ from what the model sees at inference, where it continues from
-        # the generation prompt.
-        # The end token is trained so the model learns to stop. verl's single-turn SFT path drops
-        # EOS, and its models then never stop generating.
+        # tokenized apart: joined, tokens could merge across the boundary, unlike inference, which
+        # continues from the generation prompt. The end token is trained so that the model stops.
         if self.turn_end.token is None:  # the template's answer (or the plain response) ends without one
             answer_ids = [*answer_ids, self.end_token_id]
         input_ids = [*context_ids, *answer_ids]
@@ -188,27 +159,20 @@ class Renderer:
         n = len(input_ids)
         if n > self.max_length:
             if self.truncation == "error":
-                raise ValueError(
-                    f"row {row} has {n} tokens ({parts}), "
-                    f"more than data.max_length={self.max_length}; raise data.max_length or set "
-                    f"data.truncation=left|right"
-                )
+                raise ValueError(f"row {row} has {n} tokens ({parts}), more than data.max_length={self.max_length}; "
+                                 "raise data.max_length or set data.truncation=left|right")
             if self.truncation == "left":  # keep the end, so the EOS survives
                 input_ids, loss_mask = input_ids[-self.max_length :], loss_mask[-self.max_length :]
             else:  # right: keep the start; the EOS (and maybe the whole response) is lost
                 input_ids, loss_mask = input_ids[: self.max_length], loss_mask[: self.max_length]
-
-        # Token 0 has no predecessor, so it can never be a target (matters after left truncation
-        # or with an empty prompt and no BOS). Keeping it out keeps sum(loss_mask) an exact count.
+        # token 0 has no predecessor, so it is never a target: sum(loss_mask) stays an exact count
         if loss_mask and loss_mask[0]:
             loss_mask = [0] + loss_mask[1:]
         if self.id_limit is not None and max(input_ids, default=0) >= self.id_limit:
             beyond = sorted({t for t in input_ids if t >= self.id_limit})
-            raise ValueError(
-                f"row {row} has token ids {beyond[:5]} ({self.tokenizer.convert_ids_to_tokens(beyond[:5])}) at or past "
-                f"the model's {self.id_limit} embedding rows (config.json vocab_size); the tokenizer has "
-                f"{len(self.tokenizer)} tokens. Resize the model's embeddings to the tokenizer "
-                "(model.resize_token_embeddings(len(tokenizer)), then save_pretrained), or use the tokenizer the "
-                "model was trained with"
-            )
+            tokens = self.tokenizer.convert_ids_to_tokens(beyond[:5])
+            raise ValueError(f"row {row} has token ids {beyond[:5]} ({tokens}) at or past the model's {self.id_limit} "
+                             f"embedding rows (config.json vocab_size); the tokenizer has {len(self.tokenizer)} "
+                             "tokens. Resize the model's embeddings to the tokenizer (model.resize_token_embeddings("
+                             "len(tokenizer)), then save_pretrained), or use the tokenizer the model was trained with")
         return RenderedSample(input_ids=input_ids, loss_mask=loss_mask, row=row, full_length=n)

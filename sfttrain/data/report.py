@@ -116,6 +116,12 @@ def describe(report: dict) -> str:
            "tokens: that sample trains more than once an epoch"] if repeated["count"] else []),
         f"  row scan            : {_row_scan(report)}",
     ]
+    if text := report.get("unread_text"):
+        rows, joined = report["rows"], ",".join([*text["prompt_key"], next(iter(text["rows"]))])
+        lines.append(f"  WARNING: text the run does not read, beside the prompt: "
+                     f"{', '.join(f'column {c} in {n} of {rows} rows' for c, n in text['rows'].items())}. A column "
+                     f"that belongs to the prompt (Alpaca's input after its instruction) is joined to it when listed "
+                     f"in data.prompt_key: data.prompt_key=[{joined}]")
     if trunc["count"] and trunc["effect"] == "eos_cut":
         lines.append(f"  WARNING: data.truncation=right cut the end of {trunc['count']} responses, EOS "
                      f"included (those samples never learn to stop), e.g. rows {_row_list(trunc)}")

@@ -380,3 +380,18 @@ def test_a_value_outside_a_keys_choices_or_below_its_least_is_refused():
         assert re.search(rf"^{re.escape(key)}='nonsense' is not one of \[", str(refused.value), re.MULTILINE), key
     for key, least in counts.items():
         assert f"\n{key} must be >= {least}, got {least - 1}" in f"\n{refused.value}", key
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.prompt_key=[]"], r"data.prompt_key=\[\]: give a column name, null, or a list of columns"),
+    (["data.prompt_key=[instruction,input]", "data.prompt_dict_keys=[q]"],
+     r"data.prompt_dict_keys with data.prompt_key=\['instruction', 'input'\]: nested keys follow one column"),
+    (["data.prompt_key=[instruction,answer]"], "read the same cell: each sample would be its answer after itself"),
+])
+def test_prompt_columns_that_cannot_make_a_prompt_are_refused(overrides, message):
+    """A list of prompt columns (Alpaca's [instruction,input]) is joined into the prompt: an empty list, nested
+    keys beside several columns, or the response's own column among them are refused naming the key."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(overrides=[*COMMON, *overrides])
+    assert load_config(overrides=[*COMMON, "data.prompt_key=[instruction,input]"]).data.prompt_key == ["instruction",
+                                                                                                        "input"]

@@ -10,7 +10,7 @@ from omegaconf import ListConfig
 
 from sfttrain.config.compat import verl_switch_problems
 from sfttrain.config.schema import (DTYPES, LOGGERS, Config, DataConfig, FSDPConfig, ModelConfig, OptimConfig,
-                                    TrainerConfig, default_of, logger_names, schema_fields, short, value_of)
+                                    TrainerConfig, as_list, default_of, logger_names, schema_fields, short, value_of)
 from sfttrain.errors import ConfigError
 
 
@@ -79,11 +79,15 @@ def _validate_data(d: DataConfig) -> Iterator[str]:
     if d.prompt_key is None and not d.multiturn.enable and d.apply_chat_template:
         yield ("data.prompt_key=null trains whole texts without a prompt, which a chat template would "
                "render as an empty user turn: set data.apply_chat_template=false")
-    keys = d.multiturn.messages_key
-    if not (isinstance(keys, str) and keys or isinstance(keys, (list, tuple, ListConfig)) and keys
-            and all(isinstance(k, str) and k for k in keys)):
-        yield (f"data.multiturn.messages_key={keys!r}: give a column name, or a list of columns whose "
-               "message lists make one conversation, e.g. [prompt,completion]")
+    if d.prompt_key is not None and not _columns(d.prompt_key):
+        yield (f"data.prompt_key={d.prompt_key!r}: give a column name, null, or a list of columns whose texts are "
+               "joined into the prompt, e.g. [instruction,input]")
+    elif len(as_list(d.prompt_key)) > 1 and d.prompt_dict_keys:
+        yield (f"data.prompt_dict_keys with data.prompt_key={as_list(d.prompt_key)}: nested keys follow one column; "
+               "give data.prompt_key one column, or remove data.prompt_dict_keys")
+    if not _columns(d.multiturn.messages_key):
+        yield (f"data.multiturn.messages_key={d.multiturn.messages_key!r}: give a column name, or a list of columns "
+               "whose message lists make one conversation, e.g. [prompt,completion]")
     if d.multiturn.enable and not d.apply_chat_template:
         yield ("data.multiturn.enable=true renders conversations with a chat template: remove "
                "data.apply_chat_template=false (data.chat_template=... sets a template of your own)")
@@ -106,10 +110,17 @@ def _check_dict_keys_have_a_column(d: DataConfig) -> Iterator[str]:
                "remove data.prompt_dict_keys")
 
 
+def _columns(value: Any) -> bool:
+    """A column name, or a non-empty list of them."""
+    return (isinstance(value, str) and value != "" or isinstance(value, (list, tuple, ListConfig)) and len(value) > 0
+            and all(isinstance(k, str) and k for k in value))
+
+
 def _check_prompt_is_not_the_response(d: DataConfig) -> Iterator[str]:
     """One column read at two nested keys (verl's extra_info: question, answer) is two cells."""
-    prompt, response = [d.prompt_key, *(d.prompt_dict_keys or [])], [d.response_key, *(d.response_dict_keys or [])]
-    if d.prompt_key is not None and not d.multiturn.enable and prompt == response:
+    keys = as_list(d.prompt_key)
+    prompts = [[*keys[:1], *(d.prompt_dict_keys or [])], *([key] for key in keys[1:])]
+    if keys and not d.multiturn.enable and [d.response_key, *(d.response_dict_keys or [])] in prompts:
         yield (f"data.prompt_key={d.prompt_key!r} and data.response_key={d.response_key!r} read the same cell: each "
                "sample would be its answer after itself as the prompt; set data.response_key to the answers' column "
                "(or data.prompt_dict_keys / data.response_dict_keys to a nested column's two fields)")

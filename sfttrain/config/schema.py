@@ -39,8 +39,9 @@ class DataConfig:
     train_files: Any = key(None, "Parquet, JSON Lines, JSON, CSV/TSV or Arrow files: a file, a directory, a "
                                  "pattern, a save_to_disk folder, or a list of these (README: Your own data)")
     val_files: Any = key(None, "optional; validation reads all of it")
-    prompt_key: Optional[str] = key("question", "the prompt's column; null: none, the response column is the whole "
-                                                "text and every token is trained (with apply_chat_template=false)")
+    prompt_key: Any = key("question", "the prompt's column, or a list of columns whose non-empty texts are joined a "
+                                      "line apart (Alpaca's [instruction,input]); null: none, the response column is "
+                                      "the whole text and every token is trained (with apply_chat_template=false)")
     response_key: str = key("answer", "the response's column (the supervised tokens)")
     prompt_dict_keys: Optional[list[str]] = key(None, "verl's nested keys: row[prompt_key][k0][k1]...")
     response_dict_keys: Optional[list[str]] = key(None, "the same for the response column")

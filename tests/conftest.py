@@ -71,6 +71,16 @@ def pytest_configure(config):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
+@pytest.fixture(autouse=True)
+def attention_state(monkeypatch):
+    """attention.configure (load_model calls it) sets a process-wide backend and cuDNN-rows choice:
+    whatever a test sets is undone after it, so that no test depends on the one before."""
+    from sfttrain import attention
+
+    for name in ("_backend", "_cudnn_rows"):
+        monkeypatch.setattr(attention, name, getattr(attention, name))
+
+
 def built_once(tmp_path_factory, name: str, build: Callable[[Path], None]) -> Path:
     """The folder `name`, filled by `build` once for the whole test session. Under pytest-xdist each
     worker is a process with session fixtures of its own: the folder lives where all workers see it

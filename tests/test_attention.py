@@ -128,10 +128,8 @@ def backend(request):
         attention.select_backend(request.param, DEVICE)
     except ValueError as e:
         pytest.skip(str(e))
-    previous = attention.get_backend()
-    attention.configure(request.param, DEVICE)
-    yield request.param
-    attention._backend = previous
+    attention.configure(request.param, DEVICE)  # undone by conftest's attention_state
+    return request.param
 
 
 # ---------------------------------------------------------------------------------------------

@@ -378,7 +378,11 @@ def fsync_path(path: str) -> None:
 
 
 def size_text(n: int) -> str:
-    return f"{n / 1e9:.3g} GB" if n >= 1e8 else f"{n / 1e6:.3g} MB"
+    """Bytes as people write them: 3.25 MB, 850 MB, 12.5 GB, 1.5 TB (not 1.5e+03 GB)."""
+    for unit, scale in (("MB", 1e6), ("GB", 1e9), ("TB", 1e12), ("PB", 1e15)):
+        if float(f"{n / scale:.3g}") < 1000:
+            break
+    return f"{n / scale:.3g} {unit}"
 
 
 def nearest_existing(path: str) -> str:

@@ -19,7 +19,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     for group, settings in zip(groups, group_settings(cfg)):
         group.update(settings)
     # fused: one kernel per dtype and device (CUDA and CPU), which also applies the clip factor and
-    # skips a non-finite step on the device (clipped_step); the CPU tests run the GPUs' path
+    # skips a non-finite step on the device (clipped_step)
     return torch.optim.AdamW(groups, lr=cfg.lr, fused=True)
 
 
@@ -29,32 +29,26 @@ def group_settings(cfg: OptimConfig) -> list[dict]:
     return [{**common, "weight_decay": cfg.weight_decay}, {**common, "weight_decay": 0.0}]
 
 
-def clipped_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], max_norm: float,
+def clipped_step(optimizer: torch.optim.AdamW, params: list[torch.Tensor], max_norm: float,
                  loss_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Clips the gradients to a total 2-norm of max_norm (inf: no clipping) and steps the
-    optimizer, unless the loss or the norm is not finite. Returns the gradient norm (global under
-    FSDP) and whether the step was taken, both on loss_sum's device.
+    """Clips the gradients to a total 2-norm of max_norm (inf: no clipping) and steps build_optimizer's fused
+    AdamW, unless the loss or the norm is not finite. Returns the gradient norm (global under FSDP) and whether
+    the step was taken, both on loss_sum's device.
 
-    A fused AdamW gets the clip factor and the skip as device tensors, through the hooks torch's
-    AMP GradScaler uses (gradients divided by `grad_scale`; nothing updated, not even the step
-    count, when `found_inf` is set): the GPU runs from backward into the update without waiting
-    for the host, and no extra pass rewrites every gradient. This holds for FSDP's DTensor
-    parameters too (0-dim tensors are replicated implicitly) and for parameters offloaded to the
-    host (the kernel copies both scalars to each parameter's device). A plain AdamW (CPU) gets
-    the gradients clipped in place and the check read on the host."""
+    The clip factor and the skip reach the fused kernel as device tensors, through the attributes torch's AMP
+    GradScaler sets (gradients divided by `grad_scale`; nothing updated, not even the step count, when
+    `found_inf` is set): no host sync between backward and the update, and no extra pass over the gradients.
+    torch does not document them: tests/test_optim.py fails on a torch whose fused AdamW stops reading them.
+    FSDP's DTensor parameters take them too (0-dim tensors replicate implicitly), and so do parameters
+    offloaded to the host (the kernel copies both to each parameter's device)."""
     norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2: the all-reduce of the partial norms
         norm = norm.full_tensor()
     full_norm = norm.to(loss_sum.device, non_blocking=True)  # on the host when offloaded
     finite = torch.isfinite(full_norm) & torch.isfinite(loss_sum)
-    if optimizer.defaults.get("fused"):
-        coef = torch.clamp(max_norm / (full_norm.float() + 1e-6), max=1.0)  # clip_grads_with_norm_'s
-        optimizer.grad_scale, optimizer.found_inf = 1.0 / coef, (~finite).float()
-        optimizer.step()
-    else:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-        if finite.item():
-            optimizer.step()
+    coef = torch.clamp(max_norm / (full_norm.float() + 1e-6), max=1.0)  # clip_grads_with_norm_'s
+    optimizer.grad_scale, optimizer.found_inf = 1.0 / coef, (~finite).float()
+    optimizer.step()
     return full_norm, finite
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import re
 import contextlib
 import fcntl
 import itertools
@@ -66,9 +68,72 @@ def pytest_configure(config):
     """Under pytest-xdist (`make test` runs the suite on 2 workers), each worker's own torch
     threads get the worker's share of the cores: 2 workers x all cores each would oversubscribe
     them in the in-process tests. OMP_NUM_THREADS, where set, is the caller's choice and stays."""
+    if config.getoption("allowed_skips") and not os.environ.get("PYTEST_XDIST_WORKER"):
+        config.pluginmanager.register(SkipAudit(Path(config.getoption("allowed_skips"))), "skip_audit")
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 1))
     if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+@pytest.fixture(autouse=True)
+def attention_state(monkeypatch):
+    """attention.configure (load_model calls it) sets a process-wide backend and cuDNN-rows choice:
+    whatever a test sets is undone after it, so that no test depends on the one before."""
+    from sfttrain import attention
+
+    for name in ("_backend", "_cudnn_rows"):
+        monkeypatch.setattr(attention, name, getattr(attention, name))
+
+
+def pytest_addoption(parser):
+    parser.addoption("--allowed-skips", metavar="FILE",
+                     help="fail the run on a skip of a test that FILE does not list (.ci/run: tests/allowed_skips.txt)")
+
+
+# where a test that tests/allowed_skips.txt lists may skip: what this machine lacks
+SKIP_CONDITIONS = {
+    "no-gpu": lambda: not torch.cuda.is_available(),
+    "pre-hopper": lambda: not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+    "no-flash-attn": lambda: importlib.util.find_spec("flash_attn") is None,
+    "no-liger": lambda: importlib.util.find_spec("liger_kernel") is None,
+}
+
+
+class SkipAudit:
+    """--allowed-skips FILE: a test that skips must match a line of FILE whose condition holds on this machine;
+    any other skip fails the run, and so does a line that matches no test of a whole-suite run (a renamed
+    test). Registered where every test's report arrives: pytest-xdist's controller, or the one process."""
+
+    def __init__(self, path: Path):
+        self.path, self.allowed = path, []
+        for line in path.read_text().splitlines():
+            if line.split("#", 1)[0].strip():
+                pattern, where = line.split("#", 1)[0].split()
+                holds = any(SKIP_CONDITIONS[condition]() for condition in where.split("|"))
+                self.allowed.append((re.compile(".*".join(map(re.escape, pattern.split("*"))) + "$"), pattern, holds))
+        self.ran: set[str] = set()
+        self.skipped: dict[str, str] = {}
+        self.problems: list[str] = []
+
+    def pytest_runtest_logreport(self, report):
+        self.ran.add(report.nodeid)
+        if report.skipped and not hasattr(report, "wasxfail"):
+            self.skipped[report.nodeid] = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+
+    def pytest_sessionfinish(self, session):
+        self.problems = [f"{test} skipped ({why}): {self.path} does not allow it on this machine"
+                         for test, why in self.skipped.items()
+                         if not any(holds and regex.match(test) for regex, _, holds in self.allowed)]
+        config = session.config
+        if config.args_source is pytest.Config.ArgsSource.TESTPATHS and not (config.option.keyword or config.option.markexpr):
+            self.problems += [f"{self.path}: {pattern} matches no test that ran (renamed or removed?)"
+                              for regex, pattern, _ in self.allowed if not any(map(regex.match, self.ran))]
+        if self.problems and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def pytest_terminal_summary(self, terminalreporter):
+        for problem in self.problems:
+            terminalreporter.write_line(f"SKIP AUDIT: {problem}", red=True)
 
 
 def built_once(tmp_path_factory, name: str, build: Callable[[Path], None]) -> Path:

@@ -128,10 +128,8 @@ def backend(request):
         attention.select_backend(request.param, DEVICE)
     except ValueError as e:
         pytest.skip(str(e))
-    previous = attention.get_backend()
-    attention.configure(request.param, DEVICE)
-    yield request.param
-    attention._backend = previous
+    attention.configure(request.param, DEVICE)  # undone by conftest's attention_state
+    return request.param
 
 
 # ---------------------------------------------------------------------------------------------
@@ -476,12 +474,11 @@ def test_select_backend():
         assert attention.select_backend("auto", "cuda") in ("flash_attn", "torch_varlen")
 
 
+@pytest.mark.parametrize("backend", ("flash_attn", "torch_varlen"), indirect=True)  # sdpa_blockmask runs fp32 as is
 @pytest.mark.parametrize("kind", ("llama", "qwen2"))
 def test_autocast_with_fp32_weights(backend, kind):
     """fp32 weights under bf16 autocast: RoPE leaves q/k in fp32 and v in bf16; the flash
     backends must cast all three to the autocast dtype instead of failing."""
-    if backend == "sdpa_blockmask":
-        pytest.skip("the flash backends' dtype handling; sdpa_blockmask runs fp32 as is")
     _, atol, rtol = TOL[backend]
     ref, packed = _models(kind, torch.float32)
     samples = _samples()

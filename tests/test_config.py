@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from sfttrain.config import ConfigError, load_config
+from sfttrain.config import ConfigError, load_config, mixed_precision_dtypes
 
 COMMON = ["data.train_files=x.parquet", "model.partial_pretrain=m"]
 
@@ -24,8 +24,14 @@ def test_silently_ignored_verl_values_are_refused(override, message):
 
 @pytest.mark.parametrize("override", ["data.balance_dp_token=true", "model.strategy=fsdp2",
                                       "model.fsdp_config.mixed_precision.buffer_dtype=fp32"])
-def test_values_that_have_their_effect_are_accepted(override):
-    load_config(overrides=[*COMMON, override])
+def test_values_that_name_what_sfttrain_does_load_as_its_defaults(override):
+    """verl's values for sfttrain's only behaviour (balanced tokens, FSDP2, fp32 buffers) load, to the run
+    that leaving them out gives (the mixed precision spelled as a dict: the same dtypes)."""
+    config, default = (load_config(overrides=[*COMMON, *extra]) for extra in ([override], []))
+    mixed = config.model.fsdp_config, default.model.fsdp_config
+    assert mixed_precision_dtypes(mixed[0]) == mixed_precision_dtypes(mixed[1])
+    mixed[0].mixed_precision = mixed[1].mixed_precision
+    assert config == default
 
 
 @pytest.mark.parametrize("override", ["trainer.log_freq=0", "trainer.log_freq=-2", "trainer.total_training_steps=0",

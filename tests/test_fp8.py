@@ -98,7 +98,6 @@ def test_auto_turns_fp8_on_for_wide_layers_only():
 def test_fast_accumulation_reaches_the_gradient_gemms_unless_turned_off(fast_grads):
     """model.fp8_fast_accum_grads: the gradient GEMMs' accumulation is the forward's fast mode, or
     torchao's recipe as it is; the start-up line says which."""
-    pytest.importorskip("torchao.float8", reason="torchao: pip install -e '.[fp8]'")
     model, cfg = llama(), ModelConfig(fp8="tensorwise", fp8_fast_accum_grads=fast_grads)
     fp8.apply(model, cfg, fsdp_all_gather=False)
     configs = [m.config for m in fp8.converted_layers(model)]
@@ -148,7 +147,6 @@ def _flat(tree, prefix=""):
 def test_emulated_fp8_trains_close_to_fp32_with_the_same_state():
     """Conversion swaps the GEMMs only: the same parameters (objects, names), a loss and gradients
     within FP8's rounding of the fp32 ones, and the same optimizer state keys after a step."""
-    pytest.importorskip("torchao.float8", reason="torchao: pip install -e '.[fp8]'")
     from sfttrain.model import decoder_layers
 
     reference, model = llama(), llama()
@@ -179,7 +177,6 @@ def test_sharded_fp8_checkpoint_and_export_are_unchanged(tmp_path):
     rank), materialised from the model folder; its checkpoint (model and optimizer) holds the same
     keys, shapes, dtypes and values as the plain model's, and `sfttrain.export` writes the same
     files byte for byte."""
-    pytest.importorskip("torchao.float8", reason="torchao: pip install -e '.[fp8]'")
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -302,7 +299,6 @@ def test_fp8_all_gather_under_fsdp_matches_the_unsharded_fp8_model(tmp_path):
     """FSDP2 over 2 ranks with FP8 all-gather (each rank casts its shard with the scale of the whole
     weight, then gathers FP8) computes what the unsharded FP8 model computes: the same FP8 values
     enter the same GEMMs, so the losses of two steps agree to fp32 rounding (emulated GEMMs, CPU)."""
-    pytest.importorskip("torchao.float8", reason="torchao: pip install -e '.[fp8]'")
     import torch.multiprocessing as mp
 
     ids = torch.randint(0, 256, (1, 64), generator=torch.Generator().manual_seed(2))

@@ -718,18 +718,22 @@ def test_preflight_usage_names_the_recipe_and_overrides(capsys):
 def test_preflight_lists_a_missing_liger_kernel(tmp_path, monkeypatch):
     """model.use_liger=true without liger-kernel stops a GPU run at start-up (exit code 5), as verl's recipe
     (recipes/verl_sft_fsdp2.yaml, the README's first torchrun) would on a machine with `make install` alone:
-    a problem here for trainer.device=cuda, a note where the run may land on GPUs (auto, this machine has
-    none), nothing for a CPU run, which ignores the key. The preflight said 'no problems found'."""
+    a problem for trainer.device=cuda and for auto on a GPU host, a note where the run may land on GPUs (auto,
+    a host without one), nothing for a CPU run, which ignores the key."""
     monkeypatch.setitem(sys.modules, "liger_kernel.transformers.monkey_patch", None)  # not importable
     data = [*BASE_OVERRIDES, f"data.train_files={tmp_path}/absent.parquet", "model.use_liger=true"]
     missing = "model.use_liger=true but liger-kernel is not installed: pip install -e '.[gpu]' --no-build-isolation"
     code, out = run_plan(*data, "trainer.device=cuda", "--nproc", "1")
     assert code == 2 and missing in out.split("problems:")[1], out
-    code, out = run_plan(*data, "trainer.device=auto", "--nproc", "1")
-    if not torch.cuda.is_available():
-        assert code == 0 and f"if this runs on GPUs: {missing}" in out.split("not checked here:")[1], out
     code, out = run_plan(*data, "--nproc", "1")
     assert code == 0 and missing not in out, out
+    for gpu_host in (False, True):  # what this machine has decides auto's device
+        monkeypatch.setattr(torch.cuda, "is_available", lambda gpu_host=gpu_host: gpu_host)
+        code, out = run_plan(*data, "trainer.device=auto", "--nproc", "1")
+        if gpu_host:
+            assert code == 2 and missing in out.split("problems:")[1], out
+        else:
+            assert code == 0 and f"if this runs on GPUs: {missing}" in out.split("not checked here:")[1], out
 
 
 def test_preflight_refuses_the_layouts_the_device_cannot_run(tmp_path):

@@ -180,15 +180,12 @@ def commit_of(checkout: str) -> str | None:
     checkout's top (git would answer for a repository around an installed package) or git is missing."""
     if not os.path.exists(os.path.join(checkout, ".git")):
         return None
-    try:
-        head = subprocess.run(["git", "-C", checkout, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-        changed = subprocess.run(["git", "-C", checkout, "status", "--porcelain", "--untracked-files=no"],
-                                 capture_output=True, text=True)
+    try:  # --exclude=*: the commit, never a tag's name
+        done = subprocess.run(["git", "-C", checkout, "describe", "--always", "--exclude=*", "--dirty=+changes"],
+                               capture_output=True, text=True)
     except OSError:
         return None
-    if head.returncode != 0:
-        return None
-    return head.stdout.strip() + ("+changes" if changed.stdout.strip() else "")
+    return done.stdout.strip() if done.returncode == 0 else None
 
 
 def host_memory_gib() -> dict:

@@ -63,11 +63,10 @@ class ChatRenderer(Renderer):
             for i in turns:
                 check_no_end_token([t for t in (messages[i].get("reasoning_content"), messages[i]["content"])
                                     if isinstance(t, str)], self.turn_end, f"assistant message {i}")
+            text = self._render(messages, kwargs, False)
+            spans = [self._assistant_span(text, messages, kwargs, i) for i in turns]
         except AnswerNotLocated as e:
             raise ValueError(f"row {row}: {e}") from None
-        try:
-            text = self._render(messages, kwargs, False)
-            spans = [self._assistant_span(text, messages, kwargs, i, row) for i in turns]
         except TemplateFailed as e:
             raise ValueError(f"row {row}: the chat template failed on this conversation: {e}; "
                              f"{TEMPLATE_FIX}") from None
@@ -81,13 +80,10 @@ class ChatRenderer(Renderer):
         return self.fit(input_ids, loss_mask, row, f"{n} assistant turn{'s' * (n != 1)} of {len(messages)} "
                                                    f"messages, {sum(loss_mask)} trained")
 
-    def _assistant_span(self, text: str, messages: list[dict], kwargs: dict, i: int, row: int) -> tuple[int, int]:
-        try:
-            span = answer_span(self.tokenizer, text, self._render(messages[:i], kwargs, True), self.turn_end,
-                               lambda: self._render(messages[:i], kwargs, False), f"assistant message {i}")
-            return span.start, span.stop
-        except AnswerNotLocated as e:
-            raise ValueError(f"row {row}: {e}") from None
+    def _assistant_span(self, text: str, messages: list[dict], kwargs: dict, i: int) -> tuple[int, int]:
+        span = answer_span(self.tokenizer, text, self._render(messages[:i], kwargs, True), self.turn_end,
+                           lambda: self._render(messages[:i], kwargs, False), f"assistant message {i}")
+        return span.start, span.stop
 
 
 def check_turns_apart(spans: list[tuple[int, int]], turns: list[int], end_token: str, row: int) -> None:

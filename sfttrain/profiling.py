@@ -152,21 +152,16 @@ def describe_peak(events: list[dict], allocated_before: int, top: int = 10) -> l
 def live_at_peak(events: list[dict]) -> tuple[int, list[dict]]:
     """The most bytes allocated beyond the window's start (alloc and free_requested events, as
     memory_allocated counts them) and the window's allocations live then."""
-    def replay(stop: int | None):
-        live, current, peak, peak_at = {}, 0, 0, -1
-        for i, event in enumerate(events[:stop]):
-            if event["action"] == "alloc":
-                live[event["addr"]] = event
-                current += event["size"]
-            elif event["action"] == "free_requested":
-                live.pop(event["addr"], None)
-                current -= event["size"]
-            if current > peak:
-                peak, peak_at = current, i
-        return live, peak, peak_at
-
-    _, peak, peak_at = replay(None)
-    live, _, _ = replay(peak_at + 1)
+    current, peak, peak_at, live = 0, 0, -1, {}
+    for i, event in enumerate(events):
+        current += {"alloc": 1, "free_requested": -1}.get(event["action"], 0) * event["size"]
+        if current > peak:
+            peak, peak_at = current, i
+    for event in events[:peak_at + 1]:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+        elif event["action"] == "free_requested":
+            live.pop(event["addr"], None)
     return peak, list(live.values())
 
 

@@ -9,6 +9,7 @@ generation stops there: what the template writes after it is not trained.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -101,9 +102,9 @@ def _start_past(tokenizer, text: str, prompt: str, before: str, where: str) -> t
     """Where the answer starts when `text` lacks the generation prompt whole: past what they share, at
     a token boundary of the prompt ('<b>' shares a '<' with '<think>'), and whether they share nothing
     past the messages before it. Those must be in `text` as they are, or the context is not inference's."""
-    stable = _common_prefix(before, prompt, 0)
-    if not text.startswith(prompt[:stable]):
-        k = max(0, _common_prefix(prompt, text, 0) - 20)  # some of what they share, then where they part
+    stable, shared = len(os.path.commonprefix([before, prompt])), len(os.path.commonprefix([prompt, text]))
+    if shared < stable:
+        k = max(0, shared - 20)  # some of what they share, then where they part
         raise AnswerNotLocated(
             f"the chat template is not prefix-stable at {where}: it renders the messages before it as "
             f"{prompt[k:k + 60]!r} from character {k} when the conversation ends there (as for generation), but as "
@@ -112,17 +113,11 @@ def _start_past(tokenizer, text: str, prompt: str, before: str, where: str) -> t
             "and Tekken templates write the system message into the last user turn only). Split the conversation "
             "into rows that end at this answer, drop the message the template moves, or replace the template "
             "(data.chat_template=...)")
-    shared = _common_prefix(prompt, text, stable)
     if not getattr(tokenizer, "is_fast", False):  # a Python tokenizer has no offsets (prompt/response rows only)
         return shared, shared == stable < len(prompt)
     offsets = tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
     start = max((b for _, b in offsets if stable < b <= shared), default=stable)
     return start, start == stable < len(prompt)
-
-
-def _common_prefix(a: str, b: str, known: int) -> int:
-    n = min(len(a), len(b))
-    return next((k for k in range(known, n) if a[k] != b[k]), n)
 
 
 def check_no_end_token(texts: list[str], end: TurnEnd, where: str) -> None:

@@ -1,9 +1,8 @@
 """Models named by a Hugging Face hub id (`model.partial_pretrain=Qwen/Qwen2.5-0.5B-Instruct`).
 
-Rank 0 downloads the snapshot into the local hub cache (HF_HUB_CACHE / HF_HOME) while the other
-ranks wait; then every rank reads that snapshot from its own cache, pinned to the commit rank 0
-got (a node whose cache is not shared fetches the same commit). Offline (HF_HUB_OFFLINE=1 or no
-network) a model that is not in the cache is a ConfigError that says how to get it there.
+Rank 0 downloads the snapshot into the hub cache while the others wait; then every rank reads the
+commit rank 0 got from its own cache (fetching it where the cache is not shared). Offline, a model
+not in the cache is a ConfigError that says how to get it there.
 """
 
 from __future__ import annotations
@@ -29,18 +28,18 @@ def is_repo_id(name: str) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def local_model_path(name: str) -> str:
-    """A local folder as given; a hub id -> its snapshot folder in the local cache. Collective when
-    it is a hub id (every rank calls it; cached, so the tokenizer and the model share one call)."""
+    """A local folder as given; a hub id -> its snapshot folder. Collective for a hub id (cached: the
+    tokenizer and the model share one call)."""
     if not is_repo_id(name):
         return name
     outcome = [_download(name) if _rank() == 0 else None]
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(outcome, src=0)  # the others wait here while rank 0 downloads
+        dist.broadcast_object_list(outcome, src=0)
     path, error = outcome[0]
     if error is None and _rank() != 0:
-        commit = os.path.basename(path)  # snapshots/<commit>: every rank reads the revision rank 0 got
+        commit = os.path.basename(path)  # snapshots/<commit>
         path, error = _download(name, commit, local_files_only=True)
-        if error is not None:  # this node's cache is not rank 0's: it fetches the same commit
+        if error is not None:  # this node's cache is not rank 0's
             path, error = _download(name, commit)
     if error is not None:
         raise ConfigError(error)
@@ -48,8 +47,7 @@ def local_model_path(name: str) -> str:
 
 
 def cached_folder(name: str) -> str | None:
-    """The local cache's snapshot folder of hub id `name` that holds its config.json, or None.
-    Never downloads (the preflight reads what this machine has)."""
+    """The cached snapshot folder holding `name`'s config.json, or None; never downloads."""
     from huggingface_hub import try_to_load_from_cache
 
     found = try_to_load_from_cache(name, "config.json")

@@ -1,7 +1,7 @@
 """What the user sees: a progress bar, one console line per step, metrics.jsonl, wandb.
 
-Throughput is honest: real (non-pad) input tokens and supervised tokens per second, timed
-between the completions of consecutive steps on the device; MFU by the formula in sfttrain/flops.py.
+Throughput counts real (non-pad) and supervised tokens, timed between the completions of
+consecutive steps on the device; MFU by sfttrain/flops.py.
 """
 
 from __future__ import annotations
@@ -28,17 +28,16 @@ from sfttrain.flops import ModelShape, mfu, peak_flops
 
 METRICS = "metrics.jsonl"
 REWOUND = "metrics_rewound.jsonl"
+LINE_KEYS = ("epoch", "loss", "val/loss", "lr", "grad_norm", "router_aux", "expert_load", "tokens_per_s",
+             "loss_tokens_per_s", "mfu", "step_time_s", "data_wait_s", "mem_peak_alloc_gib")
 
 
 class StepEnd:
-    """The end of a step's work on the device: the step's numbers, copied to host memory behind
-    that work, and when it finished. On CUDA an event marks it: read() waits for that work only
-    (a .tolist() would wait for everything queued since, so the host could not queue the next
-    step while the GPU finishes this one), and time is taken between two ends' events on the
-    GPU's clock. On CPU the work is done when the call returns: the host's clock."""
+    """The end of a step's work on the device, with the step's numbers copied behind it. On CUDA an
+    event marks it, so read() waits for that work only (not for the next step the host has queued)
+    and times come from the GPU's clock; on CPU the work is done when the call returns."""
 
     def __init__(self, device: torch.device, values: torch.Tensor | None = None):
-        # into pinned memory when values are on CUDA; no values: a mark in time only
         self.host = values.to("cpu", non_blocking=True) if values is not None else None
         self.clock = time.perf_counter()
         self.event = None
@@ -59,9 +58,8 @@ class StepEnd:
 
 
 class StepTimer:
-    """A step's time runs from the end of the previous step's work on the device to the end of
-    its own, whenever the host reads them, so it includes the data wait and logging between
-    them (all that the GPU waited for), and nothing of the next step."""
+    """A step's time runs from the end of the previous step's work to the end of its own: the data
+    wait and logging between them count (the GPU waited for them), nothing of the next step."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -78,12 +76,11 @@ class StepTimer:
 
 def throughput(lengths: list[int], loss_tokens: int, seconds: float, shape: ModelShape, num_gpus: int,
                device: torch.device) -> dict:
-    """Tokens/s, and MFU against this device's peak (omitted where the peak is unknown, CPU included)."""
+    """Tokens/s, and MFU where this device's peak is known (not on CPU)."""
     tokens = sum(lengths)
     out = {"tokens": tokens, "loss_tokens": loss_tokens, "step_time_s": seconds,
            "tokens_per_s": tokens / seconds, "loss_tokens_per_s": loss_tokens / seconds}
-    peak = peak_flops(device)
-    if peak:
+    if peak := peak_flops(device):
         out["mfu"] = mfu(shape.flops_per_token(lengths), tokens / seconds, num_gpus, peak)
     return out
 
@@ -91,14 +88,12 @@ def throughput(lengths: list[int], loss_tokens: int, seconds: float, shape: Mode
 def memory_stats(device: torch.device) -> dict:
     if device.type != "cuda":
         return {}
-    gib = 2**30
-    return {"mem_peak_alloc_gib": torch.cuda.max_memory_allocated(device) / gib,
-            "mem_peak_reserved_gib": torch.cuda.max_memory_reserved(device) / gib}
+    return {"mem_peak_alloc_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+            "mem_peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}
 
 
 def require_loggers(cfg: Config) -> None:
-    """wandb is imported at start-up, before the model loads: a missing or broken install is one
-    clear error instead of a traceback once the model is on the GPU."""
+    """A missing or broken wandb is one error at start-up, not a traceback once the model is loaded."""
     if "wandb" not in logger_names(cfg.trainer):
         return
     try:
@@ -109,9 +104,8 @@ def require_loggers(cfg: Config) -> None:
 
 
 def start_wandb(cfg: Config, run_dir: str, run_id: Optional[str]):
-    """Rank 0's wandb run (trainer.logger includes wandb), started before the model loads: a missing
-    login is one message, not a traceback once the model is loaded. `run_id`: the resumed run's."""
-    import wandb  # checked at start-up by require_loggers; WANDB_MODE=offline works without a network
+    """Rank 0's wandb run, started before the model loads; `run_id`: the resumed run's."""
+    import wandb
     from omegaconf import OmegaConf
 
     os.makedirs(run_dir, exist_ok=True)
@@ -125,23 +119,17 @@ def start_wandb(cfg: Config, run_dir: str, run_id: Optional[str]):
 
 
 class ProgressBar:
-    """A tqdm bar on a terminal; plain periodic lines elsewhere (SLURM logs, pipes). The rate and
-    ETA come from the device-timed step times, not tqdm's clock: the bar starts after start-up
-    and after a resume, where tqdm's own rate would mix in the loading time or the skipped steps."""
+    """A tqdm bar on a terminal, plain lines elsewhere (SLURM logs, pipes). The rate and ETA are the
+    median of recent device-timed steps: tqdm's clock would count start-up and a resume's skipped
+    steps, and a mean would carry a compilation's or a checkpoint's outlier for dozens of steps."""
 
     def __init__(self, start_step: int, total_steps: int, interactive: bool):
         self.total = total_steps
-        # the median of the recent step times: the first step after a start (compilation) or a
-        # checkpoint is an outlier that an average would carry for dozens of steps
         self.recent: collections.deque[float] = collections.deque(maxlen=20)
         self.bar = None
-        if interactive:
+        if interactive:  # tqdm puts ", " before the postfix itself
             self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True,
-                            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} {postfix}")
-
-    @property
-    def step_time(self) -> float | None:
-        return statistics.median(self.recent) if self.recent else None
+                            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt}{postfix}")
 
     def advance(self, step: int, seconds: float) -> None:
         self.recent.append(seconds)
@@ -150,12 +138,15 @@ class ProgressBar:
             self.bar.set_postfix_str(self.eta(step), refresh=True)
 
     def eta(self, step: int) -> str:
-        if self.step_time is None:
+        if not self.recent:
             return ""
-        left = int(self.step_time * (self.total - step))
-        return f"{self.step_time:.3g} s/step, ETA {left // 3600}:{left // 60 % 60:02d}:{left % 60:02d}"
+        step_time = statistics.median(self.recent)
+        left = int(step_time * (self.total - step))
+        return f"{step_time:.3g} s/step, ETA {left // 3600}:{left // 60 % 60:02d}:{left % 60:02d}"
 
     def write(self, line: str) -> None:
+        if self.bar is not None and self.bar.n >= self.total:
+            self.close()  # a finished bar stays above what follows, not redrawn under it
         if self.bar is not None:
             self.bar.write(line)
         else:
@@ -171,14 +162,13 @@ def describe_software(device: torch.device) -> str:
     """The start-up line of the libraries and the code that ran: what a bug report or a rerun needs."""
     runtime = f"CUDA {torch.version.cuda}" if torch.version.cuda else f"ROCm {torch.version.hip}"
     accelerator = f", {runtime} on {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""
-    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the folder sfttrain/ is in
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = commit_of(checkout)
     return (f"  software            : torch {torch.__version__}{accelerator}, transformers {installed('transformers')}, "
             f"peft {installed('peft')}; sfttrain from {checkout}" + (f" at {code}" if code else ""))
 
 
 def installed(package: str) -> str:
-    """A package's installed version, read from its metadata (no import), or "not installed"."""
     try:
         return version(package)
     except PackageNotFoundError:
@@ -186,24 +176,20 @@ def installed(package: str) -> str:
 
 
 def commit_of(checkout: str) -> str | None:
-    """The git commit of a checkout, "+changes" where tracked files differ from it; None where the folder
-    is no git checkout's top (an installed package: git would answer for a repository around it) or git
-    is missing."""
+    """The checkout's git commit, "+changes" where tracked files differ; None where the folder is no
+    checkout's top (git would answer for a repository around an installed package) or git is missing."""
     if not os.path.exists(os.path.join(checkout, ".git")):
         return None
-    try:
-        head = subprocess.run(["git", "-C", checkout, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-        changed = subprocess.run(["git", "-C", checkout, "status", "--porcelain", "--untracked-files=no"],
-                                 capture_output=True, text=True)
+    try:  # --exclude=*: the commit, never a tag's name
+        done = subprocess.run(["git", "-C", checkout, "describe", "--always", "--exclude=*", "--dirty=+changes"],
+                               capture_output=True, text=True)
     except OSError:
         return None
-    if head.returncode != 0:
-        return None
-    return head.stdout.strip() + ("+changes" if changed.stdout.strip() else "")
+    return done.stdout.strip() if done.returncode == 0 else None
 
 
 def host_memory_gib() -> dict:
-    """This process's resident host memory now (VmRSS) and its high-water mark (VmHWM), Linux."""
+    """This process's resident host memory (VmRSS) and its high-water mark (VmHWM), Linux."""
     try:
         with open("/proc/self/status") as f:
             fields = dict(line.split(":", 1) for line in f if line.startswith(("VmRSS", "VmHWM")))
@@ -213,8 +199,7 @@ def host_memory_gib() -> dict:
 
 
 def describe_host_memory(per_rank: list[dict]) -> str:
-    """The start-up line of every rank's host memory: its peak, and its resident memory before the
-    model was built (the difference is what loading the model cost)."""
+    """Every rank's peak, and its memory before the model (the difference: what loading it cost)."""
     if not all(per_rank):
         return "not measured (no /proc/self/status)"
     peaks = ", ".join(f"{m['host_peak_gib']:.2f}" for m in per_rank)
@@ -223,16 +208,16 @@ def describe_host_memory(per_rank: list[dict]) -> str:
 
 
 class MetricsLogger:
-    """Rank 0 only: every other rank gets a logger that does nothing."""
+    """Rank 0's; every other rank's does nothing."""
 
     def __init__(self, cfg: Config, run_dir: str, enabled: bool, total_steps: int, start_step: int,
                  wandb_id: Optional[str] = None, wandb_run=None):
         self.enabled = enabled
         self.log_freq = cfg.trainer.log_freq
         self.total_steps = total_steps
-        self.wandb = wandb_run  # start_wandb's, on rank 0 with trainer.logger including wandb
-        self.seen: dict[str, tuple[int, float]] = {}  # "first loss", "last loss", "last val/loss": (step, value)
-        # what checkpoints keep, so that a resume continues the same wandb run (also through a resume without wandb)
+        self.wandb = wandb_run
+        self.seen: dict[str, tuple[int, float]] = {}  # "first loss", "last val/loss"...: (step, value)
+        # kept by checkpoints, so that a resume (even one without wandb) continues the same wandb run
         self.wandb_id = wandb_run.id if wandb_run else wandb_id
         if not enabled:
             return
@@ -259,40 +244,36 @@ class MetricsLogger:
             self.progress.write(line if self.progress.bar is not None else f"{line} | {self.progress.eta(step)}")
 
     def event(self, record: Optional[dict], line: str) -> None:
-        """A record that is not a step's metrics (a checkpoint committed): metrics.jsonl (if any) and one line.
-        metrics.jsonl is fsynced with it: a checkpoint's commit is where a crash's resume goes back to, so the
-        records up to it survive a power loss as the checkpoint does (one fsync per save; one per step, or per
-        log_freq steps, would keep records that the resume rewinds anyway)."""
+        """A record that is not a step's (a checkpoint committed), fsynced: a crash's resume goes back
+        to that checkpoint, so the records up to it survive a power loss as it does."""
         if self.enabled:
             if record is not None:
                 self._append(record)
-                self._sync()
-            tqdm.write(line)
+                with self._naming_file():
+                    os.fsync(self.jsonl.fileno())
+            self.progress.write(line)
 
     def _append(self, record: dict) -> None:
-        try:
+        with self._naming_file():
             if os.fstat(self.jsonl.fileno()).st_nlink == 0:
-                # deleted under the run, its records going to no file: a new one, or (its run folder gone
-                # too) FileNotFoundError, which sfttrain.run says at once rather than at the next save
+                # deleted under the run: a new file, or (the run folder gone too) FileNotFoundError now
                 fresh = open(self.jsonl.name, "a")
                 self.jsonl.close()
                 self.jsonl = fresh
             self.jsonl.write(json.dumps(record) + "\n")
             self.jsonl.flush()
-        except OSError as e:  # a full disk (sfttrain.run says it): the error names the file
-            e.filename = e.filename or self.jsonl.name
-            raise
 
-    def _sync(self) -> None:
+    @contextlib.contextmanager
+    def _naming_file(self):
+        """An OSError (a full or failing disk, which sfttrain.run says) names metrics.jsonl."""
         try:
-            os.fsync(self.jsonl.fileno())
-        except OSError as e:  # a failing disk (sfttrain.run says it): the error names the file
+            yield
+        except OSError as e:
             e.filename = e.filename or self.jsonl.name
             raise
 
     def summary(self, steps: int, seconds: float, run_dir: str, final: Optional[str], exported: Optional[str]) -> str:
-        """The run's end: what this start trained, and the commands that take its result further
-        (`exported`: trainer.save_hf's Hugging Face folder, when there is one)."""
+        """The run's end: what this start trained, and the commands that take its result further."""
         losses = " -> ".join(f"{self.seen[k][1]:.4g} (step {self.seen[k][0]})" for k in ("first loss", "last loss")
                              if k in self.seen)
         val = f"; val/loss {self.seen['last val/loss'][1]:.4g}" if "last val/loss" in self.seen else ""
@@ -311,38 +292,35 @@ class MetricsLogger:
             self.progress.write(text)
 
     def close(self) -> None:
-        """Idempotent: the entry point also calls it when training stops on an error, so that the
-        error is printed below a finished bar, not glued onto it."""
+        """Idempotent: also called when training stops on an error, which then prints below the bar."""
         if not self.enabled or self.jsonl.closed:
             return
         self.progress.close()
-        # every record was flushed when written: closing fails only on the one whose write failed, and that
-        # error is already on its way (a second one would hide it)
+        # only the record whose write failed can fail here, and its error is already on its way
         with contextlib.suppress(OSError):
-            os.fsync(self.jsonl.fileno())  # the run's last records, after its final checkpoint
+            os.fsync(self.jsonl.fileno())
             self.jsonl.close()
         if self.wandb:
             self.wandb.finish()
 
 
 def format_line(record: dict, total_steps: int) -> str:
-    keys = ("epoch", "loss", "val/loss", "lr", "grad_norm", "router_aux", "expert_load", "tokens_per_s", "loss_tokens_per_s", "mfu",
-            "step_time_s", "data_wait_s", "mem_peak_alloc_gib")
-    parts = [f"step {record['step']}/{total_steps}"]
-    for k in keys:
-        if k in record:
-            v = record[k]
-            parts.append(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}")
-    return " | ".join(parts)
+    return " | ".join([f"step {record['step']}/{total_steps}",
+                       *(f"{k} {readable(record[k])}" for k in LINE_KEYS if k in record)])
+
+
+def readable(value) -> str:
+    """A number as people read it: 10,590 tokens/s, a loss of 1.234, a learning rate of 2e-05."""
+    if isinstance(value, float):
+        return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+    return str(value)
 
 
 def rewind_metrics(run_dir: str, step: int, note: Optional[dict] = None, own: bool = False) -> None:
-    """Makes metrics.jsonl the history of the state being resumed: records of steps after `step`
-    (logged by an attempt that crashed or was stopped after its last checkpoint; the resumed run
-    logs those steps again) and lines that do not read (a last line cut short by a crash or a full
-    disk) move to metrics_rewound.jsonl; `note` is appended. What a crash took is said in one line:
-    lines that did not read, or (`own`: the checkpoint resumed is this run folder's, whose records
-    up to it were written here) the records up to `step` gone, metrics.jsonl missing or empty."""
+    """Makes metrics.jsonl the history of the state resumed: records after `step` (the resumed run
+    logs those steps again) and lines that do not read (cut short by a crash or a full disk) move to
+    metrics_rewound.jsonl; `note` is appended. `own`: the checkpoint is this run folder's, so records
+    up to it that are gone are said."""
     path = os.path.join(run_dir, METRICS)
     keep, dropped, torn = [], [], 0
     if os.path.isfile(path):
@@ -365,13 +343,10 @@ def rewind_metrics(run_dir: str, step: int, note: Optional[dict] = None, own: bo
             f.writelines(dropped)
             f.flush()
             os.fsync(f.fileno())  # on the disk before metrics.jsonl's replacement drops them
-    write_atomically(path, "".join(keep))  # the rewound history, not the old one, after a crash of the resumed run
+    write_atomically(path, "".join(keep))
 
 
 def _say_lost(path: str, step: int, torn: int, kept: int, own: bool) -> None:
-    """A resume's note of what a crash (or a full disk) took from metrics.jsonl: lines cut short, moved
-    aside so that the resumed run's records follow whole lines; or every record up to the checkpoint
-    (the file missing or empty: its bytes never reached the disk), which no curve will show."""
     say = logging.getLogger("sfttrain").warning
     if torn and kept:
         say(f"{path}: {torn} line(s) cut short (a crash or a full disk while the run wrote them) moved to "

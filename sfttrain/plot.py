@@ -1,8 +1,7 @@
 """`python -m sfttrain.plot RUN_DIR [--out FILE]`: a run's curves from its metrics.jsonl, as one PNG.
 
-Four panels: training and validation loss, learning rate, throughput (real and supervised
-tokens/s), and peak GPU memory (absent on CPU runs: the panel says so). Writes
-RUN_DIR/metrics.png unless --out says otherwise; needs no display (matplotlib's Agg backend).
+A panel each for loss, learning rate, throughput and peak GPU memory, those the run recorded (a CPU
+run has no GPU memory). Writes RUN_DIR/metrics.png unless --out says otherwise; needs no display.
 """
 
 from __future__ import annotations
@@ -30,8 +29,7 @@ PANELS = {
 
 def read_series(path: str) -> dict[str, tuple[list[int], list[float]]]:
     """key -> (steps, values); a step logged twice (a run resumed after it) keeps its last value. Lines
-    that do not read as a record (a last line cut short by a crash or a full disk while the run wrote
-    it) are left out and said on stderr; a file without a record is a DataError."""
+    that do not read (cut short by a crash) are left out and said on stderr."""
     if not os.path.isfile(path):
         raise DataError(f"{path} does not exist: give the run folder (trainer.default_local_dir) of a run")
     by_key: dict[str, dict[int, float]] = {}
@@ -64,25 +62,23 @@ def _record(line: str) -> dict | None:
     return record if isinstance(record, dict) and isinstance(record.get("step"), int) else None
 
 
-def plot(series: dict[str, tuple[list[int], list[float]]], title: str, out: str) -> None:
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8), sharex=True)
-    for ax, (name, curves) in zip(axes.flat, PANELS.items()):
-        drawn = [(k, label) for k, label in curves if k in series]
-        for key, label in drawn:
+def figure(series: dict[str, tuple[list[int], list[float]]], run_dir: str):
+    """The recorded panels in a column over a shared step axis, titled with the run's name."""
+    panels = {name: [(k, label) for k, label in curves if k in series] for name, curves in PANELS.items()}
+    panels = {name: curves for name, curves in panels.items() if curves} or {"loss": []}
+    fig, axes = plt.subplots(len(panels), 1, figsize=(12, 8), sharex=True, squeeze=False)
+    for ax, (name, curves) in zip(axes[:, 0], panels.items()):
+        for key, label in curves:
             steps, values = series[key]
             ax.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3, label=label)
-        if not drawn:
-            ax.text(0.5, 0.5, "not recorded in this run", ha="center", va="center", transform=ax.transAxes)
-        elif len(drawn) > 1:
+        if len(curves) > 1:
             ax.legend()
         ax.set_title(name)
         ax.grid(alpha=0.3)
-    for ax in axes[1]:
-        ax.set_xlabel("step")
-    fig.suptitle(title)
+    axes[-1, 0].set_xlabel("step")
+    fig.suptitle(os.path.basename(os.path.abspath(run_dir)))
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    return fig
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,10 +89,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out = args.out or os.path.join(args.run_dir, "metrics.png")
     try:
-        plot(read_series(os.path.join(args.run_dir, "metrics.jsonl")), os.path.abspath(args.run_dir), out)
+        series = read_series(os.path.join(args.run_dir, "metrics.jsonl"))
     except DataError as e:
         print(f"sfttrain plot: {e}", file=sys.stderr)
         return e.exit_code
+    fig = figure(series, args.run_dir)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
     print(out)
     return 0
 

@@ -1,23 +1,11 @@
 """trainer.profile_steps: where a step's time goes, from torch.profiler over a window of steps.
 
-Every rank records its host operators (with their inputs' shapes) and (on CUDA) its kernels over
-the consecutive steps named, writes a Chrome trace (open it in https://ui.perfetto.dev) into
-<run folder>/profile/, and rank 0 prints a summary: wall time and kernel time per step, kernel
-time by kind (GEMM, attention, Triton, communication, copies), the GEMMs by their operands' shapes
-with the FLOP rate each reached (a skinny GEMM that runs far below the GPU's peak stands out), the
-top kernels, and where the GPU sat idle between them: for each large gap, whether the host launched
-the next kernel late (and which operators it was in meanwhile) or the device waited. Each step is a
-range of its own in the trace ("sfttrain step N").
-
-trainer.profile_memory (CUDA) also records the caching allocator's history over the window (each
-allocation and free with its Python stack, torch.cuda.memory._record_memory_history), saves it as
-a snapshot for https://pytorch.org/memory_viz, and the summary replays it: the window's peak
-allocated memory and what the window's own allocations live at that moment hold, by the line
-that made them. Recording the stacks slows the host, so the timings of such a window run slow.
-
-The window ends with a device synchronisation, so that its last kernels are in the trace: the step
-after it starts with an empty queue (one step's worth of the host/device overlap is lost). Writing
-the trace takes seconds; the trainer leaves them out of the next step's time, as it does a save's.
+Every rank writes a Chrome trace (https://ui.perfetto.dev) into <run folder>/profile/; rank 0 prints
+a summary: kernel time by kind, GEMMs by operand shapes with the FLOP rate each reached, the top
+operators, and for the largest idle gaps whether the host launched late (inside which operators) or
+the device waited. trainer.profile_memory (CUDA) also saves the allocator's history for
+https://pytorch.org/memory_viz and names what is live at the window's peak; its stacks slow the host.
+The window ends with a device synchronisation so that its last kernels are in the trace.
 """
 
 from __future__ import annotations
@@ -38,29 +26,25 @@ from sfttrain.errors import ConfigError
 
 PROFILE_DIR = "profile"
 SUMMARY = "summary.txt"
-MEMORY_EVENTS = 1_000_000  # the allocator's history kept at most (several KB each, with their stacks)
+MEMORY_EVENTS = 1_000_000  # allocator events kept at most (several KB each with their stacks)
 GIB = 2**30
 DEVICE_ACTIVITY = ("kernel", "gpu_memcpy", "gpu_memset")  # trace categories of what the GPU runs
-HOST_LAUNCH = ("cuda_runtime", "cuda_driver")  # the host's calls that queue it (cudaLaunchKernel, cuLaunchKernel)
-# kernel kinds by name, first match wins: inductor's own kernels are triton_... (named after the ops
-# they fuse, which may include the attention op whose input they prepare); cuDNN's attention kernels
-# are named ...sdpa...; cuBLAS's GEMMs nvjet/sm90_xmma/cutlass
+HOST_LAUNCH = ("cuda_runtime", "cuda_driver")  # the host's calls that queue it
+# kernel kinds by name, first match wins: inductor's triton_... kernels may be named after an attention op they feed
 KINDS = (("triton", ("triton",)), ("attention", ("flash", "fmha", "sdpa", "attn")), ("communication", ("nccl",)),
          ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "splitk")), ("copy", ("memcpy", "memset")))
 
-# the matrix-product operators and the positions of their two factors among the inputs ("Input Dims")
+# the matrix-product operators and the positions of their two factors among "Input Dims"
 GEMM_OPERANDS = {"aten::mm": (0, 1), "aten::addmm": (1, 2), "aten::bmm": (0, 1), "aten::baddbmm": (1, 2),
                  "aten::_scaled_mm": (0, 1)}
 
 
 def check_window(steps: list[int] | None, total_steps: int) -> None:
-    """The window lies within the run (it is known once the data is planned)."""
     if steps and max(steps) > total_steps:
         raise ConfigError(f"trainer.profile_steps={steps}: the run has {total_steps} steps; name steps within it")
 
 
 def describe(t: TrainerConfig, run_dir: str, steps_done: int, device: torch.device) -> list[str]:
-    """The start-up line (none when off)."""
     steps = t.profile_steps
     if not steps:
         return []
@@ -75,7 +59,6 @@ def describe(t: TrainerConfig, run_dir: str, steps_done: int, device: torch.devi
 
 
 def window_passed(steps: list[int] | None, steps_done: int) -> str | None:
-    """Said where a resume starts after the window (the start-up's profile line, and the preflight)."""
     if steps and max(steps) <= steps_done:
         return f"steps {window_name(steps)} ran before this resume (after step {steps_done}): nothing is profiled"
     return None
@@ -86,8 +69,7 @@ def window_name(steps: list[int]) -> str:
 
 
 class StepProfiler:
-    """Starts the profiler before the window's first step run (a resume may start inside it) and
-    stops it after its last."""
+    """From the window's first step run (a resume may start inside it) through its last."""
 
     def __init__(self, t: TrainerConfig, run_dir: str, rank: int, device: torch.device, info):
         self.steps = sorted(t.profile_steps or [])
@@ -116,8 +98,7 @@ class StepProfiler:
         self.start = time.perf_counter()
 
     def after_step(self, step: int) -> bool:
-        """Closes the step's range; True once the window has ended (its trace written: seconds that
-        are not the next step's time)."""
+        """True once the window has ended (writing its trace took seconds not the next step's)."""
         if self.step_range is None:
             return False
         self.step_range.__exit__(None, None, None)
@@ -145,7 +126,6 @@ class StepProfiler:
         self.prof = None
 
     def stop_memory(self, name: str) -> list[str]:
-        """Saves the allocator's history as a snapshot file and returns the summary's lines on it."""
         snapshot = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(enabled=None)
         path = os.path.join(self.folder, f"memory_steps_{name}_rank{self.rank}.pickle")
@@ -170,30 +150,23 @@ def describe_peak(events: list[dict], allocated_before: int, top: int = 10) -> l
 
 
 def live_at_peak(events: list[dict]) -> tuple[int, list[dict]]:
-    """Replays the allocator's history (alloc and free_requested events, as memory_allocated counts
-    them): the most bytes allocated beyond the window's start at any moment, and the allocations
-    made in the window that were live then. A free of an older block lowers the count."""
-    def replay(stop: int | None):
-        live, current, peak, peak_at = {}, 0, 0, -1
-        for i, event in enumerate(events[:stop]):
-            if event["action"] == "alloc":
-                live[event["addr"]] = event
-                current += event["size"]
-            elif event["action"] == "free_requested":
-                live.pop(event["addr"], None)
-                current -= event["size"]
-            if current > peak:
-                peak, peak_at = current, i
-        return live, peak, peak_at
-
-    _, peak, peak_at = replay(None)
-    live, _, _ = replay(peak_at + 1)
+    """The most bytes allocated beyond the window's start (alloc and free_requested events, as
+    memory_allocated counts them) and the window's allocations live then."""
+    current, peak, peak_at, live = 0, 0, -1, {}
+    for i, event in enumerate(events):
+        current += {"alloc": 1, "free_requested": -1}.get(event["action"], 0) * event["size"]
+        if current > peak:
+            peak, peak_at = current, i
+    for event in events[:peak_at + 1]:
+        if event["action"] == "alloc":
+            live[event["addr"]] = event
+        elif event["action"] == "free_requested":
+            live.pop(event["addr"], None)
     return peak, list(live.values())
 
 
 def allocation_site(frames: list[dict]) -> str:
-    """The innermost frame outside torch itself (a model's code, sfttrain's, inductor's generated
-    code), as file:line function."""
+    """The innermost frame outside torch, as file:line function."""
     for frame in frames:
         if f"{os.sep}torch{os.sep}" not in frame["filename"]:
             return f"{frame['filename']}:{frame['line']} {frame['name']}"
@@ -201,7 +174,6 @@ def allocation_site(frames: list[dict]) -> str:
 
 
 def summarise(prof, trace: str, wall: float, steps: int) -> str:
-    """Rank 0's summary: kernels by kind, GEMMs by shape and the idle gaps from the trace, the top operators."""
     with open(trace) as f:
         events = json.load(f)["traceEvents"]
     device = [e for e in events if e.get("cat") in DEVICE_ACTIVITY]
@@ -209,11 +181,9 @@ def summarise(prof, trace: str, wall: float, steps: int) -> str:
     if device:
         busy = sum(e.get("dur", 0) for e in device) / 1e6 / steps
         lines[0] += f", GPU kernels {busy * 1e3:.1f} ms/step ({100 * busy / wall:.0f}% of the wall time)"
-        lines += kernel_kinds(device, steps) + gemm_shapes(events, steps) + idle_gaps(events, steps)
-        sort_by = "self_device_time_total"
-    else:
-        lines += gemm_shapes(events, steps)
-        sort_by = "self_cpu_time_total"  # a CPU run: the host's operators are the work
+    lines += (kernel_kinds(device, steps) if device else []) + gemm_shapes(events, steps)
+    lines += idle_gaps(events, steps) if device else []
+    sort_by = "self_device_time_total" if device else "self_cpu_time_total"  # on CPU the operators are the work
     lines.append(prof.key_averages().table(sort_by=sort_by, row_limit=15, max_name_column_width=70))
     return "\n".join(lines)
 
@@ -224,28 +194,24 @@ def kernel_kind(name: str) -> str:
 
 
 def kernel_kinds(device: list[dict], steps: int) -> list[str]:
-    time_of, count_of = collections.Counter(), collections.Counter()
+    time_of, count_of = collections.Counter(), collections.Counter(kernel_kind(e["name"]) for e in device)
     for e in device:
-        kind = kernel_kind(e["name"])
-        time_of[kind] += e.get("dur", 0)
-        count_of[kind] += 1
+        time_of[kernel_kind(e["name"])] += e.get("dur", 0)
     return ["kernel time by kind, per step:"] + [
         f"  {kind:14s} {us / 1e3 / steps:9.2f} ms  {count_of[kind] / steps:7.0f} kernels"
         for kind, us in time_of.most_common()]
 
 
 def gemm_shapes(events: list[dict], steps: int, top: int = 12) -> list[str]:
-    """GEMM time by the operator's factor shapes, with the FLOP rate reached (2 x M x N x K a product).
-    On a GPU each kernel counts for the GEMM operator that launched it (split-K's reduction too); on a
-    CPU run the operator's own time is the work. Under inductor's C++ wrapper the compiled layers call
-    cuBLAS without an operator the profiler records: their GEMM kernels are counted apart."""
+    """GEMM time by factor shapes with the FLOP rate reached: on a GPU the kernels each GEMM operator
+    launched (split-K's reduction too), on CPU the operator's own time. Inductor's C++ wrapper calls
+    cuBLAS with no operator recorded: those kernels are counted apart."""
     ops = [e for e in events if e.get("cat") == "cpu_op" and e["name"] in GEMM_OPERANDS and gemm_factors(e)]
     device = [e for e in events if e.get("cat") in DEVICE_ACTIVITY]
     calls = collections.Counter(gemm_factors(op) for op in ops)
     time_of, unattributed = collections.Counter(), 0
-    if not device:
-        for op in ops:
-            time_of[gemm_factors(op)] += op.get("dur", 0)
+    for op in ops if not device else []:
+        time_of[gemm_factors(op)] += op.get("dur", 0)
     launcher = LaunchingOperator(events, ops)
     for kernel in device:
         op = launcher.of(kernel)
@@ -271,7 +237,6 @@ def gemm_shapes(events: list[dict], steps: int, top: int = 12) -> list[str]:
 
 
 def gemm_factors(op: dict) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """The two factors' shapes of a GEMM operator's call (None where the profiler recorded none)."""
     dims = op.get("args", {}).get("Input Dims", [])
     a, b = GEMM_OPERANDS[op["name"]]
     if len(dims) <= b or len(dims[a]) not in (2, 3) or len(dims[b]) != len(dims[a]):
@@ -280,15 +245,12 @@ def gemm_factors(op: dict) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
 
 
 def gemm_flops(factors: tuple[tuple[int, ...], tuple[int, ...]]) -> int:
-    """2 x M x N x K (x the batch of a bmm)."""
-    a, b = factors
-    return 2 * math.prod(a) * b[-1]
+    return 2 * math.prod(factors[0]) * factors[1][-1]
 
 
 class LaunchingOperator:
-    """The GEMM operator a kernel was launched from: the launch call (by the kernel's correlation id)
-    lies inside it on the same thread. GEMM operators do not nest, so on a thread the one that began
-    last before the launch holds it, if any does."""
+    """The GEMM operator around a kernel's launch call on its thread (GEMMs do not nest: the last one
+    begun before the launch, if it still runs)."""
 
     def __init__(self, events: list[dict], ops: list[dict]):
         self.launches = launches_by_correlation(events)
@@ -309,8 +271,7 @@ class LaunchingOperator:
 
 
 def idle_gaps(events: list[dict], steps: int, top: int = 8) -> list[str]:
-    """Where the GPU waits: the gaps between consecutive device activities, in total per step
-    and the largest ones with the kernels on either side and what the GPU waited for (`gap_cause`)."""
+    """The GPU's idle time between activities per step, and the largest gaps with their cause."""
     device = sorted((e for e in events if e.get("cat") in DEVICE_ACTIVITY), key=lambda e: e["ts"])
     gaps, end, before = [], device[0]["ts"] + device[0].get("dur", 0), device[0]
     for e in device[1:]:
@@ -331,16 +292,13 @@ def idle_gaps(events: list[dict], steps: int, top: int = 8) -> list[str]:
 
 
 def launches_by_correlation(events: list[dict]) -> dict:
-    """The host's launch calls by the correlation id their kernels carry."""
     return {e["args"]["correlation"]: e for e in events
             if e.get("cat") in HOST_LAUNCH and "correlation" in e.get("args", {})}
 
 
 def gap_cause(gap_start: float, launch: dict, host_ops: list[dict], top: int = 3) -> str:
-    """What the GPU waited for: a kernel launched after the GPU fell idle waited for the host, which was
-    then inside the host operators named (those running between the idle's start and the launch,
-    on the launching thread, by time; not those around the whole interval); one launched before
-    waited on the device (a dependency, an event, a copy)."""
+    """A kernel launched after the GPU fell idle waited for the host: the launching thread's operators
+    in that interval (not those around all of it) by time. One launched before waited on the device."""
     late = launch["ts"] - gap_start
     if late <= 0:
         return f"launched {-late / 1e3:.2f} ms before: the device waited, not the host"
@@ -357,8 +315,7 @@ def gap_cause(gap_start: float, launch: dict, host_ops: list[dict], top: int = 3
 
 
 def op_label(op: dict) -> str:
-    """A host operator's name and, where the profiler recorded them, its inputs' shapes (which of a
-    step's many calls of one operator it was): `aten::mul [13568, 896] x []`."""
+    """`aten::mul [13568, 896] x []`: the shapes tell one operator's calls apart."""
     dims = [d for d in op.get("args", {}).get("Input Dims", []) if isinstance(d, list)]
     shapes = " x ".join(str(d) for d in dims[:3])
     return f"{op['name'][:50]} {shapes}".rstrip()

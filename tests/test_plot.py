@@ -46,3 +46,48 @@ def test_plot_names_a_folder_without_metrics(tmp_path):
     done = subprocess.run([sys.executable, "-m", "sfttrain.plot", str(tmp_path)], cwd=REPO, capture_output=True,
                           text=True)
     assert done.returncode == 3 and "metrics.jsonl does not exist" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_step_lines_print_numbers_as_people_read_them():
+    from sfttrain.metrics import format_line
+
+    line = format_line({"step": 3, "epoch": 0, "loss": 1.23456, "lr": 2e-05, "tokens_per_s": 10590.4,
+                        "loss_tokens_per_s": 999.5, "step_time_s": 0.61234}, 24)
+    assert line == ("step 3/24 | epoch 0 | loss 1.235 | lr 2e-05 | tokens_per_s 10,590 | loss_tokens_per_s 999.5 | "
+                    "step_time_s 0.6123")
+
+
+def test_progress_bar_reads_cleanly_and_stays_above_the_summary(monkeypatch):
+    """On a terminal: the count and the rate without a stray comma, and once the bar is full what the
+    run prints after it (its checkpoint, its summary) comes below it, the bar not drawn again."""
+    import io
+
+    from sfttrain.metrics import ProgressBar
+
+    screen = io.StringIO()  # the terminal, which the bar (stderr) and the lines (stdout) share
+    monkeypatch.setattr(sys, "stderr", screen)
+    monkeypatch.setattr(sys, "stdout", screen)
+    bar = ProgressBar(0, 2, interactive=True)
+    for step in (1, 2):
+        bar.advance(step, 0.5)
+    bar.write("done: 2 steps in 1 s")
+    bar.close()
+    text = screen.getvalue()
+    assert re.search(r"\| 2/2, 0\.5 s/step, ETA 0:00:00", text) and " , " not in text, text
+    assert "train:" not in text[text.index("done: 2 steps"):], text
+
+
+def test_a_cpu_run_is_plotted_without_an_empty_memory_panel(tmp_path):
+    """A CPU run records no GPU memory: its picture is the three panels it has, titled with the run's
+    name, not its absolute path."""
+    from sfttrain.plot import figure, read_series
+
+    run_dir = tmp_path / "runs" / "demo"
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text("".join(
+        f'{{"step": {s}, "loss": {2 / s}, "lr": 1e-05, "tokens_per_s": 9000.0, "loss_tokens_per_s": 4000.0}}\n'
+        for s in (1, 2, 3)))
+    fig = figure(read_series(str(run_dir / "metrics.jsonl")), str(run_dir))
+    assert [ax.get_title() for ax in fig.axes] == ["loss", "learning rate", "throughput (tokens/s)"]
+    assert all(not ax.texts for ax in fig.axes)  # no "not recorded" panel
+    assert fig.get_suptitle() == "demo"

@@ -1,11 +1,8 @@
 """The batch arithmetic, checked and explained before any compute is spent.
 
-data.train_batch_size is the GLOBAL batch: samples per optimizer step over all data-parallel
-ranks. With Ulysses sequence parallelism (ulysses_sequence_parallel_size = sp) the data-parallel
-ranks are world / sp groups of sp ranks that share every micro-batch, each rank one slice of its
-tokens. Each data-parallel rank gets train_batch_size / dp_size of them and runs them as micro-batches of
-data.micro_batch_size_per_gpu samples (gradient accumulation follows), or, with
-data.max_token_len_per_gpu, as packed micro-batches of at most that many tokens.
+data.train_batch_size is the GLOBAL batch per optimizer step. Each of the dp_size data-parallel
+ranks (world / ulysses_sequence_parallel_size: an sp group shares every micro-batch) runs its share
+as micro-batches of data.micro_batch_size_per_gpu samples, or packed to data.max_token_len_per_gpu.
 """
 
 from __future__ import annotations
@@ -26,9 +23,9 @@ class BatchPlan:
     num_rows: int
     steps_per_epoch: int
     total_steps: int
-    sp_size: int = 1  # ulysses_sequence_parallel_size: ranks per data-parallel rank
-    total_epochs: int = 1  # trainer.total_epochs
-    total_training_steps: Optional[int] = None  # trainer.total_training_steps: when set, the total (over the epochs)
+    sp_size: int = 1  # ulysses_sequence_parallel_size
+    total_epochs: int = 1
+    total_training_steps: Optional[int] = None  # when set, the total over the epochs
 
     @property
     def samples_per_rank(self) -> int:
@@ -63,9 +60,8 @@ class BatchPlan:
         return f"{epochs} and {rest} of the next one's {self.steps_per_epoch} steps" if rest else epochs
 
     def total_source(self) -> str:
-        """Which key set the total. trainer.total_training_steps wins over trainer.total_epochs (verl's
-        trainers stop at the end of total_epochs where the steps lie past it): a total that ends elsewhere
-        than the epochs do is said, not left to be found in the metrics' epoch column."""
+        """Which key set the total; where total_training_steps (which wins) ends elsewhere than the
+        epochs, that is said, not left to be found in the metrics' epoch column."""
         epochs = f"trainer.total_epochs={self.total_epochs}"
         if self.total_training_steps is None:
             return epochs
@@ -77,8 +73,7 @@ class BatchPlan:
         return f"{steps} wins over {epochs}, {by_epochs} steps: training {what}"
 
     def split(self, lengths: list[int], costs: list[float]) -> list[list[list[int]]]:
-        """Sample indices of one step, per rank, per micro-batch (same number of micro-batches
-        on every rank, since each one is a round of FSDP collectives)."""
+        """Sample indices per rank per micro-batch; every rank gets as many (each is a round of collectives)."""
         if self.token_budget:
             ranks = balanced_bins(costs, self.dp_size)
             per_rank = [budget_bins([lengths[i] for i in r], self.token_budget) for r in ranks]
@@ -91,8 +86,7 @@ class BatchPlan:
 
 
 def sequence_parallel_note(dp_size: int, sp_size: int) -> str:
-    """What the data-parallel ranks are made of under Ulysses, e.g. " (8 ranks = 4 data-parallel x
-    2 sequence-parallel)"; nothing without it."""
+    """" (8 ranks = 4 data-parallel x 2 sequence-parallel)" under Ulysses; nothing without it."""
     return f" ({dp_size * sp_size} ranks = {dp_size} data-parallel x {sp_size} sequence-parallel)" if sp_size > 1 else ""
 
 
@@ -132,9 +126,6 @@ def batch_problem(b: int, mb: int, dp_size: int, token_budget: Optional[int],
 
 
 def nearest_valid_batches(b: int, mb: int, dp_size: int, token_budget: Optional[int]) -> list[int]:
-    """The nearest global batch sizes below and above b that batch_problem accepts."""
-    step = dp_size if token_budget else dp_size * mb  # every valid batch is a multiple of it
-    below, above = b // step * step, (b // step + 1) * step
-    found = [v for v in (below, above) if v > 0 and batch_problem(v, mb, dp_size, token_budget, suggest=False) is None]
-    assert found, (b, mb, dp_size)  # `above` is always valid
-    return found
+    """The nearest global batch sizes below and above b that batch_problem accepts: its multiples of `step`."""
+    step = dp_size if token_budget else dp_size * mb
+    return [v for v in (b // step * step, (b // step + 1) * step) if v > 0]

@@ -1,42 +1,14 @@
 """Multi-turn chat rows: a conversation rendered once by its chat template, loss on the assistant turns.
 
-The loss mask comes from the rendered text, not from tokenizing messages one by one (which can
-disagree with what the template writes): the whole conversation is rendered to one string, each
-assistant turn's character span in it is located, and the string is tokenized in pieces cut at the
-spans' edges (one call for all of them), the spans' tokens trained. Cut there, no token holds both an
-answer's text and its context's, as at inference, where the model continues from the generation
-prompt's tokens: tokenized whole, a plain-text header's end and the answer's start can merge (Mistral
-v1's '[/INST]' and an answer's '<b>' make one ']<' in Qwen's vocabulary), which would train a piece
-of the prompt. Elsewhere the ids are those of the text tokenized whole.
-
-An assistant turn's span is located as a prompt/response row's answer is (`sfttrain.data.template`):
-from where the template's generation prompt ends (the text the model is given before it answers)
-through the template's end-of-turn token (`<|im_end|>` for Qwen), which is trained so the model
-learns to stop. The newline the template writes after it is not trained: generation stops at the
-end-of-turn token, so the model never writes that newline; it is glue the template puts before the
-next turn's header.
-
-Locating a span needs the template to render the messages before an assistant turn the same way
-whether or not more messages follow, and to end every assistant turn with the token it ends the
-last one with. A template that does not (one that counts the turns in a header, Mistral's v3 and
-Tekken templates with a system message, which they write into the last user turn only) gives a
-clear error naming the row. The trained tokens are those of the one rendering, so an earlier turn
-trains as the template renders it for the turns after it; the last answer, which nothing follows,
-must render all of its content and reasoning, or the row is refused (DeepSeek-R1's template keeps
-only what follows `</think>` in every answer). Qwen3's template renders every assistant turn before
-the last user message without its reasoning (its <think> block is dropped), and the turns after it
-(the last answer, and the steps of a final tool loop) with it; the trained tokens are exactly those
-of the one rendering, so:
-  - an earlier turn trains its answer without reasoning, as the model sees it in later contexts;
-  - the last turn trains `<think>\\n{reasoning}\\n</think>\\n\\n{answer}<|im_end|>`, the reasoning
-    from `reasoning_content` or a `<think>...</think>` prefix of `content` (an empty block when
-    there is none);
-  - with `enable_thinking=false` (a row's enable_thinking_key column) the empty think block is part
-    of Qwen3's generation prompt, so it is context, not trained, as at inference with thinking off;
-    such a row whose last turns carry reasoning contradicts itself and is refused with its row.
-Qwen3 renders a tool loop's reasoning while the loop lasts and drops it once a later user message
-follows, so such a conversation is not prefix-stable there and is refused with its row: split it
-at that user message (one row per question) or drop the earlier turns' reasoning.
+Each assistant turn's span is located in the rendered text as a prompt/response row's answer is
+(`sfttrain.data.template`): after the generation prompt, through the end-of-turn token, which is
+trained so the model learns to stop; the newline after it is glue before the next header, never
+generated. The text is tokenized in pieces cut at the spans' edges, so no token holds both an
+answer's text and its context's (tokenized whole, Mistral v1's '[/INST]' and an answer's '<b>' merge
+into one ']<' in Qwen's vocabulary). The trained tokens are those of the one rendering: an earlier
+turn trains as the template renders it before later turns (Qwen3 drops its reasoning there), the
+last answer must render whole. A template that is not prefix-stable, or a row that contradicts
+itself (reasoning with enable_thinking=false), is refused naming the row.
 """
 
 from __future__ import annotations
@@ -60,7 +32,6 @@ ROLE_HINTS = {  # other formats' names of these roles, and what to do
 
 
 class ChatRenderer(Renderer):
-    """Renders rows (messages, template kwargs, row) of data.multiturn data."""
 
     def __init__(self, tokenizer, *, max_length: int, truncation: str, chat_template: str | None = None):
         if chat_template is None and not getattr(tokenizer, "chat_template", None):
@@ -81,7 +52,6 @@ class ChatRenderer(Renderer):
                               chat_template=self.chat_template, **kwargs)
 
     def render_many(self, rows: list[tuple[list[dict], dict, int]]) -> list[RenderedSample]:
-        """A conversation's masks come from its own rendering: one at a time."""
         return each_row(rows, lambda r: self.render(*r))
 
     def render(self, messages: list[dict], kwargs: dict, row: int) -> RenderedSample:
@@ -93,11 +63,10 @@ class ChatRenderer(Renderer):
             for i in turns:
                 check_no_end_token([t for t in (messages[i].get("reasoning_content"), messages[i]["content"])
                                     if isinstance(t, str)], self.turn_end, f"assistant message {i}")
+            text = self._render(messages, kwargs, False)
+            spans = [self._assistant_span(text, messages, kwargs, i) for i in turns]
         except AnswerNotLocated as e:
             raise ValueError(f"row {row}: {e}") from None
-        try:
-            text = self._render(messages, kwargs, False)
-            spans = [self._assistant_span(text, messages, kwargs, i, row) for i in turns]
         except TemplateFailed as e:
             raise ValueError(f"row {row}: the chat template failed on this conversation: {e}; "
                              f"{TEMPLATE_FIX}") from None
@@ -111,21 +80,14 @@ class ChatRenderer(Renderer):
         return self.fit(input_ids, loss_mask, row, f"{n} assistant turn{'s' * (n != 1)} of {len(messages)} "
                                                    f"messages, {sum(loss_mask)} trained")
 
-    def _assistant_span(self, text: str, messages: list[dict], kwargs: dict, i: int, row: int) -> tuple[int, int]:
-        """Character span in `text` of assistant message i: after the generation prompt, through the
-        end-of-turn token (`sfttrain.data.template.answer_span`)."""
-        try:
-            span = answer_span(self.tokenizer, text, self._render(messages[:i], kwargs, True), self.turn_end,
-                               lambda: self._render(messages[:i], kwargs, False), f"assistant message {i}")
-            return span.start, span.stop
-        except AnswerNotLocated as e:
-            raise ValueError(f"row {row}: {e}") from None
+    def _assistant_span(self, text: str, messages: list[dict], kwargs: dict, i: int) -> tuple[int, int]:
+        span = answer_span(self.tokenizer, text, self._render(messages[:i], kwargs, True), self.turn_end,
+                           lambda: self._render(messages[:i], kwargs, False), f"assistant message {i}")
+        return span.start, span.stop
 
 
 def check_turns_apart(spans: list[tuple[int, int]], turns: list[int], end_token: str, row: int) -> None:
-    """Each turn's span ends before the next one starts: a template that ends earlier turns with
-    another token than the conversation's last answer (found by the probe) would otherwise have a
-    turn run on through the next user message to a later turn's end."""
+    """A template that ends earlier turns otherwise than the last one would run a turn on into the next."""
     for (_, stop), (start, _), i in zip(spans, spans[1:], turns):
         if stop > start:
             raise ValueError(f"row {row}: assistant message {i} does not end with {end_token!r} (the end-of-turn "
@@ -135,10 +97,8 @@ def check_turns_apart(spans: list[tuple[int, int]], turns: list[int], end_token:
 
 
 def check_last_answer(message: dict, rendered: str, i: int, row: int) -> None:
-    """The conversation's last answer is what the model is trained to generate: a template that
-    renders it without part of its content or reasoning (DeepSeek-R1's drops what precedes
-    </think>) would train something else than the row says, so it is refused. Earlier turns are
-    trained as the template renders them in later contexts (Qwen3 drops their reasoning there)."""
+    """The last answer rendered whole: DeepSeek-R1's template drops what precedes </think>, which would
+    train something else than the row says."""
     texts = [t for t in (message.get("reasoning_content"), message["content"]) if t]
     if lost := dropped(texts, rendered):
         raise ValueError(f"row {row}: the chat template renders assistant message {i}, the last answer, as "
@@ -147,17 +107,15 @@ def check_last_answer(message: dict, rendered: str, i: int, row: int) -> None:
 
 
 def check_messages(messages: list[dict], row: int) -> None:
-    """A conversation the templates can render: known roles, string contents, an assistant turn to
-    train, each with content (or tool calls), and a message before the first one (the prompt it
-    answers). The reader has dropped null keys, so a null content arrives here as a missing one."""
+    """Known roles, string contents, an assistant turn with content (or tool calls) after a prompt.
+    The reader has dropped null keys: a null content arrives as a missing one."""
     for i, m in enumerate(messages):
         if m.get("role") not in ROLES:
             hint = ROLE_HINTS.get(m.get("role"), "")
             raise ValueError(f"row {row}: message {i} has role {m.get('role')!r}; expected one of {list(ROLES)}{hint}")
         if not isinstance(m.get("content", ""), str):
             raise ValueError(f"row {row}: message {i} content is {type(m['content']).__name__}, expected a string")
-        # a turn that only calls tools has no text (OpenAI's format leaves content null); any other
-        # assistant turn without content would train an empty answer without a word
+        # a turn that only calls tools has no text; any other would train an empty answer
         if m["role"] == "assistant" and not m.get("content", "").strip() and not (m.get("tool_calls") or
                                                                              m.get("reasoning_content")):
             raise ValueError(f"row {row}: assistant message {i} has no content (null, missing or empty); it would "
@@ -172,9 +130,8 @@ def check_messages(messages: list[dict], row: int) -> None:
 
 
 def check_thinking_off(messages: list[dict], kwargs: dict, row: int) -> None:
-    """With enable_thinking=false Qwen3's generation prompt holds an empty, closed think block, but
-    the template still renders the reasoning of the turns after the last user message: such a turn
-    would be trained from the middle of its think block, so the row is refused."""
+    """With enable_thinking=false Qwen3's generation prompt closes an empty think block, yet renders the
+    reasoning of turns after the last user message: they would train from inside their think block."""
     if kwargs.get("enable_thinking") is not False:
         return
     last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
@@ -186,8 +143,7 @@ def check_thinking_off(messages: list[dict], kwargs: dict, row: int) -> None:
 
 
 def resolve_chat_template(d) -> str | None:
-    """data.chat_template as template text: the file's contents where it names a file (any existing
-    path, or a name ending in .jinja), else the text itself; None: the tokenizer's own template."""
+    """data.chat_template as template text (a file's contents or the text); None: the tokenizer's."""
     value = d.chat_template
     if value is None:
         return None
@@ -202,11 +158,8 @@ def resolve_chat_template(d) -> str | None:
 
 
 def build_renderer(d, tokenizer, embedding_rows: int | None) -> Renderer:
-    """The renderer the data config asks for (`sfttrain.config.DataConfig`): conversations with
-    data.multiturn.enable, else prompt/response pairs, refusing token ids past the model's
-    `embedding_rows` (`Renderer.limit_ids`). The chat template renders a probe conversation here,
-    so that one that does not parse or render stops the start (and the preflight) naming the key,
-    not the first row."""
+    """Conversations (data.multiturn.enable) or prompt/response pairs, refusing ids past the model's
+    `embedding_rows`. A probe renders here, so a template that fails stops the start naming the key."""
     template = resolve_chat_template(d)
     try:
         if d.multiturn.enable:  # renders a probe turn itself (its end-of-turn token)

@@ -1,11 +1,8 @@
 """The data fingerprint: everything that decides which rows a run reads next and what they train on.
 
-Every checkpoint records it (trainer_state.json) and a resume compares it with the current run's
-(sfttrain.checkpoint.load): a difference would silently change the rows that come next or their
-tokens, so it is refused unless the user overrides it. Its files and rendering part (not the
-order, which does not change a row's tokens) also names the per-row length cache (loader.row_stats).
-
-A flat dict keyed by the config key the user would change, so a difference names its fix.
+Checkpoints record it and a resume refuses a difference (it would silently change the rows or their
+tokens) unless overridden. Keyed by the config key the user would change, so a difference names its
+fix; its part that is not the order also names the per-row length cache.
 """
 
 from __future__ import annotations
@@ -47,26 +44,21 @@ def data_fingerprint(cfg: Config, source: ParquetSource, tokenizer) -> dict:
 
 
 def with_rows(fingerprint: dict, keep, digests) -> dict:
-    """The fingerprint with what the start-up scan found of the rows: the count data.no_loss_rows=drop
-    leaves out (`keep`: a row mask; they filter every epoch's order, and with the rendering fixed
-    their count names them), and a hash of every row's tokens (`digests`, `loader.digest` per row):
-    the files' paths, sizes and row counts do not change when a file is rewritten with other rows of
-    the same size (digits changed, rows reordered), which would otherwise resume on other data."""
+    """With the rows data.no_loss_rows=drop leaves out (`keep`: a mask) and a hash of every row's tokens:
+    a file rewritten with other rows of the same size keeps its path, size and row count."""
     return {**fingerprint, "rows dropped (data.no_loss_rows=drop)": int((~keep).sum()),
             ROWS_KEY: hashlib.sha256(digests.tobytes()).hexdigest()}
 
 
 def rendering_key(fingerprint: dict) -> str:
-    """Names what a row's token counts depend on: the files (with their modification times, so
-    a file rewritten in place at the same size is not taken for the old one) and the rendering."""
+    """Names what a row's token counts depend on: the files (with their modification times) and the rendering."""
     parts = {k: v for k, v in fingerprint.items() if k not in ORDER_KEYS}
     parts["mtimes"] = [os.stat(f["path"]).st_mtime_ns for f in fingerprint["data.train_files"]]
     return _sha256(json.dumps(parts, sort_keys=True))[:16]
 
 
 def differences(saved: dict, current: dict, prefix: str = "") -> list[str]:
-    """'key: saved -> current' for each key both hold, with another value, a section's keys one by one
-    (a checkpoint of another sfttrain version may record other keys; those cannot be compared)."""
+    """'key: saved -> current' for each key both hold (another version may record others), sections key by key."""
     return [line for key in saved if key in current and saved[key] != current[key]
             for line in (differences(saved[key], current[key], f"{prefix}{key}.")
                          if isinstance(saved[key], dict) and isinstance(current[key], dict)
@@ -74,7 +66,6 @@ def differences(saved: dict, current: dict, prefix: str = "") -> list[str]:
 
 
 def tokenizer_sha256(tokenizer) -> str:
-    """The whole tokenizer (vocabulary, merges, normaliser, added tokens) and its special tokens."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     text = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
     return _sha256(text + json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str))

@@ -1,16 +1,11 @@
 """Padding-free packing and the balanced split of a step's samples over ranks and micro-batches.
 
-A micro-batch is ONE row: the samples concatenated, `position_ids` restarting at 0 for each
-sample and `cu_seqlens` marking the boundaries, so the attention backend keeps samples apart.
-Labels are shifted here, inside each sample, so no target ever crosses a sample boundary.
-The row is padded to a multiple of `pad_to` tokens by one more segment with no targets. For the
-attention the pad tokens join the last sample (`MicroBatch.attention_bounds`): causal, they see it
-and it never sees them, and with no targets they send no gradient back, so they contribute
-exactly nothing to the loss or any gradient; a row of one sample stays one attention segment,
-which cuDNN's attention runs (sfttrain.attention).
-
-Every rank computes the same split from the same lengths (no communication): it reads all
-samples of the step, so it also knows the step's global loss-token count without an all-reduce.
+A micro-batch is ONE row: the samples concatenated, `position_ids` restarting at 0 for each and
+`cu_seqlens` marking the boundaries, labels shifted inside each sample so no target crosses one.
+The pad to a multiple of `pad_to` has no targets and joins the last sample's attention segment
+(causal: it sees the sample, is never seen), so it changes no loss or gradient and a one-sample
+row stays one segment, which cuDNN's attention runs. Every rank computes the same split from the
+same lengths, with no communication.
 """
 
 from __future__ import annotations
@@ -30,13 +25,10 @@ class MicroBatch:
     labels: torch.Tensor  # [1, T]: the next token where it is a target, else IGNORE_INDEX
     position_ids: torch.Tensor  # [1, T]
     cu_seqlens: torch.Tensor  # [n + 1] int32 sample boundaries (the pad segment's included)
-    max_seqlen: int  # the longest attention segment (a sample, the last one with the pad)
+    max_seqlen: int  # the longest attention segment (the last sample's includes the pad)
     num_loss_tokens: int
-    # the real samples: the first num_samples segments of cu_seqlens (a pad segment may follow);
-    # None: every segment. What per-sample statistics (the router's balance, sfttrain.moe) read.
-    num_samples: int | None = None
-    # [num_loss_tokens] the positions with a target, the only ones whose logits the loss needs
-    # (sfttrain.loss). Found on the host when the row is built: on the device it would be a sync.
+    num_samples: int | None = None  # the real samples' segments come first; None: every segment
+    # [num_loss_tokens] the positions whose logits the loss needs, found on the host (on the device: a sync)
     loss_rows: torch.Tensor | None = None
 
     def __post_init__(self):
@@ -47,12 +39,10 @@ class MicroBatch:
         return self._map_tensors(lambda t: t.to(device, non_blocking=True))
 
     def pin_memory(self) -> "MicroBatch":
-        """Page-locked copies (sfttrain.data.loader.step_batches makes them on CUDA): a copy from
-        them to the GPU is asynchronous, so the next step's batch moves while this one computes."""
+        """Page-locked: the next step's batch copies to the GPU while this one computes."""
         return self._map_tensors(torch.Tensor.pin_memory)
 
     def share_memory(self) -> "MicroBatch":
-        """Its tensors moved into shared memory (/dev/shm), as a data worker hands them to the rank."""
         return self._map_tensors(torch.Tensor.share_memory_)
 
     TENSORS = 5  # the tensors _map_tensors maps
@@ -62,14 +52,14 @@ class MicroBatch:
                           self.max_seqlen, self.num_loss_tokens, self.num_samples, fn(self.loss_rows))
 
     def model_inputs(self) -> dict:
-        """Keyword arguments of the HF model call (transformers' FlashAttentionKwargs names)."""
+        """The HF model call's keywords (transformers' FlashAttentionKwargs)."""
         bounds = self.attention_bounds()
         return dict(input_ids=self.input_ids, position_ids=self.position_ids,
                     cu_seq_lens_q=bounds, cu_seq_lens_k=bounds,
                     max_length_q=self.max_seqlen, max_length_k=self.max_seqlen)
 
     def attention_bounds(self) -> torch.Tensor:
-        """The attention's segments: the samples, the pad tokens (pad segments) joining the last one."""
+        """The samples' segments, the pad joining the last one."""
         n = self.num_samples
         if not n or n + 1 == len(self.cu_seqlens):  # no pad, or nothing but pad (an empty micro-batch)
             return self.cu_seqlens
@@ -77,7 +67,7 @@ class MicroBatch:
 
 
 def shifted_labels(sample: RenderedSample) -> list[int]:
-    """Target at position t is token t+1 of the same sample, where token t+1 is trained."""
+    """Position t's target is the same sample's token t+1, where that token is trained."""
     ids, mask = sample.input_ids, sample.loss_mask
     return [ids[t + 1] if mask[t + 1] else IGNORE_INDEX for t in range(len(ids) - 1)] + [IGNORE_INDEX]
 
@@ -98,15 +88,13 @@ def pack(samples: list[RenderedSample], pad_to: int = 1) -> MicroBatch:
 
 
 def pad_row(batch: MicroBatch, pad_to: int) -> MicroBatch:
-    """The row padded to a multiple of pad_to tokens by one more segment with no targets."""
     pad = -batch.input_ids.shape[1] % pad_to
     if not pad:
         return batch
     samples = len(batch.cu_seqlens) - 1 if batch.num_samples is None else batch.num_samples
     length = batch.input_ids.shape[1] + pad
-    # the attention segment the pad ends: the last sample's (or, with no sample, the pad alone)
+    # the pad ends the last sample's segment (with no sample, its own)
     last_segment = length - int(batch.cu_seqlens[samples - 1]) if samples else length
-    # any valid id: no target, no attention from real samples
     return MicroBatch(torch.cat([batch.input_ids, batch.input_ids.new_zeros(1, pad)], 1),
                       torch.cat([batch.labels, batch.labels.new_full((1, pad), IGNORE_INDEX)], 1),
                       torch.cat([batch.position_ids, torch.arange(pad, dtype=batch.position_ids.dtype)[None]], 1),
@@ -115,9 +103,8 @@ def pad_row(batch: MicroBatch, pad_to: int) -> MicroBatch:
 
 
 def local_slice(batch: MicroBatch, rank: int, size: int) -> MicroBatch:
-    """Rank `rank`'s contiguous slice of the row (padded to split into `size` equal slices), cut
-    on the host before the copy to the device. The boundaries stay the whole row's (attention
-    sees the whole row again); the loss-token count is the slice's own."""
+    """Rank `rank`'s equal contiguous slice of the row (padded to split), cut on the host. The
+    boundaries stay the whole row's (attention gathers it again); the loss-token count is the slice's."""
     if size == 1:
         return batch
     batch = pad_row(batch, size)
@@ -129,15 +116,13 @@ def local_slice(batch: MicroBatch, rank: int, size: int) -> MicroBatch:
 
 
 def max_segment_length(max_length: int, pad_to: int, slices: int = 1) -> int:
-    """The longest attention segment a packed row can hold: a sample (<= max_length tokens) and the
-    pad after it (< pad_to tokens, and < `slices` more to split the row for sequence parallelism).
-    An attention kernel told a smaller max_seqlen leaves the excess outputs unwritten (NaN x 0 is NaN)."""
+    """The longest segment a row can hold: a sample and the pad after it (for pad_to, and to split into
+    `slices`). A kernel told less leaves the excess outputs unwritten (NaN x 0 is NaN)."""
     return max_length + pad_to - 1 + slices - 1
 
 
 def empty_micro_batch() -> MicroBatch:
-    """One token with no target: runs the forward/backward (and so FSDP's collectives) at no loss,
-    for a rank that has fewer micro-batches than its peers."""
+    """One token with no target: a rank with fewer micro-batches than its peers joins FSDP's collectives."""
     return MicroBatch(torch.zeros(1, 1, dtype=torch.long), torch.full((1, 1), IGNORE_INDEX),
                       torch.zeros(1, 1, dtype=torch.long), torch.tensor([0, 1], dtype=torch.int32), 1, 0, 0)
 
@@ -147,10 +132,8 @@ def loss_tokens(sample: RenderedSample) -> int:
 
 
 def balanced_bins(costs: list[float], n_bins: int, per_bin: int | None = None) -> list[list[int]]:
-    """Greedy longest-processing-time split of items into n_bins of near-equal total cost.
-
-    With per_bin set, every bin gets exactly that many items. Deterministic: ties go to the
-    lower index, so every rank computes the same split."""
+    """Longest-processing-time-first into n_bins of near-equal cost (exactly per_bin items each if set);
+    ties go to the lower index, so every rank computes the same split."""
     order = sorted(range(len(costs)), key=lambda i: (-costs[i], i))
     bins: list[list[int]] = [[] for _ in range(n_bins)]
     loads = [0.0] * n_bins
@@ -168,11 +151,10 @@ def budget_bins(lengths: list[int], budget: int) -> list[list[int]]:
     bins: list[list[int]] = []
     loads: list[int] = []
     for i in order:
-        b = next((b for b in range(len(bins)) if loads[b] + lengths[i] <= budget), None)
-        if b is None:
+        b = next((b for b, load in enumerate(loads) if load + lengths[i] <= budget), len(bins))
+        if b == len(bins):
             bins.append([])
             loads.append(0)
-            b = len(bins) - 1
         bins[b].append(i)
         loads[b] += lengths[i]
     return [sorted(b) for b in bins]

@@ -1,21 +1,15 @@
 """The chat template: rendering a conversation, and where an assistant's answer lies in the text.
 
-An answer's span, for prompt/response rows and conversations alike, comes from the template's own
-text, so that what is trained is what the template writes, whatever it does around the content
-(Llama 3 and Gemma trim it, Mistral v3 and Llama 2 put a space before it, Llama 2 one before its
-`</s>`, DeepSeek-R1 drops its reasoning):
-  - it starts where the template's generation prompt for the messages before it ends (the text the
-    model is given before it answers at inference), or, where the conversation's text does not hold
-    that generation prompt whole (Qwen3's `<think>` block with thinking off, DeepSeek-R1's opening
-    `<think>`), where the two part;
-  - it ends with the template's end-of-turn token, the first token of the tokenizer's own the template
-    writes after an answer (`TurnEnd`, found once by rendering a probe answer): the text before it is
-    trained with it (Llama 2's ' </s>'), what follows it is not (the newline before the next turn's
-    header, Phi-3's EOS after the conversation), since generation stops at that token.
+An answer's span comes from the template's own text, whatever it does around the content (Llama 3
+and Gemma trim it, Mistral v3 and Llama 2 put a space before it): it starts where the generation
+prompt for the messages before it ends (or where the two part, as with Qwen3's thinking-off
+`<think>` block), and ends with the end-of-turn token (`TurnEnd`, found by rendering a probe), since
+generation stops there: what the template writes after it is not trained.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -29,17 +23,12 @@ DROPPED_FIX = ("A template that drops reasoning (DeepSeek-R1's keeps what follow
 
 
 class TemplateFailed(ValueError):
-    """The chat template raised while rendering (a row's texts, or the start-up's probe): the
-    template's own exception, whatever its type, as one line (a ValueError, which each_row names
-    the row of)."""
+    """The template's own exception, whatever its type, as one line (a ValueError: each_row names its row)."""
 
 
 def apply_template(tokenizer, messages: list[dict], **kwargs) -> str:
-    """tokenizer.apply_chat_template(messages, tokenize=False, **kwargs). A template is user code
-    (Jinja) that may raise anything on some rows only, in a branch the others never take: a
-    TemplateError from raise_exception, an undefined attribute, a ZeroDivisionError, a TypeError on
-    a number where it expects text. Each is TemplateFailed, so the run and the preflight stop
-    naming the row instead of ending in the template's traceback."""
+    """The rendered text. A template is user code that may raise anything on some rows only: each is
+    TemplateFailed, so the run and the preflight name the row instead of showing its traceback."""
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
     except Exception as e:  # noqa: BLE001 (the template's own code: any exception is its failure)
@@ -47,15 +36,13 @@ def apply_template(tokenizer, messages: list[dict], **kwargs) -> str:
 
 
 class AnswerNotLocated(ValueError):
-    """The template's text does not let an answer be located as the model would generate it: the
-    message says why and what to do."""
+    """The template's text does not let an answer be located as the model would generate it."""
 
 
 @dataclass(frozen=True)
 class TurnEnd:
-    """What the template writes after an answer's content: `marker`, through the first token of the
-    tokenizer's own in it (`token`, None where there is none), is trained with the answer; `tail`, the
-    rest, is not."""
+    """What the template writes after an answer: `marker`, through the tokenizer's own `token`, is
+    trained with it; `tail` is not."""
 
     marker: str
     token: str | None
@@ -63,10 +50,8 @@ class TurnEnd:
 
 
 def turn_end(tokenizer, chat_template: str | None) -> TurnEnd:
-    """The template's end of an answer, from its rendering of a probe conversation: through the first
-    token of the tokenizer's own (an added token: `<|im_end|>`, `</s>`) that it writes after the content.
-    One that writes text but no such token is refused: generation could not stop where the template
-    ends an answer (a '</s>' that a tokenizer without that token splits into pieces)."""
+    """From a probe: through the first added token (`<|im_end|>`, `</s>`) written after the content.
+    Text without one is refused: generation could not stop where the template ends an answer."""
     text = apply_template(tokenizer, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": PROBE}],
                           chat_template=chat_template)
     after = text[text.rindex(PROBE) + len(PROBE):]
@@ -93,13 +78,10 @@ class AnswerSpan(NamedTuple):
 
 def answer_span(tokenizer, text: str, prompt: str, end: TurnEnd, before: Callable[[], str], where: str,
                 prompt_apart_ok: bool = False) -> AnswerSpan:
-    """Where in `text` (the template's rendering of a conversation) lies the answer whose messages
-    before it render to `prompt` with the generation prompt (`before()`: without it). A template
-    may write its generation prompt for generation only (`Answer: `), the answer following the
-    messages directly in a conversation: that is refused unless `prompt_apart_ok` (a prompt/response
-    row, whose context is then the generation prompt: the model's inference exactly; a conversation's
-    later turns would see the answer without it). `where` names the answer in the errors, which say
-    why it cannot be located."""
+    """The answer's span in `text`, whose messages before it render to `prompt` with the generation
+    prompt (`before()`: without). A generation prompt written for generation only (`Answer: `) is
+    refused unless `prompt_apart_ok` (a prompt/response row: its context is then what inference sees;
+    a conversation's later turns would see the answer without it)."""
     start, apart = ((len(prompt), False) if text.startswith(prompt) else
                     _start_past(tokenizer, text, prompt, before(), where))
     if apart and not prompt_apart_ok:
@@ -117,14 +99,12 @@ def answer_span(tokenizer, text: str, prompt: str, end: TurnEnd, before: Callabl
 
 
 def _start_past(tokenizer, text: str, prompt: str, before: str, where: str) -> tuple[int, bool]:
-    """Where the answer starts when `text` does not hold the generation prompt whole: past what the
-    two share, up to a token boundary of the generation prompt (an answer '<b>...' shares a '<' with
-    '<think>', 'Alright' an 'A' with 'Answer: '); and whether they share nothing past the messages
-    before it (the generation prompt stands apart). Those messages (what `prompt` and `before` agree
-    on) must be in `text` as they are: otherwise the model would train on a context it is never given."""
-    stable = _common_prefix(before, prompt, 0)
-    if not text.startswith(prompt[:stable]):
-        k = max(0, _common_prefix(prompt, text, 0) - 20)  # some of what they share, then where they part
+    """Where the answer starts when `text` lacks the generation prompt whole: past what they share, at
+    a token boundary of the prompt ('<b>' shares a '<' with '<think>'), and whether they share nothing
+    past the messages before it. Those must be in `text` as they are, or the context is not inference's."""
+    stable, shared = len(os.path.commonprefix([before, prompt])), len(os.path.commonprefix([prompt, text]))
+    if shared < stable:
+        k = max(0, shared - 20)  # some of what they share, then where they part
         raise AnswerNotLocated(
             f"the chat template is not prefix-stable at {where}: it renders the messages before it as "
             f"{prompt[k:k + 60]!r} from character {k} when the conversation ends there (as for generation), but as "
@@ -133,7 +113,6 @@ def _start_past(tokenizer, text: str, prompt: str, before: str, where: str) -> t
             "and Tekken templates write the system message into the last user turn only). Split the conversation "
             "into rows that end at this answer, drop the message the template moves, or replace the template "
             "(data.chat_template=...)")
-    shared = _common_prefix(prompt, text, stable)
     if not getattr(tokenizer, "is_fast", False):  # a Python tokenizer has no offsets (prompt/response rows only)
         return shared, shared == stable < len(prompt)
     offsets = tokenizer(prompt, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
@@ -141,16 +120,8 @@ def _start_past(tokenizer, text: str, prompt: str, before: str, where: str) -> t
     return start, start == stable < len(prompt)
 
 
-def _common_prefix(a: str, b: str, known: int) -> int:
-    """Length of the common prefix of a and b, whose first `known` characters are known to agree."""
-    n = min(len(a), len(b))
-    return next((k for k in range(known, n) if a[k] != b[k]), n)
-
-
 def check_no_end_token(texts: list[str], end: TurnEnd, where: str) -> None:
-    """An answer that holds the end-of-turn token as text (`<|im_end|>` pasted into a response)
-    would end there in the template's text: the rest of it could not be trained, and the model would
-    learn to stop in the middle of an answer. Refused, naming where the token is."""
+    """An answer holding the end-of-turn token as text would teach the model to stop there."""
     for text in texts:
         if end.token is not None and end.token in text:
             k = text.index(end.token)
@@ -160,7 +131,6 @@ def check_no_end_token(texts: list[str], end: TurnEnd, where: str) -> None:
 
 
 def dropped(texts: list[str], rendered: str) -> str | None:
-    """The first of `texts` that `rendered` does not hold, whitespace aside (templates trim an answer,
-    Qwen3 writes a think block's newlines its own way); None where it holds them all."""
+    """The first of `texts` that `rendered` does not hold, whitespace aside (templates trim answers)."""
     squeezed = "".join(rendered.split())
     return next((t for t in texts if "".join(t.split()) not in squeezed), None)

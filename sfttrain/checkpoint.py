@@ -150,8 +150,8 @@ class Checkpointer:
             use_pinned_memory=t.async_save_pinned and cuda, use_shared_memory=self.kind == AsyncCheckpointerType.PROCESS,
             use_async_staging=False, use_non_blocking_copy=cuda)) if t.async_save else None
         self.writer_process: Optional[multiprocessing.Process] = None  # DCP's, once its first write is done
-        # also at an uncaught error's exit: multiprocessing would end the writer with SIGTERM, which it blocks
-        # (_async_save), and wait for it forever
+        # also at an uncaught error's exit: multiprocessing would end the writer with SIGTERM, which it ignores
+        # (_ignored_by_the_writer), and wait for it forever
         weakref.finalize(self, _kill_spawned)
         # small files, then the wait for DCP's write: one thread, so the saves' collectives pair up in order
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-write")
@@ -200,17 +200,15 @@ class Checkpointer:
             self.wait()
 
     def _async_save(self, shards: dict, tmp: str) -> Future:
-        """DCP's background save; returns once the shards are staged. SIGTERM and SIGINT are blocked meanwhile:
-        DCP's writer process, spawned by a thread that async_save starts, inherits the mask, so a SIGTERM sent
-        to every process of the job (Slurm at its time limit) or a terminal's Ctrl-C leaves it the save in flight
-        that the rank's stop waits for. It ends with its rank (its pipe closes) or at `close`."""
+        """DCP's background save; returns once the shards are staged."""
         writer = dcp.FileSystemWriter(tmp, thread_count=self.cfg.trainer.save_thread_count)
-        masked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
-        try:
-            return dcp.async_save(shards, storage_writer=writer, process_group=self.write_group,
-                                  async_checkpointer_type=self.kind, async_stager=self.stager)
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, masked)
+        starts = self.kind == AsyncCheckpointerType.PROCESS and self._writer() is None
+        with _ignored_by_the_writer() if starts else contextlib.nullcontext():
+            future = dcp.async_save(shards, storage_writer=writer, process_group=self.write_group,
+                                    async_checkpointer_type=self.kind, async_stager=self.stager)
+            while starts and not _spawned() and not future.done():  # DCP's thread spawns it: at once
+                time.sleep(0.001)
+        return future
 
     def poll(self) -> None:
         """Commits the save in flight once every rank has finished writing it. Collective, after every
@@ -230,7 +228,7 @@ class Checkpointer:
 
     def close(self) -> None:
         """Waits for retention's deletions (the next start would delete what is left of them) and ends
-        DCP's writer process (its SIGTERM is blocked: `_async_save`)."""
+        DCP's writer process (it ignores SIGTERM: `_ignored_by_the_writer`)."""
         self.cleaner.shutdown(wait=True)
         self.writer.shutdown(wait=True)
         if self.stager is not None:
@@ -527,6 +525,20 @@ def check_every_item_written(metadata: Metadata) -> None:
     if len(metadata.storage_data) < planned:
         raise OSError(f"DCP wrote {len(metadata.storage_data)} of the {planned} items of the checkpoint (a writer "
                       "thread of trainer.save_thread_count failed; its error is printed above)")
+
+
+@contextlib.contextmanager
+def _ignored_by_the_writer():
+    """SIGTERM and SIGINT ignored while DCP spawns its writer process, which keeps what it is spawned
+    with: a SIGTERM sent to every process of the job (Slurm at its time limit) or a terminal's Ctrl-C
+    leaves it the save in flight that the rank's stop waits for. It ends with its rank (its pipe
+    closes, or `end_helpers`), at `Checkpointer.close`, or at the interpreter's exit."""
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN), signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous[0])
+        signal.signal(signal.SIGINT, previous[1])
 
 
 def _spawned() -> list[multiprocessing.Process]:

@@ -1,5 +1,5 @@
-"""Sharded (DCP) checkpoints: the checkpointer (atomic commit, retention of this run's
-checkpoints), loading for exact and elastic resume, and each rank's RNG state.
+"""Sharded (DCP) checkpoints: the checkpointer (background saves, atomic commit, retention of this
+run's checkpoints). What a checkpoint holds and its loading: sfttrain.checkpoint_state.
 
 Layout of `<run>/global_step_N/`:
   .metadata, __*.distcp   model + optimizer, sharded (torch.distributed.checkpoint), reshardable
@@ -20,25 +20,16 @@ which also replaces an older save of the same step without a moment where neithe
 crash at any moment leaves a `.tmp` folder at worst, which the next start deletes. A save that fails
 on any rank (a full disk) ends every rank with one CheckpointError: the partial folder removed, the
 last good checkpoint and the free space named.
-
-The data position is (epoch, samples of that epoch consumed): with the seed it names exactly
-which global samples were used, whatever the world size, so a checkpoint written by N ranks
-resumes on M (the model and optimizer are resharded by DCP). RNG states are per rank and only
-restored when the world size is unchanged (training itself draws no random numbers: the data
-order is a function of the seed and the epoch).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import json
 import logging
 import multiprocessing
 import os
-import pickle
-import random
 import shutil
 import signal
 import time
@@ -47,59 +38,31 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_state_dict)
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from sfttrain import stop_signal
-from sfttrain.checkpoint_folder import STATE_FILE, complete_checkpoints, damaged_error, enforce_retention, fsync_path, \
-    fsync_tree, hide, publish, read_state, remove, room_problem, size_text, tree_bytes, what_auto_does, \
-    write_complete, write_synced
+from sfttrain.checkpoint_faults import NOT_STARTED, SLOWEST_WRITE_BYTES_PER_S, not_saved, stuck_text
+from sfttrain.checkpoint_folder import STATE_FILE, complete_checkpoints, enforce_retention, fsync_path, fsync_tree, \
+    hide, publish, remove, room_problem, size_text, tree_bytes, write_complete, write_synced
+# load, read_back, check_same_model and trained_state_dict: imported from here by the trainer, export and plan
+from sfttrain.checkpoint_state import (OneLineError, TrainState, check_same_model, load, one_line,  # noqa: F401
+                                       read_back, rng_state, state_dicts, trained_state_dict)
 from sfttrain.config import Config, ConfigError, to_yaml
-from sfttrain.distributed import World, peer_lost
+from sfttrain.distributed import World
 from sfttrain.errors import CheckpointError, data_worker_died
-from sfttrain.fs_faults import SIZE_LIMIT_FIX, disk_full_text, fault, file_at_size_limit, folder_gone, over_size_limit
-from sfttrain.metrics import rewind_metrics
-from sfttrain.optim import set_step
+from sfttrain.fs_faults import file_at_size_limit
 
-# frozen weights (LoRA's base) are model.partial_pretrain's, unchanged: a checkpoint holds what
-# training changes, the trainable weights and their optimizer state (full fine-tuning: everything).
-# Not strict: loading sets the trainable weights only; check_same_model has matched their names.
-STATE_DICT_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
 # what a failed write raises: DCP's CheckpointException (every rank's error) is a BaseException
 WRITE_ERRORS = (Exception, CheckpointException)
 # a rank's state of the save in flight, as the ranks agree on it (the minimum wins): failed, stuck
 # (unfinished past `Checkpointer.stuck_after_s`), still writing, written
 FAILED, STUCK = -2, -1
-# a write is taken for stuck only past trainer.nccl_timeout and past its rank's share of the checkpoint
-# at this rate: a large checkpoint on slow storage (one GPU's 8B model and AdamW state, 96 GB, on a
-# 50 MB/s NFS: 32 minutes) is slow, not stuck
-SLOWEST_WRITE_BYTES_PER_S = 20e6
-
-
-@dataclass
-class TrainState:
-    step: int = 0  # optimizer steps done
-    epoch: int = 0  # data position: the epoch being read ...
-    consumed_in_epoch: int = 0  # ... and how many of its samples (in the seeded order) were used
-    global_batch: int = 0
-    seed: int = 0
-    wandb_id: Optional[str] = None
-    data: Optional[dict] = None  # the data fingerprint (sfttrain.data.fingerprint)
-    schedule: Optional[dict] = None  # the optimizer and LR schedule settings (sfttrain.optim.schedule_settings)
-    run_id: Optional[str] = None  # the run these checkpoints belong to (sfttrain.resume)
-    base: Optional[dict] = None  # LoRA: the base and the adapter settings they are trained with (lora.trained_identity)
-
-    def advance(self, batch) -> None:
-        self.step += 1
-        self.epoch, self.consumed_in_epoch = batch.epoch, batch.consumed_in_epoch
 
 
 class Checkpointer:
@@ -184,7 +147,7 @@ class Checkpointer:
         self._agree(state.step, tmp, _attempt(lambda: self._prepare(tmp)))
         shards, error = None, None
         try:
-            model_sd, optim_sd = _state_dicts(self.model, self.optimizer)
+            model_sd, optim_sd = state_dicts(self.model, self.optimizer)
             shards = {"model": model_sd, "optim": optim_sd}
             if background:
                 shards = self._async_save(shards, tmp)
@@ -251,7 +214,7 @@ class Checkpointer:
         next step) and written by the writer thread: their fsyncs would stall training behind the
         disk's queue of earlier writes."""
         world = self.world
-        files: dict[str, Any] = {os.path.join("rng", f"rank_{world.rank}.pt"): _rng_state()}
+        files: dict[str, Any] = {os.path.join("rng", f"rank_{world.rank}.pt"): rng_state()}
         if world.is_main:
             extra = {**asdict(state), "wandb_id": wandb_id, "world_size": world.world_size}
             files[STATE_FILE] = json.dumps(extra, indent=1)
@@ -345,15 +308,8 @@ class Checkpointer:
         without touching the run folder, whose disk may be what hangs (a listing or a removal would hang
         too): the next start removes the partial folder."""
         self._stop_writer()  # not joined: a process in a stuck write ends only once the write returns
-        then = what_auto_does(self.committed, " of this run")
-        raise CheckpointError(
-            f"the checkpoint of step {p.step} was not saved: its write has not finished "
-            f"{time.perf_counter() - p.write_began:.0f} s after it began (the longest a write may take here: "
-            f"{self.stuck_after_s:.0f} s, the larger of trainer.nccl_timeout={self.cfg.trainer.nccl_timeout} and a "
-            f"rank's share of the checkpoint at {SLOWEST_WRITE_BYTES_PER_S / 1e6:.0f} MB/s): it is stuck, e.g. on a network filesystem that stopped "
-            f"answering or in a checkpoint writer process that was stopped. Nothing of it was committed; the last "
-            f"good checkpoint is {self.committed or 'none'}. Check that {self.run_dir} answers (ls, df), then run the same command: with "
-            f"trainer.resume_mode=auto {then}. A write that is only slow needs a larger trainer.nccl_timeout")
+        raise CheckpointError(stuck_text(p.step, time.perf_counter() - p.write_began, self.stuck_after_s,
+                                         self.cfg.trainer.nccl_timeout, self.committed, self.run_dir))
 
     def _agree(self, step: int, tmp: str, error: Optional[BaseException], renamed: bool = False) -> None:
         """Collective: raises CheckpointError on every rank if `error` is set on any."""
@@ -373,60 +329,10 @@ class Checkpointer:
             with contextlib.suppress(OSError):
                 if os.path.lexists(tmp):
                     remove(tmp)
-            box[0] = self._not_saved(step, errors, limited, os.path.lexists(tmp), renamed)
+            box[0] = not_saved(self.run_dir, self.run_id, step, errors, limited, os.path.lexists(tmp), renamed,
+                               self.last_bytes, self.cfg.trainer.max_ckpt_to_keep)
         dist.broadcast_object_list(box, src=0, group=self.agree_group)
         raise CheckpointError(box[0])
-
-    def _not_saved(self, step: int, errors: list[Optional[str]], limited: Optional[str], left: bool,
-                   renamed: bool) -> str:
-        """What failed, what is left, and what to do (`limited`: a file of the save at the file size limit;
-        `left`: its partial folder could not be removed, on a disk turned read-only, say; `renamed`: the commit
-        failed after its rename, whose fsync a failing disk refused: the folder is whole, its name may not last)."""
-        if gone := folder_gone(self.run_dir):  # and its checkpoints and free space with it
-            return f"the checkpoint of step {step} was not saved: {gone}"
-        own = [(s, path) for s, path in complete_checkpoints(self.run_dir, self.run_id) if not (renamed and s == step)]
-        last = own[-1][1] if own else None
-        why, fix = self._why_not_saved(errors, limited, last)
-        then = what_auto_does(last, " of this run")
-        if renamed:
-            final = os.path.join(self.run_dir, f"global_step_{step}")
-            return (f"the checkpoint of step {step} may not be saved: {why}, in its commit, once its files were on the "
-                    f"disk and its folder renamed to {final}: whether the rename reached the disk is not known. The last "
-                    f"good checkpoint before it is {last or 'none'}. {fix}, then run the same command: with "
-                    f"trainer.resume_mode=auto it resumes from {final} where it is there (whole), else {then}")
-        partial = (f"its partial folder .global_step_{step}.tmp is left, and the next start deletes it" if left
-                   else "its partial folder was removed")
-        return (f"the checkpoint of step {step} was not saved: {why}. Nothing of it was committed ({partial}); "
-                f"the last good checkpoint is {last or 'none'}. {fix}, then run the same command: with "
-                f"trainer.resume_mode=auto {then}")
-
-    def _why_not_saved(self, errors: list[Optional[str]], limited: Optional[str],
-                       last: Optional[str]) -> tuple[str, str]:
-        """(the failure in words, what to do): the file size limit, a full disk and how much space there
-        is, another fault of a filesystem (sfttrain.fs_faults), or any other error."""
-        failed = [(rank, text) for rank, text in enumerate(errors) if text is not None]
-        # a rank that lost a peer inside a collective reports only that: the cause is the peer's error
-        causes = [(rank, text) for rank, text in failed if not peer_lost(text)] or failed
-        full = [(rank, text) for rank, text in causes if _disk_full(text)]
-        rank, text = (full or causes)[0]
-        if limited or over_size_limit(text):  # the disk may have room: a file met the limit (EFBIG)
-            return (f"the file size limit (ulimit -f) was reached ({f'{limited}: ' if limited else ''}{text}, on rank "
-                    f"{rank})"), SIZE_LIMIT_FIX
-        found = fault(text, self.run_dir)
-        if found is not None and not (full and found.in_run_folder):  # not the run folder's disk filling
-            return f"{found.cause}, on rank {rank}", found.fix  # read-only, denied, open files, another disk full
-        why = (f"the disk is full ({text}, on rank {rank})" if full
-               else f"{text} (rank {rank}{f' and {len(failed) - 1} other ranks' if len(failed) > 1 else ''})")
-        if not (full or NOT_STARTED in text):
-            return why, "Fix what the error names"
-        size = self.last_bytes or (tree_bytes(last) if last else None)
-        keep = self.cfg.trainer.max_ckpt_to_keep
-        space = f"{self.run_dir} has {size_text(shutil.disk_usage(self.run_dir).free)} free" + \
-            (f"; a checkpoint takes {size_text(size)}" if size else "") + \
-            (f" (max_ckpt_to_keep={keep} needs room for {keep + 1}: the oldest is deleted after the next commit)"
-             if keep and size else "")
-        return why, (f"{space}. Free space (or set trainer.default_local_dir on a larger disk, or lower "
-                     "trainer.max_ckpt_to_keep)")
 
     def _commit(self) -> None:
         """After every rank's write: rank 0 writes COMPLETE and renames the folder (the commit),
@@ -573,171 +479,12 @@ def _save_error(error: BaseException) -> BaseException:
     return error
 
 
-def one_line(error: BaseException) -> str:
-    """An exception as one line: DCP's CheckpointException holds every rank's traceback; its last
-    line names the cause."""
-    if isinstance(error, OneLineError):
-        return str(error)
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
-    full = [line for line in lines if "No space left" in line]  # the cause, beside the zip writer's symptom
-    if full:
-        return full[-1][:300]
-    text = lines[-1] if len(lines) > 1 else f"{type(error).__name__}: {lines[0]}"
-    return text[:300]
-
-
-class OneLineError(OSError):
-    """An error already worded as one line (`one_line` keeps it as it is)."""
-
-
-class WriterProcessError(OneLineError):
-    """DCP's writer process of a rank ended during a write."""
-
-
-NOT_STARTED = "so it was not started"  # how NotEnoughSpace's message ends
-
-
 class NotEnoughSpace(OneLineError):
     """A save not started: the free space is below the last checkpoint's size."""
 
 
-def _disk_full(text: str) -> bool:
-    # ENOSPC, or the torch.save writer's symptom of it ("unexpected pos" in inline_container.cc)
-    return disk_full_text(text) or "unexpected pos" in text
-
-
-def load(path: str, model, optimizer, scheduler, world: World, cfg: Config, current: TrainState) -> TrainState:
-    """Collective. Restores model, optimizer and (same world size only) RNG states, puts the
-    optimizer and LR schedule at the checkpoint's step with the current config's settings
-    (sfttrain.optim.set_step; see check_resume), and returns `current` at the checkpoint's step
-    and data position. Rank 0 then rewinds the run folder's metrics.jsonl to the loaded step."""
-    extra = read_state(path)
-    model_sd, optim_sd = _state_dicts(model, optimizer)
-    check_same_model(path, model_sd)
-    with read_back(path):
-        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
-                   options=STATE_DICT_OPTIONS)
-    del model_sd, optim_sd
-    set_step(optimizer, scheduler, cfg.optim, current.schedule["total steps"], extra["step"])
-    if extra["world_size"] == world.world_size and (rng := _read_rng_states(path, world)):  # per-rank: only 1:1
-        _set_rng_state(rng)
-    state = dataclasses.replace(current, step=extra["step"], epoch=extra["epoch"],
-                                consumed_in_epoch=extra["consumed_in_epoch"], wandb_id=extra["wandb_id"])
-    if world.is_main:
-        run_dir = cfg.trainer.default_local_dir
-        rewind_metrics(run_dir, state.step,
-                       {"step": state.step, "event": "resumed", "from": os.path.abspath(path),
-                        "saved_world_size": extra["world_size"], "world_size": world.world_size},
-                       own=os.path.realpath(os.path.dirname(os.path.abspath(path))) == os.path.realpath(run_dir))
-    return state
-
-
-# what torch.load and DCP's metadata reader raise on a file that does not read back
-UNREADABLE = (OSError, RuntimeError, EOFError, pickle.UnpicklingError)
-
-
-@contextlib.contextmanager
-def read_back(path: str):
-    """DCP's reads of a checkpoint whose files do not read back (of the sizes its COMPLETE lists, yet
-    changed: check_intact passed) end with the damaged-checkpoint error, not a traceback (the resume,
-    and sfttrain.export). DCP gathers every rank's read failures and raises them on all ranks at once."""
-    try:
-        yield
-    except CheckpointException as e:
-        if e.args[0] != "read":  # a failure of DCP's planning, not of the files
-            raise
-        causes = sorted({_first_sentence(exc) for exc, _ in e.failures.values()})
-        raise damaged_error(path, f"its shards do not read back ({'; '.join(causes)})") from None
-
-
-def _read_file(path: str, read: Callable[[], Any]) -> Any:
-    """One file of the checkpoint at `path` that every rank reads alike (DCP's .metadata): a file that
-    does not read back is the damaged-checkpoint error."""
-    try:
-        return read()
-    except UNREADABLE as e:
-        raise damaged_error(path, f"it does not read back ({_first_sentence(e)})") from None
-
-
-def _read_rng_states(path: str, world: World) -> Optional[dict]:
-    """Collective: this rank's RNG states from the checkpoint (None where it has no such file, as
-    in a checkpoint of an older sfttrain). A file that does not read back on any rank is the
-    damaged-checkpoint error on every rank at once (a rank that failed alone would leave the others
-    waiting in the next collective)."""
-    state, error = None, None
-    file = os.path.join(path, "rng", f"rank_{world.rank}.pt")
-    try:
-        state = torch.load(file, weights_only=True) if os.path.isfile(file) else None
-    except UNREADABLE as e:
-        error = f"rank {world.rank}'s RNG file: {_first_sentence(e)}"
-    errors = [None] * world.world_size
-    dist.all_gather_object(errors, error)
-    if any(errors):
-        raise damaged_error(path, f"it does not read back ({'; '.join(e for e in errors if e)})")
-    return state
-
-
-def _first_sentence(error: BaseException) -> str:
-    return one_line(error).split(". ")[0]  # torch's zip reader goes on for 200 characters of guesses
-
-
-def _state_dicts(model, optimizer) -> tuple[dict, dict]:
-    """DCP's model and optimizer state dicts, frozen weights left out."""
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
-    return _trained(model, model_sd), optim_sd
-
-
-def trained_state_dict(model) -> dict:
-    """The model's part of a checkpoint (the preflight's, of the model built on the meta device)."""
-    return _trained(model, get_model_state_dict(model, options=STATE_DICT_OPTIONS))
-
-
-def _trained(model, model_sd: dict) -> dict:
-    """ignore_frozen_params alone keeps a frozen weight tied to another (LoRA's lm_head.weight, which
-    named_parameters skips as a duplicate of the embedding): such names are dropped here."""
-    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
-    return {k: v for k, v in model_sd.items() if k not in frozen}
-
-
-def check_same_model(path: str, model_sd: dict) -> None:
-    """A checkpoint of another model fails here with names and shapes, not deep inside DCP (and in the
-    preflight, against the model built on the meta device)."""
-    metadata = _read_file(path, dcp.FileSystemReader(path).read_metadata)
-    stored = {k[len("model."):]: md for k, md in metadata.state_dict_metadata.items() if k.startswith("model.")}
-    missing = sorted(set(model_sd) - set(stored))
-    extra = sorted(set(stored) - set(model_sd))  # e.g. adapters on other layers (model.target_modules)
-    shapes = [f"{k}: checkpoint {tuple(stored[k].size)} vs model {tuple(v.shape)}" for k, v in model_sd.items()
-              if k in stored and hasattr(stored[k], "size") and tuple(stored[k].size) != tuple(v.shape)]
-    if missing or extra or shapes:
-        raise ConfigError(f"{path} was written for another model than model.partial_pretrain (or another "
-                          f"LoRA setup: model.lora_rank, model.target_modules): {len(missing)} weights missing {missing[:5]}, "
-                          f"{len(extra)} not in this model {extra[:5]}, {len(shapes)} of other shapes {shapes[:3]}. "
-                          "Resume with the same model and LoRA keys, or use trainer.resume_mode=disable (or a new "
-                          "trainer.default_local_dir) to start afresh")
-
-
-def _rng_state() -> dict:
-    """Every RNG's state as tensors, ints and lists only, so that it loads with
-    torch.load(weights_only=True): a checkpoint file is never unpickled (a pickle can run code)."""
-    version, mt_state, gauss = random.getstate()
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {"python": [version, list(mt_state), gauss], "numpy": [name, torch.from_numpy(keys.astype(np.int64)),
-                                                                    pos, has_gauss, cached],
-             "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    version, mt_state, gauss = state["python"]
-    random.setstate((version, tuple(mt_state), gauss))
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+class WriterProcessError(OneLineError):
+    """DCP's writer process of a rank ended during a write."""
 
 
 def _torch_save_synced(obj, path: str) -> None:

@@ -174,9 +174,9 @@ def rng_state() -> dict:
     name, keys, pos, has_gauss, cached = np.random.get_state()
     state = {"python": [version, list(mt_state), gauss], "numpy": [name, torch.from_numpy(keys.astype(np.int64)),
                                                                     pos, has_gauss, cached],
-             "torch": torch.getrng_state()}
+             "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.getrng_state()
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 

@@ -1302,3 +1302,33 @@ def test_non_finite_loss_lets_the_save_in_flight_commit(data, tmp_path):
     assert [(m["step"], m["async"], m["awaited"]) for m in read_metrics(run_dir) if m.get("event") == "checkpoint"] \
         == [(1, True, True)]
     assert not [p.name for p in run_dir.iterdir() if p.name.startswith(".global_step")]
+
+
+def test_a_dcp_writer_thread_that_dies_fails_the_save(tmp_path):
+    """DCP's FileSystemWriter joins its extra writer threads and keeps the results that arrived: a thread
+    that died (here: its file cannot be opened) left the metadata without its items, and the checkpoint
+    would have been committed without them. check_every_item_written fails such a save; DCP's own write
+    of every item passes it."""
+    import torch.distributed as dist
+
+    class OneThreadFails(dcp.FileSystemWriter):
+        def __init__(self, path):
+            super().__init__(path, thread_count=2)
+            create_stream = self.fs.create_stream
+
+            def create(path, mode):
+                if threading.current_thread() is not threading.main_thread():
+                    raise OSError(5, "Input/output error", str(path))
+                return create_stream(path, mode)
+            self.fs.create_stream = create
+
+    state = {"a": torch.ones(64), "b": torch.zeros(64), "c": torch.arange(8.0)}
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        checkpoint.check_every_item_written(dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path / "ok",
+                                                                                                 thread_count=2)))
+        metadata = dcp.save(state, storage_writer=OneThreadFails(tmp_path / "broken"))
+        with pytest.raises(OSError, match=r"DCP wrote [12] of the 3 items of the checkpoint"):
+            checkpoint.check_every_item_written(metadata)
+    finally:
+        dist.destroy_process_group()

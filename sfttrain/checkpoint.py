@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import io
 import json
 import logging
 import multiprocessing
 import os
 import shutil
 import signal
+import sys
 import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -42,7 +44,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
@@ -164,7 +165,7 @@ class Checkpointer:
 
     def _async_save(self, shards: dict, tmp: str) -> Future:
         """DCP's background save; returns once the shards are staged."""
-        writer = dcp.FileSystemWriter(tmp, thread_count=self.cfg.trainer.save_thread_count)
+        writer = ShardWriter(tmp, thread_count=self.cfg.trainer.save_thread_count)
         starts = self.kind == AsyncCheckpointerType.PROCESS and self._writer() is None
         with _ignored_by_the_writer() if starts else contextlib.nullcontext():
             future = dcp.async_save(shards, storage_writer=writer, process_group=self.write_group,
@@ -224,7 +225,7 @@ class Checkpointer:
     def _write(self, shards: dict | Future, tmp: str, small_files: dict[str, Any], began: float) -> float:
         """The writer thread: the small files (each fsynced), rank 0's model config and tokenizer (hf/),
         then the shards: DCP's write here (a final or synchronous save), or the wait for DCP's background
-        write. Rank 0 checks that DCP wrote every item it planned. Returns the write's seconds."""
+        write. Returns the write's seconds."""
         for name, content in small_files.items():
             path = os.path.join(tmp, name)
             if isinstance(content, str):
@@ -238,12 +239,10 @@ class Checkpointer:
                 self.model.generation_config.save_pretrained(hf)
             self.tokenizer.save_pretrained(hf)
         if isinstance(shards, Future):
-            metadata = shards.result()
+            shards.result()
         else:
-            writer = dcp.FileSystemWriter(tmp, thread_count=self.cfg.trainer.save_thread_count)
-            metadata = dcp.save(shards, storage_writer=writer, process_group=self.write_group)
-        if self.world.is_main:
-            check_every_item_written(metadata)
+            dcp.save(shards, storage_writer=ShardWriter(tmp, thread_count=self.cfg.trainer.save_thread_count),
+                     process_group=self.write_group)
         return time.perf_counter() - began
 
     def _fall_back_if_writer_lost(self) -> None:
@@ -423,26 +422,55 @@ def estimated_bytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in trained) + 2 * sum(t.numel() * t.element_size() for t in unique)
 
 
-def check_every_item_written(metadata: Metadata) -> None:
-    """DCP's FileSystemWriter does not notice when one of its extra writer threads dies (torch 2.11-2.13
-    join them and keep the results that arrived): the checkpoint's metadata then lacks that thread's
-    items. Such a save fails instead of being committed without them."""
-    planned = sum(len(md.chunks) if hasattr(md, "chunks") else 1 for md in metadata.state_dict_metadata.values())
-    if len(metadata.storage_data) < planned:
-        raise OSError(f"DCP wrote {len(metadata.storage_data)} of the {planned} items of the checkpoint (a writer "
-                      "thread of trainer.save_thread_count failed; its error is printed above)")
+class ShardWriter(dcp.FileSystemWriter):
+    """DCP's FileSystemWriter whose file errors fail the write on the rank. DCP joins its extra writer
+    threads (trainer.save_thread_count) and keeps the results that arrived (torch 2.11-2.13): a thread that
+    died left its items out of a checkpoint that looked whole, and printed its traceback beside the run's
+    message. Here each file's error is kept and raised once the rank's files are written."""
+
+    def write_data(self, plan, planner):
+        errors, create = [], self.fs.create_stream
+
+        @contextlib.contextmanager
+        def kept(path, mode):
+            try:
+                with contextlib.ExitStack() as files:
+                    try:
+                        stream = files.enter_context(create(path, mode))
+                    except Exception as e:  # noqa: BLE001 - raised below, in this rank's write
+                        errors.append(e)
+                        stream = io.BytesIO()  # the file's items written nowhere
+                    yield stream
+            except Exception as e:  # noqa: BLE001 - as above
+                errors.append(e)
+
+        self.fs.create_stream = kept
+        try:
+            results = super().write_data(plan, planner)
+        finally:
+            del self.fs.create_stream  # the class's own again
+        if errors:
+            raise errors[0]
+        return results
 
 
 @contextlib.contextmanager
 def _ignored_by_the_writer():
-    """SIGTERM and SIGINT ignored while DCP spawns its writer process, which keeps what it is spawned
-    with: a SIGTERM sent to every process of the job (Slurm at its time limit) or a terminal's Ctrl-C
-    leaves it the save in flight that the rank's stop waits for. It ends with its rank (its pipe
-    closes, or `end_helpers`), at `Checkpointer.close`, or at the interpreter's exit."""
+    """What DCP's writer process is spawned with, and keeps: SIGTERM and SIGINT ignored, so that a SIGTERM
+    sent to every process of the job (Slurm at its time limit) or a terminal's Ctrl-C leaves it the save in
+    flight that the rank's stop waits for; its stderr on /dev/null (its errors reach the rank through DCP;
+    its own are DCP's INFO lines per save and a traceback once its rank is gone). It ends with its rank
+    (its pipe closes), at `Checkpointer.close`, or at the interpreter's exit."""
     previous = signal.signal(signal.SIGTERM, signal.SIG_IGN), signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.stderr.flush()
+    stderr, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
     try:
         yield
     finally:
+        os.dup2(stderr, 2)
+        os.close(stderr)
+        os.close(devnull)
         signal.signal(signal.SIGTERM, previous[0])
         signal.signal(signal.SIGINT, previous[1])
 

@@ -52,8 +52,8 @@ from sfttrain.checkpoint_faults import NOT_STARTED, SLOWEST_WRITE_BYTES_PER_S, n
 from sfttrain.checkpoint_folder import STATE_FILE, complete_checkpoints, enforce_retention, fsync_path, fsync_tree, \
     hide, publish, remove, room_problem, size_text, tree_bytes, write_complete, write_synced
 # load, read_back, check_same_model and trained_state_dict: imported from here by the trainer, export and plan
-from sfttrain.checkpoint_state import (OneLineError, TrainState, check_same_model, load, one_line,  # noqa: F401
-                                       read_back, rng_state, state_dicts, trained_state_dict)
+from sfttrain.checkpoint_state import (OneLineError, TrainState, check_same_model, estimated_bytes,  # noqa: F401
+                                       load, one_line, read_back, rng_state, state_dicts, trained_state_dict)
 from sfttrain.config import Config, ConfigError, to_yaml
 from sfttrain.distributed import World
 from sfttrain.errors import CheckpointError, data_worker_died
@@ -67,21 +67,14 @@ FAILED, STUCK = -2, -1
 
 
 class Checkpointer:
-    """Writes `global_step_N` checkpoints of one run (`run_id`). With trainer.async_save a periodic
-    save is DCP's async_save: it returns once DCP's stager has copied this rank's shard to host
-    memory (on CUDA page-locked with trainer.async_save_pinned, allocated at the first save and
-    reused), and DCP writes it while training goes on, in a writer process of the rank's own
-    (trainer.async_save_writer; a thread of the rank shares the GIL that kernel launches need). It
-    commits at the first step boundary where every rank's write has finished (`poll`). One save is in
-    flight at a time (DCP's stager keeps one host copy of each tensor): a save due before the last
-    one is written waits for it. The final save is written in the training process and waited for.
-    Retention keeps this run's newest trainer.max_ckpt_to_keep; the deletions run on a thread of their own.
-
-    Per committed checkpoint, `report(record, line)` gets its size on disk and, counted from the
-    save's start, the seconds the training loop was stalled (of them, the seconds waiting for the
-    previous save's write), the seconds until this rank's write had finished, the write's own seconds
-    and GB/s, the seconds until the commit, and whether the loop had to wait for it (`awaited`: a
-    final save, the next save, a stop or a non-finite step found it still in flight)."""
+    """Writes `global_step_N` checkpoints of one run (`run_id`). With trainer.async_save a periodic save is
+    DCP's async_save: it returns once DCP's stager has copied this rank's shard to host memory (pinned on
+    CUDA: trainer.async_save_pinned), and DCP writes it while training goes on (trainer.async_save_writer).
+    It commits at the first step boundary where every rank's write has finished (`poll`). One save is in
+    flight (DCP's stager keeps one host copy of each tensor): the next waits for it. The final save is
+    written in the training process. Retention keeps this run's newest trainer.max_ckpt_to_keep.
+    Each commit's `report(record, line)`: its size, the loop's stall (of it, the wait for the previous
+    save), the write's seconds and GB/s, the seconds until the commit, and whether the loop waited for it."""
 
     def __init__(self, run_dir: str, world: World, cfg: Config, run_id: str, report: Callable[[dict, str], None],
                  model, optimizer, tokenizer):
@@ -175,8 +168,8 @@ class Checkpointer:
         return future
 
     def poll(self) -> None:
-        """Commits the save in flight once every rank has finished writing it. Collective, after every
-        step; one tiny gloo all-reduce per call while a save is in flight, nothing otherwise."""
+        """Collective, after every step: commits the save in flight once every rank has written it (one tiny
+        gloo all-reduce while a save is in flight)."""
         if self.pending and self._all_written(self.pending.future.done()):
             self._commit()
 
@@ -185,14 +178,13 @@ class Checkpointer:
         second: a rank whose write failed says so at once, and the others stop waiting for their own."""
         if self.pending:
             self.pending.awaited = True
-        while self.pending and not self._all_written(_finished_within(self.pending.future, seconds=1.0)):
-            pass
+            while self.pending and not self._all_written(_finished_within(self.pending.future, seconds=1.0)):
+                pass
         if self.pending:
             self._commit()
 
     def close(self) -> None:
-        """Waits for retention's deletions (the next start would delete what is left of them) and ends
-        DCP's writer process (it ignores SIGTERM: `_ignored_by_the_writer`)."""
+        """Waits for retention's deletions and ends DCP's writer process (it ignores SIGTERM)."""
         self.cleaner.shutdown(wait=True)
         self.writer.shutdown(wait=True)
         if self.stager is not None:
@@ -211,9 +203,8 @@ class Checkpointer:
         os.makedirs(os.path.join(tmp, "rng"))
 
     def _small_files(self, state: TrainState, wandb_id: Optional[str]) -> dict[str, Any]:
-        """The save's small files, taken now (the RNG state and the step's position change with the
-        next step) and written by the writer thread: their fsyncs would stall training behind the
-        disk's queue of earlier writes."""
+        """The save's small files, taken now (the next step changes them) and written by the writer thread:
+        their fsyncs would stall training behind the disk's queue of earlier writes."""
         world = self.world
         files: dict[str, Any] = {os.path.join("rng", f"rank_{world.rank}.pt"): rng_state()}
         if world.is_main:
@@ -246,10 +237,8 @@ class Checkpointer:
         return time.perf_counter() - began
 
     def _fall_back_if_writer_lost(self) -> None:
-        """Collective, before a background save: a writer process that ended since the last save (the host's
-        out-of-memory killer, a stray kill) would fail this save and lose every step since the last one. DCP
-        starts its writer once per process, so every rank's background saves go to a thread from now on (the
-        writers of all ranks form one group: a live one would wait for the lost one)."""
+        """Collective, before a background save: a writer process lost since the last save (the out-of-memory
+        killer) would fail this save. DCP starts its writer once, so every rank writes on a thread from now on."""
         if self.kind != AsyncCheckpointerType.PROCESS:
             return
         codes = [None] * self.world.world_size
@@ -272,8 +261,7 @@ class Checkpointer:
         return self.writer_process
 
     def _stop_writer(self) -> None:
-        """Ends DCP's writer process at once (a save failed somewhere, or is stuck: a rank's write cannot
-        finish without every rank's); the write it was running fails."""
+        """Ends DCP's writer process at once (a write failed somewhere, or is stuck); its write fails."""
         process = self._writer()
         if process is not None and process.exitcode is None:
             process.kill()
@@ -301,11 +289,9 @@ class Checkpointer:
         return status.item() == 1
 
     def _stuck(self, p: PendingSave) -> None:
-        """A write that every rank has not finished within stuck_after_s of its start is stuck (a network
-        filesystem that stopped answering, a writer process stopped): waiting on would hang the run for good,
-        each rank's agreement above answering every second, so no collective times out. Raised on every rank
-        without touching the run folder, whose disk may be what hangs (a listing or a removal would hang
-        too): the next start removes the partial folder."""
+        """A write unfinished past stuck_after_s (a network filesystem that stopped answering, a stopped writer)
+        would hang the run for good: the agreement answers every second, so no collective times out. Raised
+        without touching the run folder, whose disk may hang too: the next start removes the partial folder."""
         self._stop_writer()  # not joined: a process in a stuck write ends only once the write returns
         raise CheckpointError(stuck_text(p.step, time.perf_counter() - p.write_began, self.stuck_after_s,
                                          self.cfg.trainer.nccl_timeout, self.committed, self.run_dir))
@@ -411,22 +397,10 @@ class PendingSave:
         self.written_s = time.perf_counter() - self.started
 
 
-def estimated_bytes(model) -> int:
-    """A checkpoint's size before the first is written: each trained weight under each of its names
-    (a tied weight is saved under both) and AdamW's two moments of each, in the weight's dtype; a
-    DTensor whole (its shape is global: DCP writes each element once). DCP's own overhead (a few KB
-    per tensor) and the small files are left out."""
-    named = model.state_dict(keep_vars=True)
-    trained = [t for t in named.values() if isinstance(t, torch.nn.Parameter) and t.requires_grad]
-    unique = {id(t): t for t in trained}.values()
-    return sum(t.numel() * t.element_size() for t in trained) + 2 * sum(t.numel() * t.element_size() for t in unique)
-
-
 class ShardWriter(dcp.FileSystemWriter):
-    """DCP's FileSystemWriter whose file errors fail the write on the rank. DCP joins its extra writer
-    threads (trainer.save_thread_count) and keeps the results that arrived (torch 2.11-2.13): a thread that
-    died left its items out of a checkpoint that looked whole, and printed its traceback beside the run's
-    message. Here each file's error is kept and raised once the rank's files are written."""
+    """DCP's FileSystemWriter whose file errors fail the rank's write: DCP joins its extra writer threads and
+    keeps the results that arrived (torch 2.11-2.13), so a thread that died left its items out of a checkpoint
+    that looked whole, and printed its traceback beside the run's message."""
 
     def write_data(self, plan, planner):
         errors, create = [], self.fs.create_stream
@@ -456,11 +430,10 @@ class ShardWriter(dcp.FileSystemWriter):
 
 @contextlib.contextmanager
 def _ignored_by_the_writer():
-    """What DCP's writer process is spawned with, and keeps: SIGTERM and SIGINT ignored, so that a SIGTERM
-    sent to every process of the job (Slurm at its time limit) or a terminal's Ctrl-C leaves it the save in
-    flight that the rank's stop waits for; its stderr on /dev/null (its errors reach the rank through DCP;
-    its own are DCP's INFO lines per save and a traceback once its rank is gone). It ends with its rank
-    (its pipe closes), at `Checkpointer.close`, or at the interpreter's exit."""
+    """What DCP's writer process is spawned with, and keeps: SIGTERM and SIGINT ignored (a SIGTERM to every
+    process of the job, or Ctrl-C, leaves it the save in flight that the rank's stop waits for), stderr on
+    /dev/null (its errors reach the rank through DCP; it would print DCP's INFO lines per save, and a traceback
+    once its rank is gone). It ends with its rank (its pipe closes), at `Checkpointer.close` or at exit."""
     previous = signal.signal(signal.SIGTERM, signal.SIG_IGN), signal.signal(signal.SIGINT, signal.SIG_IGN)
     sys.stderr.flush()
     stderr, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)

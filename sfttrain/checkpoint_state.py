@@ -150,6 +150,16 @@ def _trained(model, model_sd: dict) -> dict:
     return {k: v for k, v in model_sd.items() if k not in frozen}
 
 
+def estimated_bytes(model) -> int:
+    """A checkpoint's size before the first is written: each trained weight under each of its names (a tied
+    weight twice) and AdamW's two moments of each; a DTensor whole. DCP's overhead and small files left out."""
+    named = model.state_dict(keep_vars=True)
+    trained = [t for t in named.values() if isinstance(t, torch.nn.Parameter) and t.requires_grad]
+    unique = {id(t): t for t in trained}.values()
+    return sum(t.numel() * t.element_size() for t in trained) + 2 * sum(t.numel() * t.element_size() for t in unique)
+
+
+
 def check_same_model(path: str, model_sd: dict) -> None:
     """A checkpoint of another model fails here with names and shapes, not deep inside DCP (and in the
     preflight, against the model built on the meta device)."""

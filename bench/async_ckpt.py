@@ -92,8 +92,10 @@ def summary(records: list[dict], args, disk: dict) -> dict:
     write = statistics.median([m["gb_per_s"] for m in periodic])
     return {"stall_s_median": round(statistics.median([m["stall_s"] for m in periodic]), 3),
             "stall_s_max": round(max(m["stall_s"] for m in periodic), 3),
-            # a save due while the previous one is written waits for it: the disk
+            # a save due while the previous one is written waits for it (the disk): --save_freq steps should take
+            # longer than a write; the rest of the stall is the staging copy
             "waited_previous_s_median": round(statistics.median([m["waited_previous_s"] for m in periodic]), 3),
+            "staging_s_median": round(statistics.median([m["stall_s"] - m["waited_previous_s"] for m in periodic]), 3),
             "step_after_save_s_median": round(after, 4), "step_s_median": round(median_step, 4),
             "step_after_save_vs_median": round(after / median_step, 3),
             "tokens_per_s_after_save_vs_median": round(rate_after / statistics.median(rates.values()), 3),

@@ -1,0 +1,217 @@
+"""What a checkpoint holds besides its files' layout, and how it is read back: the trainer's position
+(TrainState), the trained part of the model and optimizer state dicts, each rank's RNG states, and
+loading for exact and elastic resume.
+
+The data position is (epoch, samples of that epoch consumed): with the seed it names exactly
+which global samples were used, whatever the world size, so a checkpoint written by N ranks
+resumes on M (the model and optimizer are resharded by DCP). RNG states are per rank and only
+restored when the world size is unchanged (training itself draws no random numbers: the data
+order is a function of the seed and the epoch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import pickle
+import random
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
+
+from sfttrain.checkpoint_folder import damaged_error, read_state
+from sfttrain.config import Config, ConfigError
+from sfttrain.distributed import World
+from sfttrain.metrics import rewind_metrics
+from sfttrain.optim import set_step
+
+# frozen weights (LoRA's base) are model.partial_pretrain's, unchanged: a checkpoint holds what
+# training changes, the trainable weights and their optimizer state (full fine-tuning: everything).
+# Not strict: loading sets the trainable weights only; check_same_model has matched their names.
+STATE_DICT_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
+
+@dataclass
+class TrainState:
+    step: int = 0  # optimizer steps done
+    epoch: int = 0  # data position: the epoch being read ...
+    consumed_in_epoch: int = 0  # ... and how many of its samples (in the seeded order) were used
+    global_batch: int = 0
+    seed: int = 0
+    wandb_id: Optional[str] = None
+    data: Optional[dict] = None  # the data fingerprint (sfttrain.data.fingerprint)
+    schedule: Optional[dict] = None  # the optimizer and LR schedule settings (sfttrain.optim.schedule_settings)
+    run_id: Optional[str] = None  # the run these checkpoints belong to (sfttrain.resume)
+    base: Optional[dict] = None  # LoRA: the base and the adapter settings they are trained with (lora.trained_identity)
+
+    def advance(self, batch) -> None:
+        self.step += 1
+        self.epoch, self.consumed_in_epoch = batch.epoch, batch.consumed_in_epoch
+
+
+def load(path: str, model, optimizer, scheduler, world: World, cfg: Config, current: TrainState) -> TrainState:
+    """Collective. Restores model, optimizer and (same world size only) RNG states, puts the
+    optimizer and LR schedule at the checkpoint's step with the current config's settings
+    (sfttrain.optim.set_step; see check_resume), and returns `current` at the checkpoint's step
+    and data position. Rank 0 then rewinds the run folder's metrics.jsonl to the loaded step."""
+    extra = read_state(path)
+    model_sd, optim_sd = state_dicts(model, optimizer)
+    check_same_model(path, model_sd)
+    with read_back(path):
+        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                   options=STATE_DICT_OPTIONS)
+    del model_sd, optim_sd
+    set_step(optimizer, scheduler, cfg.optim, current.schedule["total steps"], extra["step"])
+    if extra["world_size"] == world.world_size and (rng := _read_rng_states(path, world)):  # per-rank: only 1:1
+        set_rng_state(rng)
+    state = dataclasses.replace(current, step=extra["step"], epoch=extra["epoch"],
+                                consumed_in_epoch=extra["consumed_in_epoch"], wandb_id=extra["wandb_id"])
+    if world.is_main:
+        run_dir = cfg.trainer.default_local_dir
+        rewind_metrics(run_dir, state.step,
+                       {"step": state.step, "event": "resumed", "from": os.path.abspath(path),
+                        "saved_world_size": extra["world_size"], "world_size": world.world_size},
+                       own=os.path.realpath(os.path.dirname(os.path.abspath(path))) == os.path.realpath(run_dir))
+    return state
+
+
+# what torch.load and DCP's metadata reader raise on a file that does not read back
+UNREADABLE = (OSError, RuntimeError, EOFError, pickle.UnpicklingError)
+
+
+@contextlib.contextmanager
+def read_back(path: str):
+    """DCP's reads of a checkpoint whose files do not read back (of the sizes its COMPLETE lists, yet
+    changed: check_intact passed) end with the damaged-checkpoint error, not a traceback (the resume,
+    and sfttrain.export). DCP gathers every rank's read failures and raises them on all ranks at once."""
+    try:
+        yield
+    except CheckpointException as e:
+        if e.args[0] != "read":  # a failure of DCP's planning, not of the files
+            raise
+        causes = sorted({_first_sentence(exc) for exc, _ in e.failures.values()})
+        raise damaged_error(path, f"its shards do not read back ({'; '.join(causes)})") from None
+
+
+def _read_file(path: str, read: Callable[[], Any]) -> Any:
+    """One file of the checkpoint at `path` that every rank reads alike (DCP's .metadata): a file that
+    does not read back is the damaged-checkpoint error."""
+    try:
+        return read()
+    except UNREADABLE as e:
+        raise damaged_error(path, f"it does not read back ({_first_sentence(e)})") from None
+
+
+def _read_rng_states(path: str, world: World) -> Optional[dict]:
+    """Collective: this rank's RNG states from the checkpoint (None where it has no such file, as
+    in a checkpoint of an older sfttrain). A file that does not read back on any rank is the
+    damaged-checkpoint error on every rank at once (a rank that failed alone would leave the others
+    waiting in the next collective)."""
+    state, error = None, None
+    file = os.path.join(path, "rng", f"rank_{world.rank}.pt")
+    try:
+        state = torch.load(file, weights_only=True) if os.path.isfile(file) else None
+    except UNREADABLE as e:
+        error = f"rank {world.rank}'s RNG file: {_first_sentence(e)}"
+    errors = [None] * world.world_size
+    dist.all_gather_object(errors, error)
+    if any(errors):
+        raise damaged_error(path, f"it does not read back ({'; '.join(e for e in errors if e)})")
+    return state
+
+
+def _first_sentence(error: BaseException) -> str:
+    return one_line(error).split(". ")[0]  # torch's zip reader goes on for 200 characters of guesses
+
+
+def state_dicts(model, optimizer) -> tuple[dict, dict]:
+    """DCP's model and optimizer state dicts, frozen weights left out."""
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
+    return _trained(model, model_sd), optim_sd
+
+
+def trained_state_dict(model) -> dict:
+    """The model's part of a checkpoint (the preflight's, of the model built on the meta device)."""
+    return _trained(model, get_model_state_dict(model, options=STATE_DICT_OPTIONS))
+
+
+def _trained(model, model_sd: dict) -> dict:
+    """ignore_frozen_params alone keeps a frozen weight tied to another (LoRA's lm_head.weight, which
+    named_parameters skips as a duplicate of the embedding): such names are dropped here."""
+    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {k: v for k, v in model_sd.items() if k not in frozen}
+
+
+def estimated_bytes(model) -> int:
+    """A checkpoint's size before the first is written: each trained weight under each of its names (a tied
+    weight twice) and AdamW's two moments of each; a DTensor whole. DCP's overhead and small files left out."""
+    named = model.state_dict(keep_vars=True)
+    trained = [t for t in named.values() if isinstance(t, torch.nn.Parameter) and t.requires_grad]
+    unique = {id(t): t for t in trained}.values()
+    return sum(t.numel() * t.element_size() for t in trained) + 2 * sum(t.numel() * t.element_size() for t in unique)
+
+
+
+def check_same_model(path: str, model_sd: dict) -> None:
+    """A checkpoint of another model fails here with names and shapes, not deep inside DCP (and in the
+    preflight, against the model built on the meta device)."""
+    metadata = _read_file(path, dcp.FileSystemReader(path).read_metadata)
+    stored = {k[len("model."):]: md for k, md in metadata.state_dict_metadata.items() if k.startswith("model.")}
+    missing = sorted(set(model_sd) - set(stored))
+    extra = sorted(set(stored) - set(model_sd))  # e.g. adapters on other layers (model.target_modules)
+    shapes = [f"{k}: checkpoint {tuple(stored[k].size)} vs model {tuple(v.shape)}" for k, v in model_sd.items()
+              if k in stored and hasattr(stored[k], "size") and tuple(stored[k].size) != tuple(v.shape)]
+    if missing or extra or shapes:
+        raise ConfigError(f"{path} was written for another model than model.partial_pretrain (or another "
+                          f"LoRA setup: model.lora_rank, model.target_modules): {len(missing)} weights missing {missing[:5]}, "
+                          f"{len(extra)} not in this model {extra[:5]}, {len(shapes)} of other shapes {shapes[:3]}. "
+                          "Resume with the same model and LoRA keys, or use trainer.resume_mode=disable (or a new "
+                          "trainer.default_local_dir) to start afresh")
+
+
+def rng_state() -> dict:
+    """Every RNG's state as tensors, ints and lists only, so that it loads with
+    torch.load(weights_only=True): a checkpoint file is never unpickled (a pickle can run code)."""
+    version, mt_state, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": [version, list(mt_state), gauss], "numpy": [name, torch.from_numpy(keys.astype(np.int64)),
+                                                                    pos, has_gauss, cached],
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    version, mt_state, gauss = state["python"]
+    random.setstate((version, tuple(mt_state), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def one_line(error: BaseException) -> str:
+    """An exception as one line: DCP's CheckpointException holds every rank's traceback; its last
+    line names the cause."""
+    if isinstance(error, OneLineError):
+        return str(error)
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
+    full = [line for line in lines if "No space left" in line]  # the cause, beside the zip writer's symptom
+    if full:
+        return full[-1][:300]
+    text = lines[-1] if len(lines) > 1 else f"{type(error).__name__}: {lines[0]}"
+    return text[:300]
+
+
+class OneLineError(OSError):
+    """An error already worded as one line (`one_line` keeps it as it is)."""

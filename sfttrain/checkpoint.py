@@ -57,7 +57,7 @@ from sfttrain.checkpoint_state import (OneLineError, TrainState, check_same_mode
 from sfttrain.config import Config, ConfigError, to_yaml
 from sfttrain.distributed import World
 from sfttrain.errors import CheckpointError, data_worker_died
-from sfttrain.fs_faults import file_at_size_limit
+from sfttrain.faults import file_at_size_limit
 
 # what a failed write raises: DCP's CheckpointException (every rank's error) is a BaseException
 WRITE_ERRORS = (Exception, CheckpointException)
@@ -314,8 +314,8 @@ class Checkpointer:
             with contextlib.suppress(OSError):
                 if os.path.lexists(tmp):
                     remove(tmp)
-            box[0] = not_saved(self.run_dir, self.run_id, step, errors, limited, os.path.lexists(tmp), renamed,
-                               self.last_bytes, self.cfg.trainer.max_ckpt_to_keep)
+            box[0] = not_saved(self.cfg.trainer, self.run_id, step, errors, limited, os.path.lexists(tmp), renamed,
+                               self.last_bytes)
         dist.broadcast_object_list(box, src=0, group=self.agree_group)
         raise CheckpointError(box[0])
 

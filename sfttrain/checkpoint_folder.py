@@ -405,8 +405,3 @@ def room_problem(run_dir: str, free: int, need: int, estimated: bool) -> Optiona
             "and the training before it would be lost. Free space there, or set trainer.default_local_dir to a "
             "folder on a larger disk")
 
-
-def what_auto_does(last: Optional[str], whose: str = "") -> str:
-    """What the same command does after a stop, with trainer.resume_mode=auto: resume from `last`, the
-    last committed checkpoint, or start afresh."""
-    return f"it resumes from {last}" if last else f"no checkpoint{whose} was committed yet, so it starts afresh"

@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from sfttrain.checkpoint_folder import write_synced
 from sfttrain.config import Config, ConfigError, check_sequence_parallel_size, shard_group_size
-from sfttrain.faults import check_writable, peer_lost  # noqa: F401 - peer_lost: checkpoint.py's import
+from sfttrain.faults import check_writable
 
 
 @dataclass(frozen=True)

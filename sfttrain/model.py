@@ -17,7 +17,7 @@ from sfttrain.checkpoint_folder import holds_weights, not_a_model_folder, weight
 from sfttrain.config import Config, ConfigError, ModelConfig
 from sfttrain.dtypes import DTYPE
 from sfttrain.errors import GPU_INSTALL, DependencyError
-from sfttrain.fs_faults import unreadable
+from sfttrain.faults import unreadable
 from sfttrain.hub import local_model_path
 from sfttrain.loss import output_head
 from sfttrain.moe import RouterBalance

@@ -7,7 +7,7 @@ says it once a phase outlasts the timeout, with every thread's Python stack, whi
 whose own watchdog takes the process down without a Python exception (a CPU job's gloo raises one,
 and `report_timeout` says it there; no watchdog then, as a phase that is merely long is no timeout).
 A run that seems stuck before any timeout: `kill -USR1 <pid>` of a rank or of one of its helper
-processes (DataLoader workers, checkpoint writer) prints that process's stacks to its log, and it goes
+processes (DataLoader workers) prints that process's stacks to its log, and it goes
 on (`dump_stacks_on_sigusr1`).
 """
 

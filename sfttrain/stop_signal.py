@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import importlib
 import os
 import signal
 import sys
@@ -135,7 +134,7 @@ def grace_warning(write_s: float) -> str | None:
 
 
 def leave_to_the_rank() -> None:
-    """In a rank's helper process (a DataLoader worker, the checkpoint writer), from its main thread.
+    """In a rank's helper process (a DataLoader worker), from its main thread.
     Ctrl-C, which reaches a terminal's whole process group, is ignored: the rank answers it. Slurm
     signals every process of the job, and a helper dead at once would fail the batch or save its rank
     needs to stop: a SIGTERM from anyone but its rank ends the helper GRACE_S later, its rank's own at
@@ -144,14 +143,6 @@ def leave_to_the_rank() -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads started later inherit the mask
     phase.dump_stacks_on_sigusr1()  # its thread after the mask: a SIGTERM it took would end the helper at once
     threading.Thread(target=_take_sigterm, args=(os.getppid(),), name="sfttrain-sigterm", daemon=True).start()
-
-
-def helper_main(module: str, function: str, *args) -> None:
-    """A spawned helper's entry (the checkpoint writer): SIGTERM left to its rank before the helper
-    imports what it runs (torch: seconds in which a SIGTERM would end it). What precedes this call,
-    the interpreter's start and the rank's main module imported again, takes ~0.2 s."""
-    leave_to_the_rank()
-    getattr(importlib.import_module(module), function)(*args)
 
 
 def _take_sigterm(rank_pid: int) -> None:

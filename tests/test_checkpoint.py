@@ -1006,7 +1006,7 @@ def test_a_disk_that_fills_between_saves_ends_the_job_with_one_message(data, tmp
         last = run_dir / "run" / "global_step_15"
         assert re.search(r"the disk is full \(No space left on device: \S+/metrics.jsonl\) in step (1[6-9]|2\d)",
                          message), message
-        assert f"the last good checkpoint ({last})" in message and f"it resumes from {last}" in message, message
+        assert f"the last good checkpoint ({last})" in message and f"The same command then resumes from {last}" in message, message
         (run_dir / "filler").unlink()
         run_sfttrain(2, command)
         assert [m["step"] for m in read_metrics(run_dir / "run") if m.get("event") == "resumed"] == [15]
@@ -1063,7 +1063,7 @@ def test_a_disk_turned_read_only_mid_run_ends_with_one_message_and_resumes(data,
         assert read_only in message or failed in message, message
         assert "`dmesg` says which" in message, message
         assert ("make it writable again" if read_only in message else "repair it") in message, message
-        last = re.search(rf"it resumes from {run_dir}/global_step_(\d+)$", message)
+        last = re.search(rf"The same command then resumes from {run_dir}/global_step_(\d+)$", message)
         assert last, message
         mount_anew()
         run_sfttrain(1, command)

@@ -129,9 +129,9 @@ def test_which_layers_convert():
 
 
 def state_dict_keys(model: nn.Module, optimizer) -> tuple[list, list]:
-    from sfttrain.checkpoint import _state_dicts
+    from sfttrain.checkpoint_state import state_dicts
 
-    model_sd, optim_sd = _state_dicts(model, optimizer)
+    model_sd, optim_sd = state_dicts(model, optimizer)
     return ([(k, tuple(v.shape), v.dtype) for k, v in model_sd.items()],
             sorted((k, tuple(v.shape) if torch.is_tensor(v) else v) for k, v in _flat(optim_sd)))
 
@@ -181,7 +181,8 @@ def test_sharded_fp8_checkpoint_and_export_are_unchanged(tmp_path):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from sfttrain import checkpoint, export
+    from sfttrain import export
+    from sfttrain.checkpoint_state import state_dicts
     from sfttrain.model import decoder_layers, load_model, materialise_model
 
     cfg = ModelConfig(partial_pretrain=str(STORIES), fp8="tensorwise", compile=True)
@@ -209,7 +210,7 @@ def test_sharded_fp8_checkpoint_and_export_are_unchanged(tmp_path):
                     "(model.fp8=auto keeps it off)"]
                 fp8.scale_precompute_hook(model)(optimizer, (), {})
             saved[name] = state_dict_keys(model, optimizer)
-            model_sd, optim_sd = checkpoint._state_dicts(model, optimizer)
+            model_sd, optim_sd = state_dicts(model, optimizer)
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp_path / name))
             model.config.save_pretrained(tmp_path / name / "hf")
         assert saved["plain"] == saved["fp8"]

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from sfttrain.checkpoint_folder import replace_synced
 from sfttrain.data.parquet import JSON_CELLS, LINE_COLUMN, ChatMessages, ParquetSource, PromptResponse, missing_file
 from sfttrain.errors import DataError
-from sfttrain.fs_faults import unreadable
+from sfttrain.faults import unreadable
 
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".arrow", ".csv", ".tsv")
 DATA_PATTERNS = ", ".join("*" + s for s in DATA_SUFFIXES)  # for messages

@@ -14,7 +14,7 @@ import torch
 from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from sfttrain import lora_fold
+from sfttrain import graph_rewrite, lora_fold
 from sfttrain.config import ModelConfig
 from sfttrain.graph_rewrite import LINEAR, are_parameters, concatenated, is_call, split_back, with_value
 from sfttrain.recompute import qkv_weight_shape
@@ -80,8 +80,8 @@ class FuseSharedInputProjections(CustomGraphPass):
         return sum(w.shape[0] for w in values), values[0].shape[1]
 
     def uuid(self) -> str:
-        """inductor's cache key: this file's and sfttrain.lora_fold's code, and the settings."""
-        code = b"".join(open(path, "rb").read() for path in (__file__, lora_fold.__file__))
+        """inductor's cache key: the code of this pass and of the helpers it calls, and the settings."""
+        code = b"".join(open(path, "rb").read() for path in (__file__, lora_fold.__file__, graph_rewrite.__file__))
         settings = repr((self.frozen_max_bytes, self.always_fused, self.fold_lora)).encode()
         return hashlib.sha256(code + settings).hexdigest()
 

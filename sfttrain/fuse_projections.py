@@ -1,33 +1,8 @@
-"""model.fuse_projections: the projections that read the same input run as one GEMM in the compiled layers.
-
-A decoder layer's q, k and v projections read the same normed hidden state, and so do the MLP's gate
-and up projections (with LoRA, their adapters' A matrices too). Separately that is five GEMMs where
-two would do: the input is read once instead of five times, the narrow k and v GEMMs (128 columns
-on W1's model) ride in a wide one, and backward's input gradient is one GEMM per group instead of a
-GEMM per projection and their sum. On a host-bound step (W1 with LoRA launches ~1,700 GEMMs a step)
-fewer launches also mean less host time.
-
-How: an inductor pre-grad pass (`FuseSharedInputProjections`) over each compiled layer's graph
-rewrites `linear(x, w_i, b_i)` for i in a group into `linear(x, cat(w), cat(b))` split back into
-the projections' outputs. Autograd then gives each weight its slice of one weight-gradient GEMM.
-The model, its parameters and its checkpoints are unchanged: the concatenation is in the graph.
-
-A group holds projections of one input whose weights agree in whether they are trained: a frozen
-base weight fused with a LoRA adapter would have its gradient GEMM computed (the concatenation
-requires grad), the very work LoRA skips. Biases: all or none of a group's projections have one.
-
-What fusing costs: the concatenated weight is a copy, made in forward and again in backward (twice
-4 bytes of traffic a bf16 weight). What it saves is launches and narrow GEMMs: two or three GEMMs
-and a sum fewer a group, forward and backward, ~10 us of host time each where the step is the
-host's (W1's). Both are fixed per micro-batch, so the break-even is a weight size: copying 32 MiB
-twice takes ~30 us at ~4.5 TB/s, what the ~3 launches of a two-projection group take. Groups of
-frozen weights over FROZEN_GROUP_MAX_BYTES are left unfused (`graph_pass`): on W2b's 8B Llama the
-gate/up weights are 224 MiB a layer, whose copies cost memory at the peak and time each step
-(docs/benchmarks.md); W1's largest group is 17 MiB. Trained groups, the adapters' A,
-are small, and a fused full fine-tuning is what model.fuse_projections=true asks for. The q/k/v
-group whose GEMM output model.recompute_qkv=false keeps stays fused whatever its size: that keeping
-needs its one GEMM (sfttrain.recompute).
-"""
+"""model.fuse_projections: projections that read the same input (q/k/v; gate/up; LoRA's A) run as one
+GEMM in the compiled layers: an inductor pre-grad pass rewrites `linear(x, w_i, b_i)` of a group into
+`linear(x, cat(w), cat(b))` split back. A group's weights agree in whether they are trained (else the
+frozen one's gradient would be computed). The concatenation is a copy, so frozen groups over
+FROZEN_GROUP_MAX_BYTES stay unfused (auto), but the q/k/v group recompute_qkv=false keeps."""
 
 from __future__ import annotations
 
@@ -39,19 +14,17 @@ import torch
 from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from sfttrain import lora_fold
+from sfttrain import graph_rewrite, lora_fold
 from sfttrain.config import ModelConfig
-from sfttrain.graph_rewrite import LINEAR, concatenated, split_back, with_value
+from sfttrain.graph_rewrite import LINEAR, are_parameters, concatenated, is_call, split_back, with_value
 from sfttrain.recompute import qkv_weight_shape
 
-FROZEN_GROUP_MAX_BYTES = 32 * 2**20  # the largest frozen group model.fuse_projections=auto fuses (above)
+FROZEN_GROUP_MAX_BYTES = 32 * 2**20  # where copying the weights costs what the saved launches save
 
 
 def graph_pass(cfg: ModelConfig, model_config) -> FuseSharedInputProjections | None:
-    """The pass model.fuse_projections asks for: none; every group (true); or, auto, every group but
-    frozen ones over FROZEN_GROUP_MAX_BYTES. The q/k/v group model.recompute_qkv=false keeps is fused
-    either way. With LoRA and model.fold_lora (ModelConfig.folds_lora), the groups of adapted
-    projections it would fuse are folded first (sfttrain.lora_fold), but that q/k/v group."""
+    """The pass model.fuse_projections asks for (None: off); with model.fold_lora it folds LoRA's
+    groups first (sfttrain.lora_fold)."""
     if not cfg.fuses_projections():
         return None
     hidden, qkv = qkv_weight_shape(model_config)
@@ -61,13 +34,9 @@ def graph_pass(cfg: ModelConfig, model_config) -> FuseSharedInputProjections | N
 
 
 class FuseSharedInputProjections(CustomGraphPass):
-    """The pre-grad graph pass (inductor's `pre_grad_custom_pass`). Each group it fuses counts in
-    torch._dynamo's counters["inductor"]["fused_projections"], each group of LoRA projections it folds
-    in ["folded_lora"], beside inductor's own passes'.
-    frozen_max_bytes: frozen groups whose weights take more are left unfused, unless their fused weight
-    has the shape `always_fused` ([out, in]: the q/k/v group whose GEMM output recompute keeps).
-    fold_lora: groups of adapted projections are folded (sfttrain.lora_fold) where their frozen weights
-    would be fused, but for the `always_fused` group (recompute finds its GEMM by that weight's shape)."""
+    """inductor's `pre_grad_custom_pass`, counting in counters["inductor"]["fused_projections"] and
+    ["folded_lora"]. Frozen groups over frozen_max_bytes stay unfused unless their fused weight has
+    the shape `always_fused` ([out, in]), which is never folded: recompute finds its GEMM by it."""
 
     def __init__(self, frozen_max_bytes: float = math.inf, always_fused: tuple[int, int] | None = None,
                  fold_lora: bool = False):
@@ -111,22 +80,19 @@ class FuseSharedInputProjections(CustomGraphPass):
         return sum(w.shape[0] for w in values), values[0].shape[1]
 
     def uuid(self) -> str:
-        """inductor's cache key for the pass: the graphs it makes depend on this file's and
-        sfttrain.lora_fold's code and the pass's settings."""
-        code = b"".join(open(path, "rb").read() for path in (__file__, lora_fold.__file__))
+        """inductor's cache key: the code of this pass and of the helpers it calls, and the settings."""
+        code = b"".join(open(path, "rb").read() for path in (__file__, lora_fold.__file__, graph_rewrite.__file__))
         settings = repr((self.frozen_max_bytes, self.always_fused, self.fold_lora)).encode()
         return hashlib.sha256(code + settings).hexdigest()
 
 
 def group_key(node: torch.fx.Node) -> tuple | None:
     """(input, weights trained, has bias, weights' dtype) of a linear that can join a group; else None.
-    Only a linear of graph inputs (parameters) joins: the concatenation goes before the group's first
-    linear, where a weight computed inside the graph (a cast, say) may not exist yet."""
-    if node.op != "call_function" or node.target not in LINEAR or node.kwargs:
+    Only parameters (graph inputs) join: they exist before the group's first linear."""
+    if not is_call(node, LINEAR) or node.kwargs:
         return None
     x, weight, bias = (*node.args, None)[:3]
-    params = [weight] if bias is None else [weight, bias]
-    if not all(isinstance(p, torch.fx.Node) and p.op == "placeholder" for p in params):
+    if not are_parameters([weight, bias]):
         return None
     w = weight.meta.get("example_value")
     if w is None or w.dim() != 2 or "example_value" not in node.meta:

@@ -14,15 +14,22 @@ from torch.utils.checkpoint import CheckpointPolicy
 LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
 
 
+def is_call(node, targets) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def are_parameters(nodes) -> bool:
+    """Whether each of `nodes` but None is a graph input (a parameter): it exists before any op."""
+    return all(isinstance(n, torch.fx.Node) and n.op == "placeholder" for n in nodes if n is not None)
+
+
 def concatenated(graph: torch.fx.Graph, params: list[torch.fx.Node]) -> torch.fx.Node:
-    """The parameters concatenated along dim 0, a node inserted at the graph's insertion point,
-    recomputed in backward (`recomputed`)."""
+    """The parameters concatenated along dim 0 at the insertion point, recomputed in backward."""
     return recomputed(with_value(graph.call_function(torch.cat, (params,), {"dim": 0})))
 
 
 def split_back(graph: torch.fx.Graph, fused: torch.fx.Node, replaced: list[torch.fx.Node]) -> None:
-    """Hands each of `replaced` (the nodes one fused GEMM replaces, its output's columns side by side
-    in their order) its columns of `fused`."""
+    """Hands each of `replaced` its columns of `fused` (their outputs side by side, in order)."""
     sizes = [node.meta["example_value"].shape[-1] for node in replaced]
     with graph.inserting_after(fused):
         parts = with_value(graph.call_function(torch.split, (fused, sizes), {"dim": -1}))
@@ -34,19 +41,15 @@ def split_back(graph: torch.fx.Graph, fused: torch.fx.Node, replaced: list[torch
 
 
 def recomputed(node: torch.fx.Node) -> torch.fx.Node:
-    """Marks a concatenation of parameters for recomputation in backward. Left to itself, inductor's
-    partitioner saves the concatenated weight for the input gradient's GEMM: a copy of the group's
-    weights per layer held from forward to backward, where the unfused layer saves the parameters
-    themselves, at no cost. Recomputing costs one more copy of the weights."""
+    """Marks a concatenation of parameters for recomputation in backward: saved, it would hold a copy
+    of the weights from forward to backward."""
     node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
     return node
 
 
 def with_value(node: torch.fx.Node) -> torch.fx.Node:
-    """Gives an inserted node the `example_value` (a fake tensor) later passes read, from its inputs'.
-    Computed as dynamo computes its own (get_fake_value): under the inputs' fake mode (a backend may
-    run under another) and the Python dispatcher, whose decompositions handle symbolic sizes where
-    the C++ ones do not (torch 2.11's linear of a 3-d input asks for its numel)."""
+    """Gives an inserted node the fake `example_value` later passes read, as dynamo computes it: under
+    the inputs' fake mode and the Python dispatcher (which handles symbolic sizes)."""
     args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["example_value"])
     modes = {t.fake_mode for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, FakeTensor)}
     with modes.pop() if modes else contextlib.nullcontext(), enable_python_dispatcher():

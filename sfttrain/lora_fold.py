@@ -1,31 +1,8 @@
-"""model.fold_lora: each LoRA adapter's B runs inside its frozen projection's GEMM, in the compiled layers.
-
-peft computes an adapted projection as `linear(x, W) + linear(linear(x, A), B) * s`: the frozen GEMM
-writes its output, B's GEMM writes a second output of the same size, and whatever reads the sum
-reads both (forward, and again in backward where inductor recomputes the sum rather than save it).
-On W1's MLP that is two extra 13.7k x 4864 tensors written once and read three times a layer; with
-backward's extra GEMM g @ B, the adapters cost W1 more GPU time than the weight gradients LoRA skips
-(docs/benchmarks.md times a layer's seven projections each way).
-
-Folded, a group of adapted projections of one input x (q/k/v; gate/up; o; down) is one GEMM over
-the input widened by the adapters' A outputs:
-
-    U = x @ [A_1; ...; A_n]^T                      (n x rank columns a token)
-    [y_1 | ... | y_n] = [x | U] @ [[W_1, s B_1, 0], ..., [W_n, 0, s B_n]]^T (+ biases)
-
-the same sums as peft's, accumulated in fp32 in one GEMM instead of rounded to two outputs first.
-The zero blocks cost (n - 1) x rank columns of GEMM a projection: ~5% of a W1 layer's forward. Backward
-is the same shape: one GEMM gives the gradients of x and U, `lora_linear`'s own backward computes
-only the trained block's weight gradient (g^T U), never the frozen W's: autograd's linear would compute
-that full gradient and slice it, the very GEMM LoRA exists to skip. Hence the custom op, whose
-forward inductor still generates itself (a decomposition applied below autograd): the widened
-input's copy fuses with the norm that makes x, and no Python runs per call.
-
-The rewrite is an inductor pre-grad pass over each compiled layer (sfttrain.fuse_projections runs it
-before fusing the remaining groups, on the groups whose frozen weights it would fuse). The model, its
-parameters and checkpoints are unchanged. model.fold_lora=auto (the default) folds wherever LoRA's
-projections are fused, where W1 LoRA measured it faster than unfolded in the same call (docs/benchmarks.md).
-"""
+"""model.fold_lora: each LoRA adapter's B runs inside its frozen projection's GEMM, in the compiled
+layers. A group of adapted projections of one input x (peft: linear(x, W) + linear(linear(x, A), B) s)
+becomes U = x @ [A_1; ...; A_n]^T and [y_1 | ... | y_n] = [x | U] @ [[W_1, s B_1, 0], ...]^T, one GEMM
+whose backward (`lora_linear`) never computes the frozen W's gradient. An inductor pre-grad pass run
+by sfttrain.fuse_projections."""
 
 from __future__ import annotations
 
@@ -36,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch._inductor.decomposition import register_decomposition
 
-from sfttrain.graph_rewrite import LINEAR, concatenated, recomputed, split_back, with_value
+from sfttrain.graph_rewrite import (LINEAR, are_parameters, concatenated, is_call, recomputed, split_back,
+                                    with_value)
 
 
 def folded_linear(x, u, frozen, trained, bias):
@@ -65,9 +43,8 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, grad):
     u, frozen, trained = ctx.saved_tensors
-    # the widened weight made anew, along dim -1 where forward says 1: as the same expression the joint
-    # graph's CSE would merge the two, and the partitioner keep forward's copy (a layer's weights) until
-    # backward (tests/test_fuse_projections.py's inductor test sees what is saved)
+    # dim -1 where forward says 1: the same expression would be merged by CSE and forward's copy
+    # of the weights saved for backward
     grad_input = grad @ torch.cat([frozen, trained.to(frozen.dtype)], -1)
     flat_grad, flat_u = grad.reshape(-1, grad.shape[-1]), u.reshape(-1, u.shape[-1])
     grad_trained = (flat_grad.t() @ flat_u).to(trained.dtype)  # the frozen block's gradient is never computed
@@ -79,9 +56,8 @@ lora_linear.register_autograd(_backward, setup_context=_setup)
 
 @register_decomposition(torch.ops.sfttrain.lora_linear.default)
 def _inline(x, u, frozen, trained, bias):
-    """inductor generates the op's concatenations and GEMM into the compiled layer: called as an op, its
-    Python would cost each call host time, and W1's LoRA step is the host's. AOTAutograd applies this
-    below autograd, so the backward is still `_backward`."""
+    """inductor generates the op into the compiled layer (no Python per call); applied below
+    autograd, so the backward is still `_backward`."""
     return folded_linear(x, u, frozen, trained, bias)
 
 
@@ -99,21 +75,19 @@ class Adapted:
     @classmethod
     def match(cls, node: torch.fx.Node) -> Adapted | None:
         """The adapted projection whose output (peft's sum) `node` is, or None."""
-        if node.op != "call_function" or node.target is not operator.add or len(node.args) != 2:
+        if not is_call(node, (operator.add,)) or len(node.args) != 2:
             return None
         base, mul = node.args
-        if not (_is(base, LINEAR) and _is(mul, (operator.mul,)) and _is(mul.args[0], LINEAR)):
+        if not (is_call(base, LINEAR) and is_call(mul, (operator.mul,)) and is_call(mul.args[0], LINEAR)):
             return None
         linear_b = mul.args[0]
         linear_a = linear_b.args[0]
-        if not (_is(linear_a, LINEAR) and linear_a.args[0] is base.args[0] and _bias(linear_a) is None
+        if not (is_call(linear_a, LINEAR) and linear_a.args[0] is base.args[0] and _bias(linear_a) is None
                 and _bias(linear_b) is None):
             return None
         if any(len(n.users) != 1 for n in (base, mul, linear_b, linear_a)):  # each feeds only the next
             return None
-        params = [base.args[1], linear_a.args[1], linear_b.args[1], _bias(base)]
-        parameters = all(isinstance(p, torch.fx.Node) and p.op == "placeholder" for p in params if p is not None)
-        if base.kwargs or not parameters:
+        if base.kwargs or not are_parameters([base.args[1], linear_a.args[1], linear_b.args[1], _bias(base)]):
             return None
         found = cls(node)
         w, out = found.weight.meta["example_value"], base.meta["example_value"]
@@ -125,10 +99,6 @@ class Adapted:
 
 def _bias(linear: torch.fx.Node) -> torch.fx.Node | None:
     return linear.args[2] if len(linear.args) > 2 else linear.kwargs.get("bias")
-
-
-def _is(node, targets) -> bool:
-    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
 
 
 def fold(graph: torch.fx.Graph, folds_frozen) -> int:

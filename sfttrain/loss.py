@@ -1,10 +1,8 @@
 """Token-sum cross-entropy, normalised by the step's global loss-token count.
 
-`CausalLMLoss` wraps the unmodified Hugging Face model: it runs the decoder to hidden states and
-computes the summed loss from them and the output embedding, so the [tokens, vocab] logits are
-never held whole (Liger's fused linear cross-entropy, or sfttrain's own `LinearCrossEntropy`).
-Under FSDP it is the root module, so the embedding / lm_head all-gathers happen inside its forward.
-"""
+`CausalLMLoss` wraps the unmodified Hugging Face model and computes the loss from the decoder's
+hidden states chunk by chunk, so the [tokens, vocab] logits are never held whole. Under FSDP it
+is the root module: the embedding / lm_head all-gathers happen inside its forward."""
 
 from __future__ import annotations
 
@@ -21,9 +19,7 @@ from sfttrain.moe import RouterBalance
 
 @dataclass(frozen=True)
 class OutputHead:
-    """What the model's own forward does to `hidden @ lm_head.weight.T (+ lm_head.bias)` before its
-    cross-entropy: Granite divides by `logits_scaling`, Cohere multiplies by `logit_scale`, Gemma 2/3
-    soft-cap with `cap * tanh(logits / cap)`."""
+    """The model's own scaling of its raw logits: Granite divides, Cohere multiplies, Gemma 2/3 soft-cap."""
     scale: float = 1.0
     softcap: float | None = None
 
@@ -36,16 +32,13 @@ class OutputHead:
         return capped * self.softcap, (1.0 - capped * capped) * self.scale
 
 
-# The model types whose causal-LM head sfttrain reproduces: tests/test_loss.py checks, for each,
-# that sfttrain's loss on a packed row equals the Hugging Face model's own loss (every parameter
-# random, head scalings set). Anything else is refused at start-up rather than trained on a loss
-# that silently differs from the model's (a dropped bias or logit scaling changes every gradient).
+# the families whose head tests/test_loss.py checks against the model's own loss; others are refused
+# rather than trained on a loss that may silently differ (a dropped bias or logit scaling)
 HEAD_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "gemma", "gemma2",
                  "gemma3_text", "phi", "phi3", "granite", "cohere", "olmo", "olmo2", "starcoder2", "smollm3")
 
 
 def output_head(config) -> OutputHead:
-    """The head transformation of a model of a supported family, from its config."""
     family = config.model_type
     if family not in HEAD_FAMILIES:
         raise ConfigError(f"model type {family!r}: sfttrain's loss is checked against the model's own loss only for "
@@ -59,22 +52,17 @@ def output_head(config) -> OutputHead:
 class CausalLMLoss(nn.Module):
     def __init__(self, model: nn.Module, fused: bool, compiled_max_seqlen: int | None = None,
                  chunk_loss: ChunkLoss | None = None, chunk_tokens: int = 1024):
-        """fused: Liger's fused linear cross-entropy. compiled_max_seqlen: the decoder is compiled;
-        pass this fixed upper bound as the attention's max sample length (the kernels only need a
-        bound, and a compiled graph would specialise and recompile on every distinct value).
-        chunk_loss: LinearCrossEntropy's softmax-and-gradient kernel (`select_chunk_loss`; default
-        chunk_loss_and_grad, eager).
-        chunk_tokens: LinearCrossEntropy's chunk (model.loss_chunk_tokens)."""
+        """fused: Liger's fused linear cross-entropy. compiled_max_seqlen: a fixed bound passed as the
+        attention's max sample length, so the compiled decoder does not recompile per value."""
         super().__init__()
         self.model = model  # the Hugging Face causal LM, unmodified
         self.fused = fused
         self.compiled_max_seqlen = compiled_max_seqlen
         self.chunk_tokens = chunk_tokens
-        # set by sfttrain.parallel when no FSDP casts the parameters: run forward under autocast
+        # set by sfttrain.parallel where no FSDP casts the parameters
         self.autocast_dtype: torch.dtype | None = None
         self.chunk_loss = chunk_loss or chunk_loss_and_grad
         self.head = output_head(model.config)
-        # output_router_logits=true: the router's load-balancing loss joins the objective (sfttrain.moe)
         self.router = RouterBalance.of(model.config)
         has_bias = getattr(model.get_output_embeddings(), "bias", None) is not None
         if fused and (self.head != OutputHead() or has_bias):
@@ -98,8 +86,7 @@ class CausalLMLoss(nn.Module):
         weight, bias = head.weight, getattr(head, "bias", None)
         labels = batch.labels.view(-1)
         if batch.loss_rows.numel():
-            # only the positions with a target need logits: a prompt's positions cost the head's
-            # GEMMs nothing (on GSM8K ~42% of them); their hidden states get a zero gradient, as before
+            # only positions with a target need logits; the others get a zero gradient
             hidden, labels = hidden.index_select(0, batch.loss_rows), labels.index_select(0, batch.loss_rows)
         compute_dtype = self.autocast_dtype or weight.dtype
         if self.fused:
@@ -115,11 +102,9 @@ class CausalLMLoss(nn.Module):
 
 
 def chunk_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor, with_grad: bool):
-    """Summed cross-entropy of one chunk of logits [C, V] and, if with_grad, its gradient
-    softmax - onehot (zero on ignored rows) in the logits' dtype. Softmax in fp32; under
-    torch.compile this is one kernel, two passes over the chunk and no fp32 [C, V] buffer.
-    (Writing the gradient into the logits in place would save one buffer, but inductor then
-    emits much slower kernels: docs/benchmarks.md.)"""
+    """Summed cross-entropy of logits [C, V] and, if with_grad, softmax - onehot (zero on ignored
+    rows) in the logits' dtype. Softmax in fp32; compiled, one kernel and no fp32 [C, V] buffer
+    (an in-place gradient makes inductor's kernels much slower)."""
     logits32 = logits.float()
     lse = torch.logsumexp(logits32, dim=-1)
     valid = labels != IGNORE_INDEX
@@ -134,11 +119,8 @@ def chunk_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor, with_grad: b
 
 
 def liger_chunk_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor, with_grad: bool):
-    """chunk_loss_and_grad by Liger's cross-entropy Triton kernel (one program per row, two
-    passes): the gradient is written over the logits, so a chunk needs one [C, V] buffer instead
-    of two, and it runs at memory bandwidth, faster than inductor's kernel (`bench/loss_kernel.py`,
-    figures in docs/benchmarks.md). Launched directly: Liger's
-    Python wrapper reads token counts on the host (a sync per chunk) and sums the loss in bf16."""
+    """chunk_loss_and_grad by Liger's Triton kernel, the gradient written over the logits (one
+    [C, V] buffer, not two). Launched directly: Liger's wrapper syncs per chunk and sums in bf16."""
     rows, vocab = logits.shape
     losses = torch.zeros(rows, dtype=torch.float32, device=logits.device)  # ignored rows stay 0
     _liger_kernel()[(rows,)](X_ptr=logits, X_stride=logits.stride(0), Y_ptr=labels, Y_stride=labels.stride(0),
@@ -181,8 +163,7 @@ ChunkLoss = Callable[[torch.Tensor, torch.Tensor, bool], tuple]
 
 
 def chunk_loss_kernel(kernel: str, device_type: str) -> str:
-    """model.loss_kernel resolved on `device_type`: liger or torch, refusing liger where Liger's
-    kernel cannot run (the preflight checks it too)."""
+    """model.loss_kernel resolved on `device_type`: liger or torch (liger refused where it cannot run)."""
     if kernel == "torch":
         return "torch"
     reason = liger_unavailable_reason(device_type)
@@ -193,10 +174,8 @@ def chunk_loss_kernel(kernel: str, device_type: str) -> str:
 
 
 def select_chunk_loss(kernel: str, device_type: str, compile_torch: bool) -> tuple[ChunkLoss, str]:
-    """LinearCrossEntropy's softmax-and-gradient kernel for model.loss_kernel, and its name.
-    liger: Liger's kernel (CUDA, liger-kernel 0.8 installed); torch: chunk_loss_and_grad, compiled
-    on CUDA or with model.compile (eager it would allocate several fp32 [chunk, vocab]
-    temporaries); auto: liger where it can run, else torch."""
+    """LinearCrossEntropy's chunk kernel for model.loss_kernel, and its name. torch's is compiled on
+    CUDA or with model.compile (eager it allocates fp32 [chunk, vocab] temporaries)."""
     if chunk_loss_kernel(kernel, device_type) == "liger":
         return liger_chunk_loss_and_grad, "liger"
     if compile_torch or device_type == "cuda":
@@ -205,17 +184,10 @@ def select_chunk_loss(kernel: str, device_type: str, compile_torch: bool) -> tup
 
 
 class LinearCrossEntropy(torch.autograd.Function):
-    """sum_t CE(head(hidden_t @ weight.T + bias), label_t), chunk by chunk, with the gradient computed in the
-    forward pass (as Liger's fused loss does, but with GEMMs of chunk_tokens rows instead of
-    ~V/H-token slivers): each chunk's logits are made once, turned at once into their gradient
-    softmax - onehot instead of being kept, and multiplied back into d hidden and d weight.
-    Three lm_head GEMMs per token (no recompute), one chunk's logits and gradient alive at a
-    time; d weight accumulates in fp32 across chunks. backward only scales the stored gradients
-    by the incoming one. `head` (OutputHead) is the model's own scaling / soft-cap of the logits;
-    the chunk's gradient is carried back through it before the GEMMs.
-
-    compute_dtype: the GEMM dtype (bf16 under mixed precision); the gradients come back in the
-    inputs' own dtypes, so an fp32 master weight gets an fp32 gradient never rounded to bf16."""
+    """sum_t CE(head(hidden_t @ weight.T + bias), label_t) by chunks of chunk_tokens rows, the
+    gradients computed in forward: each chunk's logits become softmax - onehot at once and are
+    multiplied back into d hidden and d weight (fp32 across chunks); backward only scales them.
+    The GEMMs run in compute_dtype; the gradients come back in the inputs' own dtypes."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, head, compute_dtype, chunk_loss, with_grad, chunk_tokens):
@@ -226,8 +198,7 @@ class LinearCrossEntropy(torch.autograd.Function):
             b = bias.to(compute_dtype) if bias is not None else None
             total = torch.zeros((), dtype=torch.float32, device=hidden.device)
             grad_hidden = torch.empty_like(hidden) if with_grad else None
-            # a frozen lm_head (LoRA) gets no gradient: a third of the lm_head GEMMs and a V x D
-            # fp32 buffer saved
+            # a frozen lm_head (LoRA) needs no gradient GEMM nor its fp32 buffer
             weight_grad = with_grad and ctx.needs_input_grad[1]
             grad_weight = torch.zeros_like(weight, dtype=torch.float32) if weight_grad else None
             bias_grad = with_grad and b is not None and ctx.needs_input_grad[2]
@@ -245,8 +216,7 @@ class LinearCrossEntropy(torch.autograd.Function):
                         _add_matmul(grad_weight, grad_logits.t(), h)
                     if bias_grad:
                         grad_bias += grad_logits.sum(0, dtype=torch.float32)
-                # freed before the next chunk's GEMM allocates its logits: held by these names until
-                # rebound, two chunks were alive at once (W1 at 4096-token chunks: 1.16 GiB more)
+                # freed before the next chunk allocates: else two chunks' logits are alive at once
                 del logits, grad_logits
         if with_grad:
             ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype) if weight_grad else None,
@@ -273,20 +243,14 @@ def _add_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 def normalised(loss_sum: torch.Tensor, global_loss_tokens: int, grad_ranks: int) -> torch.Tensor:
-    """The micro-batch's share of the step loss: sum / (loss tokens of the WHOLE step, all ranks).
-
-    FSDP averages gradients over the grad_ranks ranks (all of them: the data-parallel ranks and,
-    with Ulysses, the sequence-parallel ranks, each holding its slice's share); multiplying by
-    grad_ranks turns that average into the sum, so the update equals that of one rank running the
-    whole step at once, however the step is split into ranks, slices and micro-batches."""
+    """sum / (loss tokens of the WHOLE step), x grad_ranks to undo FSDP's average over them: the
+    update does not depend on how the step is split into ranks, slices and micro-batches."""
     return loss_sum * (grad_ranks / max(global_loss_tokens, 1))
 
 
 def step_objective(lm: CausalLMLoss, loss_sum: torch.Tensor, batch, grad_ranks: int) -> torch.Tensor:
-    """The micro-batch's share of the step's objective (backward this): its summed loss
-    `normalised`; with the router's load-balancing loss also coef x its samples' sum_s T_s aux_s
-    over the real tokens of the WHOLE step (batch: the StepBatch), scaled like the loss so that
-    the update does not depend on the split (sfttrain.moe)."""
+    """The micro-batch's share of the step's objective: the `normalised` loss, plus the router's
+    load-balancing loss over the real tokens of the WHOLE step (batch: the StepBatch, sfttrain.moe)."""
     objective = normalised(loss_sum, batch.num_loss_tokens, grad_ranks)
     if lm.router is None:
         return objective

@@ -1,30 +1,10 @@
-"""Mixture-of-experts specifics: which parameters are routed experts and how many of them run per
-token (MFU, sfttrain.flops), the shape of a MoE decoder as its config.json describes it (the
-preflight, sfttrain.plan), the router's load-balancing loss, reading checkpoints that store one
-weight per expert (sfttrain.weights), and what LoRA adapts in the experts (sfttrain.lora).
-(How the experts compute is sfttrain.experts'.)
-
-Qwen2-MoE, Qwen3-MoE and Mixtral (transformers 5) hold each layer's routed experts as fused 3-D
-parameters under `mlp.experts` (`gate_up_proj` [E, 2F, D], `down_proj` [E, D, F]); a router
-(`mlp.gate`) picks top_k of the E experts per token. Qwen2-MoE adds a shared expert
-(`mlp.shared_expert`, with a sigmoid gate) that runs for every token.
-
-The router's load-balancing loss (config.json's output_router_logits=true, `RouterBalance`) is
-Hugging Face's `load_balancing_loss_func` (Switch Transformer's
-aux = E sum_e f_e P_e, with f_e the share of top-k picks and P_e the mean router probability of
-expert e over all sparse layers' tokens), taken per sample (each packed document) and
-token-weighted over the step:
+"""Mixture-of-experts specifics: routing, a MoE decoder's shape from config.json, the router's
+load-balancing loss, checkpoints with one weight per expert, and LoRA on the experts. The router loss
+(output_router_logits=true) is Hugging Face's aux = E sum_e f_e P_e per sample, token-weighted:
 
     step loss = sum_t CE_t / (loss tokens of the step) + coef x sum_s T_s aux_s / (real tokens of the step)
 
-Why per sample: aux is a product of two means, not a sum over tokens, so any definition over a
-group of tokens depends on the group; a sample is the only group no split of the step into ranks
-and micro-batches cuts (packing keeps samples whole), so the update does not depend on the split.
-For a batch of one sample it is exactly the model's own `loss + router_aux_loss_coef x aux_loss`;
-HF's value for a padded batch of several samples instead pools them (and depends on which samples
-share the batch). Pad tokens (the packed row's pad segment, an idle rank's empty micro-batch) are
-no sample and count nowhere.
-"""
+aux depends on the tokens it is taken over; a sample is the one group no split of the step cuts."""
 
 from __future__ import annotations
 
@@ -46,10 +26,6 @@ class Routing:
     top_k: int
     num_experts: int
 
-    @property
-    def active_fraction(self) -> float:
-        return self.top_k / self.num_experts
-
 
 def routing(config) -> Routing | None:
     """The model's routing from its config (a PretrainedConfig or a config.json dict); None for a
@@ -62,13 +38,6 @@ def routing(config) -> Routing | None:
 
 def is_routed_expert(name: str) -> bool:
     return EXPERTS in f".{name}."
-
-
-def routed_expert_params(model: nn.Module, trainable_only: bool = False) -> int:
-    """Parameters of the routed experts, each counted once (global sizes under FSDP2)."""
-    unique = {id(p): p for name, p in model.named_parameters()
-              if is_routed_expert(name) and (p.requires_grad or not trainable_only)}
-    return sum(p.numel() for p in unique.values())
 
 
 @dataclass(frozen=True)
@@ -98,27 +67,24 @@ class MoeShape:
         return r.num_experts * hidden + r.num_experts * 3 * hidden * self.expert_intermediate + shared
 
     def lora_params(self, hidden: int, rank: int) -> int:
-        """One sparse layer's MLP adapters under all-linear (sfttrain.lora): a rank-r pair per expert
-        on gate_up_proj and down_proj, and the shared expert's linears. (peft >= 0.21 doubles
-        gate_up_proj's rank and adapts the router too for some families: a few parameters more.)"""
+        """One sparse layer's MLP adapters under all-linear: a rank-r pair per expert on gate_up_proj
+        and down_proj, and the shared expert's linears (peft may add a few: a doubled rank, the router)."""
         f, s, e = self.expert_intermediate, self.shared_intermediate, self.routing.num_experts
         experts = rank * e * ((hidden + 2 * f) + (f + hidden))
         shared = rank * (3 * (hidden + s) + hidden + 1) if s else 0  # gate, up, down; the sigmoid gate D -> 1
         return experts + shared
 
     def mlp_activations_per_token(self) -> int:
-        """bf16 values one sparse MLP keeps for backward per token: top_k copies of the token
-        (gate, up and their product per routed expert), the shared expert's, the router's logits."""
+        """bf16 values one sparse MLP keeps for backward per token (gate, up and their product per
+        routed and shared expert, the router's logits)."""
         return (3 * self.routing.top_k * self.expert_intermediate + 3 * self.shared_intermediate
                 + self.routing.num_experts)
 
 
 class RouterBalance:
-    """The router's load-balancing loss of the micro-batches of a step, and the experts' load.
-
-    `record` is called with each training forward's router logits; `take` hands the last
-    micro-batch's sum_s T_s aux_s to its objective (sfttrain.loss.step_objective); `step_stats`
-    hands the step's totals to the trainer's one all-reduce, `metrics` turns them into numbers."""
+    """The router's load-balancing loss of a step's micro-batches, and the experts' load: `record`
+    each training forward's logits, `take` the micro-batch's sum_s T_s aux_s for its objective,
+    `step_stats` for the trainer's one all-reduce, `metrics` from their sums."""
 
     def __init__(self, config):
         self.routing = routing(config)
@@ -167,35 +133,31 @@ class RouterBalance:
         return pending
 
     def step_stats(self, device: torch.device) -> torch.Tensor:
-        """This rank's [sum_s T_s aux_s, load...] of the step (summed over ranks, they are the
-        step's), and a fresh start for the next step."""
+        """This rank's [sum_s T_s aux_s, load...] of the step, and a fresh start for the next."""
         load = torch.as_tensor(self.load, dtype=torch.float32, device=device).flatten()
         stats = torch.cat([torch.as_tensor(self.aux_sum, dtype=torch.float32, device=device).reshape(1), load])
         self.aux_sum, self.load = 0.0, 0.0
         return stats
 
     def metrics(self, stats: list[float], real_tokens: int) -> dict:
-        """router_aux: the step's token-weighted mean of aux; expert_load: the busiest expert's
-        picks over the mean expert's, in the most unbalanced layer (1: balanced; E / top_k: all
-        tokens on the same top_k experts)."""
+        """router_aux: the step's token-weighted mean of aux; expert_load: the busiest expert's picks
+        over the mean expert's in the most unbalanced layer (1: balanced)."""
         load = torch.tensor(stats[1:]).view(-1, self.routing.num_experts)
         balance = load.max(-1).values / load.mean(-1).clamp(min=1e-9)
         return {"router_aux": stats[0] / max(real_tokens, 1), "expert_load": balance.max().item()}
 
 
-# How checkpoints store what transformers 5 fuses (its conversion_mapping.py): one linear weight
-# per expert, `experts.{e}.gate_proj.weight` etc.; Mixtral's under `block_sparse_moe` as w1 (gate),
-# w3 (up), w2 (down), its router too. (module rename, gate, up, down)
+# checkpoints' one weight per expert (`experts.{e}.gate_proj.weight`; Mixtral's under
+# `block_sparse_moe` as w1, w3, w2, its router too): (module rename, gate, up, down)
 PER_EXPERT_LAYOUTS = ((".mlp.", "gate_proj", "up_proj", "down_proj"),
                       (".block_sparse_moe.", "w1", "w3", "w2"))
 
 
 def read_per_expert(files: dict[str, str], name: str, index: tuple[slice, ...],
                     read: Callable[[str, str, tuple], torch.Tensor]) -> torch.Tensor | None:
-    """The slice `index` of the model's parameter `name` from a checkpoint that stores its experts
-    one by one (or Mixtral's router under its old name); None when the checkpoint has neither.
-    files: tensor name -> file; read(file, tensor name, index) reads a slice (() : all). Only
-    the experts of `index` (this rank's shard) are read, one at a time."""
+    """The slice `index` of the parameter `name` from a checkpoint that stores its experts one by one
+    (or Mixtral's router under its old name); None where it has neither. files: tensor name -> file;
+    read(file, tensor name, index) reads a slice (() : all)."""
     for module, gate, up, down in PER_EXPERT_LAYOUTS:
         key = name.replace(".mlp.", module)
         if key in files:  # renamed only (Mixtral's router)
@@ -220,10 +182,8 @@ FUSED_EXPERTS = ("gate_up_proj", "down_proj")  # transformers 5's 3-D expert par
 
 
 def expert_lora_targets(model: nn.Module, cfg) -> tuple[list[str], str | None]:
-    """peft's target_parameters for LoRA on the fused experts (`mlp.experts.gate_up_proj`, ...),
-    and why there are none where a MoE model gets none (None: a dense model, or adapted).
-    all-linear does not reach them (they are no nn.Linear); peft >= 0.17 adapts a 3-D parameter
-    with a rank-r pair per expert (its ParamWrapper, which refuses dropout: a ConfigError)."""
+    """peft's target_parameters for LoRA on the fused experts (no nn.Linear, so all-linear misses
+    them), and why a MoE model gets none (None: a dense model, or adapted)."""
     if routing(model.config) is None:
         return [], None
     # "model.layers.0.mlp.experts.gate_up_proj" -> "mlp.experts.gate_up_proj" (peft matches the end)
@@ -234,13 +194,7 @@ def expert_lora_targets(model: nn.Module, cfg) -> tuple[list[str], str | None]:
         return [], "this transformers keeps no fused 3-D expert parameters"
     if cfg.target_modules != "all-linear":
         return [], f"model.target_modules={cfg.target_modules} names linear layers only; all-linear adds the experts"
-    from peft import LoraConfig
-
-    if "target_parameters" not in LoraConfig.__dataclass_fields__:
-        import peft
-
-        return [], f"peft {peft.__version__} cannot adapt parameters (target_parameters needs peft >= 0.17)"
-    if cfg.lora_dropout:  # peft >= 0.21 adapts the experts under all-linear itself: it would fail later
+    if cfg.lora_dropout:  # peft adapts the experts under all-linear itself: it would fail later
         raise ConfigError(f"model.lora_dropout={cfg.lora_dropout} with target_modules=all-linear on "
                           f"{model.config.model_type}: peft adapts the fused experts only without dropout; set "
                           "model.lora_dropout=0, or list model.target_modules (the experts then stay frozen)")
@@ -248,9 +202,7 @@ def expert_lora_targets(model: nn.Module, cfg) -> tuple[list[str], str | None]:
 
 
 def describe_lora(model: nn.Module, cfg) -> list[str]:
-    """The start-up line on what LoRA adapts in the MoE parts of a model (none for a dense model
-    or without LoRA): the fused experts with their ranks (peft doubles gate_up_proj's where it
-    converts gate_proj + up_proj itself), the routers, or why the experts are not adapted."""
+    """The start-up line on what LoRA adapts in a MoE (none for a dense model or without LoRA)."""
     if cfg.lora_rank <= 0 or routing(model.config) is None:
         return []
     experts, routers = {}, False

@@ -1,32 +1,9 @@
-"""Activation checkpointing: which decoder layers recompute their activations in backward, and what
-a recomputed layer keeps (model.enable_gradient_checkpointing, gradient_checkpointing_ratio,
-recompute_attention).
-
-A checkpointed layer keeps its input and, for long samples, its attention kernel's output (the
-output and its softmax statistics: about one hidden state per token, the size of the input
-again). Backward then recomputes the projections, norms and MLP, but not attention, which
-dominates a long sample's step (at 128k tokens, 85% of the FLOPs of W1's model) and whose forward
-a full recomputation runs a second time. model.recompute_attention: false keeps the output, true
-keeps the input alone (the least memory), auto keeps the output from data.max_length >= 8192
-(LONG_SAMPLE) on: for shorter samples recomputing attention costs little (W2b's 4096-token samples:
-under a tenth of a layer's forward), and the memory serves the batch.
-
-The checkpoint is torch's, around the layer's `forward` (for the attention output, with a
-selective policy over the ops a layer runs): under torch.compile that is inside the compiled layer,
-where the partitioner recomputes only what backward reads. A layer's last projection (the MLP's
-down) feeds nothing but the residual sum that leaves the layer, so its GEMM is not rerun: about a
-quarter of a Llama layer's forward GEMMs. FSDP2's hooks, around `forward`, stay outside and are not
-run again by the recomputation. A layer with code that must run outside the compiled graph
-(torch.compiler.disable: LoRA on a MoE's experts, sfttrain.lora) cannot hold a checkpoint inside
-its graph, so it recomputes everything through transformers' own switch, which in transformers
-5.17 places the checkpoint outside the compiled layer. Layers that rerun attention under
-compilation, either way, run on inductor's Python wrapper (`reruns_attention_compiled` says why).
-
-model.recompute_qkv: false also keeps the output of the layer's fused q/k/v GEMM
-(sfttrain.fuse_projections): one GEMM fewer rerun in backward, a ninth of an 8B Llama layer's forward
-GEMMs, for the q, k and v widths a token (Llama-3-8B: 6144 values, 1.5 hidden states). The policy
-finds that GEMM by its weight's shape, which only the fused projection has (`qkv_weight_shape`).
-"""
+"""Activation checkpointing: which decoder layers recompute in backward and what they keep. A
+checkpointed layer keeps its input and, for long samples (recompute_attention), its attention
+output: attention dominates their step, and a full recomputation runs it twice; recompute_qkv=false
+also keeps the fused q/k/v GEMM's output. torch's checkpoint wraps the layer's `forward`, inside its
+compiled graph and inside FSDP2's hooks; a layer with code outside the graph (LoRA on a MoE's
+experts) recomputes everything through transformers' own switch."""
 
 from __future__ import annotations
 
@@ -47,9 +24,7 @@ GEMMS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)  # what a line
 
 
 def apply(model: nn.Module, layers: list[nn.Module], cfg: ModelConfig, max_length: int) -> None:
-    """Activation checkpointing on model.gradient_checkpointing_ratio of `layers`, spread evenly (a
-    model whose weights and optimizer state leave room for some activations recomputes only the
-    layers that do not fit), keeping what `keeps_attention` and model.recompute_qkv say."""
+    """Activation checkpointing on model.gradient_checkpointing_ratio of `layers`, spread evenly."""
     chosen = chosen_layers(layers, cfg)
     if has_eager_parts_compiled(cfg, chosen):
         transformers_checkpointing(model, layers, chosen)
@@ -64,8 +39,8 @@ def apply(model: nn.Module, layers: list[nn.Module], cfg: ModelConfig, max_lengt
 
 
 def chosen_layers(layers: list[nn.Module], cfg: ModelConfig) -> list[nn.Module]:
-    """The layers model.gradient_checkpointing_ratio checkpoints, refusing model.recompute_qkv=false where
-    they run parts outside their compiled graph (the preflight checks it on the model built on meta)."""
+    """The layers model.gradient_checkpointing_ratio checkpoints; recompute_qkv=false refused where
+    they run parts outside their compiled graph."""
     chosen = checkpointed(layers, cfg.gradient_checkpointing_ratio)
     if has_eager_parts_compiled(cfg, chosen) and not cfg.recompute_qkv:
         raise ConfigError("model.recompute_qkv=false: this model's layers run parts outside their compiled "
@@ -84,25 +59,17 @@ def wants_attention_kept(cfg: ModelConfig, max_length: int) -> bool:
 
 
 def reruns_attention_compiled(cfg: ModelConfig, max_length: int, eager_parts: bool) -> bool:
-    """Whether compiled layers rerun their attention kernel under compilation: checkpointed whole,
-    inside their graph, or, with parts outside the graph (eager_parts: LoRA on a MoE's experts),
-    through transformers' checkpoint around them, which recomputes everything whatever the setting.
-    Inductor's partitioner then wraps the kernel (an op tagged as drawing random numbers, for
-    dropout) in a call that replays the RNG state, which inductor's C++ wrapper cannot emit (torch
-    2.11 to 2.13: an assertion in its codegen), so sfttrain.parallel.cpp_wrapper leaves such runs
-    on the Python one."""
+    """Whether compiled layers rerun their attention kernel (eager_parts: LoRA on a MoE's experts,
+    recomputed whole). The kernel is rerun under an RNG-state replay that inductor's C++ wrapper
+    cannot emit (sfttrain.parallel.cpp_wrapper)."""
     kept = wants_attention_kept(cfg, max_length) and not eager_parts
     return cfg.compile and cfg.enable_gradient_checkpointing and not kept
 
 
-def keeps_attention(cfg: ModelConfig, max_length: int, chosen: list[nn.Module]) -> bool:
-    """A checkpointed layer keeps its attention output where the setting asks for it and it can:
-    not when, compiled, it runs parts outside the graph (the module docstring says why)."""
-    return wants_attention_kept(cfg, max_length) and not has_eager_parts_compiled(cfg, chosen)
-
-
 def has_eager_parts_compiled(cfg: ModelConfig, chosen: list[nn.Module]) -> bool:
-    return cfg.compile and any(has_eager_parts(layer) for layer in chosen)
+    """Whether compiled layers run a module outside the graph (torch.compiler.disable)."""
+    return cfg.compile and any(getattr(module.forward, "_torchdynamo_disable", False)
+                               for layer in chosen for module in layer.modules())
 
 
 def describe(layers: list[nn.Module], cfg: ModelConfig, max_length: int) -> str:
@@ -113,7 +80,7 @@ def describe(layers: list[nn.Module], cfg: ModelConfig, max_length: int) -> str:
     setting = f"model.recompute_attention={str(cfg.recompute_attention).lower()}"
     if cfg.recompute_attention == "auto":
         setting += f", data.max_length {'>=' if max_length >= LONG_SAMPLE else '<'} {LONG_SAMPLE}"
-    if keeps_attention(cfg, max_length, chosen):
+    if wants_attention_kept(cfg, max_length) and not has_eager_parts_compiled(cfg, chosen):
         kept = f"its input and its attention output ({setting})"
     elif not wants_attention_kept(cfg, max_length):
         kept = f"its input only ({setting})" if cfg.recompute_qkv else f"its input ({setting})"
@@ -131,11 +98,8 @@ def checkpointed_forward(forward, *args, **kwargs):
 
 def keeping(attention: bool, qkv: tuple[int, int] | None):
     """The selective checkpoint's policy: keep the attention kernel's outputs (`attention`) and the
-    output of the GEMM whose weight operand has the shape `qkv` (the fused q/k/v projection's,
-    transposed), recompute the rest. A closure: dynamo takes a function as a constant, where the
-    values of a functools.partial would be traced (its ints as symbols) and break the graph. The shape
-    is compared only where it is static, a weight's: a symbolic size compared with an int would add a
-    guard and recompile the layer."""
+    GEMM output whose weight operand has the shape `qkv`, recompute the rest. A closure, not a
+    partial, which dynamo would trace; only static shapes are compared, else a guard recompiles."""
     def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
         if attention and op in kernel_ops():
             return CheckpointPolicy.MUST_SAVE
@@ -146,21 +110,13 @@ def keeping(attention: bool, qkv: tuple[int, int] | None):
 
 
 def qkv_weight_shape(config) -> tuple[int, int]:
-    """(hidden, q + k + v widths): the GEMM operand of a layer's fused q/k/v projection
-    (sfttrain.fuse_projections) as aten's mm and addmm see it, transposed. No other projection of a
-    decoder layer has it: gate/up fused are two intermediate widths wide, the LoRA adapters' A rank-wide
-    and their B read rank-wide inputs."""
+    """(hidden, q + k + v widths): the fused q/k/v projection's weight as aten's mm sees it, a shape
+    no other projection of a decoder layer has."""
     return config.hidden_size, (config.num_attention_heads + 2 * config.num_key_value_heads) * head_dim_of(config)
 
 
-def has_eager_parts(layer: nn.Module) -> bool:
-    """Whether a module of the layer runs outside torch.compile's graph (torch.compiler.disable)."""
-    return any(getattr(module.forward, "_torchdynamo_disable", False) for module in layer.modules())
-
-
 def transformers_checkpointing(model: nn.Module, layers: list[nn.Module], chosen: list[nn.Module]) -> None:
-    # The name is the one transformers 5.17 has; later 5.x call it an alias of
-    # activation_checkpointing_enable and warn on every run, which the user can do nothing about
+    # transformers 5.17's name; later 5.x deprecate it with a warning the user can do nothing about
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*gradient_checkpointing_enable.* deprecated", category=FutureWarning)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -1,12 +1,7 @@
-"""Weights that scale: the model is built with its parameters on the meta device, sharded while
-still empty, and then each rank materialises only its own shards.
-
-From a checkpoint, every rank reads just the rows of its shard out of the safetensors files (no
-rank ever holds a full copy, no broadcast is needed); a random init makes each module's full
-tensors on the device from a seed of their own (the module's name), keeps the rank's slice and
-drops the rest, so any number of ranks builds the same model. Buffers (rotary `inv_freq`, not
-in the checkpoint and computed at construction) are built for real and kept across `to_empty`.
-"""
+"""Weights that scale: the model is built on the meta device, sharded while empty, and each rank
+then materialises only its own shards: read from the weight files (no full copy, no broadcast), or
+drawn per module from a seed of its name, so any number of ranks builds the same model. Buffers
+(rotary `inv_freq`) are computed at construction and kept across `to_empty`."""
 
 from __future__ import annotations
 
@@ -27,8 +22,7 @@ from sfttrain.lora import base_name, init_adapter, is_adapter_weight
 
 @contextlib.contextmanager
 def parameters_on_meta() -> Iterator[None]:
-    """Modules built inside get their parameters on the meta device (no memory, no init cost)
-    while buffers are computed for real: they are small and no checkpoint holds them."""
+    """Modules built inside get their parameters on the meta device; buffers are computed for real."""
     register = nn.Module.register_parameter
 
     def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
@@ -45,10 +39,9 @@ def parameters_on_meta() -> Iterator[None]:
 
 def materialise(model: nn.Module, device: torch.device, buffer_device: torch.device, seed: int,
                 path: str | None) -> None:
-    """Allocates the (possibly sharded) meta parameters on `device` and fills each rank's part:
-    from the safetensors / .bin files in `path`, or, with path None, by a random init that does not
-    depend on the number of ranks. Buffers go to `buffer_device` (the compute device, also when
-    the parameters are offloaded to CPU)."""
+    """Allocates the (possibly sharded) meta parameters on `device` and fills each rank's part from
+    the weight files in `path`, or (None) by a random init independent of the number of ranks.
+    Buffers go to `buffer_device` (the compute device, also when parameters are offloaded)."""
     buffers = [(module, name, buf) for module in model.modules() for name, buf in module._buffers.items()
                if buf is not None]
     tied = _shared_parameters(model)
@@ -65,7 +58,7 @@ def materialise(model: nn.Module, device: torch.device, buffer_device: torch.dev
             _random_init(base, seed, buffer_device, lambda _name, module: model._init_weights(module))
         else:
             _read_checkpoint(model, path)
-        # LoRA adapters: in no model folder, drawn by peft's rule (a no-op without LoRA)
+        # LoRA adapters are in no model folder
         _random_init([(n, m) for n, m in modules if is_adapter_weight(n)], seed, buffer_device, init_adapter)
 
 
@@ -98,7 +91,6 @@ def _read_checkpoint(model: nn.Module, path: str) -> None:
             continue
         name = base_name(name)
         if name not in files:
-            # transformers 5 fuses each layer's experts into one tensor; checkpoints keep one per expert
             per_expert = moe.read_per_expert(files, name, _local_index(param), _read_slice)
             if per_expert is not None:
                 _local(param).copy_(per_expert)
@@ -124,9 +116,8 @@ def _tensor_files(path: str) -> dict[str, str]:
 
 
 def _read_slice(file: str, name: str, index: tuple[slice, ...]) -> torch.Tensor:
-    """Only the bytes of `index` are read. The file is opened per tensor: the pages a memory map
-    has touched count as this process's memory until it is closed, so one map kept open over
-    a whole file would add up to the rank's share of the file again."""
+    """Only the bytes of `index` are read; the file is opened per tensor, as a map kept open would
+    keep every page it touched in this process's memory."""
     if file.endswith(".safetensors"):
         from safetensors import safe_open
 
@@ -137,10 +128,8 @@ def _read_slice(file: str, name: str, index: tuple[slice, ...]) -> torch.Tensor:
 
 def _random_init(modules: list[tuple[str, nn.Module]], seed: int, device: torch.device,
                  init: Callable[[str, nn.Module], None]) -> None:
-    """Each module's parameters by `init` (the model's own `_init_weights`), applied to full-size
-    temporaries on `device` seeded from (seed, module name); each rank keeps its slice. One
-    module's full tensors exist at a time (the largest: the embedding). The same device type
-    gives the same weights for every rank count (CPU and CUDA generators differ)."""
+    """Each module's parameters by `init`, on full-size temporaries on `device` seeded from (seed,
+    module name), of which each rank keeps its slice: one module's full tensors at a time."""
     done: set[int] = set()
     for module_name, module in modules:
         owned = {n: p for n, p in module._parameters.items() if p is not None and id(p) not in done}

@@ -15,7 +15,7 @@ from sfttrain import attention
 from sfttrain.config import ConfigError, load_config
 from sfttrain.data.batching import make_plan
 from sfttrain.distributed import _mesh_shape
-from sfttrain.sequence_parallel import SequenceParallel, check_heads
+from sfttrain.sequence_parallel import SequenceParallel, check_model
 from tests.conftest import BASE_OVERRIDES, STORIES, load_checkpoint_model, read_metrics, run_on_ranks, run_sfttrain
 
 SP = 2
@@ -68,11 +68,11 @@ def test_head_counts_that_do_not_split_are_refused():
     class Shape:
         num_attention_heads, num_key_value_heads = 6, 3
 
-    check_heads(Shape, 3)
+    check_model(Shape, 3)
     with pytest.raises(ConfigError, match="6 attention heads do not split over 4"):
-        check_heads(Shape, 4)
+        check_model(Shape, 4)
     with pytest.raises(ConfigError, match="3 key/value heads neither split over 2"):
-        check_heads(Shape, 2)
+        check_model(Shape, 2)
 
 
 # ------------------------------------------------------------------ whole runs

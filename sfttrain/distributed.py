@@ -16,7 +16,7 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from sfttrain.checkpoint_folder import write_synced
 from sfttrain.config import Config, ConfigError, check_sequence_parallel_size, shard_group_size
+from sfttrain.errors import UserError
 from sfttrain.faults import check_writable, peer_lost  # noqa: F401 - peer_lost: checkpoint.py's import
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -227,24 +230,52 @@ def shutdown(world: World) -> None:
     dist.destroy_process_group()
 
 
+def decided_by_rank0(decide: Callable[[], T], group=None) -> T:
+    """Collective: rank 0 runs `decide`; every rank returns its value or raises its UserError (a rank
+    that raised alone would leave the others waiting in their next collective). Without a process
+    group this process decides alone."""
+    outcome: tuple[Any, Optional[UserError]] = (None, None)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            outcome = (decide(), None)
+        except UserError as e:
+            outcome = (None, e)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        box = [outcome]
+        dist.broadcast_object_list(box, src=0, group=group)
+        outcome = box[0]
+    if outcome[1] is not None:
+        raise outcome[1]
+    return outcome[0]
+
+
+def from_every_rank(value: Any, group=None) -> list:
+    """Collective: every rank's `value`, by rank, on every rank (this one's alone without a process group)."""
+    if not dist.is_initialized():
+        return [value]
+    values = [None] * dist.get_world_size(group)
+    dist.all_gather_object(values, value, group=group)
+    return values
+
+
+def agree_on_errors(error: Optional[str], group=None) -> list[str]:
+    """Collective: the errors of the ranks that had one, by rank, the same list on every rank, so that
+    every rank raises (or goes on) together."""
+    return [e for e in from_every_rank(error, group) if e is not None]
+
+
 def check_shared_run_dir(run_dir: str, world: World, patience_s: float = 10.0) -> None:
     """Collective, at start-up: every rank must see the run folder rank 0 writes to (checkpoints are
-    written by all ranks into one folder and committed by rank 0). Rank 0 checks that this user can
-    write it (sfttrain.faults.check_writable), then writes a file with a fresh token; a rank that
-    cannot read that token there (a node-local disk, or a path that resolves differently on its node)
-    makes every rank stop with a ConfigError naming it. A rank waits up to patience_s for the file,
-    for network filesystems' attribute caches."""
-    box = [_write_probe(run_dir) if world.is_main else None]
-    dist.broadcast_object_list(box, src=0)  # after rank 0's write: the others look for it now
-    token, error = box[0]
-    if error is not None:
-        raise ConfigError(error)
+    written by all ranks into one folder and committed by rank 0). Rank 0 writes a file with a fresh
+    token; a rank that cannot read it there (a node-local disk, a path that resolves differently on
+    its node) makes every rank stop with a ConfigError naming it. A rank waits up to patience_s for
+    the file, for network filesystems' attribute caches."""
+    token = decided_by_rank0(lambda: _write_probe(run_dir))
     probe = os.path.join(run_dir, f".shared-check-{token}")
     deadline = time.monotonic() + patience_s
     while not _reads(probe, token) and time.monotonic() < deadline:
         time.sleep(0.5)
-    seen = [None] * world.world_size
-    dist.all_gather_object(seen, (_reads(probe, token), socket.gethostname(), os.path.abspath(run_dir)))
+    seen = from_every_rank((_reads(probe, token), socket.gethostname(), os.path.abspath(run_dir)))
     if world.is_main:
         os.remove(probe)
     blind = [f"rank {r} on {host} ({path})" for r, (ok, host, path) in enumerate(seen) if not ok]
@@ -255,18 +286,16 @@ def check_shared_run_dir(run_dir: str, world: World, patience_s: float = 10.0) -
                           "disk such as /tmp or $TMPDIR), with a path that names it on every node")
 
 
-def _write_probe(run_dir: str) -> tuple[Optional[str], Optional[str]]:
-    """(token, None) once the probe file holds it, or (None, why the run folder cannot be written)."""
+def _write_probe(run_dir: str) -> str:
+    """The token written into the probe file, once this user may write the run folder."""
     token = uuid.uuid4().hex
     try:
         check_writable(run_dir)
         os.makedirs(run_dir, exist_ok=True)
         write_synced(os.path.join(run_dir, f".shared-check-{token}"), token)
-    except ConfigError as e:
-        return None, str(e)
     except OSError as e:
-        return None, f"trainer.default_local_dir={run_dir!r} cannot be written: {e}"
-    return token, None
+        raise ConfigError(f"trainer.default_local_dir={run_dir!r} cannot be written: {e}") from None
+    return token
 
 
 def _reads(path: str, token: str) -> bool:

@@ -42,6 +42,7 @@ from sfttrain import lora
 from sfttrain.checkpoint import read_back
 from sfttrain.checkpoint_folder import check_intact, fsync_path, fsync_tree, read_state, resolve, runs, size_text
 from sfttrain.config import ModelConfig
+from sfttrain.distributed import agree_on_errors
 from sfttrain.dtypes import DTYPE, HF_NAMES
 from sfttrain.errors import ConfigError, ExportError
 from sfttrain.faults import SIZE_LIMIT_FIX, Fault, disk_full, fault, over_size_limit
@@ -195,9 +196,7 @@ def into_checkpoint(checkpoint_dir: str, rank: int, world_size: int, trust_remot
                base_dir=base_dir)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank learns of it below
         error = f"rank {rank}: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[-1]}"[:400]
-    errors = [None] * world_size
-    dist.all_gather_object(errors, error, group=group)
-    failed = [e for e in errors if e is not None]
+    failed = agree_on_errors(error, group)
     if not failed and rank == 0:
         fsync_tree(tmp)  # its files on disk before the rename names them: a crash leaves no empty weights there
         os.replace(tmp, out)

@@ -16,12 +16,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Optional
 
-import torch.distributed as dist
-
 from sfttrain.checkpoint_folder import (COMPLETE, check_intact, complete_checkpoints, is_complete,
                                        latest_of_newest_run, read_state, resolve, run_id_of, runs, step_folders,
                                        step_of)
 from sfttrain.config import Config, ConfigError, TrainerConfig
+from sfttrain.distributed import decided_by_rank0
 from sfttrain.data.fingerprint import RENDERING_KEY, ROWS_KEY, differences
 from sfttrain.data.render import RENDERING_CHANGE, RENDERING_VERSION
 from sfttrain.export import HF_EXPORT_DIR
@@ -42,24 +41,15 @@ class Resume:
 
 
 def find_resume(t: TrainerConfig, run_dir: str) -> Resume:
-    """The checkpoint to resume from (None for a fresh start) and this run's id. Rank 0 decides
-    and tells the others (every rank must load the same step). On a fresh start, metrics.jsonl
-    records left by an earlier attempt in this run folder are moved aside (see `rewind_metrics`)."""
-    result: tuple[Optional[Resume], Optional[str]] = (None, None)
-    if _rank() == 0:
-        try:
-            result = (choose_resume(t, run_dir), None)
-            if result[0].path is None:
-                rewind_metrics(run_dir, 0)
-        except ConfigError as e:
-            result = (None, str(e))
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [result]
-        dist.broadcast_object_list(box, src=0)
-        result = box[0]
-    if result[1] is not None:
-        raise ConfigError(result[1])
-    return result[0]
+    """Collective: the checkpoint to resume from and this run's id, decided by rank 0 (every rank must
+    load the same step). A fresh start moves aside metrics.jsonl records of an earlier attempt."""
+    def decide() -> Resume:
+        chosen = choose_resume(t, run_dir)
+        if chosen.path is None:
+            rewind_metrics(run_dir, 0)
+        return chosen
+
+    return decided_by_rank0(decide)
 
 
 def choose_resume(t: TrainerConfig, run_dir: str) -> Resume:
@@ -242,7 +232,3 @@ def finished(path: str, step: int) -> str:
     return (f"the checkpoint is this run's last step ({step}): nothing left to train. The run finished: its last "
             f"checkpoint is {path}, and {export}. To train longer, raise trainer.total_training_steps (or "
             "trainer.total_epochs); to start afresh, set trainer.default_local_dir to a new folder")
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0

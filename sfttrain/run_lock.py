@@ -18,10 +18,8 @@ import json
 import os
 import socket
 import time
-from typing import Optional
 
-import torch.distributed as dist
-
+from sfttrain.distributed import decided_by_rank0
 from sfttrain.errors import ConfigError
 
 LOCK_FILE = ".sfttrain.lock"
@@ -31,17 +29,11 @@ _held: dict[str, int] = {}  # run folder (its real path) -> the descriptor that 
 NO_LOCKS = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
 
 
-def lock_run_folder(run_dir: str, world) -> list[str]:
-    """Collective, at start-up: rank 0 takes the run folder's lock (and holds it for its process's
-    life); if another run holds it, every rank stops with the same ConfigError. Returns start-up
-    lines (a warning where the filesystem has no locks)."""
-    box = [_take(run_dir) if world.is_main else None]
-    if world.world_size > 1:
-        dist.broadcast_object_list(box, src=0)
-    in_use, warning = box[0] or (None, None)
-    if in_use:
-        raise ConfigError(in_use)
-    return [warning] if warning else []
+def lock_run_folder(run_dir: str) -> list[str]:
+    """Collective, at start-up: rank 0 takes the run folder's lock for its process's life; if another
+    run holds it, every rank raises the same ConfigError. Returns start-up lines (a warning where the
+    filesystem has no locks)."""
+    return decided_by_rank0(lambda: _take(run_dir))
 
 
 def check_not_in_use(run_dir: str) -> None:
@@ -63,28 +55,27 @@ def check_not_in_use(run_dir: str) -> None:
         os.close(fd)
 
 
-def _take(run_dir: str) -> tuple[Optional[str], Optional[str]]:
-    """(why the folder is refused, None), (None, a warning) or (None, None): the lock taken."""
+def _take(run_dir: str) -> list[str]:
+    """Takes the lock: [] or [a warning where the filesystem has no locks]; a ConfigError where another run holds it."""
     key = os.path.realpath(run_dir)
     if key in _held:  # this process holds it already (a second trainer in one process)
-        return None, None
-    path = os.path.join(run_dir, LOCK_FILE)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        return []
+    fd = os.open(os.path.join(run_dir, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        return _in_use_message(run_dir), None
+        raise ConfigError(_in_use_message(run_dir)) from None
     except OSError as e:
         os.close(fd)
         if e.errno not in NO_LOCKS:
             raise
-        return None, (f"  WARNING: the run folder's filesystem has no file locks ({e.strerror}): a second run started "
-                      f"in {run_dir} while this one runs would not be refused, and the two would save over each other")
+        return [f"  WARNING: the run folder's filesystem has no file locks ({e.strerror}): a second run started "
+                f"in {run_dir} while this one runs would not be refused, and the two would save over each other"]
     os.ftruncate(fd, 0)
     os.write(fd, json.dumps(_me()).encode())
     _held[key] = fd
-    return None, None
+    return []
 
 
 def _me() -> dict:

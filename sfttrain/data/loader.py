@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from sfttrain import stop_signal
 from sfttrain.checkpoint_folder import replace_synced
 from sfttrain.config import DataConfig
+from sfttrain.distributed import decided_by_rank0, from_every_rank
 from sfttrain.errors import DataError, UserError
 from sfttrain.data.pack import MicroBatch, budget_bins, empty_micro_batch, local_slice, loss_tokens, pack
 from sfttrain.data.parquet import ParquetSource
@@ -264,14 +265,11 @@ def row_stats(source: ParquetSource, renderer: Renderer, rank: int, world: int,
     otherwise each rank renders its contiguous 1/world share of the rows (so it decodes only
     the row groups holding them: the cost per rank falls with the rank count) and rank 0 writes
     the cache. A bad row stops the run before the model is loaded."""
-    box = [_load_stats(cache_file) if rank == 0 and cache_file else None]
-    dist.broadcast_object_list(box, src=0)
-    if box[0] is not None:
-        return RowStats(*box[0], rendered=0, cache_file=cache_file)
+    cached = decided_by_rank0(lambda: _load_stats(cache_file) if cache_file else None)
+    if cached is not None:
+        return RowStats(*cached, rendered=0, cache_file=cache_file)
     _, local = _scan(source, renderer, rank, world, keep=False)
-    shares = [None] * world
-    dist.all_gather_object(shares, local)
-    rows = np.concatenate(shares)
+    rows = np.concatenate(from_every_rank(local))
     columns = [np.zeros(source.num_rows, np.int64) for _ in STATS]
     for column, values in zip(columns, rows[:, 1:].T):
         column[rows[:, 0]] = values
@@ -373,8 +371,7 @@ def _scan(source: ParquetSource, renderer: Renderer, rank: int, world: int,
                     samples.append(sample)
     except DataError as e:  # not a row's: the file's
         error = str(e)
-    found = [None] * dist.get_world_size()  # all ranks, also when `world` counts data-parallel ranks only
-    dist.all_gather_object(found, (error, len(bad), bad[:NAMED_BAD_ROWS]))
+    found = from_every_rank((error, len(bad), bad[:NAMED_BAD_ROWS]))
     if first := next((e for e, _, _ in found if e), None):
         raise DataError(first)
     if total := sum(n for _, n, _ in found):

@@ -1,14 +1,7 @@
-"""One run at a time in a run folder: rank 0 holds an exclusive lock on `<run folder>/.sfttrain.lock`
-for as long as its process lives.
-
-Two runs in one folder (a job submitted twice, a requeued job whose first attempt still runs) would
-each resume the other's checkpoints and save the same steps over each other without a word: the
-second is refused at start-up, before it reads any data, naming the first.
-
-The lock is flock(2): the kernel drops it when the holder ends, however it ends, and NFS carries it
-between nodes. The file says who holds it (host, pid, since when, the Slurm job) for the refusal's
-message; only the lock counts. A filesystem without locks (Lustre without `flock`) is said at
-start-up: there, a second run would not be caught.
+"""One run at a time in a run folder: rank 0 holds flock(2) on `<run folder>/.sfttrain.lock` for its
+process's life (the kernel drops it however the process ends; NFS carries it between nodes). Two runs
+in one folder would resume and overwrite each other's checkpoints: the second is refused at start-up,
+named by the file's holder record. A filesystem without locks is said at start-up.
 """
 from __future__ import annotations
 
@@ -97,8 +90,7 @@ def _in_use_message(run_dir: str) -> str:
 
 
 def _close_in_child() -> None:
-    """A forked child (a DataLoader worker) gets copies of the descriptors. Closed, the lock stays
-    with this process alone: an orphaned worker outliving a killed rank 0 does not keep the folder locked."""
+    """A forked child (a DataLoader worker) closes its copies: an orphan must not keep the folder locked."""
     for fd in _held.values():
         os.close(fd)
     _held.clear()

@@ -28,7 +28,6 @@ class UserError(Exception):
 
 class ConfigError(UserError, ValueError):
     """A configuration the user must fix; the message says what to change."""
-    exit_code = 2
     kind = "config error"
 
 

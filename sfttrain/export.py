@@ -154,11 +154,8 @@ def export(checkpoint_dir: str, out_dir: str, dtype: str = "auto", max_shard_siz
         stored = {md.properties.dtype for _, md in tensors if md.properties.dtype.is_floating_point}
         final_dtype = out_dtype or (stored.pop() if len(stored) == 1 else torch.float32)
         if len(shards) > 1:
-            weight_map, total = {}, 0
-            for i, shard in enumerate(shards):
-                for name, md in shard:
-                    weight_map[name] = shard_file(i, len(shards))
-                    total += math.prod(md.size) * (out_dtype or md.properties.dtype).itemsize
+            weight_map = {name: shard_file(i, len(shards)) for i, shard in enumerate(shards) for name, _ in shard}
+            total = sum(math.prod(md.size) * (out_dtype or md.properties.dtype).itemsize for _, md in tensors)
             with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
         _write_metadata_files(hf_dir, out_dir, final_dtype)

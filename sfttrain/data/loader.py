@@ -277,21 +277,8 @@ def _save_stats(path: str, columns: list[np.ndarray]) -> None:
         raise
 
 
-def _share(num_rows: int, rank: int, world: int) -> np.ndarray:
-    return np.arange(rank * num_rows // world, (rank + 1) * num_rows // world)
-
-
 SCAN_BLOCK_ROWS = 4096  # rows read and rendered at once by the start-up scan
-
-
-def _blocks_of(rows: np.ndarray) -> Iterator[np.ndarray]:
-    """The rows a block at a time (a share's text is never all in memory at once)."""
-    for start in range(0, len(rows), SCAN_BLOCK_ROWS):
-        yield rows[start:start + SCAN_BLOCK_ROWS]
-
-
-# a file with several bad rows is said with its first few at once, not one row per start
-NAMED_BAD_ROWS = 5
+NAMED_BAD_ROWS = 5  # a file with several bad rows is said with its first few at once, not one row per start
 
 
 def _render_block(source: ParquetSource, renderer: Renderer, rows: np.ndarray,
@@ -322,11 +309,12 @@ def _scan(source: ParquetSource, renderer: Renderer, rank: int, world: int,
     """Collective: this rank's share of the rows rendered, (the samples if keep, [row, *STATS] per row). A bad
     row on any rank stops every rank with one message, the first bad row's and where the next are."""
     error, bad, samples, stats = None, [], [], []
+    first, end = rank * source.num_rows // world, (rank + 1) * source.num_rows // world  # this rank's share
     try:
-        for rows in _blocks_of(_share(source.num_rows, rank, world)):
+        for start in range(first, end, SCAN_BLOCK_ROWS):  # a block at a time: never a share's text all in memory
             if len(bad) == NAMED_BAD_ROWS:
                 break
-            for sample in _render_block(source, renderer, rows, bad):
+            for sample in _render_block(source, renderer, np.arange(start, min(start + SCAN_BLOCK_ROWS, end)), bad):
                 stats.append((sample.row, len(sample.input_ids), loss_tokens(sample), sample.full_length,
                               digest(sample)))
                 if keep:

@@ -223,7 +223,7 @@ STATS = ("lengths", "loss_tokens", "full_lengths", "digests")  # RowStats' per-r
 
 def digest(sample: RenderedSample) -> int:
     """64 bits of the sample's tokens: the same on every rank and start (Python's hash() of bytes is not)."""
-    data = array.array("q", sample.input_ids).tobytes()  # 3x faster than through numpy: ~7 us of a row's ~300
+    data = array.array("q", sample.input_ids).tobytes()  # faster than through numpy
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
 
 

@@ -218,8 +218,8 @@ def shutdown(world: World) -> None:
 
 def decided_by_rank0(decide: Callable[[], T], group=None) -> T:
     """Collective: rank 0 runs `decide`; every rank returns its value or raises its UserError (a rank
-    that raised alone would leave the others waiting in their next collective). Without a process
-    group this process decides alone."""
+    that raised alone would leave the others waiting in their next collective). `group` must hold
+    global rank 0; without a process group this process decides alone."""
     outcome: tuple[Any, Optional[UserError]] = (None, None)
     if not dist.is_initialized() or dist.get_rank() == 0:
         try:

@@ -1,9 +1,6 @@
-"""Ranks, the process group and the DeviceMesh.
-
-The mesh has named dimensions so that later parallelisms slot in without rewrites:
-`dp_replicate` (HSDP replicas) x `dp_shard` (FSDP shards) x `sp` (Ulysses sequence parallelism,
-innermost: the ranks of one sp group are neighbours, on one node). The data is split over the
-data-parallel ranks, world / sp of them; FSDP shards over dp_shard x sp flattened (`fsdp_mesh`).
+"""Ranks, the process group and the DeviceMesh: `dp_replicate` (HSDP replicas) x `dp_shard` (FSDP
+shards) x `sp` (Ulysses, innermost: one node's neighbours). The data is split over world / sp ranks;
+FSDP shards over dp_shard x sp flattened (`fsdp_mesh`).
 """
 
 from __future__ import annotations
@@ -16,7 +13,7 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -24,7 +21,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from sfttrain.checkpoint_folder import write_synced
 from sfttrain.config import Config, ConfigError, check_sequence_parallel_size, shard_group_size
+from sfttrain.errors import UserError
 from sfttrain.faults import check_writable
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -63,8 +63,7 @@ class World:
         return self.world_size
 
     def fsdp_mesh(self) -> DeviceMesh:
-        """FSDP's mesh: the shard dimension is dp_shard x sp (each sp rank holds a slice's share
-        of the gradients, summed by the reduce-scatter); 2-D with HSDP replicas."""
+        """dp_shard x sp as one shard dimension (sp ranks hold a share of each gradient); 2-D with HSDP."""
         shard = self.mesh["dp_shard"] if self.sp_size == 1 else self.mesh["dp_shard", "sp"]._flatten("dp_shard_sp")
         if self.mesh["dp_replicate"].size() == 1:
             return shard
@@ -89,8 +88,7 @@ def init_world(cfg: Config) -> World:
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        # `python -m sfttrain.run` without torchrun: one process, whose rendezvous needs no port (a
-        # fixed one would collide with any other such job on the machine, one per GPU say)
+        # one process without torchrun: a rendezvous without a port, which could collide with another job's
         store = dist.HashStore() if world_size == 1 and "MASTER_PORT" not in os.environ else None
         dist.init_process_group(_backend(cfg, use_cuda), store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=cfg.trainer.nccl_timeout),
@@ -110,9 +108,8 @@ def wants_cuda(cfg: Config) -> bool:
 
 
 def describe_auto_cpu(cfg: Config, device: torch.device) -> list[str]:
-    """A start-up line where trainer.device=auto (the default) runs on the CPU: verl's default is cuda,
-    and a GPU machine whose torch sees no GPU (a CPU-only build of torch, a CUDA_VISIBLE_DEVICES that
-    hides them) would otherwise train there at a fraction of the speed, said only by `(cpu)`."""
+    """A start-up line where trainer.device=auto runs on the CPU: a torch that sees no GPU would otherwise
+    train there at a fraction of the speed unsaid."""
     if cfg.trainer.device != "auto" or device.type != "cpu":
         return []
     why = (f"torch {torch.__version__} is a CPU-only build" if torch.version.cuda is None
@@ -123,8 +120,7 @@ def describe_auto_cpu(cfg: Config, device: torch.device) -> list[str]:
 
 
 def check_cuda_visible(cfg: Config) -> None:
-    """trainer.device=cuda needs a GPU on this machine (the preflight, on a machine other than the
-    run's nodes, notes it rather than refuse)."""
+    """trainer.device=cuda needs a GPU on this machine."""
     if cfg.trainer.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu")
 
@@ -135,10 +131,8 @@ def ranks_of_this_launcher() -> int:
 
 
 def check_one_launcher_per_node() -> None:
-    """torchrun started by srun as one task of several on a node (`#SBATCH --ntasks-per-node=8`, then
-    `srun torchrun --nproc_per_node=8`, as a seed article's script has it): each task's torchrun
-    starts its own ranks, so a node runs tasks x nproc_per_node ranks on its GPUs and its extra
-    torchruns wait in the rendezvous. Refused before any rendezvous of the ranks."""
+    """Refuses srun starting several torchruns on a node (`--ntasks-per-node=8` with `--nproc_per_node=8`):
+    tasks x nproc_per_node ranks would share its GPUs."""
     steps = os.environ.get("SLURM_STEP_TASKS_PER_NODE", "")  # srun's step: "8(x2)", "2,1", "1(x4)"
     tasks = max((int(n) for n in re.findall(r"(\d+)(?:\(x\d+\))?", steps)), default=1)
     per_launcher = ranks_of_this_launcher()
@@ -150,15 +144,13 @@ def check_one_launcher_per_node() -> None:
 
 
 def check_world(cfg: Config, world_size: int) -> tuple[int, int]:
-    """The mesh shape for world_size ranks; a ConfigError where the config does not fit them
-    (run by init_world, and by the preflight without any process group)."""
+    """The mesh shape for world_size ranks; a ConfigError where the config does not fit them."""
     _check_verl_world_keys(cfg, world_size)
     return _mesh_shape(cfg, world_size)
 
 
 def _backend(cfg: Config, use_cuda: bool) -> str:
-    """nccl on CUDA, gloo on CPU. With the parameters offloaded to the host, FSDP reduces the
-    gradient norm over host tensors: those collectives need gloo beside nccl."""
+    """nccl on CUDA, gloo on CPU; offloaded parameters also need gloo (FSDP reduces host tensors)."""
     fsdp = cfg.model.fsdp_config
     if not use_cuda:
         return "gloo"
@@ -182,8 +174,7 @@ def _mesh_shape(cfg: Config, world_size: int) -> tuple[int, int]:
 
 
 def data_parallel_size(world_size: int, sp: int) -> int:
-    """The data-parallel ranks: world / sp groups of sp ranks (the preflight derives its batch arithmetic
-    from them, and none where they do not split)."""
+    """The data-parallel ranks: world / sp groups of sp ranks."""
     check_sequence_parallel_size(sp)
     if world_size % sp:
         raise ConfigError(f"ulysses_sequence_parallel_size={sp} must divide the world size {world_size}: "
@@ -201,8 +192,7 @@ def _check_verl_world_keys(cfg: Config, world_size: int) -> None:
 
 @contextlib.contextmanager
 def one_rank_group():
-    """A process group of this process alone, for code that runs collectives (the start-up row
-    scan) outside a job: the preflight. Nothing when a group is already up."""
+    """A process group of this process alone, for the preflight's collectives; nothing when one is up."""
     if dist.is_initialized():
         yield
         return
@@ -221,30 +211,54 @@ def barrier(world: World) -> None:
 
 
 def shutdown(world: World) -> None:
-    # all ranks pass a barrier first: on gloo a rank that exits while another still finishes a
-    # checkpoint write can abort with "terminate called without an active exception".
+    # gloo aborts a rank that exits while another still writes a checkpoint
     barrier(world)
     dist.destroy_process_group()
 
 
+def decided_by_rank0(decide: Callable[[], T], group=None) -> T:
+    """Collective: rank 0 runs `decide`; every rank returns its value or raises its UserError (a rank
+    that raised alone would leave the others waiting in their next collective). `group` must hold
+    global rank 0; without a process group this process decides alone."""
+    outcome: tuple[Any, Optional[UserError]] = (None, None)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            outcome = (decide(), None)
+        except UserError as e:
+            outcome = (None, e)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        box = [outcome]
+        dist.broadcast_object_list(box, src=0, group=group)
+        outcome = box[0]
+    if outcome[1] is not None:
+        raise outcome[1]
+    return outcome[0]
+
+
+def from_every_rank(value: Any, group=None) -> list:
+    """Collective: every rank's `value`, by rank, on every rank (this one's alone without a process group)."""
+    if not dist.is_initialized():
+        return [value]
+    values = [None] * dist.get_world_size(group)
+    dist.all_gather_object(values, value, group=group)
+    return values
+
+
+def agree_on_errors(error: Optional[str], group=None) -> list[str]:
+    """Collective: the errors of the ranks that had one, by rank, the same list on every rank, so that
+    every rank raises (or goes on) together."""
+    return [e for e in from_every_rank(error, group) if e is not None]
+
+
 def check_shared_run_dir(run_dir: str, world: World, patience_s: float = 10.0) -> None:
-    """Collective, at start-up: every rank must see the run folder rank 0 writes to (checkpoints are
-    written by all ranks into one folder and committed by rank 0). Rank 0 checks that this user can
-    write it (sfttrain.faults.check_writable), then writes a file with a fresh token; a rank that
-    cannot read that token there (a node-local disk, or a path that resolves differently on its node)
-    makes every rank stop with a ConfigError naming it. A rank waits up to patience_s for the file,
-    for network filesystems' attribute caches."""
-    box = [_write_probe(run_dir) if world.is_main else None]
-    dist.broadcast_object_list(box, src=0)  # after rank 0's write: the others look for it now
-    token, error = box[0]
-    if error is not None:
-        raise ConfigError(error)
+    """Collective, at start-up: every rank must see the run folder rank 0 commits to. Rank 0 writes a
+    token there; a rank that cannot read it within patience_s (a node-local disk) stops every rank."""
+    token = decided_by_rank0(lambda: _write_probe(run_dir))
     probe = os.path.join(run_dir, f".shared-check-{token}")
     deadline = time.monotonic() + patience_s
     while not _reads(probe, token) and time.monotonic() < deadline:
         time.sleep(0.5)
-    seen = [None] * world.world_size
-    dist.all_gather_object(seen, (_reads(probe, token), socket.gethostname(), os.path.abspath(run_dir)))
+    seen = from_every_rank((_reads(probe, token), socket.gethostname(), os.path.abspath(run_dir)))
     if world.is_main:
         os.remove(probe)
     blind = [f"rank {r} on {host} ({path})" for r, (ok, host, path) in enumerate(seen) if not ok]
@@ -255,18 +269,16 @@ def check_shared_run_dir(run_dir: str, world: World, patience_s: float = 10.0) -
                           "disk such as /tmp or $TMPDIR), with a path that names it on every node")
 
 
-def _write_probe(run_dir: str) -> tuple[Optional[str], Optional[str]]:
-    """(token, None) once the probe file holds it, or (None, why the run folder cannot be written)."""
+def _write_probe(run_dir: str) -> str:
+    """The token written into the probe file, once this user may write the run folder."""
     token = uuid.uuid4().hex
     try:
         check_writable(run_dir)
         os.makedirs(run_dir, exist_ok=True)
         write_synced(os.path.join(run_dir, f".shared-check-{token}"), token)
-    except ConfigError as e:
-        return None, str(e)
     except OSError as e:
-        return None, f"trainer.default_local_dir={run_dir!r} cannot be written: {e}"
-    return token, None
+        raise ConfigError(f"trainer.default_local_dir={run_dir!r} cannot be written: {e}") from None
+    return token
 
 
 def _reads(path: str, token: str) -> bool:

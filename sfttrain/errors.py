@@ -5,24 +5,17 @@ under torchrun it is each rank's `exitcode` in the failure summary):
     3  data error: a data file or row (DataError)
     4  non-finite loss or grad norm; the update was not applied (NonFiniteLossError)
     5  missing dependency that the config asks for, e.g. wandb (DependencyError)
-    6  a checkpoint could not be saved, e.g. a full disk; nothing of it was committed (CheckpointError); also a
-       disk that filled, turned read-only or failed, a file this user may not write, or a run folder deleted,
-       between saves, which stops the run at once (sfttrain.faults: the steps since the last checkpoint
-       cannot be kept)
+    6  a checkpoint could not be saved, or a filesystem fault between saves (CheckpointError)
     7  the Hugging Face export of a committed checkpoint failed (ExportError)
     8  stopped by SIGTERM or a first Ctrl-C after saving the step in flight; the same command resumes (StoppedBySignal)
-    9  a rank ran out of memory, the GPU's or the host's: where, and what to lower (OutOfMemory); also a data
-       worker killed by SIGKILL (most often the host's out-of-memory killer) or SIGBUS (most often a full /dev/shm),
-       or one that found /dev/shm full
+    9  a rank, or a data worker, ran out of memory or /dev/shm (OutOfMemory)
 
 Anything else is a bug in sfttrain and ends with its traceback (exit code 1).
 This module imports nothing, so the entry point can classify errors before torch loads.
 """
 
 
-# How the optional GPU packages (Liger kernels, flash-attn) are installed into this checkout's environment
-# (README: GPU extras): the messages that miss one name it. sfttrain is no package on PyPI, so
-# `pip install 'sfttrain[gpu]'` would look for it there; flash-attn's build imports the installed torch.
+# how the optional GPU packages install into this checkout (sfttrain is not on PyPI; flash-attn's build imports torch)
 GPU_INSTALL = "pip install -e '.[gpu]' --no-build-isolation"
 
 
@@ -35,7 +28,6 @@ class UserError(Exception):
 
 class ConfigError(UserError, ValueError):
     """A configuration the user must fix; the message says what to change."""
-    exit_code = 2
     kind = "config error"
 
 
@@ -83,8 +75,7 @@ class OutOfMemory(UserError, RuntimeError):
 
 
 def data_worker_died(error: BaseException) -> bool:
-    """torch's DataLoader raises this RuntimeError in the rank's main thread, at whatever line runs, when one of its
-    worker processes dies (its SIGCHLD handler): the data workers' failure, never that of the code it lands in (a
-    checkpoint's save, say), which passes it on for sfttrain.faults to word. torch says it only in the text."""
+    """torch's DataLoader raises this RuntimeError wherever the rank is when a worker dies: not the failure of the
+    code it lands in. torch says it only in the text."""
     text = str(error)
     return isinstance(error, RuntimeError) and "DataLoader worker (pid" in text and "is killed by signal" in text

@@ -2,22 +2,11 @@
 
     python -m sfttrain.export CHECKPOINT_DIR OUT_DIR [--dtype auto|bf16|fp32|fp16] [--max_shard_size 5GB] [--base DIR]
 
-CHECKPOINT_DIR is a `global_step_N` folder, or a run folder (its latest complete checkpoint).
-OUT_DIR gets sharded safetensors (`model-0000i-of-0000n.safetensors` + `model.safetensors.index.json`,
-or one `model.safetensors`), config.json, generation_config.json and the tokenizer, ready for
-`AutoModelForCausalLM.from_pretrained(OUT_DIR)`.
-
-Streaming, CPU only, no process group: the shard plan comes from the DCP metadata alone, then
-each shard's tensors are read from the checkpoint a few at a time (`dcp.load(..., no_dist=True)`
-reads only their byte ranges, whatever world size wrote them), cast, written, and dropped. Peak
-memory is about one output shard plus LOAD_BUDGET_BYTES, not the model. The optimizer state is
-never read. Weights tied to another (the output embedding when tie_word_embeddings) are not
-written, as transformers' own save_pretrained does.
-
-A LoRA checkpoint (adapters only, model.lora_rank > 0) is exported by `export_lora`: OUT_DIR gets
-the base model with the adapters merged in, and OUT_DIR/adapter the peft adapter folder; the
-base is read from the checkpoint's model.partial_pretrain (a relative path from the folder the run read it
-from, where the export runs in another working directory), or from --base.
+CHECKPOINT_DIR is a `global_step_N` folder, or a run folder (its latest complete checkpoint). OUT_DIR
+gets safetensors shards, config.json and the tokenizer, for `AutoModelForCausalLM.from_pretrained`.
+Streaming on the CPU without a process group: each shard's tensors are read a few at a time (peak
+memory: one shard plus LOAD_BUDGET_BYTES) and the optimizer state never. A LoRA checkpoint is merged
+into its base (`export_lora`).
 """
 
 from __future__ import annotations
@@ -42,6 +31,7 @@ from sfttrain import lora
 from sfttrain.checkpoint import read_back
 from sfttrain.checkpoint_folder import check_intact, fsync_path, fsync_tree, read_state, resolve, runs, size_text
 from sfttrain.config import ModelConfig
+from sfttrain.distributed import agree_on_errors
 from sfttrain.dtypes import DTYPE, HF_NAMES
 from sfttrain.errors import ConfigError, ExportError
 from sfttrain.faults import SIZE_LIMIT_FIX, Fault, disk_full, fault, over_size_limit
@@ -54,8 +44,7 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 ADAPTER_DIR = "adapter"  # a LoRA export's peft adapter folder, inside the merged model's folder
 HF_EXPORT_DIR = "huggingface"  # trainer.save_hf's export, inside the final checkpoint
-# a LoRA merge runs on rank 0 alone (minutes for a large base) while the others wait for it on a
-# group of this timeout, not on the training's collective timeout
+# the others wait this long for a LoRA merge, which rank 0 runs alone (minutes for a large base)
 EXPORT_TIMEOUT = datetime.timedelta(hours=6)
 
 
@@ -67,8 +56,7 @@ def model_tensors(checkpoint_dir: str) -> list[tuple[str, TensorStorageMetadata]
 
 
 def tied_names(hf_dir: str, names: list[str], trust_remote_code: bool = False) -> set[str]:
-    """Names that are aliases of another parameter in the HF model (e.g. lm_head.weight when the
-    embeddings are tied): found by building the model on the meta device (no memory, no weights)."""
+    """Names that alias another parameter (lm_head.weight when tied), from the model built on the meta device."""
     with open(os.path.join(hf_dir, "config.json")) as f:
         config = json.load(f)
     if not config.get("tie_word_embeddings", False) and not config.get("tie_encoder_decoder", False):
@@ -102,8 +90,8 @@ def read_tensors(reader: dcp.FileSystemReader, group: list[tuple[str, TensorStor
 
 def plan_shards(tensors: list[tuple[str, TensorStorageMetadata]], dtype: Optional[torch.dtype],
                 max_shard_bytes: int) -> list[list[tuple[str, TensorStorageMetadata]]]:
-    """Consecutive tensors grouped into shards of at most max_shard_bytes (a larger tensor gets a
-    shard of its own). Deterministic, so several ranks can each write some of the shards."""
+    """Consecutive tensors in groups of at most max_shard_bytes (a larger tensor alone); deterministic,
+    so that ranks can split the shards."""
     shards: list[list] = [[]]
     size = 0
     for name, md in tensors:
@@ -123,9 +111,8 @@ def shard_file(i: int, n: int) -> str:
 def export(checkpoint_dir: str, out_dir: str, dtype: str = "auto", max_shard_size: str | int = "5GB",
            rank: int = 0, world_size: int = 1, trust_remote_code: bool = False,
            base_dir: Optional[str] = None) -> None:
-    """Writes the HF folder. With world_size > 1, rank r writes shards r, r + world_size, ...
-    and rank 0 the index, config and tokenizer; the caller synchronises the ranks afterwards.
-    base_dir: a LoRA checkpoint's base model, if not where model.partial_pretrain says."""
+    """Writes the HF folder: rank r shards r, r + world_size, ..., rank 0 the index, config and tokenizer
+    (the caller synchronises the ranks). base_dir: a LoRA checkpoint's base, if not model.partial_pretrain."""
     from safetensors.torch import save_file
 
     if dtype != "auto" and dtype not in DTYPE:
@@ -151,7 +138,7 @@ def export(checkpoint_dir: str, out_dir: str, dtype: str = "auto", max_shard_siz
         if i % world_size != rank:
             continue
         out: dict[str, torch.Tensor] = {}
-        for group in _load_groups(shard):
+        for group in plan_shards(shard, None, LOAD_BUDGET_BYTES):
             loaded = read_tensors(reader, group)
             for name, _ in group:
                 t = loaded.pop(name)
@@ -167,11 +154,8 @@ def export(checkpoint_dir: str, out_dir: str, dtype: str = "auto", max_shard_siz
         stored = {md.properties.dtype for _, md in tensors if md.properties.dtype.is_floating_point}
         final_dtype = out_dtype or (stored.pop() if len(stored) == 1 else torch.float32)
         if len(shards) > 1:
-            weight_map, total = {}, 0
-            for i, shard in enumerate(shards):
-                for name, md in shard:
-                    weight_map[name] = shard_file(i, len(shards))
-                    total += math.prod(md.size) * (out_dtype or md.properties.dtype).itemsize
+            weight_map = {name: shard_file(i, len(shards)) for i, shard in enumerate(shards) for name, _ in shard}
+            total = sum(math.prod(md.size) * (out_dtype or md.properties.dtype).itemsize for _, md in tensors)
             with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
         _write_metadata_files(hf_dir, out_dir, final_dtype)
@@ -179,10 +163,8 @@ def export(checkpoint_dir: str, out_dir: str, dtype: str = "auto", max_shard_siz
 
 def into_checkpoint(checkpoint_dir: str, rank: int, world_size: int, trust_remote_code: bool,
                     base_dir: Optional[str]) -> str:
-    """Collective (trainer.save_hf): exports a committed checkpoint into its `huggingface/`, written
-    as a temporary folder and renamed into place. The ranks wait for each other on a group with
-    the export's own long timeout (a LoRA merge runs on rank 0 alone). Any rank's failure raises
-    ExportError on every rank; the checkpoint stays committed. Returns the exported folder."""
+    """Collective (trainer.save_hf): exports a committed checkpoint into its `huggingface/` (a temporary
+    folder renamed into place); any rank's failure raises ExportError on every rank. Returns the folder."""
     out = os.path.join(checkpoint_dir, HF_EXPORT_DIR)
     tmp = os.path.join(checkpoint_dir, f".{HF_EXPORT_DIR}.tmp")
     group = dist.new_group(backend="gloo", timeout=EXPORT_TIMEOUT)
@@ -195,9 +177,7 @@ def into_checkpoint(checkpoint_dir: str, rank: int, world_size: int, trust_remot
                base_dir=base_dir)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank learns of it below
         error = f"rank {rank}: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[-1]}"[:400]
-    errors = [None] * world_size
-    dist.all_gather_object(errors, error, group=group)
-    failed = [e for e in errors if e is not None]
+    failed = agree_on_errors(error, group)
     if not failed and rank == 0:
         fsync_tree(tmp)  # its files on disk before the rename names them: a crash leaves no empty weights there
         os.replace(tmp, out)
@@ -216,10 +196,8 @@ def into_checkpoint(checkpoint_dir: str, rank: int, world_size: int, trust_remot
 
 def export_lora(checkpoint_dir: str, out_dir: str, dtype: str = "auto", max_shard_size: str | int = "5GB",
                 trust_remote_code: bool = False, base_dir: Optional[str] = None) -> None:
-    """A LoRA checkpoint (adapters only) on its base model (model.partial_pretrain, or base_dir):
-    out_dir gets the merged model, out_dir/adapter the peft adapter folder
-    (`peft.PeftModel.from_pretrained(base, out_dir/adapter)`). The merge is done in fp32 on the
-    CPU, so it holds the whole base model in fp32 (4 bytes per parameter)."""
+    """A LoRA checkpoint on its base (model.partial_pretrain, or base_dir): out_dir gets the merged model
+    (merged in fp32 on the CPU), out_dir/adapter the peft adapter folder."""
     cfg = checkpoint_model_config(checkpoint_dir)
     trained_on = read_state(checkpoint_dir).get("base")
     name = base_dir or cfg.partial_pretrain
@@ -247,9 +225,8 @@ def export_lora(checkpoint_dir: str, out_dir: str, dtype: str = "auto", max_shar
 
 
 def base_folder(given: str, trained_on: dict | None) -> str:
-    """A LoRA checkpoint's base: model.partial_pretrain as the run gave it (a hub id: its snapshot in the
-    local cache) or, where that is no folder from here (a relative path given in another working
-    directory), the absolute folder the run read it from, if it is still there."""
+    """A LoRA checkpoint's base: model.partial_pretrain as given (a hub id: its cached snapshot), or where
+    that is no folder from here (a path relative to another directory), the folder the run read."""
     found = (trained_on or {}).get("folder")
     if not os.path.isdir(given) and found and os.path.isdir(found):
         return found
@@ -288,8 +265,7 @@ def _stored_dtype(model_dir: str) -> torch.dtype:
 
 
 def _write_metadata_files(hf_dir: str, out_dir: str, dtype: torch.dtype) -> None:
-    """hf/ (config, generation config, tokenizer, any remote code) into out_dir, with the
-    config's dtype set to the exported one and use_cache back on (training turns it off)."""
+    """hf/ into out_dir, the config's dtype the exported one and use_cache back on (training turns it off)."""
     for name in os.listdir(hf_dir):
         src = os.path.join(hf_dir, name)
         if name == "config.json" or not os.path.isfile(src):
@@ -306,19 +282,6 @@ def _write_metadata_files(hf_dir: str, out_dir: str, dtype: torch.dtype) -> None
         f.write("\n")
 
 
-def _load_groups(shard: list[tuple[str, TensorStorageMetadata]]):
-    group, size = [], 0
-    for name, md in shard:
-        n = math.prod(md.size) * md.properties.dtype.itemsize
-        if group and size + n > LOAD_BUDGET_BYTES:
-            yield group
-            group, size = [], 0
-        group.append((name, md))
-        size += n
-    if group:
-        yield group
-
-
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
@@ -326,8 +289,7 @@ def _umask() -> int:
 
 
 def make_export_folder(tmp: str, out: str) -> None:
-    """The folder the export is written into, then renamed to `out`: made before the export's minutes
-    of reading and writing, so that a place the user cannot write fails at once, not at the end."""
+    """Made first, so that a place the user cannot write fails at once, not after minutes of export."""
     shutil.rmtree(tmp, ignore_errors=True)  # a failed export's debris
     try:
         os.makedirs(tmp)
@@ -343,8 +305,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", *DTYPE],
                    help="dtype of the exported floating-point weights (auto: as stored in the checkpoint)")
     p.add_argument("--max_shard_size", default="5GB", help="largest safetensors file, e.g. 5GB, 500MB")
-    # never taken from the checkpoint's own config.yaml: a checkpoint from elsewhere must not be
-    # able to run code of its choosing on the exporting machine without the user's say-so
+    # never from the checkpoint's config.yaml: a checkpoint must not run code here without the user's say-so
     p.add_argument("--trust_remote_code", action="store_true",
                    help="run the model's custom code (only for checkpoints you trust)")
     p.add_argument("--base", help="LoRA checkpoints: the base model folder (default: the checkpoint's "

@@ -1,12 +1,7 @@
-"""Faults of the OS and of other libraries, classified once, at sfttrain.run's boundary, by exception type
-and errno: memory run out (torch.OutOfMemoryError, MemoryError, a data worker killed), what a filesystem
-refused (a full disk or /dev/shm, the file size limit, a read-only or failing disk, a permission, the open
-files limit, a run folder gone). `classify` turns one into the UserError that ends the run (its exit code
-and one message: what failed where, what to do, and `what_next`, what the same command then does); the
-checkpointer and the exporter word their own failures with `fault`. Where a library gives only text (a
-Rust or C++ error carrying the OS's words, a DataLoader worker's death, an error gathered from another rank
-as a string), the text is read here and nowhere else, each place saying why no type exists.
-Imports no torch: the start-up's checks use it before torch loads.
+"""Faults of the OS and of other libraries, classified once at sfttrain.run's boundary by exception type
+and errno: memory run out, what a filesystem refused, a run folder gone. `classify` turns one into the
+UserError that ends the run; the checkpointer and the exporter word their own with `fault`. Where a
+library gives only text, it is read here and nowhere else. Imports no torch (start-up checks use it).
 """
 
 from __future__ import annotations
@@ -32,14 +27,12 @@ if TYPE_CHECKING:
 
 FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # EFBIG: the file size limit (ulimit -f), said as its own
 HANDLED = (*FULL, errno.EROFS, errno.EIO, errno.EACCES, errno.EPERM, errno.EMFILE, errno.ENFILE)
-# Python's and pyarrow's text ("[Errno 28]", "[errno 28]"), Rust's io::Error in safetensors' and
-# tokenizers' errors ("os error 28", "Os { code: 28"): the number where only the text travels
+# the errno where only text travels: Python's and pyarrow's "[Errno 28]", Rust's "os error 28", "Os { code: 28"
 ERRNO_IN_TEXT = re.compile(r"\[[Ee]rrno (\d+)\]|os error (\d+)|Os \{ code: (\d+)")
 WORDS = {os.strerror(code): code for code in HANDLED}  # the C library's words, as every library quotes them
 # torch's shared memory allocator (libshm) raises a RuntimeError with these words and no errno
 SHARED_MEMORY = "unable to allocate shared memory"
-# torch.save's C++ writer (inline_container.cc) checks its position after a write the disk refused and
-# raises a RuntimeError saying only this: a full disk, or the file size limit (`file_at_size_limit` tells)
+# torch.save's C++ writer after a write the disk refused (full, or the file size limit): no errno
 SHORT_WRITE = "unexpected pos"
 SIZE_LIMIT_FIX = ("Raise the file size limit where the job starts (`ulimit -f` shows it; `ulimit -f unlimited` in the "
                   "shell or the job script, or the limit of the Slurm job or container that sets it)")
@@ -51,15 +44,13 @@ OPEN_FILES_FIX = ("Raise the open files limit where the job starts (`ulimit -n 6
                   "or the limit of the Slurm job or container that sets it; `ulimit -Hn` is the most it may be raised "
                   "to), or lower data.num_workers (a data worker holds a file descriptor per tensor of the steps it "
                   "hands over)")
-# a path in an error's text: one the OS's words follow (a compiler's "when writing output to PATH: No space
-# left on device"), else a quoted one (pyarrow's "Failed to open local file '/x'", safetensors' 'at path "/x"')
+# a path in an error's text: one the OS's words follow, else a quoted one
 PATH_BEFORE_WORDS = re.compile(rf"(/[^\s'\"]+): (?:{'|'.join(map(re.escape, WORDS))})")
 QUOTED_PATH = re.compile(r"""['"](/[^'"\n]+)['"]""")
 
 
 def what_next(t: TrainerConfig) -> str:
-    """What the same command does next: resume from the checkpoint its start-up would take (the resume
-    rule, sfttrain.resume), or start afresh. Reads the run folder."""
+    """What the same command does next: the checkpoint its start-up would resume from, or a fresh start."""
     from sfttrain.resume import choose_resume  # it imports torch, loaded by the time a run can fail
 
     try:
@@ -81,8 +72,7 @@ def resumes_from(last: Optional[str]) -> str:
 
 
 def classify(error: BaseException, cfg: Config, rank: int, where: str) -> Optional[UserError]:
-    """The UserError that ends the run for `error` (memory run out, a data worker's death, a filesystem's
-    refusal, the run folder gone), raised in `where` (sfttrain.phase); None for a bug."""
+    """The UserError that ends the run for `error`, raised in `where` (sfttrain.phase); None for a bug."""
     # memory first: a data worker's full /dev/shm is memory run out, as its SIGBUS death is
     return (out_of_memory(error, cfg, rank, where) or killed_worker(error, cfg, rank, where) or
             filesystem_error(error, cfg.trainer, where) or
@@ -90,9 +80,7 @@ def classify(error: BaseException, cfg: Config, rank: int, where: str) -> Option
 
 
 def os_errno(error: BaseException | str) -> Optional[int]:
-    """The OS's error number behind `error`: the errno of the first OSError among it, its causes and a DCP
-    CheckpointException's failures on each rank; where none carries one, the number or the OS's words in its
-    text (safetensors' and tokenizers' Rust errors, torch's C++ writer, an error gathered from another rank)."""
+    """The errno of the first OSError in `error`'s chain (`_chain`), else the number or the OS's words in its text."""
     for e in _chain(error):
         if isinstance(e, OSError) and e.errno is not None:
             return e.errno
@@ -123,14 +111,12 @@ def disk_full(error: BaseException | str) -> bool:
 
 
 def over_size_limit(error: BaseException | str) -> bool:
-    """A write past the process's file size limit (EFBIG: ulimit -f, which a job inherits from the shell,
-    the Slurm job or the container that started it)."""
+    """A write past the process's file size limit (ulimit -f)."""
     return os_errno(error) == errno.EFBIG
 
 
 def file_at_size_limit(folder: str) -> Optional[str]:
-    """A file in `folder` as large as this process's file size limit lets it grow: the one whose write
-    failed on it, where the error names none (torch.save's "unexpected pos", tokenizers' os error 27)."""
+    """A file in `folder` at this process's file size limit: the one whose write failed, where the error names none."""
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
     if limit == resource.RLIM_INFINITY:
         return None
@@ -139,10 +125,8 @@ def file_at_size_limit(folder: str) -> Optional[str]:
 
 
 def filesystem_error(error: BaseException, t: TrainerConfig, where: str) -> Optional[UserError]:
-    """A file operation that a filesystem refused (`fault`) outside a checkpoint's own save (whose failure the
-    checkpointer words): metrics.jsonl, a cache, a trace, a compiled kernel. A ConfigError at start-up (nothing
-    trained yet), else a CheckpointError (the steps since the last checkpoint cannot be kept); None for any
-    other error."""
+    """A filesystem's refusal outside a checkpoint's save: a ConfigError at start-up, else a CheckpointError (the
+    steps since the last checkpoint are lost); None for any other error."""
     found = fault(error, t.default_local_dir)
     if found is None:
         return None
@@ -156,9 +140,8 @@ def filesystem_error(error: BaseException, t: TrainerConfig, where: str) -> Opti
 
 @dataclass(frozen=True)
 class Fault:
-    """What a filesystem refused, in words: `cause` names what failed where, `fix` what to do (each a
-    sentence without its full stop); `lasting`: the next checkpoint would fail too (the run folder's disk
-    full, read-only or failing)."""
+    """What a filesystem refused: `cause` and `fix` (sentences without their full stop); `lasting`: the next
+    checkpoint would fail too."""
     cause: str
     fix: str
     lasting: bool
@@ -166,9 +149,8 @@ class Fault:
 
 
 def fault(error: BaseException | str, run_dir: Optional[str]) -> Optional[Fault]:
-    """`error` (or its text) as a filesystem fault the user can act on, or None. A permission needs the path
-    it was refused on (an EPERM without one is a process's, e.g. a signal's); the others without a path are
-    said of the run folder, where the run writes (run_dir None: a path that is no run folder's)."""
+    """`error` (or its text) as a filesystem fault the user can act on, or None. A permission needs its path
+    (an EPERM without one is a process's); the others without one are the run folder's (if run_dir)."""
     code, text = os_errno(error), str(error)
     if code not in HANDLED and SHARED_MEMORY not in text:
         return None
@@ -208,9 +190,8 @@ def fault(error: BaseException | str, run_dir: Optional[str]) -> Optional[Fault]
 
 
 def check_writable(run_dir: str) -> None:
-    """ConfigError where this user could not write the run folder, or the folder it would be made in (a
-    read-only filesystem, another user's), or a folder or file in it that the run writes again (its lock,
-    metrics.jsonl): checked before any data is read, not where the run first writes there."""
+    """ConfigError where this user could not write the run folder (or where it would be made), or a file or
+    folder in it that the run writes again: before any data is read."""
     run_dir = os.path.abspath(os.path.expanduser(run_dir))
     there = nearest_existing(run_dir)
     if not os.path.isdir(there):
@@ -228,8 +209,7 @@ def check_writable(run_dir: str) -> None:
 
 
 def _run_folder_paths(run_dir: str) -> list[str]:
-    """The run folder, the files directly in it (the lock, metrics.jsonl and the others the run writes again)
-    and every folder in it but the committed checkpoints' (one may have been made read-only to keep it)."""
+    """The run folder, its files and every folder in it but the checkpoints' (one may be read-only to keep it)."""
     top = [os.path.join(run_dir, name) for name in sorted(os.listdir(run_dir))]
     folders = []
     for parent, names, _ in os.walk(run_dir):
@@ -239,10 +219,8 @@ def _run_folder_paths(run_dir: str) -> list[str]:
 
 
 def check_open_files(need: int) -> None:
-    """Raises this process's open files limit to its hard limit, which its data workers inherit (the soft
-    one, often 1024, is no ceiling of its own). A ConfigError where even the hard limit is below `need`:
-    torch's handover of a worker's tensors then fails on a thread that logs it in a loop, and the rank
-    waits for the step forever."""
+    """Raises the open files limit to the hard one (the workers inherit it); a ConfigError where that is below
+    `need`: a worker's handover would fail on a thread, and the rank wait forever."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     with contextlib.suppress(ValueError, OSError):  # an unlimited hard limit: the kernel's nr_open caps it
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20),
@@ -252,8 +230,7 @@ def check_open_files(need: int) -> None:
 
 
 def open_files_problem(need: int) -> Optional[str]:
-    """Why this process's hard open files limit (what a job started from it gets) is below `need`; None where it
-    is not. The preflight's check too, which raises no limit."""
+    """Why the hard open files limit is below `need`, or None (the preflight's check too)."""
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     if hard == resource.RLIM_INFINITY or hard >= need:
         return None
@@ -262,8 +239,7 @@ def open_files_problem(need: int) -> Optional[str]:
 
 
 def unreadable(paths: list[str]) -> Optional[str]:
-    """Why this user may not read the first of `paths` it may not (a folder: list it and enter it), and how
-    many more; None where each reads, or is not there (the caller says what that means)."""
+    """Why this user may not read the first of `paths` it may not, and how many more; None where each reads."""
     denied = [p for p in paths if os.path.lexists(p) and
               not os.access(p, os.R_OK | (os.X_OK if os.path.isdir(p) else 0))]
     if not denied:
@@ -274,8 +250,7 @@ def unreadable(paths: list[str]) -> Optional[str]:
 
 
 def _words_line(text: str) -> str:
-    """The line of an error's text with the OS's words in it (a DataLoader worker's error carries its whole
-    traceback, a compiler's its command line before them), else its first line."""
+    """The line of an error's text with the OS's words in it (after a traceback, say), else its first line."""
     lines = [line.strip() for line in text.strip().splitlines()]
     worded = [line for line in lines if ERRNO_IN_TEXT.search(line) or SHARED_MEMORY in line or
               any(words in line for words in WORDS)]
@@ -292,8 +267,7 @@ def _inside(path: str, folder: str) -> bool:
 
 
 def out_of_memory(error: BaseException, cfg: Config, rank: int, where: str) -> Optional[OutOfMemory]:
-    """A rank out of memory (CUDA's allocator, the host's, or Python's) as one message: where, what was asked
-    for, and the keys that shrink what that phase holds. None for any other error."""
+    """A rank out of memory as one message: where, what was asked for, what shrinks that phase; else None."""
     torch = sys.modules.get("torch")  # not loaded: no torch error
     text = str(error)
     if torch is not None and isinstance(error, torch.OutOfMemoryError):
@@ -325,8 +299,7 @@ def _what_fills(cfg: Config, where: str) -> str:
     return "what this phase holds"
 
 
-# torch's DataLoader says a worker's death only in a RuntimeError's text (its SIGCHLD handler's), naming the
-# pid and the signal in strsignal's words (the C library's, in this process's locale)
+# torch says a worker's death only in text, the signal in strsignal's words
 KILLED_FIX = {
     signal.SIGKILL: ("most often the host's out-of-memory killer (`dmesg` or `journalctl -k` names what it killed; a "
                      "cgroup's or Slurm job's memory limit kills the same way). Each of a rank's data.num_workers={n} "
@@ -340,10 +313,8 @@ KILLED_FIX = {
 
 
 def killed_worker(error: BaseException, cfg: Config, rank: int, where: str) -> Optional[OutOfMemory]:
-    """A DataLoader worker killed by SIGKILL (most often the out-of-memory killer) or SIGBUS (most often a full
-    /dev/shm), or one that found the shared memory full, as memory run out (exit code 9) with its fix. torch's
-    error is raised where the rank was when the worker died, or is the cause of the next step's "exited
-    unexpectedly". None for any other error (another signal is a crash: its traceback is the bug's)."""
+    """A DataLoader worker killed by SIGKILL or SIGBUS, or one that found /dev/shm full, as memory run out with
+    its fix; None for any other error (another signal is a crash)."""
     then = what_next(cfg.trainer)
     # the worker's own error, re-raised in the rank as a RuntimeError with its traceback as text
     if re.search(r"in DataLoader worker process \d+", str(error)) and SHARED_MEMORY in str(error):
@@ -361,25 +332,19 @@ def killed_worker(error: BaseException, cfg: Config, rank: int, where: str) -> O
 
 
 def timed_out(error: BaseException) -> bool:
-    """A collective's timeout: gloo's is a RuntimeError, NCCL's a DistBackendError (as is any of its other
-    failures), whose text alone says it timed out."""
+    """A collective's timeout: gloo's and NCCL's errors say it only in their text."""
     text = str(error).lower()
     return "timed out" in text or "timeout" in text
 
 
 def peer_lost(text: str) -> bool:
-    """A collective's error that says another rank's process is gone, not what ended it: gloo's and NCCL's
-    errors are RuntimeErrors (DistBackendError) whose text alone tells this from another failure, and
-    an error gathered from another rank arrives as text."""
+    """A collective's error saying another rank's process is gone (only its text tells)."""
     return any(sign in text for sign in ("Connection closed by peer", "Connection reset by peer",
                                          "remote process exited"))
 
 
-
 def _free_space_fix(path: Optional[str], run_dir: Optional[str], in_run: bool) -> str:
-    """A full disk's fix: the free space of the run folder, or of the other place that filled (the temporary
-    folder, where torch.compile writes its kernels, said as TMPDIR); where the error names no file, that of
-    each place the run writes (Python's semaphores, which the data workers' queues use, live in /dev/shm)."""
+    """A full disk's fix: the free space where it filled, or of each place the run writes where no file is named."""
     if path is None:
         places = [place for place in (run_dir, "/dev/shm", tempfile.gettempdir()) if place and os.path.isdir(place)]
         free = "; ".join(f"{place} has {size_text(shutil.disk_usage(place).free)} free" for place in places)
@@ -409,8 +374,7 @@ def _user() -> str:
 
 
 def folder_gone(run_dir: str) -> Optional[str]:
-    """What stops a run whose folder was deleted (or moved, or its disk unmounted) while it ran; None
-    while the folder is there."""
+    """What stops a run whose folder went away while it ran; None while it is there."""
     if os.path.isdir(run_dir):
         return None
     return (f"the run folder {run_dir} (trainer.default_local_dir) is gone: deleted, moved or unmounted while the "
@@ -419,9 +383,7 @@ def folder_gone(run_dir: str) -> Optional[str]:
 
 
 def folder_gone_error(error: BaseException, run_dir: str, where: str) -> Optional[CheckpointError]:
-    """A file of the run folder (metrics.jsonl, a trace) that failed because the folder is gone, as one
-    message (exit code 6: the steps since the last checkpoint cannot be kept). Not at start-up, where a
-    run folder not made yet is no folder gone. None for any other error."""
+    """A run folder's file that failed because the folder is gone (not at start-up), else None."""
     gone = folder_gone(run_dir)
     if not gone or where == "start-up" or not isinstance(error, OSError):
         return None

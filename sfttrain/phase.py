@@ -1,14 +1,7 @@
-"""What this rank is doing (start-up, step N, validation, save), said when a collective times out,
-and where its threads are, on demand.
-
-A collective that times out (trainer.nccl_timeout) means some rank never arrived: the useful
-question is where each rank was. The trainer records its phase here (`enter`); a watchdog thread
-says it once a phase outlasts the timeout, with every thread's Python stack, which also covers NCCL,
-whose own watchdog takes the process down without a Python exception (a CPU job's gloo raises one,
-and `report_timeout` says it there; no watchdog then, as a phase that is merely long is no timeout).
-A run that seems stuck before any timeout: `kill -USR1 <pid>` of a rank or of one of its helper
-processes (DataLoader workers) prints that process's stacks to its log, and it goes
-on (`dump_stacks_on_sigusr1`).
+"""What this rank is doing (start-up, step N, validation, save), said when a collective times out, and
+its threads' stacks on demand. A watchdog says the phase once it outlasts trainer.nccl_timeout, for
+NCCL, whose own watchdog ends the process without a Python exception (gloo raises one:
+`report_timeout`); `kill -USR1 <pid>` prints a process's stacks and it goes on.
 """
 
 from __future__ import annotations
@@ -58,12 +51,10 @@ def report_timeout(error: BaseException, rank: int, timeout_s: int) -> None:
 
 
 def dump_stacks_on_sigusr1() -> None:
-    """SIGUSR1 prints every thread's Python stack to stderr, and the process goes on. Called first thing
-    in a process (sfttrain.run, its helper processes): SIGUSR1 is blocked in this thread, so in every
-    thread started later, and a thread of its own takes it (sigwait) and prints while it holds the GIL,
-    so that no frame is read while it changes (faulthandler's C handler, on whichever thread the kernel
-    picks, can); that works while the main thread waits in a collective or on a lock. A handler set
-    before, or a caller off the main thread, leaves it as it is."""
+    """SIGUSR1 prints every thread's Python stack, and the process goes on. Called first in a process:
+    SIGUSR1 is blocked in every thread started later, and a thread of its own takes it (sigwait) and
+    prints holding the GIL, also while the main thread waits in a collective (faulthandler could read
+    frames that change). A handler set before, or a caller off the main thread, is left alone."""
     if (threading.current_thread() is not threading.main_thread()
             or signal.getsignal(signal.SIGUSR1) not in (signal.SIG_DFL, _on_sigusr1)):
         return
@@ -83,8 +74,7 @@ def _take_sigusr1() -> None:
 
 
 def print_stacks(why: str) -> None:
-    """Every thread's Python stack, most recent call last, to the process's own stderr (file descriptor
-    2, not a sys.stderr something replaced: a notebook's, pytest's), in one write where it fits."""
+    """Every thread's Python stack to file descriptor 2 (not a replaced sys.stderr), in one write where it fits."""
     names = {thread.ident: thread.name for thread in threading.enumerate()}
     text = f"{STACKS_HEADER} {os.getpid()} ({why}), most recent call last:\n" + "".join(
         f"Thread {names.get(ident, ident)}:\n" + "".join(traceback.format_stack(frame))

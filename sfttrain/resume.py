@@ -1,12 +1,6 @@
-"""The resume rules: which checkpoint a start resumes from, which run it continues, and what a
-resume with a changed config may change.
-
-A run folder can hold the checkpoints of several runs (a fresh start with
-trainer.resume_mode=disable, or a resume from an earlier step, in a folder that has later ones).
-Each checkpoint records the id of the run that wrote it (trainer_state.json's run_id): a fresh
-start makes a new id; a resume carries the checkpoint's id over, unless this run folder holds
-later steps of that run (the resume branches off it: a new id). Retention and `auto` resume act
-on the current run's checkpoints only; the others are kept, and said at start-up.
+"""The resume rules: which checkpoint a start resumes from, which run it continues, and what a resume
+with a changed config may change. A run folder may hold several runs' checkpoints; each records its
+run's id (trainer_state.json's run_id), and retention and `auto` resume act on the current run's only.
 """
 
 from __future__ import annotations
@@ -16,12 +10,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Optional
 
-import torch.distributed as dist
-
 from sfttrain.checkpoint_folder import (COMPLETE, check_intact, complete_checkpoints, is_complete,
                                        latest_of_newest_run, read_state, resolve, run_id_of, runs, step_folders,
                                        step_of)
 from sfttrain.config import Config, ConfigError, TrainerConfig
+from sfttrain.distributed import decided_by_rank0
 from sfttrain.data.fingerprint import RENDERING_KEY, ROWS_KEY, differences
 from sfttrain.data.render import RENDERING_CHANGE, RENDERING_VERSION
 from sfttrain.export import HF_EXPORT_DIR
@@ -42,33 +35,21 @@ class Resume:
 
 
 def find_resume(t: TrainerConfig, run_dir: str) -> Resume:
-    """The checkpoint to resume from (None for a fresh start) and this run's id. Rank 0 decides
-    and tells the others (every rank must load the same step). On a fresh start, metrics.jsonl
-    records left by an earlier attempt in this run folder are moved aside (see `rewind_metrics`)."""
-    result: tuple[Optional[Resume], Optional[str]] = (None, None)
-    if _rank() == 0:
-        try:
-            result = (choose_resume(t, run_dir), None)
-            if result[0].path is None:
-                rewind_metrics(run_dir, 0)
-        except ConfigError as e:
-            result = (None, str(e))
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [result]
-        dist.broadcast_object_list(box, src=0)
-        result = box[0]
-    if result[1] is not None:
-        raise ConfigError(result[1])
-    return result[0]
+    """Collective: the checkpoint to resume from and this run's id, decided by rank 0 (every rank must
+    load the same step). A fresh start moves aside metrics.jsonl records of an earlier attempt."""
+    def decide() -> Resume:
+        chosen = choose_resume(t, run_dir)
+        if chosen.path is None:
+            rewind_metrics(run_dir, 0)
+        return chosen
+
+    return decided_by_rank0(decide)
 
 
 def choose_resume(t: TrainerConfig, run_dir: str) -> Resume:
-    """disable: None. resume_path: trainer.resume_from_path. auto: the latest checkpoint of the run
-    folder's newest run (the run that committed last); if it has none, resume_from_path when given
-    (a run seeded from another run's checkpoint still resumes its own progress after a crash),
-    else None. What auto passed over is said: a resume_from_path (`passed_over`), a later global_step_N
-    without its COMPLETE marker (a note). A checkpoint whose files changed since its commit is refused,
-    the one before it named. Changes nothing in the run folder (the preflight asks it too)."""
+    """disable: None. resume_path: trainer.resume_from_path. auto: the latest checkpoint of the run folder's
+    newest run, else resume_from_path, else None; what auto passed over is said. A checkpoint whose files
+    changed since its commit is refused. Changes nothing (the preflight asks it too)."""
     newest = latest_of_newest_run(run_dir)
     passed_over = ""
     if t.resume_mode == "auto" and newest:
@@ -91,9 +72,8 @@ def choose_resume(t: TrainerConfig, run_dir: str) -> Resume:
 
 
 def _describe_unfinished(run_dir: str, chosen: Optional[str]) -> list[str]:
-    """A line per `global_step_N` past the chosen checkpoint that auto passed over for want of its COMPLETE
-    marker (an rsync cut short, a save by another tool): the choice stands, but the user may be waiting
-    for that step, and a save of it by this run replaces the folder."""
+    """A line per `global_step_N` past the chosen one without its COMPLETE marker (a copy cut short): the user
+    may be waiting for that step, and this run's save of it replaces the folder."""
     mine = chosen is not None and os.path.dirname(os.path.abspath(chosen)) == os.path.abspath(run_dir)
     after = step_of(chosen) if mine else 0
     then = f"resuming from {os.path.basename(chosen) if mine else chosen}" if chosen else "starting afresh"
@@ -104,9 +84,7 @@ def _describe_unfinished(run_dir: str, chosen: Optional[str]) -> list[str]:
 
 
 def _passed_over(resume_from_path: Optional[str], chosen: str) -> str:
-    """resume_mode=auto takes the run folder's own latest checkpoint over trainer.resume_from_path: a restart
-    of a run seeded from another run's checkpoint must continue its own progress, not start over from the
-    seed. Said, since verl's auto takes the path."""
+    """Said where auto takes the run folder's own checkpoint over trainer.resume_from_path (verl's takes the path)."""
     if not resume_from_path:
         return ""
     given, chosen = os.path.abspath(os.path.expanduser(resume_from_path)), os.path.abspath(chosen)
@@ -118,8 +96,8 @@ def _passed_over(resume_from_path: Optional[str], chosen: str) -> str:
 
 
 def _run_id(path: Optional[str], run_dir: str) -> str:
-    """The resumed checkpoint's run id, or a new one: on a fresh start, for a checkpoint written
-    before run ids, and when this run folder holds later steps of its run (a branch)."""
+    """The resumed checkpoint's run id; a new one on a fresh start, for an older checkpoint, or for a branch
+    (this run folder holds later steps of that run)."""
     carried = run_id_of(path) if path else None
     if carried is None:
         return uuid.uuid4().hex[:12]
@@ -146,8 +124,7 @@ def _steps(steps: list[int]) -> str:
 
 
 def check_resume(path: str, cfg: Config, current) -> list[str]:
-    """What resuming from `path` would change, said before the model is loaded: the lines to
-    print, or a ConfigError for what is refused (every refusal of `review_resume` in the one error)."""
+    """What resuming from `path` changes (lines to print), or a ConfigError with every refusal."""
     notes, refused = review_resume(path, cfg, current)
     if refused:
         raise ConfigError("\n".join(refused))
@@ -155,14 +132,9 @@ def check_resume(path: str, cfg: Config, current) -> list[str]:
 
 
 def review_resume(path: str, cfg: Config, current) -> tuple[list[str], list[str]]:
-    """(what resuming from `path` changes, what it refuses). `current` (a checkpoint.TrainState)
-    holds this run's data fingerprint, optimizer/schedule settings and LoRA base.
-
-    The rule: the data must be what the checkpoint read (its fingerprint; a difference is refused
-    unless trainer.resume_allow_data_change=true); the optimizer and LR schedule follow the
-    current config (the LR is a pure function of the step and the config), every difference from
-    the checkpoint's is printed, and a schedule that ends before the checkpoint's step is refused;
-    LoRA adapters resume on the base they were trained on only."""
+    """(what resuming from `path` changes, what it refuses), against `current` (a checkpoint.TrainState).
+    The data must be the checkpoint's (unless trainer.resume_allow_data_change); the optimizer and schedule
+    follow the config, each difference said; LoRA adapters resume on their own base only."""
     saved = read_state(path)
     checks = [lambda: check_data(path, saved, current.data, cfg.trainer.resume_allow_data_change),
               lambda: check_schedule(path, saved, current.schedule)]
@@ -178,8 +150,7 @@ def review_resume(path: str, cfg: Config, current) -> tuple[list[str], list[str]
 
 
 def check_data(path: str, saved: dict, fingerprint: dict, allow_change: bool) -> list[str]:
-    """A resume continues the checkpoint's data position: the same rows in the same order,
-    rendered the same way, or (trainer.resume_allow_data_change=true) the user's explicit choice."""
+    """The data position continues on the same rows, rendered alike, unless the user allows a change."""
     legacy = saved.get("data") is None  # written before checkpoints held the fingerprint
     recorded = {"data.train_batch_size": saved["global_batch"], "trainer.seed": saved["seed"]} if legacy \
         else {RENDERING_KEY: 1, **saved["data"]}  # version 1 recorded none
@@ -204,8 +175,7 @@ RENDERING_CHANGED = (f"\n(the sfttrain that wrote the checkpoint rendered rows o
 
 
 def unrecorded(path: str, recorded: dict, fingerprint: dict) -> list[str]:
-    """A note per fingerprint key that the checkpoint's (older) sfttrain did not record: what the key
-    guards goes unchecked, and the resume trains on from the old position whatever it was."""
+    """A note per fingerprint key that the checkpoint's older sfttrain did not record: it goes unchecked."""
     return [f"data: {path} records no '{key}' (an older sfttrain): not checked" +
             (ROWS_UNCHECKED if key == ROWS_KEY else "") for key in fingerprint if key not in recorded]
 
@@ -215,9 +185,8 @@ ROWS_UNCHECKED = ("; a data file rewritten with other rows of the same size woul
 
 
 def check_schedule(path: str, saved: dict, schedule: dict) -> list[str]:
-    """The current optimizer and schedule settings apply; each difference is said. A schedule
-    that ends at or before the checkpoint's step (other than the checkpoint's own end: a
-    finished run started again) would train nothing."""
+    """The config's optimizer and schedule apply, each difference said; one that ends at or before the
+    checkpoint's step (but a finished run started again) would train nothing."""
     step, total = saved["step"], schedule["total steps"]
     old = saved.get("schedule")
     if step >= total and (old is None or old["total steps"] != total):
@@ -234,7 +203,7 @@ def check_schedule(path: str, saved: dict, schedule: dict) -> list[str]:
 
 
 def finished(path: str, step: int) -> str:
-    """What a finished run started again says: it trains nothing, where its results are, and how to go on."""
+    """A finished run started again: where its results are, and how to go on."""
     exported = os.path.join(path, HF_EXPORT_DIR)
     export = (f"its Hugging Face export is {exported}" if os.path.isdir(exported) else
               f"it has no Hugging Face export (trainer.save_hf=true exports it now; `python -m sfttrain.export {path} "
@@ -242,7 +211,3 @@ def finished(path: str, step: int) -> str:
     return (f"the checkpoint is this run's last step ({step}): nothing left to train. The run finished: its last "
             f"checkpoint is {path}, and {export}. To train longer, raise trainer.total_training_steps (or "
             "trainer.total_epochs); to start afresh, set trainer.default_local_dir to a new folder")
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0

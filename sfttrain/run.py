@@ -1,14 +1,8 @@
 """Entry point: torchrun --nproc_per_node=N -m sfttrain.run [recipe.yaml] key=value ...
 
-Parse the config, start the ranks, build the trainer, train, shut down cleanly.
-`python -m sfttrain.run --help [section]` lists every key (sfttrain/help.py).
-
-A mistake the user must fix (sfttrain/errors.py lists the exit codes) and a fault the user can act on
-(sfttrain.faults: memory run out, what a filesystem refused) end the run with one message, printed once
-by rank 0, and its exit code; under torchrun it is rank 0's elastic error file too, so torchrun's
-"Root Cause" shows it. A rank whose collective fails because another rank ended first leaves the word
-to that one. A Ctrl-C that stops at once (sfttrain.stop_signal) ends every rank with one line and exit
-code 130.
+A user's mistake (sfttrain/errors.py) or a fault the user can act on (sfttrain.faults) ends the run with
+one message, printed by rank 0 and written to torchrun's error file, and its exit code. A Ctrl-C that
+stops at once ends every rank with one line and exit code 130.
 """
 
 from __future__ import annotations
@@ -25,15 +19,13 @@ from sfttrain.errors import UserError
 from sfttrain.faults import classify, peer_lost, what_next
 from sfttrain.help import print_help
 
-# a rank other than 0 waits this long for rank 0 to report the same error and end the job
-# (torchrun then stops it); past that, it is the one rank that knows, and reports it itself
+# a rank other than 0 waits this long for rank 0 to report the error; past it, it reports its own
 WAIT_FOR_RANK0_S = 60
 HYDRA_FLAGS = {"--config-path": "path", "-cp": "path", "--config-name": "name", "-cn": "name"}
 
 
 def parse_args(argv: list[str]) -> tuple[str | None, list[str]]:
-    """(the YAML file, the key=value overrides): the file is the first argument, or Hydra's
-    --config-path DIR --config-name NAME (verl's way: DIR/NAME.yaml)."""
+    """(the YAML file, the overrides): the first argument, or Hydra's --config-path DIR --config-name NAME."""
     hydra, rest = hydra_flags(argv)
     yaml_path = rest[0] if rest and "=" not in rest[0] else None
     overrides = rest[1:] if yaml_path else rest
@@ -59,10 +51,8 @@ def hydra_flags(argv: list[str]) -> tuple[dict[str, str], list[str]]:
 
 
 def stop(error: UserError) -> None:
-    """Ends this rank on a user mistake, its message in the elastic error file and on stderr, with the
-    exit code of its kind. Every rank usually raises the same error: rank 0 says it, and torchrun stops
-    the others when it exits; a rank that outlives the wait had an error of its own, and says it. An
-    error every rank raises at the same point (StoppedBySignal) needs no wait."""
+    """Ends this rank on a user mistake with its kind's exit code; rank 0 says it, another rank only if it
+    outlives the wait (an error of its own), none waits for an error that every rank raises."""
     message = f"sfttrain: {error.kind}: {error}"
     rank0 = int(os.environ.get("RANK", 0)) == 0
     if not (rank0 or error.every_rank):
@@ -70,14 +60,13 @@ def stop(error: UserError) -> None:
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
         with open(error_file, "w") as f:
-            # torch's own layout (elastic/multiprocessing/errors), the traceback replaced by the message
+            # torch's layout (elastic/multiprocessing/errors), the message for the traceback
             json.dump({"message": {"message": message, "extraInfo": {"py_callstack": message,
                                                                      "timestamp": str(int(time.time()))}}}, f)
     if rank0 or not error.every_rank:
         print(message, file=sys.stderr, flush=True)
     sys.stdout.flush()
-    # at once, without the interpreter's teardown of torch (seconds): a rank still tearing
-    # down when torchrun stops the job would be reported as killed
+    # without torch's teardown: a rank still tearing down when torchrun stops the job is reported as killed
     os._exit(error.exit_code)
 
 
@@ -92,8 +81,7 @@ def main(argv: list[str] | None = None) -> None:
         cfg = load_config(*parse_args(argv))
     except UserError as e:
         stop(e)
-    # torch and transformers load only now: a config mistake is reported within a second. A
-    # bug (any other exception) still reaches torchrun's summary with its traceback (`record`).
+    # torch loads only now: a config mistake is said within a second; `record` gives torchrun a bug's traceback
     from torch.distributed.elastic.multiprocessing.errors import record
 
     record(train)(cfg)
@@ -106,8 +94,7 @@ def train(cfg: Config) -> None:
         _train(cfg, rank)
     except KeyboardInterrupt:  # also raised while an error below was being handled
         interrupted(cfg, rank)
-    # Python's final garbage collection of torch's and transformers' object graphs costs seconds
-    # of CPU per rank at exit; everything is written and closed by now, so skip it.
+    # skip the final collection of torch's object graphs: seconds per rank, and everything is closed
     gc.freeze()
 
 
@@ -142,21 +129,19 @@ def _train(cfg: Config, rank: int) -> None:
 
 
 def explain(error: Exception, cfg: Config, rank: int) -> None:
-    """Ends this rank with one message where the error has a cause the user can act on (or ends it
-    quietly where another rank's message is the job's); returns for a bug."""
+    """Ends this rank where the user can act on the error (or quietly where another rank's message is the
+    job's); returns for a bug."""
     if stop_signal.interrupted():  # the collective of a rank that Ctrl-C stopped first
         interrupted(cfg, rank)
     if known := classify(error, cfg, rank, phase.current()):
         stop(known)
-    if peer_lost(str(error)):  # another rank ended first, with the cause (its message, a traceback): torchrun
-        stop_signal.end_if_told()  # ends this one (its SIGTERM, or one already noted), without a second
-        time.sleep(WAIT_FOR_RANK0_S)  # traceback; past the wait, this rank says what it saw
+    if peer_lost(str(error)):  # another rank ended first with the cause: torchrun ends this one
+        stop_signal.end_if_told()
+        time.sleep(WAIT_FOR_RANK0_S)  # past the wait, this rank says what it saw
 
 
 def interrupted(cfg: Config, rank: int) -> None:
-    """A Ctrl-C that stops at once (outside the training loop, or a second one, sfttrain.stop_signal): one
-    line (rank 0) and exit code 130, the shell's for SIGINT, without a traceback per rank. Nothing after the
-    last committed checkpoint is kept (a save in flight is never committed)."""
+    """A Ctrl-C that stops at once (sfttrain.stop_signal): one line and exit code 130, no tracebacks."""
     if rank == 0:
         print(f"sfttrain: interrupted (Ctrl-C) in {phase.current()}, without a save. "
               f"{what_next(cfg.trainer)}", file=sys.stderr, flush=True)

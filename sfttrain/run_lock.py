@@ -1,14 +1,7 @@
-"""One run at a time in a run folder: rank 0 holds an exclusive lock on `<run folder>/.sfttrain.lock`
-for as long as its process lives.
-
-Two runs in one folder (a job submitted twice, a requeued job whose first attempt still runs) would
-each resume the other's checkpoints and save the same steps over each other without a word: the
-second is refused at start-up, before it reads any data, naming the first.
-
-The lock is flock(2): the kernel drops it when the holder ends, however it ends, and NFS carries it
-between nodes. The file says who holds it (host, pid, since when, the Slurm job) for the refusal's
-message; only the lock counts. A filesystem without locks (Lustre without `flock`) is said at
-start-up: there, a second run would not be caught.
+"""One run at a time in a run folder: rank 0 holds flock(2) on `<run folder>/.sfttrain.lock` for its
+process's life (the kernel drops it however the process ends; NFS carries it between nodes). Two runs
+in one folder would resume and overwrite each other's checkpoints: the second is refused at start-up,
+named by the file's holder record. A filesystem without locks is said at start-up.
 """
 from __future__ import annotations
 
@@ -18,10 +11,8 @@ import json
 import os
 import socket
 import time
-from typing import Optional
 
-import torch.distributed as dist
-
+from sfttrain.distributed import decided_by_rank0
 from sfttrain.errors import ConfigError
 
 LOCK_FILE = ".sfttrain.lock"
@@ -31,17 +22,11 @@ _held: dict[str, int] = {}  # run folder (its real path) -> the descriptor that 
 NO_LOCKS = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
 
 
-def lock_run_folder(run_dir: str, world) -> list[str]:
-    """Collective, at start-up: rank 0 takes the run folder's lock (and holds it for its process's
-    life); if another run holds it, every rank stops with the same ConfigError. Returns start-up
-    lines (a warning where the filesystem has no locks)."""
-    box = [_take(run_dir) if world.is_main else None]
-    if world.world_size > 1:
-        dist.broadcast_object_list(box, src=0)
-    in_use, warning = box[0] or (None, None)
-    if in_use:
-        raise ConfigError(in_use)
-    return [warning] if warning else []
+def lock_run_folder(run_dir: str) -> list[str]:
+    """Collective, at start-up: rank 0 takes the run folder's lock for its process's life; if another
+    run holds it, every rank raises the same ConfigError. Returns start-up lines (a warning where the
+    filesystem has no locks)."""
+    return decided_by_rank0(lambda: _take(run_dir))
 
 
 def check_not_in_use(run_dir: str) -> None:
@@ -63,28 +48,27 @@ def check_not_in_use(run_dir: str) -> None:
         os.close(fd)
 
 
-def _take(run_dir: str) -> tuple[Optional[str], Optional[str]]:
-    """(why the folder is refused, None), (None, a warning) or (None, None): the lock taken."""
+def _take(run_dir: str) -> list[str]:
+    """Takes the lock: [] or [a warning where the filesystem has no locks]; a ConfigError where another run holds it."""
     key = os.path.realpath(run_dir)
     if key in _held:  # this process holds it already (a second trainer in one process)
-        return None, None
-    path = os.path.join(run_dir, LOCK_FILE)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        return []
+    fd = os.open(os.path.join(run_dir, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        return _in_use_message(run_dir), None
+        raise ConfigError(_in_use_message(run_dir)) from None
     except OSError as e:
         os.close(fd)
         if e.errno not in NO_LOCKS:
             raise
-        return None, (f"  WARNING: the run folder's filesystem has no file locks ({e.strerror}): a second run started "
-                      f"in {run_dir} while this one runs would not be refused, and the two would save over each other")
+        return [f"  WARNING: the run folder's filesystem has no file locks ({e.strerror}): a second run started "
+                f"in {run_dir} while this one runs would not be refused, and the two would save over each other"]
     os.ftruncate(fd, 0)
     os.write(fd, json.dumps(_me()).encode())
     _held[key] = fd
-    return None, None
+    return []
 
 
 def _me() -> dict:
@@ -106,8 +90,7 @@ def _in_use_message(run_dir: str) -> str:
 
 
 def _close_in_child() -> None:
-    """A forked child (a DataLoader worker) gets copies of the descriptors. Closed, the lock stays
-    with this process alone: an orphaned worker outliving a killed rank 0 does not keep the folder locked."""
+    """A forked child (a DataLoader worker) closes its copies: an orphan must not keep the folder locked."""
     for fd in _held.values():
         os.close(fd)
     _held.clear()

@@ -1,21 +1,11 @@
 """trainer.save_on_sigterm: a SIGTERM or a first Ctrl-C during training saves the step in flight and
-stops the run (exit code 8, StoppedBySignal); a second Ctrl-C stops it at once (sfttrain.run says so
-in one line). torchrun passes a terminal's Ctrl-C on to ranks the terminal signalled too: a Ctrl-C
-within ECHO_S of the first is that echo, not a second one.
+stops the run (exit code 8, StoppedBySignal); a second Ctrl-C, ECHO_S or more later, stops it at once.
 
-SIGTERM is how a job is ended from outside (Slurm, Kubernetes, `kill`, torchrun passing its own on),
-with SIGKILL after a grace, 30 s by default (GRACE_S). The handler only notes the signal; the note
-travels in the all-reduce each step makes anyway (`StopVote.flag`), so every rank stops after the
-same step, however the signals fell: the trainer saves it, waits for the commit, and ends the run
-with a message naming the checkpoint. The vote is read a step later (the device runs a step ahead),
-a lone rank's own note at once; a validation sums the votes per micro-batch and is cut short. A save
-that outlasts the grace is killed before its commit: a resume takes the previous checkpoint.
-
-Signals are noted only while the training loop runs (`noting`): at start-up there is nothing to save,
-and after an error the rank must die when torchrun ends the job. A rank blocked in a collective runs
-no Python handler until it returns: gloo's fails for a lost rank and the noted SIGTERM then ends the
-rank (`end_if_told`); a blocked NCCL one waits for torchrun's SIGKILL, the cost of the note. A rank's
-helper processes outlive a SIGTERM from outside by GRACE_S (`leave_to_the_rank`).
+The handler only notes the signal (only while the training loop runs: `noting`); the note travels in
+each step's all-reduce (`StopVote.flag`), so every rank stops after the same step, saves it and waits
+for the commit. A save that outlasts the launcher's grace before SIGKILL (GRACE_S) keeps nothing. A
+rank blocked in a collective runs no handler until it returns (`end_if_told`); its helper processes
+outlive a SIGTERM from outside by GRACE_S (`leave_to_the_rank`).
 """
 
 from __future__ import annotations
@@ -70,10 +60,8 @@ def noting(enabled: bool) -> Iterator[None]:
 
 
 def follow_the_launcher() -> None:
-    """Under torchrun: SIGTERM to this rank when torchrun dies (the kernel's parent-death signal). A
-    torchrun killed at once (SIGKILL, its own out-of-memory death) cannot pass a signal on, and its
-    ranks trained on as orphans; now they save and stop as on any SIGTERM. (A rank started by hand is
-    left alone: its parent is a shell, which `nohup` and `&` are meant to outlive.)"""
+    """Under torchrun: SIGTERM to this rank when torchrun dies (the parent-death signal), so that a
+    killed torchrun leaves no orphans training on."""
     if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
         return
     launcher = os.getppid()
@@ -83,26 +71,22 @@ def follow_the_launcher() -> None:
 
 
 def end_if_told() -> None:
-    """After the loop ended on an error: a SIGTERM it noted ends this rank now, by the signal's
-    default action (torchrun's, sent once another rank failed, reached a rank blocked in a collective
-    that then failed for that rank's loss)."""
+    """After the loop ended on an error: a SIGTERM it noted (torchrun's, once another rank failed) ends this rank now."""
     if "SIGTERM" in _received:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.raise_signal(signal.SIGTERM)
 
 
 def note_interrupts() -> None:
-    """For the whole run: Ctrl-C outside `noting` stops the rank at once, and is remembered (a rank whose
-    collective fails because another stopped on it was interrupted too, not failing); SIGTERM ends the
-    rank as by default, unless a Ctrl-C came first."""
+    """For the whole run: Ctrl-C outside `noting` stops the rank at once, and is remembered; SIGTERM ends
+    the rank as by default, unless a Ctrl-C came first."""
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _end_unless_interrupted)
 
 
 def _end_unless_interrupted(signum: int, frame) -> None:
-    """Every rank gets the Ctrl-C, and the launcher SIGTERMs the others once one has ended: a rank blocked
-    in a collective handles both only once it returns, SIGINT first (Python runs pending handlers in
-    signal order), and must live to say its line. A rank stuck on its way out ends at the SIGKILL."""
+    """A rank blocked in a collective handles the Ctrl-C and the launcher's SIGTERM once it returns, SIGINT
+    first: it must live to say its line."""
     if not interrupted():
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.raise_signal(signal.SIGTERM)
@@ -123,8 +107,7 @@ def received() -> str | None:
 
 
 def grace_warning(write_s: float) -> str | None:
-    """What to say once a checkpoint's write took over half the default grace: a stop needs that write
-    and a step or two before it, and a save killed before its commit keeps nothing."""
+    """A warning once a checkpoint's write took over half the default grace before SIGKILL."""
     if write_s <= GRACE_S / 2:
         return None
     return (f"a checkpoint took {write_s:.0f} s to write: a SIGTERM's save (trainer.save_on_sigterm) also waits for a "
@@ -134,11 +117,9 @@ def grace_warning(write_s: float) -> str | None:
 
 
 def leave_to_the_rank() -> None:
-    """In a rank's helper process (a DataLoader worker), from its main thread.
-    Ctrl-C, which reaches a terminal's whole process group, is ignored: the rank answers it. Slurm
-    signals every process of the job, and a helper dead at once would fail the batch or save its rank
-    needs to stop: a SIGTERM from anyone but its rank ends the helper GRACE_S later, its rank's own at
-    once (a thread that reads who sent it takes it). SIGUSR1 prints its stacks, as in its rank."""
+    """In a rank's helper process, from its main thread: Ctrl-C is the rank's to answer; a SIGTERM from
+    anyone but its rank (Slurm signals every process) ends the helper GRACE_S later, so that the rank's
+    stop can still use it; its rank's at once."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads started later inherit the mask
     phase.dump_stacks_on_sigusr1()  # its thread after the mask: a SIGTERM it took would end the helper at once

@@ -323,7 +323,6 @@ def test_a_filesystem_without_locks_is_said_at_start_up(tmp_path, monkeypatch):
     ENOSYS), the run goes on with a warning that a second run would not be caught; the preflight passes."""
     import errno
     import fcntl
-    from types import SimpleNamespace
 
     from sfttrain.run_lock import check_not_in_use, lock_run_folder
 
@@ -331,6 +330,6 @@ def test_a_filesystem_without_locks_is_said_at_start_up(tmp_path, monkeypatch):
         raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
 
     monkeypatch.setattr(fcntl, "flock", no_locks)
-    (warning,) = lock_run_folder(str(tmp_path), SimpleNamespace(is_main=True, world_size=1))
+    (warning,) = lock_run_folder(str(tmp_path))
     assert warning.startswith("  WARNING: the run folder's filesystem has no file locks (No locks available)")
     check_not_in_use(str(tmp_path))

@@ -1,8 +1,5 @@
-"""From Parquet rows to this rank's packed micro-batches, step by step.
-
-The data position is (epoch, samples of that epoch consumed): with the seed it says exactly
-which global samples were used, whatever the world size.
-"""
+"""From Parquet rows to this rank's packed micro-batches, step by step. The data position (epoch,
+samples of that epoch consumed) and the seed say which samples were used, whatever the world size."""
 
 from __future__ import annotations
 
@@ -26,14 +23,14 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from sfttrain import stop_signal
 from sfttrain.checkpoint_folder import replace_synced
 from sfttrain.config import DataConfig
+from sfttrain.distributed import decided_by_rank0, from_every_rank
 from sfttrain.errors import DataError, UserError
 from sfttrain.data.pack import MicroBatch, budget_bins, empty_micro_batch, local_slice, loss_tokens, pack
 from sfttrain.data.parquet import ParquetSource
 from sfttrain.data.batching import BatchPlan
 from sfttrain.data.render import RenderedSample, Renderer, RowError
 
-# torch's DataLoader warns, in every rank and twice, when one rank's workers outnumber the CPUs; it cannot know
-# the node's other ranks, which `describe_workers` counts in one start-up line instead
+# torch warns per rank when one rank's workers outnumber the CPUs; `describe_workers` counts the node's ranks too
 warnings.filterwarnings("ignore", message=r"This DataLoader will create \d+ worker processes in total",
                         category=UserWarning)
 
@@ -71,8 +68,7 @@ class RowStats:
 
 
 def epoch_rows(source: ParquetSource, stats: RowStats, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
-    """The rows epoch `epoch` trains on, in order: a pure function of the seed, the epoch and the
-    kept rows (dropping rows filters the order; it does not reshuffle, and no rank count enters)."""
+    """The rows epoch `epoch` trains on, in order: a function of the seed, the epoch and the kept rows alone."""
     return stats.kept(source.epoch_order(seed, epoch, shuffle))
 
 
@@ -86,8 +82,7 @@ class TrainData:
         self.attn_coef = attn_coef
 
     def positions(self, epoch: int, consumed: int) -> Iterator[tuple[np.ndarray, int, int]]:
-        """Endless (rows, epoch, consumed after) of the steps from a data position; cheap: the
-        trainer decides when to stop."""
+        """Endless (rows, epoch, consumed after) of the steps from a data position."""
         b = self.plan.global_batch
         while True:
             order = epoch_rows(self.source, self.stats, self.seed, epoch, self.shuffle)
@@ -98,8 +93,7 @@ class TrainData:
             epoch, consumed = epoch + 1, 0
 
     def step(self, rows: np.ndarray, epoch: int, consumed: int) -> StepBatch:
-        """Every rank splits the step identically from the known lengths (no communication), then
-        reads and renders only its own share."""
+        """Every rank splits the step alike from the known lengths, then renders only its own share."""
         lengths = self.stats.lengths[rows].tolist()
         costs = [n + self.attn_coef * n * n for n in lengths]
         micro_idx = self.plan.split(lengths, costs)[self.dp_rank]
@@ -111,9 +105,7 @@ class TrainData:
 
 
 def check_counts(samples, stats: RowStats, source: ParquetSource) -> None:
-    """A step's loss is normalised by its rows' supervised-token counts from the start-up scan (or
-    the length cache), and its split by their lengths, while the step renders the rows again: a
-    row that renders now to other counts would rescale every gradient silently, so it stops the run."""
+    """A row that renders now to other counts than the start-up scan's (which normalise the loss) stops the run."""
     for s in samples:
         now, then = (len(s.input_ids), loss_tokens(s)), (int(stats.lengths[s.row]), int(stats.loss_tokens[s.row]))
         if now != then:
@@ -126,11 +118,8 @@ def check_counts(samples, stats: RowStats, source: ParquetSource) -> None:
 
 
 class StepStream(IterableDataset):
-    """The steps from a data position, as a dataset for torch's DataLoader. With worker processes
-    (data.num_workers > 0) the rendering (Jinja chat templates, tokenizer calls, packing: Python
-    that holds the GIL; bench/data_cost_w1.py measures it per W1 step) runs beside
-    the training loop instead of taking the interpreter from it. Worker w of W builds steps
-    w, w + W, ...; the DataLoader collects from the workers round-robin, so they arrive in order."""
+    """The steps from a data position, as a dataset for torch's DataLoader, whose workers render beside the
+    training loop (not holding its GIL). Worker w of W builds steps w, w + W, ...: round-robin, in order."""
 
     def __init__(self, data: TrainData, epoch: int, consumed: int):
         self.data, self.epoch, self.consumed = data, epoch, consumed
@@ -145,9 +134,8 @@ class StepStream(IterableDataset):
                 except UserError as e:  # passed on as an item: torch would re-raise it inside its traceback
                     yield e
                     return
-                # a worker's step goes into shared memory here, where a full /dev/shm raises an error that
-                # the DataLoader re-raises in the rank; left to torch's queue, the copy would be made on its
-                # feeder thread, which prints such an error and drops the step: the rank waited for it forever
+                # into shared memory here, where a full /dev/shm raises in the rank; torch's feeder thread
+                # would print the error and drop the step, the rank waiting for it forever
                 yield step.share_memory() if info else step
 
 
@@ -157,12 +145,9 @@ OPEN_FILES_BASE = 256
 
 
 def open_files_needed(d: DataConfig, dp_size: int) -> int:
-    """File descriptors a rank and each of its data workers need at most; 0 without workers (a rank that
-    runs out of them otherwise gets an error, which is said; a worker's handover hangs instead). A step's
-    tensors travel from a worker to the rank as a descriptor each (torch's file_descriptor sharing), held
-    by the worker for the steps it built ahead and the one it hands over, by the rank for the step it
-    trains and the next. Under a token budget a rank's share of a step (by cost: up to a sample more than an
-    even share of the tokens) is packed first-fit, every bin but the last more than half full."""
+    """File descriptors a rank and each of its data workers need at most (0 without workers): a descriptor
+    per tensor of the steps in flight, where a worker that runs out hangs its handover. Under a token budget
+    a share (up to a sample over an even one) packs first-fit, each bin but the last over half full."""
     if not d.num_workers:
         return 0
     samples = max(1, d.train_batch_size // dp_size)
@@ -176,15 +161,10 @@ def open_files_needed(d: DataConfig, dp_size: int) -> int:
 
 def step_batches(data: TrainData, epoch: int, consumed: int, num_workers: int,
                  pin_memory: bool) -> Iterator[StepBatch]:
-    """The training stream from a data position; each item is one whole step (no collation).
-    pin_memory (on CUDA): each step is copied into page-locked memory here, on the training thread,
-    which asks for the next step while the GPU still runs the previous one, so that its host-to-device
-    copies do not wait for the host. Not by the DataLoader's pin-memory thread: that thread calls
-    torch.set_num_threads(1), which ATen also keeps as the thread count of every thread it starts
-    later (aten/src/ATen/ParallelOpenMP.cpp: init_num_threads), among them the autograd engine's
-    device thread; a compiled layer that activation checkpointing re-runs in backward then meets
-    another thread count than in forward, and torch.compile's guard on it compiles the layer again.
-    A user's mistake found while a step is built is raised here, as itself."""
+    """The training stream from a data position, a whole step an item; a user's mistake raised as itself.
+    pin_memory pins here, on the training thread: the DataLoader's pin thread sets torch's thread count
+    to 1, which later threads keep (the autograd device thread), and torch.compile then recompiles the
+    checkpointed layers that backward re-runs."""
     steps = iter(DataLoader(StepStream(data, epoch, consumed), batch_size=None, num_workers=num_workers,
                             prefetch_factor=PREFETCH if num_workers else None,
                             worker_init_fn=leave_signals_to_the_rank if num_workers else None))
@@ -200,11 +180,8 @@ def step_batches(data: TrainData, epoch: int, consumed: int, num_workers: int,
 
 
 def worker_death() -> RuntimeError | None:
-    """torch's error naming a worker of this rank's DataLoader that has died, and the signal that
-    killed it; None if none has. A worker killed while it hands a step over fails the rank's read
-    first (EOFError, ConnectionResetError), and torch's SIGCHLD handler, which would say who died,
-    may then run only once the loader is being torn down, where its error is lost. The kernel closes
-    a dying process's sockets before the process can be waited for: its death shows within moments."""
+    """torch's error naming a dead worker of this rank's DataLoader and its signal, or None: a handover
+    cut by the death fails first, and the death shows within moments of the socket's close."""
     from torch.utils.data._utils.signal_handling import _error_if_any_worker_fails
 
     for _ in range(50):
@@ -217,9 +194,7 @@ def worker_death() -> RuntimeError | None:
 
 
 def describe_workers(num_workers: int, ranks_here: int, cpus: int, where: str = "this node") -> list[str]:
-    """The start-up lines of data.num_workers: the worker processes of this node's ranks against its CPUs
-    (those this process may run on), and a warning where workers and ranks outnumber them. The preflight
-    counts the CPUs of the machine it runs on (where="this machine")."""
+    """The start-up lines of data.num_workers against the node's CPUs, with a warning where they are too few."""
     if num_workers == 0:
         return []
     processes = num_workers * ranks_here
@@ -234,7 +209,7 @@ def describe_workers(num_workers: int, ranks_here: int, cpus: int, where: str = 
 
 
 def cpus_of_this_process() -> int:
-    """The CPUs this process may run on (its affinity: a cpuset, a Slurm allocation), as torch's DataLoader counts them."""
+    """The CPUs this process may run on (its affinity), as torch's DataLoader counts them."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
@@ -248,7 +223,7 @@ STATS = ("lengths", "loss_tokens", "full_lengths", "digests")  # RowStats' per-r
 
 def digest(sample: RenderedSample) -> int:
     """64 bits of the sample's tokens: the same on every rank and start (Python's hash() of bytes is not)."""
-    data = array.array("q", sample.input_ids).tobytes()  # 3x faster than through numpy: ~7 us of a row's ~300
+    data = array.array("q", sample.input_ids).tobytes()  # faster than through numpy
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
 
 
@@ -259,19 +234,13 @@ def render_share(source: ParquetSource, renderer: Renderer, rank: int, world: in
 
 def row_stats(source: ParquetSource, renderer: Renderer, rank: int, world: int,
               cache_file: str | None = None) -> RowStats:
-    """Every row's token counts, known to every rank (to balance steps). Read from cache_file when
-    an earlier start wrote it (its name is the data fingerprint: same files, same rendering);
-    otherwise each rank renders its contiguous 1/world share of the rows (so it decodes only
-    the row groups holding them: the cost per rank falls with the rank count) and rank 0 writes
-    the cache. A bad row stops the run before the model is loaded."""
-    box = [_load_stats(cache_file) if rank == 0 and cache_file else None]
-    dist.broadcast_object_list(box, src=0)
-    if box[0] is not None:
-        return RowStats(*box[0], rendered=0, cache_file=cache_file)
+    """Collective: every row's token counts on every rank, from cache_file (named by the data fingerprint)
+    or rendered, each rank its contiguous share, rank 0 writing the cache. A bad row stops the run."""
+    cached = decided_by_rank0(lambda: _load_stats(cache_file) if cache_file else None)
+    if cached is not None:
+        return RowStats(*cached, rendered=0, cache_file=cache_file)
     _, local = _scan(source, renderer, rank, world, keep=False)
-    shares = [None] * world
-    dist.all_gather_object(shares, local)
-    rows = np.concatenate(shares)
+    rows = np.concatenate(from_every_rank(local))
     columns = [np.zeros(source.num_rows, np.int64) for _ in STATS]
     for column, values in zip(columns, rows[:, 1:].T):
         column[rows[:, 0]] = values
@@ -281,16 +250,13 @@ def row_stats(source: ParquetSource, renderer: Renderer, rank: int, world: int,
 
 
 def _load_stats(path: str) -> list[np.ndarray] | None:
-    """None where there is no cache, one of an earlier version without every column, or one that does not
-    read back (a copy cut short, a failing disk: said in one line): the rows are rendered anew, and the
-    cache written over."""
+    """None where there is no cache, an older one, or one that does not read back (said): rendered anew."""
     if not os.path.isfile(path):
         return None
     try:
         with np.load(path) as f:
             return [f[name] for name in STATS] if set(STATS) <= set(f.files) else None
-    # numpy's reader fails in many ways on a damaged file (BadZipFile, EOFError, a CRC's or a header's
-    # ValueError, tokenize's TokenError): each means the same, and a cache is worth no stop
+    # a damaged file fails numpy's reader in many ways, each the same to a cache
     except Exception as e:  # noqa: BLE001
         logging.getLogger("sfttrain").warning(f"the length cache {path} does not read back ({type(e).__name__}: "
                                               f"{e}): ignored; every row is rendered again and the cache written anew")
@@ -298,10 +264,7 @@ def _load_stats(path: str) -> list[np.ndarray] | None:
 
 
 def _save_stats(path: str, columns: list[np.ndarray]) -> None:
-    """Written whole or not at all (one rename, fsynced: a start killed mid-write, or a crash of the machine
-    after it, leaves no torn cache; one written once, so the fsync costs nothing per step). A write that
-    fails (a full disk, the file size limit: sfttrain.run says it) names the cache, and leaves no
-    temporary file."""
+    """Written whole or not at all (one fsynced rename); a failed write names the cache and leaves no file."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp.npz"
     try:
@@ -314,28 +277,14 @@ def _save_stats(path: str, columns: list[np.ndarray]) -> None:
         raise
 
 
-def _share(num_rows: int, rank: int, world: int) -> np.ndarray:
-    return np.arange(rank * num_rows // world, (rank + 1) * num_rows // world)
-
-
 SCAN_BLOCK_ROWS = 4096  # rows read and rendered at once by the start-up scan
-
-
-def _blocks_of(rows: np.ndarray) -> Iterator[np.ndarray]:
-    """The rows a block at a time (a share's text is never all in memory at once)."""
-    for start in range(0, len(rows), SCAN_BLOCK_ROWS):
-        yield rows[start:start + SCAN_BLOCK_ROWS]
-
-
-# a file with several bad rows is said with its first few at once, not one row per start
-NAMED_BAD_ROWS = 5
+NAMED_BAD_ROWS = 5  # a file with several bad rows is said with its first few at once, not one row per start
 
 
 def _render_block(source: ParquetSource, renderer: Renderer, rows: np.ndarray,
                   bad: list[tuple[int, str]]) -> list[RenderedSample]:
-    """The block's samples. A row that does not read (a bad cell) or render goes to `bad` as (row, its
-    message), the block's other rows rendered one at a time; an error that is not a row's (a file that
-    no longer reads) is raised."""
+    """The block's samples; a row that does not read or render goes to `bad` as (row, message), the block
+    rendered row by row then; an error that is not a row's is raised."""
     try:
         return renderer.render_many(source.read(rows))
     except (DataError, RowError):
@@ -357,24 +306,22 @@ def _render_block(source: ParquetSource, renderer: Renderer, rows: np.ndarray,
 
 def _scan(source: ParquetSource, renderer: Renderer, rank: int, world: int,
           keep: bool) -> tuple[list[RenderedSample], np.ndarray]:
-    """Renders this rank's share of the rows: (the samples if keep, [row, *STATS] per row). Bad cells
-    (read) or render errors on any rank stop every rank at once with the same message, the first bad
-    row's (e.g. a null response, a sample over data.max_length with data.truncation=error) and where
-    the next ones are: a rank that raised alone would leave the others waiting here."""
+    """Collective: this rank's share of the rows rendered, (the samples if keep, [row, *STATS] per row). A bad
+    row on any rank stops every rank with one message, the first bad row's and where the next are."""
     error, bad, samples, stats = None, [], [], []
+    first, end = rank * source.num_rows // world, (rank + 1) * source.num_rows // world  # this rank's share
     try:
-        for rows in _blocks_of(_share(source.num_rows, rank, world)):
+        for start in range(first, end, SCAN_BLOCK_ROWS):  # a block at a time: never a share's text all in memory
             if len(bad) == NAMED_BAD_ROWS:
                 break
-            for sample in _render_block(source, renderer, rows, bad):
+            for sample in _render_block(source, renderer, np.arange(start, min(start + SCAN_BLOCK_ROWS, end)), bad):
                 stats.append((sample.row, len(sample.input_ids), loss_tokens(sample), sample.full_length,
                               digest(sample)))
                 if keep:
                     samples.append(sample)
     except DataError as e:  # not a row's: the file's
         error = str(e)
-    found = [None] * dist.get_world_size()  # all ranks, also when `world` counts data-parallel ranks only
-    dist.all_gather_object(found, (error, len(bad), bad[:NAMED_BAD_ROWS]))
+    found = from_every_rank((error, len(bad), bad[:NAMED_BAD_ROWS]))
     if first := next((e for e, _, _ in found if e), None):
         raise DataError(first)
     if total := sum(n for _, n, _ in found):
@@ -387,9 +334,7 @@ def _scan(source: ParquetSource, renderer: Renderer, rank: int, world: int,
 
 
 def _without_row_id(message: str, row: int) -> str:
-    """A renderer's message without its leading `row N`: N counts through all the files, so after the
-    file's own row or line (`ParquetSource.where`) it named a second, different row ("b.jsonl line 3:
-    row 22: ...") that the user's file does not have."""
+    """A renderer's message without its `row N` (counted over all files), which follows the file's own."""
     own = f"row {row}"
     if message.startswith(own + ": "):
         return message[len(own) + 2:]
@@ -400,8 +345,7 @@ def _without_row_id(message: str, row: int) -> str:
 
 def validation_batches(samples: list[RenderedSample], micro_batch: int, token_budget: int | None, pad_to: int,
                        device: torch.device, row_slice: tuple[int, int] = (0, 1)) -> list[MicroBatch]:
-    """This rank's validation micro-batches (its slice of each row, see TrainData), padded with
-    empty ones to the count of the busiest rank (every rank must run the same number of forwards)."""
+    """This rank's validation micro-batches, padded with empty ones to the busiest rank's count."""
     if token_budget:
         groups = budget_bins([len(s.input_ids) for s in samples], token_budget)
     else:

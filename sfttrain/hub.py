@@ -14,6 +14,7 @@ import re
 import torch.distributed as dist
 
 from sfttrain.config import ConfigError
+from sfttrain.distributed import decided_by_rank0
 
 # "org/name": one slash, hub-legal characters; anything else is only ever a local path
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -32,17 +33,13 @@ def local_model_path(name: str) -> str:
     tokenizer and the model share one call)."""
     if not is_repo_id(name):
         return name
-    outcome = [_download(name) if _rank() == 0 else None]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(outcome, src=0)
-    path, error = outcome[0]
-    if error is None and _rank() != 0:
-        commit = os.path.basename(path)  # snapshots/<commit>
-        path, error = _download(name, commit, local_files_only=True)
-        if error is not None:  # this node's cache is not rank 0's
-            path, error = _download(name, commit)
-    if error is not None:
-        raise ConfigError(error)
+    path = decided_by_rank0(lambda: _download(name))  # the others wait while rank 0 downloads
+    if dist.is_initialized() and dist.get_rank() != 0:
+        commit = os.path.basename(path)  # snapshots/<commit>: every rank reads the revision rank 0 got
+        try:
+            path = _download(name, commit, local_files_only=True)
+        except ConfigError:  # this node's cache is not rank 0's: it fetches the same commit
+            path = _download(name, commit)
     return path
 
 
@@ -54,27 +51,23 @@ def cached_folder(name: str) -> str | None:
     return os.path.dirname(found) if isinstance(found, str) else None
 
 
-def _download(name: str, revision: str | None = None, local_files_only: bool = False) -> tuple:
-    """(snapshot folder, None) or (None, the message for the user)."""
+def _download(name: str, revision: str | None = None, local_files_only: bool = False) -> str:
+    """The snapshot folder, or a ConfigError that says what to do."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     key = f"model.partial_pretrain={name!r}"
     try:
         return snapshot_download(name, revision=revision, ignore_patterns=NOT_NEEDED,
-                                 local_files_only=local_files_only), None
+                                 local_files_only=local_files_only)
     except LocalEntryNotFoundError:
         why = "HF_HUB_OFFLINE=1 is set" if constants.HF_HUB_OFFLINE else "the hub cannot be reached"
-        return None, (f"{key} is not a local folder, and as a Hugging Face hub id it is not in the local cache "
-                      f"{constants.HF_HUB_CACHE} ({why}). Download it where the hub is reachable, into the cache this "
-                      f"job uses (`hf download {name}` with the same HF_HUB_CACHE or HF_HOME), or give a local model "
-                      "folder")
+        raise ConfigError(f"{key} is not a local folder, and as a Hugging Face hub id it is not in the local cache "
+                          f"{constants.HF_HUB_CACHE} ({why}). Download it where the hub is reachable, into the cache "
+                          f"this job uses (`hf download {name}` with the same HF_HUB_CACHE or HF_HOME), or give a local "
+                          "model folder") from None
     except (RepositoryNotFoundError, GatedRepoError):
-        return None, (f"{key} is not a local folder, and the hub has no model of that id that this account may "
-                      "read (misspelt, private or gated: log in with `hf auth login` or set HF_TOKEN)")
+        raise ConfigError(f"{key} is not a local folder, and the hub has no model of that id that this account "
+                          "may read (misspelt, private or gated: log in with `hf auth login` or set HF_TOKEN)") from None
     except HfHubHTTPError as e:
-        return None, f"{key}: downloading from the hub failed: {e}"
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+        raise ConfigError(f"{key}: downloading from the hub failed: {e}") from None

@@ -56,7 +56,7 @@ class FSDPSFTTrainer:
         d, t = cfg.data, cfg.trainer
         self.run_dir = t.default_local_dir
         check_shared_run_dir(self.run_dir, world)  # every node writes its shards there
-        self.folder_warnings = lock_run_folder(self.run_dir, world)  # one run at a time in a run folder
+        self.folder_warnings = lock_run_folder(self.run_dir)  # one run at a time in a run folder
         check_open_files(open_files_needed(d, world.dp_size))  # the data workers' handover of each step
 
         # data first: a bad file, column or batch size fails before the model is loaded

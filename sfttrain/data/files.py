@@ -35,10 +35,10 @@ from typing import Iterator
 import pyarrow as pa
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
-import torch.distributed as dist
 
 from sfttrain.checkpoint_folder import replace_synced
 from sfttrain.data.parquet import JSON_CELLS, LINE_COLUMN, ChatMessages, ParquetSource, PromptResponse, missing_file
+from sfttrain.distributed import decided_by_rank0
 from sfttrain.errors import DataError
 from sfttrain.faults import unreadable
 
@@ -59,26 +59,17 @@ SPLITS = ("train", "test", "validation", "valid", "val", "dev", "eval")  # a spl
 
 
 def open_source(paths: list[str], fields: PromptResponse | ChatMessages, run_dir: str) -> ParquetSource:
-    """The rows of `paths`, JSON files converted into run_dir/data_cache. Under a process group
-    rank 0 converts while the others wait for its verdict (the run folder is shared by every
-    node), so a malformed line stops every rank with the same message."""
+    """The rows of `paths`, JSON files converted into run_dir/data_cache by rank 0 (the run folder is
+    shared), so that a malformed line stops every rank with the same message."""
     files = data_files(paths)
     targets = {f: cached_parquet(f, run_dir) for f in files if data_format(f) in CONVERTED_SUFFIXES}
-    distributed = dist.is_initialized()
-    error = None
-    if not distributed or dist.get_rank() == 0:
-        try:
-            for source, target in targets.items():
-                if not os.path.isfile(target):
-                    convert(source, target)
-        except DataError as e:
-            error = str(e)
-    if distributed:
-        box = [error]
-        dist.broadcast_object_list(box, src=0)
-        error = box[0]
-    if error:
-        raise DataError(error)
+
+    def convert_missing() -> None:
+        for source, target in targets.items():
+            if not os.path.isfile(target):
+                convert(source, target)
+
+    decided_by_rank0(convert_missing)
     return ParquetSource([targets.get(f, f) for f in files], fields, origins={t: s for s, t in targets.items()})
 
 

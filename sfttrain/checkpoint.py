@@ -55,7 +55,7 @@ from sfttrain.checkpoint_folder import STATE_FILE, complete_checkpoints, enforce
 from sfttrain.checkpoint_state import (OneLineError, TrainState, check_same_model, estimated_bytes,  # noqa: F401
                                        load, one_line, read_back, rng_state, state_dicts, trained_state_dict)
 from sfttrain.config import Config, ConfigError, to_yaml
-from sfttrain.distributed import World
+from sfttrain.distributed import World, decided_by_rank0, from_every_rank
 from sfttrain.errors import CheckpointError, data_worker_died
 from sfttrain.faults import file_at_size_limit
 
@@ -118,14 +118,12 @@ class Checkpointer:
     def _check_room(self) -> None:
         """Collective, at start-up: the run folder's disk takes the next save (the size of this run's
         last checkpoint, or before its first an estimate), else every rank stops now."""
-        problem = None
-        if self.world.is_main:
+        def check() -> None:
             need = self.last_bytes or estimated_bytes(self.model)
-            problem = room_problem(self.run_dir, shutil.disk_usage(self.run_dir).free, need, not self.last_bytes)
-        box = [problem]
-        dist.broadcast_object_list(box, src=0)
-        if box[0] is not None:
-            raise ConfigError(box[0])
+            if problem := room_problem(self.run_dir, shutil.disk_usage(self.run_dir).free, need, not self.last_bytes):
+                raise ConfigError(problem)
+
+        decided_by_rank0(check)
 
     def save(self, state: TrainState, wandb_id: Optional[str] = None, final: bool = False) -> None:
         """Collective: every rank calls it. Raises CheckpointError on every rank if any rank could
@@ -306,18 +304,17 @@ class Checkpointer:
     def _fail(self, step: int, tmp: str, error: Optional[BaseException], renamed: bool = False) -> None:
         """Collective, once every rank has stopped writing: rank 0 removes the partial folder and words the
         one message every rank raises."""
-        errors = [None] * self.world.world_size
-        dist.all_gather_object(errors, one_line(error) if error is not None else None, group=self.agree_group)
-        box = [None]
-        if self.world.is_main:
+        errors = from_every_rank(one_line(error) if error is not None else None, self.agree_group)
+
+        def clean_up() -> None:
             limited = file_at_size_limit(tmp) if os.path.isdir(tmp) else None  # named before the folder goes
             with contextlib.suppress(OSError):
                 if os.path.lexists(tmp):
                     remove(tmp)
-            box[0] = not_saved(self.cfg.trainer, self.run_id, step, errors, limited, os.path.lexists(tmp), renamed,
-                               self.last_bytes)
-        dist.broadcast_object_list(box, src=0, group=self.agree_group)
-        raise CheckpointError(box[0])
+            raise CheckpointError(not_saved(self.cfg.trainer, self.run_id, step, errors, limited, os.path.lexists(tmp),
+                                            renamed, self.last_bytes))
+
+        decided_by_rank0(clean_up, self.agree_group)
 
     def _commit(self) -> None:
         """After every rank's write: rank 0 writes COMPLETE and renames the folder (the commit),

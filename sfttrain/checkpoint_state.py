@@ -21,7 +21,6 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
@@ -29,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from sfttrain.checkpoint_folder import damaged_error, read_state
 from sfttrain.config import Config, ConfigError
-from sfttrain.distributed import World
+from sfttrain.distributed import World, agree_on_errors
 from sfttrain.metrics import rewind_metrics
 from sfttrain.optim import set_step
 
@@ -121,10 +120,8 @@ def _read_rng_states(path: str, world: World) -> Optional[dict]:
         state = torch.load(file, weights_only=True) if os.path.isfile(file) else None
     except UNREADABLE as e:
         error = f"rank {world.rank}'s RNG file: {_first_sentence(e)}"
-    errors = [None] * world.world_size
-    dist.all_gather_object(errors, error)
-    if any(errors):
-        raise damaged_error(path, f"it does not read back ({'; '.join(e for e in errors if e)})")
+    if errors := agree_on_errors(error):
+        raise damaged_error(path, f"it does not read back ({'; '.join(errors)})")
     return state
 
 

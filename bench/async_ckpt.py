@@ -72,7 +72,8 @@ def run(name: str, tree: str, args, model_dir: str, parquet: str) -> tuple[list[
            "model.compile=false", f"trainer.total_training_steps={args.steps}", f"trainer.save_freq={args.save_freq}",
            "trainer.log_freq=5", *SETTINGS[name], *(TINY if args.tiny else []), *args.override]
     print("+", " ".join(cmd), flush=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1", "PYTHONPATH": os.path.abspath(tree)}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TQDM_DISABLE": "1", "PYTHONPATH": os.pathsep.join(  # the tree first, then what the caller set (wheels carried to a GPU machine)
+        filter(None, [os.path.abspath(tree), os.environ.get("PYTHONPATH")]))}
     subprocess.run(cmd, check=True, env=env, cwd=os.path.abspath(tree))
     rev = subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:

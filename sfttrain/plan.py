@@ -195,7 +195,9 @@ def memory_per_rank(cfg: Config, shape: DenseShape, dp_size: int) -> dict[str, f
     """GiB per rank, by what holds it. FSDP shards parameters, gradients and AdamW's two moments
     over the shard group; compute runs on compute-dtype copies of one layer at a time (plus the
     prefetched next one). Unsharded (one GPU, NO_SHARD), autocast's bf16 copy of every weight is
-    kept from forward to backward. The loss holds one chunk of logits, never the whole [tokens, vocab]."""
+    kept from forward to backward. The loss holds one chunk of logits, never the whole [tokens, vocab],
+    and computes the head's gradient in its forward (sfttrain.loss.LinearCrossEntropy): a whole
+    [vocab, hidden] fp32 buffer, and its copy in the weight's dtype that backward reads."""
     m = cfg.model
     fsdp = m.fsdp_config
     shard = shard_group_size(fsdp, dp_size)
@@ -217,6 +219,10 @@ def memory_per_rank(cfg: Config, shape: DenseShape, dp_size: int) -> dict[str, f
     out[f"activations ({'with' if m.enable_gradient_checkpointing else 'without'} checkpointing)"] = activations
     out["backward: one layer's MLP gradients"] = backward_bytes(shape, cfg.micro_batch_tokens(), compute, m.lora_rank > 0)
     out[f"logits / loss chunk ({m.loss_chunk_tokens} tokens x {shape.vocab} vocab)"] = logits
+    if m.lora_rank == 0 and not m.use_liger:
+        weight_bytes = compute if shard > 1 else DTYPE_BYTES[fsdp.model_dtype]  # the head's weight in the loss
+        out["loss: the head's gradient (fp32, and its copy saved for backward)"] = \
+            shape.vocab * shape.hidden * (4 + (weight_bytes if weight_bytes != 4 else 0))
     return {k: v / GIB for k, v in out.items()}
 
 

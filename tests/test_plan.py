@@ -91,7 +91,9 @@ def loaded_stories(cfg):
 def test_memory_rows_of_the_weights_are_what_a_step_holds(lora):
     """The preflight's parameter, gradient and optimizer rows against stories260K as sfttrain loads it
     on one device (fp32 master weights, bf16 compute; LoRA: the frozen base in bf16, fp32 adapters),
-    after a step: the bytes of its parameters, their gradients and AdamW's state."""
+    after a step: the bytes of its parameters, their gradients and AdamW's state; and the head's
+    [vocab, hidden] gradient that the loss computes in forward and saves for backward (none for LoRA's
+    frozen head)."""
     from sfttrain.config import load_config
     from sfttrain.data.pack import pack
     from sfttrain.data.render import RenderedSample
@@ -105,13 +107,20 @@ def test_memory_rows_of_the_weights_are_what_a_step_holds(lora):
     optimizer = build_optimizer(model, cfg.optim)
     lm = CausalLMLoss(model, fused=False)
     lm.autocast_dtype = torch.bfloat16  # as sfttrain.parallel.single_device sets it
-    lm(pack([RenderedSample(list(range(1, 65)), [1] * 64, 0)])).backward()
+    shape = DenseShape.from_config_json(str(STORIES))
+    head_sized = []
+    with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: head_sized.append(t) or t if tuple(t.shape) == (shape.vocab, shape.hidden) else t, lambda t: t):
+        loss = lm(pack([RenderedSample(list(range(1, 65)), [1] * 64, 0)]))
+    loss.backward()
     optimizer.step()
 
     def gib(tensors) -> float:
         return sum(t.numel() * t.element_size() for t in tensors) / 2**30
 
-    rows = memory_per_rank(cfg, DenseShape.from_config_json(str(STORIES)), 1)
+    rows = memory_per_rank(cfg, shape, 1)
+    head = rows.get("loss: the head's gradient (fp32, and its copy saved for backward)", 0)
+    assert head == pytest.approx(gib(head_sized), rel=1e-9) and (head > 0) == (not lora), rows
     params = list(model.parameters())
     assert rows["parameters"] == pytest.approx(gib(params), rel=1e-9)
     assert rows["gradients"] == pytest.approx(gib(p.grad for p in params if p.grad is not None), rel=1e-9)

@@ -3,8 +3,9 @@ both run before any compute, listing every problem found rather than stopping at
 
 A check is a function of what it needs (the config, the world's size, the model folder, a device
 type); it raises the engine's typed error or returns its problems (a string, a UserError, a list of
-them; a `Note` is what cannot be checked here). A check whose needs are missing (None: a model folder
-that is itself a problem) is skipped. The run stops after the list, with the first problem's exit code.
+them; a `Note` is what cannot be checked on this machine). A check whose needs are missing (None: a
+model folder that is itself a problem) is skipped. The run stops after the list, with the first
+problem's exit code.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from functools import cached_property
 from typing import Any, Callable, Optional
 
 import torch
+from transformers import AutoConfig
 
 from sfttrain import fp8
 from sfttrain.config import Config, ConfigError, as_list, config_problems
@@ -39,12 +41,8 @@ from sfttrain.rope import check_rope
 WHERE = {"cuda": "on GPUs", "cpu": "without GPUs (trainer.device=auto; this machine has none)"}
 
 
-class Note(str):
+class Note(UserError):
     """What a check cannot decide on this machine: said, not counted."""
-
-
-class NoteRaised(UserError):
-    """A note from a check that has no result to give (`model_folder`)."""
 
 
 def here(entries: list[str]) -> bool:
@@ -67,11 +65,9 @@ class Findings:
 
     def add(self, problem: UserError | str) -> None:
         if isinstance(problem, Note):
-            self.notes.append(problem)
-            return
-        error = problem if isinstance(problem, UserError) else ConfigError(problem)
-        if str(error) not in map(str, self.problems):  # one mistake two checks find is said once
-            self.problems.append(error)
+            self.notes.append(str(problem))
+        elif str(problem) not in map(str, self.problems):  # one mistake two checks find is said once
+            self.problems.append(problem if isinstance(problem, UserError) else ConfigError(problem))
 
     def stop_if_any(self) -> None:
         """Raises every problem, one a line, as an error of the first one's kind (its exit code)."""
@@ -119,7 +115,7 @@ def model_folder(cfg: Config, planning: bool) -> Optional[str]:
         return local_model_folder(m)
     folder = cached_folder(m.partial_pretrain) if is_repo_id(m.partial_pretrain) else m.partial_pretrain
     if folder is None:
-        raise NoteRaised(f"model.partial_pretrain={m.partial_pretrain!r} is a hub id that is not in this machine's hub "
+        raise Note(f"model.partial_pretrain={m.partial_pretrain!r} is a hub id that is not in this machine's hub "
                    f"cache: memory and the rendering of the rows are not checked; fill the cache with `hf download "
                    f"{m.partial_pretrain} --include '*.json' '*.model' '*.jinja'` or add "
                    "model.partial_pretrain=/path/to/a/local/copy to this command")
@@ -145,14 +141,13 @@ def data_entries(cfg: Config, elsewhere: bool) -> list:
     return problems
 
 
-def run_folder(cfg: Config, elsewhere: bool) -> list:
+def run_folder(cfg: Config, elsewhere: bool) -> None:
     """Whether this user can write the run folder; for a plan of other machines, a note where the folder
     is not here yet (it would be made there)."""
     try:
         check_writable(cfg.trainer.default_local_dir)
     except ConfigError as e:
-        return [Note(str(e)) if elsewhere and not os.path.exists(cfg.trainer.default_local_dir) else e]
-    return []
+        raise Note(str(e)) if elsewhere and not os.path.exists(cfg.trainer.default_local_dir) else e
 
 
 def open_files(cfg: Config, dp_size: int, planning: bool) -> Optional[str]:
@@ -161,24 +156,20 @@ def open_files(cfg: Config, dp_size: int, planning: bool) -> Optional[str]:
     return open_files_problem(need) if planning else check_open_files(need)
 
 
-def weights_present(cfg: Config, folder: str, planning: bool) -> list:
+def weights_present(cfg: Config, folder: str, planning: bool) -> None:
     """A folder of config files only is how the preflight plans a model that lives elsewhere."""
     try:
         check_weights(cfg.model, folder)
     except ConfigError as e:
-        if not planning:
-            raise
-        return [Note(f"{e} (a problem only if the folder has none where the run starts)")]
-    return []
+        raise Note(f"{e} (a problem only if the folder has none where the run starts)") if planning else e
 
 
-def fp8_ready(cfg: Config, device: str) -> list:
+def fp8_ready(cfg: Config, device: str) -> None:
     if cfg.model.fp8 != "off" and device == "cuda" and not torch.cuda.is_available():  # planned elsewhere
         fp8.float8_api()
-        return [Note(f"model.fp8={cfg.model.fp8}: whether the GPUs have FP8 tensor cores (compute capability >= "
-                     "8.9: H100/H200, L40S) is checked at start-up")]
+        raise Note(f"model.fp8={cfg.model.fp8}: whether the GPUs have FP8 tensor cores (compute capability >= "
+                   "8.9: H100/H200, L40S) is checked at start-up")
     fp8.check_available(cfg.model, torch.device(device))
-    return []
 
 
 def liger_ready(cfg: Config, device: str) -> None:
@@ -188,8 +179,6 @@ def liger_ready(cfg: Config, device: str) -> None:
 
 
 def attention_ready(cfg: Config, folder: str, device: str) -> None:
-    from transformers import AutoConfig
-
     attention_backend(cfg.model, AutoConfig.from_pretrained(folder, trust_remote_code=cfg.model.trust_remote_code),
                       device)
 
@@ -260,17 +249,12 @@ def on_devices(s: Startup, devices: tuple, run: Callable[[Optional[str]], Any], 
     for device in devices:
         found = Findings()
         result = found.check(lambda: run(device))
-        returned = [] if gives else result if isinstance(result, list) else [result] if isinstance(result, str) else []
-        for problem in returned:
-            found.add(problem)
+        if not gives:  # a list of problems, one, or None
+            for problem in result if isinstance(result, list) else [result] if isinstance(result, str) else []:
+                found.add(problem)
         s.found.notes += found.notes
         for problem in found.problems:
-            if isinstance(problem, NoteRaised):
-                s.found.add(Note(str(problem)))
-            elif len(devices) > 1:
-                s.found.add(Note(f"if this runs {WHERE[device]}: {problem}"))
-            else:
-                s.found.add(problem)
+            s.found.add(Note(f"if this runs {WHERE[device]}: {problem}") if len(devices) > 1 else problem)
     return result
 
 
@@ -282,12 +266,10 @@ def read_rows(s: Startup, scan: tuple[int, int], val_share: tuple[int, int]) -> 
     files = as_list(d.train_files)
     if s.folder is None or not files or not here(files):
         return None
-    template = resolve_chat_template(d) if d.apply_chat_template else None
     tokenizer = s.found.check(lambda: load_tokenizer(dataclasses.replace(cfg.model, partial_pretrain=s.folder),
-                                                     template))
-    if tokenizer is None:
-        return None
-    renderer = s.found.check(lambda: build_renderer(d, tokenizer, embedding_rows(cfg.model, s.folder)))
+                                                     resolve_chat_template(d) if d.apply_chat_template else None))
+    renderer = None if tokenizer is None else s.found.check(
+        lambda: build_renderer(d, tokenizer, embedding_rows(cfg.model, s.folder)))
     if renderer is None:
         return None
     fields = row_fields(d)

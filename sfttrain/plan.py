@@ -1,17 +1,13 @@
 """Preflight: what a run will do and need, before any GPU is asked for.
 
-    python -m sfttrain.plan [recipe.yaml] [key=value ...] --nproc N [--nnodes M]
+    python -m sfttrain.plan [recipe.yaml] [key=value ...] --nproc N [--nnodes M] [--elsewhere]
 
-Prints the batch arithmetic (sfttrain.data.batching, the trainer's own), steps per epoch, an
-estimate of memory per rank from the model folder's config.json alone (no weights, no GPU), and
-every problem the run would stop on, found by the run's own checks: the config's validation,
-the world's shape, the chat template, the start-up pass over every row (rendered with the
-model's tokenizer as the run renders them: a bad cell, column or over-long row is named here),
-the model as the run builds it (on the meta device: no weights, no memory), and the resume rules
-(the checkpoint the run folder would resume from, and what they refuse).
-What it cannot check on this machine (data or model only on the cluster, GPUs where it has none) is
-said, not counted.
-Exits 0 when nothing is wrong, else 2.
+Prints the batch arithmetic, steps per epoch, the data report, an estimate of memory per rank from
+the model folder's config.json alone (no weights, no GPU), and every problem the run would stop on:
+the start-up's own checks (sfttrain.checks, the row scan included), the model built on the meta
+device, and the resume rules. What cannot be checked on this machine (a hub model not in the cache,
+GPUs where it has none; with --elsewhere, data and run folders that are only on the cluster) is
+said, not counted. Exits 0 when nothing is wrong, else 2.
 """
 
 from __future__ import annotations
@@ -25,8 +21,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from transformers import AutoConfig
 
-from sfttrain.checkpoint import estimated_bytes
+from sfttrain.checkpoint import TrainState, check_same_model, estimated_bytes, trained_state_dict
 from sfttrain.checkpoint_folder import describe_retention, nearest_existing, room_problem, size_text, step_of
 from sfttrain.checks import Findings, Startup, batch_split, here, on_devices, read_rows, run_checks
 from sfttrain.config import (Config, ConfigError, ModelConfig, as_list, config_problems, load_config, logger_names,
@@ -39,11 +36,16 @@ from sfttrain.data.prepare import Rows, plan_and_report
 from sfttrain.data.report import describe
 from sfttrain.distributed import check_cuda_visible, one_rank_group, wants_cuda
 from sfttrain.errors import UserError
-from sfttrain.lora import base_dtype
+from sfttrain.lora import apply_lora, base_dtype, trained_identity
+from sfttrain.model import build_on_meta, decoder_layers
 from sfttrain.moe import MoeShape
-from sfttrain.optim import schedule_warnings
-from sfttrain.profiling import check_window
-from sfttrain.recompute import checkpointed, wants_attention_kept
+from sfttrain.optim import schedule_settings, schedule_warnings
+from sfttrain.parallel import cpp_wrapper
+from sfttrain.profiling import check_window, window_passed
+from sfttrain.recompute import checkpointed, chosen_layers, wants_attention_kept
+from sfttrain.resume import choose_resume, review_resume
+from sfttrain.run import parse_args as parse_config_args
+from sfttrain.run_lock import check_not_in_use
 
 GIB = 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -155,10 +157,8 @@ def attention_output_bytes(shape: DenseShape, value_bytes: int) -> int:
 
 def key_value_bytes(shape: DenseShape, value_bytes: int) -> int:
     """Per token and layer: the keys and values a layer that keeps its attention output also keeps
-    (the compiled partitioner saves them rather than recompute their projections). Measured, not
-    derived: W2b with LoRA at 16k, 32k and 64k tokens peaked 1.18, 3.20 and 7.13 GiB over the
-    estimate without them, 3.9 KB a token and layer over the last two (W2b's keys and values: 4.0 KB);
-    with them the estimate lies 0.80-0.87 GiB above all three (docs/benchmarks.md, runs BA, BC)."""
+    (the compiled partitioner saves them rather than recompute their projections; measured peaks in
+    docs/benchmarks.md agree)."""
     return 2 * shape.kv_heads * shape.head_dim * value_bytes
 
 
@@ -173,9 +173,7 @@ def backward_bytes(shape: DenseShape, tokens: int, value_bytes: int, lora: bool)
     """The gradients a layer's backward holds beside its activations: those of its MLP's values. With
     LoRA on a dense MLP (all-linear, as `lora_params` counts), 5 more of its width a token: the
     adapters' B outputs of gate and up, the sums that make gate and up, and the adapter's term of
-    down's input gradient. W2b's peak (docs/benchmarks.md, run BT) held 7 [tokens, intermediate] and
-    2 [tokens, 2 x intermediate] buffers in that backward: 11 widths, where this and the one layer's
-    activations count 6 without LoRA."""
+    down's input gradient."""
     adapters = 5 * shape.intermediate if lora and not shape.sparse_layers else 0
     return (shape.mlp_activations_per_token() + adapters) * tokens * value_bytes
 
@@ -228,11 +226,12 @@ def memory_per_rank(cfg: Config, shape: DenseShape, dp_size: int) -> dict[str, f
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(prog="python -m sfttrain.plan", description=__doc__.split("\n\n")[0],
-                                     usage="%(prog)s [recipe.yaml] [key=value ...] --nproc N [--nnodes M] [--elsewhere]")
+                                     usage="%(prog)s [recipe.yaml] [key=value ...] --nproc N [--nnodes M] "
+                                           "[--elsewhere]")
     parser.add_argument("--nproc", type=int, required=True, help="GPUs (ranks) per node, as torchrun's --nproc_per_node")
     parser.add_argument("--nnodes", type=int, default=1, help="nodes, as torchrun's --nnodes")
     parser.add_argument("--elsewhere", action="store_true",
-                        help="the run starts on other machines: data and run folders missing here are notes, not problems")
+                        help="the run starts on other machines: data and run folders missing here are notes")
     return parser.parse_known_args(argv)
 
 
@@ -294,13 +293,6 @@ def resume_section(cfg: Config, batches: Batches, folder: Optional[str], model, 
     is), and what its start-up would refuse of that resume: a damaged checkpoint, other data, a
     schedule that ends before it, another LoRA base, another model or LoRA setup (against `model`, the
     planned model; None: not built here); and another run in the folder now."""
-    from sfttrain.checkpoint import TrainState, check_same_model, trained_state_dict
-    from sfttrain.lora import trained_identity
-    from sfttrain.optim import schedule_settings
-    from sfttrain.profiling import window_passed
-    from sfttrain.resume import choose_resume, review_resume
-    from sfttrain.run_lock import check_not_in_use
-
     found.check(lambda: check_not_in_use(cfg.trainer.default_local_dir))  # another run in it now
     chosen = found.check(lambda: choose_resume(cfg.trainer, cfg.trainer.default_local_dir))
     if chosen is None or chosen.path is None:
@@ -392,18 +384,13 @@ def model_section(s: Startup):
     """The model as the run builds it (sfttrain.model.load_model), on the meta device (no weights, no
     memory), LoRA's adapters applied, and what the run checks of it once built; None where it cannot be
     built here."""
-    from transformers import AutoConfig
-
-    from sfttrain.lora import apply_lora
-    from sfttrain.model import build_on_meta, decoder_layers
-    from sfttrain.parallel import cpp_wrapper
-    from sfttrain.recompute import chosen_layers
-
     m = s.cfg.model
     if s.folder is None:
         return None
     config = AutoConfig.from_pretrained(s.folder, trust_remote_code=m.trust_remote_code)
-    model = s.found.check(lambda: apply_lora(build_on_meta(m, config), m) if m.lora_rank > 0 else build_on_meta(m, config))
+    model = s.found.check(lambda: build_on_meta(m, config))
+    if model is not None and m.lora_rank > 0:  # its targets checked against the linear layers, as the run does
+        model = s.found.check(lambda: apply_lora(model, m))
     if model is not None and m.enable_gradient_checkpointing:
         s.found.check(lambda: chosen_layers(decoder_layers(model), m))
     if model is not None and m.compile:  # a GPU run refuses it as it compiles the layers
@@ -424,8 +411,6 @@ def preflight(cfg: Config, nproc: int, nnodes: int, elsewhere: bool = False) -> 
         # seed the run refuses) they cannot take: the run stops on the config's problems before them
         if not config_problems(cfg):
             raise
-        for problem in config_problems(cfg):
-            s.found.add(problem)
         s.found.notes.append(f"the rest of the plan needs the config's problems fixed first ({type(e).__name__}: "
                              f"{e}): fix them and run the preflight again")
     return lines, s.found
@@ -453,8 +438,6 @@ def plan_sections(s: Startup, nproc: int, lines: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from sfttrain.run import parse_args as parse_config_args
-
     args, rest = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = load_config(*parse_config_args(rest), check=False)

@@ -132,7 +132,8 @@ def data_entries(cfg: Config, elsewhere: bool) -> list:
             if "://" in entry or (elsewhere and missing_entries([entry])):
                 problems.append(Note(f"data.{key}: {entry} not on this machine: its rows are not checked"))
             elif missing_entries([entry]):
-                problems.append(DataError(f"data.{key}: {entry} not found{nearest_name(entry)}{hub_id_hint(entry)}"))
+                problems.append(DataError(f"data file {entry!r} does not exist (check data.{key}{nearest_name(entry)})"
+                                          f"{hub_id_hint(entry)}"))
             else:
                 try:
                     data_files([entry])
@@ -211,8 +212,6 @@ REGISTRY = (
     Check(require_loggers, ("cfg",)),
     Check(open_files, ("cfg", "dp_size", "planning")),
     Check(run_folder, ("cfg", "elsewhere")),
-    Check(data_entries, ("cfg", "elsewhere")),
-    Check(batch_split, ("cfg", "dp_size")),
     Check(model_folder, ("cfg", "planning"), gives="folder"),
     Check(lambda cfg, folder: check_weights_readable(cfg.model, folder), ("cfg", "folder")),
     Check(weights_present, ("cfg", "folder", "planning")),
@@ -224,6 +223,8 @@ REGISTRY = (
     Check(attention_ready, ("cfg", "folder", "device")),
     Check(loss_kernel_ready, ("cfg", "device")),
     Check(layout_ready, ("cfg", "world_size", "device")),
+    Check(data_entries, ("cfg", "elsewhere")),
+    Check(batch_split, ("cfg", "dp_size")),
 )
 
 

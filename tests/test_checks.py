@@ -74,13 +74,15 @@ def test_the_run_and_the_preflight_name_the_same_keys(case, gsm8k_dir, tmp_path)
 def test_three_mistakes_are_listed_at_once_by_both(gsm8k_dir, tmp_path):
     """A misspelled data file (named with the file it most likely meant), max_length above the model's
     positions, a batch that does not divide: all three from one start of the run and from the
-    preflight; the run exits with the code of the first one's kind (a data error: 3)."""
+    preflight; the run exits with the code of the first one's kind (the config's, 2: the model's checks
+    come before the data's)."""
     overrides = job(tmp_path, gsm8k_dir, [*misspelled_file(tmp_path), "data.max_length=1024",
                                           "data.train_batch_size=7", "data.micro_batch_size_per_gpu=2"])
     run_code, message = refused(overrides)
     plan_code, problems = planned(overrides)
-    expected = [f"data.train_files: {tmp_path / 'trian.parquet'} not found (did you mean {tmp_path / 'train.parquet'}?)",
+    expected = [f"data file '{tmp_path / 'trian.parquet'}' does not exist (check data.train_files; did you mean "
+                f"{tmp_path / 'train.parquet'}?)",
                 "data.max_length=1024 is above the model's max_position_embeddings=512",
                 "data.train_batch_size=7 gives 7 samples per data-parallel rank"]
-    assert run_code == 3 and plan_code == 2, (message, problems)
+    assert run_code == 2 and plan_code == 2, (message, problems)
     assert all(e in message and e in problems for e in expected), (message, problems)

@@ -289,7 +289,7 @@ def test_plan_lists_every_problem_with_a_valid_fix(tmp_path):
     code, out = run_plan(f"data.train_files={tmp_path}/absent.parquet", f"model.partial_pretrain={tmp_path}/none",
                          "data.train_batch_size=7", "--nproc", "2")
     assert code == 2
-    assert f"data.train_files: {tmp_path}/absent.parquet not found" in out.split("problems:")[1], out
+    assert f"data file '{tmp_path}/absent.parquet' does not exist (check data.train_files)" in out.split("problems:")[1], out
     assert "data.train_batch_size=7 is not divisible by the 2 data-parallel ranks; use data.train_batch_size=8" in out
     assert f"model.partial_pretrain='{tmp_path}/none' is not a local model folder with a config.json" in out
     code, out = run_plan(f"data.train_files={tmp_path}/absent.parquet", "--elsewhere", f"model.partial_pretrain={STORIES}",
@@ -384,10 +384,11 @@ def test_preflight_lists_what_the_run_would_stop_on(gsm8k_head, tmp_path):
     # the training files are here and the validation file is not: a mistyped path, which the run stops on
     mistyped = gsm8k_head.parent / "tset.parquet"
     code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={gsm8k_head}", f"data.val_files={mistyped}", "--nproc", "1")
-    assert code == 2 and f"data.val_files: {mistyped} not found" in out.split("problems:")[1], out
+    assert code == 2 and (f"data file '{mistyped}' does not exist (check data.val_files; did you mean {gsm8k_head}?)"
+                          in out.split("problems:")[1]), out
     # so is a training file listed beside one that is here, with the existing name nearest to it
     code, out = run_plan(*BASE_OVERRIDES, f"data.train_files=[{gsm8k_head},{mistyped}]", "--nproc", "1")
-    assert code == 2 and (f"data.train_files: {mistyped} not found (did you mean {gsm8k_head}?)"
+    assert code == 2 and (f"data file '{mistyped}' does not exist (check data.train_files; did you mean {gsm8k_head}?)"
                           in out.split("problems:")[1]), out
 
     # a pattern: the files it matches, named in the data report
@@ -402,7 +403,7 @@ def test_preflight_lists_what_the_run_would_stop_on(gsm8k_head, tmp_path):
     # a hub dataset's id (TRL's way) is not on this machine, nor on any other: the problem says what to do
     code, out = run_plan(*BASE_OVERRIDES, "data.train_files=openai/gsm8k", "--nproc", "1")
     problems = out.split("problems:")[1]
-    assert code == 2 and "openai/gsm8k not found" in problems and "looks like a Hugging Face hub dataset id" in problems, out
+    assert code == 2 and "'openai/gsm8k' does not exist" in problems and "looks like a Hugging Face hub dataset id" in problems, out
 
     code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={gsm8k_head}", "trainer.total_training_steps=3",
                          "trainer.profile_steps=[3,4]", "optim.lr_warmup_steps=10", "--nproc", "1")
@@ -712,7 +713,7 @@ def test_readme_preflight_of_a_hub_model(tmp_path, monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     recipe = str(REPO / "recipes" / "llama3.1-8b_full_8gpu.yaml")
     code, out = run_plan(recipe, "--nproc", "8")
-    assert code == 2 and "data.train_files: ~/data/gsm8k/train.parquet not found" in out.split("problems:")[1], out
+    assert code == 2 and "data file '~/data/gsm8k/train.parquet' does not exist" in out.split("problems:")[1], out
     code, out = run_plan(recipe, "--nproc", "8", "--elsewhere")
     assert code == 0 and "is a hub id that is not in this machine's hub cache" in out, out
     assert "model.partial_pretrain=/path/to/a/local/copy" in out and "no problems found" in out

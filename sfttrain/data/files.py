@@ -115,13 +115,13 @@ def missing_entries(paths: list[str]) -> list[str]:
 
 
 def nearest_name(path: str) -> str:
-    """The existing name most like `path`'s first missing part, as " (did you mean X?)"; else ""."""
+    """The existing name most like `path`'s first missing part, as "; did you mean X?"; else ""."""
     path = os.path.abspath(os.path.expanduser(path))
     parent, wanted = os.path.dirname(path), os.path.basename(path)
     while not os.path.isdir(parent) and parent != os.path.dirname(parent):
         parent, wanted = os.path.dirname(parent), os.path.basename(parent)
     near = difflib.get_close_matches(wanted, os.listdir(parent) if os.access(parent, os.R_OK) else [], n=1)
-    return f" (did you mean {os.path.join(parent, near[0])}?)" if near else ""
+    return f"; did you mean {os.path.join(parent, near[0])}?" if near else ""
 
 
 def is_pattern(path: str) -> bool:

@@ -165,12 +165,14 @@ def weights_present(cfg: Config, folder: str, planning: bool) -> None:
         raise Note(f"{e} (a problem only if the folder has none where the run starts)") if planning else e
 
 
-def fp8_ready(cfg: Config, device: str) -> None:
+def fp8_ready(cfg: Config, device: str) -> list:
     if cfg.model.fp8 != "off" and device == "cuda" and not torch.cuda.is_available():  # planned elsewhere
-        fp8.float8_api()
-        raise Note(f"model.fp8={cfg.model.fp8}: whether the GPUs have FP8 tensor cores (compute capability >= "
-                   "8.9: H100/H200, L40S) is checked at start-up")
+        found = Findings()
+        found.check(fp8.float8_api)
+        return [*found.problems, Note(f"model.fp8={cfg.model.fp8}: whether the GPUs have FP8 tensor cores (compute "
+                                      "capability >= 8.9: H100/H200, L40S) is checked at start-up")]
     fp8.check_available(cfg.model, torch.device(device))
+    return []
 
 
 def liger_ready(cfg: Config, device: str) -> None:
@@ -244,9 +246,9 @@ def run_checks(s: Startup) -> Findings:
 
 def on_devices(s: Startup, devices: tuple, run: Callable[[Optional[str]], Any], gives: bool = False) -> Any:
     """run(device) for each device, its problems (what it raises, or returns unless it `gives` a value)
-    recorded in s.found, as notes where the run may take several devices (each refusal then holds only
-    if the run lands there); the last result."""
-    result = None
+    recorded in s.found. Where the run may take several devices, each refusal is said with its device:
+    a note where another device takes the run, a problem where none does. The last result."""
+    result, refusals = None, []
     for device in devices:
         found = Findings()
         result = found.check(lambda: run(device))
@@ -254,8 +256,10 @@ def on_devices(s: Startup, devices: tuple, run: Callable[[Optional[str]], Any], 
             for problem in result if isinstance(result, list) else [result] if isinstance(result, str) else []:
                 found.add(problem)
         s.found.notes += found.notes
-        for problem in found.problems:
-            s.found.add(Note(f"if this runs {WHERE[device]}: {problem}") if len(devices) > 1 else problem)
+        refusals.append([(device, p) for p in found.problems])
+    for device, problem in [r for refused in refusals for r in refused]:
+        kind = type(problem) if all(refusals) else Note
+        s.found.add(kind(f"if this runs {WHERE[device]}: {problem}") if len(devices) > 1 else problem)
     return result
 
 

@@ -21,13 +21,13 @@ from transformers import AutoConfig
 
 from sfttrain import fp8
 from sfttrain.config import Config, ConfigError, as_list, config_problems
-from sfttrain.data.batching import batch_problem
+from sfttrain.data.batching import BatchPlan, batch_problem
 from sfttrain.data.chat import build_renderer, resolve_chat_template
 from sfttrain.data.files import data_files, missing_entries, nearest_name, open_source
 from sfttrain.data.loader import open_files_needed, render_share
 from sfttrain.data.parquet import hub_id_hint, row_fields
-from sfttrain.data.prepare import Rows, scan_rows
-from sfttrain.distributed import check_world, data_parallel_size
+from sfttrain.data.prepare import Rows, plan_and_report, scan_rows
+from sfttrain.distributed import World, check_world, data_parallel_size
 from sfttrain.errors import DataError, UserError
 from sfttrain.fs_faults import check_open_files, check_writable, open_files_problem
 from sfttrain.hub import cached_folder, is_repo_id
@@ -36,6 +36,7 @@ from sfttrain.metrics import require_loggers
 from sfttrain.model import (attention_backend, check_max_length, check_model_config, check_model_folder, check_weights,
                             check_weights_readable, embedding_rows, liger_patching, load_tokenizer, local_model_folder)
 from sfttrain.parallel import check_device, choose_layout
+from sfttrain.profiling import check_window
 from sfttrain.rope import check_rope
 
 WHERE = {"cuda": "on GPUs", "cpu": "without GPUs (trainer.device=auto; this machine has none)"}
@@ -289,3 +290,17 @@ def read_rows(s: Startup, scan: tuple[int, int], val_share: tuple[int, int]) -> 
         if rows is not None and val is not None:
             rows.val_source, rows.val_samples = val_source, val
     return rows
+
+
+def start_run(cfg: Config, world: World) -> tuple[str, Rows, BatchPlan, dict]:
+    """The run's start-up before the model is loaded: (the model folder, the rows, the batch plan, the
+    data report), or every problem the checks and the row scan find, raised as one error."""
+    s = Startup(cfg, world.world_size, (world.device.type,))
+    run_checks(s)
+    rows = read_rows(s, (world.rank, world.world_size), (world.dp_rank, world.dp_size))
+    planned = None if rows is None else s.found.check(
+        lambda: plan_and_report(cfg, rows, world.dp_size, cfg.trainer.default_local_dir))
+    if planned is not None:
+        s.found.check(lambda: check_window(cfg.trainer.profile_steps, planned[0].total_steps))
+    s.found.stop_if_any()
+    return s.folder, rows, *planned

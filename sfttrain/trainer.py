@@ -20,7 +20,7 @@ from sfttrain.data.loader import (StepBatch, TrainData, cpus_of_this_process, de
 from sfttrain.data.files import CONVERTED_DIR
 from sfttrain.data.pack import max_segment_length
 from sfttrain.data.parquet import DataFileChanged
-from sfttrain.data.prepare import LENGTHS_DIR, plan_and_report
+from sfttrain.data.prepare import LENGTHS_DIR
 from sfttrain.data.report import describe
 from sfttrain.distributed import World, check_shared_run_dir, describe_auto_cpu, ranks_of_this_launcher
 from sfttrain.errors import NonFiniteLossError, StoppedBySignal
@@ -55,16 +55,8 @@ class FSDPSFTTrainer:
         self.folder_warnings = lock_run_folder(self.run_dir, world)  # one run at a time in a run folder
 
         # every problem the checks and the row scan find, listed before the model is loaded
-        startup = checks.Startup(cfg, world.world_size, (world.device.type,))
-        checks.run_checks(startup)
-        rows = checks.read_rows(startup, (world.rank, world.world_size), (world.dp_rank, world.dp_size))
-        planned = None if rows is None else startup.found.check(
-            lambda: plan_and_report(cfg, rows, world.dp_size, self.run_dir))
-        if planned is not None:
-            startup.found.check(lambda: profiling.check_window(t.profile_steps, planned[0].total_steps))
-        startup.found.stop_if_any()
-        folder, self.tokenizer, renderer = startup.folder, rows.tokenizer, rows.renderer
-        self.plan, self.data_report = planned
+        folder, rows, self.plan, self.data_report = checks.start_run(cfg, world)
+        self.tokenizer, renderer = rows.tokenizer, rows.renderer
         restored = remove_stale_tmp(self.run_dir, (CONVERTED_DIR, LENGTHS_DIR)) if world.is_main else []
         resume = find_resume(t, self.run_dir)
         base = lora.trained_identity(cfg.model, folder) if cfg.model.lora_rank > 0 else None

@@ -46,11 +46,6 @@ class Note(UserError):
     """What a check cannot decide on this machine: said, not counted."""
 
 
-def here(entries: list[str]) -> bool:
-    """Every data entry names something on this machine (a URL names nothing sfttrain reads here)."""
-    return not missing_entries(entries) and not any("://" in e for e in entries)
-
-
 @dataclass
 class Findings:
     problems: list[UserError] = dataclasses.field(default_factory=list)  # what the run stops on
@@ -81,8 +76,8 @@ class Findings:
 @dataclass
 class Startup:
     """What the checks look at. devices: the device types the run may take (two where the preflight
-    cannot tell: then their refusals are notes). planning: the preflight, which downloads nothing;
-    elsewhere: its user said the plan is for other machines, so a path missing here is a note."""
+    cannot tell: `on_devices`). planning: the preflight, which downloads nothing; elsewhere: its user
+    said the plan is for other machines, so a path missing here is a note."""
     cfg: Config
     world_size: int
     devices: tuple[str, ...]
@@ -270,7 +265,7 @@ def read_rows(s: Startup, scan: tuple[int, int], val_share: tuple[int, int]) -> 
     read here. scan, val_share: this process's (rank, ranks) of the row scan and of the validation rows."""
     cfg, d, run_dir = s.cfg, s.cfg.data, s.cfg.trainer.default_local_dir
     files = as_list(d.train_files)
-    if s.folder is None or not files or not here(files):
+    if s.folder is None or not files or missing_entries(files):
         return None
     tokenizer = s.found.check(lambda: load_tokenizer(dataclasses.replace(cfg.model, partial_pretrain=s.folder),
                                                      resolve_chat_template(d) if d.apply_chat_template else None))
@@ -284,7 +279,7 @@ def read_rows(s: Startup, scan: tuple[int, int], val_share: tuple[int, int]) -> 
         lambda: scan_rows(cfg, source, renderer, tokenizer, scan, run_dir, fill_cache=not s.planning))
     rows = Rows(tokenizer, renderer, source, *scanned) if scanned else None
     val_files = as_list(d.val_files)
-    if val_files and here(val_files):
+    if val_files and not missing_entries(val_files):
         val_source = s.found.check(lambda: open_source(val_files, fields, run_dir))
         val = None if val_source is None else s.found.check(lambda: render_share(val_source, renderer, *val_share))
         if rows is not None and val is not None:

@@ -25,11 +25,11 @@ from transformers import AutoConfig
 
 from sfttrain.checkpoint import TrainState, check_same_model, estimated_bytes, trained_state_dict
 from sfttrain.checkpoint_folder import describe_retention, nearest_existing, room_problem, size_text, step_of
-from sfttrain.checks import Findings, Startup, batch_split, here, on_devices, read_rows, run_checks
+from sfttrain.checks import Findings, Startup, batch_split, on_devices, read_rows, run_checks
 from sfttrain.config import (Config, ConfigError, ModelConfig, as_list, config_problems, load_config, logger_names,
                              mixed_precision_dtypes, moot_settings, shard_group_size)
 from sfttrain.data.batching import make_plan
-from sfttrain.data.files import open_source
+from sfttrain.data.files import missing_entries, open_source
 from sfttrain.data.loader import cpus_of_this_process, describe_workers
 from sfttrain.data.parquet import row_fields
 from sfttrain.data.prepare import Rows, plan_and_report
@@ -235,11 +235,6 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return parser.parse_known_args(argv)
 
 
-def has_tokenizer(folder: str) -> bool:
-    return any(os.path.isfile(os.path.join(folder, f)) for f in ("tokenizer.json", "tokenizer_config.json",
-                                                                 "tokenizer.model"))
-
-
 @dataclass
 class Batches:
     lines: list[str]
@@ -251,9 +246,10 @@ def training_rows(s: Startup) -> tuple[Optional[Rows], Optional[int]]:
     """(the rows rendered as the run's start-up renders them, the rows trained), or counted only where
     the model folder has no tokenizer; (None, None) where they are not on this machine."""
     files = as_list(s.cfg.data.train_files)
-    if not files or not here(files):
+    if not files or missing_entries(files):
         return None, None
-    if s.folder is not None and has_tokenizer(s.folder):
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    if s.folder is not None and any(os.path.isfile(os.path.join(s.folder, f)) for f in tokenizer_files):
         rows = read_rows(s, (0, 1), (0, 1))
         return rows, None if rows is None else int(rows.stats.keep.sum())
     if s.folder is not None:
@@ -278,7 +274,7 @@ def batch_section(s: Startup) -> Batches:
         return Batches([])
     lines = plan.describe().splitlines()
     if count is None:  # the dataset and total-steps lines would be made up
-        reason = "see the problems below" if here(as_list(d.train_files)) else "not on this machine"
+        reason = "not on this machine" if missing_entries(as_list(d.train_files)) else "see the problems below"
         return Batches(lines[:3] + [f"  dataset             : {reason}: steps per epoch unknown"])
     found.check(lambda: check_window(cfg.trainer.profile_steps, plan.total_steps))
     lines += schedule_warnings(cfg.optim, plan.total_steps)
@@ -344,8 +340,7 @@ def memory_section(cfg: Config, dp_size: Optional[int], folder: Optional[str], f
 
 
 def trained_params(cfg: Config, shape: DenseShape) -> tuple[int, int]:
-    """(count, bytes per value) of the parameters training updates: every one in model_dtype, or
-    with LoRA only the fp32 adapters (the frozen base has no gradient or optimizer state)."""
+    """(count, bytes per value) of what training updates: every weight, or LoRA's fp32 adapters."""
     m = cfg.model
     if m.lora_rank > 0:
         return shape.lora_params(m.lora_rank), 4
@@ -387,8 +382,8 @@ def model_section(s: Startup):
     m = s.cfg.model
     if s.folder is None:
         return None
-    config = AutoConfig.from_pretrained(s.folder, trust_remote_code=m.trust_remote_code)
-    model = s.found.check(lambda: build_on_meta(m, config))
+    model = s.found.check(lambda: build_on_meta(m, AutoConfig.from_pretrained(s.folder,
+                                                                            trust_remote_code=m.trust_remote_code)))
     if model is not None and m.lora_rank > 0:  # its targets checked against the linear layers, as the run does
         model = s.found.check(lambda: apply_lora(model, m))
     if model is not None and m.enable_gradient_checkpointing:
@@ -406,10 +401,8 @@ def preflight(cfg: Config, nproc: int, nnodes: int, elsewhere: bool = False) -> 
         with one_rank_group():  # the row scan's collectives
             run_checks(s)
             plan_sections(s, nproc, lines)
-    except Exception as e:  # noqa: BLE001 -- only where the config is refused; else a bug, raised
-        # the sections compute with the config's values, some of which (a micro-batch of 0, a dtype or a
-        # seed the run refuses) they cannot take: the run stops on the config's problems before them
-        if not config_problems(cfg):
+    except Exception as e:  # noqa: BLE001 -- a value the config refuses (a micro-batch of 0) that a later
+        if not config_problems(cfg):  # section cannot take, the run stops before; else a bug, raised
             raise
         s.found.notes.append(f"the rest of the plan needs the config's problems fixed first ({type(e).__name__}: "
                              f"{e}): fix them and run the preflight again")

@@ -101,9 +101,9 @@ class Check:
     gives: Optional[str] = None  # the Startup attribute its result sets
 
 
-def model_folder(cfg: Config, planning: bool) -> Optional[str]:
+def model_folder(cfg: Config, planning: bool, elsewhere: bool) -> Optional[str]:
     """model.partial_pretrain's folder here. The run downloads a hub id; the preflight only looks in the
-    hub cache (a note where it is not there)."""
+    hub cache (a note where it is not there, as for a folder missing here in a plan of other machines)."""
     m = cfg.model
     if not m.partial_pretrain:  # the config's problem already
         return None
@@ -115,6 +115,9 @@ def model_folder(cfg: Config, planning: bool) -> Optional[str]:
                    f"cache: memory and the rendering of the rows are not checked; fill the cache with `hf download "
                    f"{m.partial_pretrain} --include '*.json' '*.model' '*.jinja'` or add "
                    "model.partial_pretrain=/path/to/a/local/copy to this command")
+    if elsewhere and not os.path.exists(os.path.expanduser(folder)):
+        raise Note(f"model.partial_pretrain={m.partial_pretrain!r} not on this machine: the model, memory and the "
+                   "rendering of the rows are not checked")
     check_model_folder(m, folder)
     return folder
 
@@ -210,7 +213,7 @@ REGISTRY = (
     Check(require_loggers, ("cfg",)),
     Check(open_files, ("cfg", "dp_size", "planning")),
     Check(run_folder, ("cfg", "elsewhere")),
-    Check(model_folder, ("cfg", "planning"), gives="folder"),
+    Check(model_folder, ("cfg", "planning", "elsewhere"), gives="folder"),
     Check(lambda cfg, folder: check_weights_readable(cfg.model, folder), ("cfg", "folder")),
     Check(weights_present, ("cfg", "folder", "planning")),
     Check(check_rope, ("cfg", "folder")),  # RoPE that packing would make depend on the batch

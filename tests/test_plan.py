@@ -295,6 +295,9 @@ def test_plan_lists_every_problem_with_a_valid_fix(tmp_path):
     code, out = run_plan(f"data.train_files={tmp_path}/absent.parquet", "--elsewhere", f"model.partial_pretrain={STORIES}",
                          "data.train_batch_size=8", "data.max_length=512", "--nproc", "2")
     assert code == 0 and "steps per epoch unknown" in out  # --elsewhere: data only on the cluster, said, not an error
+    code, out = run_plan(f"data.train_files={tmp_path}/absent.parquet", f"model.partial_pretrain={tmp_path}/none",
+                         "data.train_batch_size=8", "--nproc", "2", "--elsewhere")
+    assert code == 0 and f"model.partial_pretrain='{tmp_path}/none' not on this machine" in out, out
 
 
 @pytest.mark.parametrize("refused", ["data.micro_batch_size_per_gpu=0", "model.fsdp_config.model_dtype=fp64"])

@@ -187,14 +187,9 @@ def attention_ready(cfg: Config, folder: str, device: str) -> None:
 
 def layout_ready(cfg: Config, world_size: int, device: str) -> None:
     """What the layout needs of the device; without a mesh (the world's problem) only what needs none."""
-    try:
-        shard = check_world(cfg, world_size)[1]
-    except ConfigError:
-        shard = None
-    offload = cfg.model.fsdp_config.offloaded()
-    layout = "sharded" if shard is None else choose_layout(world_size, shard, cfg.ulysses_sequence_parallel_size,
-                                                           offload)
-    check_device(cfg, layout, device)
+    mesh = Findings().check(lambda: check_world(cfg, world_size))
+    sp, offload = cfg.ulysses_sequence_parallel_size, cfg.model.fsdp_config.offloaded()
+    check_device(cfg, "sharded" if mesh is None else choose_layout(world_size, mesh[1], sp, offload), device)
 
 
 def loss_kernel_ready(cfg: Config, device: str) -> None:

@@ -202,7 +202,9 @@ def memory_per_rank(cfg: Config, shape: DenseShape, dp_size: int) -> dict[str, f
     compute = compute_bytes(cfg)
     compute_name = "bf16" if compute == 2 else "fp32"
     n = shape.num_params
-    trained, trained_bytes = trained_params(cfg, shape)
+    # what training updates: every weight, or LoRA's fp32 adapters (the frozen base has no gradient or moments)
+    trained, trained_bytes = ((shape.lora_params(m.lora_rank), 4) if m.lora_rank > 0
+                              else (shape.num_params, DTYPE_BYTES[fsdp.model_dtype]))
     activations = activation_bytes(shape, cfg.micro_batch_tokens(), recomputed_layers(m, shape.layers), compute,
                                    wants_attention_kept(m, cfg.data.max_length), not m.recompute_qkv)
     logits = m.loss_chunk_tokens * shape.vocab * compute * (2 if m.loss_kernel == "torch" else 1)
@@ -337,14 +339,6 @@ def memory_section(cfg: Config, dp_size: Optional[int], folder: Optional[str], f
     lines.append(f"  activations of {cfg.micro_batch_tokens()} tokens per micro-batch; with "
                  f"model.enable_gradient_checkpointing={str(not checkpointing).lower()} they would take {other:.2f} GiB")
     return lines
-
-
-def trained_params(cfg: Config, shape: DenseShape) -> tuple[int, int]:
-    """(count, bytes per value) of what training updates: every weight, or LoRA's fp32 adapters."""
-    m = cfg.model
-    if m.lora_rank > 0:
-        return shape.lora_params(m.lora_rank), 4
-    return shape.num_params, DTYPE_BYTES[m.fsdp_config.model_dtype]
 
 
 def checkpoint_section(cfg: Config, model, found: Findings) -> list[str]:

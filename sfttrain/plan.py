@@ -1,44 +1,51 @@
 """Preflight: what a run will do and need, before any GPU is asked for.
 
-    python -m sfttrain.plan [recipe.yaml] [key=value ...] --nproc N [--nnodes M]
+    python -m sfttrain.plan [recipe.yaml] [key=value ...] --nproc N [--nnodes M] [--elsewhere]
 
-Prints the batch arithmetic (sfttrain.data.batching, the trainer's own), steps per epoch, an
-estimate of memory per rank from the model folder's config.json alone (no weights, no GPU), and
-every problem the run would stop on, found by the run's own checks: the config's validation,
-the world's shape, the chat template, the start-up pass over every row (rendered with the
-model's tokenizer as the run renders them: a bad cell, column or over-long row is named here),
-the model as the run builds it (on the meta device: no weights, no memory), and the resume rules
-(the checkpoint the run folder would resume from, and what they refuse).
-What it cannot check on this machine (data or model only on the cluster, GPUs where it has none) is
-said, not counted.
-Exits 0 when nothing is wrong, else 2.
+Prints the batch arithmetic, steps per epoch, the data report, an estimate of memory per rank from
+the model folder's config.json alone (no weights, no GPU), and every problem the run would stop on:
+the start-up's own checks (sfttrain.checks, the row scan included), the model built on the meta
+device, and the resume rules. What cannot be checked on this machine (a hub model not in the cache,
+GPUs where it has none; with --elsewhere, data and run folders that are only on the cluster) is
+said, not counted. Exits 0 when nothing is wrong, else 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import glob
 import json
 import os
 import shutil
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Optional
 
+import torch
+from transformers import AutoConfig
+
+from sfttrain.checkpoint import TrainState, check_same_model, estimated_bytes, trained_state_dict
 from sfttrain.checkpoint_folder import describe_retention, nearest_existing, room_problem, size_text, step_of
+from sfttrain.checks import Findings, Startup, batch_split, on_devices, read_rows, run_checks
 from sfttrain.config import (Config, ConfigError, ModelConfig, as_list, config_problems, load_config, logger_names,
                              mixed_precision_dtypes, moot_settings, shard_group_size)
-from sfttrain.data.batching import batch_problem, make_plan
-from sfttrain.data.parquet import hub_id_hint
+from sfttrain.data.batching import make_plan
+from sfttrain.data.files import missing_entries, open_source
+from sfttrain.data.loader import cpus_of_this_process, describe_workers
+from sfttrain.data.parquet import row_fields
+from sfttrain.data.prepare import Rows, plan_and_report
+from sfttrain.data.report import describe
+from sfttrain.distributed import check_cuda_visible, one_rank_group, wants_cuda
 from sfttrain.errors import UserError
-from sfttrain.hub import cached_folder, is_repo_id
-from sfttrain.lora import base_dtype
+from sfttrain.lora import apply_lora, base_dtype, trained_identity
+from sfttrain.model import build_on_meta, decoder_layers
 from sfttrain.moe import MoeShape
-from sfttrain.optim import schedule_warnings
-from sfttrain.profiling import check_window
-from sfttrain.recompute import checkpointed, wants_attention_kept
-from sfttrain.rope import check_rope
+from sfttrain.optim import schedule_settings, schedule_warnings
+from sfttrain.parallel import cpp_wrapper
+from sfttrain.profiling import check_window, window_passed
+from sfttrain.recompute import checkpointed, chosen_layers, wants_attention_kept
+from sfttrain.resume import choose_resume, review_resume
+from sfttrain.run import parse_args as parse_config_args
+from sfttrain.run_lock import check_not_in_use
 
 GIB = 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -150,10 +157,8 @@ def attention_output_bytes(shape: DenseShape, value_bytes: int) -> int:
 
 def key_value_bytes(shape: DenseShape, value_bytes: int) -> int:
     """Per token and layer: the keys and values a layer that keeps its attention output also keeps
-    (the compiled partitioner saves them rather than recompute their projections). Measured, not
-    derived: W2b with LoRA at 16k, 32k and 64k tokens peaked 1.18, 3.20 and 7.13 GiB over the
-    estimate without them, 3.9 KB a token and layer over the last two (W2b's keys and values: 4.0 KB);
-    with them the estimate lies 0.80-0.87 GiB above all three (docs/benchmarks.md, runs BA, BC)."""
+    (the compiled partitioner saves them rather than recompute their projections; measured peaks in
+    docs/benchmarks.md agree)."""
     return 2 * shape.kv_heads * shape.head_dim * value_bytes
 
 
@@ -168,9 +173,7 @@ def backward_bytes(shape: DenseShape, tokens: int, value_bytes: int, lora: bool)
     """The gradients a layer's backward holds beside its activations: those of its MLP's values. With
     LoRA on a dense MLP (all-linear, as `lora_params` counts), 5 more of its width a token: the
     adapters' B outputs of gate and up, the sums that make gate and up, and the adapter's term of
-    down's input gradient. W2b's peak (docs/benchmarks.md, run BT) held 7 [tokens, intermediate] and
-    2 [tokens, 2 x intermediate] buffers in that backward: 11 widths, where this and the one layer's
-    activations count 6 without LoRA."""
+    down's input gradient."""
     adapters = 5 * shape.intermediate if lora and not shape.sparse_layers else 0
     return (shape.mlp_activations_per_token() + adapters) * tokens * value_bytes
 
@@ -190,14 +193,18 @@ def memory_per_rank(cfg: Config, shape: DenseShape, dp_size: int) -> dict[str, f
     """GiB per rank, by what holds it. FSDP shards parameters, gradients and AdamW's two moments
     over the shard group; compute runs on compute-dtype copies of one layer at a time (plus the
     prefetched next one). Unsharded (one GPU, NO_SHARD), autocast's bf16 copy of every weight is
-    kept from forward to backward. The loss holds one chunk of logits, never the whole [tokens, vocab]."""
+    kept from forward to backward. The loss holds one chunk of logits, never the whole [tokens, vocab],
+    and computes the head's gradient in its forward (sfttrain.loss.LinearCrossEntropy): a whole
+    [vocab, hidden] fp32 buffer, and its copy in the weight's dtype that backward reads."""
     m = cfg.model
     fsdp = m.fsdp_config
     shard = shard_group_size(fsdp, dp_size)
     compute = compute_bytes(cfg)
     compute_name = "bf16" if compute == 2 else "fp32"
     n = shape.num_params
-    trained, trained_bytes = trained_params(cfg, shape)
+    # what training updates: every weight, or LoRA's fp32 adapters (the frozen base has no gradient or moments)
+    trained, trained_bytes = ((shape.lora_params(m.lora_rank), 4) if m.lora_rank > 0
+                              else (shape.num_params, DTYPE_BYTES[fsdp.model_dtype]))
     activations = activation_bytes(shape, cfg.micro_batch_tokens(), recomputed_layers(m, shape.layers), compute,
                                    wants_attention_kept(m, cfg.data.max_length), not m.recompute_qkv)
     logits = m.loss_chunk_tokens * shape.vocab * compute * (2 if m.loss_kernel == "torch" else 1)
@@ -212,143 +219,22 @@ def memory_per_rank(cfg: Config, shape: DenseShape, dp_size: int) -> dict[str, f
     out[f"activations ({'with' if m.enable_gradient_checkpointing else 'without'} checkpointing)"] = activations
     out["backward: one layer's MLP gradients"] = backward_bytes(shape, cfg.micro_batch_tokens(), compute, m.lora_rank > 0)
     out[f"logits / loss chunk ({m.loss_chunk_tokens} tokens x {shape.vocab} vocab)"] = logits
+    if m.lora_rank == 0 and not m.use_liger:
+        weight_bytes = compute if shard > 1 else DTYPE_BYTES[fsdp.model_dtype]  # the head's weight in the loss
+        out["loss: the head's gradient (fp32, and its copy saved for backward)"] = \
+            shape.vocab * shape.hidden * (4 + (weight_bytes if weight_bytes != 4 else 0))
     return {k: v / GIB for k, v in out.items()}
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(prog="python -m sfttrain.plan", description=__doc__.split("\n\n")[0],
-                                     usage="%(prog)s [recipe.yaml] [key=value ...] --nproc N [--nnodes M]")
+                                     usage="%(prog)s [recipe.yaml] [key=value ...] --nproc N [--nnodes M] "
+                                           "[--elsewhere]")
     parser.add_argument("--nproc", type=int, required=True, help="GPUs (ranks) per node, as torchrun's --nproc_per_node")
     parser.add_argument("--nnodes", type=int, default=1, help="nodes, as torchrun's --nnodes")
+    parser.add_argument("--elsewhere", action="store_true",
+                        help="the run starts on other machines: data and run folders missing here are notes")
     return parser.parse_known_args(argv)
-
-
-@dataclass
-class Findings:
-    problems: list[str] = dataclasses.field(default_factory=list)  # what the run would stop on
-    notes: list[str] = dataclasses.field(default_factory=list)  # what could not be checked on this machine
-
-    def check(self, run: Callable):
-        """run(), its problem (a UserError) recorded; its result or None."""
-        try:
-            return run()
-        except UserError as e:
-            self.add(str(e))
-            return None
-
-    def add(self, problem: str) -> None:
-        if problem not in self.problems:  # one mistake two of the run's checks find (validate's, the world's)
-            self.problems.append(problem)
-
-
-def model_folder(m: ModelConfig, found: Findings) -> Optional[str]:
-    """model.partial_pretrain as a folder on this machine, checked as the run checks it: as given, or a hub
-    id's snapshot in the local hub cache (never downloaded here; None with a note on how to point the
-    preflight at one). None where the folder is not a model's (a problem)."""
-    from sfttrain.model import check_model_folder
-
-    if not m.partial_pretrain:  # the validation's problem already
-        return None
-    folder = cached_folder(m.partial_pretrain) if is_repo_id(m.partial_pretrain) else m.partial_pretrain
-    if folder is None:
-        found.notes.append(f"model.partial_pretrain={m.partial_pretrain!r} is a hub id that is not in this machine's "
-                           "hub cache: memory and the rendering of the rows are not checked; fill the cache with "
-                           f"`hf download {m.partial_pretrain} --include '*.json' '*.model' '*.jinja'` or add "
-                           "model.partial_pretrain=/path/to/a/local/copy to this command")
-        return None
-    try:
-        check_model_folder(m, folder)
-    except ConfigError as e:
-        found.add(str(e))
-        return None
-    return folder
-
-
-def has_tokenizer(folder: str) -> bool:
-    return any(os.path.isfile(os.path.join(folder, f)) for f in ("tokenizer.json", "tokenizer_config.json",
-                                                                 "tokenizer.model"))
-
-
-@dataclass
-class RenderedRows:
-    stats: Any  # sfttrain.data.loader.RowStats, the rows without a supervised token selected
-    fingerprint: dict  # the data fingerprint the run's checkpoints record
-    source: Any  # the training rows' ParquetSource
-    validation: Optional[dict]  # the data report's validation part; None: no data.val_files here
-
-
-def render_rows(cfg: Config, folder: str, found: Findings) -> Optional[RenderedRows]:
-    """The rows the run trains, found as its start-up finds them (sfttrain.data.prepare): the
-    tokenizer, the chat template, every row rendered (a bad cell or an over-long row is the DataError
-    the run would stop on), the rows without a supervised token selected; the validation rows rendered
-    too, and those that are training rows counted. The two are rendered apart, their problems recorded
-    in `found`: a bad training row, which the run stops on first, hides no bad validation row (None
-    where the training rows fail)."""
-    from sfttrain.data.chat import build_renderer
-    from sfttrain.data.fingerprint import data_fingerprint, with_rows
-    from sfttrain.data.loader import row_stats
-    from sfttrain.data.files import open_source
-    from sfttrain.data.parquet import row_fields
-    from sfttrain.data.prepare import length_cache_file, validation_report
-    from sfttrain.data.report import select_rows
-    from sfttrain.distributed import one_rank_group
-    from sfttrain.model import embedding_rows, load_tokenizer
-
-    d, run_dir = cfg.data, cfg.trainer.default_local_dir
-    tokenizer = load_tokenizer(dataclasses.replace(cfg.model, partial_pretrain=folder))
-    renderer, fields = build_renderer(d, tokenizer, embedding_rows(cfg.model, folder)), row_fields(d)
-    source = open_source(as_list(d.train_files), fields, run_dir)
-    fingerprint = data_fingerprint(cfg, source, tokenizer)
-    # a folder of the user's own is read and filled; the run folder's cache is read, never made here
-    cache = length_cache_file(d, fingerprint, run_dir)
-    cached = cache if d.length_cache_dir or os.path.isfile(cache) else None
-    with one_rank_group():
-        stats = found.check(lambda: select_rows(row_stats(source, renderer, 0, 1, cached), d))
-        val = found.check(lambda: validation_rows(d, fields, run_dir, renderer))
-        if stats is None:
-            return None
-        validation = validation_report(val[1], stats, val[0].num_rows) if val else None
-    return RenderedRows(stats, with_rows(fingerprint, stats.keep, stats.digests), source, validation)
-
-
-def validation_rows(d, fields, run_dir: str, renderer) -> Optional[tuple[Any, list]]:
-    """(the validation rows' ParquetSource, their samples rendered), or None without data.val_files here."""
-    from sfttrain.data.files import open_source
-    from sfttrain.data.loader import render_share
-
-    if not d.val_files or missing_files(d.val_files):
-        return None
-    source = open_source(as_list(d.val_files), fields, run_dir)
-    return source, render_share(source, renderer, 0, 1)
-
-
-def row_count(cfg: Config) -> int:
-    """Rows of the training data, unrendered (raises DataError when a file is unreadable or lacks
-    the columns)."""
-    from sfttrain.data.files import open_source
-    from sfttrain.data.parquet import row_fields
-
-    return open_source(as_list(cfg.data.train_files), row_fields(cfg.data), cfg.trainer.default_local_dir).num_rows
-
-
-def missing_files(files) -> list[str]:
-    """The entries (files, directories of files, patterns matching none) not on this machine."""
-    from sfttrain.data.files import is_pattern
-
-    paths = {f: os.path.expanduser(f) for f in as_list(files)}
-    return [f for f, p in paths.items() if not (glob.glob(p, recursive=True) if is_pattern(p) else os.path.exists(p))]
-
-
-def check_val_files(d, train_files_here: bool, found: Findings) -> None:
-    """Validation files not on this machine: a mistyped path where the training files are here (the run
-    would stop on it), else only not checked."""
-    missing = missing_files(d.val_files)
-    if missing and train_files_here:
-        found.problems.append(f"data.val_files: {', '.join(missing)} not found, while data.train_files are: check "
-                              "the path (the run would stop on it at start-up)")
-    elif missing:
-        found.notes.append(f"data.val_files: {', '.join(missing)} not on this machine: the validation rows are not "
-                           "checked")
 
 
 @dataclass
@@ -358,76 +244,46 @@ class Batches:
     fingerprint: Optional[dict] = None  # the data fingerprint; None: the rows were not rendered here
 
 
-@dataclass
-class TrainingRows:
-    count: Optional[int]  # rows trained; None: not counted here
-    rendered: Optional[RenderedRows]  # None: not rendered here
-    missing: list[str]  # data.train_files entries not on this machine (none where others are: a mistyped path)
+def training_rows(s: Startup) -> tuple[Optional[Rows], Optional[int]]:
+    """(the rows rendered as the run's start-up renders them, the rows trained), or counted only where
+    the model folder has no tokenizer; (None, None) where they are not on this machine."""
+    files = as_list(s.cfg.data.train_files)
+    if not files or missing_entries(files):
+        return None, None
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    if s.folder is not None and any(os.path.isfile(os.path.join(s.folder, f)) for f in tokenizer_files):
+        rows = read_rows(s, (0, 1), (0, 1))
+        return rows, None if rows is None else int(rows.stats.keep.sum())
+    if s.folder is not None:
+        s.found.notes.append(f"{s.folder} has no tokenizer: the rows are counted, not rendered")
+    source = s.found.check(lambda: open_source(files, row_fields(s.cfg.data), s.cfg.trainer.default_local_dir))
+    return None, None if source is None else source.num_rows
 
 
-def training_rows(cfg: Config, folder: Optional[str], found: Findings) -> TrainingRows:
-    """The training rows as the start-up finds them: rendered with the model's tokenizer, else counted
-    (the validation files checked too). Needs no ranks, so a world or batch that does not split hides
-    none of their problems."""
-    d = cfg.data
-    missing = missing_files(d.train_files)
-    rows, rendered = None, None
-    here = [f for f in as_list(d.train_files) if f not in missing]
-    if missing and here:  # the others are here: a mistyped path, which the run stops on
-        found.problems.append(f"data.train_files: {', '.join(missing)} not found, while {', '.join(here)} "
-                              f"{'is' if len(here) == 1 else 'are'}: check the path (the run would stop on it at "
-                              "start-up)" + "".join(map(hub_id_hint, missing)))
-    elif missing:  # a missing file is often only missing here (the cluster's path): not a problem
-        found.notes.append(f"data.train_files: {', '.join(missing)} not on this machine: steps per epoch and the rows "
-                           "are not checked" + "".join(map(hub_id_hint, missing)))
-    elif d.train_files and folder is not None and has_tokenizer(folder):
-        rendered = found.check(lambda: render_rows(cfg, folder, found))
-        rows = int(rendered.stats.keep.sum()) if rendered else None
-    elif d.train_files:  # (none given: the validation's problem)
-        if folder is not None and os.path.isdir(folder):
-            found.notes.append(f"{folder} has no tokenizer: the rows are counted, not rendered")
-        rows = found.check(lambda: row_count(cfg))
-    check_val_files(d, bool(d.train_files) and not missing, found)
-    return TrainingRows(rows, rendered, [] if here else missing)  # (a mistyped one: the problems say so)
-
-
-def batch_section(cfg: Config, dp_size: Optional[int], folder: Optional[str], found: Findings) -> Batches:
-    """The rows checked, and the batch arithmetic over dp_size data-parallel ranks (None: the ranks do
+def batch_section(s: Startup) -> Batches:
+    """The rows checked, and the batch arithmetic over the data-parallel ranks (none where the ranks do
     not split into sequence-parallel groups, the world's problem: nothing is derived from them)."""
-    d = cfg.data
-    data = training_rows(cfg, folder, found)
+    cfg, d, dp_size, found = s.cfg, s.cfg.data, s.dp_size, s.found
+    rows, count = training_rows(s)
     if dp_size is None:
         return Batches(["  data-parallel ranks : none: the ranks do not split into sequence-parallel groups (see "
                         "the problems below)"])
-    problem = batch_problem(d.train_batch_size, d.micro_batch_size_per_gpu, dp_size, d.max_token_len_per_gpu)
-    if problem:
-        found.problems.append(problem)
+    if batch_split(cfg, dp_size):  # listed by the checks
         return Batches([f"  data-parallel ranks : {dp_size}", f"  global batch        : {d.train_batch_size} "
                         "(does not split)"])
-    rows, rendered = data.count, data.rendered
-    plan = found.check(lambda: make_plan(cfg, dp_size, rows if rows is not None else d.train_batch_size))
+    plan = found.check(lambda: make_plan(cfg, dp_size, count if count is not None else d.train_batch_size))
     if plan is None:  # fewer rows than one batch
         return Batches([])
     lines = plan.describe().splitlines()
-    if rows is None:  # the dataset and total-steps lines would be made up
-        reason = "not on this machine" if data.missing else "see the problems below"
+    if count is None:  # the dataset and total-steps lines would be made up
+        reason = "not on this machine" if missing_entries(as_list(d.train_files)) else "see the problems below"
         return Batches(lines[:3] + [f"  dataset             : {reason}: steps per epoch unknown"])
     found.check(lambda: check_window(cfg.trainer.profile_steps, plan.total_steps))
     lines += schedule_warnings(cfg.optim, plan.total_steps)
-    if rendered is None:  # counted, not rendered
+    if rows is None:  # counted, not rendered
         return Batches(lines, plan.total_steps)
-    return Batches(lines + data_lines(cfg, rendered, plan), plan.total_steps, rendered.fingerprint)
-
-
-def data_lines(cfg: Config, rendered: RenderedRows, plan) -> list[str]:
-    """The start-up's data report: tokens per row, truncation, duplicates, validation rows in training."""
-    from sfttrain.data.prepare import first_epoch_report
-    from sfttrain.data.report import describe
-
-    report = first_epoch_report(cfg, rendered.source, rendered.stats, plan)
-    if rendered.validation is not None:
-        report["validation"] = rendered.validation
-    return describe(report).splitlines()
+    report = plan_and_report(cfg, rows, dp_size, None)[1]
+    return Batches(lines + describe(report).splitlines(), plan.total_steps, rows.fingerprint)
 
 
 def resume_section(cfg: Config, batches: Batches, folder: Optional[str], model, found: Findings) -> list[str]:
@@ -435,13 +291,6 @@ def resume_section(cfg: Config, batches: Batches, folder: Optional[str], model, 
     is), and what its start-up would refuse of that resume: a damaged checkpoint, other data, a
     schedule that ends before it, another LoRA base, another model or LoRA setup (against `model`, the
     planned model; None: not built here); and another run in the folder now."""
-    from sfttrain.checkpoint import TrainState, check_same_model, trained_state_dict
-    from sfttrain.lora import trained_identity
-    from sfttrain.optim import schedule_settings
-    from sfttrain.profiling import window_passed
-    from sfttrain.resume import choose_resume, review_resume
-    from sfttrain.run_lock import check_not_in_use
-
     found.check(lambda: check_not_in_use(cfg.trainer.default_local_dir))  # another run in it now
     chosen = found.check(lambda: choose_resume(cfg.trainer, cfg.trainer.default_local_dir))
     if chosen is None or chosen.path is None:
@@ -463,7 +312,8 @@ def resume_section(cfg: Config, batches: Batches, folder: Optional[str], model, 
     current = TrainState(data=batches.fingerprint, schedule=schedule_settings(cfg.optim, batches.total_steps),
                          base=trained_identity(cfg.model, folder) if lora_base else None)
     notes, refused = review_resume(chosen.path, cfg, current)
-    found.problems += refused
+    for problem in refused:
+        found.add(problem)
     return [line, *(f"    {note}" for note in said + notes)]
 
 
@@ -473,8 +323,8 @@ def memory_section(cfg: Config, dp_size: Optional[int], folder: Optional[str], f
     try:
         shape = DenseShape.from_config_json(folder)
     except (OSError, KeyError, json.JSONDecodeError) as e:
-        found.problems.append(f"model.partial_pretrain={folder!r}: no readable config.json with a dense decoder's "
-                              f"sizes ({type(e).__name__}: {e}); point it at a Hugging Face model folder")
+        found.add(f"model.partial_pretrain={folder!r}: no readable config.json with a dense decoder's sizes "
+                  f"({type(e).__name__}: {e}); point it at a Hugging Face model folder")
         return []
     memory = memory_per_rank(cfg, shape, dp_size)
     device = "host" if cfg.trainer.device == "cpu" else "GPU"
@@ -491,54 +341,19 @@ def memory_section(cfg: Config, dp_size: Optional[int], folder: Optional[str], f
     return lines
 
 
-def trained_params(cfg: Config, shape: DenseShape) -> tuple[int, int]:
-    """(count, bytes per value) of the parameters training updates: every one in model_dtype, or
-    with LoRA only the fp32 adapters (the frozen base has no gradient or optimizer state)."""
-    m = cfg.model
-    if m.lora_rank > 0:
-        return shape.lora_params(m.lora_rank), 4
-    return shape.num_params, DTYPE_BYTES[m.fsdp_config.model_dtype]
-
-
-def checkpoint_bytes(cfg: Config, shape: DenseShape) -> int:
-    """A checkpoint's tensors, as the start-up estimates them (sfttrain.checkpoint.estimated_bytes):
-    the trained weights (a tied embedding under both its names) and AdamW's two moments."""
-    count, value_bytes = trained_params(cfg, shape)
-    tied_copy = shape.vocab * shape.hidden if shape.tied and cfg.model.lora_rank == 0 else 0
-    return (3 * count + tied_copy) * value_bytes
-
-
-def run_folder_check(cfg: Config, found: Findings) -> None:
-    """Whether this user can write the run folder, by the start-up's own check: a problem where the folder
-    exists here, a note where only the folder it would be made in does (the run's machine may differ)."""
-    from sfttrain.fs_faults import check_writable
-
-    try:
-        check_writable(cfg.trainer.default_local_dir)
-    except ConfigError as e:
-        run_dir = os.path.abspath(os.path.expanduser(cfg.trainer.default_local_dir))
-        there = nearest_existing(run_dir)
-        here = there == run_dir or not os.path.isdir(there)  # the folder itself, or a file in its path
-        (found.problems if here else found.notes).append(str(e))
-
-
-def checkpoint_section(cfg: Config, folder: Optional[str], found: Findings) -> list[str]:
-    """A checkpoint's size, and whether the run folder's disk takes one (a problem where the run
-    folder exists here; else the free space of its nearest existing parent is a note)."""
-    if folder is None:
+def checkpoint_section(cfg: Config, model, found: Findings) -> list[str]:
+    """A checkpoint's size (the start-up's estimate, of the model built here), and whether the run
+    folder's disk takes one: a problem where the run folder exists here, else a note."""
+    if model is None:
         return []
-    try:
-        shape = DenseShape.from_config_json(folder)
-    except (OSError, KeyError, json.JSONDecodeError):  # said by memory_section
-        return []
-    need = checkpoint_bytes(cfg, shape)
+    need = estimated_bytes(model)
     run_dir = os.path.abspath(os.path.expanduser(cfg.trainer.default_local_dir))
     there = nearest_existing(run_dir)
-    if not os.path.isdir(there):  # a file in the way: run_folder_check's problem
+    if not os.path.isdir(there):  # a file in the way: the run folder check's problem
         return []
     free = shutil.disk_usage(there).free
     if there == run_dir and (problem := room_problem(run_dir, free, need, estimated=True)):
-        found.problems.append(problem)
+        found.add(problem)
     elif there != run_dir:
         found.notes.append(f"trainer.default_local_dir={cfg.trainer.default_local_dir!r} does not exist yet: the "
                            f"free space of {there} ({size_text(free)}) is what a run started on this machine gets")
@@ -546,207 +361,83 @@ def checkpoint_section(cfg: Config, folder: Optional[str], found: Findings) -> l
             f"{size_text(free)} free in {there}"]
 
 
-def fp8_section(cfg: Config, found: Findings) -> None:
-    """model.fp8: torchao missing, or a CPU run, is a problem here as at start-up; the GPUs' FP8
-    tensor cores can only be checked on them."""
-    if cfg.model.fp8 == "off":
-        return
-    import torch
-
-    from sfttrain import fp8
-
-    if cfg.trainer.device == "cpu":
-        found.check(lambda: fp8.check_available(cfg.model, torch.device("cpu")))
-        return
-    found.check(fp8.float8_api)
-    found.notes.append(f"model.fp8={cfg.model.fp8}: whether the GPUs have FP8 tensor cores (compute capability >= "
-                       "8.9: H100/H200, L40S) is checked at start-up")
-
-
-def on_run_device(cfg: Config, found: Findings, check: Callable[[str], Any]) -> None:
-    """check(device type) on the device the run takes, its refusal a problem: trainer.device's, or for auto
-    the GPU this machine has. trainer.device=auto on a machine without one: the nodes the run lands on may
-    have GPUs or not, so each device's refusal is a note."""
-    import torch
-
-    from sfttrain.distributed import wants_cuda
-
+def run_devices(cfg: Config) -> tuple[str, ...]:
+    """The device types the run takes: trainer.device's, or for auto this machine's GPU; on a machine
+    without one, both (the nodes the run lands on may have GPUs or not)."""
     if cfg.trainer.device != "auto" or torch.cuda.is_available():
-        found.check(lambda: check("cuda" if wants_cuda(cfg) else "cpu"))
-        return
-    for device, where in (("cuda", "on GPUs"), ("cpu", "without GPUs (trainer.device=auto; this machine has none)")):
-        try:
-            check(device)
-        except UserError as e:
-            found.notes.append(f"if this runs {where}: {e}")
+        return ("cuda" if wants_cuda(cfg) else "cpu",)
+    return ("cuda", "cpu")
 
 
-def liger_section(cfg: Config, found: Findings) -> None:
-    """model.use_liger: liger-kernel missing stops a run on GPUs at start-up (a CPU run ignores the key,
-    saying so)."""
-    from sfttrain.model import liger_patching
-
-    if cfg.model.use_liger:
-        on_run_device(cfg, found, lambda device: device == "cuda" and liger_patching())
-
-
-def attention_section(cfg: Config, folder: str, found: Findings) -> None:
-    """The attention backend's start-up check (sfttrain.model.attention_backend): a backend the device
-    cannot run, fp16/bf16 compute, Gemma 2's soft-cap; `auto` picks with this machine's packages."""
-    from transformers import AutoConfig
-
-    from sfttrain.model import attention_backend
-
-    config = AutoConfig.from_pretrained(folder, trust_remote_code=cfg.model.trust_remote_code)
-    on_run_device(cfg, found, lambda device: attention_backend(cfg.model, config, device))
+def model_section(s: Startup):
+    """The model as the run builds it (sfttrain.model.load_model), on the meta device (no weights, no
+    memory), LoRA's adapters applied, and what the run checks of it once built; None where it cannot be
+    built here."""
+    m = s.cfg.model
+    if s.folder is None:
+        return None
+    model = s.found.check(lambda: build_on_meta(m, AutoConfig.from_pretrained(s.folder,
+                                                                            trust_remote_code=m.trust_remote_code)))
+    if model is not None and m.lora_rank > 0:  # its targets checked against the linear layers, as the run does
+        model = s.found.check(lambda: apply_lora(model, m))
+    if model is not None and m.enable_gradient_checkpointing:
+        s.found.check(lambda: chosen_layers(decoder_layers(model), m))
+    if model is not None and m.compile:  # a GPU run refuses it as it compiles the layers
+        on_devices(s, s.devices, lambda device: cpp_wrapper(s.cfg, device, model.config))
+    return model
 
 
-def device_section(cfg: Config, world: int, mesh_shape: Optional[tuple[int, int]], found: Findings) -> None:
-    """What the run needs of its device: a GPU for trainer.device=cuda (distributed.check_cuda_visible; a
-    note where this machine has none, the run's nodes may have them), what its layout needs of the
-    device (sfttrain.parallel.check_device: CPU offload, DDP's bf16 reduce), and a loss kernel that runs
-    there (sfttrain.loss.chunk_loss_kernel)."""
-    from sfttrain.distributed import check_cuda_visible
-    from sfttrain.loss import chunk_loss_kernel
-    from sfttrain.parallel import check_device, choose_layout
+def preflight(cfg: Config, nproc: int, nnodes: int, elsewhere: bool = False) -> tuple[list[str], Findings]:
+    """(report lines, what was found): the run's own checks, each problem listed, none stopping the rest."""
+    s = Startup(cfg, nproc * nnodes, run_devices(cfg), planning=True, elsewhere=elsewhere)
+    lines = [f"sfttrain plan: {nnodes} node(s) x {nproc} rank(s)"]
+    try:
+        with one_rank_group():  # the row scan's collectives
+            run_checks(s)
+            plan_sections(s, nproc, lines)
+    except Exception as e:  # noqa: BLE001 -- a value the config refuses (a micro-batch of 0) that a later
+        if not config_problems(cfg):  # section cannot take, the run stops before; else a bug, raised
+            raise
+        s.found.notes.append(f"the rest of the plan needs the config's problems fixed first ({type(e).__name__}: "
+                             f"{e}): fix them and run the preflight again")
+    return lines, s.found
 
+
+def plan_sections(s: Startup, nproc: int, lines: list[str]) -> None:
+    """The report beyond the registry's checks, appended to `lines` and `s.found`."""
+    cfg, found = s.cfg, s.found
     try:
         check_cuda_visible(cfg)
     except ConfigError as e:
         found.notes.append(f"{e} (on this machine: a problem only if the nodes the run starts on have none either)")
-    offload = cfg.model.fsdp_config.offloaded()
-    # no mesh (the world's problem is listed): what needs no layout is still checked, offloading (always
-    # sharded); DDP's reduce, which needs the layout, is not
-    layout = choose_layout(world, mesh_shape[1], cfg.ulysses_sequence_parallel_size, offload) if mesh_shape \
-        else "sharded"
-    on_run_device(cfg, found, lambda device: check_device(cfg, layout, device))
-    on_run_device(cfg, found, lambda device: chunk_loss_kernel(cfg.model.loss_kernel, device))
-
-
-def model_section(cfg: Config, folder: str, found: Findings):
-    """The start-up's checks of the model folder (its config.json here) and of the model the run builds,
-    built here on the meta device (`planned_model`): the model, or None where it cannot be built."""
-    from sfttrain.model import check_max_length, check_model_config, check_weights, decoder_layers
-    from sfttrain.parallel import cpp_wrapper
-    from sfttrain.recompute import chosen_layers
-
-    found.check(lambda: check_rope(cfg, folder))
-    found.check(lambda: check_max_length(cfg, folder))
-    try:  # a folder of config files only is how a model elsewhere is planned here (the hub cache's too)
-        check_weights(cfg.model, folder)
-    except ConfigError as e:
-        found.notes.append(f"{e} (a problem only if the folder has none where the run starts)")
-    found.check(lambda: check_model_config(cfg, folder))
-    attention_section(cfg, folder, found)
-    model = found.check(lambda: planned_model(cfg.model, folder))
-    if model is not None and cfg.model.enable_gradient_checkpointing:
-        found.check(lambda: chosen_layers(decoder_layers(model), cfg.model))
-    if model is not None and cfg.model.compile:  # a GPU run refuses it as it compiles the layers
-        on_run_device(cfg, found, lambda device: cpp_wrapper(cfg, device, model.config))
-    return model
-
-
-def planned_model(m: ModelConfig, folder: str):
-    """The model as the run builds it (sfttrain.model.load_model), on the meta device, LoRA's adapters
-    applied: their targets checked against its linear layers (and a MoE's experts), as the run does."""
-    from transformers import AutoConfig
-
-    from sfttrain.lora import apply_lora
-    from sfttrain.model import build_on_meta
-
-    model = build_on_meta(m, AutoConfig.from_pretrained(folder, trust_remote_code=m.trust_remote_code))
-    return apply_lora(model, m) if m.lora_rank > 0 else model
-
-
-def workers_section(cfg: Config, nproc: int) -> list[str]:
-    """The start-up lines of data.num_workers against this machine's CPUs, said to be this machine's:
-    the nodes the run lands on may have others (there, the run's own start-up lines count theirs)."""
-    from sfttrain.data.loader import cpus_of_this_process, describe_workers
-
-    return describe_workers(cfg.data.num_workers, nproc, cpus_of_this_process(), where="this machine")
-
-
-def open_files_check(cfg: Config, dp_size: Optional[int], found: Findings) -> None:
-    """The start-up's refusal of a hard open files limit below what the data workers need
-    (sfttrain.fs_faults.check_open_files), by this process's limit: a run started from the same shell has it."""
-    from sfttrain.data.loader import open_files_needed
-    from sfttrain.fs_faults import open_files_problem
-
-    if dp_size is not None and (problem := open_files_problem(open_files_needed(cfg.data, dp_size))):
-        found.add(problem)
-
-
-def preflight(cfg: Config, nproc: int, nnodes: int) -> tuple[list[str], Findings]:
-    """(report lines, what was found): the run's own checks, each problem listed, none stopping the rest."""
-    found = Findings()
-    refused = config_problems(cfg)
-    for problem in refused:  # each on its own line, as the run's refusal lists them
-        found.add(problem)
-    lines = [f"sfttrain plan: {nnodes} node(s) x {nproc} rank(s)"]
-    try:
-        plan_sections(cfg, nproc, nnodes, found, lines)
-    except Exception as e:  # noqa: BLE001 -- only where the config is refused; else a bug, raised
-        # the sections compute with the config's values, some of which (a micro-batch of 0, a dtype or a
-        # seed the run refuses) they cannot take: the run stops on the config's problems before them
-        if not refused:
-            raise
-        found.notes.append(f"the rest of the plan needs the config's problems fixed first ({type(e).__name__}: "
-                           f"{e}): fix them and run the preflight again")
-    return lines, found
-
-
-def plan_sections(cfg: Config, nproc: int, nnodes: int, found: Findings, lines: list[str]) -> None:
-    """The checks and the report beyond the config's validation, appended to `lines` and `found`."""
-    from sfttrain.distributed import check_world, data_parallel_size
-    from sfttrain.metrics import require_loggers
-    from sfttrain.model import check_weights_readable
-
-    world = nproc * nnodes
-    try:
-        dp_size = data_parallel_size(world, cfg.ulysses_sequence_parallel_size)
-    except ConfigError:  # listed by check_world below; nothing is derived from a split that does not exist
-        dp_size = None
-    mesh_shape = found.check(lambda: check_world(cfg, world))
-    found.check(lambda: require_loggers(cfg))
-    device_section(cfg, world, mesh_shape, found)
     if "wandb" in logger_names(cfg.trainer) and os.environ.get("WANDB_MODE") not in ("offline", "disabled"):
         found.notes.append("trainer.logger includes wandb: its login (`wandb login`, or WANDB_API_KEY) is checked when "
                            "the run starts, where a missing one stops it at once (WANDB_MODE=offline needs none)")
-    folder = model_folder(cfg.model, found)
-    if folder is not None:
-        found.check(lambda: check_weights_readable(cfg.model, folder))
-    model = model_section(cfg, folder, found) if folder is not None else None
-    fp8_section(cfg, found)
-    liger_section(cfg, found)
-    batches = batch_section(cfg, dp_size, folder, found)
+    model = model_section(s)
+    batches = batch_section(s)
     lines += batches.lines
-    lines += workers_section(cfg, nproc)
-    open_files_check(cfg, dp_size, found)
-    run_folder_check(cfg, found)
-    lines += resume_section(cfg, batches, folder, model, found)
-    lines += memory_section(cfg, dp_size, folder, found)
-    lines += checkpoint_section(cfg, folder, found)
+    lines += describe_workers(cfg.data.num_workers, nproc, cpus_of_this_process(), where="this machine")
+    lines += resume_section(cfg, batches, s.folder, model, found)
+    lines += memory_section(cfg, s.dp_size, s.folder, found)
+    lines += checkpoint_section(cfg, model, found)
     lines += describe_retention(cfg.trainer.max_ckpt_to_keep)
     lines += moot_settings(cfg)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from sfttrain.run import parse_args as parse_config_args
-
     args, rest = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = load_config(*parse_config_args(rest), check=False)
     except UserError as e:  # an unknown key, a value of the wrong type, a YAML error: nothing to plan with
         print(f"sfttrain plan: {e.kind}: {e}")
         return 2
-    lines, found = preflight(cfg, args.nproc, args.nnodes)
+    lines, found = preflight(cfg, args.nproc, args.nnodes, args.elsewhere)
     print("\n".join(lines))
     if found.notes:
         print("\n".join(["not checked here:"] + [f"  - {n}" for n in found.notes]))
-    problems = found.problems
-    listed = [f"  - {p}".replace("\n", "\n    ") for p in problems]  # a problem's own lines under its dash
-    print("\n".join(["problems:", *listed]) if problems else "no problems found")
-    return 2 if problems else 0
+    listed = [f"  - {p}".replace("\n", "\n    ") for p in found.problems]  # a problem's own lines under its dash
+    print("\n".join(["problems:", *listed]) if listed else "no problems found")
+    return 2 if listed else 0
 
 
 if __name__ == "__main__":

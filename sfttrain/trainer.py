@@ -10,32 +10,28 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from sfttrain import checkpoint, export, fp8, lora, moe, phase, profiling, recompute, stop_signal
+from sfttrain import checks, checkpoint, export, fp8, lora, moe, phase, profiling, recompute, stop_signal
 from sfttrain.attention import describe_backend, fallback_warning
 from sfttrain.checkpoint_folder import (complete_checkpoints, describe_retention, is_complete, latest_of_newest_run,
                                        read_state, remove_stale_tmp)
-from sfttrain.config import Config, as_list, logger_names, moot_settings
-from sfttrain.data.chat import build_renderer, resolve_chat_template
-from sfttrain.data.loader import (StepBatch, TrainData, cpus_of_this_process, describe_workers, open_files_needed,
-                                  step_batches, validation_batches)
-from sfttrain.data.files import CONVERTED_DIR, open_source
+from sfttrain.config import Config, logger_names, moot_settings
+from sfttrain.data.loader import (StepBatch, TrainData, cpus_of_this_process, describe_workers, step_batches,
+                                  validation_batches)
+from sfttrain.data.files import CONVERTED_DIR
 from sfttrain.data.pack import max_segment_length
-from sfttrain.data.parquet import DataFileChanged, row_fields
-from sfttrain.data.prepare import LENGTHS_DIR, prepare_data
+from sfttrain.data.parquet import DataFileChanged
+from sfttrain.data.prepare import LENGTHS_DIR
 from sfttrain.data.report import describe
 from sfttrain.distributed import World, check_shared_run_dir, describe_auto_cpu, ranks_of_this_launcher
 from sfttrain.errors import NonFiniteLossError, StoppedBySignal
 from sfttrain.flops import ModelShape
-from sfttrain.fs_faults import check_open_files
 from sfttrain.loss import CausalLMLoss, router_metrics, router_stats, select_chunk_loss, step_objective
 from sfttrain.metrics import (MetricsLogger, StepEnd, StepTimer, describe_host_memory, describe_software,
                               host_memory_gib, memory_stats, start_wandb, throughput)
-from sfttrain.model import (check_max_length, check_model_config, check_weights_readable, decoder_layers,
-                            embedding_rows, load_model, load_tokenizer, local_model_folder, stop_generation_at)
+from sfttrain.model import decoder_layers, load_model, local_model_folder, stop_generation_at
 from sfttrain.optim import build_optimizer, build_scheduler, clipped_step, describe_schedule, schedule_settings
 from sfttrain.parallel import describe_compile, describe_sharding, gradient_sync, parallelize
 from sfttrain.resume import Resume, check_resume, find_resume
-from sfttrain.rope import check_rope
 from sfttrain.run_lock import lock_run_folder
 
 
@@ -57,27 +53,14 @@ class FSDPSFTTrainer:
         self.run_dir = t.default_local_dir
         check_shared_run_dir(self.run_dir, world)  # every node writes its shards there
         self.folder_warnings = lock_run_folder(self.run_dir)  # one run at a time in a run folder
-        check_open_files(open_files_needed(d, world.dp_size))  # the data workers' handover of each step
 
-        # data first: a bad file, column or batch size fails before the model is loaded
-        folder = local_model_folder(cfg.model)
-        check_weights_readable(cfg.model, folder)
-        check_rope(cfg, folder)  # RoPE that packing would make depend on the batch (the specific diagnosis first)
-        check_max_length(cfg, folder)
-        check_model_config(cfg, folder)  # its family, router loss and Ulysses heads: before the data scan
-        fp8.check_available(cfg.model, world.device)  # a GPU without FP8 stops before the data is read
-        self.tokenizer = load_tokenizer(cfg.model, resolve_chat_template(d) if d.apply_chat_template else None)
-        renderer = build_renderer(d, self.tokenizer, embedding_rows(cfg.model, folder))  # pairs or conversations
-        fields = row_fields(d)
-        train_source = open_source(as_list(d.train_files), fields, self.run_dir)
-        val_source = open_source(as_list(d.val_files), fields, self.run_dir) if d.val_files else None
-        prepared = prepare_data(cfg, train_source, val_source, renderer, self.tokenizer, world, self.run_dir)
-        self.plan, self.data_report = prepared.plan, prepared.report  # every row rendered, or stopped here
-        profiling.check_window(t.profile_steps, self.plan.total_steps)
+        # every problem the checks and the row scan find, listed before the model is loaded
+        folder, rows, self.plan, self.data_report = checks.start_run(cfg, world)
+        self.tokenizer, renderer = rows.tokenizer, rows.renderer
         restored = remove_stale_tmp(self.run_dir, (CONVERTED_DIR, LENGTHS_DIR)) if world.is_main else []
         resume = find_resume(t, self.run_dir)
         base = lora.trained_identity(cfg.model, folder) if cfg.model.lora_rank > 0 else None
-        self.state = checkpoint.TrainState(global_batch=d.train_batch_size, seed=t.seed, data=prepared.fingerprint,
+        self.state = checkpoint.TrainState(global_batch=d.train_batch_size, seed=t.seed, data=rows.fingerprint,
                                            schedule=schedule_settings(cfg.optim, self.plan.total_steps),
                                            run_id=resume.run_id, base=base)
         resume_from = resume.path
@@ -101,9 +84,9 @@ class FSDPSFTTrainer:
         if hook := fp8.scale_precompute_hook(self.lm.model):
             self.optimizer.register_step_post_hook(hook)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.plan.total_steps)
-        self.data = TrainData(train_source, renderer, self.plan, prepared.stats, world.dp_rank, t.seed, d.shuffle,
+        self.data = TrainData(rows.source, renderer, self.plan, rows.stats, world.dp_rank, t.seed, d.shuffle,
                               self.model_shape.attention_coefficient, d.pad_to_multiple, world.row_slice)
-        val = prepared.val_samples
+        val = rows.val_samples
         self.val_batches = (validation_batches(val, d.micro_batch_size_per_gpu, d.max_token_len_per_gpu,
                                                d.pad_to_multiple, world.device, world.row_slice)
                             if val is not None else None)

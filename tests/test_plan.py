@@ -91,7 +91,9 @@ def loaded_stories(cfg):
 def test_memory_rows_of_the_weights_are_what_a_step_holds(lora):
     """The preflight's parameter, gradient and optimizer rows against stories260K as sfttrain loads it
     on one device (fp32 master weights, bf16 compute; LoRA: the frozen base in bf16, fp32 adapters),
-    after a step: the bytes of its parameters, their gradients and AdamW's state."""
+    after a step: the bytes of its parameters, their gradients and AdamW's state; and the head's
+    [vocab, hidden] gradient that the loss computes in forward and saves for backward (none for LoRA's
+    frozen head)."""
     from sfttrain.config import load_config
     from sfttrain.data.pack import pack
     from sfttrain.data.render import RenderedSample
@@ -105,13 +107,20 @@ def test_memory_rows_of_the_weights_are_what_a_step_holds(lora):
     optimizer = build_optimizer(model, cfg.optim)
     lm = CausalLMLoss(model, fused=False)
     lm.autocast_dtype = torch.bfloat16  # as sfttrain.parallel.single_device sets it
-    lm(pack([RenderedSample(list(range(1, 65)), [1] * 64, 0)])).backward()
+    shape = DenseShape.from_config_json(str(STORIES))
+    head_sized = []
+    with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: head_sized.append(t) or t if tuple(t.shape) == (shape.vocab, shape.hidden) else t, lambda t: t):
+        loss = lm(pack([RenderedSample(list(range(1, 65)), [1] * 64, 0)]))
+    loss.backward()
     optimizer.step()
 
     def gib(tensors) -> float:
         return sum(t.numel() * t.element_size() for t in tensors) / 2**30
 
-    rows = memory_per_rank(cfg, DenseShape.from_config_json(str(STORIES)), 1)
+    rows = memory_per_rank(cfg, shape, 1)
+    head = rows.get("loss: the head's gradient (fp32, and its copy saved for backward)", 0)
+    assert head == pytest.approx(gib(head_sized), rel=1e-9) and (head > 0) == (not lora), rows
     params = list(model.parameters())
     assert rows["parameters"] == pytest.approx(gib(params), rel=1e-9)
     assert rows["gradients"] == pytest.approx(gib(p.grad for p in params if p.grad is not None), rel=1e-9)
@@ -141,17 +150,17 @@ def test_activation_row_counts_the_layers_that_are_not_recomputed():
 
 
 def test_checkpoint_size_estimates_are_the_tensors_a_checkpoint_holds(two_rank_run):
-    """The preflight's checkpoint size (from config.json) and the start-up's (from the loaded model)
+    """The preflight's checkpoint size (of the model it builds on the meta device) and the start-up's (of the loaded model)
     against the tensors the metadata of conftest's two-rank FSDP checkpoint lists (fp32 stories260K,
     its tied embedding saved under both names, AdamW's two moments)."""
     from sfttrain.checkpoint import estimated_bytes
     from sfttrain.config import load_config
-    from sfttrain.plan import checkpoint_bytes
+    from sfttrain.plan import Startup, model_section
 
     cfg = load_config(None, [*BASE_OVERRIDES, "data.train_files=x"])
-    model = loaded_stories(cfg)
+    planned = model_section(Startup(cfg, 1, ("cpu",), planning=True, folder=str(STORIES)))
     held = checkpoint_tensor_bytes(two_rank_run / "global_step_3")
-    assert checkpoint_bytes(cfg, DenseShape.from_config_json(str(STORIES))) == estimated_bytes(model) == held
+    assert estimated_bytes(planned) == estimated_bytes(loaded_stories(cfg)) == held
 
 
 def test_preflight_says_when_the_run_folder_cannot_take_a_checkpoint(tmp_path):
@@ -159,12 +168,12 @@ def test_preflight_says_when_the_run_folder_cannot_take_a_checkpoint(tmp_path):
     than a checkpoint (a real 1 MB tmpfs; stories260K's checkpoint: 3.25 MB)."""
     from tests.test_checkpoint import tmpfs
 
-    code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={tmp_path}/absent.parquet",
+    code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={tmp_path}/absent.parquet", "--elsewhere",
                          f"trainer.default_local_dir={tmp_path}", "--nproc", "1")
     assert code == 0 and re.search(r"checkpoint +: about 3.25 MB each \(trained weights and AdamW moments\); "
                                    rf"[\d.]+ [GM]B free in {tmp_path}", out), out
     with tmpfs(tmp_path / "small", 10**6):
-        code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={tmp_path}/absent.parquet",
+        code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={tmp_path}/absent.parquet", "--elsewhere",
                              f"trainer.default_local_dir={tmp_path}/small", "--nproc", "1")
     problems = out.split("problems:")[1]
     assert code == 2 and re.search(rf"trainer.default_local_dir='{tmp_path}/small' has [\d.]+ MB free and this "
@@ -173,21 +182,24 @@ def test_preflight_says_when_the_run_folder_cannot_take_a_checkpoint(tmp_path):
 
 def test_preflight_says_when_the_run_folder_is_on_a_read_only_filesystem(tmp_path):
     """A run folder on a read-only filesystem (a real read-only bind mount: EROFS, which root meets too) is a
-    problem, the start-up's own check; one not made yet, in a read-only folder, is a note (the run's
-    machine may mount it otherwise)."""
+    problem, the start-up's own check; so is one not made yet in a read-only folder, unless the plan is for
+    other machines (--elsewhere: they may mount it otherwise), where it is a note."""
     run_dir = tmp_path / "ro" / "run"
     run_dir.mkdir(parents=True)
     with read_only(tmp_path / "ro"):
-        code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={tmp_path}/absent.parquet",
+        code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={tmp_path}/absent.parquet", "--elsewhere",
                              f"trainer.default_local_dir={run_dir}", "--nproc", "1")
         problems = out.split("problems:")[1]
         assert code == 2 and (f"trainer.default_local_dir='{run_dir}' cannot be written: the filesystem of the run "
                               f"folder {run_dir} is read-only (Read-only file system: {run_dir}). It was mounted "
                               "read-only, or the kernel made it read-only after a disk error") in problems, out
-        code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={tmp_path}/absent.parquet",
+        code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={tmp_path}/absent.parquet", "--elsewhere",
                              f"trainer.default_local_dir={run_dir}/new", "--nproc", "1")
         notes = out.split("not checked here:")[1]
         assert code == 0 and f"the filesystem of {run_dir} is read-only" in notes, out
+        code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={tmp_path}/absent.parquet",
+                             f"trainer.default_local_dir={run_dir}/new", "--nproc", "1")
+        assert code == 2 and f"the filesystem of {run_dir} is read-only" in out.split("problems:")[1], out
 
 
 def test_preflight_names_what_this_user_may_not_read_or_write(gsm8k_dir, tmp_path):
@@ -277,11 +289,15 @@ def test_plan_lists_every_problem_with_a_valid_fix(tmp_path):
     code, out = run_plan(f"data.train_files={tmp_path}/absent.parquet", f"model.partial_pretrain={tmp_path}/none",
                          "data.train_batch_size=7", "--nproc", "2")
     assert code == 2
+    assert f"data file '{tmp_path}/absent.parquet' does not exist (check data.train_files)" in out.split("problems:")[1], out
     assert "data.train_batch_size=7 is not divisible by the 2 data-parallel ranks; use data.train_batch_size=8" in out
     assert f"model.partial_pretrain='{tmp_path}/none' is not a local model folder with a config.json" in out
-    code, out = run_plan(f"data.train_files={tmp_path}/absent.parquet", f"model.partial_pretrain={STORIES}",
+    code, out = run_plan(f"data.train_files={tmp_path}/absent.parquet", "--elsewhere", f"model.partial_pretrain={STORIES}",
                          "data.train_batch_size=8", "data.max_length=512", "--nproc", "2")
-    assert code == 0 and "steps per epoch unknown" in out  # data only on the cluster: said, not an error
+    assert code == 0 and "steps per epoch unknown" in out  # --elsewhere: data only on the cluster, said, not an error
+    code, out = run_plan(f"data.train_files={tmp_path}/absent.parquet", f"model.partial_pretrain={tmp_path}/none",
+                         "data.train_batch_size=8", "--nproc", "2", "--elsewhere")
+    assert code == 0 and f"model.partial_pretrain='{tmp_path}/none' not on this machine" in out, out
 
 
 @pytest.mark.parametrize("refused", ["data.micro_batch_size_per_gpu=0", "model.fsdp_config.model_dtype=fp64"])
@@ -339,9 +355,9 @@ def test_recipe_preflight(name, tmp_path, monkeypatch, gsm8k_dir):
                                                                   num_hidden_layers=28, num_attention_heads=28,
                                                                   num_key_value_heads=4, vocab_size=152064,
                                                                   tie_word_embeddings=False))}
-    monkeypatch.setenv("HOME", str(tmp_path))  # recipes that read ~/data find nothing there: said, not an error
+    monkeypatch.setenv("HOME", str(tmp_path))  # recipes that read ~/data find nothing there: planned for the cluster
     code, out = run_plan(str(REPO / "recipes" / f"{name}.yaml"), f"model.partial_pretrain={folders[model]}",
-                         *extra, "--nproc", str(nproc))
+                         *extra, "--nproc", str(nproc), "--elsewhere")
     assert code == 0, out
     assert name != "demo_cpu" or "steps per epoch" in out and "total steps" in out, out
     totals = re.findall(r"^ +total +([0-9.]+) GiB$", out, re.MULTILINE)  # the memory table's last row
@@ -371,10 +387,12 @@ def test_preflight_lists_what_the_run_would_stop_on(gsm8k_head, tmp_path):
     # the training files are here and the validation file is not: a mistyped path, which the run stops on
     mistyped = gsm8k_head.parent / "tset.parquet"
     code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={gsm8k_head}", f"data.val_files={mistyped}", "--nproc", "1")
-    assert code == 2 and f"data.val_files: {mistyped} not found" in out.split("problems:")[1], out
-    # so is a training file listed beside one that is here (it was a note: only missing on this machine)
+    assert code == 2 and (f"data file '{mistyped}' does not exist (check data.val_files; did you mean {gsm8k_head}?)"
+                          in out.split("problems:")[1]), out
+    # so is a training file listed beside one that is here, with the existing name nearest to it
     code, out = run_plan(*BASE_OVERRIDES, f"data.train_files=[{gsm8k_head},{mistyped}]", "--nproc", "1")
-    assert code == 2 and f"data.train_files: {mistyped} not found, while {gsm8k_head} is" in out.split("problems:")[1], out
+    assert code == 2 and (f"data file '{mistyped}' does not exist (check data.train_files; did you mean {gsm8k_head}?)"
+                          in out.split("problems:")[1]), out
 
     # a pattern: the files it matches, named in the data report
     code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={gsm8k_head.parent}/tr*.parquet", "--nproc", "1")
@@ -385,9 +403,10 @@ def test_preflight_lists_what_the_run_would_stop_on(gsm8k_head, tmp_path):
     assert code == 0 and (f"  files               : 2: {gsm8k_head} ({rows} rows), {gsm8k_head} ({rows} rows); listed more "
                           f"than once: {gsm8k_head} 2 times, so its rows train as many times an epoch") in out, out
 
-    # a hub dataset's id (TRL's way) is not on this machine, nor on any other: the note says what to do
+    # a hub dataset's id (TRL's way) is not on this machine, nor on any other: the problem says what to do
     code, out = run_plan(*BASE_OVERRIDES, "data.train_files=openai/gsm8k", "--nproc", "1")
-    assert "openai/gsm8k not on this machine" in out and "looks like a Hugging Face hub dataset id" in out, out
+    problems = out.split("problems:")[1]
+    assert code == 2 and "'openai/gsm8k' does not exist" in problems and "looks like a Hugging Face hub dataset id" in problems, out
 
     code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={gsm8k_head}", "trainer.total_training_steps=3",
                          "trainer.profile_steps=[3,4]", "optim.lr_warmup_steps=10", "--nproc", "1")
@@ -565,7 +584,7 @@ def test_preflight_lists_the_cpp_wrapper_a_gpu_run_refuses(tmp_path):
            "model.fsdp_config.mixed_precision=true", "trainer.device=cuda"]
     with pytest.raises(ConfigError, match="model.compile_cpp_wrapper=true") as refused:
         cpp_wrapper(load_config(None, job), "cuda", AutoConfig.from_pretrained(STORIES))
-    code, out = run_plan(*job, "--nproc", "1")
+    code, out = run_plan(*job, "--nproc", "1", "--elsewhere")
     assert code == 2 and str(refused.value) in out.split("problems:")[1], out
 
 
@@ -651,8 +670,8 @@ def test_preflight_checks_the_model_folder_as_the_run_loads_it(gsm8k_head, tmp_p
 def test_preflight_checks_what_the_run_checks_of_the_loaded_model(gsm8k_head, tiny_qwen_dir, tmp_path):
     """Checks the run makes only once the model is built (after the data scan): Ulysses' heads that
     split over the sp ranks (tiny Qwen's 4 over 3), a family whose head the loss reproduces (GPT-2:
-    whose config.json the memory estimate cannot read either, which was a traceback). The run now makes
-    them from config.json before the data scan."""
+    whose config.json the memory estimate cannot read either, which was a traceback). The run makes them
+    from config.json, listed with the other start-up problems before the model is loaded."""
     data = [f"data.train_files={gsm8k_head}", "data.train_batch_size=8", "data.max_length=1024"]
     code, out = run_plan(*data, f"model.partial_pretrain={tiny_qwen_dir}", "ulysses_sequence_parallel_size=3",
                          "--nproc", "3")
@@ -665,12 +684,9 @@ def test_preflight_checks_what_the_run_checks_of_the_loaded_model(gsm8k_head, ti
     code, out = run_plan(*data, f"model.partial_pretrain={gpt2}", "--nproc", "1")
     assert code == 2 and "model type 'gpt2': sfttrain's loss is checked against the model's own loss only for llama" \
                          in out.split("problems:")[1], out
-    # the run refuses it from config.json before the data scan (it rendered every row, then built the model)
-    run_dir = tmp_path / "run"
-    refused = run_sfttrain(1, [*data, f"model.partial_pretrain={gpt2}", f"trainer.default_local_dir={run_dir}"],
+    refused = run_sfttrain(1, [*data, f"model.partial_pretrain={gpt2}", f"trainer.default_local_dir={tmp_path / 'run'}"],
                            check=False)
     assert refused.returncode == 2 and "model type 'gpt2': sfttrain's loss is checked" in refused.stdout, refused.stdout
-    assert not (run_dir / "row_stats").exists() and not (run_dir / "data_report.json").exists()
 
 
 def test_preflight_renders_with_the_template_the_run_would_use(gsm8k_head, tiny_qwen_dir, tmp_path):
@@ -689,9 +705,10 @@ def test_preflight_renders_with_the_template_the_run_would_use(gsm8k_head, tiny_
 
 
 def test_readme_preflight_of_a_hub_model(tmp_path, monkeypatch):
-    """The README's `python -m sfttrain.plan recipes/llama3.1-8b_full_8gpu.yaml --nproc 8` on a
+    """The README's `python -m sfttrain.plan recipes/llama3.1-8b_full_8gpu.yaml --nproc 8 --elsewhere` on a
     machine without the model or the data: it says what it could not check and how to point it
-    at them (exit 0); with the model's config.json in the hub cache it estimates the memory."""
+    at them (exit 0; without --elsewhere the data files missing here are problems); with the model's
+    config.json in the hub cache it estimates the memory."""
     from huggingface_hub import constants
 
     monkeypatch.setenv("HOME", str(tmp_path))
@@ -699,13 +716,15 @@ def test_readme_preflight_of_a_hub_model(tmp_path, monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     recipe = str(REPO / "recipes" / "llama3.1-8b_full_8gpu.yaml")
     code, out = run_plan(recipe, "--nproc", "8")
+    assert code == 2 and "data file '~/data/gsm8k/train.parquet' does not exist" in out.split("problems:")[1], out
+    code, out = run_plan(recipe, "--nproc", "8", "--elsewhere")
     assert code == 0 and "is a hub id that is not in this machine's hub cache" in out, out
     assert "model.partial_pretrain=/path/to/a/local/copy" in out and "no problems found" in out
     repo = tmp_path / "hub" / "models--meta-llama--Llama-3.1-8B-Instruct"  # the hub cache's layout
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "main").write_text("0" * 40)
     config_only_folder(repo / "snapshots" / ("0" * 40), LLAMA31_8B)
-    code, out = run_plan(recipe, "--nproc", "8")
+    code, out = run_plan(recipe, "--nproc", "8", "--elsewhere")
     assert code == 0 and "8,030.3M parameters" in out and "GPU memory per rank" in out, out
 
 
@@ -721,7 +740,7 @@ def test_preflight_lists_a_missing_liger_kernel(tmp_path, monkeypatch):
     a problem for trainer.device=cuda and for auto on a GPU host, a note where the run may land on GPUs (auto,
     a host without one), nothing for a CPU run, which ignores the key."""
     monkeypatch.setitem(sys.modules, "liger_kernel.transformers.monkey_patch", None)  # not importable
-    data = [*BASE_OVERRIDES, f"data.train_files={tmp_path}/absent.parquet", "model.use_liger=true"]
+    data = [*BASE_OVERRIDES, f"data.train_files={tmp_path}/absent.parquet", "--elsewhere", "model.use_liger=true"]
     missing = "model.use_liger=true but liger-kernel is not installed: pip install -e '.[gpu]' --no-build-isolation"
     code, out = run_plan(*data, "trainer.device=cuda", "--nproc", "1")
     assert code == 2 and missing in out.split("problems:")[1], out
@@ -741,7 +760,7 @@ def test_preflight_refuses_the_layouts_the_device_cannot_run(tmp_path):
     model is built): CPU offload on the CPU, and DDP's bf16 gradient reduce (NO_SHARD over 2 ranks) off
     GPUs. One rank runs unwrapped and reduces nothing: no problem there. Offloading is refused also
     where the world's own shape is a problem (no layout is planned then)."""
-    data = [*BASE_OVERRIDES, f"data.train_files={tmp_path}/absent.parquet"]  # not rendered: only the layout is planned
+    data = [*BASE_OVERRIDES, f"data.train_files={tmp_path}/absent.parquet", "--elsewhere"]  # not rendered: only the layout is planned
     code, out = run_plan(*data, "model.fsdp_config.cpu_offload=true", "--nproc", "2")
     assert code == 2 and "model.fsdp_config.cpu_offload/offload_params need a CUDA device; set them to false" in \
         out.split("problems:")[1], out
@@ -786,7 +805,7 @@ def test_preflight_notes_that_this_machine_has_no_gpu_for_a_cuda_run(tmp_path, m
     refuse it there, but the nodes the run starts on may have GPUs: a note, not a problem (it said
     neither). trainer.device=auto picks whatever the nodes have: nothing to say."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    job = [*BASE_OVERRIDES, f"data.train_files={tmp_path}/absent.parquet", "model.fsdp_config.mixed_precision=true"]
+    job = [*BASE_OVERRIDES, f"data.train_files={tmp_path}/absent.parquet", "--elsewhere", "model.fsdp_config.mixed_precision=true"]
     code, out = run_plan(*job, "trainer.device=cuda", "--nproc", "1")
     assert code == 0 and "trainer.device=cuda but no CUDA device is visible" in out.split("not checked here:")[1], out
     code, out = run_plan(*job, "trainer.device=auto", "--nproc", "1")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import codecs
 import csv
+import difflib
 import glob
 import hashlib
 import io
@@ -93,6 +94,21 @@ def readable(path: str) -> str:
     if problem := unreadable([path]):
         raise DataError(f"data file {path!r} (data.train_files / data.val_files) cannot be read: {problem}")
     return path
+
+
+def missing_entries(paths: list[str]) -> list[str]:
+    """The entries that name nothing on this machine (a pattern matching none is pattern_files' error)."""
+    return [p for p in paths if not (is_pattern(os.path.expanduser(p)) or os.path.exists(os.path.expanduser(p)))]
+
+
+def nearest_name(path: str) -> str:
+    """The existing name most like `path`'s first missing part, as "; did you mean X?"; else ""."""
+    path = os.path.abspath(os.path.expanduser(path))
+    parent, wanted = os.path.dirname(path), os.path.basename(path)
+    while not os.path.isdir(parent) and parent != os.path.dirname(parent):
+        parent, wanted = os.path.dirname(parent), os.path.basename(parent)
+    near = difflib.get_close_matches(wanted, os.listdir(parent) if os.access(parent, os.R_OK) else [], n=1)
+    return f"; did you mean {os.path.join(parent, near[0])}?" if near else ""
 
 
 def is_pattern(path: str) -> bool:

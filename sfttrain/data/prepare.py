@@ -1,7 +1,7 @@
 """The start-up pass over the data, before the model is loaded: the data fingerprint, every
 training row's token counts (rendered once, or read from the length cache of an earlier start), the
-rows trained, the batch plan from them, this rank's validation rows rendered, and the data report
-(written to the run folder)."""
+rows trained, the validation rows rendered, the batch plan from them, and the data report (written
+to the run folder). The run and the preflight (sfttrain.plan) read the rows alike."""
 
 from __future__ import annotations
 
@@ -12,45 +12,54 @@ from typing import Optional
 import torch.distributed as dist
 
 from sfttrain.config import Config, DataConfig, as_list
+from sfttrain.data.batching import BatchPlan, make_plan
 from sfttrain.data.files import unread_subfolders
 from sfttrain.data.fingerprint import data_fingerprint, rendering_key, with_rows
-from sfttrain.data.loader import RowStats, epoch_rows, render_share, row_stats
+from sfttrain.data.loader import RowStats, epoch_rows, row_stats
 from sfttrain.data.parquet import ParquetSource
-from sfttrain.data.batching import BatchPlan, make_plan
 from sfttrain.data.render import RenderedSample, Renderer
 from sfttrain.data.report import (data_report, locate_rows, select_rows, training_twins, validation_section,
                                   write_report)
-from sfttrain.distributed import World
 from sfttrain.errors import ConfigError
 
 LENGTHS_DIR = "row_stats"  # in the run folder (unless data.length_cache_dir names another): <rendering key>.npz
 
 
-@dataclass(frozen=True)
-class PreparedData:
-    stats: RowStats
-    plan: BatchPlan
-    fingerprint: dict
-    report: dict
-    val_samples: Optional[list[RenderedSample]]  # this rank's share of the validation rows; None: no data.val_files
+@dataclass
+class Rows:
+    """The rows a run trains and validates on, read at start-up."""
+    tokenizer: object
+    renderer: Renderer
+    source: ParquetSource
+    stats: RowStats  # after select_rows
+    fingerprint: dict  # what the run's checkpoints record of the data
+    val_source: Optional[ParquetSource] = None
+    val_samples: Optional[list[RenderedSample]] = None  # this rank's share; None: no data.val_files
 
 
-def prepare_data(cfg: Config, source: ParquetSource, val_source: Optional[ParquetSource], renderer: Renderer,
-                 tokenizer, world: World, run_dir: str) -> PreparedData:
-    d = cfg.data
+def scan_rows(cfg: Config, source: ParquetSource, renderer: Renderer, tokenizer, share: tuple[int, int],
+              run_dir: str, fill_cache: bool = True) -> tuple[RowStats, dict]:
+    """(every training row's token counts, the rows without a supervised token selected; the data
+    fingerprint), rendered by `share` = (rank, ranks). fill_cache=False (the preflight) leaves the run
+    folder as it is: its length cache is read where there is one, never made."""
     fingerprint = data_fingerprint(cfg, source, tokenizer)
-    cache = length_cache_file(d, fingerprint, run_dir)
-    stats = select_rows(row_stats(source, renderer, world.rank, world.world_size, cache), d)
-    fingerprint = with_rows(fingerprint, stats.keep, stats.digests)
-    plan = make_plan(cfg, world.dp_size, int(stats.keep.sum()))
-    report = first_epoch_report(cfg, source, stats, plan)
-    val_samples = None
-    if val_source is not None:
-        val_samples = render_share(val_source, renderer, world.dp_rank, world.dp_size)
-        report["validation"] = validation_report(val_samples, stats, val_source.num_rows)
-    if world.is_main:
+    cache = length_cache_file(cfg.data, fingerprint, run_dir)
+    if not (fill_cache or cfg.data.length_cache_dir or os.path.isfile(cache)):
+        cache = None
+    stats = select_rows(row_stats(source, renderer, *share, cache), cfg.data)
+    return stats, with_rows(fingerprint, stats.keep, stats.digests)
+
+
+def plan_and_report(cfg: Config, rows: Rows, dp_size: int, run_dir: Optional[str]) -> tuple[BatchPlan, dict]:
+    """The batch plan over dp_size data-parallel ranks and the data report, written to run_dir (None:
+    not written) by rank 0."""
+    plan = make_plan(cfg, dp_size, int(rows.stats.keep.sum()))
+    report = first_epoch_report(cfg, rows.source, rows.stats, plan)
+    if rows.val_samples is not None:
+        report["validation"] = validation_report(rows.val_samples, rows.stats, rows.val_source.num_rows)
+    if run_dir is not None and dist.get_rank() == 0:
         write_report(report, run_dir)
-    return PreparedData(stats, plan, fingerprint, report, val_samples)
+    return plan, report
 
 
 def first_epoch_report(cfg: Config, source: ParquetSource, stats: RowStats, plan: BatchPlan) -> dict:

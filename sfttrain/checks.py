@@ -1,0 +1,299 @@
+"""The start-up checks: one registry that the run (sfttrain.trainer) and the preflight (sfttrain.plan)
+both run before any compute, listing every problem found rather than stopping at the first.
+
+A check is a function of what it needs (the config, the world's size, the model folder, a device
+type); it raises the engine's typed error or returns its problems (a string, a UserError, a list of
+them; a `Note` is what cannot be checked on this machine). A check whose needs are missing (None: a
+model folder that is itself a problem) is skipped. The run stops after the list, with the first
+problem's exit code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, Callable, Optional
+
+import torch
+from transformers import AutoConfig
+
+from sfttrain import fp8
+from sfttrain.config import Config, ConfigError, as_list, config_problems
+from sfttrain.data.batching import BatchPlan, batch_problem
+from sfttrain.data.chat import build_renderer, resolve_chat_template
+from sfttrain.data.files import data_files, missing_entries, nearest_name, open_source
+from sfttrain.data.loader import open_files_needed, render_share
+from sfttrain.data.parquet import hub_id_hint, row_fields
+from sfttrain.data.prepare import Rows, plan_and_report, scan_rows
+from sfttrain.distributed import World, check_world, data_parallel_size
+from sfttrain.errors import DataError, UserError
+from sfttrain.faults import check_open_files, check_writable, open_files_problem
+from sfttrain.hub import cached_folder, is_repo_id
+from sfttrain.loss import chunk_loss_kernel
+from sfttrain.metrics import require_loggers
+from sfttrain.model import (attention_backend, check_max_length, check_model_config, check_model_folder, check_weights,
+                            check_weights_readable, embedding_rows, liger_patching, load_tokenizer, local_model_folder)
+from sfttrain.parallel import check_device, choose_layout
+from sfttrain.profiling import check_window
+from sfttrain.rope import check_rope
+
+WHERE = {"cuda": "on GPUs", "cpu": "without GPUs (trainer.device=auto; this machine has none)"}
+
+
+class Note(UserError):
+    """What a check cannot decide on this machine: said, not counted."""
+
+
+@dataclass
+class Findings:
+    problems: list[UserError] = dataclasses.field(default_factory=list)  # what the run stops on
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    def check(self, run: Callable[[], Any]) -> Any:
+        """run()'s result, or None with its UserError recorded."""
+        try:
+            return run()
+        except UserError as e:
+            self.add(e)
+            return None
+
+    def add(self, problem: UserError | str) -> None:
+        if isinstance(problem, Note):
+            self.notes.append(str(problem))
+        elif str(problem) not in map(str, self.problems):  # one mistake two checks find is said once
+            self.problems.append(problem if isinstance(problem, UserError) else ConfigError(problem))
+
+    def stop_if_any(self) -> None:
+        """Raises every problem, one a line, as an error of the first one's kind (its exit code)."""
+        if len(self.problems) == 1:
+            raise self.problems[0]
+        if self.problems:
+            raise type(self.problems[0])("\n".join(map(str, self.problems)))
+
+
+@dataclass
+class Startup:
+    """What the checks look at. devices: the device types the run may take (two where the preflight
+    cannot tell: `on_devices`). planning: the preflight, which downloads nothing; elsewhere: its user
+    said the plan is for other machines, so a path missing here is a note."""
+    cfg: Config
+    world_size: int
+    devices: tuple[str, ...]
+    planning: bool = False
+    elsewhere: bool = False
+    found: Findings = dataclasses.field(default_factory=Findings)
+    folder: Optional[str] = None  # the model folder on this machine, once found
+
+    @cached_property
+    def dp_size(self) -> Optional[int]:
+        try:
+            return data_parallel_size(self.world_size, self.cfg.ulysses_sequence_parallel_size)
+        except ConfigError:  # the world check lists it
+            return None
+
+
+@dataclass(frozen=True)
+class Check:
+    run: Callable
+    needs: tuple[str, ...]  # Startup's attributes, in the order run takes them ("device": each of its devices)
+    gives: Optional[str] = None  # the Startup attribute its result sets
+
+
+def model_folder(cfg: Config, planning: bool, elsewhere: bool) -> Optional[str]:
+    """model.partial_pretrain's folder here. The run downloads a hub id; the preflight only looks in the
+    hub cache (a note where it is not there, as for a folder missing here in a plan of other machines)."""
+    m = cfg.model
+    if not m.partial_pretrain:  # the config's problem already
+        return None
+    if not planning:
+        return local_model_folder(m)
+    folder = cached_folder(m.partial_pretrain) if is_repo_id(m.partial_pretrain) else m.partial_pretrain
+    if folder is None:
+        raise Note(f"model.partial_pretrain={m.partial_pretrain!r} is a hub id that is not in this machine's hub "
+                   f"cache: memory and the rendering of the rows are not checked; fill the cache with `hf download "
+                   f"{m.partial_pretrain} --include '*.json' '*.model' '*.jinja'` or add "
+                   "model.partial_pretrain=/path/to/a/local/copy to this command")
+    if elsewhere and not os.path.exists(os.path.expanduser(folder)):
+        raise Note(f"model.partial_pretrain={m.partial_pretrain!r} not on this machine: the model, memory and the "
+                   "rendering of the rows are not checked")
+    check_model_folder(m, folder)
+    return folder
+
+
+def data_entries(cfg: Config, elsewhere: bool) -> list:
+    """Each entry of data.train_files / data.val_files that names nothing here (with the existing name
+    most like it), or that data_files refuses (a pattern matching none, an unreadable file...)."""
+    problems = []
+    for key in ("train_files", "val_files"):
+        for entry in as_list(getattr(cfg.data, key)):
+            if "://" in entry or (elsewhere and missing_entries([entry])):
+                problems.append(Note(f"data.{key}: {entry} not on this machine: its rows are not checked"))
+            elif missing_entries([entry]):
+                problems.append(DataError(f"data file {entry!r} does not exist (check data.{key}{nearest_name(entry)})"
+                                          f"{hub_id_hint(entry)}"))
+            else:
+                try:
+                    data_files([entry])
+                except DataError as e:
+                    problems.append(e)
+    return problems
+
+
+def run_folder(cfg: Config, elsewhere: bool) -> None:
+    """Whether this user can write the run folder; for a plan of other machines, a note where the folder
+    is not here yet (it would be made there)."""
+    try:
+        check_writable(cfg.trainer.default_local_dir)
+    except ConfigError as e:
+        raise Note(str(e)) if elsewhere and not os.path.exists(cfg.trainer.default_local_dir) else e
+
+
+def open_files(cfg: Config, dp_size: int, planning: bool) -> Optional[str]:
+    """The data workers' handover needs file descriptors; the run raises its soft limit, the preflight only checks."""
+    need = open_files_needed(cfg.data, dp_size)
+    return open_files_problem(need) if planning else check_open_files(need)
+
+
+def weights_present(cfg: Config, folder: str, planning: bool) -> None:
+    """A folder of config files only is how the preflight plans a model that lives elsewhere."""
+    try:
+        check_weights(cfg.model, folder)
+    except ConfigError as e:
+        raise Note(f"{e} (a problem only if the folder has none where the run starts)") if planning else e
+
+
+def fp8_ready(cfg: Config, device: str) -> list:
+    if cfg.model.fp8 != "off" and device == "cuda" and not torch.cuda.is_available():  # planned elsewhere
+        found = Findings()
+        found.check(fp8.float8_api)
+        return [*found.problems, Note(f"model.fp8={cfg.model.fp8}: whether the GPUs have FP8 tensor cores (compute "
+                                      "capability >= 8.9: H100/H200, L40S) is checked at start-up")]
+    fp8.check_available(cfg.model, torch.device(device))
+    return []
+
+
+def liger_ready(cfg: Config, device: str) -> None:
+    """A CPU run ignores model.use_liger (it says so at start-up)."""
+    if cfg.model.use_liger and device == "cuda":
+        liger_patching()
+
+
+def attention_ready(cfg: Config, folder: str, device: str) -> None:
+    attention_backend(cfg.model, AutoConfig.from_pretrained(folder, trust_remote_code=cfg.model.trust_remote_code),
+                      device)
+
+
+def layout_ready(cfg: Config, world_size: int, device: str) -> None:
+    """What the layout needs of the device; without a mesh (the world's problem) only what needs none."""
+    mesh = Findings().check(lambda: check_world(cfg, world_size))
+    sp, offload = cfg.ulysses_sequence_parallel_size, cfg.model.fsdp_config.offloaded()
+    check_device(cfg, "sharded" if mesh is None else choose_layout(world_size, mesh[1], sp, offload), device)
+
+
+def loss_kernel_ready(cfg: Config, device: str) -> None:
+    chunk_loss_kernel(cfg.model.loss_kernel, device)
+
+
+def batch_split(cfg: Config, dp_size: int) -> Optional[str]:
+    d = cfg.data
+    return batch_problem(d.train_batch_size, d.micro_batch_size_per_gpu, dp_size, d.max_token_len_per_gpu,
+                         sp_size=cfg.ulysses_sequence_parallel_size)
+
+
+REGISTRY = (
+    Check(config_problems, ("cfg",)),
+    Check(check_world, ("cfg", "world_size")),
+    Check(require_loggers, ("cfg",)),
+    Check(open_files, ("cfg", "dp_size", "planning")),
+    Check(run_folder, ("cfg", "elsewhere")),
+    Check(model_folder, ("cfg", "planning", "elsewhere"), gives="folder"),
+    Check(lambda cfg, folder: check_weights_readable(cfg.model, folder), ("cfg", "folder")),
+    Check(weights_present, ("cfg", "folder", "planning")),
+    Check(check_rope, ("cfg", "folder")),  # RoPE that packing would make depend on the batch
+    Check(check_max_length, ("cfg", "folder")),
+    Check(check_model_config, ("cfg", "folder")),  # its family, router loss and Ulysses heads
+    Check(fp8_ready, ("cfg", "device")),
+    Check(liger_ready, ("cfg", "device")),
+    Check(attention_ready, ("cfg", "folder", "device")),
+    Check(loss_kernel_ready, ("cfg", "device")),
+    Check(layout_ready, ("cfg", "world_size", "device")),
+    Check(data_entries, ("cfg", "elsewhere")),
+    Check(batch_split, ("cfg", "dp_size")),
+)
+
+
+def run_checks(s: Startup) -> Findings:
+    """Every check of the registry, each problem recorded in s.found."""
+    for check in REGISTRY:
+        devices = s.devices if "device" in check.needs else (None,)
+        args = [getattr(s, name) for name in check.needs if name != "device"]
+        if any(a is None for a in args):
+            continue
+        result = on_devices(s, devices, lambda device: check.run(*args, *([device] if device else [])),
+                            gives=bool(check.gives))
+        if check.gives:
+            setattr(s, check.gives, result)
+    return s.found
+
+
+def on_devices(s: Startup, devices: tuple, run: Callable[[Optional[str]], Any], gives: bool = False) -> Any:
+    """run(device) for each device, its problems (what it raises, or returns unless it `gives` a value)
+    recorded in s.found. Where the run may take several devices, each refusal is said with its device:
+    a note where another device takes the run, a problem where none does. The last result."""
+    result, refusals = None, []
+    for device in devices:
+        found = Findings()
+        result = found.check(lambda: run(device))
+        if not gives:  # a list of problems, one, or None
+            for problem in result if isinstance(result, list) else [result] if isinstance(result, str) else []:
+                found.add(problem)
+        s.found.notes += found.notes
+        refusals.append([(device, p) for p in found.problems])
+    for device, problem in [r for refused in refusals for r in refused]:
+        kind = type(problem) if all(refusals) else Note
+        s.found.add(kind(f"if this runs {WHERE[device]}: {problem}") if len(devices) > 1 else problem)
+    return result
+
+
+def read_rows(s: Startup, scan: tuple[int, int], val_share: tuple[int, int]) -> Optional[Rows]:
+    """The tokenizer, and the training and validation rows rendered as the run renders them (a bad
+    cell, column or over-long row, in either, is recorded in s.found); None where the rows cannot be
+    read here. scan, val_share: this process's (rank, ranks) of the row scan and of the validation rows."""
+    cfg, d, run_dir = s.cfg, s.cfg.data, s.cfg.trainer.default_local_dir
+    files = as_list(d.train_files)
+    if s.folder is None or not files or missing_entries(files):
+        return None
+    tokenizer = s.found.check(lambda: load_tokenizer(dataclasses.replace(cfg.model, partial_pretrain=s.folder),
+                                                     resolve_chat_template(d) if d.apply_chat_template else None))
+    renderer = None if tokenizer is None else s.found.check(
+        lambda: build_renderer(d, tokenizer, embedding_rows(cfg.model, s.folder)))
+    if renderer is None:
+        return None
+    fields = row_fields(d)
+    source = s.found.check(lambda: open_source(files, fields, run_dir))
+    scanned = None if source is None else s.found.check(
+        lambda: scan_rows(cfg, source, renderer, tokenizer, scan, run_dir, fill_cache=not s.planning))
+    rows = Rows(tokenizer, renderer, source, *scanned) if scanned else None
+    val_files = as_list(d.val_files)
+    if val_files and not missing_entries(val_files):
+        val_source = s.found.check(lambda: open_source(val_files, fields, run_dir))
+        val = None if val_source is None else s.found.check(lambda: render_share(val_source, renderer, *val_share))
+        if rows is not None and val is not None:
+            rows.val_source, rows.val_samples = val_source, val
+    return rows
+
+
+def start_run(cfg: Config, world: World) -> tuple[str, Rows, BatchPlan, dict]:
+    """The run's start-up before the model is loaded: (the model folder, the rows, the batch plan, the
+    data report), or every problem the checks and the row scan find, raised as one error."""
+    s = Startup(cfg, world.world_size, (world.device.type,))
+    run_checks(s)
+    rows = read_rows(s, (world.rank, world.world_size), (world.dp_rank, world.dp_size))
+    planned = None if rows is None else s.found.check(
+        lambda: plan_and_report(cfg, rows, world.dp_size, cfg.trainer.default_local_dir))
+    if planned is not None:
+        s.found.check(lambda: check_window(cfg.trainer.profile_steps, planned[0].total_steps))
+    s.found.stop_if_any()
+    return s.folder, rows, *planned

@@ -295,7 +295,7 @@ def _what_fills(cfg: Config, where: str) -> str:
                 f"{m.loss_chunk_tokens}" + ("" if m.enable_gradient_checkpointing else ", or recompute activations in "
                                            "backward (model.enable_gradient_checkpointing=true)"))
     if where.startswith("the save"):
-        return "a checkpoint's host copy of this rank's shard: trainer.async_save=false writes from the shard itself"
+        return "a checkpoint's staged copy: trainer.async_save_staging=host, or a lower trainer.async_save_in_flight"
     return "what this phase holds"
 
 

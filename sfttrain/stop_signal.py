@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib
 import os
 import signal
 import sys
@@ -124,6 +125,13 @@ def leave_to_the_rank() -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads started later inherit the mask
     phase.dump_stacks_on_sigusr1()  # its thread after the mask: a SIGTERM it took would end the helper at once
     threading.Thread(target=_take_sigterm, args=(os.getppid(),), name="sfttrain-sigterm", daemon=True).start()
+
+
+def helper_main(module: str, function: str, *args) -> None:
+    """A spawned helper's entry (the checkpoint writer): SIGTERM left to its rank before the helper imports
+    torch (seconds in which a SIGTERM would end it)."""
+    leave_to_the_rank()
+    getattr(importlib.import_module(module), function)(*args)
 
 
 def _take_sigterm(rank_pid: int) -> None:

@@ -48,6 +48,7 @@ TOTAL = STEPS_PER_EPOCH * EPOCHS  # 12
 SAME_WORLD_TOL = 1e-6
 ELASTIC_TOL = 1e-5  # losses
 ELASTIC_UPDATE_TOL = 1e-4
+MANY_IN_FLIGHT = 10**9  # host copies of the tiny model's shards (~1.5 MB each): more than any host's memory holds
 
 
 @pytest.fixture(scope="module")
@@ -68,13 +69,14 @@ def job(data: Path, run_dir: Path, *extra: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def ref(data, tmp_path_factory) -> Path:
-    """The uninterrupted run: a checkpoint after every step, all kept; wandb (offline) on (its log is
-    kept beside the run folder as ref.log). The background saves are written by DCP's writer process of
-    each rank (the default on CUDA), from shared memory: the tests that compare its checkpoints with
-    other runs' (synchronous saves, other rank counts) check them."""
+    """The uninterrupted run: a checkpoint after every step, all kept; wandb (offline) on. Up to
+    10^9 saves may be in flight, more host copies of the shards than the host holds (its log
+    is kept beside the run folder as ref.log). The background saves are written by each rank's
+    writer process (sfttrain.checkpoint_writer; the default on CUDA), from shared memory: the tests
+    that compare its checkpoints with other runs' (synchronous saves, other rank counts) check them."""
     run_dir = tmp_path_factory.mktemp("ref") / "run"
     proc = run_sfttrain(2, job(data, run_dir, "trainer.save_freq=1", "trainer.logger=[console,wandb]",
-                               "trainer.async_save_writer=process"))
+                               f"trainer.async_save_in_flight={MANY_IN_FLIGHT}", "trainer.async_save_writer=process"))
     (run_dir.parent / "ref.log").write_text(proc.stdout)
     assert [s for s, _ in checkpoint_folder.complete_checkpoints(str(run_dir))] == list(range(1, TOTAL + 1))
     return run_dir
@@ -331,14 +333,15 @@ def test_exact_resume_at_epoch_boundary(data, ref, tmp_path):
 
 
 def test_checkpoint_records(ref):
-    """Every committed checkpoint has one record in metrics.jsonl, in step order (a save waits for the
-    previous one's commit): its size on disk, the stall (and the part of it spent waiting for the
-    previous save's write), the time until written, the write's own time (and the GB/s over it) and
-    the time to commit. The periodic ones were written in the background; the final one was waited
-    for (its stall is its whole save)."""
+    """Every committed checkpoint has one record in metrics.jsonl, in step order (saves every step
+    queue up to trainer.async_save_in_flight in the background and commit oldest first): its size on
+    disk, the stall (and the part of it spent waiting for older saves' writes), the time until
+    written, the write's own time (and the GB/s over it) and the time to commit. The periodic ones
+    were written in the background; the final one was waited for (its stall is its whole save)."""
     records = [m for m in read_metrics(ref) if m.get("event") == "checkpoint"]
     assert [m["step"] for m in records] == list(range(1, TOTAL + 1))
     assert [m["async"] for m in records] == [True] * (TOTAL - 1) + [False]
+    assert [m["staging"] for m in records] == ["host"] * (TOTAL - 1) + [None]  # auto on CPU: host memory
     for m in records:
         folder = Path(m["path"])
         assert m["bytes"] == sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) > 0
@@ -346,26 +349,35 @@ def test_checkpoint_records(ref):
         assert 0 <= m["waited_previous_s"] <= m["stall_s"]
         assert 0 < m["write_s"] <= m["written_s"]
         assert m["gb_per_s"] == pytest.approx(m["bytes"] / 1e9 / m["write_s"])
-    assert records[-1]["stall_s"] == records[-1]["commit_s"] and records[-1]["awaited"]
+    assert records[-1]["stall_s"] == records[-1]["commit_s"]
+    # the queue is cut to what host memory holds, at the first save, in one line
+    (cap,) = re.findall(rf"trainer.async_save_in_flight={MANY_IN_FLIGHT}, but host memory holds (\d+): .*",
+                        (ref.parent / "ref.log").read_text())
+    assert 1 <= int(cap) < MANY_IN_FLIGHT
 
 
 NEEDS_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@pytest.mark.parametrize("device, writer", [("cpu", "thread"), pytest.param("cuda", "process", marks=NEEDS_CUDA)])
-def test_each_background_save_holds_its_own_step(data, tmp_path, device, writer):
-    """Background saves every step hold each its own step's weights, as the synchronous saves of the
-    same run on the same device do: DCP's stager copies each save into the same host copy (on CUDA
-    pinned), which the next save overwrites only once the previous one is written (the reference's
-    runs check the writer process on CPU). On CPU the runs are the same computation: equal. GPU kernels
+@pytest.mark.parametrize("device, staging", [("cpu", "device"), pytest.param("cuda", "host", marks=NEEDS_CUDA),
+                                             pytest.param("cuda", "device", marks=NEEDS_CUDA)])
+def test_each_background_save_holds_its_own_step(data, tmp_path, device, staging):
+    """Background saves every step, written by the writer process, hold each its own step's
+    weights, as the synchronous saves of the same run on the same device do. host: each save's copy
+    goes to a host slot of its own (on CUDA pinned, shared with the writer process once, and read
+    again at every later save in that slot). device: each save's copy is taken on the device and
+    copied by the writer thread into one host slot that every save uses in turn (the reference's
+    CPU runs check the host slots). On CPU the runs are the same computation: equal. GPU kernels
     may differ in the last bits between two runs (atomic adds): the bound is 1e-3 of the update
     between consecutive steps, and a stale or later copy would be off by a whole update."""
     env = {"CUDA_VISIBLE_DEVICES": "0"} if device == "cuda" else {}
     common = job(data, tmp_path / "unused", f"trainer.device={device}", "trainer.total_training_steps=5",
                  "trainer.save_freq=1", *(["model.fsdp_config.mixed_precision=true"] if device == "cuda" else []))
-    run_sfttrain(1, [*common, f"trainer.default_local_dir={tmp_path}/async", "trainer.async_save_pinned=true",
-                     f"trainer.async_save_writer={writer}"], env=env)
-    assert all(m["async"] for m in read_metrics(tmp_path / "async") if m.get("event") == "checkpoint" and m["step"] < 5)
+    proc = run_sfttrain(1, [*common, f"trainer.default_local_dir={tmp_path}/async", "trainer.async_save_pinned=true",
+                            "trainer.async_save_writer=process", "trainer.async_save_in_flight=2",
+                            f"trainer.async_save_staging={staging}"], env=env)
+    where = f"on {device}" if staging == "device" else "in host memory"
+    assert re.search(rf"background saves: each takes a copy .* {where}\b.*; 2 in flight at most", proc.stdout)
     run_sfttrain(1, [*common, f"trainer.default_local_dir={tmp_path}/sync", "trainer.async_save=false"], env=env)
     for step in range(2, 6):
         got, want = (state(tmp_path / run / f"global_step_{step}")["model"] for run in ("async", "sync"))
@@ -522,7 +534,8 @@ def test_sigterm_to_every_process_saves_the_same_step_on_every_rank(data, ref, t
     log = tmp_path / "stopped.log"
     proc = launch(2, overrides, log, torchrun=True)
     try:
-        # step 1's save committed: the writer processes are up
+        # step 1's save committed: the writer processes are up (a SIGTERM in the ~0.2 s of a writer's
+        # start, before it leaves SIGTERM to its rank, ends it: sfttrain.stop_signal.helper_main)
         assert wait_until(lambda: logged_steps(run_dir) >= 3 and (run_dir / "global_step_1").exists(), proc), \
             log.read_text()[-3000:]
         everyone = [proc.pid, *descendants(proc.pid)]
@@ -602,6 +615,16 @@ def test_a_sigterm_to_one_rank_stops_every_rank_after_the_same_step(data, ref, t
     (step,) = check_checkpoints(run_dir, ref, 2)
     assert f"sfttrain: stopped: another rank received SIGTERM: training stopped after step {step} of {TOTAL}" in out
     assert code == 8, out[-3000:]
+
+
+def test_a_write_over_half_the_grace_is_said_once():
+    """A stop needs a step or two and then the save: a write over half the default 30 s grace is worth
+    a warning (the Checkpointer logs it once, after the commit that measured it)."""
+    from sfttrain import stop_signal
+
+    assert stop_signal.grace_warning(stop_signal.GRACE_S / 2) is None
+    warning = stop_signal.grace_warning(16.0)
+    assert warning.startswith("a checkpoint took 16 s to write") and "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" in warning
 
 
 def test_a_lone_rank_stops_on_its_own_note(data, tmp_path):
@@ -1090,71 +1113,49 @@ def wait_for_path(path: Path, timeout: float = 60) -> bool:
     return True
 
 
-@contextlib.contextmanager
-def one_rank_checkpointer(run_dir: Path, *overrides: str):
-    """A real Checkpointer of a tiny model in this process, over one rank's gloo group."""
+def test_a_save_into_a_run_folder_that_is_gone_is_one_message(tmp_path):
+    """The save itself finds the run folder gone (deleted after the step's metrics record): a
+    CheckpointError naming the folder (one rank's gloo group in this process, a real Checkpointer)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from sfttrain.distributed import World
+    from sfttrain.errors import CheckpointError
 
+    run_dir = tmp_path / "run"
     run_dir.mkdir()
     cfg = load_config(overrides=["data.train_files=x.parquet", f"model.partial_pretrain={STORIES}",
-                                 f"trainer.default_local_dir={run_dir}", *overrides])
+                                 f"trainer.default_local_dir={run_dir}"])
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         world = World(0, 0, 1, torch.device("cpu"), init_device_mesh("cpu", (1,)))
         model = torch.nn.Linear(4, 4)
         saver = checkpoint.Checkpointer(str(run_dir), world, cfg, "run", lambda record, line: None, model,
                                         torch.optim.AdamW(model.parameters()), None)
-        yield saver
+        shutil.rmtree(run_dir)
+        with pytest.raises(CheckpointError, match=re.escape(
+                f"the checkpoint of step 1 was not saved: the run folder {run_dir} (trainer.default_local_dir) is gone")):
+            saver.save(checkpoint.TrainState(step=1), final=True)
         saver.close()
     finally:
         dist.destroy_process_group()
 
 
-def test_a_save_into_a_run_folder_that_is_gone_is_one_message(tmp_path):
-    """The save itself finds the run folder gone (deleted after the step's metrics record): a
-    CheckpointError naming the folder."""
-    from sfttrain.errors import CheckpointError
-
-    run_dir = tmp_path / "run"
-    with one_rank_checkpointer(run_dir) as saver:
-        shutil.rmtree(run_dir)
-        with pytest.raises(CheckpointError, match=re.escape(
-                f"the checkpoint of step 1 was not saved: the run folder {run_dir} (trainer.default_local_dir) is gone")):
-            saver.save(checkpoint.TrainState(step=1), final=True)
-
-
-@pytest.mark.parametrize("save_on_sigterm", [True, False])
-def test_a_write_over_half_the_grace_is_said_once(tmp_path, caplog, save_on_sigterm):
-    """A stop needs a step or two and then the save: a write over half the default 30 s grace is worth
-    a warning, once per run however many writes take that long, and only where a SIGTERM saves
-    (trainer.save_on_sigterm)."""
-    from sfttrain import stop_signal
-
-    assert stop_signal.grace_warning(stop_signal.GRACE_S / 2) is None
-    with one_rank_checkpointer(tmp_path / "run", f"trainer.save_on_sigterm={save_on_sigterm}") as saver:
-        for write_s in (10.0, 16.0, 20.0):  # as the commits measured them
-            saver._warn_if_a_stop_would_not_save(write_s)
-    warnings = [r.getMessage() for r in caplog.records if "a checkpoint took" in r.getMessage()]
-    assert warnings == ([stop_signal.grace_warning(16.0)] if save_on_sigterm else [])
-    assert not save_on_sigterm or warnings[0].startswith("a checkpoint took 16 s to write") and \
-        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" in warnings[0]
-
-
 def test_a_killed_writer_process_ends_the_job_with_one_message(data, tmp_path):
-    """A rank's DCP writer process (trainer.async_save_writer=process) is a process the kernel's
+    """A rank's writer process (trainer.async_save_writer=process) is a process the kernel's
     out-of-memory killer may pick. Killed once the first checkpoint is committed, the next save fails
     on every rank with one message naming it and the last good checkpoint (exit code 6), without a
     wait for the collective timeout: the other rank's writer, waiting for the dead one in DCP's
-    collectives, is stopped."""
+    collectives, is stopped. Before that, the other writer is asked for its stacks (SIGUSR1, as any
+    process of a rank): it prints them into the log and lives on."""
     run_dir, log = tmp_path / "run", tmp_path / "job.log"
     proc = launch(2, job(data, run_dir, "trainer.save_freq=1", "trainer.async_save_writer=process",
                          "trainer.nccl_timeout=600"), log)
     try:
         assert wait_until(lambda: (run_dir / "global_step_1").exists(), proc), log.read_text()[-3000:]
         writers = writer_processes(proc)
+        os.kill(writers[1], signal.SIGUSR1)
+        assert wait_until(lambda: "sfttrain/checkpoint_writer.py" in log.read_text(), proc), log.read_text()[-3000:]
         # killed mid-write (a writer lost between saves is replaced: the next test): stopped first, then
         # killed once a save's folder lacks its rank's shard, a save that cannot finish before the kill
         os.kill(writers[0], signal.SIGSTOP)
@@ -1212,9 +1213,8 @@ def writer_processes(proc) -> list[int]:
 
 def test_a_writer_process_lost_between_saves_is_replaced(data, tmp_path):
     """A writer process killed between saves (the out-of-memory killer picks any process) does not
-    cost the next save and the steps before it: every rank writes its saves on a thread from then on
-    (DCP starts its writer process once), with a warning naming the rank and the exit code, and the
-    run ends with every checkpoint. Killed
+    cost the next save and the steps before it: every rank's writer is replaced before that save,
+    with a warning naming the rank and the exit code, and the run ends with every checkpoint. Killed
     within milliseconds of step 20's commit, 10 and 16 steps before the saves of steps 30 and 36, with one save
     in flight at a time: the first save spawns the writers (an interpreter importing torch, seconds), and on a
     machine of fast steps the saves behind it committed with it, while the next one was being written (an H100
@@ -1222,7 +1222,7 @@ def test_a_writer_process_lost_between_saves_is_replaced(data, tmp_path):
     flight the kill after step 20's commit hit step 30's write, exit code 6)."""
     run_dir, log = tmp_path / "run", tmp_path / "job.log"
     proc = launch(2, job(data, run_dir, "trainer.async_save_writer=process", "trainer.total_epochs=6",
-                         "trainer.save_freq=10"), log)
+                         "trainer.save_freq=10", "trainer.async_save_in_flight=1"), log)
     try:
         assert wait_until(lambda: (run_dir / "global_step_20").exists(), proc), log.read_text()[-3000:]
         os.kill(writer_processes(proc)[1], signal.SIGKILL)
@@ -1287,10 +1287,10 @@ def test_a_killed_data_worker_ends_the_job_with_one_message(data, tmp_path, sig)
 
 def test_non_finite_loss_lets_the_save_in_flight_commit(data, tmp_path):
     """lr=1e30 without clipping: step 1's update is applied and saved in the background, step 2's
-    loss is not finite (exit 4). The save of step 1, still in flight when step 2's loss is read (its
-    record says the loop waited for it: the first background save starts DCP's writer processes, an
-    interpreter importing torch each, and a step of this model takes a fraction of that), commits
-    before the run stops, and the message sends the user there."""
+    loss is not finite (exit 4). The save of step 1 commits before the run stops, and the message
+    sends the user there. Its write is still in flight when step 2 ends: the first background save
+    of a run with writer processes starts them (a process each, importing torch: seconds), and
+    a step of this model takes a fraction of that."""
     run_dir = tmp_path / "run"
     proc = run_sfttrain(2, job(data, run_dir, "optim.lr=1e30", "optim.clip_grad=0", "trainer.save_freq=1",
                                "trainer.async_save_writer=process"),
@@ -1299,34 +1299,4 @@ def test_non_finite_loss_lets_the_save_in_flight_commit(data, tmp_path):
     assert "non-finite loss" in message and "at step 2 " in message, message
     assert f"then resume from {run_dir / 'global_step_1'}" in message, message
     assert checkpoint_folder.is_complete(str(run_dir / "global_step_1"))
-    assert [(m["step"], m["async"], m["awaited"]) for m in read_metrics(run_dir) if m.get("event") == "checkpoint"] \
-        == [(1, True, True)]
     assert not [p.name for p in run_dir.iterdir() if p.name.startswith(".global_step")]
-
-
-def test_a_dcp_writer_thread_that_dies_fails_the_save(tmp_path, capfd):
-    """DCP's FileSystemWriter joins its extra writer threads and keeps the results that arrived: a thread
-    that died (here: its file cannot be opened) left its items out of a checkpoint that looked whole, and
-    printed its traceback. sfttrain's writer fails the save with that thread's error, and prints nothing."""
-    import torch.distributed as dist
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    class OneThreadFails(checkpoint.ShardWriter):
-        def __init__(self, path):
-            super().__init__(path, thread_count=2)
-            create_stream = self.fs.create_stream
-
-            def create(path, mode):
-                if threading.current_thread() is not threading.main_thread():
-                    raise OSError(5, "Input/output error", str(path))
-                return create_stream(path, mode)
-            self.fs.create_stream = create
-
-    state = {"a": torch.ones(64), "b": torch.zeros(64), "c": torch.arange(8.0)}
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        with pytest.raises(CheckpointException, match=r"Input/output error: '\S+/broken/__0_\d\.distcp'"):
-            dcp.save(state, storage_writer=OneThreadFails(tmp_path / "broken"))
-    finally:
-        dist.destroy_process_group()
-    assert "Traceback" not in capfd.readouterr().err

@@ -232,8 +232,8 @@ def test_what_next(tmp_path, mode):
      "gradients and AdamW state on each rank: shard them over more ranks, train LoRA adapters (model.lora_rank), or "
      "keep them in host memory (model.fsdp_config.offload_params=true)"),
     ("the save of step 2", "MemoryError()",
-     "rank 1 ran out of host memory in the save of step 2 (MemoryError). What fills it: a checkpoint's host copy of "
-     "this rank's shard: trainer.async_save=false writes from the shard itself"),
+     "rank 1 ran out of host memory in the save of step 2 (MemoryError). What fills it: a checkpoint's staged copy: "
+     "trainer.async_save_staging=host, or a lower trainer.async_save_in_flight"),
 ])
 def test_memory_run_out(run_dir, where, error, message):
     """torch.OutOfMemoryError (the GPU's), c10's CPU allocator's RuntimeError and MemoryError (the host's): exit

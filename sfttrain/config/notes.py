@@ -30,7 +30,7 @@ _UNREAD: list[tuple[Callable[[Config], bool], str, tuple[str, ...], Callable[[Co
     (lambda c: c.trainer.test_freq > 0 and c.data.val_files in (None, "", []), "trainer", ("test_freq",),
      lambda c: "no data.val_files to validate on; set data.val_files"),
     (lambda c: not c.trainer.async_save, "trainer",
-     ("async_save_pinned", "async_save_writer"),
+     ("async_save_pinned", "async_save_in_flight", "async_save_writer", "async_save_staging"),
      lambda c: "trainer.async_save=false writes every checkpoint in the training loop; set trainer.async_save=true "
                "for background saves"),
 ]

@@ -173,14 +173,17 @@ class TrainerConfig:
     max_ckpt_to_keep: Optional[int] = key(None, "keep this run's newest N checkpoints; null (or 0, as in verl): all")
     save_on_sigterm: bool = key(True, "a SIGTERM (time limit, preemption) saves the step in flight and exits with "
                                       "code 8; false: the rank dies at once")
-    async_save: bool = key(True, "periodic saves written in the background by DCP's async_save from a host copy of "
-                                 "this rank's shard taken at the step boundary; one in flight: a save due before the "
-                                 "previous one is written waits for it; the final save is waited for")
-    async_save_pinned: bool = key(True, "CUDA: the host copy in page-locked memory, allocated at the first background "
-                                        "save and reused")
-    async_save_writer: str = key("auto", "where DCP writes: process (a writer per rank, no GIL shared with the loop), "
-                                         "thread; auto: process on CUDA, thread on CPU",
-                                 choices=("auto", "process", "thread"))
+    async_save: bool = key(True, "periodic saves written in the background from a copy taken at the step boundary "
+                                 "(one per save in flight, on the GPU or in host memory: async_save_in_flight, "
+                                 "async_save_staging); the final save is waited for")
+    async_save_pinned: bool = key(True, "CUDA: stage into pinned host buffers, allocated once and reused")
+    async_save_in_flight: int = key(2, "saves staged or being written at once, each holding a copy of the shard; "
+                                       "more wait for the oldest write", minimum=1)
+    async_save_writer: str = key("auto", "process: a writer per rank, no GIL shared with the loop; auto: process on "
+                                         "CUDA, thread on CPU", choices=("auto", "process", "thread"))
+    async_save_staging: str = key("auto", "device: a GPU copy (milliseconds); host: the step waits for the copy; auto: "
+                                          "device where GPU memory holds every save in flight",
+                                  choices=("auto", "device", "host"))
     save_thread_count: int = key(4, "writer threads per rank for a checkpoint's DCP files", minimum=1)
     resume_mode: str = key("auto", "auto: the run folder's latest checkpoint, else resume_from_path, else a fresh "
                                    "start; disable: a fresh start; resume_path: resume_from_path",

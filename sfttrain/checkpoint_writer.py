@@ -1,0 +1,375 @@
+"""Where a checkpoint's model and optimizer shards are written: the host copies of background saves
+(Staging), and the write itself (DCP), on a thread of the training process or in a writer process
+of this rank's own (trainer.async_save_writer).
+
+Why a process: DCP's write holds the GIL for long stretches (it pickles the plans and metadata it
+gathers, and torch.save serialises each shard in Python). On a thread, that stalls the training
+thread, whose every kernel launch needs the GIL: the steps that ran beside a write were several
+times slower (docs/benchmarks.md, runs AC and AF). A writer process shares no GIL. It gets the host
+copy through shared memory (a staging slot's copy is sent to it once and reused by the later saves
+in that slot) and runs the same write; the training process's writer thread only waits for its answer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import io
+import logging
+import os
+import pickle
+import threading
+import time
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+from multiprocessing.reduction import recv_handle, send_handle
+from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_leaves, tree_map_only
+
+from sfttrain import stop_signal
+from sfttrain.checkpoint_folder import fsync_tree
+
+
+def writer_kind(setting: str, device: torch.device) -> str:
+    """auto: a process on CUDA (kernel launches need the GIL); a thread on CPU, where a step's work
+    runs in long ops that release the GIL and a process would only add its start-up to every rank."""
+    if setting != "auto":
+        return setting
+    return "process" if device.type == "cuda" else "thread"
+
+
+def cuda_room(device: torch.device) -> int:
+    """Bytes a CUDA device can give staging copies after the first step: its free memory less a tenth
+    of the whole, left for later steps' higher peaks (longer packs) and the allocator's fragmentation."""
+    free, total = torch.cuda.mem_get_info(device)
+    return max(0, free - total // 10)
+
+
+def write_shards(state_dict: dict, tmp: str, thread_count: int, group, is_main: bool,
+                 errors: WriterThreadErrors) -> float:
+    """This rank's DCP write into `tmp`; rank 0 then fsyncs what DCP does not, so COMPLETE never
+    reaches the disk before what it vouches for. Returns the write's seconds."""
+    started = time.perf_counter()
+    errors.clear()
+    writer = dcp.FileSystemWriter(tmp, thread_count=thread_count)
+    dcp.save(state_dict, storage_writer=writer, process_group=group)
+    errors.raise_first()
+    if is_main:
+        fsync_tree(tmp)
+    return time.perf_counter() - started
+
+
+def one_line(error: BaseException) -> str:
+    """An exception as one line: DCP's CheckpointException holds every rank's traceback; its last
+    line names the cause."""
+    if isinstance(error, OneLineError):
+        return str(error)
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
+    full = [line for line in lines if "No space left" in line]  # the cause, beside the zip writer's symptom
+    if full:
+        return full[-1][:300]
+    text = lines[-1] if len(lines) > 1 else f"{type(error).__name__}: {lines[0]}"
+    return text[:300]
+
+
+class OneLineError(OSError):
+    """An error already worded as one line (`one_line` keeps it as it is)."""
+
+
+class WriterProcessError(OneLineError):
+    """A write that failed in the writer process (its `one_line`), or the process itself gone."""
+
+
+class WriterThreadErrors:
+    """The errors of DCP's extra writer threads (FileSystemWriter's thread_count > 1). DCP does not
+    notice when one of them dies (torch 2.11-2.13 join them and keep the results that arrived, so a
+    checkpoint could be committed without that thread's files, and the thread's traceback is printed
+    beside the run's one message): they are kept here instead and fail the save."""
+
+    THREAD = "_write_files_from_queue"  # the target DCP's writer threads run, part of their name
+
+    def __init__(self):
+        self.errors: list[BaseException] = []
+        self.previous = threading.excepthook
+        threading.excepthook = self.hook
+
+    def hook(self, args) -> None:
+        if args.thread is not None and self.THREAD in args.thread.name:
+            self.errors.append(args.exc_value)
+        else:
+            self.previous(args)
+
+    def clear(self) -> None:
+        self.errors.clear()
+
+    def raise_first(self) -> None:
+        if self.errors:
+            raise self.errors[0]
+
+
+class WriterProcess:
+    """This rank's writer process (spawned; it imports torch, not the model's code). The writer
+    processes of all ranks form a gloo group of their own for DCP's collectives, met through a
+    TCPStore that rank 0's writer hosts. Made and used on the training process's writer thread,
+    where every rank makes it at the same point of that thread's tasks (Checkpointer._writer_process)."""
+
+    def __init__(self, rank: int, world_size: int, group, timeout_s: int):
+        ctx = mp.get_context("spawn")  # the training process has CUDA and threads: no fork
+        self.conn, child = ctx.Pipe()
+        self.rank = rank
+        # SIGTERM left to the rank from the writer's start: a save in flight as a SIGTERM stops the run is
+        # written here (sfttrain.stop_signal)
+        self.process = ctx.Process(target=stop_signal.helper_main, daemon=True, name=f"sfttrain-checkpoint-writer-{rank}",
+                                   args=(__name__, _serve.__name__, child, rank, world_size, timeout_s))
+        self.process.start()
+        child.close()
+        port = [self._receive() if rank == 0 else None]
+        dist.broadcast_object_list(port, src=0, group=group)
+        self.conn.send((os.environ.get("MASTER_ADDR", "127.0.0.1"), port[0]))
+        self._receive()  # every rank's writer has joined the group
+        self.sent: dict[int, dict] = {}  # slot -> the host copy the writer keeps for it
+
+    def keep(self, slot: int, state_dict: dict) -> None:
+        """Sends a staging slot's kept host copy ahead of its first save."""
+        self._request(slot, None, 0, state_dict)
+
+    def write(self, state_dict: dict, tmp: str, thread_count: int,
+              kept_slot: Optional[int]) -> float:
+        """write_shards in the writer process. The copy of a kept slot (Staging) is sent once: the
+        writer keeps it and reads each later save's contents from the same shared memory."""
+        return self._request(kept_slot, tmp, thread_count, state_dict)
+
+    def _request(self, slot: Optional[int], tmp: Optional[str], thread_count: int, state_dict: dict) -> Any:
+        known = slot is not None and self.sent.get(slot) is state_dict
+        try:
+            self.conn.send((slot, tmp, thread_count))
+            send_shared(self.conn, None if known else state_dict)
+        except (OSError, ValueError):
+            raise self._gone() from None
+        if slot is not None:
+            self.sent[slot] = state_dict
+        return self._receive()
+
+    def exit_code(self) -> Optional[int]:
+        """None while the writer runs."""
+        return None if self.process.is_alive() else self.process.exitcode
+
+    def stop(self) -> None:
+        """Ends the writer at once (another rank's save failed: this rank's writer may be waiting for
+        that rank's in one of DCP's collectives); the write it was running fails."""
+        self.process.kill()
+        self.process.join()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self.conn.send(None)
+        self.process.join(timeout=60)
+        if self.process.is_alive():
+            self.stop()
+
+    def _receive(self) -> Any:
+        try:
+            kind, value = self.conn.recv()
+        except (EOFError, OSError):
+            raise self._gone() from None
+        if kind == "error":
+            raise WriterProcessError(value)
+        return value
+
+    def _gone(self) -> WriterProcessError:
+        self.process.join(timeout=5)
+        return WriterProcessError(f"the checkpoint writer process of rank {self.rank} ended (exit code "
+                                  f"{self.process.exitcode}; a negative code is the signal that ended it, e.g. -9 "
+                                  "for the kernel's out-of-memory killer)")
+
+
+def _serve(conn, rank: int, world_size: int, timeout_s: int) -> None:
+    """The writer process: joins the writers' group, then writes what it is sent until None. It ends
+    quietly once the training process is gone, also while it is still starting (its rank may stop on an
+    error of its own before the writers have met): that process says why."""
+    # a DTensor's mesh arrives without the training process's groups, which the write never uses (it
+    # reads the mesh's coordinates only): torch warns about that once per DTensor
+    logging.getLogger("torch.distributed.device_mesh").setLevel(logging.ERROR)
+    try:
+        _join_writers(conn, rank, world_size, datetime.timedelta(seconds=timeout_s))
+        _write_requests(conn, rank)
+    except (EOFError, ConnectionError):  # the training process is gone (a closed pipe, read or written)
+        pass
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _join_writers(conn, rank: int, world_size: int, timeout: datetime.timedelta) -> None:
+    """The writers' gloo group, met through a TCPStore that rank 0's writer hosts."""
+    if rank == 0:
+        host = dist.TCPStore("0.0.0.0", 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        conn.send(("ok", host.port))
+    addr, port = conn.recv()
+    store = host if rank == 0 else dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+    conn.send(("ok", None))
+
+
+def _write_requests(conn, rank: int) -> None:
+    errors, kept = WriterThreadErrors(), {}
+    while (request := conn.recv()) is not None:
+        slot, tmp, thread_count = request
+        state_dict = receive_shared(conn)
+        if state_dict is None:  # a kept slot's copy: sent once, then only named
+            state_dict = kept[slot]
+        elif slot is not None:
+            kept[slot] = state_dict
+        if tmp is None:  # sent ahead of its first save
+            conn.send(("ok", None))
+            continue
+        try:
+            result = ("ok", write_shards(state_dict, tmp, thread_count, None, rank == 0, errors))
+        except BaseException as e:  # noqa: BLE001 - the training process words it for every rank
+            result = ("error", one_line(e))
+        conn.send(result)
+        del state_dict
+
+
+def send_shared(conn, obj: Any) -> None:
+    """Sends `obj` (a state dict whose tensors are in shared memory, or None) over a local pipe: its
+    tensors' storages travel as file descriptors (SCM_RIGHTS), the rest pickled, as torch.save
+    pickles with the storages apart. (multiprocessing's own tensor pickling hands descriptors out
+    from a server thread of the sender, which prints a traceback when the receiver dies mid-way.)"""
+    storages: dict[int, tuple[int, torch.UntypedStorage]] = {}  # data pointer -> (index, storage): each sent once
+
+    class StoragesApart(pickle.Pickler):
+        def persistent_id(self, value):
+            if isinstance(value, torch.storage.TypedStorage):
+                storage = value._untyped_storage
+                index, _ = storages.setdefault(storage.data_ptr(), (len(storages), storage))
+                return index, value.dtype
+            return None
+
+    payload = io.BytesIO()
+    StoragesApart(payload, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    conn.send((len(storages), payload.getvalue()))
+    for _, storage in storages.values():
+        fd, size = storage._share_fd_cpu_()  # the storage's own descriptor: the pipe passes a duplicate
+        conn.send(size)
+        send_handle(conn, fd, None)
+
+
+def receive_shared(conn) -> Any:
+    """The other end of send_shared."""
+    count, payload = conn.recv()
+    storages = []
+    for _ in range(count):
+        size = conn.recv()
+        fd = recv_handle(conn)
+        storages.append(torch.UntypedStorage._new_shared_fd_cpu(fd, size))
+        os.close(fd)  # the storage maps the memory; the descriptor is no longer needed
+
+    class StoragesApart(pickle.Unpickler):
+        def persistent_load(self, pid):
+            index, dtype = pid
+            return torch.storage.TypedStorage(wrap_storage=storages[index], dtype=dtype, _internal=True)
+
+    return StoragesApart(io.BytesIO(payload)).load()
+
+
+class DeviceCopy:
+    """A background save's copy on the training device, taken on the training thread: a
+    device-to-device copy, milliseconds on a GPU, so the step goes on at once. The writer thread
+    copies it to host memory when the save's turn comes (Staging.to_host) and frees it."""
+
+    def __init__(self, state_dict: dict, device: torch.device):
+        self.state_dict: Optional[dict] = tree_map_only(torch.Tensor, lambda t: t.detach().clone(), state_dict)
+        self.ready = None  # on CUDA: the training stream's point after the copies, which the host copy waits for
+        if device.type == "cuda":
+            self.ready = torch.cuda.Event()
+            self.ready.record(torch.cuda.current_stream(device))
+
+    def take(self) -> dict:
+        state_dict, self.state_dict = self.state_dict, None  # freed once copied to host memory
+        return state_dict
+
+
+class Staging:
+    """The copies of background saves, taken before save() returns so that the next optimizer steps
+    cannot change what is written; one per save that may be in flight. Where they live:
+
+    - host: each save copies the shards straight to host memory, in a slot of its own.
+    - device (trainer.async_save_staging; auto where the GPU's free memory holds every save in flight):
+      each save copies them on the GPU (DeviceCopy), and the writer thread copies that to host
+      memory, into one host slot that the saves use in turn (the writes run one after another), on a
+      stream of its own while training goes on. A save then never waits for page locking or for
+      a host copy.
+
+    A host copy is in shared memory where a writer process reads it, and page-locked where
+    trainer.async_save_pinned on CUDA asks for it (the device-to-host copy at full PCIe speed). Such
+    copies are kept for the run and reused by every later save in their slot (a writer process is
+    sent each once). Page locking is slow (seconds per GB) and slows every step that runs beside it
+    (docs/benchmarks.md, run AO), so the pinned slots are allocated once, after the first step and
+    before the second, while nothing else runs. Otherwise (a writer thread on CPU) each save gets a
+    fresh host copy, freed once written."""
+
+    def __init__(self, device: torch.device, pinned: bool, shared: bool):
+        self.device, self.pinned, self.shared = device, pinned, shared
+        self.keeps = pinned or shared
+        self.kept: dict[int, dict] = {}  # slot -> its kept host copy
+        self.on_device = False  # decided by reserve, after the first step
+        self.stream: Optional[torch.cuda.Stream] = None  # the writer thread's device-to-host copies
+
+    def reserve(self, template: dict, slots: int, on_device: bool) -> list[int]:
+        """Stages on the device from now on if `on_device`, where one host slot serves every save;
+        pinned: allocates the host copies of the slots now, shaped like `template` (the live state
+        dict). Returns the slots allocated."""
+        self.on_device = on_device
+        if not self.pinned:
+            return []
+        for slot in range(1 if on_device else slots):
+            self.kept[slot] = _create_cpu_state_dict(template, True, self.shared)
+        return list(self.kept)
+
+    def stage(self, state_dict: dict, busy: set) -> tuple[dict | DeviceCopy, int]:
+        """On the training thread: a copy of `state_dict` and its host slot, one not in `busy` (the
+        slots of saves in flight) where each save has its own."""
+        if self.on_device:
+            return DeviceCopy(state_dict, self.device), 0
+        slot = min(set(range(len(busy) + 1)) - busy)
+        staged = self._host_copy(slot, like=state_dict)
+        _copy_state_dict(state_dict, staged, type_check=False)
+        return staged, slot
+
+    def to_host(self, staged: dict | DeviceCopy, slot: int) -> dict:
+        """On the writer thread, when the save's write begins: its host copy."""
+        if not isinstance(staged, DeviceCopy):
+            return staged
+        on_device = staged.take()
+        host = self._host_copy(slot, like=on_device)
+        if staged.ready is None:
+            _copy_state_dict(on_device, host, type_check=False)
+            return host
+        with torch.cuda.device(self.device):
+            self.stream = self.stream or torch.cuda.Stream()
+            with torch.cuda.stream(self.stream):  # not the training stream: its kernels go on beside the copy
+                self.stream.wait_event(staged.ready)
+                _copy_state_dict(on_device, host, non_blocking=True, type_check=False)
+            self.stream.synchronize()  # before the device copy is freed and the host copy written
+        return host
+
+    def _host_copy(self, slot: int, like: dict) -> dict:
+        """The slot's kept host copy, made now if it has none (and kept if copies are kept)."""
+        host = self.kept.get(slot) or _create_cpu_state_dict(like, self.pinned, self.shared)
+        if self.keeps:
+            self.kept[slot] = host
+        return host
+
+
+def tensor_bytes(state_dict: dict, on: Optional[str] = None) -> int:
+    """The bytes of the tensors in a (nested) state dict, a DTensor's local shard only; with `on`,
+    of those on that device type only."""
+    tensors = [t for t in tree_leaves(state_dict) if isinstance(t, torch.Tensor)]
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    return sum(t.numel() * t.element_size() for t in local if on is None or t.device.type == on)

@@ -12,8 +12,7 @@ import torch.distributed as dist
 
 from sfttrain import checks, checkpoint, export, fp8, lora, moe, phase, profiling, recompute, stop_signal
 from sfttrain.attention import describe_backend, fallback_warning
-from sfttrain.checkpoint_folder import (complete_checkpoints, describe_retention, is_complete, latest_of_newest_run,
-                                       read_state, remove_stale_tmp)
+from sfttrain.checkpoint_folder import (complete_checkpoints, describe_retention, is_complete, read_state, remove_stale_tmp)
 from sfttrain.config import Config, logger_names, moot_settings
 from sfttrain.data.loader import (StepBatch, TrainData, cpus_of_this_process, describe_workers, step_batches,
                                   validation_batches)
@@ -22,8 +21,9 @@ from sfttrain.data.pack import max_segment_length
 from sfttrain.data.parquet import DataFileChanged
 from sfttrain.data.prepare import LENGTHS_DIR
 from sfttrain.data.report import describe
-from sfttrain.distributed import World, check_shared_run_dir, describe_auto_cpu, ranks_of_this_launcher
+from sfttrain.distributed import World, check_shared_run_dir, describe_auto_cpu, from_every_rank, ranks_of_this_launcher
 from sfttrain.errors import NonFiniteLossError, StoppedBySignal
+from sfttrain.faults import what_next
 from sfttrain.flops import ModelShape
 from sfttrain.loss import CausalLMLoss, router_metrics, router_stats, select_chunk_loss, step_objective
 from sfttrain.metrics import (MetricsLogger, StepEnd, StepTimer, describe_host_memory, describe_software,
@@ -150,9 +150,7 @@ class FSDPSFTTrainer:
     def _host_memory_per_rank(self) -> list[dict]:
         here = host_memory_gib()
         mine = {**here, "before_model_gib": self.host_rss_before_model} if here else {}
-        per_rank = [{}] * self.world.world_size
-        dist.all_gather_object(per_rank, mine)
-        return per_rank
+        return from_every_rank(mine)
 
     def train(self) -> None:
         t = self.cfg.trainer
@@ -201,8 +199,7 @@ class FSDPSFTTrainer:
         try:
             return next(batches)
         except DataFileChanged as e:
-            last = latest_of_newest_run(self.run_dir)
-            raise e.then_resume(last[1] if last else None) from None
+            raise e.then_resume(what_next(self.cfg.trainer)) from None
 
     def say_done(self, steps: int, seconds: float) -> None:
         """The run's last lines: what it trained, where the result is, the commands that go on from it."""
@@ -314,11 +311,10 @@ class FSDPSFTTrainer:
         self.checkpointer.close()
         # whose signal the vote carried (a SIGTERM noted since, as torchrun ending the job sends, is not the cause)
         own = self.stop_vote.voted or (self.world.world_size == 1 and stop_signal.received())
-        who = "SIGTERM received" if own else "another rank received SIGTERM"
+        who = f"{stop_signal.received() or 'SIGTERM'} received" if own else "another rank received SIGTERM"
         raise StoppedBySignal(
             f"{who}: training stopped after step {self.state.step} of {self.plan.total_steps}, whose checkpoint "
-            f"{os.path.join(self.run_dir, f'global_step_{self.state.step}')} is committed. The same command "
-            "with trainer.resume_mode=auto (the default) resumes from it")
+            f"{os.path.join(self.run_dir, f'global_step_{self.state.step}')} is committed. {what_next(self.cfg.trainer)}")
 
     def export_hf(self) -> None:
         """trainer.save_hf: the final checkpoint, once committed, is exported into its huggingface/;

@@ -100,7 +100,7 @@ def test_a_data_file_rewritten_while_the_run_trains_stops_it_naming_the_file(gsm
     assert code == 3 and len(said) == 1 and "Traceback" not in out, out[-3000:]
     last = max(int(p.name.split("_")[-1]) for p in run_dir.glob("global_step_*"))
     assert said[0].startswith(f"sfttrain: data error: data file {data} changed while the run trained: "), said[0]
-    assert f"the same command then resumes from {run_dir / f'global_step_{last}'}" in said[0], said[0]
+    assert f"The same command then resumes from {run_dir / f'global_step_{last}'}" in said[0], said[0]
     assert logged_steps(run_dir) < 240
 
 

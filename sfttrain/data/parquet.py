@@ -85,12 +85,10 @@ class DataFileChanged(DataError):
     def __reduce__(self):  # raised in a DataLoader worker, it reaches the rank pickled
         return DataFileChanged, (self.source, self.change, self.next_step)
 
-    def then_resume(self, last_checkpoint: Optional[str]) -> "DataFileChanged":
-        """The error with what to do next, given the run folder's last committed checkpoint."""
-        then = (f"the same command then resumes from {last_checkpoint}" if last_checkpoint else
-                "the same command then starts afresh: no checkpoint was committed yet")
-        return DataFileChanged(self.source, self.change, f". Put the file back as it was while a run reads it "
-                               f"({then}); to train on the new data, start in a new run folder "
+    def then_resume(self, next_step: str) -> "DataFileChanged":
+        """The error with what to do next (sfttrain.faults.what_next)."""
+        return DataFileChanged(self.source, self.change, f". Put the file back as it was while a run reads it: "
+                               f"{next_step}. To train on the new data, start in a new run folder "
                                "(trainer.default_local_dir), whose start-up scans it")
 
 

@@ -20,6 +20,7 @@ from sfttrain.data.parquet import ParquetSource
 from sfttrain.data.render import RenderedSample, Renderer
 from sfttrain.data.report import (data_report, locate_rows, select_rows, training_twins, validation_section,
                                   write_report)
+from sfttrain.distributed import from_every_rank
 from sfttrain.errors import ConfigError
 
 LENGTHS_DIR = "row_stats"  # in the run folder (unless data.length_cache_dir names another): <rendering key>.npz
@@ -68,7 +69,7 @@ def first_epoch_report(cfg: Config, source: ParquetSource, stats: RowStats, plan
     report = data_report(stats, first_epoch[:plan.steps_per_epoch * plan.global_batch], cfg.data)
     report = {"files": [{"path": f, "rows": n} for f, n in source.file_rows()],
               "subfolders_not_read": unread_subfolders(as_list(cfg.data.train_files)),
-              "columns_not_read": sorted(source.unread), **report}
+              "columns_not_read": sorted(source.unread), "unread_text": source.unread_text(), **report}
     if len(report["files"]) > 1:
         locate_rows(report, source.where)
     return report
@@ -77,8 +78,7 @@ def first_epoch_report(cfg: Config, source: ParquetSource, stats: RowStats, plan
 def validation_report(samples: list[RenderedSample], stats: RowStats, rows: int) -> dict:
     """The validation rows' part of the report, from every rank's share (ranks of one data-parallel
     rank render the same share: the pairs are counted once)."""
-    shares = [None] * dist.get_world_size()
-    dist.all_gather_object(shares, list(zip(*(a.tolist() for a in training_twins(samples, stats)))))
+    shares = from_every_rank(list(zip(*(a.tolist() for a in training_twins(samples, stats)))))
     return validation_section(rows, list({pair for share in shares for pair in share}))
 
 

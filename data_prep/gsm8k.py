@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from sfttrain.checkpoint_folder import replace_synced
-from sfttrain.fs_faults import fault
+from sfttrain.faults import fault
 
 SPLITS = ("train", "test")
 HUB_DATASET, HUB_CONFIG = "openai/gsm8k", "main"

@@ -75,14 +75,14 @@ def test_missing_torchao_says_how_to_install(monkeypatch):
 
 
 def test_a_cpu_run_stops_at_start_up_with_one_message(tmp_path):
-    """The run's own exit: code 2 and the message naming the key, before the data is read (the
-    train file does not exist)."""
+    """The run's own exit: code 2 and the message naming the key, listed with the other start-up problem
+    (the train file does not exist), before the data is read."""
     proc = run_sfttrain(1, [f"model.partial_pretrain={STORIES}", f"data.train_files={tmp_path}/none.parquet",
                             f"trainer.default_local_dir={tmp_path}/run", "data.max_length=512", "model.fp8=tensorwise"],
                         check=False)
     assert proc.returncode == 2, proc.stdout[-3000:]
     assert proc.stdout.count("model.fp8=tensorwise needs a CUDA GPU with FP8 tensor cores") == 1, proc.stdout[-3000:]
-    assert "none.parquet" not in proc.stdout
+    assert "none.parquet' does not exist (check data.train_files" in proc.stdout, proc.stdout[-3000:]
 
 
 def test_auto_turns_fp8_on_for_wide_layers_only():

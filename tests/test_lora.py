@@ -51,11 +51,13 @@ def one(data, tmp_path_factory) -> Path:
 
 def test_the_preflights_checkpoint_size_is_what_a_lora_checkpoint_holds(ref, data):
     """The fp32 adapters and their AdamW moments, as the checkpoint's metadata lists them."""
-    from sfttrain.plan import DenseShape, checkpoint_bytes
+    from sfttrain.checkpoint import estimated_bytes
+    from sfttrain.plan import Startup, model_section
 
     run_dir, _ = ref
     held = checkpoint_tensor_bytes(run_dir / f"global_step_{STEPS}")
-    assert checkpoint_bytes(load_config(None, lora_job(data, run_dir)), DenseShape.from_config_json(str(STORIES))) == held
+    cfg = load_config(None, lora_job(data, run_dir))
+    assert estimated_bytes(model_section(Startup(cfg, 1, ("cpu",), planning=True, folder=str(STORIES)))) == held
 
 
 def test_lora_learns_and_checkpoints_hold_adapters_only(ref):

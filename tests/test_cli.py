@@ -237,3 +237,21 @@ def test_verl_example_script_trains(small_verl_home, tiny_qwen_dir, tmp_path):
     # what is true of a fresh start, and no warning the user can do nothing about (checkpointing is on)
     assert "row scan            : 64 rows rendered, lengths cached in" in proc.stdout, proc.stdout[-3000:]
     assert "gradient_checkpointing_enable" not in proc.stdout, proc.stdout[-3000:]
+
+
+def test_the_sfttrain_command_says_a_mistake_once_and_trains_when_it_is_fixed(gsm8k_head, tmp_path):
+    """`sfttrain train --nproc 2`: a mistake is the rank's one message and its exit code (2), without torchrun's
+    ChildFailedError summary or a traceback around it; the same command, corrected, trains both ranks."""
+    from tests.conftest import TWO_RANK_STEPS, rank_env, two_rank_job
+
+    job = two_rank_job(gsm8k_head, tmp_path / "run")
+    command = [sys.executable, "-m", "sfttrain.cli", "train", "--nproc", "2", *job]
+    bad = subprocess.run([*command, "data.train_batch_size=7"], env=rank_env(), cwd=tmp_path, capture_output=True,
+                         text=True, timeout=300)
+    said = bad.stdout + bad.stderr
+    assert bad.returncode == 2, said[-3000:]
+    assert said.count("sfttrain: config error: ") == 1 and "data.train_batch_size=7" in said, said[-3000:]
+    assert "ChildFailedError" not in said and "Traceback" not in said, said[-3000:]
+    good = subprocess.run(command, env=rank_env(), cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert good.returncode == 0, (good.stdout + good.stderr)[-3000:]
+    assert [r["step"] for r in read_metrics(tmp_path / "run") if "loss" in r] == list(range(1, TWO_RANK_STEPS + 1))

@@ -460,3 +460,18 @@ def test_training_on_conversations_counts_assistant_tokens(tiny_qwen_dir, tmp_pa
     assert count == sum(len(tok(m["content"], add_special_tokens=False)["input_ids"]) + 1
                         for c in val for m in c if m["role"] == "assistant")
     assert [m["val/loss"] for m in read_metrics(run_dir) if "val/loss" in m] == [pytest.approx(total / count, rel=1e-5)]
+
+
+def test_the_offline_chat_recipe_trains_through_eos_and_its_export_applies_the_template(gsm8k_dir, tmp_path):
+    """recipes/chat_demo_cpu.yaml: the demo's model, which has no chat template, with the shipped tiny template:
+    each answer is supervised through the tokenizer's own EOS (the run's `answers end with` line), and the
+    exported tokenizer renders a conversation with that template (trainer.save_hf writes the export)."""
+    run = tmp_path / "run"
+    proc = run_sfttrain(2, [str(REPO / "recipes" / "chat_demo_cpu.yaml"), f"data.train_files={gsm8k_dir}/train.parquet",
+                            f"data.val_files={gsm8k_dir}/test.parquet", f"trainer.default_local_dir={run}",
+                            "trainer.total_training_steps=2", "trainer.save_hf=true"])
+    assert "answers end with    : </s> (the tokenizer's EOS)" in proc.stdout, proc.stdout[-3000:]
+    exported = AutoTokenizer.from_pretrained(next(run.glob("global_step_2/huggingface")))
+    conversation = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    assert exported.apply_chat_template(conversation[:1], tokenize=False, add_generation_prompt=True) == "Q: 2+2?\nA: "
+    assert exported.apply_chat_template(conversation, tokenize=False) == "Q: 2+2?\nA: 4</s>\n"

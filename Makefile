@@ -1,5 +1,6 @@
 # make demo : set up .venv/ and train the tiny real model on a GSM8K sample, 2 CPU ranks
 # make test : set up .venv/ and run the test suite
+# make clean: remove .venv/ and work/ (the demo's data and runs)
 #
 # Everything is installed into the project virtualenv .venv/ (created with $(PYTHON) -m venv):
 # torch==2.13.0 from pip's configured index, then sfttrain in editable mode with its test and bench extras.
@@ -53,4 +54,5 @@ test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(ALLOWED_SKIPS) $(PYTEST_ARGS)
 
 clean:
+	@echo "make clean: removing $(VENV) (the installed environment: make install or make demo sets it up again) and $(WORK) (the demo's data and runs)"
 	rm -rf $(VENV) $(WORK)

@@ -3,6 +3,7 @@ wrong (the README's data commands are run in tests/test_files.py, its preflight 
 
 import re
 import shlex
+import subprocess
 
 from tests.conftest import REPO
 
@@ -140,3 +141,13 @@ def test_the_first_runs_batch_arithmetic_is_what_the_demo_prints(gsm8k_dir, tmp_
                      f"data.val_files={gsm8k_dir / 'test.parquet'}", f"trainer.default_local_dir={tmp_path / 'run'}",
                      f"model.partial_pretrain={REPO / 'assets' / 'models' / 'stories260K'}", "--nproc", "2"])
     assert code == 0 and shown in out.getvalue(), out.getvalue()
+
+
+def test_make_clean_says_what_it_removes(tmp_path):
+    """`make clean` deletes the virtualenv too: it says so, naming both folders, before it removes them."""
+    venv, work = tmp_path / "venv", tmp_path / "work"
+    venv.mkdir(), work.mkdir()
+    done = subprocess.run(["make", "-s", "clean", f"VENV={venv}", f"WORK={work}"], cwd=REPO, capture_output=True,
+                          text=True, check=True)
+    assert f"removing {venv} (the installed environment" in done.stdout and f"and {work} (the demo's" in done.stdout
+    assert not venv.exists() and not work.exists()

@@ -93,6 +93,10 @@ def missing_file(path: str) -> DataError:
     return DataError(f"data file {path!r} does not exist (check data.train_files / data.val_files){hub_id_hint(path)}")
 
 
+def no_rows(source: str) -> DataError:
+    return DataError(f"{source}: the file has no rows; point data.train_files / data.val_files at a file with rows")
+
+
 def hub_id_hint(path: str) -> str:
     """How to write a hub dataset (TRL takes its id) to a file, for a path shaped like its id."""
     if not is_repo_id(path) or os.path.splitext(path)[1]:  # a missing "data/train.parquet" is a local path
@@ -199,7 +203,7 @@ class ParquetSource:
         self._columns[file] = self.fields.columns(source, names)
         self.unread.update(n for n in names if n not in self._columns[file])
         if meta.metadata.num_rows == 0:
-            raise DataError(f"{source}: the file has no rows; point data.train_files / data.val_files at a file with rows")
+            raise no_rows(source)
         first = sum(g.num_rows for g in self.row_groups)
         for i in range(meta.num_row_groups):
             n = meta.metadata.row_group(i).num_rows

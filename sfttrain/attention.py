@@ -17,7 +17,6 @@ sample: exact on any device, a host sync per layer).
 from __future__ import annotations
 
 import functools
-import importlib.util
 from typing import Any
 
 import torch
@@ -38,9 +37,7 @@ CUDNN_HEAD_DIMS = (64, 128)
 
 @functools.lru_cache(maxsize=None)
 def _flash_attn_importable() -> bool:
-    if importlib.util.find_spec("flash_attn") is None:
-        return False
-    try:  # a wheel built against another torch/CUDA fails here, at import, not at find_spec
+    try:  # a wheel built against another torch/CUDA fails at import
         from flash_attn import flash_attn_varlen_func  # noqa: F401
     except Exception:
         return False

@@ -1,55 +1,22 @@
-"""Varlen (packed-row) causal attention for unmodified Hugging Face causal LMs.
+"""Causal attention within each sample of a packed row, for unmodified Hugging Face causal LMs.
 
-The trainer packs a micro-batch into ONE row: ``input_ids [1, T]``, ``position_ids [1, T]``
-restarting at 0 for each sample, and sample boundaries ``cu_seqlens`` (int32, ``[n + 1]``, 0 .. T)
-with ``max_seqlen`` (int). It calls the model as::
+The trainer calls the model with transformers' FlashAttentionKwargs (cu_seq_lens_q/k, max_length_q/k);
+the modeling code forwards them down to the function registered here as "sfttrain_varlen".
 
-    model(input_ids=ids, position_ids=pos,
-          cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=m, max_length_k=m)
+The name is registered in AttentionInterface only, not AttentionMaskInterface: for an implementation
+without a mask function, masking_utils exits early with mask=None, before any [T, T] mask or the
+packed-sequence detection (a host sync per forward) is made. So boundaries come from cu_seq_lens_q
+alone, and a 4-D mask reaching here is refused. The name avoids "flash", "sdpa", "flex_attention"
+and "/", which transformers routes to its own capability checks or Hub kernels.
 
-Those are transformers' ``FlashAttentionKwargs`` names; the modeling code forwards them through
-``**kwargs`` unchanged down to the attention function registered here, which attends causally
-*within* each sample and never across a boundary.
-
-Why no attention mask is built
-------------------------------
-This module registers the name ``"sfttrain_varlen"`` in ``AttentionInterface`` only, and
-deliberately NOT in ``AttentionMaskInterface``. ``masking_utils._preprocess_mask_arguments``
-(the first step of ``create_causal_mask``, ``create_sliding_window_causal_mask`` and
-``create_bidirectional_mask``; checked in transformers 5.17.0 and 5.24.0) returns
-``(early_exit=True, mask=None, ...)`` when ``config._attn_implementation`` is not a key of
-``ALL_MASK_ATTENTION_FUNCTIONS._global_mapping``, so every layer receives ``attention_mask=None``.
-That exit comes before any [T, T] mask is materialised and also before
-``find_packed_sequence_indices`` (which would otherwise do a diff/cumsum over ``position_ids`` and a
-device->host sync every forward). Registering a mask function that returns ``None`` would also
-avoid the [T, T] mask, but only after that packed-sequence detection ran, so not registering is
-strictly cheaper. Consequences: a 2D ``attention_mask`` given to the model is DROPPED by
-transformers on that exit (packed rows have no padding, so the trainer passes none); a 4D mask is
-passed through (it is checked first) and rejected here, as is any mask from a model that builds
-its own. The boundaries come exclusively from ``cu_seq_lens_q``.
-
-The name avoids the substrings "flash", "sdpa" and "flex_attention" and contains no "/":
-``PreTrainedModel._check_and_adjust_attn_implementation`` routes names containing those to the
-flash-attn / SDPA / flex capability checks or to Hub-kernel loading.
-
-Backends (``select_backend``/``configure``)
--------------------------------------------
-* ``flash_attn``: ``flash_attn.flash_attn_varlen_func`` (CUDA, package must import).
-* ``torch_varlen``: PyTorch's own varlen flash attention, ``aten::_flash_attention_forward`` (the
-  op ``torch.nn.attention.varlen.varlen_attn`` wraps; CUDA only: the CPU build has no kernel for it).
-  A row of ONE sample (long samples, one per micro-batch; the row's pad joins it,
-  sfttrain.data.pack) runs on cuDNN's attention instead where the GPU is a Hopper or newer and the
-  heads are of a size it was measured at (CUDNN_HEAD_DIMS), where it is the faster kernel
-  (docs/benchmarks.md).
-* ``sdpa_blockmask``: exact fallback for any device: one causal
-  ``scaled_dot_product_attention`` per sample over slices given by ``cu_seqlens`` (one host sync
-  per layer to read the boundaries; fine on CPU and for debugging, slow on GPU).
+Backends: flash_attn (the package), torch_varlen (aten::_flash_attention_forward, CUDA only; a row
+of one sample on cuDNN where faster, Hopper or newer) and sdpa_blockmask (one causal SDPA per
+sample: exact on any device, a host sync per layer).
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.util
 from typing import Any
 
 import torch
@@ -58,40 +25,19 @@ import torch.nn.functional as F
 from sfttrain.dtypes import CONFIG_NAMES
 from sfttrain.errors import GPU_INSTALL, ConfigError
 
-__all__ = [
-    "ATTN_IMPLEMENTATION",
-    "BACKENDS",
-    "available_backends",
-    "configure",
-    "describe_backend",
-    "fallback_warning",
-    "get_backend",
-    "kernel_ops",
-    "register",
-    "select_backend",
-    "varlen_attention_forward",
-]
-
 ATTN_IMPLEMENTATION = "sfttrain_varlen"
 BACKENDS = ("flash_attn", "torch_varlen", "sdpa_blockmask")  # also the "auto" preference order
 
-# The module state: the backend chosen by `configure` at start-up. None means "not configured":
-# each call then uses select_backend("auto", <device of the query>). And whether torch_varlen runs
-# a row of one sample on cuDNN (configure decides: a Hopper or newer GPU, cuDNN present).
+# set by `configure`; None: each call picks "auto" for the query's device
 _backend: str | None = None
-_cudnn_rows: bool = False
-# the head sizes cuDNN's path was measured and tested at (W1's 64, W2b's 128); others stay on flash
+_cudnn_rows: bool = False  # torch_varlen runs a row of one sample on cuDNN
+# the head sizes cuDNN's path was measured and tested at; others stay on flash
 CUDNN_HEAD_DIMS = (64, 128)
 
 
-# --------------------------------------------------------------------------------------------
-# Availability and selection
-# --------------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def _flash_attn_importable() -> bool:
-    if importlib.util.find_spec("flash_attn") is None:
-        return False
-    try:  # a wheel built against another torch/CUDA fails here, at import, not at find_spec
+    try:  # a wheel built against another torch/CUDA fails at import
         from flash_attn import flash_attn_varlen_func  # noqa: F401
     except Exception:
         return False
@@ -100,13 +46,12 @@ def _flash_attn_importable() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _torch_varlen_available() -> bool:
-    """Whether this torch's aten flash-attention op takes a window (torch >= 2.11 does)."""
+    # torch >= 2.11's op takes a window
     op = getattr(torch.ops.aten, "_flash_attention_forward", None)
     return op is not None and any(a.name == "window_size_left" for a in op.default._schema.arguments)
 
 
 def _unavailable_reason(backend: str, device_type: str) -> str | None:
-    """None if `backend` can run on `device_type` here, else why not."""
     if backend == "sdpa_blockmask":
         return None
     if device_type != "cuda":
@@ -114,9 +59,8 @@ def _unavailable_reason(backend: str, device_type: str) -> str | None:
     if backend == "flash_attn":
         return None if _flash_attn_importable() else "the flash_attn package is not importable"
     if backend == "torch_varlen":
-        if not _torch_varlen_available():
-            return f"torch {torch.__version__}'s aten::_flash_attention_forward takes no attention window"
-        return None
+        ok = _torch_varlen_available()
+        return None if ok else f"torch {torch.__version__}'s aten::_flash_attention_forward takes no attention window"
     raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
 
 
@@ -125,24 +69,17 @@ def _default_device_type() -> str:
 
 
 def available_backends(device_type: str | None = None) -> list[str]:
-    """Backends that can run on `device_type` (default: cuda if available, else cpu), best first."""
     device_type = device_type or _default_device_type()
     return [b for b in BACKENDS if _unavailable_reason(b, device_type) is None]
 
 
 def select_backend(requested: str = "auto", device_type: str | None = None) -> str:
-    """Resolve `requested` ("auto" or one of BACKENDS) to a backend that runs on `device_type`.
-
-    "auto" picks flash_attn > torch_varlen > sdpa_blockmask by availability. A named backend
-    that cannot run here is refused (model.attn_implementation), saying why.
-    """
+    """"auto" (the first available of BACKENDS) or a named backend, refused saying why where it cannot run."""
     device_type = device_type or _default_device_type()
     if requested == "auto":
         return available_backends(device_type)[0]  # sdpa_blockmask is always available
     if requested not in BACKENDS:
-        raise ValueError(
-            f"unknown attention backend {requested!r}; expected 'auto' or one of {BACKENDS}"
-        )
+        raise ValueError(f"unknown attention backend {requested!r}; expected 'auto' or one of {BACKENDS}")
     reason = _unavailable_reason(requested, device_type)
     if reason is not None:
         raise ConfigError(f"model.attn_implementation={requested}: the backend is not available here: {reason}; set "
@@ -152,8 +89,7 @@ def select_backend(requested: str = "auto", device_type: str | None = None) -> s
 
 
 def fallback_warning(requested: str, chosen: str, device_type: str) -> list[str]:
-    """The start-up line for `auto` on CUDA ending on sdpa_blockmask: the per-sample path (a host
-    sync per sample per layer) that would otherwise slow the run without a word; what to install."""
+    """`auto` on CUDA ending on the slow per-sample path is said at start-up, with what to install."""
     if requested != "auto" or device_type != "cuda" or chosen != "sdpa_blockmask":
         return []
     reasons = "; ".join(f"{b}: {_unavailable_reason(b, device_type)}" for b in ("flash_attn", "torch_varlen"))
@@ -163,16 +99,13 @@ def fallback_warning(requested: str, chosen: str, device_type: str) -> list[str]
 
 
 def register(forward=None) -> None:
-    """Register ATTN_IMPLEMENTATION with transformers (idempotent; also done at import). forward:
-    a wrapper of varlen_attention_forward to call instead (sfttrain.sequence_parallel's)."""
+    """forward: a wrapper of varlen_attention_forward to register instead (sequence_parallel's)."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, forward or varlen_attention_forward)
-    # Deliberately no AttentionMaskInterface.register: see the module docstring.
 
 
 def configure(backend: str = "auto", device_type: str | None = None) -> str:
-    """Select the backend once at start-up, register with transformers, return the chosen name."""
     global _backend, _cudnn_rows
     _backend = select_backend(backend, device_type)
     _cudnn_rows = _backend == "torch_varlen" and cudnn_attention_available()
@@ -181,20 +114,18 @@ def configure(backend: str = "auto", device_type: str | None = None) -> str:
 
 
 def cudnn_attention_available() -> bool:
-    """cuDNN's fused attention on this process's GPU: a Hopper or newer (where it was measured)."""
+    # Hopper or newer: where it was measured
     return (torch.cuda.is_available() and torch.backends.cudnn.is_available()
             and torch.cuda.get_device_capability() >= (9, 0))
 
 
 def describe_backend() -> str:
-    """The configured backend for the start-up line."""
     return f"{_backend} (a row of one sample on cuDNN)" if _cudnn_rows else str(_backend)
 
 
 @functools.lru_cache(maxsize=None)
 def kernel_ops() -> frozenset:
-    """The ops whose outputs are an attention's result (and its softmax statistics), for every
-    backend and device: what sfttrain.recompute keeps so that backward does not run them again."""
+    """The attention ops of every backend, whose outputs sfttrain.recompute keeps for backward."""
     aten = torch.ops.aten
     ops = {aten._flash_attention_forward.default, aten._scaled_dot_product_cudnn_attention.default,
            aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_efficient_attention.default,
@@ -206,35 +137,21 @@ def kernel_ops() -> frozenset:
     return frozenset(ops)
 
 
-def get_backend() -> str | None:
-    """The configured backend, or None if `configure` has not been called."""
-    return _backend
-
-
-# --------------------------------------------------------------------------------------------
-# Backend kernels. All take q [T, H, D], k/v [T, Hkv, D], int32 cu_seqlens [n+1], and return
-# [T, H, D]. `window` is (left, 0): left = -1 for plain causal, sliding_window - 1 otherwise.
-# `softcap`: Gemma 2's attention-logit soft-cap, cap * tanh(scores / cap), or None.
-# --------------------------------------------------------------------------------------------
+# The kernels take q [T, H, D], k/v [T, Hkv, D], int32 cu_seqlens [n+1] and return [T, H, D]. window is
+# (left, 0), left -1 for plain causal; softcap is Gemma 2's cap * tanh(scores / cap), or None.
 def _run_flash_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, softcap):
     from flash_attn import flash_attn_varlen_func
 
-    # flash_attn handles GQA natively (Hq must be a multiple of Hkv).
-    return flash_attn_varlen_func(
-        q, k, v, cu_q, cu_k, max_q, max_k,
-        dropout_p=0.0, softmax_scale=scale, causal=True, window_size=window, softcap=softcap or 0.0,
-    )
+    return flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=scale,
+                                  causal=True, window_size=window, softcap=softcap or 0.0)
 
 
 def _run_torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, softcap):
     if softcap is not None:
         raise ValueError(SOFTCAP_UNSUPPORTED)
-    # The aten op that torch.nn.attention.varlen.varlen_attn wraps, called directly: it is
-    # differentiable itself (FlashAttentionBackward0, window included), handles fewer KV heads
-    # natively, and inductor's C++ wrapper calls it without Python. varlen_attn's custom op takes
-    # its window as a list, which that wrapper cannot pass (torch 2.11).
-    # TRAP, as in varlen_attn: causal is the window (-1, 0) with is_causal; a window (-1, -1)
-    # without is_causal is bidirectional, every token seeing the future of its own sample.
+    # The op varlen_attn wraps, called directly: varlen_attn takes its window as a list, which
+    # inductor's C++ wrapper cannot pass. TRAP: causal is window (-1, 0) WITH is_causal; (-1, -1)
+    # without it is bidirectional.
     return torch.ops.aten._flash_attention_forward(
         q, k, v, cu_q, cu_k, max_q, max_k, 0.0, tuple(window) == (-1, 0), False,
         scale=scale, window_size_left=window[0], window_size_right=window[1],
@@ -242,30 +159,24 @@ def _run_torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, softcap)
 
 
 def _run_cudnn_one_sample(q, k, v, scale):
-    """Causal attention of a row that is one sample, [T, H, D], on cuDNN (fewer KV heads native)."""
     q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))  # [1, H, T, D], views
     out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)[0]
     return out[0].transpose(0, 1)
 
 
 def _run_sdpa_blockmask(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, softcap):
-    # Exact fallback: one causal SDPA per sample, so nothing can cross a boundary and no [T, T]
-    # mask exists. Reading the boundaries is a host sync per layer (fine on CPU).
-    del max_q, max_k
+    del max_q, max_k  # one causal SDPA per sample: nothing crosses a boundary, no [T, T] mask
     bounds = cu_q.tolist()
     if cu_k is not cu_q and cu_k.tolist() != bounds:
         raise ValueError("sdpa_blockmask needs cu_seq_lens_k == cu_seq_lens_q (self-attention)")
     if bounds[0] != 0 or bounds[-1] != q.shape[0]:
-        raise ValueError(
-            f"cu_seq_lens_q must start at 0 and end at the row length {q.shape[0]}, got "
-            f"{bounds[0]} .. {bounds[-1]}"
-        )
+        raise ValueError(f"cu_seq_lens_q must start at 0 and end at the row length {q.shape[0]}, got "
+                         f"{bounds[0]} .. {bounds[-1]}")
     gqa = k.shape[1] != q.shape[1]
     outs = []
     for start, end in zip(bounds[:-1], bounds[1:]):
         if end == start:
             continue
-        # [L, H, D] -> [H, L, D]
         qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))
         length = end - start
         if softcap is not None:
@@ -274,10 +185,9 @@ def _run_sdpa_blockmask(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, softca
             i = torch.arange(length, device=q.device)
             rel = i[:, None] - i[None, :]  # query index minus key index
             mask = (rel >= 0) & (rel <= window[0])
-            o = F.scaled_dot_product_attention(
-                qs[None], ks[None], vs[None], attn_mask=mask, scale=scale, enable_gqa=gqa
-            )[0]
-        else:  # [1, H, L, D]: SDPA's fused kernels (on CPU too) take 4-D inputs only
+            o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], attn_mask=mask, scale=scale,
+                                               enable_gqa=gqa)[0]
+        else:  # [1, H, L, D]: SDPA's fused kernels take 4-D inputs only
             o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], is_causal=True, scale=scale,
                                                enable_gqa=gqa)[0]
         outs.append(o.transpose(0, 1))
@@ -285,8 +195,7 @@ def _run_sdpa_blockmask(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, softca
 
 
 def _softcapped_attention(q, k, v, scale, window, softcap):
-    """Causal attention of one sample [H, L, D] with soft-capped scores, written out (SDPA has
-    no soft-cap): the eager computation of Gemma 2's modeling code, softmax in fp32."""
+    """Gemma 2's eager attention of one sample [H, L, D] (SDPA has no soft-cap), softmax in fp32."""
     k, v = (t.repeat_interleave(q.shape[0] // t.shape[0], dim=0) for t in (k, v))  # GQA
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     scores = softcap * torch.tanh((q @ k.transpose(1, 2)) * scale / softcap)
@@ -303,8 +212,6 @@ SOFTCAP_UNSUPPORTED = ("this model soft-caps its attention logits (attn_logit_so
 
 
 def check_model(config, backend: str, compute_dtype: torch.dtype) -> None:
-    """Start-up check that `backend` can compute this model's attention as its own code does, in
-    the run's compute dtype (the flash kernels take fp16/bf16 only)."""
     if getattr(config, "attn_logit_softcapping", None) is not None and backend == "torch_varlen":
         raise ConfigError(SOFTCAP_UNSUPPORTED)
     if backend != "sdpa_blockmask" and compute_dtype not in (torch.float16, torch.bfloat16):
@@ -321,49 +228,26 @@ _KERNELS = {
 }
 
 
-# --------------------------------------------------------------------------------------------
-# The function transformers calls (same contract as integrations.sdpa_attention_forward).
-# --------------------------------------------------------------------------------------------
-def varlen_attention_forward(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    is_causal: bool | None = None,
-    s_aux: torch.Tensor | None = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """Causal attention inside each packed sample.
-
-    query [1, H, T, D], key/value [1, Hkv, T, D] (H a multiple of Hkv). Reads
-    `cu_seq_lens_q` / `max_length_q` (and the `_k` twins, defaulting to the `_q` ones) from
-    kwargs. Returns (attn_output [1, T, H, D], None), the layout of transformers' sdpa/flash
-    attention functions, which the caller reshapes to [1, T, H * D].
-    """
+def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                             sliding_window: int | None = None, softcap: float | None = None,
+                             is_causal: bool | None = None, s_aux: torch.Tensor | None = None,
+                             **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' sdpa_attention_forward contract: query [1, H, T, D], key/value [1, Hkv, T, D];
+    returns ([1, T, H, D], None)."""
     cu_q, cu_k, max_q, max_k = _packed_boundaries(kwargs, query.device)
     _refuse_what_is_not_implemented(module, query, key, attention_mask, dropout, is_causal, s_aux)
     backend = _backend if _backend is not None else select_backend("auto", query.device.type)
     if backend != "sdpa_blockmask":
         query, key, value = _in_half_precision(backend, query, key, value)
-    # HF's sliding-window semantics: a query sees keys with q - k < sliding_window.
+    # a query sees keys with q - k < sliding_window
     window = (-1, 0) if sliding_window is None else (int(sliding_window) - 1, 0)
 
-    # [1, H, T, D] -> [T, H, D] (a view; the last dim stays contiguous, which the kernels need).
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
-    # The kernels save their inputs for backward. Where a layer's projections are fused
-    # (sfttrain.fuse_projections, sfttrain.lora_fold), v (and k where no RoPE makes it anew) is a
-    # column slice of the q/k/v GEMM's output, a view that would hold that whole output until
-    # backward: W1 LoRA folded peaked 0.67 GiB higher for it (run CF; CG with the copy: 15.51 GiB, as
-    # unfolded; docs/benchmarks.md). A copy holds only v's columns (1/9 of them on W1); where k and v
-    # own their storage already, no copy is made.
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D] views
+    # The kernels save k and v for backward; where projections are fused they are column slices of
+    # the q/k/v GEMM's output, a view that would keep all of it alive: a copy keeps only their columns.
     k, v = k.contiguous(), v.contiguous()
-    # one sample (and the row's pad: sfttrain.data.pack) fills the row: cu_seqlens's length is a
-    # shape, known without reading the tensor
+    # one sample (with the row's pad) fills the row: told by a shape, without a host sync
     if (backend == "torch_varlen" and _cudnn_rows and cu_q.shape[0] == cu_k.shape[0] == 2 and window == (-1, 0)
             and q.shape[-1] in CUDNN_HEAD_DIMS):
         return _run_cudnn_one_sample(q, k, v, scaling).unsqueeze(0), None
@@ -372,70 +256,50 @@ def varlen_attention_forward(
 
 
 def _packed_boundaries(kwargs: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """cu_seq_lens_q / max_length_q from the model call's kwargs (the `_k` twins default to them), as
-    the kernels take them: int32 on the query's device (no-ops for the trainer's inputs), ints."""
-    cu_q = kwargs.get("cu_seq_lens_q")
-    max_q = kwargs.get("max_length_q")
+    """The boundaries from the model call's kwargs (the `_k` twins default to the `_q` ones)."""
+    cu_q, max_q = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
     if cu_q is None or max_q is None:
-        raise ValueError(
-            f"attn_implementation={ATTN_IMPLEMENTATION!r} needs the packed-row boundaries: call the "
-            "model with cu_seq_lens_q=, cu_seq_lens_k= (int32 [n+1], 0 .. T) and max_length_q=, "
-            "max_length_k= (int). Without them samples would attend across boundaries."
-        )
-    cu_k = kwargs.get("cu_seq_lens_k")
-    max_k = kwargs.get("max_length_k")
-    cu_k = cu_q if cu_k is None else cu_k
-    max_k = max_q if max_k is None else max_k
+        raise ValueError(f"attn_implementation={ATTN_IMPLEMENTATION!r} needs the packed-row boundaries: call the "
+                         "model with cu_seq_lens_q=, cu_seq_lens_k= (int32 [n+1], 0 .. T) and max_length_q=, "
+                         "max_length_k= (int). Without them samples would attend across boundaries.")
+    cu_k, max_k = kwargs.get("cu_seq_lens_k"), kwargs.get("max_length_k")
+    cu_k, max_k = (cu_q if cu_k is None else cu_k), (max_q if max_k is None else max_k)
     return (cu_q.to(device=device, dtype=torch.int32), cu_k.to(device=device, dtype=torch.int32), int(max_q),
             int(max_k))
 
 
 def _refuse_what_is_not_implemented(module, query, key, attention_mask, dropout, is_causal, s_aux) -> None:
-    """Causal attention within packed samples of one row, no KV cache: anything else is refused."""
     if attention_mask is not None:
-        raise ValueError(
-            f"attn_implementation={ATTN_IMPLEMENTATION!r} takes no attention_mask: packed rows have "
-            "no padding and the sample boundaries come from cu_seq_lens_q. Pass attention_mask=None."
-        )
+        raise ValueError(f"attn_implementation={ATTN_IMPLEMENTATION!r} takes no attention_mask: packed rows have "
+                         "no padding and the sample boundaries come from cu_seq_lens_q. Pass attention_mask=None.")
     if is_causal is False or not getattr(module, "is_causal", True):
         raise ValueError(f"{ATTN_IMPLEMENTATION!r} implements causal attention only")
-    if dropout and dropout > 0.0:
-        # torch's varlen_attn hard-codes dropout 0; rather than let backends disagree, refuse.
-        raise ValueError(
-            f"{ATTN_IMPLEMENTATION!r} does not implement attention dropout (got {dropout}); set the "
-            "model config's attention_dropout to 0 for training"
-        )
+    if dropout and dropout > 0.0:  # torch's varlen attention has none: backends would disagree
+        raise ValueError(f"{ATTN_IMPLEMENTATION!r} does not implement attention dropout (got {dropout}); set the "
+                         "model config's attention_dropout to 0 for training")
     if s_aux is not None:
         raise ValueError(f"{ATTN_IMPLEMENTATION!r} does not support attention sinks")
     if query.dim() != 4 or query.shape[0] != 1:
-        raise ValueError(
-            f"{ATTN_IMPLEMENTATION!r} expects one packed row (batch 1), got query {tuple(query.shape)}"
-        )
+        raise ValueError(f"{ATTN_IMPLEMENTATION!r} expects one packed row (batch 1), got query {tuple(query.shape)}")
     if key.shape[2] != query.shape[2]:
-        raise ValueError(
-            f"{ATTN_IMPLEMENTATION!r}: key length {key.shape[2]} != query length {query.shape[2]} "
-            "(a KV cache is not supported; call the model with use_cache=False)"
-        )
+        raise ValueError(f"{ATTN_IMPLEMENTATION!r}: key length {key.shape[2]} != query length {query.shape[2]} "
+                         "(a KV cache is not supported; call the model with use_cache=False)")
     if query.shape[1] % key.shape[1] != 0:
         raise ValueError(f"query heads {query.shape[1]} not a multiple of kv heads {key.shape[1]}")
 
 
 def _in_half_precision(backend: str, query, key, value) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The flash kernels take fp16/bf16 only, all three in one dtype. Under autocast with fp32
-    weights, RoPE (q * cos with fp32 cos) promotes q and k to fp32 while v stays in the autocast
-    dtype, so cast to the autocast dtype, as transformers' flash integration does. Outside autocast
-    an fp32 model is an error, not a silent precision change."""
+    """The flash kernels take fp16/bf16 of one dtype. Under autocast RoPE promotes q and k to fp32:
+    cast back, as transformers' flash integration does; outside autocast fp32 is an error."""
     half = (torch.float16, torch.bfloat16)
     dev = query.device.type
     if torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) in half:
         target = torch.get_autocast_dtype(dev)
         return query.to(target), key.to(target), value.to(target)
     if not (query.dtype in half and key.dtype == query.dtype and value.dtype == query.dtype):
-        raise ValueError(
-            f"attention backend {backend!r} needs fp16/bf16 query/key/value of one dtype, got "
-            f"{query.dtype}/{key.dtype}/{value.dtype}; run the model in bf16 (or under autocast), "
-            "or configure 'sdpa_blockmask'"
-        )
+        raise ValueError(f"attention backend {backend!r} needs fp16/bf16 query/key/value of one dtype, got "
+                         f"{query.dtype}/{key.dtype}/{value.dtype}; run the model in bf16 (or under autocast), "
+                         "or configure 'sdpa_blockmask'")
     return query, key, value
 
 

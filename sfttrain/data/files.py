@@ -1,22 +1,11 @@
 """What data.train_files / data.val_files name, as Parquet files for the streaming reader.
 
-An entry is a Parquet file, a JSON Lines file (`.jsonl`, one object per line), a JSON file (`.json`:
-a list of objects, or one object per line as pandas' `to_json(orient="records", lines=True)` and
-`datasets`' `to_json` write it; not pandas' default, one object holding the whole table), a CSV or TSV file (a header row, then a row per sample; every cell
-read as text, a conversation's cell as its JSON), a directory of such files (its data files in name
-order), a pattern of them (`data/train-*.parquet`: the data files it matches, in name order), or a
-dataset folder that `datasets`' `save_to_disk` wrote (its Arrow files, in its state.json's order).
-A directory whose files are named for several splits (a hub dataset's `data/` with
-`train-00000-of-00001.parquet` and `test-00000-of-00001.parquet`, or `gsm8k-train.arrow` beside
-`gsm8k-test.arrow`) is refused with a pattern for each split: read whole, it would train on them all. Arrow and CSV files are converted into Parquet files as a JSON file is (below).
-A text file may be compressed, named with its compression's suffix after its own (`train.jsonl.gz`,
-`.bz2`, `.zst`): it is read through pyarrow's decompressing stream.
-
-A JSON, CSV or Arrow file is converted once into a Parquet file in the run folder's data_cache/, named
-by the source's path, size and modification time: later starts read it, an edited source converts
-anew. A JSON cell is stored as its JSON text and decoded when read (sfttrain.data.parquet): rows
-that differ in keys and types read back as written, and a bad cell is named with its line. Text
-files are read as UTF-8 (a byte order mark allowed); one that is not is named with its first bad line.
+An entry is a data file (Parquet, JSON Lines, JSON, CSV, TSV, Arrow; the text ones may be compressed
+as .gz, .bz2, .zst), a directory of them, a glob pattern, or a folder `datasets`' save_to_disk wrote.
+A directory holding several splits' files is refused: read whole, it would train on them all.
+Files other than Parquet are converted once into the run folder's data_cache/, named by the source's
+path, size and mtime, so an edited source converts anew. JSON cells are stored as JSON text, so rows
+that differ in keys and types read back as written, and a bad cell is named with its line.
 """
 
 from __future__ import annotations
@@ -38,14 +27,14 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from sfttrain.checkpoint_folder import replace_synced
-from sfttrain.data.parquet import JSON_CELLS, LINE_COLUMN, ChatMessages, ParquetSource, PromptResponse, missing_file
+from sfttrain.data.parquet import (JSON_CELLS, LINE_COLUMN, ChatMessages, ParquetSource, PromptResponse, missing_file,
+                                   no_rows)
 from sfttrain.distributed import decided_by_rank0
 from sfttrain.errors import DataError
 from sfttrain.faults import unreadable
 
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".arrow", ".csv", ".tsv")
 DATA_PATTERNS = ", ".join("*" + s for s in DATA_SUFFIXES)  # for messages
-JSON_SUFFIXES = (".jsonl", ".json")
 TEXT_SUFFIXES = (".jsonl", ".json", ".csv", ".tsv")  # formats that may come compressed
 COMPRESSED = (".gz", ".bz2", ".zst")  # pyarrow detects the codec by the suffix
 CONVERTED_SUFFIXES = DATA_SUFFIXES[1:]  # read through a Parquet conversion in the run folder
@@ -60,8 +49,7 @@ SPLITS = ("train", "test", "validation", "valid", "val", "dev", "eval")  # a spl
 
 
 def open_source(paths: list[str], fields: PromptResponse | ChatMessages, run_dir: str) -> ParquetSource:
-    """The rows of `paths`, JSON files converted into run_dir/data_cache by rank 0 (the run folder is
-    shared), so that a malformed line stops every rank with the same message."""
+    """Rank 0 converts (the run folder is shared): a malformed line stops every rank with one message."""
     files = data_files(paths)
     targets = {f: cached_parquet(f, run_dir) for f in files if data_format(f) in CONVERTED_SUFFIXES}
 
@@ -75,8 +63,6 @@ def open_source(paths: list[str], fields: PromptResponse | ChatMessages, run_dir
 
 
 def data_files(paths: list[str]) -> list[str]:
-    """The files of the entries: a directory replaced by its data files (by name, hidden ones left
-    out), a pattern by the data files it matches; each one this user may read."""
     files = []
     for path in map(os.path.expanduser, paths):
         if is_pattern(path):
@@ -89,15 +75,13 @@ def data_files(paths: list[str]) -> list[str]:
 
 
 def readable(path: str) -> str:
-    """`path`, or a DataError where this user may not read it (pyarrow's error would say the file is no
-    Parquet file, and name rewriting it as the fix)."""
+    """pyarrow would call an unreadable file no Parquet file, and rewriting it the fix."""
     if problem := unreadable([path]):
         raise DataError(f"data file {path!r} (data.train_files / data.val_files) cannot be read: {problem}")
     return path
 
 
 def missing_entries(paths: list[str]) -> list[str]:
-    """The entries that name nothing on this machine (a pattern matching none is pattern_files' error)."""
     return [p for p in paths if not (is_pattern(os.path.expanduser(p)) or os.path.exists(os.path.expanduser(p)))]
 
 
@@ -112,7 +96,6 @@ def nearest_name(path: str) -> str:
 
 
 def is_pattern(path: str) -> bool:
-    """A glob pattern (a path that exists is taken as it is, whatever its characters)."""
     return any(c in path for c in "*?[") and not os.path.exists(path)
 
 
@@ -124,17 +107,7 @@ def pattern_files(pattern: str) -> list[str]:
     return files
 
 
-def pattern_files_or_none(pattern: str) -> list[str]:
-    """pattern_files, with no error where nothing matches."""
-    try:
-        return pattern_files(pattern)
-    except DataError:
-        return []
-
-
 def folder_files(path: str) -> list[str]:
-    """The data files of a directory; a DatasetDict's folder, or one whose files are named for
-    several splits, is refused with what to name instead."""
     if os.path.isfile(os.path.join(path, SAVED_DATASET_DICT)):
         splits = sorted(name for name in os.listdir(path) if os.path.isdir(os.path.join(path, name)))
         raise DataError(f"{path}: a DatasetDict that datasets' save_to_disk wrote; point data.train_files / "
@@ -159,47 +132,41 @@ def folder_files(path: str) -> list[str]:
 
 
 def subfolders_with_data(path: str) -> list[str]:
-    """The subfolders of a folder, one or two levels down (not **: a folder may hold a large tree), that
-    hold data files: a folder's own files are what it stands for, so these are not read."""
+    """Subfolders one or two levels down (not **: it may be a large tree) holding data files, not read."""
     return sorted({os.path.dirname(f) for depth in (1, 2)
-                   for f in pattern_files_or_none(os.path.join(glob.escape(path), *["*"] * depth, "*"))})
+                   for f in glob.glob(os.path.join(glob.escape(path), *["*"] * depth, "*"))
+                   if os.path.isfile(f) and data_format(f) in DATA_SUFFIXES})
 
 
 def unread_subfolders(paths: list[str]) -> dict[str, list[str]]:
-    """For each folder entry of data.train_files that has data files of its own, its subfolders that hold
-    some too, which the run does not read (said at start-up: the user may have meant them)."""
+    """Said at start-up: the user may have meant them."""
     folders = [p for p in map(os.path.expanduser, paths) if not is_pattern(p) and os.path.isdir(p)]
     return {folder: inside for folder in folders if (inside := subfolders_with_data(folder))}
 
 
 def split_of(name: str) -> str | None:
-    """The split a data file's name says it holds (a word of it: test in test-00000-of-00001.parquet
-    and in gsm8k-test.arrow), or None."""
+    """The split a word of the name says (test-00000-of-00001.parquet, gsm8k-test.arrow), or None."""
     return next((word for word in re.split(r"[-_.]", name.lower()) if word in SPLITS), None)
 
 
 def split_pattern(folder: str, names: list[str]) -> str:
-    """What names one split's files of a folder: the file, or a pattern of their common start."""
     return os.path.join(folder, names[0] if len(names) == 1 else os.path.commonprefix(names) + "*")
 
 
 def data_format(path: str) -> str:
-    """A data file's format suffix (.parquet, .jsonl, ...), a text format's compression looked through:
-    .jsonl for train.jsonl.gz."""
+    """.jsonl for train.jsonl and train.jsonl.gz."""
     root, suffix = os.path.splitext(path)
     inner = os.path.splitext(root)[1]
     return inner if suffix in COMPRESSED and inner in TEXT_SUFFIXES else suffix
 
 
 def open_text(path: str, newline: str | None = None):
-    """A text data file for reading, decompressed where its name says it is compressed."""
     if data_format(path) == os.path.splitext(path)[1]:
         return open(path, encoding="utf-8-sig", newline=newline)
     return io.TextIOWrapper(pa.input_stream(path, compression="detect"), encoding="utf-8-sig", newline=newline)
 
 
 def saved_dataset_files(path: str) -> list[str]:
-    """The Arrow files of a dataset folder that datasets' save_to_disk wrote, in its order."""
     try:
         with open(os.path.join(path, SAVED_DATASET)) as f:
             names = [entry["filename"] for entry in json.load(f)["_data_files"]]
@@ -210,7 +177,6 @@ def saved_dataset_files(path: str) -> list[str]:
 
 
 def cached_parquet(source: str, run_dir: str) -> str:
-    """Where the conversion of `source` lives: its name says which version of the file it holds."""
     if not os.path.isfile(source):
         raise missing_file(source)
     stat = os.stat(source)
@@ -220,9 +186,7 @@ def cached_parquet(source: str, run_dir: str) -> str:
 
 
 def convert(source: str, target: str) -> None:
-    """`source` (JSON, JSON Lines or Arrow) as the Parquet file `target`, written whole or not at all
-    (one rename, after an fsync: a crash or a failing disk must not leave a conversion under its name
-    with its bytes lost, which every later start would read as the data)."""
+    """Written whole or not at all: a lost conversion under its name would be every later start's data."""
     os.makedirs(os.path.dirname(target), exist_ok=True)
     tmp = f"{target}.{os.getpid()}.tmp"
     try:
@@ -231,7 +195,7 @@ def convert(source: str, target: str) -> None:
     except BaseException as e:
         if os.path.exists(tmp):
             os.remove(tmp)
-        if isinstance(e, UnicodeDecodeError):  # a traceback from deep in the reader otherwise
+        if isinstance(e, UnicodeDecodeError):
             raise not_utf8(source) from None
         if isinstance(e, OSError) and e.errno is None and source.endswith(COMPRESSED):  # the codec's, not the OS's
             raise DataError(f"{source}: cannot be decompressed ({e}); the file is cut short or not compressed as its "
@@ -243,8 +207,7 @@ def convert(source: str, target: str) -> None:
 
 
 def not_utf8(source: str) -> DataError:
-    """The error for a text file that is not UTF-8, naming its first such line: a CSV that Excel saved
-    in the system's code page (GBK, Windows-1252), or a file that PowerShell's `>` wrote (UTF-16)."""
+    """Names the first line that is not UTF-8 (Excel's code pages, PowerShell's UTF-16)."""
     with io.BufferedReader(pa.input_stream(source, compression="detect")) as f:
         utf16 = f.peek(2)[:2] in (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
         line, bad = 0, b""
@@ -261,8 +224,7 @@ def not_utf8(source: str) -> DataError:
 
 
 def convert_arrow(source: str, target: str) -> None:
-    """An Arrow IPC file (datasets writes the stream format) copied into Parquet row groups of
-    ROW_GROUP_ROWS rows, a batch at a time: its columns and types as they are."""
+    """An Arrow IPC file (datasets writes the stream format), a batch at a time."""
     try:
         reader = pa.ipc.open_stream(pa.memory_map(source))
         batches = iter(reader)
@@ -273,19 +235,17 @@ def convert_arrow(source: str, target: str) -> None:
 
 
 def _write_batches(source: str, target: str, schema: pa.Schema, batches: Iterator[pa.RecordBatch]) -> None:
-    """Record batches into Parquet row groups of ROW_GROUP_ROWS rows; a source without rows is named."""
     rows = 0
     with pq.ParquetWriter(target, schema) as writer:
         for batch in batches:
             writer.write_table(pa.Table.from_batches([batch]), row_group_size=ROW_GROUP_ROWS)
             rows += batch.num_rows
     if not rows:
-        raise DataError(f"{source}: the file has no rows; point data.train_files / data.val_files at a file with rows")
+        raise no_rows(source)
 
 
 def convert_csv(source: str, target: str) -> None:
-    """A CSV (or, named .tsv, tab-separated) file with a header row, streamed into Parquet row groups;
-    every column read as text (an answer of digits stays the text it is)."""
+    """Every column read as text: an answer of digits stays the text it is."""
     delimiter = "\t" if data_format(source) == ".tsv" else ","
     with open_text(source, newline="") as f:
         header = next(csv.reader(f, delimiter=delimiter), None)
@@ -303,10 +263,8 @@ def convert_csv(source: str, target: str) -> None:
 
 
 def convert_json(source: str, target: str) -> None:
-    """The rows of a JSON (Lines) file in two streaming passes, the keys then the row groups; a
-    malformed line raises before anything is written. A cell is kept as its JSON text: rows that
-    differ in keys and types (a number, a null, a nested shape) read back as written, where pyarrow's
-    JSON reader refuses a column that changes type and datasets' reads a list whole."""
+    """Two streaming passes, the keys then the rows. Cells are kept as JSON text: pyarrow's JSON reader
+    refuses a column that changes type, and datasets' reads a list whole."""
     head = list(itertools.islice(records(source), 2))
     if len(head) == 1 and (orient := pandas_orient(head[0][1])):
         raise DataError(f"{source}: the file is one object holding the whole table, as pandas' DataFrame.to_json("
@@ -314,7 +272,7 @@ def convert_json(source: str, target: str) -> None:
                         "write the rows instead: df.to_json(path, orient='records', lines=True)")
     keys = list(dict.fromkeys(key for _, row in records(source) for key in row))  # first-seen order
     if not keys:
-        raise DataError(f"{source}: the file has no rows; point data.train_files / data.val_files at a file with rows")
+        raise no_rows(source)
     schema = pa.schema([(key, pa.string()) for key in keys] + [(LINE_COLUMN, pa.int64())], metadata={JSON_CELLS: "1"})
     with pq.ParquetWriter(target, schema) as writer:
         rows = records(source)
@@ -325,9 +283,7 @@ def convert_json(source: str, target: str) -> None:
 
 
 def pandas_orient(row: dict) -> str | None:
-    """The orient of pandas' to_json a single JSON object was written with, where it holds a whole
-    table (columns: {column: {index: value}}; index: {index: {column: value}}; split: {columns,
-    index, data}); None for a row."""
+    """The orient of pandas' to_json for one object holding a whole table; None for a row."""
     if {"columns", "data"} <= row.keys() and isinstance(row["data"], list):
         return "split"
     if not row or not all(isinstance(v, dict) and v for v in row.values()):
@@ -338,7 +294,6 @@ def pandas_orient(row: dict) -> str | None:
 
 
 def records(path: str) -> Iterator[tuple[int, dict]]:
-    """(line, object) of each row of a JSON Lines file, or of a JSON file's list of objects."""
     if data_format(path) == ".json":
         with open_text(path) as f:
             if (items := _ListItems(f, path)).peek() == "[":
@@ -360,8 +315,7 @@ def _line_value(text: str, path: str, line: int):
 
 
 class _ListItems:
-    """The rows of a JSON list, decoded one by one from a buffer of about one item's text (neither
-    pyarrow nor the json module reads a list an item at a time)."""
+    """A JSON list's items decoded one by one (neither pyarrow nor json reads a list an item at a time)."""
 
     def __init__(self, f, path: str):
         self.f, self.path = f, path
@@ -381,8 +335,7 @@ class _ListItems:
             self._expect(",")
 
     def _read_more(self) -> None:
-        """Drops the text before pos and appends more (at least as much as held: an item much longer
-        than a chunk is decoded a bounded number of times)."""
+        # at least as much as held: a long item is decoded a bounded number of times
         self._line(self.pos)
         chunk = self.f.read(max(CHUNK_CHARS, len(self.text)))
         self.text, self.pos, self.counted, self.eof = self.text[self.pos:] + chunk, 0, 0, not chunk
@@ -392,7 +345,6 @@ class _ListItems:
         return self.lines + 1
 
     def peek(self) -> str:
-        """The next character that is not white space ('' at the end of the file)."""
         while True:
             self.pos = found.start() if (found := NOT_SPACE.search(self.text, self.pos)) else len(self.text)
             if self.pos < len(self.text) or self.eof:
@@ -407,7 +359,6 @@ class _ListItems:
         self.pos += 1
 
     def _value(self) -> tuple[int, object]:
-        """(line, value) of the next item."""
         self.peek()
         while True:
             try:

@@ -1,5 +1,5 @@
-"""From Parquet rows to this rank's packed micro-batches, step by step. The data position (epoch,
-samples of that epoch consumed) and the seed say which samples were used, whatever the world size."""
+"""Parquet rows to this rank's packed micro-batches. The data position (epoch, samples consumed) and
+the seed say which samples were used, whatever the world size."""
 
 from __future__ import annotations
 
@@ -53,22 +53,19 @@ class StepBatch:
 
 @dataclass(frozen=True)
 class RowStats:
-    """Token counts of every row, by global row id (known to every rank)."""
     lengths: np.ndarray  # tokens trained on (after truncation)
     loss_tokens: np.ndarray  # supervised tokens
     full_lengths: np.ndarray  # tokens before truncation
-    digests: np.ndarray  # 64 bits of each row's tokens (`digest`): rows that train on the same tokens share one
-    rendered: int  # rows this start rendered to learn them (0: all read from the length cache)
-    cache_file: str | None = None  # the length cache they were read from or written to
-    keep: np.ndarray | None = None  # bool per row: trained (see sfttrain.data.report.select_rows); None: all
+    digests: np.ndarray  # 64 bits of each row's tokens (`digest`)
+    rendered: int  # rows this start rendered (0: all read from the length cache)
+    cache_file: str | None = None
+    keep: np.ndarray | None = None  # bool per row: trained (report.select_rows); None: all
 
     def kept(self, rows: np.ndarray) -> np.ndarray:
-        """`rows` without the dropped ones, order kept."""
         return rows if self.keep is None else rows[self.keep[rows]]
 
 
 def epoch_rows(source: ParquetSource, stats: RowStats, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
-    """The rows epoch `epoch` trains on, in order: a function of the seed, the epoch and the kept rows alone."""
     return stats.kept(source.epoch_order(seed, epoch, shuffle))
 
 
@@ -78,11 +75,9 @@ class TrainData:
         self.source, self.renderer, self.plan, self.stats, self.dp_rank = source, renderer, plan, stats, dp_rank
         self.seed, self.shuffle, self.pad_to = seed, shuffle, pad_to
         self.row_slice = row_slice  # (this rank's slice, slices per row): Ulysses sequence parallelism
-        # balancing cost of a sample of s tokens: s + attn_coef * s^2 (linear layers + attention)
-        self.attn_coef = attn_coef
+        self.attn_coef = attn_coef  # a sample's balancing cost: s + attn_coef * s^2
 
     def positions(self, epoch: int, consumed: int) -> Iterator[tuple[np.ndarray, int, int]]:
-        """Endless (rows, epoch, consumed after) of the steps from a data position."""
         b = self.plan.global_batch
         while True:
             order = epoch_rows(self.source, self.stats, self.seed, epoch, self.shuffle)
@@ -93,7 +88,7 @@ class TrainData:
             epoch, consumed = epoch + 1, 0
 
     def step(self, rows: np.ndarray, epoch: int, consumed: int) -> StepBatch:
-        """Every rank splits the step alike from the known lengths, then renders only its own share."""
+        """Every rank splits the step alike from the known lengths, then renders its own share."""
         lengths = self.stats.lengths[rows].tolist()
         costs = [n + self.attn_coef * n * n for n in lengths]
         micro_idx = self.plan.split(lengths, costs)[self.dp_rank]
@@ -105,7 +100,7 @@ class TrainData:
 
 
 def check_counts(samples, stats: RowStats, source: ParquetSource) -> None:
-    """A row that renders now to other counts than the start-up scan's (which normalise the loss) stops the run."""
+    """The scan's counts normalise the loss: a row that renders to others now stops the run."""
     for s in samples:
         now, then = (len(s.input_ids), loss_tokens(s)), (int(stats.lengths[s.row]), int(stats.loss_tokens[s.row]))
         if now != then:
@@ -118,8 +113,8 @@ def check_counts(samples, stats: RowStats, source: ParquetSource) -> None:
 
 
 class StepStream(IterableDataset):
-    """The steps from a data position, as a dataset for torch's DataLoader, whose workers render beside the
-    training loop (not holding its GIL). Worker w of W builds steps w, w + W, ...: round-robin, in order."""
+    """Steps for torch's DataLoader, whose workers render outside the loop's GIL; worker w of W builds
+    steps w, w + W, ..., which the DataLoader's round-robin returns in order."""
 
     def __init__(self, data: TrainData, epoch: int, consumed: int):
         self.data, self.epoch, self.consumed = data, epoch, consumed
@@ -140,14 +135,12 @@ class StepStream(IterableDataset):
 
 
 PREFETCH = 2  # steps each data worker builds ahead (the DataLoader's prefetch_factor)
-# file descriptors a rank, or a data worker, holds beside the steps in flight: libraries, sockets, files
-OPEN_FILES_BASE = 256
+OPEN_FILES_BASE = 256  # beside the steps in flight: libraries, sockets, files
 
 
 def open_files_needed(d: DataConfig, dp_size: int) -> int:
-    """File descriptors a rank and each of its data workers need at most (0 without workers): a descriptor
-    per tensor of the steps in flight, where a worker that runs out hangs its handover. Under a token budget
-    a share (up to a sample over an even one) packs first-fit, each bin but the last over half full."""
+    """File descriptors a rank and each worker need (a worker that runs out hangs its handover): one per
+    tensor in flight. Under a token budget first-fit fills each bin but the last over half."""
     if not d.num_workers:
         return 0
     samples = max(1, d.train_batch_size // dp_size)
@@ -161,10 +154,8 @@ def open_files_needed(d: DataConfig, dp_size: int) -> int:
 
 def step_batches(data: TrainData, epoch: int, consumed: int, num_workers: int,
                  pin_memory: bool) -> Iterator[StepBatch]:
-    """The training stream from a data position, a whole step an item; a user's mistake raised as itself.
-    pin_memory pins here, on the training thread: the DataLoader's pin thread sets torch's thread count
-    to 1, which later threads keep (the autograd device thread), and torch.compile then recompiles the
-    checkpointed layers that backward re-runs."""
+    """Pinned here, not by the DataLoader's pin thread: it sets torch's thread count to 1, which the
+    autograd thread inherits, and torch.compile then recompiles the layers backward re-runs."""
     steps = iter(DataLoader(StepStream(data, epoch, consumed), batch_size=None, num_workers=num_workers,
                             prefetch_factor=PREFETCH if num_workers else None,
                             worker_init_fn=leave_signals_to_the_rank if num_workers else None))
@@ -180,8 +171,7 @@ def step_batches(data: TrainData, epoch: int, consumed: int, num_workers: int,
 
 
 def worker_death() -> RuntimeError | None:
-    """torch's error naming a dead worker of this rank's DataLoader and its signal, or None: a handover
-    cut by the death fails first, and the death shows within moments of the socket's close."""
+    """torch's error naming a dead worker and its signal: it shows moments after the handover fails."""
     from torch.utils.data._utils.signal_handling import _error_if_any_worker_fails
 
     for _ in range(50):
@@ -194,7 +184,6 @@ def worker_death() -> RuntimeError | None:
 
 
 def describe_workers(num_workers: int, ranks_here: int, cpus: int, where: str = "this node") -> list[str]:
-    """The start-up lines of data.num_workers against the node's CPUs, with a warning where they are too few."""
     if num_workers == 0:
         return []
     processes = num_workers * ranks_here
@@ -209,33 +198,30 @@ def describe_workers(num_workers: int, ranks_here: int, cpus: int, where: str = 
 
 
 def cpus_of_this_process() -> int:
-    """The CPUs this process may run on (its affinity), as torch's DataLoader counts them."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def leave_signals_to_the_rank(worker_id: int) -> None:
-    """A worker leaves SIGTERM and Ctrl-C to its rank, which saves before a SIGTERM's stop (sfttrain.stop_signal)."""
+    """The rank saves before a SIGTERM's stop."""
     stop_signal.leave_to_the_rank()
 
 
-STATS = ("lengths", "loss_tokens", "full_lengths", "digests")  # RowStats' per-row columns, as the cache names them
+STATS = ("lengths", "loss_tokens", "full_lengths", "digests")  # RowStats' per-row columns
 
 
 def digest(sample: RenderedSample) -> int:
-    """64 bits of the sample's tokens: the same on every rank and start (Python's hash() of bytes is not)."""
+    """The same on every rank and start, as Python's hash() of bytes is not."""
     data = array.array("q", sample.input_ids).tobytes()  # faster than through numpy
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
 
 
 def render_share(source: ParquetSource, renderer: Renderer, rank: int, world: int) -> list[RenderedSample]:
-    """This rank's rendered rows (a contiguous 1/world share), e.g. its validation share."""
     return _scan(source, renderer, rank, world, keep=True)[0]
 
 
 def row_stats(source: ParquetSource, renderer: Renderer, rank: int, world: int,
               cache_file: str | None = None) -> RowStats:
-    """Collective: every row's token counts on every rank, from cache_file (named by the data fingerprint)
-    or rendered, each rank its contiguous share, rank 0 writing the cache. A bad row stops the run."""
+    """Collective: every row's token counts, from cache_file or rendered a share a rank."""
     cached = decided_by_rank0(lambda: _load_stats(cache_file) if cache_file else None)
     if cached is not None:
         return RowStats(*cached, rendered=0, cache_file=cache_file)
@@ -250,7 +236,6 @@ def row_stats(source: ParquetSource, renderer: Renderer, rank: int, world: int,
 
 
 def _load_stats(path: str) -> list[np.ndarray] | None:
-    """None where there is no cache, an older one, or one that does not read back (said): rendered anew."""
     if not os.path.isfile(path):
         return None
     try:
@@ -264,7 +249,6 @@ def _load_stats(path: str) -> list[np.ndarray] | None:
 
 
 def _save_stats(path: str, columns: list[np.ndarray]) -> None:
-    """Written whole or not at all (one fsynced rename); a failed write names the cache and leaves no file."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp.npz"
     try:
@@ -278,13 +262,12 @@ def _save_stats(path: str, columns: list[np.ndarray]) -> None:
 
 
 SCAN_BLOCK_ROWS = 4096  # rows read and rendered at once by the start-up scan
-NAMED_BAD_ROWS = 5  # a file with several bad rows is said with its first few at once, not one row per start
+NAMED_BAD_ROWS = 5  # said at once, not one bad row per start
 
 
 def _render_block(source: ParquetSource, renderer: Renderer, rows: np.ndarray,
                   bad: list[tuple[int, str]]) -> list[RenderedSample]:
-    """The block's samples; a row that does not read or render goes to `bad` as (row, message), the block
-    rendered row by row then; an error that is not a row's is raised."""
+    """A block with a bad row is rendered row by row, each bad one added to `bad` as (row, message)."""
     try:
         return renderer.render_many(source.read(rows))
     except (DataError, RowError):
@@ -306,8 +289,8 @@ def _render_block(source: ParquetSource, renderer: Renderer, rows: np.ndarray,
 
 def _scan(source: ParquetSource, renderer: Renderer, rank: int, world: int,
           keep: bool) -> tuple[list[RenderedSample], np.ndarray]:
-    """Collective: this rank's share of the rows rendered, (the samples if keep, [row, *STATS] per row). A bad
-    row on any rank stops every rank with one message, the first bad row's and where the next are."""
+    """Collective: (the samples if keep, [row, *STATS] per row) of this rank's share. A bad row on any
+    rank stops every rank with one message."""
     error, bad, samples, stats = None, [], [], []
     first, end = rank * source.num_rows // world, (rank + 1) * source.num_rows // world  # this rank's share
     try:
@@ -334,7 +317,7 @@ def _scan(source: ParquetSource, renderer: Renderer, rank: int, world: int,
 
 
 def _without_row_id(message: str, row: int) -> str:
-    """A renderer's message without its `row N` (counted over all files), which follows the file's own."""
+    """Without the renderer's `row N` (counted over all files): the file's own row goes first."""
     own = f"row {row}"
     if message.startswith(own + ": "):
         return message[len(own) + 2:]
@@ -345,7 +328,7 @@ def _without_row_id(message: str, row: int) -> str:
 
 def validation_batches(samples: list[RenderedSample], micro_batch: int, token_budget: int | None, pad_to: int,
                        device: torch.device, row_slice: tuple[int, int] = (0, 1)) -> list[MicroBatch]:
-    """This rank's validation micro-batches, padded with empty ones to the busiest rank's count."""
+    """Padded with empty micro-batches to the busiest rank's count."""
     if token_budget:
         groups = budget_bins([len(s.input_ids) for s in samples], token_budget)
     else:

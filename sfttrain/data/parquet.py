@@ -1,9 +1,5 @@
-"""Streaming Parquet reader and the per-epoch sample order.
-
-Files are read one row group at a time (never loaded whole). The order of an epoch is a pure
-function of (seed, epoch, the files' row groups): it does not depend on the world size, so a
-data position saved by N ranks is valid for M ranks (elastic resume).
-"""
+"""Streaming Parquet reader, a row group at a time, and the epoch's order: a function of the seed,
+the epoch and the row groups alone, so a data position saved by N ranks is valid for M ranks."""
 
 from __future__ import annotations
 
@@ -24,12 +20,10 @@ from sfttrain.config import ConfigError, as_list
 from sfttrain.errors import DataError
 from sfttrain.hub import is_repo_id
 
-# Rows shuffled together. Small datasets (below this) get a full shuffle; larger ones a shuffle of
-# row-group order plus a full shuffle inside windows of this many rows (and less than one group),
-# so that a reader holds one window's text (as Arrow buffers) and decodes each group once per epoch.
+# rows shuffled together (groups shuffled, then rows within windows): a reader holds one window's
+# text and decodes each group once an epoch
 SHUFFLE_WINDOW_ROWS = 200_000
-# a Parquet file converted from JSON (sfttrain.data.files) says so in its schema's metadata: its
-# cells hold JSON text, decoded when read, and LINE_COLUMN the source line of each row
+# a conversion from JSON (sfttrain.data.files) holds JSON text cells and each row's source line
 JSON_CELLS = "sfttrain.json_cells"
 LINE_COLUMN = "__sfttrain_line__"
 
@@ -44,10 +38,8 @@ class RowGroup:
 
 
 class PromptResponse:
-    """Row fields of prompt/response data: two strings, found by verl's (nested) key paths; or, with
-    no prompt path (data.prompt_key=null), the response alone: a whole text, every token trained.
-    `joined_keys`: further prompt columns (Alpaca's input after its instruction) whose non-empty texts
-    follow the prompt's, a line apart, as LLaMA-Factory joins them."""
+    """Prompt and response strings by verl's (nested) key paths (no prompt path: the response alone).
+    joined_keys: further prompt columns (Alpaca's input) joined a line apart, as LLaMA-Factory does."""
 
     def __init__(self, prompt_path: Optional[list[str]], response_path: list[str], joined_keys: list[str] = ()):
         self.prompt_path, self.response_path, self.joined_keys = prompt_path, response_path, list(joined_keys)
@@ -61,8 +53,6 @@ class PromptResponse:
         return list(dict.fromkeys(path[0] for path in self.paths))
 
     def decode(self, table, group: RowGroup, locals_: list[int]) -> tuple[list, list]:
-        """(prompts, responses) of rows of a row group (`locals_`: their numbers in the group); a
-        prompt is empty without a prompt path."""
         prompts, responses = ([_text(v, path, group, i) for i, v in zip(locals_, _cells(table, path[0]))]
                               if path else [""] * len(locals_) for path in (self.prompt_path, self.response_path))
         for key in self.joined_keys:
@@ -72,8 +62,7 @@ class PromptResponse:
 
 
 class DataFileChanged(DataError):
-    """A data file rewritten, replaced or deleted after the start-up scan read it: the rows read from it
-    now are not those the scan counted (and the fingerprint names), so none of them is trained on."""
+    """A data file rewritten, replaced or deleted after the start-up scan counted its rows."""
 
     def __init__(self, source: str, change: str, next_step: str = ""):
         self.source, self.change, self.next_step = source, change, next_step
@@ -86,15 +75,13 @@ class DataFileChanged(DataError):
         return DataFileChanged, (self.source, self.change, self.next_step)
 
     def then_resume(self, next_step: str) -> "DataFileChanged":
-        """The error with what to do next (sfttrain.faults.what_next)."""
         return DataFileChanged(self.source, self.change, f". Put the file back as it was while a run reads it: "
                                f"{next_step}. To train on the new data, start in a new run folder "
                                "(trainer.default_local_dir), whose start-up scans it")
 
 
 def file_stamp(path: str) -> Optional[tuple[int, ...]]:
-    """What changes when a file is rewritten in place (size, modification time) or replaced by another
-    (device and inode: rsync and most writers rename a new file over the old); None once it is gone."""
+    """Changes when a file is rewritten (size, mtime) or replaced (device, inode); None once gone."""
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -103,13 +90,15 @@ def file_stamp(path: str) -> Optional[tuple[int, ...]]:
 
 
 def missing_file(path: str) -> DataError:
-    """A data path that is not there."""
     return DataError(f"data file {path!r} does not exist (check data.train_files / data.val_files){hub_id_hint(path)}")
 
 
+def no_rows(source: str) -> DataError:
+    return DataError(f"{source}: the file has no rows; point data.train_files / data.val_files at a file with rows")
+
+
 def hub_id_hint(path: str) -> str:
-    """For a path shaped like a hub dataset id (which TRL takes), how to turn that dataset into a
-    file sfttrain reads; else nothing."""
+    """How to write a hub dataset (TRL takes its id) to a file, for a path shaped like its id."""
     if not is_repo_id(path) or os.path.splitext(path)[1]:  # a missing "data/train.parquet" is a local path
         return ""
     return (f". {path!r} looks like a Hugging Face hub dataset id: sfttrain reads local files, so write the split "
@@ -119,8 +108,7 @@ def hub_id_hint(path: str) -> str:
 
 
 def _form_hint(names: list[str]) -> str:
-    """The keys of the form of data a file's columns suggest (README: Your own data), for a file read
-    with other keys, as prompt/response pairs or as conversations."""
+    """The keys for the form of data a file's columns suggest (README: Your own data)."""
     if "messages" in names:
         return ("; the file has a 'messages' column: for conversations set data.multiturn.enable=true "
                 "data.multiturn.messages_key=messages")
@@ -137,15 +125,13 @@ def _form_hint(names: list[str]) -> str:
 
 
 class ChatMessages:
-    """Row fields of conversation data (data.multiturn.enable): the messages, and the chat template's
-    keyword arguments of the row (tools=, enable_thinking=) from the optional columns a file has."""
+    """Conversations (data.multiturn), and the template's tools= / enable_thinking= of each row."""
 
     def __init__(self, messages_keys: list[str], tools_key: Optional[str], thinking_key: Optional[str],
                  system_key: Optional[str] = None):
-        self.messages_keys = messages_keys  # one column, or columns whose lists are joined (TRL's prompt, completion)
+        self.messages_keys, self.system_key = messages_keys, system_key  # several: their lists joined (TRL's)
         self.optional = [(key, kwarg) for key, kwarg in ((tools_key, "tools"), (thinking_key, "enable_thinking"))
                          if key]
-        self.system_key = system_key
 
     def columns(self, file: str, names: list[str]) -> list[str]:
         for key in self.messages_keys:
@@ -156,7 +142,6 @@ class ChatMessages:
         return [*self.messages_keys] + [key for key in optional if key in names]
 
     def decode(self, table, group: RowGroup, locals_: list[int]) -> tuple[list, list]:
-        """(messages, template keyword arguments) of rows of a row group (`locals_`: their numbers in it)."""
         parts = [[_messages(v, key, group, i) for i, v in zip(locals_, _cells(table, key))]
                  for key in self.messages_keys]
         if self.system_key in table.column_names:
@@ -173,7 +158,6 @@ class ChatMessages:
 
 
 def row_fields(d) -> PromptResponse | ChatMessages:
-    """What a row holds, from the data config (`sfttrain.config.DataConfig`)."""
     m = d.multiturn
     if m.enable:
         return ChatMessages(as_list(m.messages_key), m.tools_key, m.enable_thinking_key, m.system_key)
@@ -183,8 +167,7 @@ def row_fields(d) -> PromptResponse | ChatMessages:
 
 
 class ParquetSource:
-    """Rows of one or many Parquet files, addressed by a global row id. `origins`: the user's file
-    of each Parquet file converted from one (named in messages and the data fingerprint)."""
+    """Rows of Parquet files by global row id. origins: the user's file of each conversion."""
 
     def __init__(self, files: list[str], fields: PromptResponse | ChatMessages,
                  origins: Optional[dict[str, str]] = None):
@@ -193,17 +176,16 @@ class ParquetSource:
         self.fields = fields
         self.origins = origins or {}
         self.row_groups: list[RowGroup] = []
-        self._columns: dict[str, list[str]] = {}  # per file: the columns its row groups are read with
+        self._columns: dict[str, list[str]] = {}  # per file: the columns read
         self._stamps: dict[str, Optional[tuple[int, ...]]] = {}  # per file: its file_stamp when opened
-        self.unread: set[str] = set()  # the files' other columns (the data report names them)
+        self.unread: set[str] = set()  # the other columns, for the data report
         for file in files:
             self._add_file(os.path.expanduser(file))
         self.num_rows = sum(g.num_rows for g in self.row_groups)
         self._starts = np.array([g.first_row for g in self.row_groups])
         self._cache: OrderedDict[int, pa.Table] = OrderedDict()
-        # a window is >= SHUFFLE_WINDOW_ROWS rows plus less than one group
         self._cache_rows = SHUFFLE_WINDOW_ROWS + max(g.num_rows for g in self.row_groups)
-        self.groups_decoded = 0  # row groups read from disk so far (bench/data_scale.py, tests)
+        self.groups_decoded = 0  # for bench/data_scale.py and tests
 
     def _add_file(self, file: str) -> None:
         if not os.path.isfile(file):
@@ -221,7 +203,7 @@ class ParquetSource:
         self._columns[file] = self.fields.columns(source, names)
         self.unread.update(n for n in names if n not in self._columns[file])
         if meta.metadata.num_rows == 0:
-            raise DataError(f"{source}: the file has no rows; point data.train_files / data.val_files at a file with rows")
+            raise no_rows(source)
         first = sum(g.num_rows for g in self.row_groups)
         for i in range(meta.num_row_groups):
             n = meta.metadata.row_group(i).num_rows
@@ -229,8 +211,7 @@ class ParquetSource:
             first += n
 
     def unread_text(self) -> dict:
-        """The prompt's columns and, per text column not read, the rows where it holds text beside them
-        (Alpaca's input under data.prompt_key=instruction): said with its count, not dropped unsaid."""
+        """Per text column not read, the rows holding text in it (Alpaca's input beside its instruction)."""
         if not isinstance(self.fields, PromptResponse) or not self.fields.prompt_path:
             return {}
         counts: Counter[str] = Counter()
@@ -246,22 +227,19 @@ class ParquetSource:
         return {"prompt_key": [self.fields.prompt_path[0], *self.fields.joined_keys], "rows": rows} if rows else {}
 
     def file_rows(self) -> list[tuple[str, int]]:
-        """(user's file, rows) per file as listed, in reading order: a converted file's rows under its
-        source's name; a file listed twice is read twice, and named twice."""
+        """(user's file, rows) per file as listed, in reading order."""
         rows: list[tuple[str, int]] = []
         for group in self.row_groups:
-            if group.index == 0:  # a file's first row group
+            if group.index == 0:
                 rows.append((group.source, 0))
             rows[-1] = (group.source, rows[-1][1] + group.num_rows)
         return rows
 
     def where(self, row: int) -> str:
-        """The user's file and row (or line) of a global row id, for messages."""
         group = self.row_groups[int(np.searchsorted(self._starts, row, side="right")) - 1]
         return _where(group, row - group.first_row)
 
     def epoch_order(self, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
-        """Global row ids in the order the epoch consumes them."""
         if not shuffle:
             return np.arange(self.num_rows)
         rng = np.random.default_rng([seed, epoch])
@@ -277,10 +255,9 @@ class ParquetSource:
         return np.concatenate(order)
 
     def read(self, rows: np.ndarray) -> list[tuple]:
-        """(prompt, response, row id), or (messages, template kwargs, row id), for each global row id,
-        in the given order: one `take` per row group touched, so scattered rows cost their own size.
-        Groups are visited in the order the rows first name them, so that the cache, trimmed after
-        the read, drops the window that ended, not the one that began: a group is decoded once an epoch."""
+        """(prompt, response, row) or (messages, template kwargs, row) per row id, one `take` per group.
+        Groups go in the order rows first name them, so the cache trimmed after the read drops the
+        window that ended, not the one that began."""
         rows = np.asarray(rows, dtype=np.int64)
         groups = np.searchsorted(self._starts, rows, side="right") - 1
         out: list = [None] * len(rows)
@@ -297,8 +274,6 @@ class ParquetSource:
         return out
 
     def _group(self, g: int) -> pa.Table:
-        """Row group g's columns, kept as Arrow buffers (about the text's size) while the cache holds
-        a shuffle window, whose rows are read in random order."""
         if g in self._cache:
             self._cache.move_to_end(g)
             return self._cache[g]
@@ -314,8 +289,6 @@ class ParquetSource:
         return self._cache[g]
 
     def _check_unchanged(self, group: RowGroup) -> None:
-        """Row groups are read long after the start-up scan counted them: a file changed since then
-        stops the run, naming it, instead of training on rows the scan never saw."""
         stamp = file_stamp(group.file)
         if stamp != self._stamps[group.file]:
             then = self._stamps[group.file]
@@ -330,20 +303,18 @@ def _clock(mtime_ns: int) -> str:
 
 
 def _text(value, key_path: list[str], group: RowGroup, local: int) -> str:
-    """Follows verl's nested keys (data.prompt_dict_keys) down to a string."""
     for key in key_path[1:]:
         if not isinstance(value, dict) or key not in value:
-            raise DataError(f"{_where(group, local)}: no key {key!r} under "
-                              f"{key_path[0]!r}; check data.prompt_dict_keys / data.response_dict_keys")
+            raise DataError(f"{_where(group, local)}: no key {key!r} under {key_path[0]!r}; check "
+                            "data.prompt_dict_keys / data.response_dict_keys")
         value = value[key]
     if not isinstance(value, str):
-        raise DataError(f"{_where(group, local)}: {'.'.join(key_path)} is "
-                          f"{_kind(value)}, expected a string{_text_hint(value, key_path)}")
+        raise DataError(f"{_where(group, local)}: {'.'.join(key_path)} is {_kind(value)}, expected a string"
+                        f"{_text_hint(value, key_path)}")
     return value
 
 
 def _text_hint(value, key_path: list[str]) -> str:
-    """What to do about a prompt or response cell that is not text."""
     if isinstance(value, list):
         return ("; for conversations set data.multiturn.enable=true (a prompt and a completion that are lists of "
                 "messages, TRL's form: with data.multiturn.messages_key=[prompt,completion])")
@@ -361,23 +332,18 @@ SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "a
 
 
 def _messages(value, key: str, group: RowGroup, local: int) -> list[dict]:
-    """A row's conversation (or its JSON text) as message dicts: the null keys Parquet's struct union
-    adds dropped (a template tests `tool_calls is defined`), ShareGPT's turns as role/content, and
-    OpenAI's content parts as their text."""
+    """Message dicts without the null keys Parquet's struct union adds (templates test `is defined`)."""
     value = _json(value, key, group, local)
     if not isinstance(value, list) or not all(isinstance(m, dict) for m in value):
-        raise DataError(f"{_where(group, local)}: {key} is {_kind(value)}, "
-                          "expected a list of {role, content} messages")
+        raise DataError(f"{_where(group, local)}: {key} is {_kind(value)}, expected a list of {{role, content}} "
+                        "messages")
     where = f"{_where(group, local)}: {key}"
     return [_text_parts(_sharegpt_turn({k: v for k, v in m.items() if v is not None}, f"{where}[{i}]"),
                         f"{where}[{i}]") for i, m in enumerate(value)]
 
 
 def _sharegpt_turn(message: dict, where: str) -> dict:
-    """A ShareGPT turn {from, value} as {role, content} (an unknown `from` is kept as the role, for the
-    check of roles to name); a `function_call` turn (LLaMA-Factory's, glaive's: the value a JSON call
-    {name, arguments}, or a list of them) as the assistant turn that makes those tool calls, in
-    OpenAI's form, which chat templates render; any other message as it is."""
+    """A ShareGPT turn as {role, content}; a function_call turn (LLaMA-Factory's) as OpenAI's tool_calls."""
     if "role" in message or "from" not in message or "value" not in message:
         return message
     turn = {k: v for k, v in message.items() if k not in ("from", "value")}
@@ -387,7 +353,6 @@ def _sharegpt_turn(message: dict, where: str) -> dict:
 
 
 def _tool_calls(value, where: str) -> list[dict]:
-    """A function_call turn's value as OpenAI's tool_calls."""
     try:
         calls = json.loads(value) if isinstance(value, str) else value
     except json.JSONDecodeError as e:
@@ -401,9 +366,7 @@ def _tool_calls(value, where: str) -> list[dict]:
 
 
 def _text_parts(message: dict, where: str) -> dict:
-    """OpenAI's content parts ([{"type": "text", "text": ...}, ...]) as one string, the texts joined
-    by newlines as vLLM joins them for a template that renders string contents; a part that is not
-    text (an image, audio) is refused: sfttrain trains text models."""
+    """OpenAI's text parts joined by newlines, as vLLM joins them; other parts are refused."""
     parts = message.get("content")
     if not isinstance(parts, list) or not all(isinstance(p, dict) for p in parts):
         return message
@@ -415,8 +378,6 @@ def _text_parts(message: dict, where: str) -> dict:
 
 
 def _system(value, key: str, group: RowGroup, local: int, conversation: list[dict]) -> list[dict]:
-    """A row's system column as the conversation's first message (none where the cell is null or
-    empty); a conversation with a system message of its own as well is refused: which one is meant?"""
     if value is None or value == "":
         return []
     if not isinstance(value, str):
@@ -428,7 +389,7 @@ def _system(value, key: str, group: RowGroup, local: int, conversation: list[dic
 
 
 def _json(value, key: str, group: RowGroup, local: int):
-    """A cell that may hold its value as a JSON string (tool schemas are often stored that way)."""
+    """A cell that may hold its value as JSON text (tool schemas often do)."""
     if not isinstance(value, str):
         return value
     try:
@@ -442,7 +403,6 @@ def _kind(value) -> str:
 
 
 def _cells(table: pa.Table, column: str) -> list:
-    """A column's values; those of a file converted from JSON decoded from their JSON text."""
     values = table.column(column).to_pylist()
     if JSON_CELLS.encode() not in (table.schema.metadata or {}):
         return values
@@ -450,15 +410,13 @@ def _cells(table: pa.Table, column: str) -> list:
 
 
 def _text_cells(cells: pa.Array, json_cells: bool) -> int:
-    """The cells holding a non-empty string (in a JSON conversion, a JSON string other than \"\")."""
     if json_cells:
         return pc.sum(pc.and_(pc.starts_with(cells, '"'), pc.greater(pc.utf8_length(cells), 2))).as_py() or 0
     return pc.sum(pc.greater(pc.utf8_length(cells), 0)).as_py() or 0
 
 
 def _where(group: RowGroup, local: int) -> str:
-    """Where row `local` of a row group is in the user's file (for error messages): the line of a
-    JSON file, else its row number there (from 0; a CSV's header row not counted)."""
+    """The line of a JSON file, else the row in the user's file."""
     parquet = pq.ParquetFile(group.file)
     if LINE_COLUMN in parquet.schema_arrow.names:
         return f"{group.source} line {parquet.read_row_group(group.index, columns=[LINE_COLUMN]).column(0)[local]}"

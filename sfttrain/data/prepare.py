@@ -1,7 +1,5 @@
-"""The start-up pass over the data, before the model is loaded: the data fingerprint, every
-training row's token counts (rendered once, or read from the length cache of an earlier start), the
-rows trained, the validation rows rendered, the batch plan from them, and the data report (written
-to the run folder). The run and the preflight (sfttrain.plan) read the rows alike."""
+"""The start-up pass over the data before the model loads (fingerprint, row counts, batch plan, data
+report), shared by the run and the preflight (sfttrain.plan)."""
 
 from __future__ import annotations
 
@@ -23,12 +21,11 @@ from sfttrain.data.report import (data_report, locate_rows, select_rows, trainin
 from sfttrain.distributed import from_every_rank
 from sfttrain.errors import ConfigError
 
-LENGTHS_DIR = "row_stats"  # in the run folder (unless data.length_cache_dir names another): <rendering key>.npz
+LENGTHS_DIR = "row_stats"  # in the run folder, unless data.length_cache_dir names another
 
 
 @dataclass
 class Rows:
-    """The rows a run trains and validates on, read at start-up."""
     tokenizer: object
     renderer: Renderer
     source: ParquetSource
@@ -40,9 +37,8 @@ class Rows:
 
 def scan_rows(cfg: Config, source: ParquetSource, renderer: Renderer, tokenizer, share: tuple[int, int],
               run_dir: str, fill_cache: bool = True) -> tuple[RowStats, dict]:
-    """(every training row's token counts, the rows without a supervised token selected; the data
-    fingerprint), rendered by `share` = (rank, ranks). fill_cache=False (the preflight) leaves the run
-    folder as it is: its length cache is read where there is one, never made."""
+    """(row counts, data fingerprint); share = (rank, ranks). fill_cache=False (the preflight) reads
+    the length cache but never makes one."""
     fingerprint = data_fingerprint(cfg, source, tokenizer)
     cache = length_cache_file(cfg.data, fingerprint, run_dir)
     if not (fill_cache or cfg.data.length_cache_dir or os.path.isfile(cache)):
@@ -52,8 +48,6 @@ def scan_rows(cfg: Config, source: ParquetSource, renderer: Renderer, tokenizer,
 
 
 def plan_and_report(cfg: Config, rows: Rows, dp_size: int, run_dir: Optional[str]) -> tuple[BatchPlan, dict]:
-    """The batch plan over dp_size data-parallel ranks and the data report, written to run_dir (None:
-    not written) by rank 0."""
     plan = make_plan(cfg, dp_size, int(rows.stats.keep.sum()))
     report = first_epoch_report(cfg, rows.source, rows.stats, plan)
     if rows.val_samples is not None:
@@ -64,7 +58,6 @@ def plan_and_report(cfg: Config, rows: Rows, dp_size: int, run_dir: Optional[str
 
 
 def first_epoch_report(cfg: Config, source: ParquetSource, stats: RowStats, plan: BatchPlan) -> dict:
-    """The data report (sfttrain.data.report) of the rows the first epoch trains."""
     first_epoch = epoch_rows(source, stats, cfg.trainer.seed, 0, cfg.data.shuffle)
     report = data_report(stats, first_epoch[:plan.steps_per_epoch * plan.global_batch], cfg.data)
     report = {"files": [{"path": f, "rows": n} for f, n in source.file_rows()],
@@ -76,16 +69,13 @@ def first_epoch_report(cfg: Config, source: ParquetSource, stats: RowStats, plan
 
 
 def validation_report(samples: list[RenderedSample], stats: RowStats, rows: int) -> dict:
-    """The validation rows' part of the report, from every rank's share (ranks of one data-parallel
-    rank render the same share: the pairs are counted once)."""
+    """Ranks of one data-parallel rank render the same share: the pairs are counted once."""
     shares = from_every_rank(list(zip(*(a.tolist() for a in training_twins(samples, stats)))))
     return validation_section(rows, list({pair for share in shares for pair in share}))
 
 
 def length_cache_file(d: DataConfig, fingerprint: dict, run_dir: str) -> str:
-    """The file holding every row's token counts for this fingerprint, in data.length_cache_dir (made
-    here, and refused at once if it cannot be written: the scan's work would be lost at its end) or
-    the run folder's row_stats/."""
+    """A length_cache_dir that cannot be written is refused now, not after the scan's work."""
     if d.length_cache_dir is None:
         folder = os.path.join(run_dir, LENGTHS_DIR)
     else:

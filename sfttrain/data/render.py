@@ -1,11 +1,6 @@
-"""Turn (prompt, response) pairs into token ids and a loss mask, a block of rows at a time.
-
-With a chat template, the context is the template's generation prompt for one user turn, and the
-trained tokens are the response as the template writes it through its end-of-turn token
-(`<|im_end|>`, `<|eot_id|>`, `<end_of_turn>`, ' </s>'; sfttrain.data.template), not the tokenizer's
-EOS where the two differ: the served model stops where its template ends a turn. Without a template,
-or where it writes only whitespace after an answer, the response is followed by EOS.
-"""
+"""(prompt, response) pairs as token ids and a loss mask. With a chat template the trained answer
+ends with the template's end-of-turn token, not the tokenizer's EOS where they differ: the served
+model stops where its template ends a turn. Otherwise the response is followed by EOS."""
 
 from __future__ import annotations
 
@@ -15,12 +10,11 @@ from sfttrain.config import ConfigError, rendering_problems
 from sfttrain.data.template import (DROPPED_FIX, TEMPLATE_FIX, AnswerNotLocated, TemplateFailed, TurnEnd, answer_span,
                                     apply_template, check_no_end_token, dropped, turn_end)
 
-# part of the data fingerprint, raised with every change that renders the same rows to other tokens:
-# a resume across it is refused naming it, and the old row-length cache is not reused
+# in the data fingerprint: raised with every change that renders the same rows to other tokens
 RENDERING_VERSION = 2
 RENDERING_CHANGE = ("an answer is written as the chat template writes it: ended with its end-of-turn token where the "
                     "tokenizer's EOS differs, trimmed or spaced where the template trims or spaces it, Qwen3's with its "
-                    "empty think block")  # what the version's rendering changed, said where a resume meets the old one
+                    "empty think block")  # said where a resume meets the old version
 
 
 @dataclass(frozen=True)
@@ -28,13 +22,11 @@ class RenderedSample:
     input_ids: list[int]
     loss_mask: list[int]  # 1 where token t is a training target (predicted from token t-1), else 0
     row: int  # global row id of the source row (for error messages)
-    full_length: int = 0  # tokens before truncation (> len(input_ids) where data.truncation cut the sample)
+    full_length: int = 0  # tokens before truncation
 
 
 def check_answer(response: str, answer: str, apart_prompt: str | None) -> None:
-    """The trained answer is the row's response as the template renders it: all of it (whitespace
-    aside), and, where the template writes its generation prompt (`apart_prompt`) for generation
-    only, nothing the template writes before it in its place."""
+    """The trained answer is all of the response, and nothing the template writes before it."""
     if apart_prompt is not None and not answer.lstrip().startswith(response.lstrip()[:1]):
         raise AnswerNotLocated(f"the chat template's generation prompt {apart_prompt!r} is not in its rendering of "
                                f"the row, which has {answer[:40]!r} where the answer goes: the answer cannot be told "
@@ -45,16 +37,13 @@ def check_answer(response: str, answer: str, apart_prompt: str | None) -> None:
 
 
 class RowError(ValueError):
-    """A row that cannot be rendered: the message says why, `row` which (for its file and line)."""
-
     def __init__(self, row: int, message: str):
         super().__init__(message)
         self.row = row
 
 
 def each_row(rows: list[tuple], render_one) -> list:
-    """render_one(r) for each row tuple r (its last item the row id), in order; a row that fails
-    raises a RowError naming it."""
+    """render_one of each row tuple (its last item the row id); a failure is a RowError naming it."""
     out = []
     for r in rows:
         try:
@@ -85,7 +74,6 @@ class Renderer:
         self.id_limit: int | None = None  # set by `limit_ids`
 
     def describe_end(self, stop_ids: list[int]) -> str:
-        """The start-up line of what every answer is trained to end with, and where generation stops."""
         eos, end = self.tokenizer.eos_token, self.turn_end
         source = ("the tokenizer's EOS" if self.end_token == eos else
                   f"the chat template's end of turn; the tokenizer's EOS is {eos}")
@@ -98,8 +86,7 @@ class Renderer:
                 f"({', '.join(self.tokenizer.convert_ids_to_tokens(stop_ids))})")
 
     def limit_ids(self, embedding_rows: int | None) -> None:
-        """Refuses rows with a token id at or past the model's embedding rows (a CUDA device-side assert
-        otherwise), checked only where the tokenizer has more tokens than that."""
+        """Token ids past the model's embedding rows are refused (a CUDA device-side assert otherwise)."""
         reachable = embedding_rows is not None and len(self.tokenizer) > embedding_rows
         self.id_limit = embedding_rows if reachable else None
 
@@ -107,21 +94,17 @@ class Renderer:
         return self.render_many([(prompt, response, row)])[0]
 
     def render_many(self, rows: list[tuple[str, str, int]]) -> list[RenderedSample]:
-        """Each (prompt, response, row) as a sample, in order; the texts tokenized in one batch call
-        for the contexts and one for the answers (a fast tokenizer's Rust code on every core)."""
+        """One tokenizer call for the contexts and one for the answers: a fast tokenizer uses every core."""
         if not rows:
             return []
         texts = each_row(rows, lambda r: self._texts(r[0], r[1]))
         # special tokens (e.g. BOS) for a plain prompt; a chat template writes its own
-        contexts = self.tokenizer([c for c, _ in texts], add_special_tokens=not self.apply_chat_template)
-        contexts = contexts["input_ids"]
+        contexts = self.tokenizer([c for c, _ in texts], add_special_tokens=not self.apply_chat_template)["input_ids"]
         answers = self.tokenizer([a for _, a in texts], add_special_tokens=False)["input_ids"]
         return each_row(list(zip(contexts, answers, (r[2] for r in rows))), lambda t: self._pair(*t))
 
     def _texts(self, prompt: str, response: str) -> tuple[str, str]:
-        """The row's context and trained answer, as text: the template's rendering of the prompt as one
-        user turn and the response as the answer to it, split where the answer starts; or the plain
-        prompt and response."""
+        """(context, answer) as text: the template's rendering of one user turn and its answer, split."""
         if not self.apply_chat_template:
             return prompt, response
         check_no_end_token([response], self.turn_end, "this row's response")
@@ -136,7 +119,6 @@ class Renderer:
         return (generation if span.prompt_apart else text[:span.start]), answer
 
     def _template(self, messages: list[dict], generation_prompt: bool, part: str) -> str:
-        """The template's rendering of the row's messages; `part` names them where the template fails."""
         try:
             return apply_template(self.tokenizer, messages, add_generation_prompt=generation_prompt,
                                   chat_template=self.chat_template)  # None: the tokenizer's own
@@ -154,8 +136,7 @@ class Renderer:
         return self.fit(input_ids, loss_mask, row, f"{len(context_ids)} prompt + {len(answer_ids)} response")
 
     def fit(self, input_ids: list[int], loss_mask: list[int], row: int, parts: str) -> RenderedSample:
-        """Applies data.max_length / data.truncation to one rendered row (`parts` says, in the error,
-        what its tokens are made of)."""
+        """data.max_length / data.truncation; `parts` says in the error what the tokens are made of."""
         n = len(input_ids)
         if n > self.max_length:
             if self.truncation == "error":

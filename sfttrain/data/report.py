@@ -1,11 +1,5 @@
-"""What the rendered training data holds, said before any compute is spent.
-
-From the start-up row scan (loader.row_stats): which rows truncation leaves with nothing to train
-on (refused, or dropped with data.no_loss_rows=drop), what truncation cut from the others (the
-EOS with truncation=right, the BOS and system prompt with truncation=left), and the data report:
-rows, token lengths, share truncated, supervised tokens per epoch, rows trained twice, and validation
-rows that are training rows too. Printed by rank 0 and written to <run folder>/data_report.json.
-"""
+"""What the rendered training data holds, said before any compute is spent (and written to
+<run folder>/data_report.json): rows left with nothing to train on, what truncation cut, duplicates."""
 
 from __future__ import annotations
 
@@ -28,8 +22,7 @@ SHOWN_FILES = 3  # files named in the report's line (data_report.json lists them
 
 
 def select_rows(stats: RowStats, d: DataConfig) -> RowStats:
-    """Rows with no supervised token (truncation=right with a prompt at or over max_length) would
-    train on nothing: stop naming them (data.no_loss_rows=error), or drop them from every epoch."""
+    """Rows without a supervised token (a prompt filling max_length) stop the run or are dropped."""
     empty = np.flatnonzero(stats.loss_tokens == 0)
     if len(empty) and d.no_loss_rows == "error":
         raise ConfigError(
@@ -41,8 +34,7 @@ def select_rows(stats: RowStats, d: DataConfig) -> RowStats:
 
 
 def data_report(stats: RowStats, epoch_rows: np.ndarray, d: DataConfig) -> dict:
-    """stats: after select_rows. epoch_rows: the rows one epoch trains on (the first epoch's;
-    others differ only in the leftover rows a global batch does not fill)."""
+    """epoch_rows: the first epoch's; others differ only in the rows a global batch leaves over."""
     cut = np.flatnonzero(stats.full_lengths > stats.lengths)
     effect = {"right": "eos_cut", "left": "start_cut"}.get(d.truncation)  # what the cut removes
     return {
@@ -62,14 +54,11 @@ def data_report(stats: RowStats, epoch_rows: np.ndarray, d: DataConfig) -> dict:
 
 
 def empty_responses(stats: RowStats) -> np.ndarray:
-    """The prompt/response rows whose response is empty: the end token, appended to every response, is their one
-    supervised token (any text adds one more), truncation aside. Trained, they teach the model to stop
-    at once: a data mistake more often than not."""
+    """An empty response leaves the end token its one supervised token: it teaches the model to stop at once."""
     return np.flatnonzero((stats.loss_tokens == 1) & (stats.full_lengths == stats.lengths))
 
 
 def repeated_rows(stats: RowStats) -> np.ndarray:
-    """The trained rows whose tokens an earlier trained row has (the same sample, trained twice an epoch)."""
     trained = stats.kept(np.arange(len(stats.digests)))
     _, first = np.unique(stats.digests[trained], return_index=True)
     repeated = np.ones(len(trained), bool)
@@ -78,8 +67,7 @@ def repeated_rows(stats: RowStats) -> np.ndarray:
 
 
 def training_twins(samples: list[RenderedSample], stats: RowStats) -> tuple[np.ndarray, np.ndarray]:
-    """(validation rows, training rows) of the samples whose tokens a trained row has: validation on
-    them measures what training saw."""
+    """(validation rows, training rows) with the same tokens: validation there measures what training saw."""
     trained = stats.kept(np.arange(len(stats.digests)))
     order = np.argsort(stats.digests[trained], kind="stable")
     known = stats.digests[trained][order]
@@ -90,7 +78,6 @@ def training_twins(samples: list[RenderedSample], stats: RowStats) -> tuple[np.n
 
 
 def validation_section(rows: int, twins: list[tuple[int, int]]) -> dict:
-    """The report's part on the validation rows; twins: (validation row, training row) pairs."""
     twins = sorted(twins)
     return {"rows": rows, "in_training": {"count": len(twins), "rows": [v for v, _ in twins[:SHOWN_ROWS]],
                                           "training_rows": [t for _, t in twins[:SHOWN_ROWS]]}}
@@ -141,7 +128,6 @@ def describe(report: dict) -> str:
 
 
 def _files_text(files: list[dict]) -> str:
-    """The files read (row numbers count through them in this order): the first few, with their rows."""
     shown = ", ".join(f"{f['path']} ({f['rows']} rows)" for f in files[:SHOWN_FILES])
     listed = Counter(f["path"] for f in files)
     again = ", ".join(f"{path} {n} times" for path, n in listed.items() if n > 1)
@@ -150,7 +136,6 @@ def _files_text(files: list[dict]) -> str:
 
 
 def _row_scan(report: dict) -> str:
-    """What the start-up did to learn the lengths: rendered the rows, or read an earlier start's cache."""
     rendered, cache = report["rows_rendered_at_startup"], report["length_cache"]
     if rendered == 0:
         return f"every row's length read from {cache} (an earlier start's or preflight's: the same data and rendering)"
@@ -171,25 +156,21 @@ def _rows(rows) -> dict:
     return {"count": len(rows), "rows": _first(rows)}
 
 
-# the report's sections whose rows a warning lists
 LISTED_SECTIONS = ("truncated", "duplicate_rows", "empty_responses")
 
 
 def locate_rows(report: dict, where: Callable[[int], str]) -> None:
-    """Each listed row also by its file and row (or line), `at`, for data of several files: a row id
-    counts through all the files in order, which no file of the user's shows."""
+    """Each listed row also by its file and row, for several files: a row id counts through them all."""
     for key in LISTED_SECTIONS:
         if report.get(key):
             report[key]["at"] = [where(row) for row in report[key]["rows"]]
 
 
 def _row_list(section: dict) -> str:
-    """A section's listed rows: where they are in their files (several files), else their row ids."""
     return _listed(section.get("at") or section["rows"], section["count"])
 
 
 def _listed(shown: list, count: int) -> str:
-    """The rows shown of `count`, as a list that says where there are more."""
     return "[" + ", ".join(map(str, shown)) + (", ..." if count > len(shown) else "") + "]"
 
 

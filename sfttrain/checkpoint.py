@@ -185,7 +185,7 @@ class Checkpointer:
         pinned = self.staging.reserve(live, self.slots, on_device)
         if self.in_process:  # each pinned slot's copy is sent to the writer process now, not with a save's write
             for slot in pinned:
-                self.writer.submit(lambda slot=slot: self._writer_process().keep(slot, self.staging.kept[slot]))
+                self.writer.submit(lambda slot=slot: self._writer_process().write(self.staging.kept[slot], slot))
         if self.world.is_main:
             self._say_staging(wanted, copy, local_ranks, available, on_device, pinned, time.perf_counter() - started)
 
@@ -277,7 +277,7 @@ class Checkpointer:
                 return write_shards(state_dict, tmp, threads, self.write_group, self.world.is_main, self.thread_errors)
             process = self._writer_process()
             self.write_began = time.perf_counter()  # a writer started anew (a lost one's replacement): not the write
-            return process.write(state_dict, tmp, threads, slot)  # its slot's copy: kept there
+            return process.write(state_dict, slot, tmp, threads)  # its slot's copy: kept there
         finally:
             self.write_began = None
 

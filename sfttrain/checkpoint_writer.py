@@ -49,10 +49,11 @@ def write_shards(state_dict: dict, tmp: str, thread_count: int, group, is_main: 
                  errors: WriterThreadErrors) -> float:
     """This rank's DCP write into `tmp`; rank 0 then fsyncs what DCP does not. Returns its seconds."""
     started = time.perf_counter()
-    errors.clear()
+    errors.errors.clear()
     writer = dcp.FileSystemWriter(tmp, thread_count=thread_count)
     dcp.save(state_dict, storage_writer=writer, process_group=group)
-    errors.raise_first()
+    if errors.errors:
+        raise errors.errors[0]
     if is_main:
         fsync_tree(tmp)
     return time.perf_counter() - started
@@ -94,13 +95,6 @@ class WriterThreadErrors:
             self.errors.append(args.exc_value)
         else:
             self.previous(args)
-
-    def clear(self) -> None:
-        self.errors.clear()
-
-    def raise_first(self) -> None:
-        if self.errors:
-            raise self.errors[0]
 
 
 class WriterProcess:

@@ -417,7 +417,7 @@ class PendingSave:
     step: int
     tmp: str
     final: str
-    future: Future  # the write and its fsyncs: (the checkpoint's size in bytes on rank 0, the write's seconds)
+    future: Future  # the write and its fsyncs; its result: the write's seconds
     slot: Optional[int]  # the staging slot holding its host copy (Staging; None: not staged)
     started: float  # perf_counter when save() began
     stall_s: float  # seconds the training loop waited for it (a background write: until it was staged)

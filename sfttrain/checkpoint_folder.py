@@ -1,14 +1,9 @@
-"""The run folder's checkpoint layout, as the checkpointer, the resume rules and the exporter all
-read it: which `global_step_N` folders are committed, the atomic renames that commit and delete
-them, retention, and the fsync helpers. A leaf: torch-free, it imports nothing of sfttrain's but
-its errors.
+"""The run folder's checkpoint layout: which `global_step_N` folders are committed, the atomic
+renames that commit and delete them, retention, and the fsync helpers. Torch-free.
 
-A `global_step_N` either does not exist or is complete (it holds COMPLETE, written last, which lists
-every file of the checkpoint with its size: `damage` finds a file changed after the commit). Saves
-are written into `.global_step_N.tmp`; deletions go through `.global_step_N.trash`; replacing a
-committed step moves the old one to `.global_step_N.old` first. At start-up `remove_stale_tmp`
-deletes `.tmp` and `.trash` debris (and `write_atomically`'s temporary files) and puts back an `.old`
-whose replacement never arrived.
+A `global_step_N` either does not exist or holds COMPLETE, written last, which lists every file with
+its size. Saves are written into `.global_step_N.tmp`, deletions go through `.global_step_N.trash`,
+and a replaced step is moved to `.global_step_N.old` first; `remove_stale_tmp` clears what a crash left.
 """
 
 from __future__ import annotations
@@ -35,7 +30,7 @@ def is_complete(path: str) -> bool:
 
 
 def step_folders(run_dir: str) -> list[tuple[int, str]]:
-    """(step, path) of every `global_step_N` folder in the run folder, committed or not, oldest first."""
+    """(step, path) of every `global_step_N` folder, committed or not, oldest first."""
     if not os.path.isdir(run_dir):
         return []
     return sorted((int(m.group(1)), os.path.join(run_dir, name)) for name in os.listdir(run_dir)
@@ -43,72 +38,51 @@ def step_folders(run_dir: str) -> list[tuple[int, str]]:
 
 
 def complete_checkpoints(run_dir: str, run_id: Optional[str] = None) -> list[tuple[int, str]]:
-    """(step, path) of every committed checkpoint in the run folder, oldest first; with run_id,
-    only that run's (see `run_id_of`)."""
+    """(step, path) of every committed checkpoint, oldest first; with run_id, only that run's."""
     return [(step, path) for step, path in step_folders(run_dir)
             if is_complete(path) and (run_id is None or run_id_of(path) == run_id)]
 
 
 def write_complete(tmp: str) -> int:
-    """The commit's marker, written last into a checkpoint whose every file is on disk: COMPLETE
-    holds each file's path and size. A size is read through an open file: on NFS a stat alone may
-    answer from a cache that predates another node's write. Returns the checkpoint's bytes."""
+    """The commit's marker, listing each file's size; returns the checkpoint's bytes. Sizes are read
+    through an open file: on NFS a stat alone may answer from a cache older than another node's write."""
     files = {}
     for folder, _, names in os.walk(tmp):
         for name in names:
             path = os.path.join(folder, name)
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                files[os.path.relpath(path, tmp)] = os.fstat(fd).st_size
-            finally:
-                os.close(fd)
+            with open(path, "rb") as f:
+                files[os.path.relpath(path, tmp)] = os.fstat(f.fileno()).st_size
     listing = json.dumps({"files": files}, indent=1, sort_keys=True)
     write_synced(os.path.join(tmp, COMPLETE), listing)
     return sum(files.values()) + len(listing.encode())
 
 
 def damage(path: str) -> list[str]:
-    """How a committed checkpoint's files differ from the list in its COMPLETE (one line per file
-    missing or of another size: a partial copy, a failing disk, a file removed by hand), and a
-    trainer_state.json that no longer reads. Empty for an intact checkpoint."""
-    return listed_damage(path) + state_damage(path)
-
-
-def listed_damage(path: str) -> list[str]:
-    """`damage` against COMPLETE's list; none for a checkpoint committed before COMPLETE held it."""
+    """A line per file missing or of another size than COMPLETE lists (an older sfttrain's lists none),
+    and for a trainer_state.json changed at its size, which the list cannot see."""
     with open(os.path.join(path, COMPLETE)) as f:
         text = f.read()
-    if not text.strip():
-        return []
-    try:
-        files = dict(json.loads(text)["files"])
-    except (ValueError, KeyError, TypeError):
-        return [f"its {COMPLETE} does not hold the list of its files"]
     found = []
+    try:
+        files = dict(json.loads(text)["files"]) if text.strip() else {}
+    except (ValueError, KeyError, TypeError):
+        files, found = {}, [f"its {COMPLETE} does not hold the list of its files"]
     for name, size in sorted(files.items()):
         file = os.path.join(path, name)
         if not os.path.isfile(file):
             found.append(f"{name} is missing")
         elif os.path.getsize(file) != size:
             found.append(f"{name} has {os.path.getsize(file)} bytes, {size} when it was committed")
+    if os.path.isfile(os.path.join(path, STATE_FILE)):
+        try:
+            read_state(path)
+        except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            found.append(f"{STATE_FILE} does not read back as JSON ({e})")
     return found
 
 
-def state_damage(path: str) -> list[str]:
-    """trainer_state.json changed in place (its size kept, which COMPLETE's list cannot see): the
-    resume reads it before anything else. A missing one is `listed_damage`'s to say."""
-    if not os.path.isfile(os.path.join(path, STATE_FILE)):
-        return []
-    try:
-        read_state(path)
-    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        return [f"{STATE_FILE} does not read back as JSON ({e})"]
-    return []
-
-
 def damaged_error(path: str, problem: str) -> ConfigError:
-    """The error of a checkpoint that does not read back as it was committed, with the newest intact
-    checkpoint of its run before it to resume from instead."""
+    """With the newest intact checkpoint of its run before it to resume from instead."""
     earlier = [p for step, p in complete_checkpoints(os.path.dirname(path), run_id_of(path))
                if step < step_of(path) and not damage(p)]
     then = (f"The newest intact checkpoint before it is {earlier[-1]} (to resume from it: trainer.resume_mode="
@@ -121,7 +95,6 @@ def damaged_error(path: str, problem: str) -> ConfigError:
 
 
 def check_intact(path: str) -> None:
-    """Raises `damaged_error` for a checkpoint whose files are not those its COMPLETE lists."""
     problems = damage(path)
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
@@ -129,13 +102,12 @@ def check_intact(path: str) -> None:
 
 
 def read_state(path: str) -> dict:
-    """A checkpoint's trainer_state.json."""
     with open(os.path.join(path, STATE_FILE)) as f:
         return json.load(f)
 
 
 def run_id_of(path: str) -> Optional[str]:
-    """The id of the run that wrote a checkpoint (None: written before checkpoints held one)."""
+    """None: written before checkpoints held one."""
     try:
         return read_state(path).get("run_id")
     except (OSError, ValueError):
@@ -143,7 +115,7 @@ def run_id_of(path: str) -> Optional[str]:
 
 
 def runs(run_dir: str) -> dict[Optional[str], list[int]]:
-    """run id -> the steps of its committed checkpoints, the run of the newest checkpoint last."""
+    """run id -> the steps of its committed checkpoints, the run of the newest commit last."""
     by_run: dict[Optional[str], list[tuple[float, int]]] = {}
     for step, path in complete_checkpoints(run_dir):
         by_run.setdefault(run_id_of(path), []).append((os.path.getmtime(os.path.join(path, COMPLETE)), step))
@@ -152,18 +124,12 @@ def runs(run_dir: str) -> dict[Optional[str], list[int]]:
 
 
 def latest_of_newest_run(run_dir: str) -> Optional[tuple[int, str]]:
-    """The latest checkpoint of the run that committed last (a folder may hold several runs)."""
-    by_run = runs(run_dir)
-    if not by_run:
-        return None
-    run_id = list(by_run)[-1]
-    step = by_run[run_id][-1]
-    return step, os.path.join(run_dir, f"global_step_{step}")
+    by_run = list(runs(run_dir).values())
+    return (by_run[-1][-1], os.path.join(run_dir, f"global_step_{by_run[-1][-1]}")) if by_run else None
 
 
 def resolve(path: str) -> str:
-    """A checkpoint folder, or a run folder (the latest checkpoint of its newest run). Raises
-    ConfigError for anything that is not a complete sfttrain checkpoint."""
+    """A checkpoint folder, or a run folder's latest checkpoint of its newest run; else a ConfigError."""
     path = os.path.abspath(os.path.expanduser(path))
     if is_complete(path):
         return path
@@ -174,7 +140,6 @@ def resolve(path: str) -> str:
 
 
 def holds_weights(folder: str) -> bool:
-    """A folder with a Hugging Face model's weight files (safetensors, or PyTorch's .bin)."""
     return bool(weight_files(folder))
 
 
@@ -186,7 +151,6 @@ def weight_files(folder: str) -> list[str]:
 
 
 def _what_instead(path: str) -> str:
-    """What a path that holds no sfttrain checkpoint is instead, and what to do with it."""
     if not os.path.exists(path):
         return "does not exist"
     names = set(os.listdir(path)) if os.path.isdir(path) else set()
@@ -210,8 +174,8 @@ def _what_instead(path: str) -> str:
 
 
 def not_a_model_folder(path: str) -> Optional[str]:
-    """What a folder given as model.partial_pretrain (which needs a config.json) is instead, and what to set: a
-    checkpoint of sfttrain's (or its run folder) or of verl's, or a peft adapter. None for anything else."""
+    """What a folder given as model.partial_pretrain is instead (a checkpoint or run folder of sfttrain's or
+    verl's, a peft adapter), and what to set; None for anything else."""
     names = set(os.listdir(path)) if os.path.isdir(path) else set()
     latest = latest_of_newest_run(path)  # a run folder's; None for a checkpoint itself
     checkpoint = path if is_complete(path) else latest[1] if latest else None
@@ -242,10 +206,8 @@ def step_of(path: str) -> int:
 
 
 def publish(tmp: str, final: str) -> None:
-    """The commit: `tmp` (complete, fsynced) becomes `final`. An older `final` (the same step of an
-    earlier save) is renamed aside first and deleted only once the new one is in place, so at
-    every moment one of them is committed (`remove_stale_tmp` puts an aside copy back if the
-    new one never arrived)."""
+    """The commit: `tmp` becomes `final`. An older `final` is renamed aside first and deleted only once
+    the new one is in place, so one of them is committed at every moment."""
     parent, name = os.path.split(final)
     aside = os.path.join(parent, f".{name}.old")
     if os.path.lexists(final):
@@ -259,8 +221,8 @@ def publish(tmp: str, final: str) -> None:
 
 def enforce_retention(run_dir: str, keep: Optional[int], run_id: Optional[str] = None,
                       delete: Optional[Callable[[str], None]] = None) -> list[int]:
-    """Keeps the newest `keep` complete checkpoints of the run `run_id` (every checkpoint when
-    None or 0), judged by what is on disk (so it holds across resumes); returns the steps deleted."""
+    """Keeps the newest `keep` checkpoints of the run `run_id` (all when None or 0), judged by what is on
+    disk, so it holds across resumes; returns the steps deleted."""
     if not keep:
         return []
     doomed = complete_checkpoints(run_dir, run_id)[:-keep]
@@ -270,8 +232,7 @@ def enforce_retention(run_dir: str, keep: Optional[int], run_id: Optional[str] =
 
 
 def describe_retention(keep: Optional[int]) -> list[str]:
-    """The start-up's (and the preflight's) line for trainer.max_ckpt_to_keep=0, which reads like "keep
-    none" but keeps every checkpoint, as in verl: said, where a filling disk would otherwise say it."""
+    """trainer.max_ckpt_to_keep=0 reads like "keep none" but keeps every one, as in verl: said."""
     if keep != 0:
         return []
     return ["  checkpoints kept    : every one (trainer.max_ckpt_to_keep=0 means what null does, as in verl; "
@@ -279,12 +240,9 @@ def describe_retention(keep: Optional[int]) -> list[str]:
 
 
 def remove_stale_tmp(run_dir: str, caches: tuple[str, ...] = ()) -> list[str]:
-    """Deletes the debris of interrupted saves and deletions (never a committed checkpoint) and the
-    temporary files that a crash mid-write left of the run folder's own files (`write_atomically`:
-    config.yaml, data_report.json, metrics.jsonl) and of its cache subfolders `caches` (a conversion, a
-    length cache: as large as the data), and puts back a checkpoint set aside by a replacement (`publish`)
-    that did not finish; returns a line per checkpoint put back. Called under the run folder's lock, so
-    no other run is writing any of them."""
+    """Deletes the debris of interrupted saves and deletions and the temporary files of `write_atomically`
+    in the run folder and its cache subfolders `caches`, and puts back a checkpoint set aside by a
+    replacement that did not finish; returns a line per one put back. Called under the run folder's lock."""
     restored = []
     if not os.path.isdir(run_dir):
         return restored
@@ -309,12 +267,10 @@ def remove_stale_tmp(run_dir: str, caches: tuple[str, ...] = ()) -> list[str]:
 
 
 def remove(path: str) -> None:
-    """Atomically makes `path` invisible (one rename), then deletes it."""
     shutil.rmtree(hide(path), ignore_errors=True)
 
 
 def hide(path: str) -> str:
-    """Renames `path` to its `.trash` name (which the next start deletes); returns that name."""
     parent, name = os.path.split(path)
     trash = os.path.join(parent, f".{name.lstrip('.')}.trash")
     shutil.rmtree(trash, ignore_errors=True)
@@ -331,10 +287,8 @@ def write_synced(path: str, text: str) -> None:
 
 
 def write_atomically(path: str, text: str) -> None:
-    """`text` as the file `path`, whole or not at all: written under a temporary name, fsynced, renamed
-    (`replace_synced`). For the run folder's files written once per start (config.yaml, data_report.json):
-    after a crash or a power loss the old file or the new one is there, never a torn or empty one; a
-    write that fails (a full disk) leaves the old one and no temporary file."""
+    """`text` as the file `path`, whole or not at all, also after a power loss; a failed write leaves
+    the old one and no temporary file."""
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
         write_synced(tmp, text)
@@ -346,9 +300,8 @@ def write_atomically(path: str, text: str) -> None:
 
 
 def replace_synced(tmp: str, path: str) -> None:
-    """`tmp` (written whole) becomes `path`: fsynced first, so that the rename never reaches the disk
-    before the bytes it names (a crash would leave `path` empty or short, with its old content gone),
-    then the folder, so that the rename itself survives one."""
+    """`tmp` becomes `path`: fsynced first, so the rename never reaches the disk before the bytes it
+    names, then the folder, so the rename survives a crash."""
     fsync_path(tmp)
     os.replace(tmp, path)
     fsync_path(os.path.dirname(os.path.abspath(path)))
@@ -359,8 +312,7 @@ def tree_bytes(root: str) -> int:
 
 
 def fsync_tree(root: str) -> None:
-    """fsyncs the small files written outside DCP (DCP fsyncs its own shards) and every folder,
-    so COMPLETE never reaches the disk before what it vouches for."""
+    """fsyncs the files DCP does not (its own shards) and every folder."""
     for folder, _, files in os.walk(root):
         for name in files:
             if not name.endswith(".distcp"):
@@ -369,7 +321,7 @@ def fsync_tree(root: str) -> None:
 
 
 def fsync_path(path: str) -> None:
-    """fsyncs a file, or a folder: the names in it (a rename into it) reach the disk."""
+    """A file, or a folder: the names in it (a rename into it) reach the disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -386,7 +338,7 @@ def size_text(n: int) -> str:
 
 
 def nearest_existing(path: str) -> str:
-    """`path` made absolute, or the nearest of its parents that exists: where a folder `path` would be made."""
+    """`path` made absolute, or the nearest of its parents that exists."""
     there = os.path.abspath(os.path.expanduser(path))
     while not os.path.lexists(there):
         there = os.path.dirname(there)
@@ -394,9 +346,7 @@ def nearest_existing(path: str) -> str:
 
 
 def room_problem(run_dir: str, free: int, need: int, estimated: bool) -> Optional[str]:
-    """What stops a run whose folder's disk cannot take its next checkpoint (None if it can): at
-    start-up, not at that save, when the training before it would be lost. `estimated`: no
-    checkpoint of the run exists yet, `need` is the estimate of the first."""
+    """What stops a run whose disk cannot take its next checkpoint (`estimated`: `need` estimates the first)."""
     if free >= need:
         return None
     size = (f"this run's first checkpoint will take about {size_text(need)} (the trained weights and their AdamW "

@@ -2,12 +2,9 @@
 (Staging), and the write itself (DCP), on a thread of the training process or in a writer process
 of this rank's own (trainer.async_save_writer).
 
-Why a process: DCP's write holds the GIL for long stretches (it pickles the plans and metadata it
-gathers, and torch.save serialises each shard in Python). On a thread, that stalls the training
-thread, whose every kernel launch needs the GIL: the steps that ran beside a write were several
-times slower (docs/benchmarks.md, runs AC and AF). A writer process shares no GIL. It gets the host
-copy through shared memory (a staging slot's copy is sent to it once and reused by the later saves
-in that slot) and runs the same write; the training process's writer thread only waits for its answer.
+Why a process: DCP's write holds the GIL for long stretches (pickling, torch.save), which stalls the
+training thread's kernel launches. A writer process shares no GIL; it gets the host copy through
+shared memory, sent once per staging slot.
 """
 
 from __future__ import annotations
@@ -36,37 +33,34 @@ from sfttrain.checkpoint_folder import fsync_tree
 
 
 def writer_kind(setting: str, device: torch.device) -> str:
-    """auto: a process on CUDA (kernel launches need the GIL); a thread on CPU, where a step's work
-    runs in long ops that release the GIL and a process would only add its start-up to every rank."""
+    """auto: a process on CUDA (kernel launches need the GIL); a thread on CPU, whose long ops release it."""
     if setting != "auto":
         return setting
     return "process" if device.type == "cuda" else "thread"
 
 
 def cuda_room(device: torch.device) -> int:
-    """Bytes a CUDA device can give staging copies after the first step: its free memory less a tenth
-    of the whole, left for later steps' higher peaks (longer packs) and the allocator's fragmentation."""
+    """Free memory less a tenth of the whole, left for later steps' higher peaks and fragmentation."""
     free, total = torch.cuda.mem_get_info(device)
     return max(0, free - total // 10)
 
 
 def write_shards(state_dict: dict, tmp: str, thread_count: int, group, is_main: bool,
                  errors: WriterThreadErrors) -> float:
-    """This rank's DCP write into `tmp`; rank 0 then fsyncs what DCP does not, so COMPLETE never
-    reaches the disk before what it vouches for. Returns the write's seconds."""
+    """This rank's DCP write into `tmp`; rank 0 then fsyncs what DCP does not. Returns its seconds."""
     started = time.perf_counter()
-    errors.clear()
+    errors.errors.clear()
     writer = dcp.FileSystemWriter(tmp, thread_count=thread_count)
     dcp.save(state_dict, storage_writer=writer, process_group=group)
-    errors.raise_first()
+    if errors.errors:
+        raise errors.errors[0]
     if is_main:
         fsync_tree(tmp)
     return time.perf_counter() - started
 
 
 def one_line(error: BaseException) -> str:
-    """An exception as one line: DCP's CheckpointException holds every rank's traceback; its last
-    line names the cause."""
+    """An exception as one line: the last line of DCP's CheckpointException (every rank's traceback)."""
     if isinstance(error, OneLineError):
         return str(error)
     lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
@@ -78,7 +72,7 @@ def one_line(error: BaseException) -> str:
 
 
 class OneLineError(OSError):
-    """An error already worded as one line (`one_line` keeps it as it is)."""
+    """An error already worded as one line."""
 
 
 class WriterProcessError(OneLineError):
@@ -86,10 +80,8 @@ class WriterProcessError(OneLineError):
 
 
 class WriterThreadErrors:
-    """The errors of DCP's extra writer threads (FileSystemWriter's thread_count > 1). DCP does not
-    notice when one of them dies (torch 2.11-2.13 join them and keep the results that arrived, so a
-    checkpoint could be committed without that thread's files, and the thread's traceback is printed
-    beside the run's one message): they are kept here instead and fail the save."""
+    """The errors of DCP's extra writer threads (thread_count > 1), which DCP does not notice (a
+    checkpoint could be committed without that thread's files): kept here, they fail the save."""
 
     THREAD = "_write_files_from_queue"  # the target DCP's writer threads run, part of their name
 
@@ -104,26 +96,16 @@ class WriterThreadErrors:
         else:
             self.previous(args)
 
-    def clear(self) -> None:
-        self.errors.clear()
-
-    def raise_first(self) -> None:
-        if self.errors:
-            raise self.errors[0]
-
 
 class WriterProcess:
-    """This rank's writer process (spawned; it imports torch, not the model's code). The writer
-    processes of all ranks form a gloo group of their own for DCP's collectives, met through a
-    TCPStore that rank 0's writer hosts. Made and used on the training process's writer thread,
-    where every rank makes it at the same point of that thread's tasks (Checkpointer._writer_process)."""
+    """This rank's writer process (spawned). The writers of all ranks form a gloo group of their own
+    for DCP's collectives, met through a TCPStore that rank 0's writer hosts."""
 
     def __init__(self, rank: int, world_size: int, group, timeout_s: int):
         ctx = mp.get_context("spawn")  # the training process has CUDA and threads: no fork
         self.conn, child = ctx.Pipe()
         self.rank = rank
-        # SIGTERM left to the rank from the writer's start: a save in flight as a SIGTERM stops the run is
-        # written here (sfttrain.stop_signal)
+        # SIGTERM is left to the rank: a save in flight as it stops the run is written (sfttrain.stop_signal)
         self.process = ctx.Process(target=stop_signal.helper_main, daemon=True, name=f"sfttrain-checkpoint-writer-{rank}",
                                    args=(__name__, _serve.__name__, child, rank, world_size, timeout_s))
         self.process.start()
@@ -134,17 +116,9 @@ class WriterProcess:
         self._receive()  # every rank's writer has joined the group
         self.sent: dict[int, dict] = {}  # slot -> the host copy the writer keeps for it
 
-    def keep(self, slot: int, state_dict: dict) -> None:
-        """Sends a staging slot's kept host copy ahead of its first save."""
-        self._request(slot, None, 0, state_dict)
-
-    def write(self, state_dict: dict, tmp: str, thread_count: int,
-              kept_slot: Optional[int]) -> float:
-        """write_shards in the writer process. The copy of a kept slot (Staging) is sent once: the
-        writer keeps it and reads each later save's contents from the same shared memory."""
-        return self._request(kept_slot, tmp, thread_count, state_dict)
-
-    def _request(self, slot: Optional[int], tmp: Optional[str], thread_count: int, state_dict: dict) -> Any:
+    def write(self, state_dict: dict, slot: Optional[int], tmp: Optional[str] = None, thread_count: int = 0) -> Any:
+        """write_shards in the writer process (no `tmp`: only keeps the slot's copy, ahead of its first
+        save); a kept slot's copy is sent once."""
         known = slot is not None and self.sent.get(slot) is state_dict
         try:
             self.conn.send((slot, tmp, thread_count))
@@ -156,12 +130,10 @@ class WriterProcess:
         return self._receive()
 
     def exit_code(self) -> Optional[int]:
-        """None while the writer runs."""
         return None if self.process.is_alive() else self.process.exitcode
 
     def stop(self) -> None:
-        """Ends the writer at once (another rank's save failed: this rank's writer may be waiting for
-        that rank's in one of DCP's collectives); the write it was running fails."""
+        """At once: another rank's save failed, and this writer may wait for it in a collective."""
         self.process.kill()
         self.process.join()
 
@@ -189,11 +161,8 @@ class WriterProcess:
 
 
 def _serve(conn, rank: int, world_size: int, timeout_s: int) -> None:
-    """The writer process: joins the writers' group, then writes what it is sent until None. It ends
-    quietly once the training process is gone, also while it is still starting (its rank may stop on an
-    error of its own before the writers have met): that process says why."""
-    # a DTensor's mesh arrives without the training process's groups, which the write never uses (it
-    # reads the mesh's coordinates only): torch warns about that once per DTensor
+    """The writer process: writes what it is sent until None; quietly ends once its rank is gone (which says why)."""
+    # a DTensor's mesh arrives without its groups, which the write never uses: torch would warn per DTensor
     logging.getLogger("torch.distributed.device_mesh").setLevel(logging.ERROR)
     try:
         _join_writers(conn, rank, world_size, datetime.timedelta(seconds=timeout_s))
@@ -206,7 +175,6 @@ def _serve(conn, rank: int, world_size: int, timeout_s: int) -> None:
 
 
 def _join_writers(conn, rank: int, world_size: int, timeout: datetime.timedelta) -> None:
-    """The writers' gloo group, met through a TCPStore that rank 0's writer hosts."""
     if rank == 0:
         host = dist.TCPStore("0.0.0.0", 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
         conn.send(("ok", host.port))
@@ -237,10 +205,9 @@ def _write_requests(conn, rank: int) -> None:
 
 
 def send_shared(conn, obj: Any) -> None:
-    """Sends `obj` (a state dict whose tensors are in shared memory, or None) over a local pipe: its
-    tensors' storages travel as file descriptors (SCM_RIGHTS), the rest pickled, as torch.save
-    pickles with the storages apart. (multiprocessing's own tensor pickling hands descriptors out
-    from a server thread of the sender, which prints a traceback when the receiver dies mid-way.)"""
+    """Sends a state dict in shared memory (or None) over a local pipe: storages as file descriptors,
+    the rest pickled. (multiprocessing's tensor pickling serves descriptors from a thread that prints a
+    traceback when the receiver dies.)"""
     storages: dict[int, tuple[int, torch.UntypedStorage]] = {}  # data pointer -> (index, storage): each sent once
 
     class StoragesApart(pickle.Pickler):
@@ -279,40 +246,24 @@ def receive_shared(conn) -> Any:
 
 
 class DeviceCopy:
-    """A background save's copy on the training device, taken on the training thread: a
-    device-to-device copy, milliseconds on a GPU, so the step goes on at once. The writer thread
-    copies it to host memory when the save's turn comes (Staging.to_host) and frees it."""
+    """A background save's copy on the training device (milliseconds), copied to host memory by the
+    writer thread when the save's turn comes (Staging.to_host)."""
 
     def __init__(self, state_dict: dict, device: torch.device):
         self.state_dict: Optional[dict] = tree_map_only(torch.Tensor, lambda t: t.detach().clone(), state_dict)
-        self.ready = None  # on CUDA: the training stream's point after the copies, which the host copy waits for
+        self.ready = None  # on CUDA: the training stream's point after the copies
         if device.type == "cuda":
             self.ready = torch.cuda.Event()
             self.ready.record(torch.cuda.current_stream(device))
 
-    def take(self) -> dict:
-        state_dict, self.state_dict = self.state_dict, None  # freed once copied to host memory
-        return state_dict
-
 
 class Staging:
-    """The copies of background saves, taken before save() returns so that the next optimizer steps
-    cannot change what is written; one per save that may be in flight. Where they live:
-
-    - host: each save copies the shards straight to host memory, in a slot of its own.
-    - device (trainer.async_save_staging; auto where the GPU's free memory holds every save in flight):
-      each save copies them on the GPU (DeviceCopy), and the writer thread copies that to host
-      memory, into one host slot that the saves use in turn (the writes run one after another), on a
-      stream of its own while training goes on. A save then never waits for page locking or for
-      a host copy.
-
-    A host copy is in shared memory where a writer process reads it, and page-locked where
-    trainer.async_save_pinned on CUDA asks for it (the device-to-host copy at full PCIe speed). Such
-    copies are kept for the run and reused by every later save in their slot (a writer process is
-    sent each once). Page locking is slow (seconds per GB) and slows every step that runs beside it
-    (docs/benchmarks.md, run AO), so the pinned slots are allocated once, after the first step and
-    before the second, while nothing else runs. Otherwise (a writer thread on CPU) each save gets a
-    fresh host copy, freed once written."""
+    """The copies of background saves, taken before save() returns (the next steps change the
+    weights); one per save in flight. On the host, a slot per save; on the device
+    (trainer.async_save_staging), a GPU copy that the writer thread copies into one host slot on a
+    stream of its own. Host copies are shared where a writer process reads them, and pinned with
+    trainer.async_save_pinned; such copies are kept and reused. Page locking is slow and slows the
+    steps beside it, so pinned slots are allocated once, between the first and second step."""
 
     def __init__(self, device: torch.device, pinned: bool, shared: bool):
         self.device, self.pinned, self.shared = device, pinned, shared
@@ -322,9 +273,7 @@ class Staging:
         self.stream: Optional[torch.cuda.Stream] = None  # the writer thread's device-to-host copies
 
     def reserve(self, template: dict, slots: int, on_device: bool) -> list[int]:
-        """Stages on the device from now on if `on_device`, where one host slot serves every save;
-        pinned: allocates the host copies of the slots now, shaped like `template` (the live state
-        dict). Returns the slots allocated."""
+        """Pinned: allocates the slots' host copies now, shaped like `template`. Returns the slots allocated."""
         self.on_device = on_device
         if not self.pinned:
             return []
@@ -333,8 +282,7 @@ class Staging:
         return list(self.kept)
 
     def stage(self, state_dict: dict, busy: set) -> tuple[dict | DeviceCopy, int]:
-        """On the training thread: a copy of `state_dict` and its host slot, one not in `busy` (the
-        slots of saves in flight) where each save has its own."""
+        """On the training thread: a copy of `state_dict` and its host slot, one not in `busy`."""
         if self.on_device:
             return DeviceCopy(state_dict, self.device), 0
         slot = min(set(range(len(busy) + 1)) - busy)
@@ -343,10 +291,9 @@ class Staging:
         return staged, slot
 
     def to_host(self, staged: dict | DeviceCopy, slot: int) -> dict:
-        """On the writer thread, when the save's write begins: its host copy."""
         if not isinstance(staged, DeviceCopy):
             return staged
-        on_device = staged.take()
+        on_device, staged.state_dict = staged.state_dict, None  # the device copy is freed once copied
         host = self._host_copy(slot, like=on_device)
         if staged.ready is None:
             _copy_state_dict(on_device, host, type_check=False)
@@ -360,7 +307,6 @@ class Staging:
         return host
 
     def _host_copy(self, slot: int, like: dict) -> dict:
-        """The slot's kept host copy, made now if it has none (and kept if copies are kept)."""
         host = self.kept.get(slot) or _create_cpu_state_dict(like, self.pinned, self.shared)
         if self.keeps:
             self.kept[slot] = host
@@ -368,8 +314,7 @@ class Staging:
 
 
 def tensor_bytes(state_dict: dict, on: Optional[str] = None) -> int:
-    """The bytes of the tensors in a (nested) state dict, a DTensor's local shard only; with `on`,
-    of those on that device type only."""
+    """The bytes of a state dict's tensors (a DTensor's local shard); with `on`, those on that device type."""
     tensors = [t for t in tree_leaves(state_dict) if isinstance(t, torch.Tensor)]
     local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
     return sum(t.numel() * t.element_size() for t in local if on is None or t.device.type == on)

@@ -1,6 +1,5 @@
-"""The resume rules: which checkpoint a start resumes from, which run it continues, and what a resume
-with a changed config may change. A run folder may hold several runs' checkpoints; each records its
-run's id (trainer_state.json's run_id), and retention and `auto` resume act on the current run's only.
+"""The resume rules: which checkpoint a start resumes from, which run it continues (a run folder may
+hold several runs' checkpoints, each with its run's id), and what a changed config may change.
 """
 
 from __future__ import annotations
@@ -21,6 +20,9 @@ from sfttrain.export import HF_EXPORT_DIR
 from sfttrain.lora import check_base
 from sfttrain.metrics import rewind_metrics
 
+ROWS_UNCHECKED = ("; a data file rewritten with other rows of the same size would go unseen. Where it was, start "
+                  "afresh (trainer.resume_mode=disable)")
+
 
 @dataclass
 class Resume:
@@ -30,13 +32,11 @@ class Resume:
     passed_over: str = ""  # a checkpoint the config names that `path` was chosen over, and why
 
     def line(self, chosen: str) -> str:
-        """The start-up's (and the preflight's) resume line: what was chosen, and what was passed over."""
         return f"  resume              : {chosen}{f'; {self.passed_over}' if self.passed_over else ''}"
 
 
 def find_resume(t: TrainerConfig, run_dir: str) -> Resume:
-    """Collective: the checkpoint to resume from and this run's id, decided by rank 0 (every rank must
-    load the same step). A fresh start moves aside metrics.jsonl records of an earlier attempt."""
+    """Collective, decided by rank 0. A fresh start moves aside metrics.jsonl records of an earlier attempt."""
     def decide() -> Resume:
         chosen = choose_resume(t, run_dir)
         if chosen.path is None:
@@ -47,17 +47,14 @@ def find_resume(t: TrainerConfig, run_dir: str) -> Resume:
 
 
 def choose_resume(t: TrainerConfig, run_dir: str) -> Resume:
-    """disable: None. resume_path: trainer.resume_from_path. auto: the latest checkpoint of the run folder's
-    newest run, else resume_from_path, else None; what auto passed over is said. A checkpoint whose files
-    changed since its commit is refused. Changes nothing (the preflight asks it too)."""
+    """auto: the latest checkpoint of the run folder's newest run, else trainer.resume_from_path. A
+    checkpoint whose files changed since its commit is refused. Changes nothing (the preflight asks it too)."""
     newest = latest_of_newest_run(run_dir)
-    passed_over = ""
+    path, passed_over = None, ""
     if t.resume_mode == "auto" and newest:
         path = newest[1]
         passed_over = _passed_over(t.resume_from_path, path)
-    elif t.resume_mode == "disable" or not t.resume_from_path:
-        path = None
-    else:
+    elif t.resume_mode != "disable" and t.resume_from_path:
         try:
             path = resolve(t.resume_from_path)
         except ConfigError as e:
@@ -72,8 +69,7 @@ def choose_resume(t: TrainerConfig, run_dir: str) -> Resume:
 
 
 def _describe_unfinished(run_dir: str, chosen: Optional[str]) -> list[str]:
-    """A line per `global_step_N` past the chosen one without its COMPLETE marker (a copy cut short): the user
-    may be waiting for that step, and this run's save of it replaces the folder."""
+    """A line per uncommitted `global_step_N` past the chosen one: the user may be waiting for that copy."""
     mine = chosen is not None and os.path.dirname(os.path.abspath(chosen)) == os.path.abspath(run_dir)
     after = step_of(chosen) if mine else 0
     then = f"resuming from {os.path.basename(chosen) if mine else chosen}" if chosen else "starting afresh"
@@ -84,7 +80,7 @@ def _describe_unfinished(run_dir: str, chosen: Optional[str]) -> list[str]:
 
 
 def _passed_over(resume_from_path: Optional[str], chosen: str) -> str:
-    """Said where auto takes the run folder's own checkpoint over trainer.resume_from_path (verl's takes the path)."""
+    """Said where auto takes the run folder's checkpoint over trainer.resume_from_path (verl's takes the path)."""
     if not resume_from_path:
         return ""
     given, chosen = os.path.abspath(os.path.expanduser(resume_from_path)), os.path.abspath(chosen)
@@ -96,8 +92,7 @@ def _passed_over(resume_from_path: Optional[str], chosen: str) -> str:
 
 
 def _run_id(path: Optional[str], run_dir: str) -> str:
-    """The resumed checkpoint's run id; a new one on a fresh start, for an older checkpoint, or for a branch
-    (this run folder holds later steps of that run)."""
+    """The resumed checkpoint's run id; a new one on a fresh start, for an older checkpoint, or for a branch."""
     carried = run_id_of(path) if path else None
     if carried is None:
         return uuid.uuid4().hex[:12]
@@ -106,7 +101,6 @@ def _run_id(path: Optional[str], run_dir: str) -> str:
 
 
 def _describe_others(run_dir: str, run_id: str, start: int) -> list[str]:
-    """One line per other run whose checkpoints are in the run folder."""
     notes = []
     for other, steps in runs(run_dir).items():
         if other == run_id:
@@ -124,7 +118,6 @@ def _steps(steps: list[int]) -> str:
 
 
 def check_resume(path: str, cfg: Config, current) -> list[str]:
-    """What resuming from `path` changes (lines to print), or a ConfigError with every refusal."""
     notes, refused = review_resume(path, cfg, current)
     if refused:
         raise ConfigError("\n".join(refused))
@@ -132,9 +125,7 @@ def check_resume(path: str, cfg: Config, current) -> list[str]:
 
 
 def review_resume(path: str, cfg: Config, current) -> tuple[list[str], list[str]]:
-    """(what resuming from `path` changes, what it refuses), against `current` (a checkpoint.TrainState).
-    The data must be the checkpoint's (unless trainer.resume_allow_data_change); the optimizer and schedule
-    follow the config, each difference said; LoRA adapters resume on their own base only."""
+    """(what resuming from `path` changes, what it refuses), against `current` (a TrainState)."""
     saved = read_state(path)
     checks = [lambda: check_data(path, saved, current.data, cfg.trainer.resume_allow_data_change),
               lambda: check_schedule(path, saved, current.schedule)]
@@ -150,43 +141,31 @@ def review_resume(path: str, cfg: Config, current) -> tuple[list[str], list[str]
 
 
 def check_data(path: str, saved: dict, fingerprint: dict, allow_change: bool) -> list[str]:
-    """The data position continues on the same rows, rendered alike, unless the user allows a change."""
-    legacy = saved.get("data") is None  # written before checkpoints held the fingerprint
+    legacy = saved.get("data") is None  # an older sfttrain's
     recorded = {"data.train_batch_size": saved["global_batch"], "trainer.seed": saved["seed"]} if legacy \
         else {RENDERING_KEY: 1, **saved["data"]}  # version 1 recorded none
     changed = differences(recorded, fingerprint)
     notes = [f"data: {path} records no data fingerprint (an older sfttrain): only the batch size and seed "
-             "were checked"] if legacy else unrecorded(path, recorded, fingerprint)
+             "were checked"] if legacy else [f"data: {path} records no '{key}' (an older sfttrain): not checked" +
+                                              (ROWS_UNCHECKED if key == ROWS_KEY else "")
+                                              for key in fingerprint if key not in recorded]
     if ROWS_KEY in recorded and recorded[ROWS_KEY] == fingerprint.get(ROWS_KEY):  # the tokens say it all
         notes += [f"data: {c} (the rows' tokens are the same)" for c in changed if c.startswith(RENDERING_KEY)]
         changed = [c for c in changed if not c.startswith(RENDERING_KEY)]
     if changed and not allow_change:
         raise ConfigError(f"{path} was written with other data settings; resuming would silently change which "
                           "rows come next or how they are tokenized:\n    " + "\n    ".join(changed) +
-                          (RENDERING_CHANGED if any(c.startswith(RENDERING_KEY) for c in changed) else "") +
+                          (f"\n(the sfttrain that wrote the checkpoint rendered rows otherwise; since version "
+                           f"{RENDERING_VERSION}, {RENDERING_CHANGE})"
+                           if any(c.startswith(RENDERING_KEY) for c in changed) else "") +
                           "\nUse the checkpoint's values; or set trainer.resume_allow_data_change=true to continue "
                           "from its data position (epoch, samples consumed) on the new data; or "
                           "trainer.resume_mode=disable (or a new trainer.default_local_dir) to start afresh")
     return notes + [f"data (allowed by trainer.resume_allow_data_change) {c}" for c in changed]
 
 
-RENDERING_CHANGED = (f"\n(the sfttrain that wrote the checkpoint rendered rows otherwise; since version "
-                     f"{RENDERING_VERSION}, {RENDERING_CHANGE})")
-
-
-def unrecorded(path: str, recorded: dict, fingerprint: dict) -> list[str]:
-    """A note per fingerprint key that the checkpoint's older sfttrain did not record: it goes unchecked."""
-    return [f"data: {path} records no '{key}' (an older sfttrain): not checked" +
-            (ROWS_UNCHECKED if key == ROWS_KEY else "") for key in fingerprint if key not in recorded]
-
-
-ROWS_UNCHECKED = ("; a data file rewritten with other rows of the same size would go unseen. Where it was, start "
-                  "afresh (trainer.resume_mode=disable)")
-
-
 def check_schedule(path: str, saved: dict, schedule: dict) -> list[str]:
-    """The config's optimizer and schedule apply, each difference said; one that ends at or before the
-    checkpoint's step (but a finished run started again) would train nothing."""
+    """The config's optimizer and schedule apply; one that ends at the checkpoint's step would train nothing."""
     step, total = saved["step"], schedule["total steps"]
     old = saved.get("schedule")
     if step >= total and (old is None or old["total steps"] != total):
@@ -203,7 +182,6 @@ def check_schedule(path: str, saved: dict, schedule: dict) -> list[str]:
 
 
 def finished(path: str, step: int) -> str:
-    """A finished run started again: where its results are, and how to go on."""
     exported = os.path.join(path, HF_EXPORT_DIR)
     export = (f"its Hugging Face export is {exported}" if os.path.isdir(exported) else
               f"it has no Hugging Face export (trainer.save_hf=true exports it now; `python -m sfttrain.export {path} "

@@ -129,7 +129,7 @@ def test_which_layers_convert():
 
 
 def state_dict_keys(model: nn.Module, optimizer) -> tuple[list, list]:
-    from sfttrain.checkpoint import _state_dicts as state_dicts
+    from sfttrain.checkpoint_load import state_dicts
 
     model_sd, optim_sd = state_dicts(model, optimizer)
     return ([(k, tuple(v.shape), v.dtype) for k, v in model_sd.items()],
@@ -182,7 +182,7 @@ def test_sharded_fp8_checkpoint_and_export_are_unchanged(tmp_path):
     from torch.distributed.fsdp import fully_shard
 
     from sfttrain import export
-    from sfttrain.checkpoint import _state_dicts as state_dicts
+    from sfttrain.checkpoint_load import state_dicts
     from sfttrain.model import decoder_layers, load_model, materialise_model
 
     cfg = ModelConfig(partial_pretrain=str(STORIES), fp8="tensorwise", compile=True)

@@ -23,7 +23,8 @@ import torch
 from bench.common import add_sfttrain_args, emit
 from bench.sfttrain_w1 import RECIPE, prepare
 
-SAVE_KEYS = ("step", "async", "bytes", "stall_s", "waited_previous_s", "written_s", "write_s", "commit_s", "gb_per_s")  # of a checkpoint record
+# of a checkpoint record
+SAVE_KEYS = ("step", "async", "bytes", "stall_s", "waited_previous_s", "written_s", "write_s", "commit_s", "gb_per_s")
 # name -> the save keys it runs with
 SETTINGS = {
     "async_pinned": ["trainer.async_save=true", "trainer.async_save_pinned=true", "trainer.save_thread_count=4"],
@@ -35,8 +36,9 @@ SETTINGS = {
     "async_pinned_4_host": ["trainer.async_save=true", "trainer.async_save_pinned=true", "trainer.save_thread_count=4",
                             "trainer.async_save_in_flight=4", "trainer.async_save_staging=host"],
     # the same, written by a thread of the training process instead of a writer process (auto's choice on CUDA)
-    "async_pinned_4_thread": ["trainer.async_save=true", "trainer.async_save_pinned=true", "trainer.save_thread_count=4",
-                              "trainer.async_save_in_flight=4", "trainer.async_save_writer=thread"],
+    "async_pinned_4_thread": ["trainer.async_save=true", "trainer.async_save_pinned=true",
+                              "trainer.save_thread_count=4", "trainer.async_save_in_flight=4",
+                              "trainer.async_save_writer=thread"],
     # 4 in flight, staged into pageable shared memory (no page locking to wait for; a slower copy)
     "async_pageable_4": ["trainer.async_save=true", "trainer.async_save_pinned=false", "trainer.save_thread_count=4",
                          "trainer.async_save_in_flight=4"],

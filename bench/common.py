@@ -207,7 +207,8 @@ class TokenLedger:
     def totals(self) -> tuple[list[int], int]:
         """(sample lengths, supervised tokens) over the timed steps."""
         if len(self.steps_seen) != self.steps - self.warmup:
-            raise RuntimeError(f"tokens seen in {len(self.steps_seen)} timed steps, expected {self.steps - self.warmup}")
+            raise RuntimeError(f"tokens seen in {len(self.steps_seen)} timed steps, "
+                               f"expected {self.steps - self.warmup}")
         lengths = torch.cat([t.cpu() for t in self.lengths]).tolist()
         return lengths, int(sum(t.item() for t in self.supervised))
 

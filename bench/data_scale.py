@@ -80,8 +80,8 @@ def scan_read(path: Path, world: int, strided: bool = False) -> dict:
     src = source(path)
     share = np.arange(0, src.num_rows, world) if strided else np.arange(0, src.num_rows // world)
     seconds, n = timed(lambda: read_all(src, share))
-    return {"world": world, "strided": strided, **rates(n, seconds), "groups_decoded": getattr(src, "groups_decoded", None),
-            "groups_total": len(src.row_groups)}
+    return {"world": world, "strided": strided, **rates(n, seconds),
+            "groups_decoded": getattr(src, "groups_decoded", None), "groups_total": len(src.row_groups)}
 
 
 def scan_render(path: Path, rows: int, tokenizer: str, chat: bool) -> dict:

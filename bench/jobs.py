@@ -99,8 +99,8 @@ def descendants(pid: int) -> list[int]:
 def why_it_failed(path: str, chars: int = 8000) -> str:
     """The part of a failed job's log that says why: from a crash's Python stack (faulthandler's
     "Fatal Python error", which torchrun's summary at the end calls only "Signal 11"), else from the
-    stacks a timed-out job's processes printed (sfttrain.phase.print_stacks), else from sfttrain's one-line message, else from the
-    first traceback (a rank's: torchrun's own comes after it), else the end of the log."""
+    stacks a timed-out job's processes printed (sfttrain.phase.print_stacks), else from sfttrain's one-line
+    message, else from the first traceback (a rank's: torchrun's own comes after it), else the end of the log."""
     with open(path, errors="replace") as f:
         text = f.read()
     markers = ("Fatal Python error", STACKS_HEADER, "sfttrain: ", "Traceback (most recent call last)")

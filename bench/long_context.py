@@ -118,7 +118,8 @@ def run_one(args, model_dir: str, length: int, sp: int, timeout: float) -> dict:
 
 def summary(steps: list[dict]) -> dict:
     seconds = sum(m["step_time_s"] for m in steps)
-    return {"timed_steps": [m["step"] for m in steps], "real_tokens_per_s": round(sum(m["tokens"] for m in steps) / seconds, 1),
+    return {"timed_steps": [m["step"] for m in steps],
+            "real_tokens_per_s": round(sum(m["tokens"] for m in steps) / seconds, 1),
             "s_per_step": round(seconds / len(steps), 3),
             # per-step MFU weighted by step time = MFU of the whole timed window
             "mfu": timed_mfu(steps),

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from bench.common import time_calls
 
-T, D, I, KV, R, S = 13696, 896, 4864, 128, 64, 0.5
+T, D, FF, KV, R, S = 13696, 896, 4864, 128, 64, 0.5
 dev, bf = "cuda" if torch.cuda.is_available() else "cpu", torch.bfloat16
 torch.manual_seed(0)
 
@@ -37,7 +37,7 @@ def w(o, i, grad):
 
 
 def params(lora):
-    shapes = {"q": (D, D), "k": (KV, D), "v": (KV, D), "o": (D, D), "g": (I, D), "u": (I, D), "d": (D, I)}
+    shapes = {"q": (D, D), "k": (KV, D), "v": (KV, D), "o": (D, D), "g": (FF, D), "u": (FF, D), "d": (D, FF)}
     p = {n: w(*s, grad=not lora) for n, s in shapes.items()}
     if lora:
         for n, (o, i) in shapes.items():
@@ -53,7 +53,7 @@ def plain(p, xa, xo, xm, xd):
 
 def fused_plain(p, xa, xo, xm, xd):
     qkv = F.linear(xa, torch.cat([p["q"], p["k"], p["v"]])).split([D, KV, KV], -1)
-    gu = F.linear(xm, torch.cat([p["g"], p["u"]])).split([I, I], -1)
+    gu = F.linear(xm, torch.cat([p["g"], p["u"]])).split([FF, FF], -1)
     return [*qkv, F.linear(xo, p["o"]), *gu, F.linear(xd, p["d"])]
 
 
@@ -62,7 +62,8 @@ def peft(p, xa, xo, xm, xd):
     base = fused_plain(p, xa, xo, xm, xd)
     ha = F.linear(xa, torch.cat([p["Aq"], p["Ak"], p["Av"]])).split(R, -1)
     hm = F.linear(xm, torch.cat([p["Ag"], p["Au"]])).split(R, -1)
-    h = {"q": ha[0], "k": ha[1], "v": ha[2], "o": F.linear(xo, p["Ao"]), "g": hm[0], "u": hm[1], "d": F.linear(xd, p["Ad"])}
+    h = {"q": ha[0], "k": ha[1], "v": ha[2], "o": F.linear(xo, p["Ao"]),
+         "g": hm[0], "u": hm[1], "d": F.linear(xd, p["Ad"])}
     return [b + F.linear(h[n], p["B" + n]) * S for b, n in zip(base, "qkvogud")]
 
 
@@ -81,7 +82,8 @@ def kcat_block(p, xa, xo, xm, xd):
         u = F.linear(x, torch.cat([p["A" + n] for n in names])) * S
         rows = []
         for i, n in enumerate(names):
-            blocks = [p[n]] + [p["B" + n] if j == i else p["B" + n].new_zeros(p[n].shape[0], R) for j in range(len(names))]
+            blocks = [p[n]] + [p["B" + n] if j == i else p["B" + n].new_zeros(p[n].shape[0], R)
+                               for j in range(len(names))]
             rows.append(torch.cat(blocks, 1))
         y = F.linear(torch.cat([x, u], -1), torch.cat(rows))
         return list(y.split([p[n].shape[0] for n in names], -1))
@@ -235,7 +237,8 @@ class KCatOverlapMerged(KCatOverlap):
 
 
 def kcat_group(p, x, names, fn=KCatGroup):
-    y = fn.apply(x, torch.cat([p[n] for n in names]), torch.cat([p["A" + n] for n in names]), *[p["B" + n] for n in names])
+    y = fn.apply(x, torch.cat([p[n] for n in names]), torch.cat([p["A" + n] for n in names]),
+                 *[p["B" + n] for n in names])
     return list(y.split([p[n].shape[0] for n in names], -1))
 
 
@@ -264,7 +267,8 @@ def kcat_overlap_merged(p, xa, xo, xm, xd):
 
 
 VARIANTS = {"full": (False, plain), "full_fused": (False, fused_plain), "frozen_fused": (True, fused_plain),
-            "peft": (True, peft), "kcat": (True, kcat), "kcat_block": (True, kcat_block), "merged_bwd": (True, merged_bwd),
+            "peft": (True, peft), "kcat": (True, kcat), "kcat_block": (True, kcat_block),
+            "merged_bwd": (True, merged_bwd),
             "kcat_fn": (True, kcat_fn), "kcat_group_fn": (True, kcat_group_fn),
             "kcat_group_splitk": (True, kcat_group_splitk), "kcat_overlap": (True, kcat_overlap),
             "kcat_merged": (True, kcat_merged), "kcat_overlap_merged": (True, kcat_overlap_merged)}
@@ -274,8 +278,8 @@ def run(name, tokens, autotune=False):
     lora, fn = VARIANTS[name]
     p = params(lora)
     if name == "frozen_fused":
-        p = {k: v for k, v in p.items() if not k[0] in "AB"}
-    xs = [torch.randn(tokens, n, device=dev, dtype=bf, requires_grad=True) for n in (D, D, D, I)]
+        p = {k: v for k, v in p.items() if k[0] not in "AB"}
+    xs = [torch.randn(tokens, n, device=dev, dtype=bf, requires_grad=True) for n in (D, D, D, FF)]
     gouts = None
 
     cstep = torch.compile(fn, mode="max-autotune-no-cudagraphs" if autotune else None)
@@ -295,8 +299,10 @@ def run(name, tokens, autotune=False):
     grad_err = relative_error(grads_c, grads_e)
     # bf16 results rounded after sums in another order: a few of bf16's 2^-8 at the largest value (CC, CD:
     # 7.8e-3 at most, forward); a formulation that computed something else would be off by O(1)
-    assert err < 2e-2 and grad_err < 2e-2, f"{name}: relative errors {err:.2e}, {grad_err:.2e} (gradients) against {reference.__name__}"
-    print(f"{name:14s} {'gpu' if dev == 'cuda' else 'cpu'} {gpu:7.3f} ms/layer  x24 {gpu * 24:6.1f} ms  host {host:6.3f} ms/call  "
+    assert err < 2e-2 and grad_err < 2e-2, (f"{name}: relative errors {err:.2e}, {grad_err:.2e} (gradients) "
+                                            f"against {reference.__name__}")
+    print(f"{name:14s} {'gpu' if dev == 'cuda' else 'cpu'} {gpu:7.3f} ms/layer  x24 {gpu * 24:6.1f} ms  "
+          f"host {host:6.3f} ms/call  "
           f"rel err vs peft/plain {err:.2e} (gradients {grad_err:.2e})", flush=True)
 
 

@@ -52,7 +52,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, help="sfttrain's untimed steps (default 5; --tiny: 1)")
     p.add_argument("--trl_steps", type=int, default=8)
     p.add_argument("--trl_warmup", type=int, default=3)
-    p.add_argument("--tiny", action="store_true", help="smoke run: tiny model, 4 sequences a step (use with --device cpu)")
+    p.add_argument("--tiny", action="store_true",
+                   help="smoke run: tiny model, 4 sequences a step (use with --device cpu)")
     args = p.parse_args()
     apply_tiny(args, steps=16, warmup=5)
     os.makedirs(args.work, exist_ok=True)

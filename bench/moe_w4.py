@@ -14,10 +14,11 @@ sequences per optimizer step, full fine-tuning, activation checkpointing:
 - TRL (bench.trl_w1 --model_dir --padding_free): 64 sequences per micro-batch, 2 per step (the same
   128 sequences a step, ~13.6k tokens a micro-batch), transformers' own MoE code path, SDPA with
   the packed-sequence mask transformers builds (the GPU image has no flash-attn: attention runs over
-  the whole micro-batch, masked; MFU counts only each sample's own), no checkpoint saved; timed over steps 4 to 10, fewer than sfttrain's to fit the call (say so beside
-  the numbers). Its run is bounded twice: past --trl_timeout minus a minute it stops at the next step
-  end with the steps timed so far, and at --trl_timeout it is killed; a model that does not fit in
-  the GPU's memory is recorded as such (bench.trl_w1's "oom" record).
+  the whole micro-batch, masked; MFU counts only each sample's own), no checkpoint saved; timed over
+  steps 4 to 10, fewer than sfttrain's to fit the call (say so beside the numbers). Its run is bounded
+  twice: past --trl_timeout minus a minute it stops at the next step end with the steps timed so far,
+  and at --trl_timeout it is killed; a model that does not fit in the GPU's memory is recorded as such
+  (bench.trl_w1's "oom" record).
 
 MFU of both counts the active parameters (sfttrain.flops: the non-expert ones and top_k /
 num_experts of the experts'). The records, one JSON line each in --out: sfttrain's, TRL's, then
@@ -64,7 +65,8 @@ def w4_config(tokenizer, tiny: bool) -> Qwen3MoeConfig:
 def run_sfttrain(args, model_dir: str, parquet: str) -> dict:
     """One sfttrain job, stopped once the timed steps are logged."""
     run_dir = os.path.join(args.work, "runs", "w4")
-    overrides = [f"model.partial_pretrain={model_dir}", f"data.train_files={parquet}", f"trainer.default_local_dir={run_dir}",
+    overrides = [f"model.partial_pretrain={model_dir}", f"data.train_files={parquet}",
+                 f"trainer.default_local_dir={run_dir}",
                  "trainer.resume_mode=disable", f"trainer.total_training_steps={args.steps + 1000}",
                  f"trainer.device={args.device}", *W4, *args.override]
     cmd = [sys.executable, "-m", "sfttrain.run", RECIPE, *overrides]

@@ -36,9 +36,9 @@ W2B = ["data.max_length=4096", "data.train_batch_size=128", "data.max_token_len_
        "model.enable_gradient_checkpointing=true"]
 
 # --tiny on CPU: eager, fp32 (bf16 on a CPU is slow), and steps of 2 short samples (a CPU computes
-# 152k-vocab logits slowly)
-TINY = ["model.compile=false", "model.fsdp_config.mixed_precision=false", "data.train_batch_size=2", "data.max_length=128", "data.max_token_len_per_gpu=1024",
-        "data.no_loss_rows=drop"]  # GSM8K prompts over 128 tokens
+# 152k-vocab logits slowly); no_loss_rows=drop: GSM8K has prompts over 128 tokens
+TINY = ["model.compile=false", "model.fsdp_config.mixed_precision=false", "data.train_batch_size=2",
+        "data.max_length=128", "data.max_token_len_per_gpu=1024", "data.no_loss_rows=drop"]
 
 
 def runs(tiny: bool) -> dict[str, dict]:
@@ -174,7 +174,8 @@ def _summary(run_dir: str, log_path: str, spec: dict) -> dict:
                    median_step_s=round(sorted(m["step_time_s"] for m in timed)[len(timed) // 2], 4),
                    peak_alloc_gib=max(m.get("mem_peak_alloc_gib", 0) for m in timed),
                    peak_reserved_gib=max(m.get("mem_peak_reserved_gib", 0) for m in timed),
-                   losses={s: m["loss"] for s, m in steps.items() if s > max(spec["steps"] - 10, spec.get("resume_at", 0))})
+                   losses={s: m["loss"] for s, m in steps.items()
+                           if s > max(spec["steps"] - 10, spec.get("resume_at", 0))})
     if "resume_at" in spec:
         out["resumed_from_step"] = spec["resume_at"] if f"global_step_{spec['resume_at']}" in _read(log_path) else None
     if not timed or len(steps) < spec["steps"]:

@@ -103,7 +103,8 @@ def run_variant(name: str, args, model_dir: str, parquet: str, variant: list[str
     run_dir = os.path.join(args.work, "runs", name if tree == REPO else f"{name}@baseline")
     variant = VARIANTS[name] if variant is None else variant
     overrides = [f"model.partial_pretrain={model_dir}", f"data.train_files={parquet}",
-                 f"trainer.default_local_dir={run_dir}", "trainer.resume_mode=disable", f"trainer.total_training_steps={args.steps}",
+                 f"trainer.default_local_dir={run_dir}", "trainer.resume_mode=disable",
+                 f"trainer.total_training_steps={args.steps}",
                  f"trainer.device={args.device}", *variant, *args.override]
     require_one_epoch(args, parquet, overrides)
     cmd = [sys.executable, "-m", "sfttrain.run", RECIPE, *overrides]
@@ -149,7 +150,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, help="untimed steps at the start (default 10; --tiny: 1)")
     p.add_argument("--run_timeout", type=float, help="seconds one variant may take, start-up included; past them it "
                    "is stopped, recorded as such, and the next variant runs")
-    p.add_argument("--tiny", action="store_true", help="smoke run: tiny model, 4 sequences a step (use with --device cpu)")
+    p.add_argument("--tiny", action="store_true",
+                   help="smoke run: tiny model, 4 sequences a step (use with --device cpu)")
     p.add_argument("--baseline_tree", help="another checkout: each variant runs with its sfttrain first, then with "
                    "this one's, in the same call (see above)")
     args = p.parse_args()
@@ -161,7 +163,8 @@ def main() -> None:
         for tree in trees:
             code = {"code": {"tree": tree, "commit": commit_of(tree)}}  # the checkout whose sfttrain ran
             try:
-                emit({**run_variant(name, args, model_dir, parquet, timeout=args.run_timeout, tree=tree), **code}, args.out)
+                emit({**run_variant(name, args, model_dir, parquet, timeout=args.run_timeout, tree=tree), **code},
+                     args.out)
             except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
                 # the other variants still run; the failure is recorded
                 failure = ({"rc": e.returncode} if isinstance(e, subprocess.CalledProcessError)

@@ -138,9 +138,9 @@ def check_one_launcher_per_node() -> None:
     per_launcher = ranks_of_this_launcher()
     if tasks > 1 and per_launcher > 1:
         raise ConfigError(f"srun started {tasks} tasks on a node (SLURM_STEP_TASKS_PER_NODE={steps}), each running "
-                          f"torchrun with --nproc_per_node={per_launcher}: {tasks * per_launcher} ranks per node on its "
-                          "GPUs. Start one torchrun per node (#SBATCH --ntasks-per-node=1, or srun --ntasks-per-node=1 "
-                          "torchrun ...), as slurm/sft_multinode.sbatch does")
+                          f"torchrun with --nproc_per_node={per_launcher}: {tasks * per_launcher} ranks per node on "
+                          "its GPUs. Start one torchrun per node (#SBATCH --ntasks-per-node=1, or srun "
+                          "--ntasks-per-node=1 torchrun ...), as slurm/sft_multinode.sbatch does")
 
 
 def check_world(cfg: Config, world_size: int) -> tuple[int, int]:

@@ -1,5 +1,5 @@
-"""The mistakes a user must fix, and a stop to resume from, each with its exit code (`python -m sfttrain.run` exits with it;
-under torchrun it is each rank's `exitcode` in the failure summary):
+"""The mistakes a user must fix, and a stop to resume from, each with its exit code (`python -m sfttrain.run`
+exits with it; under torchrun it is each rank's `exitcode` in the failure summary):
 
     2  config error: a key, value or file named in the config (ConfigError)
     3  data error: a data file or row (DataError)

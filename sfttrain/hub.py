@@ -62,12 +62,13 @@ def _download(name: str, revision: str | None = None, local_files_only: bool = F
                                  local_files_only=local_files_only)
     except LocalEntryNotFoundError:
         why = "HF_HUB_OFFLINE=1 is set" if constants.HF_HUB_OFFLINE else "the hub cannot be reached"
-        raise ConfigError(f"{key} is not a local folder, and as a Hugging Face hub id it is not in the local cache "
-                          f"{constants.HF_HUB_CACHE} ({why}). Download it where the hub is reachable, into the cache "
-                          f"this job uses (`hf download {name}` with the same HF_HUB_CACHE or HF_HOME), or give a local "
-                          "model folder") from None
+        raise ConfigError(f"{key} is not a local folder, and as a Hugging Face hub id it is not in the local "
+                          f"cache {constants.HF_HUB_CACHE} ({why}). Download it where the hub is reachable, into the "
+                          f"cache this job uses (`hf download {name}` with the same HF_HUB_CACHE or HF_HOME), or give "
+                          "a local model folder") from None
     except (RepositoryNotFoundError, GatedRepoError):
         raise ConfigError(f"{key} is not a local folder, and the hub has no model of that id that this account "
-                          "may read (misspelt, private or gated: log in with `hf auth login` or set HF_TOKEN)") from None
+                          "may read (misspelt, private or gated: log in with `hf auth login` or set "
+                          "HF_TOKEN)") from None
     except HfHubHTTPError as e:
         raise ConfigError(f"{key}: downloading from the hub failed: {e}") from None

@@ -164,8 +164,9 @@ def describe_software(device: torch.device) -> str:
     accelerator = f", {runtime} on {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""
     checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = commit_of(checkout)
-    return (f"  software            : torch {torch.__version__}{accelerator}, transformers {installed('transformers')}, "
-            f"peft {installed('peft')}; sfttrain from {checkout}" + (f" at {code}" if code else ""))
+    return (f"  software            : torch {torch.__version__}{accelerator}, "
+            f"transformers {installed('transformers')}, peft {installed('peft')}; sfttrain from {checkout}"
+            + (f" at {code}" if code else ""))
 
 
 def installed(package: str) -> str:
@@ -195,7 +196,8 @@ def host_memory_gib() -> dict:
             fields = dict(line.split(":", 1) for line in f if line.startswith(("VmRSS", "VmHWM")))
     except OSError:
         return {}
-    return {"host_rss_gib": int(fields["VmRSS"].split()[0]) / 2**20, "host_peak_gib": int(fields["VmHWM"].split()[0]) / 2**20}
+    return {"host_rss_gib": int(fields["VmRSS"].split()[0]) / 2**20,
+            "host_peak_gib": int(fields["VmHWM"].split()[0]) / 2**20}
 
 
 def describe_host_memory(per_rank: list[dict]) -> str:

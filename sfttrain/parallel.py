@@ -190,7 +190,8 @@ def describe_compile(cfg: Config, world: World, model_config) -> str:
         why = (f" (model.compile_cpp_wrapper=true ignored on {world.device.type}: the C++ wrapper launches GPU "
                "kernels; on CPU the kernels are the host's own work)")
     fuse = fuse_projections.graph_pass(cfg.model, model_config)
-    fused = "" if fuse is None else f"; projections sharing an input run as one GEMM{fuse.describe()} (model.fuse_projections)"
+    fused = ("" if fuse is None
+             else f"; projections sharing an input run as one GEMM{fuse.describe()} (model.fuse_projections)")
     return f"each decoder layer, dynamic shapes, kernels launched by inductor's {wrapper} wrapper{why}{fused}"
 
 

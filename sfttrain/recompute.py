@@ -118,7 +118,8 @@ def qkv_weight_shape(config) -> tuple[int, int]:
 def transformers_checkpointing(model: nn.Module, layers: list[nn.Module], chosen: list[nn.Module]) -> None:
     # transformers 5.17's name; later 5.x deprecate it with a warning the user can do nothing about
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*gradient_checkpointing_enable.* deprecated", category=FutureWarning)
+        warnings.filterwarnings("ignore", message=".*gradient_checkpointing_enable.* deprecated",
+                                category=FutureWarning)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     for layer in layers:
         layer.gradient_checkpointing = layer in chosen  # transformers' per-layer switch

@@ -72,7 +72,8 @@ def follow_the_launcher() -> None:
 
 
 def end_if_told() -> None:
-    """After the loop ended on an error: a SIGTERM it noted (torchrun's, once another rank failed) ends this rank now."""
+    """After the loop ended on an error: a SIGTERM it noted (torchrun's, once another rank failed) ends this
+    rank now."""
     if "SIGTERM" in _received:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.raise_signal(signal.SIGTERM)

@@ -118,14 +118,16 @@ class SkipAudit:
     def pytest_runtest_logreport(self, report):
         self.ran.add(report.nodeid)
         if report.skipped and not hasattr(report, "wasxfail"):
-            self.skipped[report.nodeid] = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+            self.skipped[report.nodeid] = (report.longrepr[2] if isinstance(report.longrepr, tuple)
+                                           else str(report.longrepr))
 
     def pytest_sessionfinish(self, session):
         self.problems = [f"{test} skipped ({why}): {self.path} does not allow it on this machine"
                          for test, why in self.skipped.items()
                          if not any(holds and regex.match(test) for regex, _, holds in self.allowed)]
         config = session.config
-        if config.args_source is pytest.Config.ArgsSource.TESTPATHS and not (config.option.keyword or config.option.markexpr):
+        if (config.args_source is pytest.Config.ArgsSource.TESTPATHS
+                and not (config.option.keyword or config.option.markexpr)):
             self.problems += [f"{self.path}: {pattern} matches no test that ran (renamed or removed?)"
                               for regex, pattern, _ in self.allowed if not any(map(regex.match, self.ran))]
         if self.problems and session.exitstatus == pytest.ExitCode.OK:
@@ -334,7 +336,8 @@ class ForkServer:
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
         def key(e: dict) -> dict:
-            return {k: v for k, v in e.items() if k not in ("PYTEST_CURRENT_TEST", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR")
+            return {k: v for k, v in e.items()
+                    if k not in ("PYTEST_CURRENT_TEST", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR")
                     and not (k == "TORCHINDUCTOR_CACHE_DIR" and v == default_cache_dir())}
         return key(env) == key(cls._running.env if cls._running else rank_env())
 

@@ -75,8 +75,8 @@ def test_a_job_stopped_at_its_timeout_leaves_its_stacks(gsm8k_head, tmp_path):
 
     run_dir, log = tmp_path / "run", tmp_path / "log"
     proc = launch(2, [*BASE_OVERRIDES, f"data.train_files={gsm8k_head}", f"trainer.default_local_dir={run_dir}",
-                      "data.train_batch_size=4", "data.micro_batch_size_per_gpu=2", "trainer.total_training_steps=100000",
-                      "data.num_workers=1"],
+                      "data.train_batch_size=4", "data.micro_batch_size_per_gpu=2",
+                      "trainer.total_training_steps=100000", "data.num_workers=1"],
                   log, torchrun=True)
     try:
         assert wait_until(lambda: logged_steps(run_dir) >= 1, proc), log.read_text()[-3000:]

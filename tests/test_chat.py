@@ -167,8 +167,8 @@ def test_a_prompt_response_template_that_cannot_be_trained_is_refused_at_start_u
 def test_a_template_failing_on_one_conversation_is_named_with_the_row(tokenizer):
     """A template that raises (anything: here a ZeroDivisionError) in a branch only some rows take is
     that row's problem, said with the row, not the template's traceback."""
-    failing = PLAIN_TEMPLATE.replace("{% for m in messages %}", "{% for m in messages %}{% if m.tool_calls %}{{ 1 / 0 }}"
-                                     "{% endif %}")
+    failing = PLAIN_TEMPLATE.replace("{% for m in messages %}",
+                                     "{% for m in messages %}{% if m.tool_calls %}{{ 1 / 0 }}{% endif %}")
     r = renderer(tokenizer, chat_template=failing)
     assert r.render(CONVERSATION[:2] + [{"role": "assistant", "content": "A1"}], {}, row=0)
     with pytest.raises(ValueError, match=r"row 7: the chat template failed on this conversation: ZeroDivisionError: "
@@ -273,7 +273,8 @@ def test_trls_prompt_completion_lists_are_one_conversation(tokenizer, tmp_path):
     assert [r.render(*row) for row in trl.read(order)] == [r.render(*row) for row in joined.read(order)]
     with pytest.raises(ConfigError, match=r"no column 'messages' .*data.multiturn.messages_key=\[prompt,completion\]"):
         ParquetSource([str(tmp_path / "trl.parquet")], ChatMessages(["messages"], None, None))
-    with pytest.raises(ConfigError, match=r"no column 'question' .*data.prompt_key=prompt data.response_key=completion"):
+    with pytest.raises(ConfigError,
+                       match=r"no column 'question' .*data.prompt_key=prompt data.response_key=completion"):
         ParquetSource([str(tmp_path / "trl.parquet")], PromptResponse(["question"], ["answer"]))
 
 
@@ -342,7 +343,8 @@ def test_a_system_column_is_the_conversations_system_message(tokenizer, tmp_path
     r = renderer(tokenizer)
     tutor = r.render([{"role": "system", "content": "You are a math tutor."}, *plain], {}, 0)
     assert "You are a math tutor." in tokenizer.decode(tutor.input_ids)
-    assert [r.render(*row) for row in source.read(np.arange(3))] == [tutor, r.render(plain, {}, 1), r.render(plain, {}, 2)]
+    assert [r.render(*row) for row in source.read(np.arange(3))] == [tutor, r.render(plain, {}, 1),
+                                                                      r.render(plain, {}, 2)]
     with pytest.raises(DataError, match=r"sharegpt.jsonl line 4: a system prompt both in the system column and as the "
                                         r"conversation's first message; keep one \(data.multiturn.system_key=null"):
         source.read(np.array([3]))
@@ -432,7 +434,8 @@ def test_training_on_conversations_counts_assistant_tokens(tiny_qwen_dir, tmp_pa
         turns = [(q["question"], q["answer"].split("####")[-1].strip() if i % 2 else q["answer"])
                  for q in tests[3 * i:3 * i + 3]]
         val.append([{"role": "system", "content": "Answer briefly."},
-                    *(m for q, a in turns for m in ({"role": "user", "content": q}, {"role": "assistant", "content": a}))])
+                    *(m for q, a in turns
+                      for m in ({"role": "user", "content": q}, {"role": "assistant", "content": a}))])
     write_chat_parquet(tmp_path / "val.parquet", val)
     expected = sum(len(tok(m["content"], add_special_tokens=False)["input_ids"]) + 1
                    for c in conversations for m in c if m["role"] == "assistant")

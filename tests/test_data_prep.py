@@ -42,7 +42,8 @@ def test_parquet_matches_jsonl(out_dir, split):
     assert table.schema.field("extra_info").type == EXTRA_INFO
     assert table.column("question").to_pylist() == [r["question"] for r in rows]
     assert table.column("answer").to_pylist() == [r["answer"] for r in rows]
-    expected = [{"question": r["question"], "answer": r["answer"], "split": split, "index": i} for i, r in enumerate(rows)]
+    expected = [{"question": r["question"], "answer": r["answer"], "split": split, "index": i}
+                for i, r in enumerate(rows)]
     assert table.column("extra_info").to_pylist() == expected
 
 

@@ -42,8 +42,10 @@ def test_config_values_and_lora_are_refused():
     # the weight gradient's GEMM runs over a rank's tokens, which must divide by 16
     with pytest.raises(ConfigError, match=r"model.fp8=tensorwise needs data.pad_to_multiple=8 to be a multiple of 16 "):
         load_config(None, [*BASE, "model.fp8=tensorwise", "data.pad_to_multiple=8"])
-    with pytest.raises(ConfigError, match=r"multiple of 64 \(16 tokens per rank x 4 Ulysses ranks.*pad_to_multiple=128"):
-        load_config(None, [*BASE, "model.fp8=tensorwise", "data.pad_to_multiple=32", "ulysses_sequence_parallel_size=4"])
+    with pytest.raises(ConfigError,
+                       match=r"multiple of 64 \(16 tokens per rank x 4 Ulysses ranks.*pad_to_multiple=128"):
+        load_config(None, [*BASE, "model.fp8=tensorwise", "data.pad_to_multiple=32",
+                           "ulysses_sequence_parallel_size=4"])
 
 
 def test_help_documents_the_key():
@@ -229,8 +231,8 @@ def test_fp8_run_on_a_gpu_trains_and_resumes_without_it(tmp_path, gsm8k_dir):
     """One GPU, layers compiled: 4 steps with FP8 GEMMs, close to the same 4 steps in bf16, then
     the FP8 run's checkpoint resumed with FP8 off."""
     common = [f"model.partial_pretrain={STORIES}", f"data.train_files={gsm8k_dir}/train.parquet",
-              "data.apply_chat_template=false", "data.truncation=right", "data.train_batch_size=16", "data.max_length=512",
-              "data.max_token_len_per_gpu=4096",
+              "data.apply_chat_template=false", "data.truncation=right", "data.train_batch_size=16",
+              "data.max_length=512", "data.max_token_len_per_gpu=4096",
               "model.compile=true", "trainer.device=cuda", "trainer.total_training_steps=4"]
     env = {"CUDA_VISIBLE_DEVICES": "0"}
     first = run_sfttrain(1, [*common, f"trainer.default_local_dir={tmp_path}/fp8", "model.fp8=tensorwise"], env=env)

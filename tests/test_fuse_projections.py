@@ -36,7 +36,8 @@ def stories(lora: bool, device: str = "cpu") -> tuple[CausalLMLoss, object]:
     if gpu:
         lm.autocast_dtype = torch.bfloat16
     gen = random.Random(0)
-    batch = pack([RenderedSample([gen.randrange(512) for _ in range(n)], [1] * n, i) for i, n in enumerate([30, 50, 17])])
+    batch = pack([RenderedSample([gen.randrange(512) for _ in range(n)], [1] * n, i)
+                  for i, n in enumerate([30, 50, 17])])
     return lm, batch.to(torch.device(device))
 
 
@@ -247,7 +248,8 @@ def test_inductor_compiles_the_fused_layer_to_what_the_unfused_computes(fold_lor
     assert not held & weight_shaped, held & weight_shaped  # 40 tokens: no activation has such a shape
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU's path: varlen attention, Triton kernels, bf16 autocast")
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="the GPU's path: varlen attention, Triton kernels, bf16 autocast")
 @pytest.mark.parametrize("fold_lora", [False, True])
 def test_on_the_gpu_the_fused_layers_train_what_the_unfused_do(fold_lora):
     """stories260K with LoRA as sfttrain runs it on one GPU (bf16 frozen base, fp32 adapters, bf16

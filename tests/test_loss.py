@@ -10,9 +10,8 @@ import torch.nn.functional as F
 
 from sfttrain.data.pack import IGNORE_INDEX
 from sfttrain.config import ConfigError
-from sfttrain.loss import (HEAD_FAMILIES, LinearCrossEntropy, OutputHead, chunk_loss_and_grad, liger_chunk_loss_and_grad,
-                           liger_unavailable_reason,
-                           select_chunk_loss)
+from sfttrain.loss import (HEAD_FAMILIES, LinearCrossEntropy, OutputHead, chunk_loss_and_grad,
+                           liger_chunk_loss_and_grad, liger_unavailable_reason, select_chunk_loss)
 
 CUDA = torch.cuda.is_available()
 LIGER_MISSING = liger_unavailable_reason("cuda") if CUDA else "no CUDA device"
@@ -153,7 +152,8 @@ def test_select_chunk_loss_on_cpu():
 # Head settings that make each family's head do something (their defaults are often the identity);
 # few experts for the MoE families (their defaults have 60-128).
 MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
-HEAD_SETTINGS = {"qwen2_moe": {**MOE, "shared_expert_intermediate_size": 16}, "qwen3_moe": MOE, "mixtral": {"num_local_experts": 4},
+HEAD_SETTINGS = {"qwen2_moe": {**MOE, "shared_expert_intermediate_size": 16}, "qwen3_moe": MOE,
+                 "mixtral": {"num_local_experts": 4},
                  "granite": {"logits_scaling": 4.0}, "cohere": {"logit_scale": 0.25},
                  "gemma2": {"final_logit_softcapping": 2.0, "attn_logit_softcapping": 3.0},
                  "gemma3_text": {"final_logit_softcapping": 2.0}}

@@ -22,7 +22,8 @@ TOL = 1e-6
 STEPS = TWO_RANK_STEPS
 
 
-def run_two_nodes(overrides: list[str], logs: Path, node_env: list[dict], timeout: int = 300) -> tuple[list[str], list[int]]:
+def run_two_nodes(overrides: list[str], logs: Path, node_env: list[dict],
+                  timeout: int = 300) -> tuple[list[str], list[int]]:
     """Starts one torchrun agent per "node" (its own environment), waits for both; returns their logs
     and exit codes. Once one agent has failed, the other is killed 5 s later, as srun's
     --kill-on-bad-exit does on a cluster (left alone, its rank would wait sfttrain.run's

@@ -51,7 +51,8 @@ def test_a_resume_inside_the_window_profiles_the_steps_it_runs(tmp_path):
     assert sorted(e["name"] for e in events if e["name"].startswith("sfttrain step")) == ["sfttrain step 3",
                                                                                            "sfttrain step 4"]
     assert sum(e["name"] == "aten::mm" for e in events) == 2
-    assert len(said) == 1 and said[0].startswith(f"profile of steps 3-4 (trace {tmp_path}/profile/steps_3-4_rank0.json)")
+    assert len(said) == 1 and said[0].startswith(
+        f"profile of steps 3-4 (trace {tmp_path}/profile/steps_3-4_rank0.json)")
     assert describe(window, str(tmp_path), 4, torch.device("cpu")) == [
         "  profile             : steps 2-4 ran before this resume (after step 4): nothing is profiled"]
 
@@ -122,8 +123,10 @@ def test_kernels_are_grouped_by_kind_and_idle_gaps_measured():
     # the host: the attention kernel queued at 70 (before the GPU fell idle at 100); the Triton
     # kernel queued at 440, 190 into the 200 us gap, the host meanwhile in a copy (60 us of it in
     # the gap) and a compiled region (100), both inside a step's range (the context)
-    host = [{"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 70, "dur": 5, "tid": 1, "args": {"correlation": 2}},
-            {"cat": "cuda_driver", "name": "cuLaunchKernelEx", "ts": 440, "dur": 5, "tid": 1, "args": {"correlation": 3}},
+    host = [{"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 70, "dur": 5, "tid": 1,
+             "args": {"correlation": 2}},
+            {"cat": "cuda_driver", "name": "cuLaunchKernelEx", "ts": 440, "dur": 5, "tid": 1,
+             "args": {"correlation": 3}},
             {"cat": "user_annotation", "name": "sfttrain step 1", "ts": 0, "dur": 900, "tid": 1},
             {"cat": "cpu_op", "name": "aten::copy_", "ts": 200, "dur": 110, "tid": 1,
              "args": {"Input Dims": [[13568, 896], [13568, 896], []]}},
@@ -133,7 +136,8 @@ def test_kernels_are_grouped_by_kind_and_idle_gaps_measured():
     assert gaps[0] == "GPU idle between kernels: 0.2 ms/step (1 gaps over 100 us per step); largest:"
     assert gaps[1].strip().startswith("0.20 ms after 'cudnn_generated") and "before 'triton_poi" in gaps[1]
     assert gaps[2].strip() == ("launched 0.19 ms into it: the host was late, meanwhile in "
-                               "Torch-Compiled Region: 0/1 0.11 ms, aten::copy_ [13568, 896] x [13568, 896] x [] 0.06 ms")
+                               "Torch-Compiled Region: 0/1 0.11 ms, "
+                               "aten::copy_ [13568, 896] x [13568, 896] x [] 0.06 ms")
     assert gaps[3].strip().startswith("0.05 ms after 'sm90_xmma")
     assert gaps[4].strip() == "launched 0.03 ms before: the device waited, not the host"
 
@@ -153,7 +157,8 @@ def test_gemm_time_goes_to_the_shapes_of_the_operator_that_launched_it():
                 (3, 1, 120, "splitKreduce_kernel", 5), (4, 2, 210, "nvjet_tst_64x8", 8),
                 (5, 1, 300, "sm90_xmma_gemm_bf16", 12), (6, 1, 310, "triton_poi_fused_mul_0", 7)]
     trace = ops + [e for corr, tid, ts, name, dur in launched for e in (
-        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 2, "tid": tid, "args": {"correlation": corr}},
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 2, "tid": tid,
+         "args": {"correlation": corr}},
         {"cat": "kernel", "name": name, "ts": 1000 + ts, "dur": dur, "args": {"correlation": corr}})]
     # 2 x 100 x 300 x 200 = 12 MFLOP a product: twice in 55 us; the bmm's 4 x 12 MFLOP in 8 us
     assert gemm_shapes(trace, 1) == [

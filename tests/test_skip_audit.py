@@ -25,14 +25,16 @@ def audited(tmp_path, allowed: str, tests: str = TWO_TESTS, *args: str) -> subpr
     (tmp_path / "packages" / "flash_attn").mkdir(parents=True, exist_ok=True)
     (tmp_path / "packages" / "flash_attn" / "__init__.py").touch()
     return subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.conftest", "-p", "no:cacheprovider",
-                           "--rootdir", str(tmp_path), "-o", "testpaths=test_two.py", f"--allowed-skips={tmp_path}/allowed.txt",
-                           *args], cwd=tmp_path, env={"PYTHONPATH": f"{REPO}:{tmp_path}/packages", "PATH": ""},
+                           "--rootdir", str(tmp_path), "-o", "testpaths=test_two.py",
+                           f"--allowed-skips={tmp_path}/allowed.txt", *args],
+                          cwd=tmp_path, env={"PYTHONPATH": f"{REPO}:{tmp_path}/packages", "PATH": ""},
                           capture_output=True, text=True)
 
 
 def test_a_skip_is_allowed_only_where_a_line_lists_it_and_its_condition_holds(tmp_path):
     out = audited(tmp_path, "test_two.py::test_runs  no-gpu  # not the test that skips")
-    assert out.returncode == 1 and "SKIP AUDIT: test_two.py::test_skips skipped (Skipped: a reason): " in out.stdout, out.stdout
+    assert (out.returncode == 1
+            and "SKIP AUDIT: test_two.py::test_skips skipped (Skipped: a reason): " in out.stdout), out.stdout
     out = audited(tmp_path, "test_two.py::test_sk*  no-gpu  # why")
     assert out.returncode == (0 if SKIP_CONDITIONS["no-gpu"]() else 1), out.stdout
     out = audited(tmp_path, "test_two.py::test_skips  no-flash-attn  # flash-attn is importable there")

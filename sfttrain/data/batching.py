@@ -87,7 +87,8 @@ class BatchPlan:
 
 def sequence_parallel_note(dp_size: int, sp_size: int) -> str:
     """" (8 ranks = 4 data-parallel x 2 sequence-parallel)" under Ulysses; nothing without it."""
-    return f" ({dp_size * sp_size} ranks = {dp_size} data-parallel x {sp_size} sequence-parallel)" if sp_size > 1 else ""
+    return (f" ({dp_size * sp_size} ranks = {dp_size} data-parallel x {sp_size} sequence-parallel)"
+            if sp_size > 1 else "")
 
 
 def make_plan(cfg: Config, dp_size: int, num_rows: int) -> BatchPlan:

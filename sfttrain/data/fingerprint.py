@@ -25,7 +25,8 @@ RENDERING_KEY = "sfttrain's rendering of rows (version)"
 
 def data_fingerprint(cfg: Config, source: ParquetSource, tokenizer) -> dict:
     d = cfg.data
-    template = (resolve_chat_template(d) or getattr(tokenizer, "chat_template", None)) if d.apply_chat_template else None
+    template = ((resolve_chat_template(d) or getattr(tokenizer, "chat_template", None))
+                if d.apply_chat_template else None)
     return {
         "data.train_files": _files(source),
         "trainer.seed": cfg.trainer.seed,

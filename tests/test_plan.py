@@ -315,7 +315,7 @@ def test_plan_lists_a_refused_value_that_its_later_sections_cannot_take(refused,
 # nproc per recipe, the model each one names (a config-only folder of its shape), and what the
 # command line must add (W1's benchmark passes its data)
 RECIPES = {
-    "demo_cpu": (2, "stories", []), "verl_sft_fsdp2": (4, "qwen0.5b", []),
+    "demo_cpu": (2, "stories", []), "chat_demo_cpu": (2, "stories", []), "verl_sft_fsdp2": (4, "qwen0.5b", []),
     "w1_qwen2.5-0.5b": (1, "qwen0.5b", ["data.train_files=~/data/gsm8k/train.parquet"]),
     "qwen2.5-0.5b_gsm8k": (4, "qwen0.5b", []), "llama3.1-8b_full_8gpu": (8, "llama8b", []),
     "llama3.1-8b_lora_1gpu": (1, "llama8b", []), "qwen2.5-0.5b_multiturn_chat": (8, "qwen0.5b", []),
@@ -348,6 +348,7 @@ def test_recipe_preflight(name, tmp_path, monkeypatch, gsm8k_dir):
     nproc, model, extra = RECIPES[name]
     (tmp_path / "work").mkdir()
     (tmp_path / "work" / "gsm8k_sample").symlink_to(gsm8k_dir)
+    (tmp_path / "recipes").symlink_to(REPO / "recipes")  # the chat demo's template, a path from the checkout
     monkeypatch.chdir(tmp_path)
     folders = {"stories": STORIES, "qwen0.5b": config_only_folder(tmp_path / "q", QWEN25_05B),
                "llama8b": config_only_folder(tmp_path / "l", LLAMA31_8B),

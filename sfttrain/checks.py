@@ -172,20 +172,11 @@ def liger_ready(cfg: Config, device: str) -> None:
         liger_patching()
 
 
-def attention_ready(cfg: Config, folder: str, device: str) -> None:
-    attention_backend(cfg.model, AutoConfig.from_pretrained(folder, trust_remote_code=cfg.model.trust_remote_code),
-                      device)
-
-
 def layout_ready(cfg: Config, world_size: int, device: str) -> None:
     """What the layout needs of the device; without a mesh (the world's problem) only what needs none."""
     mesh = Findings().check(lambda: check_world(cfg, world_size))
     sp, offload = cfg.ulysses_sequence_parallel_size, cfg.model.fsdp_config.offloaded()
     check_device(cfg, "sharded" if mesh is None else choose_layout(world_size, mesh[1], sp, offload), device)
-
-
-def loss_kernel_ready(cfg: Config, device: str) -> None:
-    chunk_loss_kernel(cfg.model.loss_kernel, device)
 
 
 def batch_split(cfg: Config, dp_size: int) -> Optional[str]:
@@ -208,8 +199,10 @@ REGISTRY = (
     Check(check_model_config, ("cfg", "folder")),  # its family, router loss and Ulysses heads
     Check(fp8_ready, ("cfg", "device")),
     Check(liger_ready, ("cfg", "device")),
-    Check(attention_ready, ("cfg", "folder", "device")),
-    Check(loss_kernel_ready, ("cfg", "device")),
+    Check(lambda cfg, folder, device: attention_backend(
+        cfg.model, AutoConfig.from_pretrained(folder, trust_remote_code=cfg.model.trust_remote_code), device),
+        ("cfg", "folder", "device")),
+    Check(lambda cfg, device: chunk_loss_kernel(cfg.model.loss_kernel, device), ("cfg", "device")),
     Check(layout_ready, ("cfg", "world_size", "device")),
     Check(data_entries, ("cfg", "elsewhere")),
     Check(batch_split, ("cfg", "dp_size")),

@@ -156,7 +156,7 @@ class FSDPSFTTrainer:
         total = self.plan.total_steps
         batches = iter(step_batches(self.data, self.state.epoch, self.state.consumed_in_epoch,
                                     self.cfg.data.num_workers, pin_memory=self.world.device.type == "cuda"))
-        self.lm.train()  # once here, not each step (~4 ms of host time with LoRA's modules); validation restores it
+        self.lm.train()  # once here, not each step (host time with LoRA's many modules); validation restores it
         self.timer.restart()  # start-up is not step time
         started, first_step = time.perf_counter(), self.state.step
         queued = None  # the previous step: its update is queued on the device, its numbers not yet read
@@ -230,7 +230,7 @@ class FSDPSFTTrainer:
         dist.all_reduce(totals)  # one all-reduce: the loss, the ranks' votes to stop, the router's statistics
         loss_sum = totals[0]
         lr = self.scheduler.get_last_lr()[0]
-        # the optimizer's list, not the model's: walking LoRA's ~2,000 modules cost the host ~2 ms a step
+        # the optimizer's list, not the model's: walking LoRA's thousands of modules costs host time each step
         params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
         max_norm = self.cfg.optim.clip_grad if self.cfg.optim.clip_grad > 0 else math.inf
         grad_norm, stepped = clipped_step(self.optimizer, params, max_norm, loss_sum)

@@ -3,14 +3,13 @@ read from the schema's field metadata (sfttrain/config/schema.py)."""
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 import textwrap
 from typing import Any, NamedTuple
 
 from sfttrain.config import ALIASES, CHECKPOINT_KEYS, IGNORED_VERL_KEYS, NULL_ONLY_VERL_KEYS, ConfigError
 from sfttrain.config.compat import FOREIGN_NAMES
-from sfttrain.config.schema import schema_fields
+from sfttrain.config.schema import default_of, schema_fields
 
 
 class KeyHelp(NamedTuple):
@@ -23,9 +22,8 @@ def schema_keys() -> list[KeyHelp]:
     """Every key of the schema with its default and help, led by the values it takes where they are few."""
     keys = []
     for key, f in schema_fields():
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         choices = " | ".join(str(c).lower() if isinstance(c, bool) else c for c in f.metadata["choices"])
-        keys.append(KeyHelp(key, default, f"{choices}; {f.metadata['help']}" if choices else f.metadata["help"]))
+        keys.append(KeyHelp(key, default_of(key), f"{choices}; {f.metadata['help']}" if choices else f.metadata["help"]))
     return keys
 
 

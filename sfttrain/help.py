@@ -23,7 +23,8 @@ def schema_keys() -> list[KeyHelp]:
     keys = []
     for key, f in schema_fields():
         choices = " | ".join(str(c).lower() if isinstance(c, bool) else c for c in f.metadata["choices"])
-        keys.append(KeyHelp(key, default_of(key), f"{choices}; {f.metadata['help']}" if choices else f.metadata["help"]))
+        meaning = f"{choices}; {f.metadata['help']}" if choices else f.metadata["help"]
+        keys.append(KeyHelp(key, default_of(key), meaning))
     return keys
 
 

@@ -82,7 +82,8 @@ def load_model(cfg: ModelConfig, device: torch.device) -> LoadedModel:
     backend = attention_backend(cfg, config, device.type)
     attention.configure(backend)
     model = build_on_meta(cfg, config)
-    model.generation_config = folder_generation_config(path, model)
+    if os.path.isfile(os.path.join(path, "generation_config.json")):  # from_config does not read it
+        model.generation_config = GenerationConfig.from_pretrained(path)
     model.config.use_cache = False  # training never reuses a KV cache
     liger = cfg.use_liger and apply_liger(model, device, cfg.compile)
     if cfg.lora_rank > 0:
@@ -98,19 +99,13 @@ def attention_backend(cfg: ModelConfig, config, device_type: str) -> str:
 
 
 def build_on_meta(cfg: ModelConfig, config) -> nn.Module:
-    """The model of `config` on the meta device, in the dtype it trains in."""
+    """The model of `config` on the meta device, in the dtype it trains in (LoRA's frozen base: the compute dtype)."""
     moe = {"experts_implementation": name} if (name := experts.implementation_for(config)) else {}
+    dtype = lora.base_dtype(cfg) if cfg.lora_rank > 0 else DTYPE[cfg.fsdp_config.model_dtype]
     with weights.parameters_on_meta():
-        return AutoModelForCausalLM.from_config(config, dtype=weights_dtype(cfg),
+        return AutoModelForCausalLM.from_config(config, dtype=dtype,
                                                 attn_implementation=attention.ATTN_IMPLEMENTATION,
                                                 trust_remote_code=cfg.trust_remote_code, **moe)
-
-
-def folder_generation_config(path: str, model: nn.Module):
-    """The folder's generation_config.json (from_config does not read it), else config.json's."""
-    if os.path.isfile(os.path.join(path, "generation_config.json")):
-        return GenerationConfig.from_pretrained(path)
-    return model.generation_config
 
 
 def stop_generation_at(model: nn.Module, token_id: int) -> list[int]:
@@ -123,11 +118,6 @@ def stop_generation_at(model: nn.Module, token_id: int) -> list[int]:
         ids.append(token_id)
         config.eos_token_id = ids if len(ids) > 1 else ids[0]
     return ids
-
-
-def weights_dtype(cfg: ModelConfig) -> torch.dtype:
-    """model_dtype; with LoRA the frozen base loads straight in the compute dtype (sfttrain.lora)."""
-    return lora.base_dtype(cfg) if cfg.lora_rank > 0 else DTYPE[cfg.fsdp_config.model_dtype]
 
 
 def materialise_model(model: nn.Module, cfg: ModelConfig, device: torch.device, buffer_device: torch.device,

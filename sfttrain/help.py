@@ -1,5 +1,4 @@
-"""`python -m sfttrain.run --help [section or word]`: every config key with its default and its help,
-read from the schema's field metadata (sfttrain/config/schema.py)."""
+"""`python -m sfttrain.run --help [section or word]`: every config key with its default and help."""
 
 from __future__ import annotations
 
@@ -29,8 +28,7 @@ def schema_keys() -> list[KeyHelp]:
 
 
 def _select(keys: list[KeyHelp], word: str) -> list[KeyHelp]:
-    """A section's keys; else the keys whose name holds the word (or another trainer's name for them
-    does), then those whose help mentions it."""
+    """A section's keys; else those whose name (or another trainer's name) holds the word, then its help."""
     if section := [k for k in keys if k.key.startswith(word + ".")]:
         return section
     word = word.lower()

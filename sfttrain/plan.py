@@ -2,12 +2,8 @@
 
     python -m sfttrain.plan [recipe.yaml] [key=value ...] --nproc N [--nnodes M] [--elsewhere]
 
-Prints the batch arithmetic, steps per epoch, the data report, an estimate of memory per rank from
-the model folder's config.json alone (no weights, no GPU), and every problem the run would stop on:
-the start-up's own checks (sfttrain.checks, the row scan included), the model built on the meta
-device, and the resume rules. What cannot be checked on this machine (a hub model not in the cache,
-GPUs where it has none; with --elsewhere, data and run folders that are only on the cluster) is
-said, not counted. Exits 0 when nothing is wrong, else 2.
+Prints the batch arithmetic, the data report, memory per rank from config.json alone, and every problem
+the run's own start-up checks would stop on. Exits 0 when nothing is wrong, else 2.
 """
 
 from __future__ import annotations
@@ -361,7 +357,7 @@ def model_section(s: Startup):
 
 
 def preflight(cfg: Config, nproc: int, nnodes: int, elsewhere: bool = False) -> tuple[list[str], Findings]:
-    """(report lines, what was found): the run's own checks, each problem listed, none stopping the rest."""
+    """(report lines, what was found): the run's own checks, none stopping the rest."""
     s = Startup(cfg, nproc * nnodes, run_devices(cfg), planning=True, elsewhere=elsewhere)
     lines = [f"sfttrain plan: {nnodes} node(s) x {nproc} rank(s)"]
     try:

@@ -1,5 +1,4 @@
-"""Defaults <- YAML file <- command-line `key=value` overrides (Hydra's `+key=value` too), into a typed
-`Config`; an unknown key is an error naming the key meant, every one of them at once."""
+"""Defaults <- YAML file <- `key=value` overrides, into a typed `Config`; every unknown key is an error."""
 
 from __future__ import annotations
 

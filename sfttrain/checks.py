@@ -172,6 +172,16 @@ def liger_ready(cfg: Config, device: str) -> None:
         liger_patching()
 
 
+def attention_ready(cfg: Config, folder: str, device: str) -> None:
+    """The backend's name is dropped: a check's str result is a problem."""
+    attention_backend(cfg.model, AutoConfig.from_pretrained(folder, trust_remote_code=cfg.model.trust_remote_code),
+                      device)
+
+
+def loss_kernel_ready(cfg: Config, device: str) -> None:
+    chunk_loss_kernel(cfg.model.loss_kernel, device)
+
+
 def layout_ready(cfg: Config, world_size: int, device: str) -> None:
     """What the layout needs of the device; without a mesh (the world's problem) only what needs none."""
     mesh = Findings().check(lambda: check_world(cfg, world_size))
@@ -199,10 +209,8 @@ REGISTRY = (
     Check(check_model_config, ("cfg", "folder")),  # its family, router loss and Ulysses heads
     Check(fp8_ready, ("cfg", "device")),
     Check(liger_ready, ("cfg", "device")),
-    Check(lambda cfg, folder, device: attention_backend(
-        cfg.model, AutoConfig.from_pretrained(folder, trust_remote_code=cfg.model.trust_remote_code), device),
-        ("cfg", "folder", "device")),
-    Check(lambda cfg, device: chunk_loss_kernel(cfg.model.loss_kernel, device), ("cfg", "device")),
+    Check(attention_ready, ("cfg", "folder", "device")),
+    Check(loss_kernel_ready, ("cfg", "device")),
     Check(layout_ready, ("cfg", "world_size", "device")),
     Check(data_entries, ("cfg", "elsewhere")),
     Check(batch_split, ("cfg", "dp_size")),

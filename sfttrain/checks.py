@@ -1,11 +1,7 @@
-"""The start-up checks: one registry that the run (sfttrain.trainer) and the preflight (sfttrain.plan)
-both run before any compute, listing every problem found rather than stopping at the first.
+"""The start-up checks: one registry that the run and the preflight run before any compute.
 
-A check is a function of what it needs (the config, the world's size, the model folder, a device
-type); it raises the engine's typed error or returns its problems (a string, a UserError, a list of
-them; a `Note` is what cannot be checked on this machine). A check whose needs are missing (None: a
-model folder that is itself a problem) is skipped. The run stops after the list, with the first
-problem's exit code.
+A check is a function of what it needs; it raises a typed error or returns its problems (a `Note`:
+not checkable here). A check whose needs are None is skipped. The run stops after the whole list.
 """
 
 from __future__ import annotations
@@ -75,9 +71,8 @@ class Findings:
 
 @dataclass
 class Startup:
-    """What the checks look at. devices: the device types the run may take (two where the preflight
-    cannot tell: `on_devices`). planning: the preflight, which downloads nothing; elsewhere: its user
-    said the plan is for other machines, so a path missing here is a note."""
+    """What the checks look at. devices: the device types the run may take; planning: the preflight
+    (downloads nothing); elsewhere: the plan is for other machines, so a path missing here is a note."""
     cfg: Config
     world_size: int
     devices: tuple[str, ...]
@@ -102,8 +97,7 @@ class Check:
 
 
 def model_folder(cfg: Config, planning: bool, elsewhere: bool) -> Optional[str]:
-    """model.partial_pretrain's folder here. The run downloads a hub id; the preflight only looks in the
-    hub cache (a note where it is not there, as for a folder missing here in a plan of other machines)."""
+    """model.partial_pretrain's folder here; the preflight only looks in the hub cache."""
     m = cfg.model
     if not m.partial_pretrain:  # the config's problem already
         return None
@@ -123,8 +117,7 @@ def model_folder(cfg: Config, planning: bool, elsewhere: bool) -> Optional[str]:
 
 
 def data_entries(cfg: Config, elsewhere: bool) -> list:
-    """Each entry of data.train_files / data.val_files that names nothing here (with the existing name
-    most like it), or that data_files refuses (a pattern matching none, an unreadable file...)."""
+    """Each data file entry that names nothing here (with the nearest name), or that data_files refuses."""
     problems = []
     for key in ("train_files", "val_files"):
         for entry in as_list(getattr(cfg.data, key)):
@@ -142,8 +135,7 @@ def data_entries(cfg: Config, elsewhere: bool) -> list:
 
 
 def run_folder(cfg: Config, elsewhere: bool) -> None:
-    """Whether this user can write the run folder; for a plan of other machines, a note where the folder
-    is not here yet (it would be made there)."""
+    """This user can write the run folder; a note where it is not here in a plan of other machines."""
     try:
         check_writable(cfg.trainer.default_local_dir)
     except ConfigError as e:
@@ -181,8 +173,13 @@ def liger_ready(cfg: Config, device: str) -> None:
 
 
 def attention_ready(cfg: Config, folder: str, device: str) -> None:
+    """The backend's name is dropped: a check's str result is a problem."""
     attention_backend(cfg.model, AutoConfig.from_pretrained(folder, trust_remote_code=cfg.model.trust_remote_code),
                       device)
+
+
+def loss_kernel_ready(cfg: Config, device: str) -> None:
+    chunk_loss_kernel(cfg.model.loss_kernel, device)
 
 
 def layout_ready(cfg: Config, world_size: int, device: str) -> None:
@@ -190,10 +187,6 @@ def layout_ready(cfg: Config, world_size: int, device: str) -> None:
     mesh = Findings().check(lambda: check_world(cfg, world_size))
     sp, offload = cfg.ulysses_sequence_parallel_size, cfg.model.fsdp_config.offloaded()
     check_device(cfg, "sharded" if mesh is None else choose_layout(world_size, mesh[1], sp, offload), device)
-
-
-def loss_kernel_ready(cfg: Config, device: str) -> None:
-    chunk_loss_kernel(cfg.model.loss_kernel, device)
 
 
 def batch_split(cfg: Config, dp_size: int) -> Optional[str]:
@@ -239,9 +232,8 @@ def run_checks(s: Startup) -> Findings:
 
 
 def on_devices(s: Startup, devices: tuple, run: Callable[[Optional[str]], Any], gives: bool = False) -> Any:
-    """run(device) for each device, its problems (what it raises, or returns unless it `gives` a value)
-    recorded in s.found. Where the run may take several devices, each refusal is said with its device:
-    a note where another device takes the run, a problem where none does. The last result."""
+    """run(device) for each device, its problems recorded: a note where another device takes the
+    run, a problem where none does. The last result."""
     result, refusals = None, []
     for device in devices:
         found = Findings()
@@ -258,9 +250,8 @@ def on_devices(s: Startup, devices: tuple, run: Callable[[Optional[str]], Any], 
 
 
 def read_rows(s: Startup, scan: tuple[int, int], val_share: tuple[int, int]) -> Optional[Rows]:
-    """The tokenizer, and the training and validation rows rendered as the run renders them (a bad
-    cell, column or over-long row, in either, is recorded in s.found); None where the rows cannot be
-    read here. scan, val_share: this process's (rank, ranks) of the row scan and of the validation rows."""
+    """The tokenizer and the rows rendered as the run renders them, problems recorded; None where
+    they cannot be read here. scan, val_share: this process's (rank, ranks)."""
     cfg, d, run_dir = s.cfg, s.cfg.data, s.cfg.trainer.default_local_dir
     files = as_list(d.train_files)
     if s.folder is None or not files or missing_entries(files):
@@ -286,8 +277,7 @@ def read_rows(s: Startup, scan: tuple[int, int], val_share: tuple[int, int]) -> 
 
 
 def start_run(cfg: Config, world: World) -> tuple[str, Rows, BatchPlan, dict]:
-    """The run's start-up before the model is loaded: (the model folder, the rows, the batch plan, the
-    data report), or every problem the checks and the row scan find, raised as one error."""
+    """The run's start-up before the model: (folder, rows, plan, report), or every problem as one error."""
     s = Startup(cfg, world.world_size, (world.device.type,))
     run_checks(s)
     rows = read_rows(s, (world.rank, world.world_size), (world.dp_rank, world.dp_size))

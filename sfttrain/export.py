@@ -2,11 +2,8 @@
 
     python -m sfttrain.export CHECKPOINT_DIR OUT_DIR [--dtype auto|bf16|fp32|fp16] [--max_shard_size 5GB] [--base DIR]
 
-CHECKPOINT_DIR is a `global_step_N` folder, or a run folder (its latest complete checkpoint). OUT_DIR
-gets safetensors shards, config.json and the tokenizer, for `AutoModelForCausalLM.from_pretrained`.
-Streaming on the CPU without a process group: each shard's tensors are read a few at a time (peak
-memory: one shard plus LOAD_BUDGET_BYTES) and the optimizer state never. A LoRA checkpoint is merged
-into its base (`export_lora`).
+CHECKPOINT_DIR is a `global_step_N` folder or a run folder (its latest checkpoint). Streams on the CPU
+without a process group, a few tensors at a time; a LoRA checkpoint is merged into its base.
 """
 
 from __future__ import annotations
@@ -90,8 +87,7 @@ def read_tensors(reader: dcp.FileSystemReader, group: list[tuple[str, TensorStor
 
 def plan_shards(tensors: list[tuple[str, TensorStorageMetadata]], dtype: Optional[torch.dtype],
                 max_shard_bytes: int) -> list[list[tuple[str, TensorStorageMetadata]]]:
-    """Consecutive tensors in groups of at most max_shard_bytes (a larger tensor alone); deterministic,
-    so that ranks can split the shards."""
+    """Consecutive tensors in groups of at most max_shard_bytes; deterministic, so ranks can split them."""
     shards: list[list] = [[]]
     size = 0
     for name, md in tensors:
@@ -111,8 +107,7 @@ def shard_file(i: int, n: int) -> str:
 def export(checkpoint_dir: str, out_dir: str, dtype: str = "auto", max_shard_size: str | int = "5GB",
            rank: int = 0, world_size: int = 1, trust_remote_code: bool = False,
            base_dir: Optional[str] = None) -> None:
-    """Writes the HF folder: rank r shards r, r + world_size, ..., rank 0 the index, config and tokenizer
-    (the caller synchronises the ranks). base_dir: a LoRA checkpoint's base, if not model.partial_pretrain."""
+    """Writes the HF folder: rank r shards r, r + world_size, ...; rank 0 the index, config and tokenizer."""
     from safetensors.torch import save_file
 
     if dtype != "auto" and dtype not in DTYPE:
@@ -163,8 +158,7 @@ def export(checkpoint_dir: str, out_dir: str, dtype: str = "auto", max_shard_siz
 
 def into_checkpoint(checkpoint_dir: str, rank: int, world_size: int, trust_remote_code: bool,
                     base_dir: Optional[str]) -> str:
-    """Collective (trainer.save_hf): exports a committed checkpoint into its `huggingface/` (a temporary
-    folder renamed into place); any rank's failure raises ExportError on every rank. Returns the folder."""
+    """Collective: exports a committed checkpoint into its `huggingface/`; ExportError on every rank."""
     out = os.path.join(checkpoint_dir, HF_EXPORT_DIR)
     tmp = os.path.join(checkpoint_dir, f".{HF_EXPORT_DIR}.tmp")
     group = dist.new_group(backend="gloo", timeout=EXPORT_TIMEOUT)
@@ -196,8 +190,7 @@ def into_checkpoint(checkpoint_dir: str, rank: int, world_size: int, trust_remot
 
 def export_lora(checkpoint_dir: str, out_dir: str, dtype: str = "auto", max_shard_size: str | int = "5GB",
                 trust_remote_code: bool = False, base_dir: Optional[str] = None) -> None:
-    """A LoRA checkpoint on its base (model.partial_pretrain, or base_dir): out_dir gets the merged model
-    (merged in fp32 on the CPU), out_dir/adapter the peft adapter folder."""
+    """A LoRA checkpoint merged into its base in fp32; out_dir/adapter gets the peft adapter."""
     cfg = checkpoint_model_config(checkpoint_dir)
     trained_on = read_state(checkpoint_dir).get("base")
     name = base_dir or cfg.partial_pretrain
@@ -225,8 +218,7 @@ def export_lora(checkpoint_dir: str, out_dir: str, dtype: str = "auto", max_shar
 
 
 def base_folder(given: str, trained_on: dict | None) -> str:
-    """A LoRA checkpoint's base: model.partial_pretrain as given (a hub id: its cached snapshot), or where
-    that is no folder from here (a path relative to another directory), the folder the run read."""
+    """A LoRA checkpoint's base: model.partial_pretrain, else the folder the run read."""
     found = (trained_on or {}).get("folder")
     if not os.path.isdir(given) and found and os.path.isdir(found):
         return found

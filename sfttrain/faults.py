@@ -1,7 +1,5 @@
 """Faults of the OS and of other libraries, classified once at sfttrain.run's boundary by exception type
-and errno: memory run out, what a filesystem refused, a run folder gone. `classify` turns one into the
-UserError that ends the run; the checkpointer and the exporter word their own with `fault`. Where a
-library gives only text, it is read here and nowhere else. Imports no torch (start-up checks use it).
+and errno. Where a library gives only text, it is read here and nowhere else. Imports no torch.
 """
 
 from __future__ import annotations
@@ -125,8 +123,7 @@ def file_at_size_limit(folder: str) -> Optional[str]:
 
 
 def filesystem_error(error: BaseException, t: TrainerConfig, where: str) -> Optional[UserError]:
-    """A filesystem's refusal outside a checkpoint's save: a ConfigError at start-up, else a CheckpointError (the
-    steps since the last checkpoint are lost); None for any other error."""
+    """A filesystem's refusal: a ConfigError at start-up, else a CheckpointError; None for other errors."""
     found = fault(error, t.default_local_dir)
     if found is None:
         return None
@@ -140,8 +137,7 @@ def filesystem_error(error: BaseException, t: TrainerConfig, where: str) -> Opti
 
 @dataclass(frozen=True)
 class Fault:
-    """What a filesystem refused: `cause` and `fix` (sentences without their full stop); `lasting`: the next
-    checkpoint would fail too."""
+    """What a filesystem refused: `cause` and `fix` without their full stop; `lasting`: the next save fails too."""
     cause: str
     fix: str
     lasting: bool
@@ -149,8 +145,7 @@ class Fault:
 
 
 def fault(error: BaseException | str, run_dir: Optional[str]) -> Optional[Fault]:
-    """`error` (or its text) as a filesystem fault the user can act on, or None. A permission needs its path
-    (an EPERM without one is a process's); the others without one are the run folder's (if run_dir)."""
+    """`error` as a filesystem fault the user can act on, or None; without a path, the run folder's."""
     code, text = os_errno(error), str(error)
     if code not in HANDLED and SHARED_MEMORY not in text:
         return None
@@ -190,8 +185,7 @@ def fault(error: BaseException | str, run_dir: Optional[str]) -> Optional[Fault]
 
 
 def check_writable(run_dir: str) -> None:
-    """ConfigError where this user could not write the run folder (or where it would be made), or a file or
-    folder in it that the run writes again: before any data is read."""
+    """ConfigError where this user could not write the run folder or a file in it, before any data is read."""
     run_dir = os.path.abspath(os.path.expanduser(run_dir))
     there = nearest_existing(run_dir)
     if not os.path.isdir(there):
@@ -219,8 +213,7 @@ def _run_folder_paths(run_dir: str) -> list[str]:
 
 
 def check_open_files(need: int) -> None:
-    """Raises the open files limit to the hard one (the workers inherit it); a ConfigError where that is below
-    `need`: a worker's handover would fail on a thread, and the rank wait forever."""
+    """Raises the open files limit to the hard one; ConfigError where that is below `need`."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     with contextlib.suppress(ValueError, OSError):  # an unlimited hard limit: the kernel's nr_open caps it
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20),
@@ -313,8 +306,7 @@ KILLED_FIX = {
 
 
 def killed_worker(error: BaseException, cfg: Config, rank: int, where: str) -> Optional[OutOfMemory]:
-    """A DataLoader worker killed by SIGKILL or SIGBUS, or one that found /dev/shm full, as memory run out with
-    its fix; None for any other error (another signal is a crash)."""
+    """A DataLoader worker killed by SIGKILL or SIGBUS, or with /dev/shm full, as memory run out."""
     then = what_next(cfg.trainer)
     # the worker's own error, re-raised in the rank as a RuntimeError with its traceback as text
     if re.search(r"in DataLoader worker process \d+", str(error)) and SHARED_MEMORY in str(error):

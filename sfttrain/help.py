@@ -1,16 +1,14 @@
-"""`python -m sfttrain.run --help [section or word]`: every config key with its default and its help,
-read from the schema's field metadata (sfttrain/config/schema.py)."""
+"""`python -m sfttrain.run --help [section or word]`: every config key with its default and help."""
 
 from __future__ import annotations
 
-import dataclasses
 import shutil
 import textwrap
 from typing import Any, NamedTuple
 
 from sfttrain.config import ALIASES, CHECKPOINT_KEYS, IGNORED_VERL_KEYS, NULL_ONLY_VERL_KEYS, ConfigError
 from sfttrain.config.compat import FOREIGN_NAMES
-from sfttrain.config.schema import schema_fields
+from sfttrain.config.schema import default_of, schema_fields
 
 
 class KeyHelp(NamedTuple):
@@ -23,15 +21,14 @@ def schema_keys() -> list[KeyHelp]:
     """Every key of the schema with its default and help, led by the values it takes where they are few."""
     keys = []
     for key, f in schema_fields():
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         choices = " | ".join(str(c).lower() if isinstance(c, bool) else c for c in f.metadata["choices"])
-        keys.append(KeyHelp(key, default, f"{choices}; {f.metadata['help']}" if choices else f.metadata["help"]))
+        meaning = f"{choices}; {f.metadata['help']}" if choices else f.metadata["help"]
+        keys.append(KeyHelp(key, default_of(key), meaning))
     return keys
 
 
 def _select(keys: list[KeyHelp], word: str) -> list[KeyHelp]:
-    """A section's keys; else the keys whose name holds the word (or another trainer's name for them
-    does), then those whose help mentions it."""
+    """A section's keys; else those whose name (or another trainer's name) holds the word, then its help."""
     if section := [k for k in keys if k.key.startswith(word + ".")]:
         return section
     word = word.lower()

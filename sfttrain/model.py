@@ -24,8 +24,7 @@ from sfttrain.moe import RouterBalance
 
 
 def load_tokenizer(cfg: ModelConfig, chat_template: str | None = None):
-    """The model's tokenizer; `chat_template` (data.chat_template, the text) replaces its own, so
-    the tokenizer every checkpoint's hf/ and export saves renders as the training did."""
+    """The model's tokenizer, its chat template replaced by data.chat_template if set."""
     path = local_model_folder(cfg)
     # samples longer than the tokenizer's model_max_length are handled by data.truncation
     logging.getLogger("transformers.tokenization_utils_base").setLevel(logging.ERROR)
@@ -42,9 +41,7 @@ def load_tokenizer(cfg: ModelConfig, chat_template: str | None = None):
 
 
 def check_max_length(cfg: Config, folder: str) -> None:
-    """Refuses data.max_length above the positions the model (its config in `folder`) was trained on,
-    before any data is read (a packed row restarts its positions at each sample, so max_length is
-    the longest position)."""
+    """Refuses data.max_length above the model's positions (a packed row restarts them per sample)."""
     config = AutoConfig.from_pretrained(folder, trust_remote_code=cfg.model.trust_remote_code)
     limit = getattr(config, "max_position_embeddings", None)
     if limit and cfg.data.max_length > limit and not cfg.data.allow_beyond_max_position:
@@ -55,10 +52,8 @@ def check_max_length(cfg: Config, folder: str) -> None:
 
 
 def check_model_config(cfg: Config, folder: str) -> None:
-    """The checks of the model that its config.json alone decides, before any data is read: a family whose
-    output head sfttrain's loss reproduces (sfttrain.loss), a router loss the config can compute
-    (sfttrain.moe), and under Ulysses heads that split over the sp ranks and no router loss
-    (sfttrain.sequence_parallel). The built model meets them again; the preflight lists them."""
+    """What config.json alone decides: a head the loss reproduces, a computable router loss, and
+    Ulysses heads that split over the sp ranks. The preflight lists them."""
     config = AutoConfig.from_pretrained(folder, trust_remote_code=cfg.model.trust_remote_code)
     output_head(config)
     RouterBalance.of(config)
@@ -80,16 +75,15 @@ class LoadedModel:
 
 
 def load_model(cfg: ModelConfig, device: torch.device) -> LoadedModel:
-    """The model with its parameters on the meta device, in model_dtype, with the packed varlen
-    attention installed. `sfttrain.parallel` shards it and then materialises each rank's part
-    (`sfttrain.weights`): no rank builds the full model on the host."""
+    """The model on the meta device in model_dtype, varlen attention installed; no rank builds it whole."""
     path = local_model_folder(cfg)
     check_weights(cfg, path)
     config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
     backend = attention_backend(cfg, config, device.type)
     attention.configure(backend)
     model = build_on_meta(cfg, config)
-    model.generation_config = folder_generation_config(path, model)
+    if os.path.isfile(os.path.join(path, "generation_config.json")):  # from_config does not read it
+        model.generation_config = GenerationConfig.from_pretrained(path)
     model.config.use_cache = False  # training never reuses a KV cache
     liger = cfg.use_liger and apply_liger(model, device, cfg.compile)
     if cfg.lora_rank > 0:
@@ -98,37 +92,25 @@ def load_model(cfg: ModelConfig, device: torch.device) -> LoadedModel:
 
 
 def attention_backend(cfg: ModelConfig, config, device_type: str) -> str:
-    """The backend model.attn_implementation takes on `device_type`, refused where it cannot run there
-    or cannot compute this model's attention in the run's compute dtype (the preflight checks it too)."""
+    """model.attn_implementation's backend on `device_type`, refused where it cannot run."""
     backend = attention.select_backend(cfg.attn_implementation, device_type)
     attention.check_model(config, backend, lora.base_dtype(cfg))
     return backend
 
 
 def build_on_meta(cfg: ModelConfig, config) -> nn.Module:
-    """The model of `config`, its parameters on the meta device in the dtype they train in (the
-    preflight builds it so too, to check it as the run does, without weights or memory)."""
+    """The model of `config` on the meta device, in the dtype it trains in (LoRA's frozen base: the compute dtype)."""
     moe = {"experts_implementation": name} if (name := experts.implementation_for(config)) else {}
+    dtype = lora.base_dtype(cfg) if cfg.lora_rank > 0 else DTYPE[cfg.fsdp_config.model_dtype]
     with weights.parameters_on_meta():
-        return AutoModelForCausalLM.from_config(config, dtype=weights_dtype(cfg),
+        return AutoModelForCausalLM.from_config(config, dtype=dtype,
                                                 attn_implementation=attention.ATTN_IMPLEMENTATION,
                                                 trust_remote_code=cfg.trust_remote_code, **moe)
 
 
-def folder_generation_config(path: str, model: nn.Module):
-    """The folder's generation_config.json (a chat model's sampling defaults and the ids it stops
-    at), which from_config does not read; where there is none, what from_config made of config.json.
-    Every checkpoint's hf/ and export carry it."""
-    if os.path.isfile(os.path.join(path, "generation_config.json")):
-        return GenerationConfig.from_pretrained(path)
-    return model.generation_config
-
-
 def stop_generation_at(model: nn.Module, token_id: int) -> list[int]:
-    """Adds `token_id`, the token each trained answer ends with (`Renderer.end_token`), to the ids the
-    model's generation config stops at, and returns them: a base model's config stops at its EOS
-    alone, and generate() would run on past an answer trained to end with the chat template's
-    end of turn (Qwen2.5-0.5B: <|endoftext|>, then <|im_end|>)."""
+    """Adds `token_id`, the token each trained answer ends with, to the generation config's stop
+    ids and returns them: else generate() runs past the chat template's end of turn."""
     config = model.generation_config
     ids = config.eos_token_id
     ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
@@ -138,21 +120,14 @@ def stop_generation_at(model: nn.Module, token_id: int) -> list[int]:
     return ids
 
 
-def weights_dtype(cfg: ModelConfig) -> torch.dtype:
-    """model_dtype; with LoRA the frozen base loads straight in the compute dtype (sfttrain.lora)."""
-    return lora.base_dtype(cfg) if cfg.lora_rank > 0 else DTYPE[cfg.fsdp_config.model_dtype]
-
-
 def materialise_model(model: nn.Module, cfg: ModelConfig, device: torch.device, buffer_device: torch.device,
                       seed: int) -> None:
-    """Fills the (sharded) meta model: the folder's weights, or a random init (model.random_init).
-    Collective for a hub id (resolved to the cache folder load_model filled)."""
+    """Fills the sharded meta model with the folder's weights, or a random init. Collective for a hub id."""
     weights.materialise(model, device, buffer_device, seed, None if cfg.random_init else local_model_folder(cfg))
 
 
 def liger_patching():
-    """Liger's model patching (its families, the patch function), or the DependencyError that says how to
-    install it (the preflight checks it too)."""
+    """Liger's families and patch function, or the DependencyError that says how to install it."""
     try:
         from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN, _apply_liger_kernel_to_instance
     except ImportError:
@@ -162,9 +137,8 @@ def liger_patching():
 
 
 def apply_liger(model: nn.Module, device: torch.device, compile_layers: bool) -> bool:
-    """Liger's RMSNorm, SwiGLU and RoPE kernels, patched into this model instance. The fused
-    linear cross-entropy is called by sfttrain.loss itself (with the labels, so it really runs).
-    On CPU (Liger's kernels are Triton, GPU-only) it warns and returns False."""
+    """Liger's RMSNorm, SwiGLU and RoPE kernels in this model (sfttrain.loss calls its cross-entropy);
+    warns and returns False on CPU."""
     if device.type != "cuda":
         logging.getLogger("sfttrain").warning("model.use_liger=true ignored: Liger's kernels need a CUDA device")
         return False
@@ -180,8 +154,7 @@ def apply_liger(model: nn.Module, device: torch.device, compile_layers: bool) ->
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The repeated transformer blocks (each becomes one FSDP unit); found after sharding too
-    (fully_shard makes each one an instance of a subclass, FSDP<name>)."""
+    """The repeated blocks, each an FSDP unit; found after fully_shard renames them too."""
     names = set(getattr(model, "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if any(cls.__name__ in names for cls in type(m).__mro__)]
     if not layers:
@@ -190,17 +163,14 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def local_model_folder(cfg: ModelConfig) -> str:
-    """model.partial_pretrain as a local folder (a hub id is downloaded once, see sfttrain.hub), which this
-    user may read. Collective when it is a hub id."""
+    """model.partial_pretrain as a local folder this user may read. Collective for a hub id."""
     path = local_model_path(cfg.partial_pretrain)
     check_model_folder(cfg, path)
     return path
 
 
 def check_model_folder(cfg: ModelConfig, path: str) -> None:
-    """`path`, model.partial_pretrain's folder on this machine, holds a config.json that transformers reads
-    (the preflight checks it too) and this user may read: not a traceback of whichever start-up step
-    reads it first, nor an unreadable folder said as one that is not there."""
+    """`path` holds a config.json transformers reads, and this user may read it."""
     config = os.path.join(path, "config.json")
     check_readable(cfg, [path, config])
     if not os.path.isfile(config):
@@ -225,8 +195,7 @@ def check_readable(cfg: ModelConfig, paths: list[str]) -> None:
 
 
 def check_weights_readable(cfg: ModelConfig, folder: str) -> None:
-    """The model's weight files, which this user must read (unless model.random_init): checked at start-up,
-    before the data scan, where an unreadable one would stop the run only once the scan is done."""
+    """The weight files are readable (unless random_init), checked before the data scan."""
     if not cfg.random_init:
         check_readable(cfg, weight_files(folder))
 

@@ -2,12 +2,8 @@
 
     python -m sfttrain.plan [recipe.yaml] [key=value ...] --nproc N [--nnodes M] [--elsewhere]
 
-Prints the batch arithmetic, steps per epoch, the data report, an estimate of memory per rank from
-the model folder's config.json alone (no weights, no GPU), and every problem the run would stop on:
-the start-up's own checks (sfttrain.checks, the row scan included), the model built on the meta
-device, and the resume rules. What cannot be checked on this machine (a hub model not in the cache,
-GPUs where it has none; with --elsewhere, data and run folders that are only on the cluster) is
-said, not counted. Exits 0 when nothing is wrong, else 2.
+Prints the batch arithmetic, the data report, memory per rank from config.json alone, and every problem
+the run's own start-up checks would stop on. Exits 0 when nothing is wrong, else 2.
 """
 
 from __future__ import annotations
@@ -53,8 +49,7 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 @dataclass(frozen=True)
 class DenseShape:
-    """A decoder (Llama, Qwen2/2.5/3, Mistral; Qwen2/3-MoE and Mixtral with `moe`) as its config.json
-    describes it. Memory counts every expert: each is held, gathered, updated."""
+    """A decoder as its config.json describes it; memory counts every expert."""
     vocab: int
     hidden: int
     intermediate: int
@@ -93,7 +88,7 @@ class DenseShape:
 
     @property
     def layer_params(self) -> int:
-        """The largest layer (what one gathered FSDP unit holds)."""
+        """The largest layer: what one gathered FSDP unit holds."""
         return self._layer_params(sparse=self.sparse_layers > 0)
 
     @property
@@ -105,7 +100,7 @@ class DenseShape:
         return embeddings + layers + self.hidden  # + the final norm
 
     def lora_params(self, rank: int) -> int:
-        """Adapter parameters with target_modules=all-linear: rank x (in + out) per projection."""
+        """Adapter parameters for all-linear targets: rank x (in + out) per projection."""
         h, q, kv, i = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim, self.intermediate
         dense = self.layers - self.sparse_layers
         total = self.layers * rank * ((h + q) * 2 + (h + kv) * 2) + dense * rank * (h + i) * 3
@@ -114,16 +109,12 @@ class DenseShape:
         return total
 
     def activation_elements_per_token(self) -> int:
-        """bf16 values one layer keeps for backward, per token: the two norms' inputs, the
-        q/k/v projections' input and outputs, attention's output (o_proj's input), the MLP's
-        input, gate and up outputs and their product (a common approximation; flash attention
-        keeps no score matrix)."""
+        """Values one layer keeps for backward per token (flash attention keeps no scores)."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         return 4 * self.hidden + 2 * q + 2 * kv + self.mlp_activations_per_token()
 
     def mlp_activations_per_token(self) -> int:
-        """The MLP's values per token (gate, up, their product; a MoE's routed share): the largest
-        part of a layer, and of its backward's gradients."""
+        """The MLP's values per token: the largest part of a layer and of its backward."""
         return self.moe.mlp_activations_per_token() if self.sparse_layers else 3 * self.intermediate
 
 
@@ -136,11 +127,8 @@ def compute_bytes(cfg: Config) -> int:
 
 def activation_bytes(shape: DenseShape, tokens: int, recomputed: int, value_bytes: int, keep_attention: bool,
                      keep_qkv: bool) -> int:
-    """What backward needs kept: a recomputed layer keeps its input (and, unless
-    model.recompute_attention: sfttrain.recompute, what its attention's backward reads: the kernel's
-    output with fp32 softmax statistics, and the keys and values; with model.recompute_qkv=false the
-    queries, keys and values), and while it is recomputed one layer's activations exist; every other
-    layer keeps all its activations."""
+    """What backward keeps: a recomputed layer its input (plus what model.recompute_attention and
+    recompute_qkv keep), the others everything, and one layer while it is recomputed."""
     per_layer = shape.activation_elements_per_token() * tokens * value_bytes
     kept = shape.hidden * value_bytes
     if keep_attention:
@@ -151,38 +139,31 @@ def activation_bytes(shape: DenseShape, tokens: int, recomputed: int, value_byte
 
 
 def attention_output_bytes(shape: DenseShape, value_bytes: int) -> int:
-    """Per token and layer: the attention kernel's output and its fp32 softmax statistics."""
+    """Per token and layer: the kernel's output and its fp32 softmax statistics."""
     return shape.heads * (shape.head_dim * value_bytes + 4)
 
 
 def key_value_bytes(shape: DenseShape, value_bytes: int) -> int:
-    """Per token and layer: the keys and values a layer that keeps its attention output also keeps
-    (the compiled partitioner saves them rather than recompute their projections; measured peaks in
-    docs/benchmarks.md agree)."""
+    """Per token and layer: keys and values, which the compiled partitioner keeps with the attention output."""
     return 2 * shape.kv_heads * shape.head_dim * value_bytes
 
 
 def recomputed_layers(cfg: ModelConfig, layers: int) -> int:
-    """How many of the decoder's layers recompute their activations (sfttrain.recompute)."""
+    """How many layers recompute their activations (sfttrain.recompute)."""
     if not cfg.enable_gradient_checkpointing:
         return 0
     return len(checkpointed(list(range(layers)), cfg.gradient_checkpointing_ratio))
 
 
 def backward_bytes(shape: DenseShape, tokens: int, value_bytes: int, lora: bool) -> int:
-    """The gradients a layer's backward holds beside its activations: those of its MLP's values. With
-    LoRA on a dense MLP (all-linear, as `lora_params` counts), 5 more of its width a token: the
-    adapters' B outputs of gate and up, the sums that make gate and up, and the adapter's term of
-    down's input gradient."""
+    """The MLP gradients a layer's backward holds; LoRA on a dense MLP adds 5 of its width a token."""
     adapters = 5 * shape.intermediate if lora and not shape.sparse_layers else 0
     return (shape.mlp_activations_per_token() + adapters) * tokens * value_bytes
 
 
 def autocast_copy_params(cfg: ModelConfig, shape: DenseShape) -> int:
-    """Weights whose compute-dtype copy (one device, autocast) lives from forward to backward: every
-    weight, saved for backward; but a recomputed layer's copies when compiled are made and freed
-    inside its graph, in forward and again in its recomputation (eager, autocast's cache holds
-    every copy until the forward ends)."""
+    """Weights whose compute-dtype copy lives from forward to backward; compiled recomputed layers
+    free theirs inside the graph."""
     m = cfg.model
     if not (m.enable_gradient_checkpointing and m.compile):
         return shape.num_params
@@ -190,12 +171,8 @@ def autocast_copy_params(cfg: ModelConfig, shape: DenseShape) -> int:
 
 
 def memory_per_rank(cfg: Config, shape: DenseShape, dp_size: int) -> dict[str, float]:
-    """GiB per rank, by what holds it. FSDP shards parameters, gradients and AdamW's two moments
-    over the shard group; compute runs on compute-dtype copies of one layer at a time (plus the
-    prefetched next one). Unsharded (one GPU, NO_SHARD), autocast's bf16 copy of every weight is
-    kept from forward to backward. The loss holds one chunk of logits, never the whole [tokens, vocab],
-    and computes the head's gradient in its forward (sfttrain.loss.LinearCrossEntropy): a whole
-    [vocab, hidden] fp32 buffer, and its copy in the weight's dtype that backward reads."""
+    """GiB per rank, by what holds it: FSDP shards weights, gradients and AdamW moments over the
+    shard group; the loss holds one chunk of logits and the head's whole fp32 gradient."""
     m = cfg.model
     fsdp = m.fsdp_config
     shard = shard_group_size(fsdp, dp_size)
@@ -245,8 +222,8 @@ class Batches:
 
 
 def training_rows(s: Startup) -> tuple[Optional[Rows], Optional[int]]:
-    """(the rows rendered as the run's start-up renders them, the rows trained), or counted only where
-    the model folder has no tokenizer; (None, None) where they are not on this machine."""
+    """(rows rendered as the run renders them, rows trained); only counted without a tokenizer;
+    (None, None) where the data is not here."""
     files = as_list(s.cfg.data.train_files)
     if not files or missing_entries(files):
         return None, None
@@ -261,8 +238,7 @@ def training_rows(s: Startup) -> tuple[Optional[Rows], Optional[int]]:
 
 
 def batch_section(s: Startup) -> Batches:
-    """The rows checked, and the batch arithmetic over the data-parallel ranks (none where the ranks do
-    not split into sequence-parallel groups, the world's problem: nothing is derived from them)."""
+    """The batch arithmetic over the data-parallel ranks, and the data report."""
     cfg, d, dp_size, found = s.cfg, s.cfg.data, s.dp_size, s.found
     rows, count = training_rows(s)
     if dp_size is None:
@@ -287,10 +263,7 @@ def batch_section(s: Startup) -> Batches:
 
 
 def resume_section(cfg: Config, batches: Batches, folder: Optional[str], model, found: Findings) -> list[str]:
-    """The checkpoint the run would resume from (sfttrain.resume's rules, the run folder left as it
-    is), and what its start-up would refuse of that resume: a damaged checkpoint, other data, a
-    schedule that ends before it, another LoRA base, another model or LoRA setup (against `model`, the
-    planned model; None: not built here); and another run in the folder now."""
+    """The checkpoint the run would resume from, and what its start-up would refuse of it."""
     found.check(lambda: check_not_in_use(cfg.trainer.default_local_dir))  # another run in it now
     chosen = found.check(lambda: choose_resume(cfg.trainer, cfg.trainer.default_local_dir))
     if chosen is None or chosen.path is None:
@@ -342,8 +315,7 @@ def memory_section(cfg: Config, dp_size: Optional[int], folder: Optional[str], f
 
 
 def checkpoint_section(cfg: Config, model, found: Findings) -> list[str]:
-    """A checkpoint's size (the start-up's estimate, of the model built here), and whether the run
-    folder's disk takes one: a problem where the run folder exists here, else a note."""
+    """A checkpoint's size, and whether the run folder's disk holds one."""
     if model is None:
         return []
     need = estimated_bytes(model)
@@ -362,17 +334,14 @@ def checkpoint_section(cfg: Config, model, found: Findings) -> list[str]:
 
 
 def run_devices(cfg: Config) -> tuple[str, ...]:
-    """The device types the run takes: trainer.device's, or for auto this machine's GPU; on a machine
-    without one, both (the nodes the run lands on may have GPUs or not)."""
+    """The device types the run may take: both on a machine without a GPU under device=auto."""
     if cfg.trainer.device != "auto" or torch.cuda.is_available():
         return ("cuda" if wants_cuda(cfg) else "cpu",)
     return ("cuda", "cpu")
 
 
 def model_section(s: Startup):
-    """The model as the run builds it (sfttrain.model.load_model), on the meta device (no weights, no
-    memory), LoRA's adapters applied, and what the run checks of it once built; None where it cannot be
-    built here."""
+    """The model built as the run builds it, on the meta device; None where it cannot be built here."""
     m = s.cfg.model
     if s.folder is None:
         return None
@@ -388,7 +357,7 @@ def model_section(s: Startup):
 
 
 def preflight(cfg: Config, nproc: int, nnodes: int, elsewhere: bool = False) -> tuple[list[str], Findings]:
-    """(report lines, what was found): the run's own checks, each problem listed, none stopping the rest."""
+    """(report lines, what was found): the run's own checks, none stopping the rest."""
     s = Startup(cfg, nproc * nnodes, run_devices(cfg), planning=True, elsewhere=elsewhere)
     lines = [f"sfttrain plan: {nnodes} node(s) x {nproc} rank(s)"]
     try:

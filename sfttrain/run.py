@@ -1,8 +1,6 @@
 """Entry point: torchrun --nproc_per_node=N -m sfttrain.run [recipe.yaml] key=value ...
 
-A user's mistake (sfttrain/errors.py) or a fault the user can act on (sfttrain.faults) ends the run with
-one message, printed by rank 0 and written to torchrun's error file, and its exit code. A Ctrl-C that
-stops at once ends every rank with one line and exit code 130.
+A user's mistake or an actionable fault ends the run with one message from rank 0 and its exit code.
 """
 
 from __future__ import annotations
@@ -51,8 +49,7 @@ def hydra_flags(argv: list[str]) -> tuple[dict[str, str], list[str]]:
 
 
 def stop(error: UserError) -> None:
-    """Ends this rank on a user mistake with its kind's exit code; rank 0 says it, another rank only if it
-    outlives the wait (an error of its own), none waits for an error that every rank raises."""
+    """Ends this rank on a user mistake with its exit code; rank 0 says it."""
     message = f"sfttrain: {error.kind}: {error}"
     rank0 = int(os.environ.get("RANK", 0)) == 0
     if not (rank0 or error.every_rank):
@@ -129,8 +126,7 @@ def _train(cfg: Config, rank: int) -> None:
 
 
 def explain(error: Exception, cfg: Config, rank: int) -> None:
-    """Ends this rank where the user can act on the error (or quietly where another rank's message is the
-    job's); returns for a bug."""
+    """Ends this rank where the user can act on the error; returns for a bug."""
     if stop_signal.interrupted():  # the collective of a rank that Ctrl-C stopped first
         interrupted(cfg, rank)
     if known := classify(error, cfg, rank, phase.current()):

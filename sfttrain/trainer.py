@@ -37,8 +37,7 @@ from sfttrain.run_lock import lock_run_folder
 
 @dataclass
 class QueuedStep:
-    """A step whose update is queued on the device; its loss, grad norm and whether it was
-    applied reach the host later (`FSDPSFTTrainer.finish`)."""
+    """A step whose update is queued on the device; its numbers reach the host later."""
     step: int
     batch: StepBatch
     lr: float
@@ -157,7 +156,7 @@ class FSDPSFTTrainer:
         total = self.plan.total_steps
         batches = iter(step_batches(self.data, self.state.epoch, self.state.consumed_in_epoch,
                                     self.cfg.data.num_workers, pin_memory=self.world.device.type == "cuda"))
-        self.lm.train()  # once here, not each step (~4 ms of host time with LoRA's modules); validation restores it
+        self.lm.train()  # once here, not each step (host time with LoRA's many modules); validation restores it
         self.timer.restart()  # start-up is not step time
         started, first_step = time.perf_counter(), self.state.step
         queued = None  # the previous step: its update is queued on the device, its numbers not yet read
@@ -194,8 +193,7 @@ class FSDPSFTTrainer:
         self.logger.close()
 
     def next_batch(self, batches) -> StepBatch:
-        """The next step's batch; a data file changed since start-up is said with the checkpoint to resume
-        from (the one committed last: a save still in flight needs every rank, and this one may be alone)."""
+        """The next step's batch; a changed data file is said with the last committed checkpoint."""
         try:
             return next(batches)
         except DataFileChanged as e:
@@ -209,9 +207,8 @@ class FSDPSFTTrainer:
                                              exported if os.path.isdir(exported) else None))
 
     def step(self, batch: StepBatch, data_wait: float, previous: QueuedStep | None) -> QueuedStep:
-        """Queues one optimizer step. The previous step's numbers are read only once this step's
-        forward and backward are queued behind its update: the GPU never idles while the host
-        logs, fetches the next batch and launches the next forward."""
+        """Queues one optimizer step; the previous step's numbers are read after this one is queued, so
+        the GPU never idles while the host logs."""
         loss_sum = self.forward_backward(batch)
         if previous is not None:
             self.finish(previous)
@@ -233,7 +230,7 @@ class FSDPSFTTrainer:
         dist.all_reduce(totals)  # one all-reduce: the loss, the ranks' votes to stop, the router's statistics
         loss_sum = totals[0]
         lr = self.scheduler.get_last_lr()[0]
-        # the optimizer's list, not the model's: walking LoRA's ~2,000 modules cost the host ~2 ms a step
+        # the optimizer's list, not the model's: walking LoRA's thousands of modules costs host time each step
         params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
         max_norm = self.cfg.optim.clip_grad if self.cfg.optim.clip_grad > 0 else math.inf
         grad_norm, stepped = clipped_step(self.optimizer, params, max_norm, loss_sum)
@@ -274,10 +271,8 @@ class FSDPSFTTrainer:
 
     @torch.no_grad()
     def validate(self) -> float | None:
-        """Token-weighted loss over the whole validation set, all ranks; None where a SIGTERM stopped it
-        (validation can outlast the grace before SIGKILL). The ranks' votes to stop are summed after
-        each micro-batch and read one micro-batch later, so the device is never idle waiting on the
-        host, and every rank stops after the same micro-batch (each runs as many)."""
+        """Token-weighted validation loss over all ranks; None where a SIGTERM stopped it. Stop votes are
+        read one micro-batch late so the device never waits on the host."""
         phase.enter(f"validation after step {self.state.step}")
         self.lm.eval()
         try:
@@ -317,8 +312,7 @@ class FSDPSFTTrainer:
             f"{os.path.join(self.run_dir, f'global_step_{self.state.step}')} is committed. {what_next(self.cfg.trainer)}")
 
     def export_hf(self) -> None:
-        """trainer.save_hf: the final checkpoint, once committed, is exported into its huggingface/;
-        also when a resume finds it committed without one (its export had failed)."""
+        """trainer.save_hf: exports the final committed checkpoint (again, where its export had failed)."""
         final = os.path.join(self.run_dir, f"global_step_{self.plan.total_steps}")
         if not is_complete(final) or os.path.isdir(os.path.join(final, export.HF_EXPORT_DIR)):
             return

@@ -1,6 +1,4 @@
-"""The one configuration: the schema (schema.py), the names users bring from verl, Hydra and other
-trainers (compat.py), loading and overrides (load.py), checks (problems.py) and start-up notes
-(notes.py). Other modules import from here."""
+"""The one configuration: schema, the names users bring (compat), loading, checks and notes."""
 
 from sfttrain.config.compat import ALIASES, CHECKPOINT_KEYS, IGNORED_VERL_KEYS, NULL_ONLY_VERL_KEYS
 from sfttrain.config.load import _flat_keys, load_config, to_yaml

@@ -1,5 +1,4 @@
-"""The names users bring: verl's keys (aliases, keys dropped with why, its checkpoint contents), Hydra's
-and verl's PPO sections, and the names of Hugging Face's TrainingArguments, TRL, Axolotl and torchtune."""
+"""The names users bring: verl's keys, Hydra's and verl's PPO sections, and other trainers' names."""
 
 from __future__ import annotations
 
@@ -174,8 +173,8 @@ def _apply_aliases(layer: DictConfig) -> None:
 
 
 def _checkpoint_contents(layer: DictConfig) -> None:
-    """Drops verl's trainer.checkpoint section: sfttrain's checkpoints always hold the model, optimizer
-    and extra state; hf_model is trainer.save_hf=true. An unknown content or key is refused."""
+    """Drops verl's trainer.checkpoint section (sfttrain's checkpoints hold everything; hf_model
+    is trainer.save_hf=true); an unknown content or key is refused."""
     section = OmegaConf.select(layer, "trainer.checkpoint", default=None, throw_on_missing=False)
     if not isinstance(section, DictConfig):
         return

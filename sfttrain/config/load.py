@@ -1,5 +1,4 @@
-"""Defaults <- YAML file <- command-line `key=value` overrides (Hydra's `+key=value` too), into a typed
-`Config`; an unknown key is an error naming the key meant, every one of them at once."""
+"""Defaults <- YAML file <- `key=value` overrides, into a typed `Config`; every unknown key is an error."""
 
 from __future__ import annotations
 
@@ -22,8 +21,7 @@ FREE_FORM = ("model.fsdp_config.mixed_precision", "model.fsdp_config.wrap_policy
 
 def load_config(yaml_path: Optional[str] = None, overrides: tuple[str, ...] | list[str] = (),
                 check: bool = True) -> Config:
-    """The merged, resolved configuration, validated with `check` (the preflight lists a bad value
-    beside its other problems instead)."""
+    """The merged, resolved configuration, validated unless `check` is false (the preflight lists it)."""
     layers = []
     if yaml_path is not None:
         try:
@@ -52,9 +50,8 @@ def load_config(yaml_path: Optional[str] = None, overrides: tuple[str, ...] | li
 
 
 def _dotlist(overrides: tuple[str, ...] | list[str], schema: DictConfig) -> DictConfig:
-    """`key=value` arguments as one layer; `+key` and `++key` name the same key. A value is YAML where
-    YAML reads it, except for a string key, whose unquoted value is the text itself (a chat template
-    stays unparsed); one word for a list key is a list of one."""
+    """`key=value` arguments as one layer (`+key`, `++key` alike); values are YAML, except a string
+    key's unquoted text, kept as it is; one word for a list key is a list of one."""
     layer = OmegaConf.create()
     for item in overrides:
         key, _, text = item.partition("=")

@@ -1,6 +1,5 @@
-"""Start-up lines (the run's and the preflight's) for keys set away from their default that this
-configuration never reads: accepted, as verl's command lines carry them into modes where they mean
-nothing, but said, with what would make them count. Contradictions are refused in `validate`."""
+"""Start-up notes for keys set away from their default that this configuration never reads: accepted
+(verl's command lines carry them), but said, with what would make them count."""
 
 from __future__ import annotations
 

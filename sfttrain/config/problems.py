@@ -36,8 +36,7 @@ def validate(cfg: Config) -> None:
 
 
 def config_problems(cfg: Config) -> list[str]:
-    """Every problem, not the first only, so that a config is fixed in one go; one that two checks
-    find (a mixed-precision dtype) is said once."""
+    """Every problem, each once, so that a config is fixed in one go."""
     problems = [*_schema_problems(cfg), *_validate_data(cfg.data), *_validate_model(cfg.model),
                 *verl_switch_problems(cfg), *_check_no_shard(cfg), *_validate_optim(cfg.optim),
                 *_validate_trainer(cfg.trainer), *_validate_fp8(cfg),
@@ -91,23 +90,15 @@ def _validate_data(d: DataConfig) -> Iterator[str]:
     if d.multiturn.enable and not d.apply_chat_template:
         yield ("data.multiturn.enable=true renders conversations with a chat template: remove "
                "data.apply_chat_template=false (data.chat_template=... sets a template of your own)")
-    yield from _check_chat_template_used(d)
-    yield from _check_dict_keys_have_a_column(d)
-    yield from _check_prompt_is_not_the_response(d)
-
-
-def _check_chat_template_used(d: DataConfig) -> Iterator[str]:
     if d.chat_template is not None and not d.apply_chat_template and not d.multiturn.enable:
         yield (f"data.chat_template={short(d.chat_template)} with data.apply_chat_template=false: the raw "
                "prompt text is tokenized, so the template would render nothing; remove data.chat_template "
                "for raw text, or remove data.apply_chat_template=false to render prompts with it")
-
-
-def _check_dict_keys_have_a_column(d: DataConfig) -> Iterator[str]:
     if d.prompt_key is None and d.prompt_dict_keys:
         yield (f"data.prompt_dict_keys={list(d.prompt_dict_keys)} with data.prompt_key=null: there is no "
                "prompt column to follow them into; set data.prompt_key to the column that holds them, or "
                "remove data.prompt_dict_keys")
+    yield from _check_prompt_is_not_the_response(d)
 
 
 def _columns(value: Any) -> bool:

@@ -16,8 +16,7 @@ AUTO_ON_OFF = ("auto", True, False)
 
 def key(default: Any = None, text: str = "", factory: Optional[Callable[[], Any]] = None,
         choices: tuple = (), minimum: Optional[int] = None) -> Any:
-    """A schema field whose help, the values it takes where they are few, and its least, live beside its
-    default."""
+    """A schema field with its help, its choices and its least value beside its default."""
     metadata = {"help": text, "choices": choices, "minimum": minimum}
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
@@ -138,8 +137,7 @@ class ModelConfig:
         return self.fuse_projections
 
     def folds_lora(self) -> bool:
-        """auto folds wherever LoRA's projections are fused and A reads the projection's own input
-        (lora_dropout gives A a dropped-out copy)."""
+        """auto folds wherever the projections are fused and there is no lora_dropout."""
         folds = self.lora_rank > 0 and self.fuses_projections() and self.lora_dropout == 0
         return folds if self.fold_lora == "auto" else self.fold_lora
 

@@ -300,7 +300,8 @@ class Checkpointer:
         self.process = None
         if self.world.is_main:
             logging.getLogger("sfttrain").warning(
-                f"the checkpoint writer process of rank(s) {sorted(lost)} had ended (exit code(s) {sorted(lost.values())}; "
+                f"the checkpoint writer process of rank(s) {sorted(lost)} had ended "
+                f"(exit code(s) {sorted(lost.values())}; "
                 "-9 is SIGKILL, most often the host's out-of-memory killer): every rank's writer is started anew "
                 "for this save")
 

@@ -39,8 +39,8 @@ def not_saved(saver, step: int, errors: list[Optional[str]], limited: Optional[s
         final = os.path.join(saver.run_dir, f"global_step_{step}")
         return (f"the checkpoint of step {step} may not be saved: {why}, in its commit, once its files were on the "
                 f"disk and its folder renamed to {final}: whether the rename reached the disk is not known. The last "
-                f"good checkpoint before it is {last or 'none'}. {fix}. The same command then resumes from {final} where "
-                f"it is there (whole), else from {last or 'nothing: it starts afresh'}")
+                f"good checkpoint before it is {last or 'none'}. {fix}. The same command then resumes from {final} "
+                f"where it is there (whole), else from {last or 'nothing: it starts afresh'}")
     partial = (f"its partial folder .global_step_{step}.tmp is left, and the next start deletes it" if left
                else "its partial folder was removed")
     return (f"the checkpoint of step {step} was not saved: {why}. Nothing of it was committed ({partial}); "

@@ -21,7 +21,8 @@ STATE_FILE = "trainer_state.json"
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
 DEBRIS = re.compile(r"^\.global_step_\d+(\.old)?\.(tmp|trash)$")
 ASIDE = re.compile(r"^\.(global_step_\d+)\.old$")
-ATOMIC_TMP = re.compile(r"^[^.].*\.\d+\.tmp(\.npz)?$")  # a temporary file of `write_atomically` (or numpy's), left by a crash mid-write
+# a temporary file of `write_atomically` (or numpy's), left by a crash mid-write
+ATOMIC_TMP = re.compile(r"^[^.].*\.\d+\.tmp(\.npz)?$")
 VERL_SHARD = re.compile(r"^model_world_size_\d+_rank_\d+\.pt$")  # verl's FSDP checkpoint shards
 
 
@@ -157,8 +158,8 @@ def _what_instead(path: str) -> str:
     if any(VERL_SHARD.match(name) for name in names):
         hf = os.path.join(path, "huggingface")
         start = (f"set model.partial_pretrain={hf} (its weights, saved beside the shards)" if holds_weights(hf) else
-                 f"merge its shards into a Hugging Face folder (verl: `python -m verl.model_merger merge --backend fsdp "
-                 f"--local_dir {path} --target_dir OUT`) and set model.partial_pretrain=OUT")
+                 f"merge its shards into a Hugging Face folder (verl: `python -m verl.model_merger merge "
+                 f"--backend fsdp --local_dir {path} --target_dir OUT`) and set model.partial_pretrain=OUT")
         return ("is a verl checkpoint (model_world_size_*_rank_*.pt): sfttrain resumes its own runs only (their "
                 f"optimizer, schedule and data position). To fine-tune on from its weights, {start}, without "
                 "trainer.resume_from_path")
@@ -183,7 +184,8 @@ def not_a_model_folder(path: str) -> Optional[str]:
         export = os.path.join(checkpoint, "huggingface")
         weights = (f"set model.partial_pretrain={export} (trainer.save_hf's export of it)" if holds_weights(export) else
                    f"export them (`python -m sfttrain.export {checkpoint} OUT`) and set model.partial_pretrain=OUT")
-        return (f"is a sfttrain {'checkpoint' if checkpoint == path else f'run folder (its latest checkpoint: {checkpoint})'},"
+        return (f"is a sfttrain "
+                f"{'checkpoint' if checkpoint == path else f'run folder (its latest checkpoint: {checkpoint})'},"
                 f" not a model folder: to fine-tune from its weights, {weights}; to go on with its run, keep its own "
                 f"model.partial_pretrain and set trainer.resume_mode=resume_path trainer.resume_from_path={checkpoint}")
     if any(VERL_SHARD.match(name) for name in names):

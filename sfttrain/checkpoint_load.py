@@ -141,7 +141,8 @@ def check_same_model(path: str, model_sd: dict) -> None:
               if k in stored and hasattr(stored[k], "size") and tuple(stored[k].size) != tuple(v.shape)]
     if missing or extra or shapes:
         raise ConfigError(f"{path} was written for another model than model.partial_pretrain (or another "
-                          f"LoRA setup: model.lora_rank, model.target_modules): {len(missing)} weights missing {missing[:5]}, "
+                          f"LoRA setup: model.lora_rank, model.target_modules): {len(missing)} weights missing "
+                          f"{missing[:5]}, "
                           f"{len(extra)} not in this model {extra[:5]}, {len(shapes)} of other shapes {shapes[:3]}. "
                           "Resume with the same model and LoRA keys, or use trainer.resume_mode=disable (or a new "
                           "trainer.default_local_dir) to start afresh")

@@ -106,7 +106,8 @@ class WriterProcess:
         self.conn, child = ctx.Pipe()
         self.rank = rank
         # SIGTERM is left to the rank: a save in flight as it stops the run is written (sfttrain.stop_signal)
-        self.process = ctx.Process(target=stop_signal.helper_main, daemon=True, name=f"sfttrain-checkpoint-writer-{rank}",
+        self.process = ctx.Process(target=stop_signal.helper_main, daemon=True,
+                                   name=f"sfttrain-checkpoint-writer-{rank}",
                                    args=(__name__, _serve.__name__, child, rank, world_size, timeout_s))
         self.process.start()
         child.close()

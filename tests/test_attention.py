@@ -325,7 +325,8 @@ def test_a_row_of_one_sample_runs_on_cudnn_and_matches_fp32(monkeypatch):
         (out.float() * w).sum().backward()
         q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
         want = torch.cat([F.scaled_dot_product_attention(
-            q32[:, :, a:b], k32[:, :, a:b].repeat_interleave(h // hkv, 1), v32[:, :, a:b].repeat_interleave(h // hkv, 1),
+            q32[:, :, a:b], k32[:, :, a:b].repeat_interleave(h // hkv, 1),
+            v32[:, :, a:b].repeat_interleave(h // hkv, 1),
             is_causal=True).transpose(1, 2) for a, b in zip(bounds, bounds[1:])], dim=1)
         (want * w).sum().backward()
         _assert_close(out, want, 3e-2, TOL["torch_varlen"][2], f"{kernel} output")
@@ -351,7 +352,8 @@ def test_a_packed_row_of_one_sample_reaches_cudnn_through_the_trainers_path(tmp_
     for heads, lengths, kernel in ((2, [200], cudnn), (2, [120, 80], flash), (4, [200], flash)):
         folder = tmp_path / f"heads{heads}"
         LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                    num_attention_heads=heads, num_key_value_heads=1, max_position_embeddings=512).save_pretrained(folder)
+                    num_attention_heads=heads, num_key_value_heads=1, max_position_embeddings=512
+                    ).save_pretrained(folder)
         cfg = ModelConfig(partial_pretrain=str(folder), attn_implementation="auto", random_init=True)
         model = load_model(cfg, cuda).model
         materialise_model(model, cfg, cuda, cuda, seed=0)

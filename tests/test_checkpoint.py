@@ -426,7 +426,8 @@ def test_resume_across_layouts(data, ref, tmp_path):
                                "trainer.resume_mode=resume_path", f"trainer.resume_from_path={ref / 'global_step_3'}"))
     assert "DDP: the whole model on each of 2 ranks" in proc.stdout
     assert_resumed_like_ref(ddp, ref, 4, ELASTIC_TOL, rel=True)
-    run_sfttrain(2, job(data, fsdp, "trainer.resume_mode=resume_path", f"trainer.resume_from_path={ddp / 'global_step_6'}"))
+    run_sfttrain(2, job(data, fsdp, "trainer.resume_mode=resume_path",
+                        f"trainer.resume_from_path={ddp / 'global_step_6'}"))
     assert_resumed_like_ref(fsdp, ref, 7, ELASTIC_TOL, rel=True)
 
 
@@ -1029,7 +1030,8 @@ def test_a_disk_that_fills_between_saves_ends_the_job_with_one_message(data, tmp
         last = run_dir / "run" / "global_step_15"
         assert re.search(r"the disk is full \(No space left on device: \S+/metrics.jsonl\) in step (1[6-9]|2\d)",
                          message), message
-        assert f"the last good checkpoint ({last})" in message and f"The same command then resumes from {last}" in message, message
+        assert (f"the last good checkpoint ({last})" in message
+                and f"The same command then resumes from {last}" in message), message
         (run_dir / "filler").unlink()
         run_sfttrain(2, command)
         assert [m["step"] for m in read_metrics(run_dir / "run") if m.get("event") == "resumed"] == [15]
@@ -1099,7 +1101,8 @@ def test_a_disk_turned_read_only_mid_run_ends_with_one_message_and_resumes(data,
         hf = tmp_path / "disk" / "hf"
         watcher = threading.Thread(target=lambda: wait_for_path(hf.with_suffix(".tmp")) and fail())
         watcher.start()
-        with pytest.raises(SystemExit, match=re.escape(f"sfttrain.export: writing {hf} failed: the ") + "(filesystem|disk) of "):
+        with pytest.raises(SystemExit,
+                           match=re.escape(f"sfttrain.export: writing {hf} failed: the ") + "(filesystem|disk) of "):
             export.main([str(run_dir), str(hf)])
         watcher.join()
 
@@ -1134,7 +1137,8 @@ def test_a_save_into_a_run_folder_that_is_gone_is_one_message(tmp_path):
                                         torch.optim.AdamW(model.parameters()), None)
         shutil.rmtree(run_dir)
         with pytest.raises(CheckpointError, match=re.escape(
-                f"the checkpoint of step 1 was not saved: the run folder {run_dir} (trainer.default_local_dir) is gone")):
+                f"the checkpoint of step 1 was not saved: the run folder {run_dir} "
+                "(trainer.default_local_dir) is gone")):
             saver.save(checkpoint.TrainState(step=1), final=True)
         saver.close()
     finally:
@@ -1232,7 +1236,8 @@ def test_a_writer_process_lost_between_saves_is_replaced(data, tmp_path):
     out = log.read_text()
     assert code == 0, out[-3000:]
     assert [s for s, _ in checkpoint_folder.complete_checkpoints(str(run_dir))] == [10, 20, 30, 36], out[-3000:]
-    assert re.search(r"the checkpoint writer process of rank\(s\) \[\d\] had ended \(exit code\(s\) \[-9\]", out), out[-3000:]
+    assert re.search(r"the checkpoint writer process of rank\(s\) \[\d\] had ended \(exit code\(s\) \[-9\]",
+                     out), out[-3000:]
 
 
 def test_a_data_worker_s_death_that_lands_in_a_save_is_passed_on():
@@ -1279,7 +1284,8 @@ def test_a_killed_data_worker_ends_the_job_with_one_message(data, tmp_path, sig)
     message = one_message(subprocess.CompletedProcess(proc.args, proc.returncode, stdout=log.read_text()), 9)
     assert re.search(rf"out of memory: rank 0's DataLoader worker \(pid {worker}\) was killed by {sig.name} in "
                      r"step \d+: ", message), message
-    fix = {signal.SIGKILL: "lower data.num_workers (0 builds them in the rank itself), or give the job more host memory",
+    fix = {signal.SIGKILL: "lower data.num_workers (0 builds them in the rank itself), "
+                           "or give the job more host memory",
            signal.SIGBUS: "`docker run --shm-size=8g`"}[sig]
     assert fix in message, message
     assert re.search(rf"The same command then resumes from {run_dir}/global_step_\d+$", message), message

@@ -367,7 +367,8 @@ def test_a_folder_that_save_to_disk_wrote_reads_as_its_rows(tmp_path):
     import datasets
 
     rows = [{"question": f"question {i}", "answer": f"answer {i}",
-             "messages": [{"role": "user", "content": f"question {i}"}, {"role": "assistant", "content": f"answer {i}"}]}
+             "messages": [{"role": "user", "content": f"question {i}"},
+                          {"role": "assistant", "content": f"answer {i}"}]}
             for i in range(2500)]
     saved = tmp_path / "saved"
     datasets.Dataset.from_list(rows).save_to_disk(str(saved), max_shard_size="100KB")
@@ -383,7 +384,8 @@ def test_a_folder_that_save_to_disk_wrote_reads_as_its_rows(tmp_path):
 
     datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:4]), "test": datasets.Dataset.from_list(rows[:2])}
                          ).save_to_disk(str(tmp_path / "splits"))
-    with pytest.raises(DataError, match=f"a DatasetDict .*: {tmp_path / 'splits' / 'test'}, {tmp_path / 'splits' / 'train'}"):
+    with pytest.raises(DataError, match=f"a DatasetDict .*: {tmp_path / 'splits' / 'test'}, "
+                                        f"{tmp_path / 'splits' / 'train'}"):
         open_source([str(tmp_path / "splits")], FIELDS, run_dir)
 
 

@@ -149,8 +149,8 @@ def test_no_segment_exceeds_the_attention_bound(max_length, pad_to, slices):
 
 
 def test_local_slices_cover_the_row():
-    """Ulysses' slices of a packed row for 2 sp ranks are contiguous, padded to equal length with untrained tokens, keep the true
-    positions and the whole row's boundaries, and their loss tokens add up."""
+    """Ulysses' slices of a packed row for 2 sp ranks are contiguous, padded to equal length with untrained tokens,
+    keep the true positions and the whole row's boundaries, and their loss tokens add up."""
     labels = torch.tensor([[5, IGNORE_INDEX, 7, 8, 9]])
     row = MicroBatch(torch.arange(5)[None], labels, torch.tensor([[0, 1, 2, 0, 1]]),
                      torch.tensor([0, 3, 5], dtype=torch.int32), 3, 4)

@@ -169,7 +169,8 @@ CUSTOM_TEMPLATE = (
 
 def test_chat_template_override(stories, qwen25):
     # a tokenizer without a template works once one is given
-    s = Renderer(stories, max_length=4096, truncation="error", chat_template=CUSTOM_TEMPLATE).render("Hi there", "Hello", 7)
+    s = Renderer(stories, max_length=4096, truncation="error",
+                 chat_template=CUSTOM_TEMPLATE).render("Hi there", "Hello", 7)
     n_prompt = s.loss_mask.index(1)
     assert stories.decode(s.input_ids[:n_prompt]) == "user: Hi there\nassistant: "
     assert supervised(stories, s) == "Hello</s>"
@@ -329,7 +330,8 @@ def test_the_saved_tokenizer_carries_the_template_trained_with(stories, tmp_path
                      f"data.train_files={ASSETS / 'data/gsm8k/test.jsonl'}", f"trainer.default_local_dir={run_dir}",
                      "data.train_batch_size=4", "data.micro_batch_size_per_gpu=4", "trainer.total_training_steps=1"])
     run_sfttrain(1, [str(run_dir / "global_step_1"), str(tmp_path / "out")], module="sfttrain.export")
-    trained = Renderer(stories, max_length=4096, truncation="error", chat_template=CUSTOM_TEMPLATE).render("Hi", "Yo", 0)
+    trained = Renderer(stories, max_length=4096, truncation="error",
+                       chat_template=CUSTOM_TEMPLATE).render("Hi", "Yo", 0)
     prompt = trained.input_ids[:trained.loss_mask.index(1)]
     for folder in (run_dir / "global_step_1" / "hf", tmp_path / "out"):
         saved = AutoTokenizer.from_pretrained(folder)

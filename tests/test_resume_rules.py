@@ -100,15 +100,16 @@ def test_a_resume_path_passed_over_by_auto_is_said(data, saved, tmp_path, capsys
     seed = tmp_path / "seed" / f"global_step_{SAVED_STEP}"
     shutil.copytree(saved / f"global_step_{SAVED_STEP}", seed)
     command = job(data, run_dir, f"trainer.total_training_steps={SAVED_STEP}", f"trainer.resume_from_path={seed}")
-    passed_over = (f"; the run folder's latest checkpoint, not trainer.resume_from_path={seed}: resume_mode=auto resumes "
-                   "the run folder's own checkpoints first (a restart continues its progress) and starts from the path "
-                   "only where the run folder has none; trainer.resume_mode=resume_path resumes from the path\n")
+    passed_over = (f"; the run folder's latest checkpoint, not trainer.resume_from_path={seed}: "
+                   "resume_mode=auto resumes the run folder's own checkpoints first (a restart continues its "
+                   "progress) and starts from the path only where the run folder has none; "
+                   "trainer.resume_mode=resume_path resumes from the path\n")
     out = run_sfttrain(1, command).stdout
     assert f"  resume              : {run_dir / f'global_step_{SAVED_STEP}'} (step {SAVED_STEP}, run id " in out, out
     assert passed_over in out, out
     assert plan.main([*command, "--nproc", "1"]) == 0
-    assert (f"  resume              : from {run_dir / f'global_step_{SAVED_STEP}'} (step {SAVED_STEP}, 0 of {SAVED_STEP} "
-            f"steps left){passed_over}") in capsys.readouterr().out
+    assert (f"  resume              : from {run_dir / f'global_step_{SAVED_STEP}'} (step {SAVED_STEP}, "
+            f"0 of {SAVED_STEP} steps left){passed_over}") in capsys.readouterr().out
 
 
 def test_a_later_checkpoint_without_its_marker_is_said(data, saved, tmp_path, capsys):
@@ -195,7 +196,8 @@ def test_a_key_that_a_newer_sfttrain_records_is_not_a_change_of_data(tmp_path):
     ckpt = tmp_path / "global_step_4"
     ckpt.mkdir()
     schedule = {"optim.lr": 1e-5, "total steps": 10}
-    old = {"data.train_batch_size": 256, "trainer.seed": 1, "data.multiturn": {"enable": True, "messages_key": "messages"}}
+    old = {"data.train_batch_size": 256, "trainer.seed": 1,
+           "data.multiturn": {"enable": True, "messages_key": "messages"}}
     (ckpt / "trainer_state.json").write_text(json.dumps({"step": 4, "global_batch": 256, "seed": 1, "data": old,
                                                               "schedule": schedule}))
     new = {**old, "data.multiturn": {"enable": True, "messages_key": "messages", "system_key": "system"}}
@@ -246,8 +248,9 @@ def test_a_checkpoint_of_another_rendering_resumes_only_where_its_rows_tokens_ar
     notes = resume_with({**old, ROWS_KEY: "a" * 64}, now)
     assert f"data: {RENDERING_KEY}: 1 -> 2 (the rows' tokens are the same)" in notes, notes
     for saved in ({**old, ROWS_KEY: "b" * 64}, old):
-        with pytest.raises(ConfigError, match=re.escape(f"{RENDERING_KEY}: 1 -> 2") + r"[\s\S]*rendered rows otherwise; "
-                                              r"since version 2, an answer is written as the chat template writes it"):
+        with pytest.raises(ConfigError, match=re.escape(f"{RENDERING_KEY}: 1 -> 2") +
+                           r"[\s\S]*rendered rows otherwise; "
+                           r"since version 2, an answer is written as the chat template writes it"):
             resume_with(saved, now)
 
 

@@ -100,7 +100,8 @@ def is_pattern(path: str) -> bool:
 
 
 def pattern_files(pattern: str) -> list[str]:
-    files = sorted(f for f in glob.glob(pattern, recursive=True) if os.path.isfile(f) and data_format(f) in DATA_SUFFIXES)
+    files = sorted(f for f in glob.glob(pattern, recursive=True)
+                   if os.path.isfile(f) and data_format(f) in DATA_SUFFIXES)
     if not files:
         raise DataError(f"{pattern}: no data file ({DATA_PATTERNS}) matches this pattern; "
                         "check data.train_files / data.val_files")
@@ -127,7 +128,8 @@ def folder_files(path: str) -> list[str]:
     if len(by_split.keys() - {None}) > 1:
         raise DataError(f"{path}: its files are named for several splits, which read whole would all be trained on; "
                         "name one split's files (or list the files): " +
-                        "; ".join(f"{split}: {split_pattern(path, names)}" for split, names in by_split.items() if split))
+                        "; ".join(f"{split}: {split_pattern(path, names)}"
+                                  for split, names in by_split.items() if split))
     return [os.path.join(path, name) for name in found]
 
 
@@ -254,7 +256,8 @@ def convert_csv(source: str, target: str) -> None:
     try:
         reader = pacsv.open_csv(source, read_options=pacsv.ReadOptions(block_size=CHUNK_CHARS),
                                 parse_options=pacsv.ParseOptions(delimiter=delimiter, newlines_in_values=True),
-                                convert_options=pacsv.ConvertOptions(column_types={name: pa.string() for name in header}))
+                                convert_options=pacsv.ConvertOptions(
+                                    column_types={name: pa.string() for name in header}))
         _write_batches(source, target, reader.schema, iter(reader))
     except pa.ArrowInvalid as e:
         if "invalid UTF8" in str(e):  # pyarrow names neither the line nor the bytes
@@ -268,7 +271,8 @@ def convert_json(source: str, target: str) -> None:
     head = list(itertools.islice(records(source), 2))
     if len(head) == 1 and (orient := pandas_orient(head[0][1])):
         raise DataError(f"{source}: the file is one object holding the whole table, as pandas' DataFrame.to_json("
-                        f"orient={orient!r}) writes it{' (its default)' * (orient == 'columns')}, not a row per object; "
+                        f"orient={orient!r}) writes it{' (its default)' * (orient == 'columns')}, "
+                        "not a row per object; "
                         "write the rows instead: df.to_json(path, orient='records', lines=True)")
     keys = list(dict.fromkeys(key for _, row in records(source) for key in row))  # first-seen order
     if not keys:

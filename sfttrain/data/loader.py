@@ -192,8 +192,8 @@ def describe_workers(num_workers: int, ranks_here: int, cpus: int, where: str = 
         share = cpus // ranks_here
         fix = (f"data.num_workers={share - 1} gives each rank and its workers {share} CPUs" if share > 1 else
                "data.num_workers=0 builds the steps in the ranks themselves, with no processes of their own")
-        lines.append(f"  WARNING: {processes} data workers and {ranks_here} ranks share {where}'s {cpus} CPUs: they take "
-                     f"turns, and the ranks wait for the CPU as well as for their steps. {fix}")
+        lines.append(f"  WARNING: {processes} data workers and {ranks_here} ranks share {where}'s {cpus} CPUs: "
+                     f"they take turns, and the ranks wait for the CPU as well as for their steps. {fix}")
     return lines
 
 

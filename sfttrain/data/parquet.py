@@ -56,7 +56,8 @@ class PromptResponse:
         prompts, responses = ([_text(v, path, group, i) for i, v in zip(locals_, _cells(table, path[0]))]
                               if path else [""] * len(locals_) for path in (self.prompt_path, self.response_path))
         for key in self.joined_keys:
-            texts = [None if v in (None, "") else _text(v, [key], group, i) for i, v in zip(locals_, _cells(table, key))]
+            texts = [None if v in (None, "") else _text(v, [key], group, i)
+                     for i, v in zip(locals_, _cells(table, key))]
             prompts = [f"{p}\n{t}" if p and t else p or t or "" for p, t in zip(prompts, texts)]
         return prompts, responses
 

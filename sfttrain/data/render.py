@@ -13,8 +13,8 @@ from sfttrain.data.template import (DROPPED_FIX, TEMPLATE_FIX, AnswerNotLocated,
 # in the data fingerprint: raised with every change that renders the same rows to other tokens
 RENDERING_VERSION = 2
 RENDERING_CHANGE = ("an answer is written as the chat template writes it: ended with its end-of-turn token where the "
-                    "tokenizer's EOS differs, trimmed or spaced where the template trims or spaces it, Qwen3's with its "
-                    "empty think block")  # said where a resume meets the old version
+                    "tokenizer's EOS differs, trimmed or spaced where the template trims or spaces it, Qwen3's with "
+                    "its empty think block")  # said where a resume meets the old version
 
 
 @dataclass(frozen=True)

@@ -116,9 +116,9 @@ def describe(report: dict) -> str:
         lines.append(f"  WARNING: data.truncation=left cut the start of {trunc['count']} samples (BOS, system "
                      f"prompt and the prompt's beginning), e.g. rows {_row_list(trunc)}")
     if (empty := report["empty_responses"]) and empty["count"]:
-        lines.append(f"  WARNING: rows {_row_list(empty)} ({empty['count']} in all) have an empty response: the end token "
-                     "alone is trained on them (the model learns to answer nothing). Fill in their responses or leave "
-                     "them out")
+        lines.append(f"  WARNING: rows {_row_list(empty)} ({empty['count']} in all) have an empty response: "
+                     "the end token alone is trained on them (the model learns to answer nothing). Fill in their "
+                     "responses or leave them out")
     if (val := report.get("validation")) and (twins := val["in_training"])["count"]:
         lines.append(f"  WARNING: validation rows {_listed(twins['rows'], twins['count'])} ({twins['count']} of "
                      f"{val['rows']}) are training rows {_listed(twins['training_rows'], twins['count'])} (the same "

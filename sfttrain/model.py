@@ -174,8 +174,8 @@ def check_model_folder(cfg: ModelConfig, path: str) -> None:
     config = os.path.join(path, "config.json")
     check_readable(cfg, [path, config])
     if not os.path.isfile(config):
-        instead = not_a_model_folder(path) or ("is not a local model folder with a config.json, nor a hub id (org/name, "
-                                               "such as Qwen/Qwen2.5-0.5B-Instruct)")
+        instead = not_a_model_folder(path) or ("is not a local model folder with a config.json, nor a hub id "
+                                               "(org/name, such as Qwen/Qwen2.5-0.5B-Instruct)")
         raise ConfigError(f"model.partial_pretrain={cfg.partial_pretrain!r} {instead}")
     try:
         AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)

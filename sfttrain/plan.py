@@ -134,7 +134,8 @@ def activation_bytes(shape: DenseShape, tokens: int, recomputed: int, value_byte
     if keep_attention:
         kept += attention_output_bytes(shape, value_bytes) + key_value_bytes(shape, value_bytes)
     if keep_qkv:
-        kept += shape.heads * shape.head_dim * value_bytes + (0 if keep_attention else key_value_bytes(shape, value_bytes))
+        kept += (shape.heads * shape.head_dim * value_bytes
+                 + (0 if keep_attention else key_value_bytes(shape, value_bytes)))
     return (shape.layers - recomputed) * per_layer + recomputed * tokens * kept + (per_layer if recomputed else 0)
 
 
@@ -194,7 +195,8 @@ def memory_per_rank(cfg: Config, shape: DenseShape, dp_size: int) -> dict[str, f
     elif autocast:
         out["bf16 weights (autocast copies)"] = autocast_copy_params(cfg, shape) * 2
     out[f"activations ({'with' if m.enable_gradient_checkpointing else 'without'} checkpointing)"] = activations
-    out["backward: one layer's MLP gradients"] = backward_bytes(shape, cfg.micro_batch_tokens(), compute, m.lora_rank > 0)
+    out["backward: one layer's MLP gradients"] = backward_bytes(shape, cfg.micro_batch_tokens(), compute,
+                                                                m.lora_rank > 0)
     out[f"logits / loss chunk ({m.loss_chunk_tokens} tokens x {shape.vocab} vocab)"] = logits
     if m.lora_rank == 0 and not m.use_liger:
         weight_bytes = compute if shard > 1 else DTYPE_BYTES[fsdp.model_dtype]  # the head's weight in the loss
@@ -207,7 +209,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(prog="python -m sfttrain.plan", description=__doc__.split("\n\n")[0],
                                      usage="%(prog)s [recipe.yaml] [key=value ...] --nproc N [--nnodes M] "
                                            "[--elsewhere]")
-    parser.add_argument("--nproc", type=int, required=True, help="GPUs (ranks) per node, as torchrun's --nproc_per_node")
+    parser.add_argument("--nproc", type=int, required=True,
+                        help="GPUs (ranks) per node, as torchrun's --nproc_per_node")
     parser.add_argument("--nnodes", type=int, default=1, help="nodes, as torchrun's --nnodes")
     parser.add_argument("--elsewhere", action="store_true",
                         help="the run starts on other machines: data and run folders missing here are notes")
@@ -310,7 +313,8 @@ def memory_section(cfg: Config, dp_size: Optional[int], folder: Optional[str], f
     other = activation_bytes(shape, cfg.micro_batch_tokens(), 0 if checkpointing else shape.layers, compute_bytes(cfg),
                              wants_attention_kept(cfg.model, cfg.data.max_length), not cfg.model.recompute_qkv) / GIB
     lines.append(f"  activations of {cfg.micro_batch_tokens()} tokens per micro-batch; with "
-                 f"model.enable_gradient_checkpointing={str(not checkpointing).lower()} they would take {other:.2f} GiB")
+                 f"model.enable_gradient_checkpointing={str(not checkpointing).lower()} "
+                 f"they would take {other:.2f} GiB")
     return lines
 
 

@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 from sfttrain import checks, checkpoint, export, fp8, lora, moe, phase, profiling, recompute, stop_signal
 from sfttrain.attention import describe_backend, fallback_warning
-from sfttrain.checkpoint_folder import (complete_checkpoints, describe_retention, is_complete, read_state, remove_stale_tmp)
+from sfttrain.checkpoint_folder import (complete_checkpoints, describe_retention, is_complete, read_state,
+                                        remove_stale_tmp)
 from sfttrain.config import Config, logger_names, moot_settings
 from sfttrain.data.loader import (StepBatch, TrainData, cpus_of_this_process, describe_workers, step_batches,
                                   validation_batches)
@@ -309,7 +310,8 @@ class FSDPSFTTrainer:
         who = f"{stop_signal.received() or 'SIGTERM'} received" if own else "another rank received SIGTERM"
         raise StoppedBySignal(
             f"{who}: training stopped after step {self.state.step} of {self.plan.total_steps}, whose checkpoint "
-            f"{os.path.join(self.run_dir, f'global_step_{self.state.step}')} is committed. {what_next(self.cfg.trainer)}")
+            f"{os.path.join(self.run_dir, f'global_step_{self.state.step}')} is committed. "
+            f"{what_next(self.cfg.trainer)}")
 
     def export_hf(self) -> None:
         """trainer.save_hf: exports the final committed checkpoint (again, where its export had failed)."""

@@ -25,9 +25,11 @@ def misspelled_file(tmp: Path) -> list[str]:
 # each case: the overrides that make the mistake (given the test's folder), and the keys its problem names
 CASES = {
     "a data file misspelled": (misspelled_file, {"data.train_files"}),
-    "a validation file missing": (lambda tmp: [f"data.val_files={tmp / 'nowhere' / 'val.parquet'}"], {"data.val_files"}),
+    "a validation file missing": (lambda tmp: [f"data.val_files={tmp / 'nowhere' / 'val.parquet'}"],
+                                  {"data.val_files"}),
     "max_length above the model's positions": (lambda tmp: ["data.max_length=1024"],
-                                               {"data.max_length", "data.truncation", "data.allow_beyond_max_position"}),
+                                               {"data.max_length", "data.truncation",
+                                                "data.allow_beyond_max_position"}),
     "a batch that does not divide": (lambda tmp: ["data.train_batch_size=7", "data.micro_batch_size_per_gpu=2"],
                                      {"data.train_batch_size", "data.micro_batch_size_per_gpu"}),
     "a row too long": (lambda tmp: ["data.truncation=error", "data.max_length=64"],

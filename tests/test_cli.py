@@ -56,7 +56,8 @@ def test_help_lists_every_key_with_its_default():
     assert "optim.lr=1e-05" in optim and "data." not in optim
     bad = subprocess.run([sys.executable, "-m", "sfttrain.run", "--help", "nope"], cwd=REPO, capture_output=True,
                          text=True)
-    assert bad.returncode == 2 and "sections: data, data.multiturn, model, model.fsdp_config, optim, trainer" in bad.stderr
+    assert bad.returncode == 2 and ("sections: data, data.multiturn, model, model.fsdp_config, optim, trainer"
+                                    in bad.stderr)
 
 
 def test_help_finds_keys_by_a_word_or_another_trainers_name():

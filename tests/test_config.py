@@ -15,7 +15,8 @@ COMMON = ["data.train_files=x.parquet", "model.partial_pretrain=m"]
     ("model.fsdp_config.mixed_precision.buffer_dtype=bf16", "buffer_dtype='bf16'.*set it to fp32"),
     ("model.fsdp_config.model_dtype=fp16", "fp16 .*needs loss scaling.*use bf16"),
     ("model.fsdp_config.mixed_precision.param_dtype=fp16", "fp16 .*needs loss scaling"),
-    ("trainer.logger=[console,tensorboard]", r"logger='tensorboard' is not one of .*metrics.jsonl .*sfttrain.plot.* wandb"),
+    ("trainer.logger=[console,tensorboard]",
+     r"logger='tensorboard' is not one of .*metrics.jsonl .*sfttrain.plot.* wandb"),
 ])
 def test_silently_ignored_verl_values_are_refused(override, message):
     with pytest.raises(ConfigError, match=message):
@@ -62,7 +63,8 @@ def test_verls_dynamic_batch_switch_agrees_with_the_token_budget():
         load_config(overrides=[*COMMON, "data.use_dynamic_bsz=true"])
     load_config(overrides=[*COMMON, "data.use_dynamic_bsz=true", "data.max_token_len_per_gpu=8192"])
     with pytest.raises(ConfigError, match=r"data.use_dynamic_bsz=false runs micro-batches of data.micro_batch_size_per"
-                                          r"_gpu=4 samples, but data.max_token_len_per_gpu=8192 .*remove data.max_token"):
+                                          r"_gpu=4 samples, but data.max_token_len_per_gpu=8192 "
+                                          r".*remove data.max_token"):
         load_config(overrides=[*COMMON, "data.use_dynamic_bsz=false", "data.max_token_len_per_gpu=8192"])
 
 
@@ -80,8 +82,9 @@ def test_no_shard_refuses_what_needs_shards(overrides, message):
 def test_verls_sft_trainer_yaml_keys_that_say_none(capsys):
     """The keys of verl's own sft_trainer.yaml that name what sfttrain does not have load where they
     say none (their values there), each said once; a value is refused with why and what to do."""
-    cfg = load_config(overrides=[*COMMON, "data.custom_cls.path=null", "data.custom_cls.name=null", "data.image_key=null",
-                                 "model.external_lib=null", "trainer.resume_path=null", "data.processor.use_fast=true"])
+    cfg = load_config(overrides=[*COMMON, "data.custom_cls.path=null", "data.custom_cls.name=null",
+                                 "data.image_key=null", "model.external_lib=null", "trainer.resume_path=null",
+                                 "data.processor.use_fast=true"])
     assert cfg.trainer.resume_from_path is None
     out = capsys.readouterr().out
     for key in ("data.custom_cls={path: null, name: null}", "data.image_key=null", "model.external_lib=null",
@@ -109,7 +112,8 @@ def test_verls_checkpoint_contents(tmp_path, capsys):
            "${trainer.checkpoint.save_contents}): sfttrain's checkpoints always hold" in capsys.readouterr().out
     cfg = load_config(str(yaml), [*COMMON, "trainer.checkpoint.save_contents=[model,optimizer,extra,hf_model]"])
     assert cfg.trainer.save_hf is True and "hf_model is trainer.save_hf=true" in capsys.readouterr().out
-    for override, message in [("+trainer.checkpoint.save_contents=[model,hf]", r"\['hf'\] unknown; verl's contents are"),
+    for override, message in [("+trainer.checkpoint.save_contents=[model,hf]",
+                               r"\['hf'\] unknown; verl's contents are"),
                               ("trainer.checkpoint.keep=2", "trainer.checkpoint.keep: unknown key")]:
         with pytest.raises(ConfigError, match=message):
             load_config(overrides=[*COMMON, override])
@@ -159,7 +163,8 @@ def test_values_are_still_yaml_where_yaml_reads_them():
     assert (cfg.data.prompt_key, cfg.data.val_files, cfg.optim.betas) == ("a b", None, [0.8, 0.9])
     assert cfg.trainer.logger == ["console", "wandb"]
     one = load_config(overrides=[*COMMON, "data.prompt_dict_keys=question", "data.response_dict_keys=[answer]"])
-    assert (one.data.prompt_dict_keys, one.data.response_dict_keys) == (["question"], ["answer"])  # a word: a list of one
+    # a word: a list of one
+    assert (one.data.prompt_dict_keys, one.data.response_dict_keys) == (["question"], ["answer"])
 
 
 def test_hydra_config_path_and_name_name_the_yaml_file(tmp_path):
@@ -167,7 +172,8 @@ def test_hydra_config_path_and_name_name_the_yaml_file(tmp_path):
     the overrides after it as ever; naming a file both ways, or a path without a name, is refused."""
     from sfttrain.run import parse_args
 
-    (tmp_path / "my_sft.yaml").write_text("data:\n  train_files: x.parquet\n  max_length: 77\nmodel:\n  partial_pretrain: m\n")
+    (tmp_path / "my_sft.yaml").write_text("data:\n  train_files: x.parquet\n  max_length: 77\n"
+                                          "model:\n  partial_pretrain: m\n")
     for argv in (["--config-path", str(tmp_path), "--config-name", "my_sft", "optim.lr=2e-5"],
                  [f"--config-path={tmp_path}", "--config-name=my_sft.yaml", "optim.lr=2e-5"],
                  ["optim.lr=2e-5", "-cn", "my_sft", "-cp", str(tmp_path)]):
@@ -258,7 +264,8 @@ def test_keys_a_mode_does_not_read_are_said_at_start_up(overrides, note):
     assert moot_settings(load_config(overrides=COMMON)) == []
     used = {"model.lora_alpha=64": "model.lora_rank=8", "data.multiturn.enable=true": "data.multiturn.enable=false",
             "data.multiturn.messages_key=conversations": "data.multiturn.enable=true",
-            "optim.lr_scheduler=constant": "optim.lr_scheduler=cosine", "optim.lr_warmup_steps=5": "optim.lr_warmup_steps=-1",
+            "optim.lr_scheduler=constant": "optim.lr_scheduler=cosine",
+            "optim.lr_warmup_steps=5": "optim.lr_warmup_steps=-1",
             "trainer.test_freq=10": "data.val_files=v.parquet", "trainer.async_save=false": "trainer.async_save=true",
             "trainer.default_local_dir=/runs/a": "trainer.logger=wandb"}[overrides[0]]
     assert moot_settings(load_config(overrides=[*COMMON, *overrides, used])) == []
@@ -273,7 +280,8 @@ def test_runtime_notes_for_settings_a_device_or_layout_ignores():
 
     cfg = load_config(overrides=[*COMMON, "model.fsdp_config.forward_prefetch=true"])
     assert describe_sharding(None, cfg, "single") == ("one device, not sharded; model.fsdp_config.forward_prefetch="
-                                                      "true ignored: nothing is gathered (it applies to sharded models)")
+                                                      "true ignored: nothing is gathered "
+                                                      "(it applies to sharded models)")
     cpu = types.SimpleNamespace(device=__import__("torch").device("cpu"))
     cfg = load_config(overrides=[*COMMON, "model.compile=true", "model.compile_cpp_wrapper=true"])
     assert "(model.compile_cpp_wrapper=true ignored on cpu: " in describe_compile(cfg, cpu, None)
@@ -289,7 +297,8 @@ def test_a_run_that_auto_places_on_the_cpu_says_so():
     cpu = torch.device("cpu")
     note = describe_auto_cpu(load_config(overrides=COMMON), cpu)
     why = "is a CPU-only build" if torch.version.cuda is None else "sees no CUDA device (CUDA_VISIBLE_DEVICES="
-    assert len(note) == 1 and note[0].startswith("  NOTE: trainer.device=auto runs on the CPU: torch ") and why in note[0]
+    assert (len(note) == 1 and note[0].startswith("  NOTE: trainer.device=auto runs on the CPU: torch ")
+            and why in note[0])
     assert "Set trainer.device=cuda to stop instead" in note[0], note
     assert describe_auto_cpu(load_config(overrides=[*COMMON, "trainer.device=cpu"]), cpu) == []
 

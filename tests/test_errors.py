@@ -90,8 +90,8 @@ def catalogue(tmp: Path) -> dict[str, Case]:
             "trainer.logger=console"], DEPENDENCY,
             env={"WANDB_MODE": "online", "WANDB_API_KEY": "", "HOME": str(home), "NETRC": str(home / ".netrc")}),
         "non_divisible_batch": Case(["data.train_batch_size=10", "data.micro_batch_size_per_gpu=4"], [
-            "data.train_batch_size=10 gives 5 samples per data-parallel rank over 2 data-parallel ranks, not divisible by "
-            "data.micro_batch_size_per_gpu=4; use data.train_batch_size=8 or 16"], CONFIG, nproc=2),
+            "data.train_batch_size=10 gives 5 samples per data-parallel rank over 2 data-parallel ranks, "
+            "not divisible by data.micro_batch_size_per_gpu=4; use data.train_batch_size=8 or 16"], CONFIG, nproc=2),
         "missing_model": Case([f"model.partial_pretrain={tmp}/no_model"], ["no_model", "not a local model folder"],
                               CONFIG),
         "missing_chat_template": Case(["data.apply_chat_template=true"], [
@@ -115,7 +115,8 @@ def catalogue(tmp: Path) -> dict[str, Case]:
             "rope_scaling rope_type='dynamic'", "data.max_length=256 above original_max_position_embeddings=128",
             "Set data.max_length<=128"], CONFIG),
         "token_past_the_embedding": Case([f"model.partial_pretrain={added}"], [
-            "train.parquet", "row 0: the row has token ids [512] (['Natalia']) at or past the model's 512 embedding rows",
+            "train.parquet",
+            "row 0: the row has token ids [512] (['Natalia']) at or past the model's 512 embedding rows",
             "resize_token_embeddings"], DATA),
         # a seed article's sbatch: `#SBATCH --ntasks-per-node=8`, then `srun torchrun --nproc_per_node=8 ...`
         "torchrun_per_task": Case([], ["srun started 8 tasks on a node (SLURM_STEP_TASKS_PER_NODE=8(x2))",
@@ -179,7 +180,8 @@ def launcher_traceback_only(out: str) -> bool:
 
 CASES = ["misspelled_key", "wrong_type", "yaml_syntax", "nan_lr", "missing_wandb", "wandb_not_logged_in",
          "non_divisible_batch",
-         "missing_model", "missing_chat_template", "template_file_fails", "template_text_fails", "template_fails_on_a_row",
+         "missing_model", "missing_chat_template", "template_file_fails", "template_text_fails",
+         "template_fails_on_a_row",
          "multiturn_without_template", "messages_read_as_prompt", "batch_dependent_rope", "profile_beyond_the_run",
          "token_past_the_embedding", "torchrun_per_task",
          "missing_column", "missing_path", "hub_dataset_id", "empty_file", "zero_byte_parquet", "over_length_row",
@@ -268,8 +270,8 @@ def test_collective_timeout_names_the_phase(gsm8k_head, tmp_path):
     sfttrain.run wraps the training in, turns on faulthandler)."""
     run_dir, log = tmp_path / "run", tmp_path / "log"
     proc = launch(2, [*BASE_OVERRIDES, f"data.train_files={gsm8k_head}", f"trainer.default_local_dir={run_dir}",
-                      "data.train_batch_size=4", "data.micro_batch_size_per_gpu=2", "trainer.total_training_steps=100000",
-                      "trainer.nccl_timeout=20"],
+                      "data.train_batch_size=4", "data.micro_batch_size_per_gpu=2",
+                      "trainer.total_training_steps=100000", "trainer.nccl_timeout=20"],
                   log)
     try:
         deadline = time.monotonic() + 300
@@ -301,8 +303,8 @@ def ctrl_c_job(gsm8k_head: Path, run_dir: Path, log: Path, *overrides: str) -> t
     """A 2-rank job given SIGINT at both ranks at once, as a terminal's Ctrl-C reaches them, once a step is
     logged: (its exit code, its output)."""
     proc = launch(2, [*BASE_OVERRIDES, f"data.train_files={gsm8k_head}", f"trainer.default_local_dir={run_dir}",
-                      "data.train_batch_size=4", "data.micro_batch_size_per_gpu=2", "trainer.total_training_steps=100000",
-                      *overrides], log)
+                      "data.train_batch_size=4", "data.micro_batch_size_per_gpu=2",
+                      "trainer.total_training_steps=100000", *overrides], log)
     try:
         deadline = time.monotonic() + 300
         while logged_steps(run_dir) < 1 and time.monotonic() < deadline and proc.poll() is None:
@@ -329,8 +331,8 @@ def test_ctrl_c_saves_and_stops_as_sigterm_does(gsm8k_head, tmp_path):
     code, out = ctrl_c_job(gsm8k_head, run_dir, tmp_path / "log", "trainer.save_freq=100000")
     said = [line for line in out.splitlines() if line.startswith("sfttrain: ")]
     assert len(said) == 1 and code == 8, out[-3000:]
-    stopped = re.search(rf"training stopped after step (\d+) of 100000, whose checkpoint {run_dir}/global_step_(\d+) is "
-                        r"committed\. ", said[0])
+    stopped = re.search(rf"training stopped after step (\d+) of 100000, whose checkpoint "
+                        rf"{run_dir}/global_step_(\d+) is committed\. ", said[0])
     assert stopped and stopped[1] == stopped[2], said[0]
     assert is_complete(str(run_dir / f"global_step_{stopped[1]}")), said[0]
 
@@ -412,7 +414,8 @@ def run_under_memory_limit(tmp_path: Path, gsm8k_dir: Path, name: str, shape: di
                "model.random_init=true", f"data.train_files={gsm8k_dir}/train.parquet",
                f"trainer.default_local_dir={tmp_path / name}_run", *overrides]
     hidden = {"CUDA_VISIBLE_DEVICES": ""} if limit_host else {}
-    return subprocess.run(command, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2", **hidden},
+    return subprocess.run(command, cwd=REPO,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2", **hidden},
                           preexec_fn=limit if limit_host else None, capture_output=True, text=True, timeout=300)
 
 
@@ -447,7 +450,8 @@ def test_out_of_gpu_memory_is_the_same_one_message(gsm8k_dir, tmp_path):
                                   "data.train_batch_size=128", "data.micro_batch_size_per_gpu=128", limit_host=False)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 9 and "Traceback" not in out, out[-3000:]
-    assert "sfttrain: out of memory: rank 0 ran out of GPU memory in step 1 (CUDA out of memory. Tried to allocate" in out
+    assert ("sfttrain: out of memory: rank 0 ran out of GPU memory in step 1 (CUDA out of memory. "
+            "Tried to allocate") in out
 
 
 def worker_job(gsm8k_dir: Path, run_dir: Path) -> list[str]:
@@ -490,9 +494,9 @@ def test_data_workers_that_find_shared_memory_full(gsm8k_dir, tmp_path):
     out = run_alone(worker_job(gsm8k_dir, tmp_path / "run"), prefix=small_shm, timeout=120).stdout
     printed = [line for line in out.splitlines() if line.startswith("sfttrain: ")]
     assert len(printed) == 1 and "Traceback" not in out, out[-3000:]
-    assert printed[0].startswith("sfttrain: out of memory: rank 0's DataLoader worker could not hand a step over in "
-                                 "step 1: the shared memory (/dev/shm) is full (RuntimeError: unable to allocate shared "
-                                 "memory"), out[-3000:]
+    assert printed[0].startswith("sfttrain: out of memory: rank 0's DataLoader worker could not hand a step over "
+                                 "in step 1: the shared memory (/dev/shm) is full (RuntimeError: unable to allocate "
+                                 "shared memory"), out[-3000:]
     assert "`docker run --shm-size=8g`" in printed[0] and "data.num_workers=0" in printed[0], out[-3000:]
 
 

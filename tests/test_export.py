@@ -198,7 +198,8 @@ def test_a_base_model_trained_on_the_template_stops_at_its_end_of_turn(tiny_qwen
     base = tmp_path / "base"
     AutoModelForCausalLM.from_pretrained(tiny_qwen_dir).save_pretrained(base)
     AutoTokenizer.from_pretrained(tiny_qwen_dir, eos_token="<|endoftext|>").save_pretrained(base)
-    GenerationConfig(bos_token_id=151643, eos_token_id=151643, do_sample=False, max_new_tokens=2048).save_pretrained(base)
+    GenerationConfig(bos_token_id=151643, eos_token_id=151643, do_sample=False,
+                     max_new_tokens=2048).save_pretrained(base)
     train = tmp_path / "train.parquet"
     pq.write_table(pq.read_table(gsm8k_dir / "train.parquet").slice(0, 8), train)
     run_dir = tmp_path / "run"

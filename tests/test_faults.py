@@ -164,7 +164,8 @@ def test_the_errno_is_found_where_a_library_keeps_it(run_dir):
     from safetensors import SafetensorError
     from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
 
-    with pytest.raises(OSError) as arrow, pa.OSFile("/dev/full", "wb") as f:  # (pq.write_table unlinks a path it failed on)
+    # (pq.write_table unlinks a path it failed on)
+    with pytest.raises(OSError) as arrow, pa.OSFile("/dev/full", "wb") as f:
         f.write(b"x")
     rust = SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left '
                            'on device" })')
@@ -281,12 +282,13 @@ def test_a_data_worker_killed(tmp_path, sig):
 def test_a_data_worker_that_finds_shared_memory_full(run_dir):
     """A worker's own error (libshm's RuntimeError, no errno) re-raised in the rank with its traceback as text."""
     error = RuntimeError("Caught RuntimeError in DataLoader worker process 0.\nOriginal Traceback (most recent call "
-                         "last):\n  File \"x.py\", line 1\nRuntimeError: unable to allocate shared memory(shm) for file "
-                         "</torch_7_1>: Resource temporarily unavailable (11)")
+                         "last):\n  File \"x.py\", line 1\nRuntimeError: unable to allocate shared memory(shm) "
+                         "for file </torch_7_1>: Resource temporarily unavailable (11)")
     stop = faults.classify(error, config(run_dir), 0, "step 1")
     assert isinstance(stop, OutOfMemory), stop
-    assert str(stop) == ("rank 0's DataLoader worker could not hand a step over in step 1: the shared memory (/dev/shm) "
-                         "is full (RuntimeError: unable to allocate shared memory(shm) for file </torch_7_1>: Resource "
+    assert str(stop) == ("rank 0's DataLoader worker could not hand a step over in step 1: the shared memory "
+                         "(/dev/shm) is full (RuntimeError: unable to allocate shared memory(shm) for file "
+                         "</torch_7_1>: Resource "
                          f"temporarily unavailable (11)). {faults.SHARED_MEMORY_FIX}. The same command then resumes "
                          f"from {run_dir}/global_step_2")
 

@@ -101,8 +101,8 @@ def test_memory_rows_of_the_weights_are_what_a_step_holds(lora):
     from sfttrain.optim import build_optimizer
     from sfttrain.plan import memory_per_rank
 
-    cfg = load_config(None, [f"model.partial_pretrain={STORIES}", "data.train_files=x", "model.fsdp_config.model_dtype=fp32",
-                             "model.fsdp_config.mixed_precision=true", *lora])
+    cfg = load_config(None, [f"model.partial_pretrain={STORIES}", "data.train_files=x",
+                             "model.fsdp_config.model_dtype=fp32", "model.fsdp_config.mixed_precision=true", *lora])
     model = loaded_stories(cfg)
     optimizer = build_optimizer(model, cfg.optim)
     lm = CausalLMLoss(model, fused=False)
@@ -150,8 +150,8 @@ def test_activation_row_counts_the_layers_that_are_not_recomputed():
 
 
 def test_checkpoint_size_estimates_are_the_tensors_a_checkpoint_holds(two_rank_run):
-    """The preflight's checkpoint size (of the model it builds on the meta device) and the start-up's (of the loaded model)
-    against the tensors the metadata of conftest's two-rank FSDP checkpoint lists (fp32 stories260K,
+    """The preflight's checkpoint size (of the model it builds on the meta device) and the start-up's (of the loaded
+    model) against the tensors the metadata of conftest's two-rank FSDP checkpoint lists (fp32 stories260K,
     its tied embedding saved under both names, AdamW's two moments)."""
     from sfttrain.checkpoint import estimated_bytes
     from sfttrain.config import load_config
@@ -289,11 +289,13 @@ def test_plan_lists_every_problem_with_a_valid_fix(tmp_path):
     code, out = run_plan(f"data.train_files={tmp_path}/absent.parquet", f"model.partial_pretrain={tmp_path}/none",
                          "data.train_batch_size=7", "--nproc", "2")
     assert code == 2
-    assert f"data file '{tmp_path}/absent.parquet' does not exist (check data.train_files)" in out.split("problems:")[1], out
+    assert (f"data file '{tmp_path}/absent.parquet' does not exist (check data.train_files)"
+            in out.split("problems:")[1]), out
     assert "data.train_batch_size=7 is not divisible by the 2 data-parallel ranks; use data.train_batch_size=8" in out
     assert f"model.partial_pretrain='{tmp_path}/none' is not a local model folder with a config.json" in out
-    code, out = run_plan(f"data.train_files={tmp_path}/absent.parquet", "--elsewhere", f"model.partial_pretrain={STORIES}",
-                         "data.train_batch_size=8", "data.max_length=512", "--nproc", "2")
+    code, out = run_plan(f"data.train_files={tmp_path}/absent.parquet", "--elsewhere",
+                         f"model.partial_pretrain={STORIES}", "data.train_batch_size=8", "data.max_length=512",
+                         "--nproc", "2")
     assert code == 0 and "steps per epoch unknown" in out  # --elsewhere: data only on the cluster, said, not an error
     code, out = run_plan(f"data.train_files={tmp_path}/absent.parquet", f"model.partial_pretrain={tmp_path}/none",
                          "data.train_batch_size=8", "--nproc", "2", "--elsewhere")
@@ -387,7 +389,8 @@ def test_preflight_lists_what_the_run_would_stop_on(gsm8k_head, tmp_path):
 
     # the training files are here and the validation file is not: a mistyped path, which the run stops on
     mistyped = gsm8k_head.parent / "tset.parquet"
-    code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={gsm8k_head}", f"data.val_files={mistyped}", "--nproc", "1")
+    code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={gsm8k_head}", f"data.val_files={mistyped}",
+                         "--nproc", "1")
     assert code == 2 and (f"data file '{mistyped}' does not exist (check data.val_files; did you mean {gsm8k_head}?)"
                           in out.split("problems:")[1]), out
     # so is a training file listed beside one that is here, with the existing name nearest to it
@@ -401,13 +404,15 @@ def test_preflight_lists_what_the_run_would_stop_on(gsm8k_head, tmp_path):
     assert code == 0 and f"  files               : 1: {gsm8k_head} ({rows} rows)" in out, out
     # a file listed twice is read twice: said as such (it was one file of twice its rows)
     code, out = run_plan(*BASE_OVERRIDES, f"data.train_files=[{gsm8k_head},{gsm8k_head}]", "--nproc", "1")
-    assert code == 0 and (f"  files               : 2: {gsm8k_head} ({rows} rows), {gsm8k_head} ({rows} rows); listed more "
-                          f"than once: {gsm8k_head} 2 times, so its rows train as many times an epoch") in out, out
+    assert code == 0 and (f"  files               : 2: {gsm8k_head} ({rows} rows), {gsm8k_head} ({rows} rows); "
+                          f"listed more than once: {gsm8k_head} 2 times, so its rows train as many times "
+                          f"an epoch") in out, out
 
     # a hub dataset's id (TRL's way) is not on this machine, nor on any other: the problem says what to do
     code, out = run_plan(*BASE_OVERRIDES, "data.train_files=openai/gsm8k", "--nproc", "1")
     problems = out.split("problems:")[1]
-    assert code == 2 and "'openai/gsm8k' does not exist" in problems and "looks like a Hugging Face hub dataset id" in problems, out
+    assert (code == 2 and "'openai/gsm8k' does not exist" in problems
+            and "looks like a Hugging Face hub dataset id" in problems), out
 
     code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={gsm8k_head}", "trainer.total_training_steps=3",
                          "trainer.profile_steps=[3,4]", "optim.lr_warmup_steps=10", "--nproc", "1")
@@ -445,8 +450,9 @@ def tiny_moe(tmp: Path) -> Path:
     """A 2-layer Qwen3-MoE with random weights and stories260K's tokenizer."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model("qwen3_moe", vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+    config = AutoConfig.for_model("qwen3_moe", vocab_size=512, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                  num_experts=4,
                                   num_experts_per_tok=2, moe_intermediate_size=16, max_position_embeddings=512)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp / "moe")
@@ -465,7 +471,8 @@ def resume_into_another_model(tmp: Path, job: list[str]) -> list[str]:
 def a_checkpoint_as_the_model(tmp: Path, job: list[str]) -> list[str]:
     """The job run once; its run folder then given as the model to fine-tune (the export was meant)."""
     run_sfttrain(1, job)
-    return [f"model.partial_pretrain={next(a for a in job if a.startswith('trainer.default_local_dir=')).split('=', 1)[1]}",
+    return [f"model.partial_pretrain="
+            f"{next(a for a in job if a.startswith('trainer.default_local_dir=')).split('=', 1)[1]}",
             f"trainer.default_local_dir={tmp / 'next_run'}"]
 
 
@@ -504,7 +511,8 @@ def tokenizer_cut_short(tmp: Path, job: list[str]) -> list[str]:
 # at the first of, or said in other words: for each, the key (or file) the refusal names and the
 # overrides that make it, given the test's folder and the job (set up there where the mistake needs it)
 REFUSALS = {
-    "config: every mistake, not the first": ("trainer.log_freq", lambda tmp, job: ["optim.lr=-1", "trainer.log_freq=0"]),
+    "config: every mistake, not the first": ("trainer.log_freq",
+                                             lambda tmp, job: ["optim.lr=-1", "trainer.log_freq=0"]),
     "config: every unknown key, not the first": ("optim.lrr", lambda tmp, job: ["data.max_lenght=3", "optim.lrr=2"]),
     # a traceback of the run (a ValueError), missed by the preflight
     "attention backend the device cannot run": ("model.attn_implementation",
@@ -613,7 +621,8 @@ def test_preflight_names_the_resume_and_each_refusal_of_it(gsm8k_head, two_rank_
     before = sorted(p.relative_to(run_dir) for p in run_dir.rglob("*"))
     job = two_rank_job(gsm8k_head, run_dir)
     code, out = run_plan(*job, "--nproc", "2")
-    assert code == 0 and f"resume              : from {run_dir / 'global_step_3'} (step 3, 0 of 3 steps left)\n" in out, out
+    assert code == 0 and (f"resume              : from {run_dir / 'global_step_3'} (step 3, 0 of 3 steps left)\n"
+                          in out), out
     assert "the checkpoint is this run's last step (3): nothing left to train" in out, out
     code, out = run_plan(*job, "trainer.profile_steps=[1,2]", "--nproc", "2")  # the window lies before the resume
     assert code == 0 and "trainer.profile_steps: steps 1-2 ran before this resume (after step 3): nothing is " \
@@ -632,7 +641,8 @@ def test_preflight_names_the_resume_and_each_refusal_of_it(gsm8k_head, two_rank_
     from sfttrain.resume import check_resume
 
     saved = read_state(run_dir / "global_step_3")
-    other = TrainState(data={**saved["data"], "data.train_batch_size": 16}, schedule={**saved["schedule"], "total steps": 1})
+    other = TrainState(data={**saved["data"], "data.train_batch_size": 16},
+                       schedule={**saved["schedule"], "total steps": 1})
     with pytest.raises(ConfigError) as refused:
         check_resume(str(run_dir / "global_step_3"), load_config(None, changed), other)
     assert all(r in str(refused.value) for r in refusals), refused.value
@@ -657,8 +667,8 @@ def test_preflight_checks_the_model_folder_as_the_run_loads_it(gsm8k_head, tmp_p
     for file in [*STORIES.glob("tokenizer*"), STORIES / "config.json", STORIES / "special_tokens_map.json"]:
         shutil.copy(file, folder)
     code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={gsm8k_head}",
-                         f"model.partial_pretrain={folder}", "model.lora_rank=4", "model.target_modules=[q_proj,qkv_proj]",
-                         "--nproc", "1")
+                         f"model.partial_pretrain={folder}", "model.lora_rank=4",
+                         "model.target_modules=[q_proj,qkv_proj]", "--nproc", "1")
     notes, problems = out.split("not checked here:")[1].split("problems:")
     assert code == 2 and f"model.partial_pretrain='{folder}' has a config but no weights" in notes, out
     assert re.search(r"\['qkv_proj'\] names no linear layer of LlamaForCausalLM; its linear layers are \['down_proj', "
@@ -685,8 +695,8 @@ def test_preflight_checks_what_the_run_checks_of_the_loaded_model(gsm8k_head, ti
     code, out = run_plan(*data, f"model.partial_pretrain={gpt2}", "--nproc", "1")
     assert code == 2 and "model type 'gpt2': sfttrain's loss is checked against the model's own loss only for llama" \
                          in out.split("problems:")[1], out
-    refused = run_sfttrain(1, [*data, f"model.partial_pretrain={gpt2}", f"trainer.default_local_dir={tmp_path / 'run'}"],
-                           check=False)
+    refused = run_sfttrain(1, [*data, f"model.partial_pretrain={gpt2}",
+                               f"trainer.default_local_dir={tmp_path / 'run'}"], check=False)
     assert refused.returncode == 2 and "model type 'gpt2': sfttrain's loss is checked" in refused.stdout, refused.stdout
 
 
@@ -695,7 +705,8 @@ def test_preflight_renders_with_the_template_the_run_would_use(gsm8k_head, tiny_
     code, out = run_plan(f"data.train_files={gsm8k_head}", f"model.partial_pretrain={tiny_qwen_dir}",
                          f"data.chat_template={tmp_path / 'broken.jinja'}", "data.train_batch_size=8", "--nproc", "1")
     assert code == 2 and "broken.jinja' does not parse or render: TemplateSyntaxError" in out, out
-    # one that fails only in a branch some rows take (GSM8K's row 1, "Weng earns..."): named with the row, as the run does
+    # one that fails only in a branch some rows take (GSM8K's row 1, "Weng earns..."): named with the row,
+    # as the run does
     template = (tiny_qwen_dir / "chat_template.jinja").read_text()
     (tmp_path / "weng.jinja").write_text("{% for m in messages %}{% if 'Weng' in m.content %}{{ raise_exception('no "
                                          "Weng') }}{% endif %}{% endfor %}" + template)
@@ -761,7 +772,8 @@ def test_preflight_refuses_the_layouts_the_device_cannot_run(tmp_path):
     model is built): CPU offload on the CPU, and DDP's bf16 gradient reduce (NO_SHARD over 2 ranks) off
     GPUs. One rank runs unwrapped and reduces nothing: no problem there. Offloading is refused also
     where the world's own shape is a problem (no layout is planned then)."""
-    data = [*BASE_OVERRIDES, f"data.train_files={tmp_path}/absent.parquet", "--elsewhere"]  # not rendered: only the layout is planned
+    # not rendered: only the layout is planned
+    data = [*BASE_OVERRIDES, f"data.train_files={tmp_path}/absent.parquet", "--elsewhere"]
     code, out = run_plan(*data, "model.fsdp_config.cpu_offload=true", "--nproc", "2")
     assert code == 2 and "model.fsdp_config.cpu_offload/offload_params need a CUDA device; set them to false" in \
         out.split("problems:")[1], out
@@ -806,7 +818,8 @@ def test_preflight_notes_that_this_machine_has_no_gpu_for_a_cuda_run(tmp_path, m
     refuse it there, but the nodes the run starts on may have GPUs: a note, not a problem (it said
     neither). trainer.device=auto picks whatever the nodes have: nothing to say."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    job = [*BASE_OVERRIDES, f"data.train_files={tmp_path}/absent.parquet", "--elsewhere", "model.fsdp_config.mixed_precision=true"]
+    job = [*BASE_OVERRIDES, f"data.train_files={tmp_path}/absent.parquet", "--elsewhere",
+           "model.fsdp_config.mixed_precision=true"]
     code, out = run_plan(*job, "trainer.device=cuda", "--nproc", "1")
     assert code == 0 and "trainer.device=cuda but no CUDA device is visible" in out.split("not checked here:")[1], out
     code, out = run_plan(*job, "trainer.device=auto", "--nproc", "1")

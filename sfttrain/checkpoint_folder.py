@@ -12,9 +12,14 @@ import json
 import os
 import re
 import shutil
-from typing import Callable, Optional
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Optional
 
 from sfttrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from sfttrain.config import TrainerConfig
 
 COMPLETE = "COMPLETE"
 STATE_FILE = "trainer_state.json"
@@ -357,3 +362,86 @@ def room_problem(run_dir: str, free: int, need: int, estimated: bool) -> Optiona
             "and the training before it would be lost. Free space there, or set trainer.default_local_dir to a "
             "folder on a larger disk")
 
+
+# The resume rule: which checkpoint a start takes (the run, the preflight and faults.what_next ask it)
+
+@dataclass
+class Resume:
+    path: Optional[str]  # the checkpoint to resume from; None: a fresh start
+    run_id: str  # the id this run's checkpoints get
+    notes: list[str] = field(default_factory=list)  # what start-up found in the run folder and did about it
+    passed_over: str = ""  # a checkpoint the config names that `path` was chosen over, and why
+
+    def line(self, chosen: str) -> str:
+        return f"  resume              : {chosen}{f'; {self.passed_over}' if self.passed_over else ''}"
+
+
+def choose_resume(t: TrainerConfig, run_dir: str) -> Resume:
+    """auto: the latest checkpoint of the run folder's newest run, else trainer.resume_from_path. A
+    checkpoint whose files changed since its commit is refused. Changes nothing (the preflight asks it too)."""
+    newest = latest_of_newest_run(run_dir)
+    path, passed_over = None, ""
+    if t.resume_mode == "auto" and newest:
+        path = newest[1]
+        passed_over = _passed_over(t.resume_from_path, path)
+    elif t.resume_mode != "disable" and t.resume_from_path:
+        try:
+            path = resolve(t.resume_from_path)
+        except ConfigError as e:
+            raise ConfigError(f"trainer.resume_from_path: {e}") from None
+    if path:
+        check_intact(path)  # before the model loads
+    run_id = _run_id(path, run_dir)
+    notes = _describe_others(run_dir, run_id, step_of(path) if path else 0)
+    if t.resume_mode == "auto":
+        notes = _describe_unfinished(run_dir, path) + notes
+    return Resume(path, run_id, notes, passed_over)
+
+
+def _describe_unfinished(run_dir: str, chosen: Optional[str]) -> list[str]:
+    """A line per uncommitted `global_step_N` past the chosen one: the user may be waiting for that copy."""
+    mine = chosen is not None and os.path.dirname(os.path.abspath(chosen)) == os.path.abspath(run_dir)
+    after = step_of(chosen) if mine else 0
+    then = f"resuming from {os.path.basename(chosen) if mine else chosen}" if chosen else "starting afresh"
+    return [f"{os.path.basename(path)} has no {COMPLETE} marker (a save or copy that did not finish): {then}. To "
+            f"resume from it, finish copying it and start again; else delete it (a save of step {step} would "
+            "replace it)"
+            for step, path in step_folders(run_dir) if step > after and not is_complete(path)]
+
+
+def _passed_over(resume_from_path: Optional[str], chosen: str) -> str:
+    """Said where auto takes the run folder's checkpoint over trainer.resume_from_path (verl's takes the path)."""
+    if not resume_from_path:
+        return ""
+    given, chosen = os.path.abspath(os.path.expanduser(resume_from_path)), os.path.abspath(chosen)
+    if given in (chosen, os.path.dirname(chosen)):  # that checkpoint, or this run folder: the same choice
+        return ""
+    return (f"the run folder's latest checkpoint, not trainer.resume_from_path={resume_from_path}: resume_mode=auto "
+            "resumes the run folder's own checkpoints first (a restart continues its progress) and starts from the "
+            "path only where the run folder has none; trainer.resume_mode=resume_path resumes from the path")
+
+
+def _run_id(path: Optional[str], run_dir: str) -> str:
+    """The resumed checkpoint's run id; a new one on a fresh start, for an older checkpoint, or for a branch."""
+    carried = run_id_of(path) if path else None
+    if carried is None:
+        return uuid.uuid4().hex[:12]
+    later = [step for step, _ in complete_checkpoints(run_dir, carried) if step > step_of(path)]
+    return uuid.uuid4().hex[:12] if later else carried
+
+
+def _describe_others(run_dir: str, run_id: str, start: int) -> list[str]:
+    notes = []
+    for other, steps in runs(run_dir).items():
+        if other == run_id:
+            continue
+        replaced = [s for s in steps if s > start]
+        notes.append(f"found {_steps(steps)} of another run (id {other or 'none: an older sfttrain'}): kept, not "
+                     "counted for max_ckpt_to_keep nor resumed by resume_mode=auto" +
+                     (f"; a save of this run at one of steps {replaced} replaces that one" if replaced else "") +
+                     ". A new trainer.default_local_dir keeps runs apart")
+    return notes
+
+
+def _steps(steps: list[int]) -> str:
+    return f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}..{steps[-1]} ({len(steps)} checkpoints)"

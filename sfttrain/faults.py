@@ -17,7 +17,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
-from sfttrain.checkpoint_folder import STEP_DIR, latest_of_newest_run, nearest_existing, size_text
+from sfttrain.checkpoint_folder import STEP_DIR, choose_resume, latest_of_newest_run, nearest_existing, size_text
 from sfttrain.errors import CheckpointError, ConfigError, OutOfMemory, UserError
 
 if TYPE_CHECKING:
@@ -49,7 +49,6 @@ QUOTED_PATH = re.compile(r"""['"](/[^'"\n]+)['"]""")
 
 def what_next(t: TrainerConfig) -> str:
     """What the same command does next: the checkpoint its start-up would resume from, or a fresh start."""
-    from sfttrain.resume import choose_resume  # it imports torch, loaded by the time a run can fail
 
     try:
         last = choose_resume(t, t.default_local_dir).path

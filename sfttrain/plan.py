@@ -39,7 +39,8 @@ from sfttrain.optim import schedule_settings, schedule_warnings
 from sfttrain.parallel import cpp_wrapper
 from sfttrain.profiling import check_window, window_passed
 from sfttrain.recompute import checkpointed, chosen_layers, wants_attention_kept
-from sfttrain.resume import choose_resume, review_resume
+from sfttrain.checkpoint_folder import choose_resume
+from sfttrain.resume import review_resume
 from sfttrain.run import parse_args as parse_config_args
 from sfttrain.run_lock import check_not_in_use
 

@@ -32,7 +32,8 @@ from sfttrain.metrics import (MetricsLogger, StepEnd, StepTimer, describe_host_m
 from sfttrain.model import decoder_layers, load_model, local_model_folder, stop_generation_at
 from sfttrain.optim import build_optimizer, build_scheduler, clipped_step, describe_schedule, schedule_settings
 from sfttrain.parallel import describe_compile, describe_sharding, gradient_sync, parallelize
-from sfttrain.resume import Resume, check_resume, find_resume
+from sfttrain.checkpoint_folder import Resume
+from sfttrain.resume import check_resume, find_resume
 from sfttrain.run_lock import lock_run_folder
 
 

@@ -20,10 +20,10 @@ import argparse
 import torch
 
 from bench.common import time_calls
-from bench.lora_linear import D, I, KV, R, T
+from bench.lora_linear import FF, KV, D, R, T
 
 # group: (input width, output width, projections): q/k/v, o, gate/up, down (sfttrain.lora_fold's groups)
-GROUPS = {"qkv": (D, D + 2 * KV, 3), "o": (D, D, 1), "gate_up": (D, 2 * I, 2), "down": (I, D, 1)}
+GROUPS = {"qkv": (D, D + 2 * KV, 3), "o": (D, D, 1), "gate_up": (D, 2 * FF, 2), "down": (FF, D, 1)}
 SPLITS = (2, 4, 8, 16, 32)
 FROZEN = ("frozen alone: x W^T", "frozen alone: g W")  # the same group without adapters, for comparison
 TILE, SMS = 128 * 128, 132  # an output tile of a Hopper GEMM kernel; the H200's SMs

@@ -51,7 +51,7 @@ def test_config_values_and_lora_are_refused():
 def test_help_documents_the_key():
     from sfttrain.help import format_help
 
-    text = format_help("model")
+    text = " ".join(format_help("model").split())  # wrapped to the terminal's width
     assert "model.fp8='off'" in text and "tensorwise" in text and "pip install -e '.[fp8]'" in text
 
 

@@ -20,7 +20,7 @@ import argparse
 import torch
 
 from bench.common import time_calls
-from bench.lora_linear import FF, KV, D, R, T
+from bench.lora_linear import D, FF, KV, R, T
 
 # group: (input width, output width, projections): q/k/v, o, gate/up, down (sfttrain.lora_fold's groups)
 GROUPS = {"qkv": (D, D + 2 * KV, 3), "o": (D, D, 1), "gate_up": (D, 2 * FF, 2), "down": (FF, D, 1)}

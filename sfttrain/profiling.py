@@ -1,19 +1,15 @@
-"""trainer.profile_steps: where a step's time goes, from torch.profiler over a window of steps.
+"""trainer.profile_steps: torch.profiler over a window of steps.
 
-Every rank writes a Chrome trace (https://ui.perfetto.dev) into <run folder>/profile/; rank 0 prints
-a summary: kernel time by kind, GEMMs by operand shapes with the FLOP rate each reached, the top
-operators, and for the largest idle gaps whether the host launched late (inside which operators) or
-the device waited. trainer.profile_memory (CUDA) also saves the allocator's history for
-https://pytorch.org/memory_viz and names what is live at the window's peak; its stacks slow the host.
-The window ends with a device synchronisation so that its last kernels are in the trace.
+Every rank writes a Chrome trace (https://ui.perfetto.dev) into <run folder>/profile/; rank 0 writes
+and prints torch's operator table (`python -m bench.trace_report TRACE` breaks a trace down further).
+trainer.profile_memory (CUDA) also saves the allocator's history for https://pytorch.org/memory_viz
+and names what is live at the window's peak; its stacks slow the host. The window ends with a device
+synchronisation so that its last kernels are in the trace.
 """
 
 from __future__ import annotations
 
-import bisect
 import collections
-import json
-import math
 import os
 import pickle
 import time
@@ -28,15 +24,6 @@ PROFILE_DIR = "profile"
 SUMMARY = "summary.txt"
 MEMORY_EVENTS = 1_000_000  # allocator events kept at most (several KB each with their stacks)
 GIB = 2**30
-DEVICE_ACTIVITY = ("kernel", "gpu_memcpy", "gpu_memset")  # trace categories of what the GPU runs
-HOST_LAUNCH = ("cuda_runtime", "cuda_driver")  # the host's calls that queue it
-# kernel kinds by name, first match wins: inductor's triton_... kernels may be named after an attention op they feed
-KINDS = (("triton", ("triton",)), ("attention", ("flash", "fmha", "sdpa", "attn")), ("communication", ("nccl",)),
-         ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "splitk")), ("copy", ("memcpy", "memset")))
-
-# the matrix-product operators and the positions of their two factors among "Input Dims"
-GEMM_OPERANDS = {"aten::mm": (0, 1), "aten::addmm": (1, 2), "aten::bmm": (0, 1), "aten::baddbmm": (1, 2),
-                 "aten::_scaled_mm": (0, 1)}
 
 
 def check_window(steps: list[int] | None, total_steps: int) -> None:
@@ -119,13 +106,16 @@ class StepProfiler:
         self.prof.export_chrome_trace(trace)
         memory = self.stop_memory(name) if self.memory else []
         if self.rank == 0:
-            text = "\n".join([summarise(self.prof, trace, wall, len(self.profiled)), *memory])
+            sort_by = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
+            table = self.prof.key_averages().table(sort_by=sort_by, row_limit=15, max_name_column_width=70)
+            text = "\n".join([f"wall {wall * 1e3:.1f} ms/step", *memory, table])
             with open(os.path.join(self.folder, SUMMARY), "w") as f:
                 f.write(text + "\n")
             self.info(f"profile of steps {name} (trace {trace}):\n{text}")
         self.prof = None
 
     def stop_memory(self, name: str) -> list[str]:
+        # private, but the documented way (https://pytorch.org/docs/stable/torch_cuda_memory.html)
         snapshot = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(enabled=None)
         path = os.path.join(self.folder, f"memory_steps_{name}_rank{self.rank}.pickle")
@@ -173,149 +163,3 @@ def allocation_site(frames: list[dict]) -> str:
     return "torch" if frames else "(no stack)"
 
 
-def summarise(prof, trace: str, wall: float, steps: int) -> str:
-    with open(trace) as f:
-        events = json.load(f)["traceEvents"]
-    device = [e for e in events if e.get("cat") in DEVICE_ACTIVITY]
-    lines = [f"wall {wall * 1e3:.1f} ms/step"]
-    if device:
-        busy = sum(e.get("dur", 0) for e in device) / 1e6 / steps
-        lines[0] += f", GPU kernels {busy * 1e3:.1f} ms/step ({100 * busy / wall:.0f}% of the wall time)"
-    lines += (kernel_kinds(device, steps) if device else []) + gemm_shapes(events, steps)
-    lines += idle_gaps(events, steps) if device else []
-    sort_by = "self_device_time_total" if device else "self_cpu_time_total"  # on CPU the operators are the work
-    lines.append(prof.key_averages().table(sort_by=sort_by, row_limit=15, max_name_column_width=70))
-    return "\n".join(lines)
-
-
-def kernel_kind(name: str) -> str:
-    lower = name.lower()
-    return next((kind for kind, marks in KINDS if any(m in lower for m in marks)), "other")
-
-
-def kernel_kinds(device: list[dict], steps: int) -> list[str]:
-    time_of, count_of = collections.Counter(), collections.Counter(kernel_kind(e["name"]) for e in device)
-    for e in device:
-        time_of[kernel_kind(e["name"])] += e.get("dur", 0)
-    return ["kernel time by kind, per step:"] + [
-        f"  {kind:14s} {us / 1e3 / steps:9.2f} ms  {count_of[kind] / steps:7.0f} kernels"
-        for kind, us in time_of.most_common()]
-
-
-def gemm_shapes(events: list[dict], steps: int, top: int = 12) -> list[str]:
-    """GEMM time by factor shapes with the FLOP rate reached: on a GPU the kernels each GEMM operator
-    launched (split-K's reduction too), on CPU the operator's own time. Inductor's C++ wrapper calls
-    cuBLAS with no operator recorded: those kernels are counted apart."""
-    ops = [e for e in events if e.get("cat") == "cpu_op" and e["name"] in GEMM_OPERANDS and gemm_factors(e)]
-    device = [e for e in events if e.get("cat") in DEVICE_ACTIVITY]
-    calls = collections.Counter(gemm_factors(op) for op in ops)
-    time_of, unattributed = collections.Counter(), 0
-    for op in ops if not device else []:
-        time_of[gemm_factors(op)] += op.get("dur", 0)
-    launcher = LaunchingOperator(events, ops)
-    for kernel in device:
-        op = launcher.of(kernel)
-        if op is not None:
-            time_of[gemm_factors(op)] += kernel.get("dur", 0)
-        elif kernel_kind(kernel["name"]) == "gemm":
-            unattributed += kernel.get("dur", 0)
-    if not time_of:
-        return []
-    where = "the kernels each launched" if device else "the operators' own time on this CPU"
-    lines = [f"GEMMs by factor shapes ({where}), per step:"]
-    for factors, us in time_of.most_common(top):
-        lines.append(f"  {us / 1e3 / steps:9.2f} ms  {calls[factors] / steps:6.0f} calls  "
-                     f"{gemm_flops(factors) * calls[factors] / max(us, 1e-9) / 1e6:7.1f} TFLOP/s  "
-                     f"{' x '.join(str(list(f)) for f in factors)}")
-    total, products = sum(time_of.values()), sum(gemm_flops(f) * n for f, n in calls.items())
-    lines.append(f"  {total / 1e3 / steps:9.2f} ms  {sum(calls.values()) / steps:6.0f} calls  "
-                 f"{products / max(total, 1e-9) / 1e6:7.1f} TFLOP/s  all {len(time_of)} shapes")
-    if unattributed:
-        lines.append(f"  {unattributed / 1e3 / steps:9.2f} ms of GEMM kernels launched outside a GEMM operator "
-                     "(inductor's C++ wrapper; model.compile_cpp_wrapper=false names their shapes)")
-    return lines
-
-
-def gemm_factors(op: dict) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    dims = op.get("args", {}).get("Input Dims", [])
-    a, b = GEMM_OPERANDS[op["name"]]
-    if len(dims) <= b or len(dims[a]) not in (2, 3) or len(dims[b]) != len(dims[a]):
-        return None
-    return tuple(dims[a]), tuple(dims[b])
-
-
-def gemm_flops(factors: tuple[tuple[int, ...], tuple[int, ...]]) -> int:
-    return 2 * math.prod(factors[0]) * factors[1][-1]
-
-
-class LaunchingOperator:
-    """The GEMM operator around a kernel's launch call on its thread (GEMMs do not nest: the last one
-    begun before the launch, if it still runs)."""
-
-    def __init__(self, events: list[dict], ops: list[dict]):
-        self.launches = launches_by_correlation(events)
-        self.by_thread: dict = collections.defaultdict(list)
-        for op in sorted(ops, key=lambda e: e["ts"]):
-            self.by_thread[op.get("tid")].append(op)
-        self.starts = {tid: [op["ts"] for op in thread] for tid, thread in self.by_thread.items()}
-
-    def of(self, kernel: dict) -> dict | None:
-        launch = self.launches.get(kernel.get("args", {}).get("correlation"))
-        if launch is None or launch.get("tid") not in self.by_thread:
-            return None
-        thread = self.by_thread[launch["tid"]]
-        i = bisect.bisect_right(self.starts[launch["tid"]], launch["ts"]) - 1
-        if i < 0 or thread[i]["ts"] + thread[i].get("dur", 0) < launch["ts"]:
-            return None
-        return thread[i]
-
-
-def idle_gaps(events: list[dict], steps: int, top: int = 8) -> list[str]:
-    """The GPU's idle time between activities per step, and the largest gaps with their cause."""
-    device = sorted((e for e in events if e.get("cat") in DEVICE_ACTIVITY), key=lambda e: e["ts"])
-    gaps, end, before = [], device[0]["ts"] + device[0].get("dur", 0), device[0]
-    for e in device[1:]:
-        if e["ts"] > end:
-            gaps.append((e["ts"] - end, end, before["name"], e))
-        if e["ts"] + e.get("dur", 0) > end:
-            end, before = e["ts"] + e.get("dur", 0), e
-    lines = [f"GPU idle between kernels: {sum(g[0] for g in gaps) / 1e3 / steps:.1f} ms/step "
-             f"({sum(g[0] > 100 for g in gaps) / steps:.0f} gaps over 100 us per step); largest:"]
-    launches = launches_by_correlation(events)
-    host_ops = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation")]
-    for gap, start, before_name, after in sorted(gaps, key=lambda g: g[0], reverse=True)[:top]:
-        lines.append(f"  {gap / 1e3:7.2f} ms after {before_name[:60]!r} before {after['name'][:60]!r}")
-        launch = launches.get(after.get("args", {}).get("correlation"))
-        if launch is not None:
-            lines.append(f"            {gap_cause(start, launch, host_ops)}")
-    return lines
-
-
-def launches_by_correlation(events: list[dict]) -> dict:
-    return {e["args"]["correlation"]: e for e in events
-            if e.get("cat") in HOST_LAUNCH and "correlation" in e.get("args", {})}
-
-
-def gap_cause(gap_start: float, launch: dict, host_ops: list[dict], top: int = 3) -> str:
-    """A kernel launched after the GPU fell idle waited for the host: the launching thread's operators
-    in that interval (not those around all of it) by time. One launched before waited on the device."""
-    late = launch["ts"] - gap_start
-    if late <= 0:
-        return f"launched {-late / 1e3:.2f} ms before: the device waited, not the host"
-    overlap = collections.Counter()
-    for op in host_ops:
-        op_start, op_end = op["ts"], op["ts"] + op.get("dur", 0)
-        if op.get("tid") != launch.get("tid") or op_end <= gap_start or op_start >= launch["ts"]:
-            continue
-        if op_start <= gap_start and op_end >= launch["ts"]:
-            continue  # around the whole interval: the context, not the cause
-        overlap[op_label(op)] += min(op_end, launch["ts"]) - max(op_start, gap_start)
-    busy = ", ".join(f"{name} {us / 1e3:.2f} ms" for name, us in overlap.most_common(top)) or "no operator"
-    return f"launched {late / 1e3:.2f} ms into it: the host was late, meanwhile in {busy}"
-
-
-def op_label(op: dict) -> str:
-    """`aten::mul [13568, 896] x []`: the shapes tell one operator's calls apart."""
-    dims = [d for d in op.get("args", {}).get("Input Dims", []) if isinstance(d, list)]
-    shapes = " x ".join(str(d) for d in dims[:3])
-    return f"{op['name'][:50]} {shapes}".rstrip()

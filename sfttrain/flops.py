@@ -1,11 +1,10 @@
 """Model FLOPs utilisation (MFU), as the benchmark workloads define it (docs/workloads.md):
 
-    flops per token = 6 N + 6 L H Dh (sum_i s_i^2) / (sum_i s_i),  MFU = flops per token x tokens/s / peak
+    flops per token = 6 T + 4 (N - T) + 6 L H Dh (sum_i s_i^2) / (sum_i s_i),  MFU = that x tokens/s / peak
 
-N: the parameters that run for a token (a MoE's routed ones x top_k / E); frozen ones count 4, not 6.
-Recomputation is not counted; the head is, for every token."""
+N: the parameters that run for a token (a MoE's routed ones x top_k / E), T those of them trained
+(frozen ones get no weight gradient). Recomputation is not counted; the head is, for every token."""
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -30,19 +29,6 @@ def peak_flops(device: torch.device) -> float | None:
         return None
     name = torch.cuda.get_device_name(device)
     return next((peak for key, peak in GPU_BF16_PEAK_FLOPS if key in name), None)
-
-
-def flops_per_token(num_params: int, num_layers: int, num_heads: int, head_dim: int,
-                    sample_lengths: Iterable[int], trainable_params: int | None = None) -> float:
-    """``6 T + 4 (N - T) + 6 L H Dh sum(s_i^2) / sum(s_i)`` with T the trainable parameters (None: N)."""
-    lengths = [int(s) for s in sample_lengths]
-    total = sum(lengths)
-    if total <= 0:
-        raise ValueError("sample_lengths must hold at least one token")
-    trainable = num_params if trainable_params is None else trainable_params
-    dense = 6 * trainable + 4 * (num_params - trainable)
-    attention = 6 * num_layers * num_heads * head_dim * sum(s * s for s in lengths) / total
-    return dense + attention
 
 
 def count_params(model: torch.nn.Module, trainable_only: bool = False, routed_only: bool = False) -> int:
@@ -79,7 +65,6 @@ class ModelShape:
     @classmethod
     def of(cls, model: torch.nn.Module) -> "ModelShape":
         c = model.config
-        head_dim = head_dim_of(c)
         num_params, trainable = count_params(model), count_params(model, trainable_only=True)
         routing = moe.routing(c)
         idle = 1 - routing.top_k / routing.num_experts if routing else 0.0  # the share of routed experts a token skips
@@ -88,7 +73,7 @@ class ModelShape:
         active = num_params - round(routed * idle)
         # trained experts (LoRA on them too: W + BA gets a weight gradient) cost 6 per active parameter
         active_trainable = trainable - routed_trainable + (round(routed * (1 - idle)) if routed_trainable else 0)
-        return cls(num_params, c.num_hidden_layers, c.num_attention_heads, head_dim, trainable, active,
+        return cls(num_params, c.num_hidden_layers, c.num_attention_heads, head_dim_of(c), trainable, active,
                    active_trainable, routing)
 
     def describe_active(self) -> str:
@@ -98,9 +83,10 @@ class ModelShape:
         return (f", {self.active_params / 1e6:.2f}M active per token ({self.routing.top_k} of "
                 f"{self.routing.num_experts} experts; MFU counts these)")
 
-    def flops_per_token(self, sample_lengths: Iterable[int]) -> float:
-        return flops_per_token(self.active_params, self.num_layers, self.num_heads, self.head_dim, sample_lengths,
-                               self.active_trainable)
+    def flops_per_token(self, sample_lengths: list[int]) -> float:
+        dense = 6 * self.active_trainable + 4 * (self.active_params - self.active_trainable)
+        squares = sum(s * s for s in sample_lengths)
+        return dense + 6 * self.num_layers * self.num_heads * self.head_dim * squares / sum(sample_lengths)
 
     @property
     def attention_coefficient(self) -> float:

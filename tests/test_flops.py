@@ -4,8 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from sfttrain.flops import (GPU_BF16_PEAK_FLOPS, H200_BF16_PEAK_FLOPS, count_params, flops_per_token, mfu,
-                             peak_flops)
+from sfttrain.flops import GPU_BF16_PEAK_FLOPS, H200_BF16_PEAK_FLOPS, ModelShape, count_params, mfu, peak_flops
 from tests.conftest import run_on_ranks
 
 # V vocab, D hidden, F MLP, L layers, H query heads, K key/value heads, head size D / H = 8
@@ -69,20 +68,20 @@ def test_count_params_fsdp2_sharded():
     run_on_ranks(2, _sharded_counts)
 
 
+def _shape(num_params: int, layers: int, heads: int, head_dim: int, trainable: int | None = None) -> ModelShape:
+    trainable = num_params if trainable is None else trainable
+    return ModelShape(num_params, layers, heads, head_dim, trainable, num_params, trainable, None)
+
+
 def test_flops_per_token_by_hand():
     # N=100, L=2, H=3, Dh=4, samples of 2 and 4 tokens: sum s = 6, sum s^2 = 20
     attention = 6 * 2 * 3 * 4 * 20 / 6  # = 480
-    assert flops_per_token(100, 2, 3, 4, [2, 4]) == pytest.approx(600 + attention)
+    assert _shape(100, 2, 3, 4).flops_per_token([2, 4]) == pytest.approx(600 + attention)
     # LoRA: 90 frozen weights cost 4 each (no weight gradient), 10 adapter weights 6 each
-    assert flops_per_token(100, 2, 3, 4, [2, 4], trainable_params=10) == pytest.approx(4 * 90 + 6 * 10 + attention)
-    assert flops_per_token(100, 2, 3, 4, [2, 4], trainable_params=0) == pytest.approx(400 + attention)
+    assert _shape(100, 2, 3, 4, trainable=10).flops_per_token([2, 4]) == pytest.approx(4 * 90 + 6 * 10 + attention)
+    assert _shape(100, 2, 3, 4, trainable=0).flops_per_token([2, 4]) == pytest.approx(400 + attention)
     # one sample of s tokens: attention per token grows linearly with s
-    assert flops_per_token(0, 1, 1, 1, [10]) == pytest.approx(60)
-
-
-def test_flops_per_token_rejects_no_tokens():
-    with pytest.raises(ValueError):
-        flops_per_token(100, 2, 3, 4, [])
+    assert _shape(0, 1, 1, 1).flops_per_token([10]) == pytest.approx(60)
 
 
 def test_mfu_by_hand():
@@ -131,8 +130,6 @@ def test_moe_flops_count_the_active_experts(family):
     6 per active parameter; with the experts frozen they cost 4."""
     from transformers import AutoConfig
 
-    from sfttrain.flops import ModelShape
-
     config = AutoConfig.for_model(family, **MOE_SHAPE, **MOE_FAMILIES[family][0])
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
@@ -152,8 +149,6 @@ def test_moe_flops_count_the_active_experts(family):
 
 
 def test_dense_model_shape_has_no_routing():
-    from sfttrain.flops import ModelShape
-
     shape = ModelShape.of(_model(LlamaConfig, tied=False))
     assert shape.routing is None and shape.describe_active() == ""
     assert shape.active_params == shape.num_params == _hand_count(False, False)

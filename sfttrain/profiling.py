@@ -70,19 +70,17 @@ class StepProfiler:
         if step not in self.steps:
             return
         if self.prof is None:
-            self.start_window()
+            if self.memory:
+                self.allocated_before = torch.cuda.memory_allocated(self.device)
+                # private, but the documented way (https://pytorch.org/docs/stable/torch_cuda_memory.html)
+                torch.cuda.memory._record_memory_history(stacks="python", max_entries=MEMORY_EVENTS)
+            activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])]
+            self.prof = profile(activities=activities, record_shapes=True)  # shapes tell an operator's calls apart
+            self.prof.__enter__()
+            self.start = time.perf_counter()
         self.step_range = record_function(f"sfttrain step {step}")
         self.step_range.__enter__()
         self.profiled.append(step)
-
-    def start_window(self) -> None:
-        if self.memory:
-            self.allocated_before = torch.cuda.memory_allocated(self.device)
-            torch.cuda.memory._record_memory_history(stacks="python", max_entries=MEMORY_EVENTS)
-        activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])]
-        self.prof = profile(activities=activities, record_shapes=True)  # the shapes tell one operator's calls apart
-        self.prof.__enter__()
-        self.start = time.perf_counter()
 
     def after_step(self, step: int) -> bool:
         """True once the window has ended (writing its trace took seconds not the next step's)."""
@@ -92,8 +90,7 @@ class StepProfiler:
         self.step_range = None
         if step == self.steps[-1]:
             self.stop()
-            return True
-        return False
+        return step == self.steps[-1]
 
     def stop(self) -> None:
         if self.device.type == "cuda":
@@ -115,7 +112,6 @@ class StepProfiler:
         self.prof = None
 
     def stop_memory(self, name: str) -> list[str]:
-        # private, but the documented way (https://pytorch.org/docs/stable/torch_cuda_memory.html)
         snapshot = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(enabled=None)
         path = os.path.join(self.folder, f"memory_steps_{name}_rank{self.rank}.pickle")
@@ -129,14 +125,14 @@ class StepProfiler:
 def describe_peak(events: list[dict], allocated_before: int, top: int = 10) -> list[str]:
     """The window's peak allocated memory and, by where they were made, its allocations live then."""
     peak, live = live_at_peak(events)
-    by_place: dict[str, list[int]] = collections.defaultdict(list)
+    size, blocks = collections.Counter(), collections.Counter()
     for event in live:
-        by_place[allocation_site(event.get("frames", []))].append(event["size"])
-    lines = [f"peak allocated in the window {(allocated_before + peak) / GIB:.2f} GiB ({allocated_before / GIB:.2f} "
-             f"GiB allocated before it); of the window's own allocations live at the peak, by where they were made:"]
-    largest = sorted(by_place.items(), key=lambda item: -sum(item[1]))[:top]
-    lines += [f"  {sum(sizes) / GIB:8.2f} GiB in {len(sizes):5d} blocks  {place}" for place, sizes in largest]
-    return lines
+        site = allocation_site(event.get("frames", []))
+        size[site] += event["size"]
+        blocks[site] += 1
+    return [f"peak allocated in the window {(allocated_before + peak) / GIB:.2f} GiB ({allocated_before / GIB:.2f} "
+            f"GiB allocated before it); of the window's own allocations live at the peak, by where they were made:",
+            *(f"  {n / GIB:8.2f} GiB in {blocks[site]:5d} blocks  {site}" for site, n in size.most_common(top))]
 
 
 def live_at_peak(events: list[dict]) -> tuple[int, list[dict]]:

@@ -11,7 +11,7 @@ import torch
 
 from sfttrain.config import ConfigError, TrainerConfig, load_config
 from bench.trace_report import report
-from sfttrain.profiling import StepProfiler, allocation_site, describe, live_at_peak
+from sfttrain.profiling import StepProfiler, allocation_site, describe, describe_peak, live_at_peak
 from tests.conftest import run_sfttrain, train_losses, two_rank_job
 
 
@@ -75,6 +75,15 @@ def test_the_allocators_history_replays_to_its_peak():
               {"filename": "/site/transformers/models/llama/modeling_llama.py", "line": 171, "name": "forward"}]
     assert allocation_site(frames) == "/site/transformers/models/llama/modeling_llama.py:171 forward"
     assert allocation_site(frames[:1]) == "torch" and allocation_site([]) == "(no stack)"
+    # in units of 16 MiB, with 1 GiB allocated before: the peak's live blocks by site, largest first
+    # (2 and 3 made by the model, 4 and 5 with no stack)
+    made = [{**e, "size": e["size"] * 2**24, **({"frames": frames} if e["addr"] in (2, 3) else {})}
+            for e in events + [{"action": "alloc", "addr": 5, "size": 11}]]
+    assert describe_peak(made, 2**30) == [
+        "peak allocated in the window 3.05 GiB (1.00 GiB allocated before it); of the window's own allocations live "
+        "at the peak, by where they were made:",
+        "      2.03 GiB in     2 blocks  /site/transformers/models/llama/modeling_llama.py:171 forward",
+        "      0.64 GiB in     2 blocks  (no stack)"]
 
 
 def test_profile_memory_needs_the_window_and_a_gpu():

@@ -6,19 +6,18 @@ consecutive steps on the device; MFU by sfttrain/flops.py.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import json
 import logging
 import os
-import statistics
 import subprocess
 import sys
 import time
-from importlib.metadata import PackageNotFoundError, version
+from importlib.metadata import version
 from typing import Optional
 
 import torch
+from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from sfttrain.checkpoint_folder import write_atomically
@@ -40,9 +39,8 @@ class StepEnd:
     def __init__(self, device: torch.device, values: torch.Tensor | None = None):
         self.host = values.to("cpu", non_blocking=True) if values is not None else None
         self.clock = time.perf_counter()
-        self.event = None
-        if device.type == "cuda":
-            self.event = torch.cuda.Event(enable_timing=True)
+        self.event = torch.cuda.Event(enable_timing=True) if device.type == "cuda" else None
+        if self.event is not None:
             self.event.record()
 
     def read(self) -> list:
@@ -106,7 +104,6 @@ def require_loggers(cfg: Config) -> None:
 def start_wandb(cfg: Config, run_dir: str, run_id: Optional[str]):
     """Rank 0's wandb run, started before the model loads; `run_id`: the resumed run's."""
     import wandb
-    from omegaconf import OmegaConf
 
     os.makedirs(run_dir, exist_ok=True)
     try:
@@ -119,35 +116,25 @@ def start_wandb(cfg: Config, run_dir: str, run_id: Optional[str]):
 
 
 class ProgressBar:
-    """A tqdm bar on a terminal, plain lines elsewhere (SLURM logs, pipes). The rate and ETA are the
-    median of recent device-timed steps: tqdm's clock would count start-up and a resume's skipped
-    steps, and a mean would carry a compilation's or a checkpoint's outlier for dozens of steps."""
+    """tqdm's bar on a terminal; elsewhere (SLURM logs, pipes) tqdm's rate and ETA end the plain step
+    lines. It starts at the first step logged: start-up and that step's compilation are not its rate."""
 
-    def __init__(self, start_step: int, total_steps: int, interactive: bool):
-        self.total = total_steps
-        self.recent: collections.deque[float] = collections.deque(maxlen=20)
-        self.bar = None
-        if interactive:  # tqdm puts ", " before the postfix itself
-            self.bar = tqdm(total=total_steps, initial=start_step, desc="train", dynamic_ncols=True,
-                            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt}{postfix}")
+    def __init__(self, total_steps: int, interactive: bool):
+        self.total, self.interactive, self.bar = total_steps, interactive, None
 
-    def advance(self, step: int, seconds: float) -> None:
-        self.recent.append(seconds)
-        if self.bar is not None:
-            self.bar.update(step - self.bar.n)
-            self.bar.set_postfix_str(self.eta(step), refresh=True)
+    def advance(self, step: int) -> None:
+        if self.bar is None:  # off a terminal it counts, never drawn (TQDM_DISABLE turns a terminal's off)
+            hidden = {} if self.interactive else {"delay": float("inf"), "disable": False}
+            self.bar = tqdm(total=self.total, initial=step, desc="train", unit="step", dynamic_ncols=True, **hidden)
+        self.bar.update(step - self.bar.n)
 
-    def eta(self, step: int) -> str:
-        if not self.recent:
-            return ""
-        step_time = statistics.median(self.recent)
-        left = int(step_time * (self.total - step))
-        return f"{step_time:.3g} s/step, ETA {left // 3600}:{left // 60 % 60:02d}:{left % 60:02d}"
+    def rate(self) -> str:
+        return tqdm.format_meter(**{**self.bar.format_dict, "bar_format": "{rate_fmt}, ETA {remaining}"}).strip()
 
     def write(self, line: str) -> None:
         if self.bar is not None and self.bar.n >= self.total:
             self.close()  # a finished bar stays above what follows, not redrawn under it
-        if self.bar is not None:
+        if self.bar is not None and self.interactive:
             self.bar.write(line)
         else:
             print(line, flush=True)
@@ -160,33 +147,27 @@ class ProgressBar:
 
 def describe_software(device: torch.device) -> str:
     """The start-up line of the libraries and the code that ran: what a bug report or a rerun needs."""
-    runtime = f"CUDA {torch.version.cuda}" if torch.version.cuda else f"ROCm {torch.version.hip}"
-    accelerator = f", {runtime} on {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""
+    gpu = ""
+    if device.type == "cuda":
+        runtime = f"CUDA {torch.version.cuda}" if torch.version.cuda else f"ROCm {torch.version.hip}"
+        gpu = f", {runtime} on {torch.cuda.get_device_name(device)}"
+    libraries = ", ".join(f"{name} {version(name)}" for name in ("transformers", "peft"))
     checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = commit_of(checkout)
-    return (f"  software            : torch {torch.__version__}{accelerator}, "
-            f"transformers {installed('transformers')}, peft {installed('peft')}; sfttrain from {checkout}"
+    return (f"  software            : torch {torch.__version__}{gpu}, {libraries}; sfttrain from {checkout}"
             + (f" at {code}" if code else ""))
 
 
-def installed(package: str) -> str:
-    try:
-        return version(package)
-    except PackageNotFoundError:
-        return "not installed"
-
-
 def commit_of(checkout: str) -> str | None:
-    """The checkout's git commit, "+changes" where tracked files differ; None where the folder is no
+    """The checkout's commit, "+changes" where tracked files differ; None where the folder is no
     checkout's top (git would answer for a repository around an installed package) or git is missing."""
     if not os.path.exists(os.path.join(checkout, ".git")):
         return None
-    try:  # --exclude=*: the commit, never a tag's name
+    with contextlib.suppress(OSError):  # --exclude=*: the commit, never a tag's name
         done = subprocess.run(["git", "-C", checkout, "describe", "--always", "--exclude=*", "--dirty=+changes"],
-                               capture_output=True, text=True)
-    except OSError:
-        return None
-    return done.stdout.strip() if done.returncode == 0 else None
+                              capture_output=True, text=True)
+        return done.stdout.strip() if done.returncode == 0 else None
+    return None
 
 
 def host_memory_gib() -> dict:
@@ -226,7 +207,7 @@ class MetricsLogger:
         os.makedirs(run_dir, exist_ok=True)
         write_atomically(os.path.join(run_dir, "config.yaml"), to_yaml(cfg))
         self.jsonl = open(os.path.join(run_dir, METRICS), "a")
-        self.progress = ProgressBar(start_step, total_steps, interactive=sys.stderr.isatty())
+        self.progress = ProgressBar(total_steps, interactive=sys.stderr.isatty())
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:
@@ -240,23 +221,23 @@ class MetricsLogger:
         if self.wandb:
             self.wandb.log(metrics, step=step)
         if "loss" in metrics:
-            self.progress.advance(step, metrics["step_time_s"])
+            self.progress.advance(step)
         if "val/loss" in metrics or step % self.log_freq == 0:
             line = format_line(record, self.total_steps)
-            self.progress.write(line if self.progress.bar is not None else f"{line} | {self.progress.eta(step)}")
+            plain = self.progress.bar is not None and not self.progress.interactive
+            self.progress.write(f"{line} | {self.progress.rate()}" if plain else line)
 
     def event(self, record: Optional[dict], line: str) -> None:
         """A record that is not a step's (a checkpoint committed), fsynced: a crash's resume goes back
         to that checkpoint, so the records up to it survive a power loss as it does."""
         if self.enabled:
             if record is not None:
-                self._append(record)
-                with self._naming_file():
-                    os.fsync(self.jsonl.fileno())
+                self._append(record, sync=True)
             self.progress.write(line)
 
-    def _append(self, record: dict) -> None:
-        with self._naming_file():
+    def _append(self, record: dict, sync: bool = False) -> None:
+        """An OSError (a full or failing disk, which sfttrain.run says) names metrics.jsonl."""
+        try:
             if os.fstat(self.jsonl.fileno()).st_nlink == 0:
                 # deleted under the run: a new file, or (the run folder gone too) FileNotFoundError now
                 fresh = open(self.jsonl.name, "a")
@@ -264,12 +245,8 @@ class MetricsLogger:
                 self.jsonl = fresh
             self.jsonl.write(json.dumps(record) + "\n")
             self.jsonl.flush()
-
-    @contextlib.contextmanager
-    def _naming_file(self):
-        """An OSError (a full or failing disk, which sfttrain.run says) names metrics.jsonl."""
-        try:
-            yield
+            if sync:
+                os.fsync(self.jsonl.fileno())
         except OSError as e:
             e.filename = e.filename or self.jsonl.name
             raise
@@ -307,15 +284,11 @@ class MetricsLogger:
 
 
 def format_line(record: dict, total_steps: int) -> str:
-    return " | ".join([f"step {record['step']}/{total_steps}",
-                       *(f"{k} {readable(record[k])}" for k in LINE_KEYS if k in record)])
-
-
-def readable(value) -> str:
-    """A number as people read it: 10,590 tokens/s, a loss of 1.234, a learning rate of 2e-05."""
-    if isinstance(value, float):
-        return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
-    return str(value)
+    """Numbers as people read them: 10,590 tokens/s, a loss of 1.234, a learning rate of 2e-05."""
+    def readable(v) -> str:
+        return (f"{v:,.0f}" if abs(v) >= 1000 else f"{v:.4g}") if isinstance(v, float) else str(v)
+    fields = (f"{k} {readable(record[k])}" for k in LINE_KEYS if k in record)
+    return " | ".join([f"step {record['step']}/{total_steps}", *fields])
 
 
 def rewind_metrics(run_dir: str, step: int, note: Optional[dict] = None, own: bool = False) -> None:
@@ -325,35 +298,27 @@ def rewind_metrics(run_dir: str, step: int, note: Optional[dict] = None, own: bo
     up to it that are gone are said."""
     path = os.path.join(run_dir, METRICS)
     keep, dropped, torn = [], [], 0
-    if os.path.isfile(path):
-        with open(path, errors="replace") as f:
-            for line in f:
-                try:
-                    record = json.loads(line) if line.endswith("\n") else None
-                except json.JSONDecodeError:
-                    record = None
-                ok = isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step
-                torn += not isinstance(record, dict) and bool(line.strip())
-                (keep if ok else dropped).append(line if line.endswith("\n") else line + "\n")
-    _say_lost(path, step, torn, len(keep), own)
-    if note is not None:
-        keep.append(json.dumps(note) + "\n")
-    if not dropped and note is None:
-        return
+    with contextlib.suppress(FileNotFoundError), open(path, errors="replace") as f:
+        for line in f:
+            try:
+                record = json.loads(line) if line.endswith("\n") else None
+            except json.JSONDecodeError:
+                record = None
+            ok = isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step
+            torn += not isinstance(record, dict) and bool(line.strip())
+            (keep if ok else dropped).append(line if line.endswith("\n") else line + "\n")
+    say = logging.getLogger("sfttrain").warning
+    if torn and keep:
+        say(f"{path}: {torn} line(s) cut short (a crash or a full disk while the run wrote them) moved to "
+            f"{REWOUND}; the records before them are kept and the resumed run's follow them")
+    if own and step > 0 and not keep:
+        gone = "is empty" if os.path.isfile(path) else "is missing"
+        say(f"{path} {gone} (lost in a crash before it reached the disk, or deleted): the records of steps 1-{step} "
+            f"are gone, and its curves (python -m sfttrain.plot) start at step {step + 1}, where this run resumes")
     if dropped:
         with open(os.path.join(run_dir, REWOUND), "a") as f:
             f.writelines(dropped)
             f.flush()
             os.fsync(f.fileno())  # on the disk before metrics.jsonl's replacement drops them
-    write_atomically(path, "".join(keep))
-
-
-def _say_lost(path: str, step: int, torn: int, kept: int, own: bool) -> None:
-    say = logging.getLogger("sfttrain").warning
-    if torn and kept:
-        say(f"{path}: {torn} line(s) cut short (a crash or a full disk while the run wrote them) moved to "
-            f"{REWOUND}; the records before them are kept and the resumed run's follow them")
-    if own and step > 0 and kept == 0:
-        gone = "is empty" if os.path.isfile(path) else "is missing"
-        say(f"{path} {gone} (lost in a crash before it reached the disk, or deleted): the records of steps 1-{step} "
-            f"are gone, and its curves (python -m sfttrain.plot) start at step {step + 1}, where this run resumes")
+    if dropped or note is not None:
+        write_atomically(path, "".join(keep + ([json.dumps(note) + "\n"] if note is not None else [])))

@@ -36,8 +36,11 @@ def read_series(path: str) -> dict[str, tuple[list[int], list[float]]]:
     unread = []
     with open(path, errors="replace") as f:
         for number, line in enumerate(f, 1):
-            record = _record(line)
-            if record is None:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                record = None
+            if not (isinstance(record, dict) and isinstance(record.get("step"), int)):
                 unread += [number] if line.strip() else []
                 continue
             for key, value in record.items():
@@ -52,14 +55,6 @@ def read_series(path: str) -> dict[str, tuple[list[int], list[float]]]:
                         "or the file was lost in a crash before it reached the disk (a resume says so and starts it "
                         "again at the step it resumes from)")
     return {key: (sorted(values), [values[s] for s in sorted(values)]) for key, values in by_key.items()}
-
-
-def _record(line: str) -> dict | None:
-    try:
-        record = json.loads(line)
-    except ValueError:
-        return None
-    return record if isinstance(record, dict) and isinstance(record.get("step"), int) else None
 
 
 def figure(series: dict[str, tuple[list[int], list[float]]], run_dir: str):

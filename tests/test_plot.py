@@ -13,8 +13,9 @@ from tests.conftest import REPO, read_metrics
 def test_short_run_is_logged_and_plotted(demo_run):
     """conftest's demo_run: 24 steps, validation, a checkpoint and a log line every 12 steps."""
     run_dir, out = demo_run
-    # output to a file: one plain line per log_freq steps with the step count and an ETA, no bar
-    assert [int(s) for s in re.findall(r"^step (\d+)/24 \| epoch .* s/step, ETA \d+:\d\d:\d\d$", out, re.M)] == [12, 24]
+    # output to a file: one plain line per log_freq steps with the step count and tqdm's rate and ETA, no bar
+    plain = r"^step (\d+)/24 \| epoch .* \| [\d.]+(s/step|step/s), ETA (\d+:)?\d\d:\d\d$"
+    assert [int(s[0]) for s in re.findall(plain, out, re.M)] == [12, 24]
     assert "train:" not in out and "\r" not in out  # no tqdm bar
     assert re.search(r"^checkpoint global_step_12 committed: .* training stalled \d+\.\d+ s", out, re.M), out[-3000:]
     records = read_metrics(run_dir)
@@ -57,9 +58,9 @@ def test_step_lines_print_numbers_as_people_read_them():
                     "step_time_s 0.6123")
 
 
-def test_progress_bar_reads_cleanly_and_stays_above_the_summary(monkeypatch):
-    """On a terminal: the count and the rate without a stray comma, and once the bar is full what the
-    run prints after it (its checkpoint, its summary) comes below it, the bar not drawn again."""
+def test_progress_bar_stays_above_the_summary(monkeypatch):
+    """On a terminal: tqdm's bar counts from the first step logged, and once it is full what the run
+    prints after it (its checkpoint, its summary) comes below it, the bar not drawn again."""
     import io
 
     from sfttrain.metrics import ProgressBar
@@ -67,14 +68,14 @@ def test_progress_bar_reads_cleanly_and_stays_above_the_summary(monkeypatch):
     screen = io.StringIO()  # the terminal, which the bar (stderr) and the lines (stdout) share
     monkeypatch.setattr(sys, "stderr", screen)
     monkeypatch.setattr(sys, "stdout", screen)
-    bar = ProgressBar(0, 2, interactive=True)
-    for step in (1, 2):
-        bar.advance(step, 0.5)
-    bar.write("done: 2 steps in 1 s")
+    bar = ProgressBar(3, interactive=True)
+    for step in (1, 2, 3):
+        bar.advance(step)
+    bar.write("done: 3 steps in 1 s")
     bar.close()
     text = screen.getvalue()
-    assert re.search(r"\| 2/2, 0\.5 s/step, ETA 0:00:00", text) and " , " not in text, text
-    assert "train:" not in text[text.index("done: 2 steps"):], text
+    assert re.search(r"train: +100%\|[^\n\r]*\| 3/3 \[", text), text
+    assert "train:" not in text[text.index("done: 3 steps"):], text
 
 
 def test_a_cpu_run_is_plotted_without_an_empty_memory_panel(tmp_path):

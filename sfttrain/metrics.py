@@ -115,36 +115,6 @@ def start_wandb(cfg: Config, run_dir: str, run_id: Optional[str]):
                               "or set trainer.logger=console") from None
 
 
-class ProgressBar:
-    """tqdm's bar on a terminal; elsewhere (SLURM logs, pipes) tqdm's rate and ETA end the plain step
-    lines. It starts at the first step logged: start-up and that step's compilation are not its rate."""
-
-    def __init__(self, total_steps: int, interactive: bool):
-        self.total, self.interactive, self.bar = total_steps, interactive, None
-
-    def advance(self, step: int) -> None:
-        if self.bar is None:  # off a terminal it counts, never drawn (TQDM_DISABLE turns a terminal's off)
-            hidden = {} if self.interactive else {"delay": float("inf"), "disable": False}
-            self.bar = tqdm(total=self.total, initial=step, desc="train", unit="step", dynamic_ncols=True, **hidden)
-        self.bar.update(step - self.bar.n)
-
-    def rate(self) -> str:
-        return tqdm.format_meter(**{**self.bar.format_dict, "bar_format": "{rate_fmt}, ETA {remaining}"}).strip()
-
-    def write(self, line: str) -> None:
-        if self.bar is not None and self.bar.n >= self.total:
-            self.close()  # a finished bar stays above what follows, not redrawn under it
-        if self.bar is not None and self.interactive:
-            self.bar.write(line)
-        else:
-            print(line, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
-
-
 def describe_software(device: torch.device) -> str:
     """The start-up line of the libraries and the code that ran: what a bug report or a rerun needs."""
     gpu = ""
@@ -191,7 +161,9 @@ def describe_host_memory(per_rank: list[dict]) -> str:
 
 
 class MetricsLogger:
-    """Rank 0's; every other rank's does nothing."""
+    """Rank 0's; every other rank's does nothing. On a terminal tqdm's bar counts the steps; elsewhere
+    (SLURM logs, pipes) tqdm's rate and ETA end the plain step lines. The bar starts at the first step
+    logged: start-up and that step's compilation are not its rate."""
 
     def __init__(self, cfg: Config, run_dir: str, enabled: bool, total_steps: int, start_step: int,
                  wandb_id: Optional[str] = None, wandb_run=None):
@@ -207,7 +179,7 @@ class MetricsLogger:
         os.makedirs(run_dir, exist_ok=True)
         write_atomically(os.path.join(run_dir, "config.yaml"), to_yaml(cfg))
         self.jsonl = open(os.path.join(run_dir, METRICS), "a")
-        self.progress = ProgressBar(total_steps, interactive=sys.stderr.isatty())
+        self.interactive, self.bar = sys.stderr.isatty(), None
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:
@@ -221,11 +193,17 @@ class MetricsLogger:
         if self.wandb:
             self.wandb.log(metrics, step=step)
         if "loss" in metrics:
-            self.progress.advance(step)
+            if self.bar is None:  # off a terminal it counts, never drawn (TQDM_DISABLE turns a terminal's off)
+                hidden = {} if self.interactive else {"delay": float("inf"), "disable": False}
+                self.bar = tqdm(total=self.total_steps, initial=step, desc="train", unit="step", dynamic_ncols=True,
+                                **hidden)
+            self.bar.update(step - self.bar.n)
         if "val/loss" in metrics or step % self.log_freq == 0:
             line = format_line(record, self.total_steps)
-            plain = self.progress.bar is not None and not self.progress.interactive
-            self.progress.write(f"{line} | {self.progress.rate()}" if plain else line)
+            if self.bar is not None and not self.interactive:
+                rate = {**self.bar.format_dict, "bar_format": "{rate_fmt}, ETA {remaining}"}
+                line += f" | {tqdm.format_meter(**rate).strip()}"
+            self.write(line)
 
     def event(self, record: Optional[dict], line: str) -> None:
         """A record that is not a step's (a checkpoint committed), fsynced: a crash's resume goes back
@@ -233,7 +211,7 @@ class MetricsLogger:
         if self.enabled:
             if record is not None:
                 self._append(record, sync=True)
-            self.progress.write(line)
+            self.write(line)
 
     def _append(self, record: dict, sync: bool = False) -> None:
         """An OSError (a full or failing disk, which sfttrain.run says) names metrics.jsonl."""
@@ -268,13 +246,26 @@ class MetricsLogger:
 
     def info(self, text: str) -> None:
         if self.enabled:
-            self.progress.write(text)
+            self.write(text)
+
+    def write(self, line: str) -> None:
+        if self.bar is not None and self.bar.n >= self.total_steps:
+            self.close_bar()  # a finished bar stays above what follows, not redrawn under it
+        if self.bar is not None and self.interactive:
+            self.bar.write(line)
+        else:
+            print(line, flush=True)
+
+    def close_bar(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
 
     def close(self) -> None:
         """Idempotent: also called when training stops on an error, which then prints below the bar."""
         if not self.enabled or self.jsonl.closed:
             return
-        self.progress.close()
+        self.close_bar()
         # only the record whose write failed can fail here, and its error is already on its way
         with contextlib.suppress(OSError):
             os.fsync(self.jsonl.fileno())

@@ -58,24 +58,30 @@ def test_step_lines_print_numbers_as_people_read_them():
                     "step_time_s 0.6123")
 
 
-def test_progress_bar_stays_above_the_summary(monkeypatch):
+def test_progress_bar_stays_above_the_summary(monkeypatch, tmp_path):
     """On a terminal: tqdm's bar counts from the first step logged, and once it is full what the run
     prints after it (its checkpoint, its summary) comes below it, the bar not drawn again."""
     import io
 
-    from sfttrain.metrics import ProgressBar
+    from sfttrain.config import Config
+    from sfttrain.metrics import MetricsLogger
 
-    screen = io.StringIO()  # the terminal, which the bar (stderr) and the lines (stdout) share
+    class Terminal(io.StringIO):  # what the bar (stderr) and the lines (stdout) share
+        def isatty(self) -> bool:
+            return True
+
+    screen = Terminal()
     monkeypatch.setattr(sys, "stderr", screen)
     monkeypatch.setattr(sys, "stdout", screen)
-    bar = ProgressBar(3, interactive=True)
+    logger = MetricsLogger(Config(), str(tmp_path), True, 3, 0)
     for step in (1, 2, 3):
-        bar.advance(step)
-    bar.write("done: 3 steps in 1 s")
-    bar.close()
+        logger.log(step, {"loss": 1.0 / step, "step_time_s": 0.5})
+    logger.info("done: 3 steps in 1 s")
+    logger.close()
     text = screen.getvalue()
     assert re.search(r"train: +100%\|[^\n\r]*\| 3/3 \[", text), text
     assert "train:" not in text[text.index("done: 3 steps"):], text
+    assert re.search(r"^step 3/3 \| loss 0.3333 \| step_time_s 0.5$", text, re.M), text  # no ETA: the bar has it
 
 
 def test_a_cpu_run_is_plotted_without_an_empty_memory_panel(tmp_path):

@@ -117,10 +117,8 @@ def start_wandb(cfg: Config, run_dir: str, run_id: Optional[str]):
 
 def describe_software(device: torch.device) -> str:
     """The start-up line of the libraries and the code that ran: what a bug report or a rerun needs."""
-    gpu = ""
-    if device.type == "cuda":
-        runtime = f"CUDA {torch.version.cuda}" if torch.version.cuda else f"ROCm {torch.version.hip}"
-        gpu = f", {runtime} on {torch.cuda.get_device_name(device)}"
+    runtime = f"CUDA {torch.version.cuda}" if torch.version.cuda else f"ROCm {torch.version.hip}"
+    gpu = f", {runtime} on {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""
     libraries = ", ".join(f"{name} {version(name)}" for name in ("transformers", "peft"))
     checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = commit_of(checkout)
@@ -297,7 +295,7 @@ def rewind_metrics(run_dir: str, step: int, note: Optional[dict] = None, own: bo
                 record = None
             ok = isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step
             torn += not isinstance(record, dict) and bool(line.strip())
-            (keep if ok else dropped).append(line if line.endswith("\n") else line + "\n")
+            (keep if ok else dropped).append(line.rstrip("\n") + "\n")
     say = logging.getLogger("sfttrain").warning
     if torn and keep:
         say(f"{path}: {torn} line(s) cut short (a crash or a full disk while the run wrote them) moved to "

@@ -180,6 +180,7 @@ class ParquetSource:
         self._columns: dict[str, list[str]] = {}  # per file: the columns read
         self._stamps: dict[str, Optional[tuple[int, ...]]] = {}  # per file: its file_stamp when opened
         self.unread: set[str] = set()  # the other columns, for the data report
+        self.file_rows: list[tuple[str, int]] = []  # (user's file, rows) per file as listed
         for file in files:
             self._add_file(os.path.expanduser(file))
         self.num_rows = sum(g.num_rows for g in self.row_groups)
@@ -205,6 +206,7 @@ class ParquetSource:
         self.unread.update(n for n in names if n not in self._columns[file])
         if meta.metadata.num_rows == 0:
             raise no_rows(source)
+        self.file_rows.append((source, meta.metadata.num_rows))
         first = sum(g.num_rows for g in self.row_groups)
         for i in range(meta.num_row_groups):
             n = meta.metadata.row_group(i).num_rows
@@ -226,15 +228,6 @@ class ParquetSource:
                     counts[name] += _text_cells(cells, json_cells)
         rows = {name: n for name, n in sorted(counts.items()) if n}
         return {"prompt_key": [self.fields.prompt_path[0], *self.fields.joined_keys], "rows": rows} if rows else {}
-
-    def file_rows(self) -> list[tuple[str, int]]:
-        """(user's file, rows) per file as listed, in reading order."""
-        rows: list[tuple[str, int]] = []
-        for group in self.row_groups:
-            if group.index == 0:
-                rows.append((group.source, 0))
-            rows[-1] = (group.source, rows[-1][1] + group.num_rows)
-        return rows
 
     def where(self, row: int) -> str:
         group = self.row_groups[int(np.searchsorted(self._starts, row, side="right")) - 1]

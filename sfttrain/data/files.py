@@ -153,8 +153,6 @@ def data_format(path: str) -> str:
 
 
 def open_text(path: str, newline: str | None = None):
-    if data_format(path) == os.path.splitext(path)[1]:
-        return open(path, encoding="utf-8-sig", newline=newline)
     return io.TextIOWrapper(pa.input_stream(path, compression="detect"), encoding="utf-8-sig", newline=newline)
 
 

@@ -7,6 +7,7 @@ import array
 import contextlib
 import dataclasses
 import hashlib
+import itertools
 import logging
 import math
 import os
@@ -123,16 +124,15 @@ class StepStream(IterableDataset):
     def __iter__(self) -> Iterator[StepBatch | UserError]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        for i, position in enumerate(self.data.positions(self.epoch, self.consumed)):
-            if i % workers == worker:
-                try:
-                    step = self.data.step(*position)
-                except UserError as e:  # passed on as an item: torch would re-raise it inside its traceback
-                    yield e
-                    return
-                # into shared memory here, where a full /dev/shm raises in the rank; torch's feeder thread
-                # would print the error and drop the step, the rank waiting for it forever
-                yield step.share_memory() if info else step
+        for position in itertools.islice(self.data.positions(self.epoch, self.consumed), worker, None, workers):
+            try:
+                step = self.data.step(*position)
+            except UserError as e:  # passed on as an item: torch would re-raise it inside its traceback
+                yield e
+                return
+            # into shared memory here, where a full /dev/shm raises in the rank; torch's feeder thread
+            # would print the error and drop the step, the rank waiting for it forever
+            yield step.share_memory() if info else step
 
 
 PREFETCH = 2  # steps each data worker builds ahead (the DataLoader's prefetch_factor)

@@ -37,7 +37,6 @@ LENGTHS_DIR = "row_stats"  # in the run folder, unless data.length_cache_dir nam
 REPORT_FILE = "data_report.json"
 SHOWN_ROWS = 8  # row ids named in messages
 SHOWN_FILES = 3  # files named in the report's line (data_report.json lists them all)
-LISTED_SECTIONS = ("truncated", "duplicate_rows", "empty_responses")
 ORDER_KEYS = ("trainer.seed", "data.shuffle", "data.train_batch_size")
 ROWS_KEY = "the rows' tokens (sha256; data files rewritten with other rows)"
 RENDERING_KEY = "sfttrain's rendering of rows (version)"
@@ -94,9 +93,7 @@ def first_epoch_report(cfg: Config, source: ParquetSource, stats: RowStats, plan
     epoch = epoch_rows(source, stats, cfg.trainer.seed, 0, cfg.data.shuffle)[:plan.steps_per_epoch * plan.global_batch]
     cut = np.flatnonzero(stats.full_lengths > stats.lengths)
     trained = stats.kept(np.arange(len(stats.digests)))
-    _, first = np.unique(stats.digests[trained], return_index=True)
-    repeated = np.ones(len(trained), bool)
-    repeated[first] = False
+    _, first = np.unique(stats.digests[trained], return_index=True)  # each digest's first row
     # an empty response leaves the end token its one supervised token: it teaches the model to stop at once
     empty = np.flatnonzero((stats.loss_tokens == 1) & (stats.full_lengths == stats.lengths))
     report = {
@@ -113,12 +110,13 @@ def first_epoch_report(cfg: Config, source: ParquetSource, stats: RowStats, plan
                       "effect": {"right": "eos_cut", "left": "start_cut"}.get(cfg.data.truncation)},
         "supervised_tokens_per_epoch": int(stats.loss_tokens[epoch].sum()),
         "rows_per_epoch": len(epoch),
-        "duplicate_rows": _rows(trained[repeated]),
+        "duplicate_rows": _rows(np.delete(trained, first)),
         "empty_responses": None if cfg.data.multiturn.enable else _rows(empty),
         "rows_rendered_at_startup": stats.rendered,
         "length_cache": stats.cache_file,
     }
-    for key in LISTED_SECTIONS if len(report["files"]) > 1 else ():  # a row id counts through all the files
+    # a row id counts through all the files: with several, each listed row also by its file's row
+    for key in ("truncated", "duplicate_rows", "empty_responses") if len(report["files"]) > 1 else ():
         if report[key]:
             report[key]["at"] = [source.where(row) for row in report[key]["rows"]]
     return report

@@ -104,7 +104,7 @@ def test_a_row_whose_counts_changed_since_the_scan_stops_the_run(data, tmp_path)
     from sfttrain.config import load_config
     from sfttrain.data.chat import build_renderer
     from sfttrain.data.files import open_source
-    from sfttrain.data.fingerprint import data_fingerprint, rendering_key
+    from sfttrain.data.prepare import data_fingerprint, rendering_key
     from sfttrain.data.loader import _save_stats, digest
     from sfttrain.data.pack import loss_tokens
     from sfttrain.data.parquet import row_fields
@@ -242,6 +242,6 @@ def test_rows_trained_twice_and_validation_rows_seen_in_training_are_reported(gs
 
 def test_a_list_of_rows_cut_short_says_so():
     """A warning shows the first rows of many: the list says there are more (the count beside it says how many)."""
-    from sfttrain.data.report import _listed
+    from sfttrain.data.prepare import _listed
 
     assert (_listed([1, 4], 2), _listed([1, 4], 16)) == ("[1, 4]", "[1, 4, ...]")

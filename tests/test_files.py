@@ -13,7 +13,7 @@ import pytest
 
 from sfttrain.data import files
 from sfttrain.data.files import CONVERTED_DIR, open_source, records
-from sfttrain.data.fingerprint import _files as data_files_of
+from sfttrain.data.prepare import _files as data_files_of
 from sfttrain.data.parquet import ChatMessages, PromptResponse
 from sfttrain.errors import DataError
 from tests.conftest import ASSETS, REPO, read_metrics, run_sfttrain
@@ -27,11 +27,10 @@ def read_all(source) -> list[tuple]:
 
 
 def test_jsonl_json_and_a_directory_read_as_their_rows(tmp_path, monkeypatch):
-    """The same rows as a JSON Lines file (a blank line in it), a JSON list (read in chunks of 7
-    characters, so items span chunks), a .json of one object per line and a directory holding a
-    Parquet file beside a .jsonl: each converted in row groups of 16 rows (memory is one group's)."""
+    """The same rows as a JSON Lines file (a blank line in it), a JSON list, a .json of one object per line
+    and a directory holding a Parquet file beside a .jsonl: each converted in row groups of 16 rows (memory
+    is one group's)."""
     monkeypatch.setattr(files, "ROW_GROUP_ROWS", 16)
-    monkeypatch.setattr(files, "CHUNK_CHARS", 7)
     rows = GSM8K[:50]
     lines = [json.dumps(r) for r in rows]
     (tmp_path / "a.jsonl").write_text("\n".join(lines[:10] + [""] + lines[10:]) + "\n")
@@ -132,8 +131,7 @@ def test_nested_keys_and_messages_keep_their_json_values(tmp_path):
     ("object.json", '{\n "rows": []\n}', r"object.json line 1: not valid JSON .*a .json file holds a list of objects"),
     ("empty.jsonl", "\n", r"empty.jsonl: the file has no rows"),
 ])
-def test_malformed_files_are_named_with_their_line(tmp_path, monkeypatch, name, text, message):
-    monkeypatch.setattr(files, "CHUNK_CHARS", 5)
+def test_malformed_files_are_named_with_their_line(tmp_path, name, text, message):
     (tmp_path / name).write_text(text)
     with pytest.raises(DataError, match=message):
         open_source([str(tmp_path / name)], FIELDS, str(tmp_path / "run"))

@@ -211,7 +211,7 @@ def test_a_checkpoint_without_the_rows_hash_is_resumed_with_what_goes_unchecked(
     """A checkpoint of an sfttrain that did not hash the rows' tokens resumes (nothing it recorded
     changed), with a note that a same-size rewrite of the data cannot be seen, and what to do where
     it was."""
-    from sfttrain.data.fingerprint import ROWS_KEY
+    from sfttrain.data.prepare import ROWS_KEY
     cfg = load_config(overrides=["data.train_files=x.parquet", "model.partial_pretrain=m"])
     ckpt = tmp_path / "global_step_4"
     ckpt.mkdir()
@@ -232,7 +232,7 @@ def test_a_checkpoint_of_another_rendering_resumes_only_where_its_rows_tokens_ar
     """A checkpoint of an sfttrain that rendered rows otherwise (version 1 recorded no version): where
     it recorded its rows' tokens and they are the same, the resume goes on with a note; where they
     differ, or it recorded none, it is refused naming the version and what it changed."""
-    from sfttrain.data.fingerprint import RENDERING_KEY, ROWS_KEY
+    from sfttrain.data.prepare import RENDERING_KEY, ROWS_KEY
     cfg = load_config(overrides=["data.train_files=x.parquet", "model.partial_pretrain=m"])
     ckpt = tmp_path / "global_step_4"
     ckpt.mkdir()

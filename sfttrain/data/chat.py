@@ -1,7 +1,7 @@
 """Multi-turn chat rows: a conversation rendered once by its chat template, loss on the assistant turns.
 
 Each assistant turn's span is located in the rendered text as a prompt/response row's answer is
-(`sfttrain.data.template`): after the generation prompt, through the end-of-turn token, which is
+(`sfttrain.data.render`): after the generation prompt, through the end-of-turn token, which is
 trained so the model learns to stop; the newline after it is glue before the next header, never
 generated. The text is tokenized in pieces cut at the spans' edges, so no token holds both an
 answer's text and its context's (tokenized whole, Mistral v1's '[/INST]' and an answer's '<b>' merge
@@ -18,9 +18,8 @@ import os
 from jinja2 import TemplateError
 
 from sfttrain.config import ConfigError
-from sfttrain.data.render import Renderer, RenderedSample, RowError, each_row
-from sfttrain.data.template import (DROPPED_FIX, TEMPLATE_FIX, AnswerNotLocated, TemplateFailed, answer_span,
-                                    apply_template, check_no_end_token, dropped)
+from sfttrain.data.render import (DROPPED_FIX, TEMPLATE_FIX, AnswerNotLocated, Renderer, RenderedSample, RowError,
+                                  TemplateFailed, answer_span, apply_template, check_no_end_token, dropped, each_row)
 
 ROLES = ("system", "user", "assistant", "tool")
 ROLE_HINTS = {  # other formats' names of these roles, and what to do

@@ -42,9 +42,8 @@ SAVED_DATASET = "state.json"  # in a folder datasets' save_to_disk wrote (beside
 SAVED_DATASET_DICT = "dataset_dict.json"  # in the folder of a DatasetDict's save_to_disk (a folder per split)
 CONVERTED_DIR = "data_cache"  # in the run folder: the JSON, CSV and Arrow files converted to Parquet
 ROW_GROUP_ROWS = 1000  # rows per row group of a conversion (as data_prep/gsm8k.py writes)
-CHUNK_CHARS = 1 << 20  # a JSON list is read this many characters at a time
 FORMAT_VERSION = 1  # part of a conversion's name: a change of format converts again
-NOT_SPACE = re.compile(r"\S")
+SPACE = re.compile(r"\s*")
 SPLITS = ("train", "test", "validation", "valid", "val", "dev", "eval")  # a split named in a file name, as a word
 
 
@@ -123,13 +122,13 @@ def folder_files(path: str) -> list[str]:
         raise DataError(f"{path}: a directory without data files ({DATA_PATTERNS}){where}; "
                         "point data.train_files / data.val_files at one that has them")
     by_split: dict[str, list[str]] = {}
-    for name in found:
-        by_split.setdefault(split_of(name), []).append(name)
-    if len(by_split.keys() - {None}) > 1:
+    for name in found:  # a split named by a word of the name (test-00000-of-00001.parquet, gsm8k-test.arrow)
+        by_split.setdefault(next((w for w in re.split(r"[-_.]", name.lower()) if w in SPLITS), None), []).append(name)
+    splits = {split: os.path.join(path, names[0] if len(names) == 1 else os.path.commonprefix(names) + "*")
+              for split, names in by_split.items() if split}
+    if len(splits) > 1:
         raise DataError(f"{path}: its files are named for several splits, which read whole would all be trained on; "
-                        "name one split's files (or list the files): " +
-                        "; ".join(f"{split}: {split_pattern(path, names)}"
-                                  for split, names in by_split.items() if split))
+                        "name one split's files (or list the files): " + "; ".join(map(": ".join, splits.items())))
     return [os.path.join(path, name) for name in found]
 
 
@@ -146,15 +145,6 @@ def unread_subfolders(paths: list[str]) -> dict[str, list[str]]:
     return {folder: inside for folder in folders if (inside := subfolders_with_data(folder))}
 
 
-def split_of(name: str) -> str | None:
-    """The split a word of the name says (test-00000-of-00001.parquet, gsm8k-test.arrow), or None."""
-    return next((word for word in re.split(r"[-_.]", name.lower()) if word in SPLITS), None)
-
-
-def split_pattern(folder: str, names: list[str]) -> str:
-    return os.path.join(folder, names[0] if len(names) == 1 else os.path.commonprefix(names) + "*")
-
-
 def data_format(path: str) -> str:
     """.jsonl for train.jsonl and train.jsonl.gz."""
     root, suffix = os.path.splitext(path)
@@ -163,8 +153,6 @@ def data_format(path: str) -> str:
 
 
 def open_text(path: str, newline: str | None = None):
-    if data_format(path) == os.path.splitext(path)[1]:
-        return open(path, encoding="utf-8-sig", newline=newline)
     return io.TextIOWrapper(pa.input_stream(path, compression="detect"), encoding="utf-8-sig", newline=newline)
 
 
@@ -190,15 +178,24 @@ def cached_parquet(source: str, run_dir: str) -> str:
 def convert(source: str, target: str) -> None:
     """Written whole or not at all: a lost conversion under its name would be every later start's data."""
     os.makedirs(os.path.dirname(target), exist_ok=True)
-    tmp = f"{target}.{os.getpid()}.tmp"
+    tmp, text = f"{target}.{os.getpid()}.tmp", data_format(source) in (".csv", ".tsv")
     try:
-        converter = {".arrow": convert_arrow, ".csv": convert_csv, ".tsv": convert_csv}
-        converter.get(data_format(source), convert_json)(source, tmp)
+        schema, batches = {".arrow": arrow_batches, ".csv": csv_batches, ".tsv": csv_batches}.get(
+            data_format(source), json_batches)(source)
+        rows = 0
+        with pq.ParquetWriter(tmp, schema) as writer:
+            for batch in batches:
+                writer.write_batch(batch, row_group_size=ROW_GROUP_ROWS)
+                rows += batch.num_rows
+        if not rows:
+            raise no_rows(source)
     except BaseException as e:
         if os.path.exists(tmp):
             os.remove(tmp)
-        if isinstance(e, UnicodeDecodeError):
+        if isinstance(e, UnicodeDecodeError) or text and "invalid UTF8" in str(e):  # pyarrow names no line
             raise not_utf8(source) from None
+        if text and isinstance(e, pa.ArrowInvalid):
+            raise DataError(f"{source}: not a readable {data_format(source)[1:].upper()} file ({e})") from None
         if isinstance(e, OSError) and e.errno is None and source.endswith(COMPRESSED):  # the codec's, not the OS's
             raise DataError(f"{source}: cannot be decompressed ({e}); the file is cut short or not compressed as its "
                             f"name says: write it again, or name it for what it is") from None
@@ -225,47 +222,28 @@ def not_utf8(source: str) -> DataError:
                      "iconv -f GBK -t UTF-8 with the encoding it has)")
 
 
-def convert_arrow(source: str, target: str) -> None:
-    """An Arrow IPC file (datasets writes the stream format), a batch at a time."""
+def arrow_batches(source: str) -> tuple[pa.Schema, list[pa.RecordBatch]]:
+    """An Arrow IPC file (datasets writes the stream format), memory-mapped: read whole without a copy."""
     try:
-        reader = pa.ipc.open_stream(pa.memory_map(source))
-        batches = iter(reader)
+        table = pa.ipc.open_stream(pa.memory_map(source)).read_all()
     except pa.ArrowInvalid:
-        reader = pa.ipc.open_file(pa.memory_map(source))
-        batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
-    _write_batches(source, target, reader.schema, batches)
+        table = pa.ipc.open_file(pa.memory_map(source)).read_all()
+    return table.schema, table.to_batches()
 
 
-def _write_batches(source: str, target: str, schema: pa.Schema, batches: Iterator[pa.RecordBatch]) -> None:
-    rows = 0
-    with pq.ParquetWriter(target, schema) as writer:
-        for batch in batches:
-            writer.write_table(pa.Table.from_batches([batch]), row_group_size=ROW_GROUP_ROWS)
-            rows += batch.num_rows
-    if not rows:
-        raise no_rows(source)
-
-
-def convert_csv(source: str, target: str) -> None:
+def csv_batches(source: str) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
     """Every column read as text: an answer of digits stays the text it is."""
     delimiter = "\t" if data_format(source) == ".tsv" else ","
     with open_text(source, newline="") as f:
         header = next(csv.reader(f, delimiter=delimiter), None)
     if not header or not any(header):
         raise DataError(f"{source}: no header row naming the columns; the first line names them, e.g. question,answer")
-    try:
-        reader = pacsv.open_csv(source, read_options=pacsv.ReadOptions(block_size=CHUNK_CHARS),
-                                parse_options=pacsv.ParseOptions(delimiter=delimiter, newlines_in_values=True),
-                                convert_options=pacsv.ConvertOptions(
-                                    column_types={name: pa.string() for name in header}))
-        _write_batches(source, target, reader.schema, iter(reader))
-    except pa.ArrowInvalid as e:
-        if "invalid UTF8" in str(e):  # pyarrow names neither the line nor the bytes
-            raise not_utf8(source) from None
-        raise DataError(f"{source}: not a readable {'TSV' if delimiter == chr(9) else 'CSV'} file ({e})") from None
+    reader = pacsv.open_csv(source, parse_options=pacsv.ParseOptions(delimiter=delimiter, newlines_in_values=True),
+                            convert_options=pacsv.ConvertOptions(column_types={name: pa.string() for name in header}))
+    return reader.schema, reader
 
 
-def convert_json(source: str, target: str) -> None:
+def json_batches(source: str) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
     """Two streaming passes, the keys then the rows. Cells are kept as JSON text: pyarrow's JSON reader
     refuses a column that changes type, and datasets' reads a list whole."""
     head = list(itertools.islice(records(source), 2))
@@ -278,12 +256,11 @@ def convert_json(source: str, target: str) -> None:
     if not keys:
         raise no_rows(source)
     schema = pa.schema([(key, pa.string()) for key in keys] + [(LINE_COLUMN, pa.int64())], metadata={JSON_CELLS: "1"})
-    with pq.ParquetWriter(target, schema) as writer:
-        rows = records(source)
-        while batch := list(itertools.islice(rows, ROW_GROUP_ROWS)):
-            cells = [[None if row.get(key) is None else json.dumps(row[key], ensure_ascii=False) for _, row in batch]
-                     for key in keys]
-            writer.write_table(pa.table(cells + [[line for line, _ in batch]], schema=schema))
+    rows = records(source)
+    batches = iter(lambda: list(itertools.islice(rows, ROW_GROUP_ROWS)), [])
+    return schema, (pa.record_batch([[None if row.get(key) is None else json.dumps(row[key], ensure_ascii=False)
+                                      for _, row in batch] for key in keys] + [[line for line, _ in batch]],
+                                    schema=schema) for batch in batches)
 
 
 def pandas_orient(row: dict) -> str | None:
@@ -298,11 +275,10 @@ def pandas_orient(row: dict) -> str | None:
 
 
 def records(path: str) -> Iterator[tuple[int, dict]]:
-    if data_format(path) == ".json":
-        with open_text(path) as f:
-            if (items := _ListItems(f, path)).peek() == "[":
-                yield from items
-                return
+    with open_text(path) as f:
+        if data_format(path) == ".json" and (text := f.read()).lstrip().startswith("["):
+            yield from _list_items(text, path)
+            return
     with open_text(path) as f:
         for line, text in enumerate(f, start=1):
             if text.strip():
@@ -318,63 +294,24 @@ def _line_value(text: str, path: str, line: int):
                         "the line") from None
 
 
-class _ListItems:
-    """A JSON list's items decoded one by one (neither pyarrow nor json reads a list an item at a time)."""
-
-    def __init__(self, f, path: str):
-        self.f, self.path = f, path
-        self.text, self.pos, self.eof = "", 0, False
-        self.lines, self.counted = 0, 0  # the lines before text[counted] (counted once: positions only grow)
-        self.decoder = json.JSONDecoder()
-
-    def __iter__(self) -> Iterator[tuple[int, dict]]:
-        self._expect("[")
-        if self.peek() == "]":
-            return
-        while True:
-            line, value = self._value()
-            yield line, _row(value, self.path, line)
-            if self.peek() == "]":
-                return
-            self._expect(",")
-
-    def _read_more(self) -> None:
-        # at least as much as held: a long item is decoded a bounded number of times
-        self._line(self.pos)
-        chunk = self.f.read(max(CHUNK_CHARS, len(self.text)))
-        self.text, self.pos, self.counted, self.eof = self.text[self.pos:] + chunk, 0, 0, not chunk
-
-    def _line(self, pos: int) -> int:
-        self.lines, self.counted = self.lines + self.text.count("\n", self.counted, pos), pos
-        return self.lines + 1
-
-    def peek(self) -> str:
-        while True:
-            self.pos = found.start() if (found := NOT_SPACE.search(self.text, self.pos)) else len(self.text)
-            if self.pos < len(self.text) or self.eof:
-                return self.text[self.pos:self.pos + 1]
-            self._read_more()
-
-    def _expect(self, char: str) -> None:
-        if self.peek() != char:
-            found = repr(self.peek()) if self.peek() else "the end of the file"
-            raise DataError(f"{self.path} line {self._line(self.pos)}: expected {char!r} in the list of rows, found "
-                            f"{found}; a .json file holds a list of objects, or one object per line")
-        self.pos += 1
-
-    def _value(self) -> tuple[int, object]:
-        self.peek()
-        while True:
-            try:
-                value, end = self.decoder.raw_decode(self.text, self.pos)
-                if end < len(self.text) or self.eof:  # else a number could go on in the next chunk
-                    line, self.pos = self._line(self.pos), end
-                    return line, value
-            except json.JSONDecodeError as e:
-                if self.eof:
-                    raise DataError(f"{self.path} line {self._line(e.pos)}: not valid JSON ({e.msg}); fix the "
-                                    "row there") from None
-            self._read_more()
+def _list_items(text: str, path: str) -> Iterator[tuple[int, dict]]:
+    """A top-level list's items decoded one at a time: its text is held, not every row's objects."""
+    decoder, line, counted = json.JSONDecoder(), 1, 0
+    pos = SPACE.match(text, text.index("[") + 1).end()
+    while text[pos:pos + 1] != "]":
+        try:
+            value, end = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path} line {e.lineno}: not valid JSON ({e.msg}); fix the row there") from None
+        line, counted = line + text.count("\n", counted, pos), pos
+        yield line, _row(value, path, line)
+        after = SPACE.match(text, end).end()
+        if text[after:after + 1] not in (",", "]"):
+            found = repr(text[after]) if after < len(text) else "the end of the file"
+            line = text.count("\n", 0, after) + 1
+            raise DataError(f"{path} line {line}: expected ',' in the list of rows, "
+                            f"found {found}; a .json file holds a list of objects, or one object per line")
+        pos = SPACE.match(text, after + (text[after] == ",")).end()
 
 
 def _row(value, path: str, line: int) -> dict:

@@ -7,9 +7,11 @@ import array
 import contextlib
 import dataclasses
 import hashlib
+import itertools
 import logging
 import math
 import os
+import re
 import time
 import warnings
 from dataclasses import dataclass
@@ -59,7 +61,7 @@ class RowStats:
     digests: np.ndarray  # 64 bits of each row's tokens (`digest`)
     rendered: int  # rows this start rendered (0: all read from the length cache)
     cache_file: str | None = None
-    keep: np.ndarray | None = None  # bool per row: trained (report.select_rows); None: all
+    keep: np.ndarray | None = None  # bool per row: trained (prepare.scan_rows); None: all
 
     def kept(self, rows: np.ndarray) -> np.ndarray:
         return rows if self.keep is None else rows[self.keep[rows]]
@@ -122,16 +124,15 @@ class StepStream(IterableDataset):
     def __iter__(self) -> Iterator[StepBatch | UserError]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        for i, position in enumerate(self.data.positions(self.epoch, self.consumed)):
-            if i % workers == worker:
-                try:
-                    step = self.data.step(*position)
-                except UserError as e:  # passed on as an item: torch would re-raise it inside its traceback
-                    yield e
-                    return
-                # into shared memory here, where a full /dev/shm raises in the rank; torch's feeder thread
-                # would print the error and drop the step, the rank waiting for it forever
-                yield step.share_memory() if info else step
+        for position in itertools.islice(self.data.positions(self.epoch, self.consumed), worker, None, workers):
+            try:
+                step = self.data.step(*position)
+            except UserError as e:  # passed on as an item: torch would re-raise it inside its traceback
+                yield e
+                return
+            # into shared memory here, where a full /dev/shm raises in the rank; torch's feeder thread
+            # would print the error and drop the step, the rank waiting for it forever
+            yield step.share_memory() if info else step
 
 
 PREFETCH = 2  # steps each data worker builds ahead (the DataLoader's prefetch_factor)
@@ -164,23 +165,9 @@ def step_batches(data: TrainData, epoch: int, consumed: int, num_workers: int,
             if isinstance(item, UserError):
                 raise item
             yield item.pin_memory() if pin_memory else item
-    except (EOFError, ConnectionError) as handover:  # `steps` still holds its workers here
-        if death := worker_death():
-            raise death from handover
+    except (EOFError, ConnectionError):  # a killed worker's handover: torch's SIGCHLD handler names it moments later
+        time.sleep(1)
         raise
-
-
-def worker_death() -> RuntimeError | None:
-    """torch's error naming a dead worker and its signal: it shows moments after the handover fails."""
-    from torch.utils.data._utils.signal_handling import _error_if_any_worker_fails
-
-    for _ in range(50):
-        try:
-            _error_if_any_worker_fails()
-        except RuntimeError as death:
-            return death
-        time.sleep(0.02)
-    return None
 
 
 def describe_workers(num_workers: int, ranks_here: int, cpus: int, where: str = "this node") -> list[str]:
@@ -227,9 +214,8 @@ def row_stats(source: ParquetSource, renderer: Renderer, rank: int, world: int,
         return RowStats(*cached, rendered=0, cache_file=cache_file)
     _, local = _scan(source, renderer, rank, world, keep=False)
     rows = np.concatenate(from_every_rank(local))
-    columns = [np.zeros(source.num_rows, np.int64) for _ in STATS]
-    for column, values in zip(columns, rows[:, 1:].T):
-        column[rows[:, 0]] = values
+    columns = np.zeros((len(STATS), source.num_rows), np.int64)
+    columns[:, rows[:, 0]] = rows[:, 1:].T
     if rank == 0 and cache_file:
         _save_stats(cache_file, columns)
     return RowStats(*columns, rendered=len(rows), cache_file=cache_file)
@@ -278,8 +264,9 @@ def _render_block(source: ParquetSource, renderer: Renderer, rows: np.ndarray,
             break
         try:
             samples += renderer.render_many(source.read(np.array([row])))
-        except RowError as e:  # the rendering of a row failed: its file and row (or line) go first
-            bad.append((int(row), f"{source.where(e.row)}: {_without_row_id(str(e), e.row)}"))
+        except RowError as e:  # the rendering of a row failed: its file and row (or line) replace its `row N`
+            text = re.sub(rf"^row {e.row}(: | )", lambda m: "the row " * (m[1] == " "), str(e))
+            bad.append((int(row), f"{source.where(e.row)}: {text}"))
         except DataError as e:  # a bad cell names its file and row first; another error is the file's
             if not str(e).startswith(source.where(int(row)) + ":"):
                 raise
@@ -314,16 +301,6 @@ def _scan(source: ParquetSource, renderer: Renderer, rank: int, world: int,
         count = f"{total} or more" if any(n == NAMED_BAD_ROWS for _, n, _ in found) else str(total)
         raise DataError(rows[0][1] + (f" ({count} bad rows; the next: {more})" if total > 1 else ""))
     return samples, np.array(stats, dtype=np.int64).reshape(-1, 1 + len(STATS))
-
-
-def _without_row_id(message: str, row: int) -> str:
-    """Without the renderer's `row N` (counted over all files): the file's own row goes first."""
-    own = f"row {row}"
-    if message.startswith(own + ": "):
-        return message[len(own) + 2:]
-    if message.startswith(own + " "):
-        return "the row" + message[len(own):]
-    return message
 
 
 def validation_batches(samples: list[RenderedSample], micro_batch: int, token_budget: int | None, pad_to: int,

@@ -52,14 +52,12 @@ class PromptResponse:
                                 f"data.response_key to the right columns{_form_hint(names)}")
         return list(dict.fromkeys(path[0] for path in self.paths))
 
-    def decode(self, table, group: RowGroup, locals_: list[int]) -> tuple[list, list]:
-        prompts, responses = ([_text(v, path, group, i) for i, v in zip(locals_, _cells(table, path[0]))]
-                              if path else [""] * len(locals_) for path in (self.prompt_path, self.response_path))
+    def decode(self, cells: dict) -> tuple[str, str]:
+        prompt, response = (_text(cells[p[0]], p) if p else "" for p in (self.prompt_path, self.response_path))
         for key in self.joined_keys:
-            texts = [None if v in (None, "") else _text(v, [key], group, i)
-                     for i, v in zip(locals_, _cells(table, key))]
-            prompts = [f"{p}\n{t}" if p and t else p or t or "" for p, t in zip(prompts, texts)]
-        return prompts, responses
+            text = None if cells[key] in (None, "") else _text(cells[key], [key])
+            prompt = f"{prompt}\n{text}" if prompt and text else prompt or text or ""
+        return prompt, response
 
 
 class DataFileChanged(DataError):
@@ -142,20 +140,14 @@ class ChatMessages:
         optional = [key for key, _ in self.optional] + [self.system_key]
         return [*self.messages_keys] + [key for key in optional if key in names]
 
-    def decode(self, table, group: RowGroup, locals_: list[int]) -> tuple[list, list]:
-        parts = [[_messages(v, key, group, i) for i, v in zip(locals_, _cells(table, key))]
-                 for key in self.messages_keys]
-        if self.system_key in table.column_names:
-            parts.insert(0, [_system(v, self.system_key, group, i, conversation)
-                             for i, v, conversation in zip(locals_, _cells(table, self.system_key), parts[0])])
-        messages = [sum(row, []) for row in zip(*parts)]
-        kwargs = [{} for _ in messages]
-        for key, kwarg in self.optional:
-            if key in table.column_names:
-                for i, row_kwargs, value in zip(locals_, kwargs, _cells(table, key)):
-                    if value is not None and value != "":  # a null (or empty: ShareGPT's "no tools") cell: the default
-                        row_kwargs[kwarg] = _json(value, key, group, i) if kwarg == "tools" else value
-        return messages, kwargs
+    def decode(self, cells: dict) -> tuple[list[dict], dict]:
+        parts = [_messages(cells[key], key) for key in self.messages_keys]
+        if self.system_key in cells:
+            parts.insert(0, _system(cells[self.system_key], self.system_key, parts[0]))
+        # a null (or empty: ShareGPT's "no tools") cell: the template's default
+        kwargs = {kwarg: _json(cells[key], key) if kwarg == "tools" else cells[key] for key, kwarg in self.optional
+                  if key in cells and cells[key] is not None and cells[key] != ""}
+        return sum(parts, []), kwargs
 
 
 def row_fields(d) -> PromptResponse | ChatMessages:
@@ -180,6 +172,7 @@ class ParquetSource:
         self._columns: dict[str, list[str]] = {}  # per file: the columns read
         self._stamps: dict[str, Optional[tuple[int, ...]]] = {}  # per file: its file_stamp when opened
         self.unread: set[str] = set()  # the other columns, for the data report
+        self.file_rows: list[tuple[str, int]] = []  # (user's file, rows) per file as listed
         for file in files:
             self._add_file(os.path.expanduser(file))
         self.num_rows = sum(g.num_rows for g in self.row_groups)
@@ -205,6 +198,7 @@ class ParquetSource:
         self.unread.update(n for n in names if n not in self._columns[file])
         if meta.metadata.num_rows == 0:
             raise no_rows(source)
+        self.file_rows.append((source, meta.metadata.num_rows))
         first = sum(g.num_rows for g in self.row_groups)
         for i in range(meta.num_row_groups):
             n = meta.metadata.row_group(i).num_rows
@@ -223,18 +217,12 @@ class ParquetSource:
                     and (pa.types.is_string(f.type) or pa.types.is_large_string(f.type))]
             for batch in parquet.iter_batches(columns=text) if text else ():
                 for name, cells in zip(batch.schema.names, batch.columns):
-                    counts[name] += _text_cells(cells, json_cells)
+                    length = pc.utf8_length(cells)  # a JSON cell's text is quoted: '""' holds none
+                    filled = pc.and_(pc.starts_with(cells, '"'), pc.greater(length, 2)) if json_cells else \
+                        pc.greater(length, 0)
+                    counts[name] += pc.sum(filled).as_py() or 0
         rows = {name: n for name, n in sorted(counts.items()) if n}
         return {"prompt_key": [self.fields.prompt_path[0], *self.fields.joined_keys], "rows": rows} if rows else {}
-
-    def file_rows(self) -> list[tuple[str, int]]:
-        """(user's file, rows) per file as listed, in reading order."""
-        rows: list[tuple[str, int]] = []
-        for group in self.row_groups:
-            if group.index == 0:
-                rows.append((group.source, 0))
-            rows[-1] = (group.source, rows[-1][1] + group.num_rows)
-        return rows
 
     def where(self, row: int) -> str:
         group = self.row_groups[int(np.searchsorted(self._starts, row, side="right")) - 1]
@@ -267,9 +255,13 @@ class ParquetSource:
             where = np.flatnonzero(groups == g)
             group = self.row_groups[g]
             locals_ = (rows[where] - group.first_row).tolist()
-            firsts, seconds = self.fields.decode(self._group(g).take(locals_), group, locals_)
-            for i, local, a, b in zip(where.tolist(), locals_, firsts, seconds):
-                out[i] = (a, b, group.first_row + local)
+            table = self._group(g).take(locals_)
+            columns = {name: _cells(table, name) for name in table.column_names}
+            for i, local, cells in zip(where.tolist(), locals_, zip(*columns.values())):
+                try:
+                    out[i] = (*self.fields.decode(dict(zip(columns, cells))), group.first_row + local)
+                except DataError as e:  # a cell's: named by its row (or line)
+                    raise DataError(f"{_where(group, local)}: {e}") from None
         while sum(t.num_rows for t in self._cache.values()) > self._cache_rows and len(self._cache) > 1:
             self._cache.popitem(last=False)  # after the read: no group of this request is evicted during it
         return out
@@ -303,15 +295,14 @@ def _clock(mtime_ns: int) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(mtime_ns / 1e9))
 
 
-def _text(value, key_path: list[str], group: RowGroup, local: int) -> str:
+def _text(value, key_path: list[str]) -> str:
     for key in key_path[1:]:
         if not isinstance(value, dict) or key not in value:
-            raise DataError(f"{_where(group, local)}: no key {key!r} under {key_path[0]!r}; check "
-                            "data.prompt_dict_keys / data.response_dict_keys")
+            raise DataError(f"no key {key!r} under {key_path[0]!r}; check data.prompt_dict_keys / "
+                            "data.response_dict_keys")
         value = value[key]
     if not isinstance(value, str):
-        raise DataError(f"{_where(group, local)}: {'.'.join(key_path)} is {_kind(value)}, expected a string"
-                        f"{_text_hint(value, key_path)}")
+        raise DataError(f"{'.'.join(key_path)} is {_kind(value)}, expected a string{_text_hint(value, key_path)}")
     return value
 
 
@@ -332,15 +323,13 @@ SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "a
                   "tool": "tool", "observation": "tool", "function_response": "tool"}
 
 
-def _messages(value, key: str, group: RowGroup, local: int) -> list[dict]:
+def _messages(value, key: str) -> list[dict]:
     """Message dicts without the null keys Parquet's struct union adds (templates test `is defined`)."""
-    value = _json(value, key, group, local)
+    value = _json(value, key)
     if not isinstance(value, list) or not all(isinstance(m, dict) for m in value):
-        raise DataError(f"{_where(group, local)}: {key} is {_kind(value)}, expected a list of {{role, content}} "
-                        "messages")
-    where = f"{_where(group, local)}: {key}"
-    return [_text_parts(_sharegpt_turn({k: v for k, v in m.items() if v is not None}, f"{where}[{i}]"),
-                        f"{where}[{i}]") for i, m in enumerate(value)]
+        raise DataError(f"{key} is {_kind(value)}, expected a list of {{role, content}} messages")
+    return [_text_parts(_sharegpt_turn({k: v for k, v in m.items() if v is not None}, f"{key}[{i}]"), f"{key}[{i}]")
+            for i, m in enumerate(value)]
 
 
 def _sharegpt_turn(message: dict, where: str) -> dict:
@@ -378,25 +367,25 @@ def _text_parts(message: dict, where: str) -> dict:
     return {**message, "content": "\n".join(p["text"] for p in parts)}
 
 
-def _system(value, key: str, group: RowGroup, local: int, conversation: list[dict]) -> list[dict]:
+def _system(value, key: str, conversation: list[dict]) -> list[dict]:
     if value is None or value == "":
         return []
     if not isinstance(value, str):
-        raise DataError(f"{_where(group, local)}: {key} is {_kind(value)}, expected a string (a system prompt)")
+        raise DataError(f"{key} is {_kind(value)}, expected a string (a system prompt)")
     if conversation and conversation[0].get("role") == "system":
-        raise DataError(f"{_where(group, local)}: a system prompt both in the {key} column and as the conversation's "
-                        "first message; keep one (data.multiturn.system_key=null leaves the column unread)")
+        raise DataError(f"a system prompt both in the {key} column and as the conversation's first message; keep one "
+                        "(data.multiturn.system_key=null leaves the column unread)")
     return [{"role": "system", "content": value}]
 
 
-def _json(value, key: str, group: RowGroup, local: int):
+def _json(value, key: str):
     """A cell that may hold its value as JSON text (tool schemas often do)."""
     if not isinstance(value, str):
         return value
     try:
         return json.loads(value)
     except json.JSONDecodeError as e:
-        raise DataError(f"{_where(group, local)}: {key} is a string but not JSON ({e})")
+        raise DataError(f"{key} is a string but not JSON ({e})")
 
 
 def _kind(value) -> str:
@@ -408,12 +397,6 @@ def _cells(table: pa.Table, column: str) -> list:
     if JSON_CELLS.encode() not in (table.schema.metadata or {}):
         return values
     return [None if v is None else json.loads(v) for v in values]
-
-
-def _text_cells(cells: pa.Array, json_cells: bool) -> int:
-    if json_cells:
-        return pc.sum(pc.and_(pc.starts_with(cells, '"'), pc.greater(pc.utf8_length(cells), 2))).as_py() or 0
-    return pc.sum(pc.greater(pc.utf8_length(cells), 0)).as_py() or 0
 
 
 def _where(group: RowGroup, local: int) -> str:

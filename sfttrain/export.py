@@ -32,7 +32,7 @@ from transformers.utils.hub import convert_file_size_to_int  # "5GB" -> bytes, a
 from sfttrain import lora
 from sfttrain.checkpoint import read_back
 from sfttrain.checkpoint_folder import check_intact, fsync_path, fsync_tree, read_state, resolve, runs, size_text
-from sfttrain.config import ModelConfig, load_config
+from sfttrain.config import ModelConfig
 from sfttrain.distributed import agree_on_errors
 from sfttrain.dtypes import DTYPE
 from sfttrain.errors import ConfigError, ExportError
@@ -160,9 +160,12 @@ def into_checkpoint(checkpoint_dir: str, rank: int, world_size: int, trust_remot
 def export_lora(checkpoint_dir: str, out_dir: str, dtype: str = "auto", max_shard_size: str | int = "5GB",
                 trust_remote_code: bool = False, base_dir: Optional[str] = None) -> None:
     """A LoRA checkpoint merged into its base in fp32; out_dir/adapter gets the peft adapter."""
+    from omegaconf import OmegaConf
     from transformers import AutoModelForCausalLM
 
-    cfg = load_config(os.path.join(checkpoint_dir, "config.yaml"), check=False).model
+    # the model section only: keys of other sections that a later version dropped must not stop an export
+    stored = OmegaConf.load(os.path.join(checkpoint_dir, "config.yaml")).model
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), stored))
     trained_on = read_state(checkpoint_dir).get("base")
     name = base_dir or cfg.partial_pretrain
     base_dir = base_dir or base_folder(cfg.partial_pretrain, trained_on)
@@ -187,8 +190,8 @@ def merged(base: nn.Module, cfg: ModelConfig, adapters: dict[str, torch.Tensor],
     result = peft_model.get_base_model().load_state_dict(adapters, strict=False)
     not_loaded = [k for k in result.missing_keys if lora.is_adapter_weight(k)]
     if result.unexpected_keys or not_loaded:
-        raise ValueError(f"the adapters do not match model.target_modules / lora_rank on this base: unexpected "
-                         f"{result.unexpected_keys[:5]}, not in the checkpoint {not_loaded[:5]}")
+        raise ValueError(f"the adapters do not match model.target_modules / lora_rank on {base.name_or_path}: "
+                         f"unexpected {result.unexpected_keys[:5]}, not in the checkpoint {not_loaded[:5]}")
     peft_model.save_pretrained(adapter_dir)
     return peft_model.merge_and_unload()
 

@@ -174,26 +174,19 @@ class Adapted:
     @classmethod
     def match(cls, node: torch.fx.Node) -> Adapted | None:
         """The adapted projection whose output (peft's sum) `node` is, or None."""
-        if not is_call(node, (operator.add,)) or len(node.args) != 2:
+        args = node.args if is_call(node, (operator.add,)) else ()
+        if not (len(args) == 2 and is_call(args[0], LINEAR) and is_call(args[1], (operator.mul,))
+                and is_call(args[1].args[0], LINEAR) and is_call(args[1].args[0].args[0], LINEAR)):
             return None
-        base, mul = node.args
-        if not (is_call(base, LINEAR) and is_call(mul, (operator.mul,)) and is_call(mul.args[0], LINEAR)):
+        a = cls(node)
+        if (a.linear_a.args[0] is not a.x or _bias(a.linear_a) is not None or _bias(a.linear_b) is not None
+                or a.base.kwargs or not are_parameters([a.weight, a.lora_a, a.lora_b, a.bias])
+                or any(len(n.users) != 1 for n in (a.base, args[1], a.linear_b, a.linear_a))):  # each feeds the next
             return None
-        linear_b = mul.args[0]
-        linear_a = linear_b.args[0]
-        if not (is_call(linear_a, LINEAR) and linear_a.args[0] is base.args[0] and _bias(linear_a) is None
-                and _bias(linear_b) is None):
-            return None
-        if any(len(n.users) != 1 for n in (base, mul, linear_b, linear_a)):  # each feeds only the next
-            return None
-        if base.kwargs or not are_parameters([base.args[1], linear_a.args[1], linear_b.args[1], _bias(base)]):
-            return None
-        found = cls(node)
-        w, out = found.weight.meta["example_value"], base.meta["example_value"]
+        w, x, out, lora_a, lora_b = (n.meta["example_value"] for n in (a.weight, a.x, a.base, a.lora_a, a.lora_b))
         # frozen base, computed in its own dtype (no autocast cast between), trained adapters
-        if w.requires_grad or out.dtype != w.dtype or found.x.meta["example_value"].dtype != w.dtype:
-            return None
-        return found if all(p.meta["example_value"].requires_grad for p in (found.lora_a, found.lora_b)) else None
+        frozen = not w.requires_grad and out.dtype == x.dtype == w.dtype
+        return a if frozen and lora_a.requires_grad and lora_b.requires_grad else None
 
 
 def fold(graph: torch.fx.Graph, folds_frozen) -> int:

@@ -12,32 +12,35 @@ import argparse
 import datetime
 import gc
 import json
-import math
 import os
 import shutil
 import sys
 import warnings
+from collections.abc import Callable
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from huggingface_hub import split_torch_state_dict_into_shards
+from safetensors.torch import save_file
+from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from transformers.utils.hub import convert_file_size_to_int  # "5GB" -> bytes, as save_pretrained reads it
+
 from sfttrain import lora
 from sfttrain.checkpoint import read_back
 from sfttrain.checkpoint_folder import check_intact, fsync_path, fsync_tree, read_state, resolve, runs, size_text
 from sfttrain.config import ModelConfig
 from sfttrain.distributed import agree_on_errors
-from sfttrain.dtypes import DTYPE, HF_NAMES
+from sfttrain.dtypes import DTYPE
 from sfttrain.errors import ConfigError, ExportError
 from sfttrain.faults import SIZE_LIMIT_FIX, Fault, disk_full, fault, over_size_limit
-from sfttrain.hub import local_model_path
-from transformers.utils.hub import convert_file_size_to_int  # "5GB" -> bytes, as save_pretrained reads it
+from sfttrain.hub import local_model_path, model_config
 
 MODEL_PREFIX = "model."  # the DCP state dict is {"model": hf_state_dict, "optim": ...}
 LOAD_BUDGET_BYTES = 1 << 30  # checkpoint bytes read per dcp.load call
-SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 ADAPTER_DIR = "adapter"  # a LoRA export's peft adapter folder, inside the merged model's folder
 HF_EXPORT_DIR = "huggingface"  # trainer.save_hf's export, inside the final checkpoint
@@ -45,115 +48,83 @@ HF_EXPORT_DIR = "huggingface"  # trainer.save_hf's export, inside the final chec
 EXPORT_TIMEOUT = datetime.timedelta(hours=6)
 
 
-def model_tensors(checkpoint_dir: str) -> list[tuple[str, TensorStorageMetadata]]:
-    """(HF name, DCP metadata) of the model's tensors, in the order they were saved."""
+def model_tensors(checkpoint_dir: str) -> dict[str, TensorStorageMetadata]:
+    """HF name -> DCP metadata of the model's tensors, in the order they were saved."""
     meta = dcp.FileSystemReader(checkpoint_dir).read_metadata()
-    return [(key[len(MODEL_PREFIX):], md) for key, md in meta.state_dict_metadata.items()
-            if key.startswith(MODEL_PREFIX) and isinstance(md, TensorStorageMetadata)]
+    return {key[len(MODEL_PREFIX):]: md for key, md in meta.state_dict_metadata.items()
+            if key.startswith(MODEL_PREFIX) and isinstance(md, TensorStorageMetadata)}
 
 
-def tied_names(hf_dir: str, names: list[str], trust_remote_code: bool = False) -> set[str]:
-    """Names that alias another parameter (lm_head.weight when tied), from the model built on the meta device."""
+def tied_names(hf_dir: str, names: list[str]) -> set[str]:
+    """lm_head.weight where config.json ties it to the input embedding (transformers ties it back on load)."""
     with open(os.path.join(hf_dir, "config.json")) as f:
-        config = json.load(f)
-    if not config.get("tie_word_embeddings", False) and not config.get("tie_encoder_decoder", False):
-        return set()
-    embeds = [n for n in names if n.endswith("embed_tokens.weight")]
-    if "lm_head.weight" in names and len(embeds) == 1:  # the usual decoder-only layout: no need to build it
-        return {"lm_head.weight"}
-    try:
-        from transformers import AutoConfig, AutoModelForCausalLM
-
-        hf_config = AutoConfig.from_pretrained(hf_dir, trust_remote_code=trust_remote_code)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
-        every = [n for n, _ in model.named_parameters(remove_duplicate=False)]
-        unique = {n for n, _ in model.named_parameters()}
-        return {n for n in every if n not in unique} & set(names)
-    except Exception as e:  # an architecture transformers cannot build here: the usual convention
-        print(f"sfttrain.export: could not build the model to find tied weights ({e}); "
-              "assuming lm_head.weight is tied to the input embedding", file=sys.stderr)
-        return {"lm_head.weight"} & set(names)
+        return {"lm_head.weight"} & set(names) if json.load(f).get("tie_word_embeddings", False) else set()
 
 
-def read_tensors(reader: dcp.FileSystemReader, group: list[tuple[str, TensorStorageMetadata]]) -> dict:
-    """HF name -> full tensor of the model tensors in `group`, read without a process group."""
-    loaded = {MODEL_PREFIX + name: torch.empty(md.size, dtype=md.properties.dtype) for name, md in group}
+def read_tensors(reader: dcp.FileSystemReader, stored: dict[str, TensorStorageMetadata]) -> dict:
+    """HF name -> full tensor of the model tensors `stored`, read without a process group."""
+    loaded = {MODEL_PREFIX + name: torch.empty(md.size, dtype=md.properties.dtype) for name, md in stored.items()}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message=".*single process.*")
         dcp.load(loaded, storage_reader=reader, no_dist=True)
     return {name[len(MODEL_PREFIX):]: t for name, t in loaded.items()}
 
 
-def plan_shards(tensors: list[tuple[str, TensorStorageMetadata]], dtype: Optional[torch.dtype],
-                max_shard_bytes: int) -> list[list[tuple[str, TensorStorageMetadata]]]:
-    """Consecutive tensors in groups of at most max_shard_bytes; deterministic, so ranks can split them."""
-    shards: list[list] = [[]]
-    size = 0
-    for name, md in tensors:
-        n = math.prod(md.size) * (dtype or md.properties.dtype).itemsize
-        if shards[-1] and size + n > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append((name, md))
-        size += n
-    return shards
-
-
-def shard_file(i: int, n: int) -> str:
-    return SINGLE_FILE if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+def write_weights(out_dir: str, tensors: dict[str, torch.Tensor], read: Callable[[list[str]], dict],
+                  max_shard_size: str | int, rank: int = 0, world_size: int = 1) -> None:
+    """The safetensors files of `tensors` (meta tensors will do: only their sizes plan the files), rank r
+    writing files r, r + world_size, ... from `read(names)`; rank 0 the index."""
+    split = split_torch_state_dict_into_shards(tensors, max_shard_size=convert_file_size_to_int(max_shard_size))
+    os.makedirs(out_dir, exist_ok=True)
+    umask = os.umask(0)
+    os.umask(umask)
+    for i, (file, names) in enumerate(split.filename_to_tensors.items()):
+        if i % world_size == rank:
+            save_file(read(names), os.path.join(out_dir, file), metadata={"format": "pt"})
+            os.chmod(os.path.join(out_dir, file), 0o666 & ~umask)  # safetensors creates it 0600
+    if rank == 0 and split.is_sharded:
+        with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
+            json.dump({"metadata": split.metadata, "weight_map": split.tensor_to_filename}, f, indent=2)
 
 
 def export(checkpoint_dir: str, out_dir: str, dtype: str = "auto", max_shard_size: str | int = "5GB",
            rank: int = 0, world_size: int = 1, trust_remote_code: bool = False,
            base_dir: Optional[str] = None) -> None:
     """Writes the HF folder: rank r shards r, r + world_size, ...; rank 0 the index, config and tokenizer."""
-    from safetensors.torch import save_file
-
     if dtype != "auto" and dtype not in DTYPE:
         raise ValueError(f"dtype must be auto or one of {sorted(DTYPE)}, got {dtype!r}")
     hf_dir = os.path.join(checkpoint_dir, "hf")
     if not os.path.isfile(os.path.join(hf_dir, "config.json")):
         raise FileNotFoundError(f"{checkpoint_dir} has no hf/config.json: not a sfttrain checkpoint")
-    out_dtype = DTYPE.get(dtype)
-    tensors = model_tensors(checkpoint_dir)
-    if not tensors:
+    stored = model_tensors(checkpoint_dir)
+    if not stored:
         raise ValueError(f"{checkpoint_dir}: no model tensors in the DCP metadata")
-    if any(lora.is_adapter_weight(name) for name, _ in tensors):
+    if any(lora.is_adapter_weight(name) for name in stored):
         if rank == 0:  # the merge needs the whole base model: one process does it
             export_lora(checkpoint_dir, out_dir, dtype, max_shard_size, trust_remote_code, base_dir)
         return
-    tied = tied_names(hf_dir, [n for n, _ in tensors], trust_remote_code)
-    tensors = [(n, md) for n, md in tensors if n not in tied]
-    shards = plan_shards(tensors, out_dtype, convert_file_size_to_int(max_shard_size))
-    os.makedirs(out_dir, exist_ok=True)
-    reader = dcp.FileSystemReader(checkpoint_dir)
+    tied = tied_names(hf_dir, list(stored))
+    stored = {n: md for n, md in stored.items() if n not in tied}
+    floats = {md.properties.dtype for md in stored.values() if md.properties.dtype.is_floating_point}
+    cast, reader = DTYPE.get(dtype), dcp.FileSystemReader(checkpoint_dir)
 
-    for i, shard in enumerate(shards):
-        if i % world_size != rank:
-            continue
-        out: dict[str, torch.Tensor] = {}
-        for group in plan_shards(shard, None, LOAD_BUDGET_BYTES):
-            loaded = read_tensors(reader, group)
-            for name, _ in group:
-                t = loaded.pop(name)
-                out[name] = (t.to(out_dtype) if out_dtype is not None and t.is_floating_point() else t).contiguous()
-            del loaded
-        path = os.path.join(out_dir, shard_file(i, len(shards)))
-        save_file(out, path + ".tmp", metadata={"format": "pt"})
-        os.chmod(path + ".tmp", 0o666 & ~_umask())  # safetensors creates it 0600
-        os.replace(path + ".tmp", path)
-        del out
+    def read(names: list[str]) -> dict[str, torch.Tensor]:  # LOAD_BUDGET_BYTES of the checkpoint at a time
+        split = split_torch_state_dict_into_shards({n: meta_tensor(stored[n]) for n in names},
+                                                   max_shard_size=LOAD_BUDGET_BYTES)
+        tensors = (t for group in split.filename_to_tensors.values()
+                   for t in read_tensors(reader, {n: stored[n] for n in group}).items())
+        return {name: (t.to(cast) if cast and t.is_floating_point() else t).contiguous() for name, t in tensors}
 
+    write_weights(out_dir, {n: meta_tensor(md, cast) for n, md in stored.items()}, read, max_shard_size,
+                  rank, world_size)
     if rank == 0:
-        stored = {md.properties.dtype for _, md in tensors if md.properties.dtype.is_floating_point}
-        final_dtype = out_dtype or (stored.pop() if len(stored) == 1 else torch.float32)
-        if len(shards) > 1:
-            weight_map = {name: shard_file(i, len(shards)) for i, shard in enumerate(shards) for name, _ in shard}
-            total = sum(math.prod(md.size) * (out_dtype or md.properties.dtype).itemsize for _, md in tensors)
-            with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
-                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-        _write_metadata_files(hf_dir, out_dir, final_dtype)
+        _write_metadata_files(hf_dir, out_dir, cast or (floats.pop() if len(floats) == 1 else torch.float32))
+
+
+def meta_tensor(md: TensorStorageMetadata, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """A stored tensor's shape, in `dtype` where it is floating point (else as stored)."""
+    cast = dtype is not None and md.properties.dtype.is_floating_point
+    return torch.empty(md.size, dtype=dtype if cast else md.properties.dtype, device="meta")
 
 
 def into_checkpoint(checkpoint_dir: str, rank: int, world_size: int, trust_remote_code: bool,
@@ -173,9 +144,7 @@ def into_checkpoint(checkpoint_dir: str, rank: int, world_size: int, trust_remot
         error = f"rank {rank}: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[-1]}"[:400]
     failed = agree_on_errors(error, group)
     if not failed and rank == 0:
-        fsync_tree(tmp)  # its files on disk before the rename names them: a crash leaves no empty weights there
-        os.replace(tmp, out)
-        fsync_path(checkpoint_dir)
+        publish(tmp, out)
     elif rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     dist.barrier(group=group)  # the export is in place (or gone) for every rank
@@ -191,30 +160,40 @@ def into_checkpoint(checkpoint_dir: str, rank: int, world_size: int, trust_remot
 def export_lora(checkpoint_dir: str, out_dir: str, dtype: str = "auto", max_shard_size: str | int = "5GB",
                 trust_remote_code: bool = False, base_dir: Optional[str] = None) -> None:
     """A LoRA checkpoint merged into its base in fp32; out_dir/adapter gets the peft adapter."""
-    cfg = checkpoint_model_config(checkpoint_dir)
+    from omegaconf import OmegaConf
+    from transformers import AutoModelForCausalLM
+
+    # the model section only: keys of other sections that a later version dropped must not stop an export
+    stored = OmegaConf.load(os.path.join(checkpoint_dir, "config.yaml")).model
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), stored))
     trained_on = read_state(checkpoint_dir).get("base")
     name = base_dir or cfg.partial_pretrain
     base_dir = base_dir or base_folder(cfg.partial_pretrain, trained_on)
     if not os.path.isfile(os.path.join(base_dir, "config.json")):
         raise ConfigError(f"{checkpoint_dir} holds LoRA adapters only; their base model {base_dir!r} "
-                                "(model.partial_pretrain) is not a model folder here: pass --base DIR")
+                          "(model.partial_pretrain) is not a model folder here: pass --base DIR")
     lora.check_base(trained_on, lora.base_identity(name, base_dir), f"exporting {checkpoint_dir}")
-    from transformers import AutoModelForCausalLM
-
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    adapters = read_tensors(dcp.FileSystemReader(checkpoint_dir), model_tensors(checkpoint_dir))
+    out_dtype = DTYPE.get(dtype) or model_config(base_dir, trust_remote_code).dtype or torch.float32
+    state = merged(base, cfg, adapters, os.path.join(out_dir, ADAPTER_DIR)).to(out_dtype).state_dict()
+    hf_dir = os.path.join(checkpoint_dir, "hf")
+    tied = tied_names(hf_dir, list(state))
+    write_weights(out_dir, {n: t for n, t in state.items() if n not in tied},
+                  lambda names: {n: state[n].contiguous() for n in names}, max_shard_size)
+    _write_metadata_files(hf_dir, out_dir, out_dtype)
+
+
+def merged(base: nn.Module, cfg: ModelConfig, adapters: dict[str, torch.Tensor], adapter_dir: str) -> nn.Module:
+    """`base` with the adapters added into its weights by peft; the peft adapter folder saved in adapter_dir."""
     peft_model = lora.wrap(base, cfg)
-    reader = dcp.FileSystemReader(checkpoint_dir)
-    adapters = read_tensors(reader, model_tensors(checkpoint_dir))
     result = peft_model.get_base_model().load_state_dict(adapters, strict=False)
     not_loaded = [k for k in result.missing_keys if lora.is_adapter_weight(k)]
     if result.unexpected_keys or not_loaded:
-        raise ValueError(f"{checkpoint_dir}: its adapters do not match model.target_modules / lora_rank on "
-                         f"{base_dir}: unexpected {result.unexpected_keys[:5]}, not in the checkpoint {not_loaded[:5]}")
-    peft_model.save_pretrained(os.path.join(out_dir, ADAPTER_DIR))
-    final_dtype = DTYPE.get(dtype) or _stored_dtype(base_dir)
-    merged = peft_model.merge_and_unload().to(final_dtype)
-    merged.save_pretrained(out_dir, max_shard_size=max_shard_size)
-    _write_metadata_files(os.path.join(checkpoint_dir, "hf"), out_dir, final_dtype)
+        raise ValueError(f"the adapters do not match model.target_modules / lora_rank on {base.name_or_path}: "
+                         f"unexpected {result.unexpected_keys[:5]}, not in the checkpoint {not_loaded[:5]}")
+    peft_model.save_pretrained(adapter_dir)
+    return peft_model.merge_and_unload()
 
 
 def base_folder(given: str, trained_on: dict | None) -> str:
@@ -240,54 +219,23 @@ def refused_message(error: BaseException, refused: Fault, out: str, tmp: str) ->
             "another folder")
 
 
-def checkpoint_model_config(checkpoint_dir: str) -> ModelConfig:
-    """The model section of the checkpoint's config.yaml (LoRA settings, base model path)."""
-    from omegaconf import OmegaConf
-
-    stored = OmegaConf.load(os.path.join(checkpoint_dir, "config.yaml")).model
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), stored))
-
-
-def _stored_dtype(model_dir: str) -> torch.dtype:
-    """The dtype a model folder's config.json declares (fp32 if none)."""
-    with open(os.path.join(model_dir, "config.json")) as f:
-        config = json.load(f)
-    name = config.get("dtype") or config.get("torch_dtype") or "float32"
-    return {v: k for k, v in HF_NAMES.items()}.get(name, torch.float32)
-
-
 def _write_metadata_files(hf_dir: str, out_dir: str, dtype: torch.dtype) -> None:
     """hf/ into out_dir, the config's dtype the exported one and use_cache back on (training turns it off)."""
-    for name in os.listdir(hf_dir):
-        src = os.path.join(hf_dir, name)
-        if name == "config.json" or not os.path.isfile(src):
-            continue
-        shutil.copyfile(src, os.path.join(out_dir, name))
+    shutil.copytree(hf_dir, out_dir, dirs_exist_ok=True, copy_function=shutil.copyfile)
     with open(os.path.join(hf_dir, "config.json")) as f:
         config = json.load(f)
-    config["dtype"] = HF_NAMES[dtype]
-    if "torch_dtype" in config:  # transformers 4.x spelling
-        config["torch_dtype"] = HF_NAMES[dtype]
-    config["use_cache"] = True
+    name = str(dtype).removeprefix("torch.")
+    config.update(dtype=name, use_cache=True, **({"torch_dtype": name} if "torch_dtype" in config else {}))
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
         f.write("\n")
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def make_export_folder(tmp: str, out: str) -> None:
-    """Made first, so that a place the user cannot write fails at once, not after minutes of export."""
-    shutil.rmtree(tmp, ignore_errors=True)  # a failed export's debris
-    try:
-        os.makedirs(tmp)
-    except OSError as e:
-        sys.exit(f"sfttrain.export: cannot create {tmp} ({e.strerror}), the folder the export is written into "
-                 f"before it is renamed to {out}: export into a folder whose parent you can write")
+def publish(tmp: str, out: str) -> None:
+    """The export appears complete or not at all: its files are on disk before the rename names them."""
+    fsync_tree(tmp)
+    os.replace(tmp, out)  # over an empty folder too
+    fsync_path(os.path.dirname(out))
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -320,25 +268,23 @@ def main(argv: Optional[list[str]] = None) -> None:
     if os.path.lexists(out) and not os.path.isdir(out):
         sys.exit(f"sfttrain.export: {out} is a file, not a folder; name a new (or empty) folder to export into")
     tmp = out.rstrip("/") + ".tmp"
-    make_export_folder(tmp, out)
+    shutil.rmtree(tmp, ignore_errors=True)  # a failed export's debris
+    try:  # made first: a place the user cannot write fails at once, not after minutes of export
+        os.makedirs(tmp)
+    except OSError as e:
+        sys.exit(f"sfttrain.export: cannot create {tmp} ({e.strerror}), the folder the export is written into "
+                 f"before it is renamed to {out}: export into a folder whose parent you can write")
     try:
         with read_back(ckpt):
             export(ckpt, tmp, dtype=args.dtype, max_shard_size=args.max_shard_size,
                    trust_remote_code=args.trust_remote_code, base_dir=args.base)
-        fsync_tree(tmp)  # on disk before the rename names it: a crash after it must not leave empty weights
-    except ConfigError as e:  # e.g. a LoRA checkpoint onto another base, a damaged checkpoint
-        shutil.rmtree(tmp, ignore_errors=True)
-        sys.exit(f"sfttrain.export: {e}")
-    except Exception as e:  # an OSError, or safetensors' own error with the OS's words
-        refused = fault(e, None)
-        if refused is None:
+        publish(tmp, out)
+    except Exception as e:  # a ConfigError (a LoRA checkpoint onto another base), an OSError or safetensors' own
+        refused = None if isinstance(e, ConfigError) else fault(e, None)
+        if refused is None and not isinstance(e, ConfigError):
             raise
         shutil.rmtree(tmp, ignore_errors=True)
-        sys.exit(f"sfttrain.export: {refused_message(e, refused, out, tmp)}")
-    if os.path.isdir(out):
-        os.rmdir(out)
-    os.replace(tmp, out)  # the folder appears complete or not at all
-    fsync_path(os.path.dirname(os.path.abspath(out)))
+        sys.exit(f"sfttrain.export: {e if refused is None else refused_message(e, refused, out, tmp)}")
     print(f"sfttrain.export: {ckpt} -> {out}", flush=True)
     gc.freeze()  # skip the interpreter's final collection of torch's object graph (seconds of CPU)
 

@@ -1,14 +1,11 @@
-"""FP8 GEMMs for the decoder layers' linear layers (model.fp8), through torchao's float8 training:
-every plain `nn.Linear` of a decoder layer whose dimensions divide by 16 becomes a `Float8Linear`
-(same parameters and names: checkpoints resume with FP8 on or off). Under FSDP2 with tensorwise
-scaling the weights are all-gathered in FP8. `auto` turns tensorwise on only for layers wide enough
-that FP8's faster GEMMs pay for its scaling casts. LoRA is refused (sfttrain/config/problems.py): torchao's float8
+"""model.fp8 through torchao's float8 training: every plain `nn.Linear` of a decoder layer whose dimensions
+divide by 16 becomes a `Float8Linear` (same parameters and names: checkpoints resume with FP8 on or off),
+its weights all-gathered in FP8 under FSDP2 with tensorwise scaling. LoRA is refused: torchao's float8
 linear computes a frozen base's weight gradients too."""
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -45,8 +42,8 @@ def choose(cfg: ModelConfig, hidden_size: int) -> Fp8Choice:
 
 
 def convertible(layers: list[nn.Module]) -> tuple[list[str], list[str]]:
-    """(converted, skipped): the names ("{layer index}.{module}") of the plain nn.Linear modules FP8
-    takes and of those it leaves in bf16 (a dimension not a multiple of 16)."""
+    """The names ("{layer index}.{module}") of the plain nn.Linear modules FP8 takes, and of those it
+    leaves in bf16 (a dimension not a multiple of 16)."""
     converted, skipped = [], []
     for i, layer in enumerate(layers):
         for name, module in layer.named_modules():
@@ -73,17 +70,11 @@ def check_available(cfg: ModelConfig, device: torch.device) -> None:
 
 def float8_api():
     """torchao.float8, or the DependencyError that says how to install it."""
-    # torchao's import warns of compiled extensions that float8 training does not use
-    log = logging.getLogger("torchao")
-    level = log.level
-    log.setLevel(logging.ERROR)
     try:
         import torchao.float8 as float8
     except ImportError:
         raise DependencyError(f"model.fp8 needs torchao's float8 training: {INSTALL} (torchao 0.18), or set "
                               "model.fp8=off") from None
-    finally:
-        log.setLevel(level)
     return float8
 
 
@@ -100,8 +91,7 @@ def hidden_size(model: nn.Module) -> int:
 
 def convert(layers: list[nn.Module], recipe: str, fsdp_all_gather: bool, fast_accum_grads: bool,
             emulate: bool = False) -> None:
-    """Swaps the convertible linear layers of `layers` for Float8Linear in place. fsdp_all_gather:
-    weights gathered in FP8 (tensorwise only). emulate: FP8 arithmetic without FP8 GEMMs (tests)."""
+    """Swaps the convertible linear layers of `layers` for Float8Linear in place; emulate: without FP8 GEMMs."""
     float8 = float8_api()
     config = dataclasses.replace(float8.Float8LinearConfig.from_recipe_name(recipe), emulate=emulate,
                                  enable_fsdp_float8_all_gather=fsdp_all_gather and recipe == "tensorwise")
@@ -119,8 +109,7 @@ def converted_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def scale_precompute_hook(model: nn.Module) -> Callable | None:
-    """With FP8 all-gather: an optimizer step post-hook computing every FP8 weight's scale in one
-    fused amax and all-reduce; None otherwise."""
+    """With FP8 all-gather, the optimizer step's post-hook computing every weight's scale in one all-reduce."""
     if not any(m.config.enable_fsdp_float8_all_gather for m in converted_layers(model)):
         return None
     precompute = float8_api().precompute_float8_dynamic_scale_for_fsdp

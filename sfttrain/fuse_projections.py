@@ -1,36 +1,42 @@
-"""model.fuse_projections: projections that read the same input (q/k/v; gate/up; LoRA's A) run as one
-GEMM in the compiled layers: an inductor pre-grad pass rewrites `linear(x, w_i, b_i)` of a group into
-`linear(x, cat(w), cat(b))` split back. A group's weights agree in whether they are trained (else the
-frozen one's gradient would be computed). The concatenation is a copy, so frozen groups over
-FROZEN_GROUP_MAX_BYTES stay unfused (auto), but the q/k/v group recompute_qkv=false keeps."""
+"""model.fuse_projections and model.fold_lora: an inductor pre-grad pass over the compiled layers' graphs.
+Fusing: `linear(x, w_i, b_i)` of projections that read the same x (q/k/v; gate/up; LoRA's A) and agree
+in whether they are trained becomes `linear(x, cat(w), cat(b))` split back; the concatenation is a copy,
+so frozen groups over FROZEN_GROUP_MAX_BYTES stay apart (auto), but the q/k/v group recompute_qkv=false keeps.
+Folding: adapted projections of one x (peft: linear(x, W) + linear(linear(x, A), B) s) become
+U = x @ [A_1; ...; A_n]^T and [y_1 | ... | y_n] = [x | U] @ [[W_1, s B_1, 0], ...]^T, one GEMM whose
+backward (`lora_linear`) never computes the frozen W's gradient."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
+import operator
 from collections import defaultdict
 
 import torch
+import torch.nn.functional as F
+from torch._dispatch.python import enable_python_dispatcher
 from torch._dynamo.utils import counters
 from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.decomposition import register_decomposition
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils.checkpoint import CheckpointPolicy
 
-from sfttrain import graph_rewrite, lora_fold
 from sfttrain.config import ModelConfig
-from sfttrain.graph_rewrite import LINEAR, are_parameters, concatenated, is_call, split_back, with_value
 from sfttrain.recompute import qkv_weight_shape
 
 FROZEN_GROUP_MAX_BYTES = 32 * 2**20  # where copying the weights costs what the saved launches save
+LINEAR = (torch._C._nn.linear, F.linear)  # a linear layer in dynamo's graph
 
 
 def graph_pass(cfg: ModelConfig, model_config) -> FuseSharedInputProjections | None:
-    """The pass model.fuse_projections asks for (None: off); with model.fold_lora it folds LoRA's
-    groups first (sfttrain.lora_fold)."""
+    """The pass model.fuse_projections asks for (None: off), folding LoRA's groups first with model.fold_lora."""
     if not cfg.fuses_projections():
         return None
     hidden, qkv = qkv_weight_shape(model_config)
     bound = math.inf if cfg.fuse_projections is True else FROZEN_GROUP_MAX_BYTES
-    return FuseSharedInputProjections(bound, None if cfg.recompute_qkv else (qkv, hidden),
-                                      cfg.folds_lora())
+    return FuseSharedInputProjections(bound, None if cfg.recompute_qkv else (qkv, hidden), cfg.folds_lora())
 
 
 class FuseSharedInputProjections(CustomGraphPass):
@@ -44,7 +50,7 @@ class FuseSharedInputProjections(CustomGraphPass):
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         if self.fold_lora:
-            counters["inductor"]["folded_lora"] += lora_fold.fold(graph, self.folds)
+            counters["inductor"]["folded_lora"] += fold(graph, self.folds)
         groups = defaultdict(list)
         for node in graph.nodes:
             key = group_key(node)
@@ -80,15 +86,15 @@ class FuseSharedInputProjections(CustomGraphPass):
         return sum(w.shape[0] for w in values), values[0].shape[1]
 
     def uuid(self) -> str:
-        """inductor's cache key: the code of this pass and of the helpers it calls, and the settings."""
-        code = b"".join(open(path, "rb").read() for path in (__file__, lora_fold.__file__, graph_rewrite.__file__))
-        settings = repr((self.frozen_max_bytes, self.always_fused, self.fold_lora)).encode()
-        return hashlib.sha256(code + settings).hexdigest()
+        """inductor's cache key: the code of this pass and its settings."""
+        with open(__file__, "rb") as f:
+            code = f.read() + repr((self.frozen_max_bytes, self.always_fused, self.fold_lora)).encode()
+        return hashlib.sha256(code).hexdigest()
 
 
 def group_key(node: torch.fx.Node) -> tuple | None:
-    """(input, weights trained, has bias, weights' dtype) of a linear that can join a group; else None.
-    Only parameters (graph inputs) join: they exist before the group's first linear."""
+    """(input, weights trained, has bias, weights' dtype) of a linear of parameters (graph inputs: they
+    exist before the group's first linear); else None."""
     if not is_call(node, LINEAR) or node.kwargs:
         return None
     x, weight, bias = (*node.args, None)[:3]
@@ -102,13 +108,169 @@ def group_key(node: torch.fx.Node) -> tuple | None:
 
 def fuse(graph: torch.fx.Graph, nodes: list[torch.fx.Node]) -> None:
     """Replaces the group's linears by one over the concatenated weights (and biases), split back."""
-    x = nodes[0].args[0]
-    weights = [n.args[1] for n in nodes]
-    biases = [n.args[2] for n in nodes if len(n.args) > 2 and n.args[2] is not None]  # all or none (group_key)
+    biases = [_bias(n) for n in nodes if _bias(n) is not None]  # all or none (group_key)
     with graph.inserting_before(nodes[0]):
-        weight = concatenated(graph, weights)
+        weight = concatenated(graph, [n.args[1] for n in nodes])
         bias = concatenated(graph, biases) if biases else None
-        fused = with_value(graph.call_function(torch._C._nn.linear, (x, weight, bias)))
+        fused = with_value(graph.call_function(torch._C._nn.linear, (nodes[0].args[0], weight, bias)))
     split_back(graph, fused, nodes)
     for node in nodes:
         graph.erase_node(node)
+
+
+def folded_linear(x, u, frozen, trained, bias):
+    """[x | u] @ [frozen, trained]^T + bias, the trained block cast to x's dtype (as autocast casts it)."""
+    return F.linear(torch.cat([x, u], -1), torch.cat([frozen, trained.to(frozen.dtype)], 1), bias)
+
+
+@torch.library.custom_op("sfttrain::lora_linear", mutates_args=())
+def lora_linear(x: torch.Tensor, u: torch.Tensor, frozen: torch.Tensor, trained: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """`folded_linear`, with a backward that computes no gradient of the frozen block."""
+    return folded_linear(x, u, frozen, trained, bias)
+
+
+@lora_linear.register_fake
+def _(x, u, frozen, trained, bias):
+    return x.new_empty(*x.shape[:-1], frozen.shape[0])
+
+
+def _setup(ctx, inputs, output):
+    x, u, frozen, trained, _ = inputs
+    ctx.save_for_backward(u, frozen, trained)
+    ctx.width = x.shape[-1]
+
+
+def _backward(ctx, grad):
+    u, frozen, trained = ctx.saved_tensors
+    # dim -1 where forward says 1: the same expression would be merged by CSE and forward's copy
+    # of the weights saved for backward
+    grad_input = grad @ torch.cat([frozen, trained.to(frozen.dtype)], -1)
+    flat_grad, flat_u = grad.reshape(-1, grad.shape[-1]), u.reshape(-1, u.shape[-1])
+    grad_trained = (flat_grad.t() @ flat_u).to(trained.dtype)  # the frozen block's gradient is never computed
+    return grad_input[..., :ctx.width], grad_input[..., ctx.width:], None, grad_trained, None
+
+
+lora_linear.register_autograd(_backward, setup_context=_setup)
+
+
+@register_decomposition(torch.ops.sfttrain.lora_linear.default)
+def _inline(x, u, frozen, trained, bias):
+    """inductor generates the op into the compiled layer (no Python a call); below autograd: `_backward` stays."""
+    return folded_linear(x, u, frozen, trained, bias)
+
+
+class Adapted:
+    """One adapted projection in the graph: out = add(base, mul(linear(linear(x, A), B), scale))."""
+
+    def __init__(self, out: torch.fx.Node):
+        self.out = out
+        self.base, mul = out.args
+        self.linear_b, self.scale = mul.args
+        self.linear_a = self.linear_b.args[0]
+        self.x, self.weight, self.bias = self.base.args[0], self.base.args[1], _bias(self.base)
+        self.lora_a, self.lora_b = self.linear_a.args[1], self.linear_b.args[1]
+
+    @classmethod
+    def match(cls, node: torch.fx.Node) -> Adapted | None:
+        """The adapted projection whose output (peft's sum) `node` is, or None."""
+        args = node.args if is_call(node, (operator.add,)) else ()
+        if not (len(args) == 2 and is_call(args[0], LINEAR) and is_call(args[1], (operator.mul,))
+                and is_call(args[1].args[0], LINEAR) and is_call(args[1].args[0].args[0], LINEAR)):
+            return None
+        a = cls(node)
+        if (a.linear_a.args[0] is not a.x or _bias(a.linear_a) is not None or _bias(a.linear_b) is not None
+                or a.base.kwargs or not are_parameters([a.weight, a.lora_a, a.lora_b, a.bias])
+                or any(len(n.users) != 1 for n in (a.base, args[1], a.linear_b, a.linear_a))):  # each feeds the next
+            return None
+        w, x, out, lora_a, lora_b = (n.meta["example_value"] for n in (a.weight, a.x, a.base, a.lora_a, a.lora_b))
+        # frozen base, computed in its own dtype (no autocast cast between), trained adapters
+        frozen = not w.requires_grad and out.dtype == x.dtype == w.dtype
+        return a if frozen and lora_a.requires_grad and lora_b.requires_grad else None
+
+
+def fold(graph: torch.fx.Graph, folds_frozen) -> int:
+    """Folds each group of adapted projections of one input whose frozen weights `folds_frozen` accepts;
+    returns how many."""
+    groups = defaultdict(list)
+    for node in graph.nodes:
+        adapted = Adapted.match(node)
+        if adapted is not None:
+            groups[adapted.x, adapted.bias is not None].append(adapted)
+    folded = [group for group in groups.values() if folds_frozen([a.weight for a in group])]
+    for group in folded:
+        fold_group(graph, group)
+    return len(folded)
+
+
+def fold_group(graph: torch.fx.Graph, group: list[Adapted]) -> None:
+    """Replaces the group's projections (base, A, B, scale, sum) by one lora_linear, split back."""
+    position = {node: i for i, node in enumerate(graph.nodes)}
+    first = min((a.out for a in group), key=position.__getitem__)
+    for a in group:  # a later projection's scale (a float peft reads) is needed at the first sum
+        if isinstance(a.scale, torch.fx.Node) and position[a.scale] > position[first]:
+            first.prepend(a.scale)
+    x = group[0].x
+    with graph.inserting_before(first):
+        u = with_value(graph.call_function(torch._C._nn.linear, (x, _joined(graph, [a.lora_a for a in group]))))
+        scaled = [recomputed(with_value(graph.call_function(operator.mul, (a.lora_b, a.scale)))) for a in group]
+        trained = (scaled[0] if len(group) == 1 else
+                   recomputed(with_value(graph.call_function(torch.block_diag, tuple(scaled)))))
+        frozen = _joined(graph, [a.weight for a in group])
+        bias = _joined(graph, [a.bias for a in group]) if group[0].bias is not None else None
+        fused = with_value(graph.call_function(torch.ops.sfttrain.lora_linear.default, (x, u, frozen, trained, bias)))
+    split_back(graph, fused, [a.out for a in group])
+    for a in group:
+        for node in (a.out, a.out.args[1], a.linear_b, a.linear_a, a.base):
+            graph.erase_node(node)
+
+
+def _joined(graph: torch.fx.Graph, params: list[torch.fx.Node]) -> torch.fx.Node:
+    """One projection's parameter as it is, a group's concatenated."""
+    return params[0] if len(params) == 1 else concatenated(graph, params)
+
+
+def _bias(linear: torch.fx.Node) -> torch.fx.Node | None:
+    return linear.args[2] if len(linear.args) > 2 else linear.kwargs.get("bias")
+
+
+def is_call(node, targets) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def are_parameters(nodes) -> bool:
+    """Whether each of `nodes` but None is a graph input (a parameter): it exists before any op."""
+    return all(isinstance(n, torch.fx.Node) and n.op == "placeholder" for n in nodes if n is not None)
+
+
+def concatenated(graph: torch.fx.Graph, params: list[torch.fx.Node]) -> torch.fx.Node:
+    """The parameters concatenated along dim 0 at the insertion point, recomputed in backward."""
+    return recomputed(with_value(graph.call_function(torch.cat, (params,), {"dim": 0})))
+
+
+def split_back(graph: torch.fx.Graph, fused: torch.fx.Node, replaced: list[torch.fx.Node]) -> None:
+    """Hands each of `replaced` its columns of `fused` (their outputs side by side, in order)."""
+    sizes = [node.meta["example_value"].shape[-1] for node in replaced]
+    with graph.inserting_after(fused):
+        parts = with_value(graph.call_function(torch.split, (fused, sizes), {"dim": -1}))
+    for i, node in enumerate(replaced):
+        with graph.inserting_after(parts):
+            part = graph.call_function(operator.getitem, (parts, i))
+        part.meta.update(node.meta)
+        node.replace_all_uses_with(part)
+
+
+def recomputed(node: torch.fx.Node) -> torch.fx.Node:
+    """Marks a concatenation of parameters for recomputation in backward (saved, it holds a weights' copy)."""
+    node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+    return node
+
+
+def with_value(node: torch.fx.Node) -> torch.fx.Node:
+    """An inserted node given the fake `example_value` later passes read, computed as dynamo does (under the
+    inputs' fake mode and the Python dispatcher, which handles symbolic sizes)."""
+    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["example_value"])
+    modes = {t.fake_mode for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, FakeTensor)}
+    with modes.pop() if modes else contextlib.nullcontext(), enable_python_dispatcher():
+        node.meta["example_value"] = node.target(*args, **kwargs)
+    return node

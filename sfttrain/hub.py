@@ -1,9 +1,5 @@
-"""Models named by a Hugging Face hub id (`model.partial_pretrain=Qwen/Qwen2.5-0.5B-Instruct`).
-
-Rank 0 downloads the snapshot into the hub cache while the others wait; then every rank reads the
-commit rank 0 got from its own cache (fetching it where the cache is not shared). Offline, a model
-not in the cache is a ConfigError that says how to get it there.
-"""
+"""Model folders, local or named by a Hugging Face hub id (`model.partial_pretrain=Qwen/Qwen2.5-0.5B-Instruct`):
+rank 0 downloads the snapshot while the others wait, then each rank reads the commit rank 0 got."""
 
 from __future__ import annotations
 
@@ -29,18 +25,24 @@ def is_repo_id(name: str) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def local_model_path(name: str) -> str:
-    """A local folder as given; a hub id -> its snapshot folder. Collective for a hub id (cached: the
-    tokenizer and the model share one call)."""
+    """A local folder as given; a hub id -> its snapshot folder. Collective for a hub id (once a process)."""
     if not is_repo_id(name):
         return name
-    path = decided_by_rank0(lambda: _download(name))  # the others wait while rank 0 downloads
+    path = decided_by_rank0(lambda: _download(name))
     if dist.is_initialized() and dist.get_rank() != 0:
-        commit = os.path.basename(path)  # snapshots/<commit>: every rank reads the revision rank 0 got
+        commit = os.path.basename(path)  # snapshots/<commit>
         try:
             path = _download(name, commit, local_files_only=True)
         except ConfigError:  # this node's cache is not rank 0's: it fetches the same commit
             path = _download(name, commit)
     return path
+
+
+def model_config(folder: str, trust_remote_code: bool):
+    """The transformers config of a local model folder."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
 
 
 def cached_folder(name: str) -> str | None:

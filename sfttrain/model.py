@@ -10,7 +10,7 @@ import torch
 import transformers
 from huggingface_hub.errors import StrictDataclassError
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from sfttrain import attention, experts, lora, sequence_parallel, weights
 from sfttrain.checkpoint_folder import holds_weights, not_a_model_folder, weight_files
@@ -18,7 +18,7 @@ from sfttrain.config import Config, ConfigError, ModelConfig
 from sfttrain.dtypes import DTYPE
 from sfttrain.errors import GPU_INSTALL, DependencyError
 from sfttrain.faults import unreadable
-from sfttrain.hub import local_model_path
+from sfttrain.hub import local_model_path, model_config
 from sfttrain.loss import output_head
 from sfttrain.moe import RouterBalance
 
@@ -42,7 +42,7 @@ def load_tokenizer(cfg: ModelConfig, chat_template: str | None = None):
 
 def check_max_length(cfg: Config, folder: str) -> None:
     """Refuses data.max_length above the model's positions (a packed row restarts them per sample)."""
-    config = AutoConfig.from_pretrained(folder, trust_remote_code=cfg.model.trust_remote_code)
+    config = model_config(folder, cfg.model.trust_remote_code)
     limit = getattr(config, "max_position_embeddings", None)
     if limit and cfg.data.max_length > limit and not cfg.data.allow_beyond_max_position:
         raise ConfigError(f"data.max_length={cfg.data.max_length} is above the model's max_position_embeddings="
@@ -52,9 +52,8 @@ def check_max_length(cfg: Config, folder: str) -> None:
 
 
 def check_model_config(cfg: Config, folder: str) -> None:
-    """What config.json alone decides: a head the loss reproduces, a computable router loss, and
-    Ulysses heads that split over the sp ranks. The preflight lists them."""
-    config = AutoConfig.from_pretrained(folder, trust_remote_code=cfg.model.trust_remote_code)
+    """What config.json alone decides: the loss's head, the router loss, Ulysses heads over the sp ranks."""
+    config = model_config(folder, cfg.model.trust_remote_code)
     output_head(config)
     RouterBalance.of(config)
     if cfg.ulysses_sequence_parallel_size > 1:
@@ -62,9 +61,8 @@ def check_model_config(cfg: Config, folder: str) -> None:
 
 
 def embedding_rows(cfg: ModelConfig, folder: str) -> int | None:
-    """The rows of the model's input embedding (config.json's vocab_size: the token ids it can embed)."""
-    config = AutoConfig.from_pretrained(folder, trust_remote_code=cfg.trust_remote_code)
-    return getattr(config.get_text_config(), "vocab_size", None)
+    """config.json's vocab_size: the token ids the model can embed."""
+    return getattr(model_config(folder, cfg.trust_remote_code).get_text_config(), "vocab_size", None)
 
 
 @dataclass
@@ -78,7 +76,7 @@ def load_model(cfg: ModelConfig, device: torch.device) -> LoadedModel:
     """The model on the meta device in model_dtype, varlen attention installed; no rank builds it whole."""
     path = local_model_folder(cfg)
     check_weights(cfg, path)
-    config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+    config = model_config(path, cfg.trust_remote_code)
     backend = attention_backend(cfg, config, device.type)
     attention.configure(backend)
     model = build_on_meta(cfg, config)
@@ -109,8 +107,7 @@ def build_on_meta(cfg: ModelConfig, config) -> nn.Module:
 
 
 def stop_generation_at(model: nn.Module, token_id: int) -> list[int]:
-    """Adds `token_id`, the token each trained answer ends with, to the generation config's stop
-    ids and returns them: else generate() runs past the chat template's end of turn."""
+    """Adds `token_id`, the token each trained answer ends with, to generate()'s stop ids; returns them."""
     config = model.generation_config
     ids = config.eos_token_id
     ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
@@ -122,7 +119,7 @@ def stop_generation_at(model: nn.Module, token_id: int) -> list[int]:
 
 def materialise_model(model: nn.Module, cfg: ModelConfig, device: torch.device, buffer_device: torch.device,
                       seed: int) -> None:
-    """Fills the sharded meta model with the folder's weights, or a random init. Collective for a hub id."""
+    """The sharded meta model filled with the folder's weights, or a random init. Collective for a hub id."""
     weights.materialise(model, device, buffer_device, seed, None if cfg.random_init else local_model_folder(cfg))
 
 
@@ -138,7 +135,7 @@ def liger_patching():
 
 def apply_liger(model: nn.Module, device: torch.device, compile_layers: bool) -> bool:
     """Liger's RMSNorm, SwiGLU and RoPE kernels in this model (sfttrain.loss calls its cross-entropy);
-    warns and returns False on CPU."""
+    False on CPU."""
     if device.type != "cuda":
         logging.getLogger("sfttrain").warning("model.use_liger=true ignored: Liger's kernels need a CUDA device")
         return False
@@ -170,7 +167,7 @@ def local_model_folder(cfg: ModelConfig) -> str:
 
 
 def check_model_folder(cfg: ModelConfig, path: str) -> None:
-    """`path` holds a config.json transformers reads, and this user may read it."""
+    """`path` holds a config.json transformers reads."""
     config = os.path.join(path, "config.json")
     check_readable(cfg, [path, config])
     if not os.path.isfile(config):
@@ -178,7 +175,7 @@ def check_model_folder(cfg: ModelConfig, path: str) -> None:
                                                "(org/name, such as Qwen/Qwen2.5-0.5B-Instruct)")
         raise ConfigError(f"model.partial_pretrain={cfg.partial_pretrain!r} {instead}")
     try:
-        AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+        model_config(path, cfg.trust_remote_code)
     # not JSON; no or an unknown model_type; code it would have to trust; sizes its family's validation
     # refuses (a hidden size that the heads do not divide), raised as huggingface_hub's own error type
     except (OSError, ValueError, StrictDataclassError) as e:
@@ -189,19 +186,16 @@ def check_model_folder(cfg: ModelConfig, path: str) -> None:
 
 
 def check_readable(cfg: ModelConfig, paths: list[str]) -> None:
-    """ConfigError where this user may not read one of the model folder's `paths`."""
     if problem := unreadable(paths):
         raise ConfigError(f"model.partial_pretrain={cfg.partial_pretrain!r} cannot be read: {problem}")
 
 
 def check_weights_readable(cfg: ModelConfig, folder: str) -> None:
-    """The weight files are readable (unless random_init), checked before the data scan."""
     if not cfg.random_init:
         check_readable(cfg, weight_files(folder))
 
 
 def check_weights(cfg: ModelConfig, path: str) -> None:
-    """A model folder to load has weight files (unless model.random_init)."""
     if not cfg.random_init and not holds_weights(path):
         raise ConfigError(f"model.partial_pretrain={path!r} has a config but no weights (*.safetensors / *.bin); "
                           "set model.random_init=true to train from a random initialisation")

@@ -1,9 +1,8 @@
-"""Activation checkpointing: which decoder layers recompute in backward and what they keep. A
-checkpointed layer keeps its input and, for long samples (recompute_attention), its attention
-output: attention dominates their step, and a full recomputation runs it twice; recompute_qkv=false
-also keeps the fused q/k/v GEMM's output. torch's checkpoint wraps the layer's `forward`, inside its
-compiled graph and inside FSDP2's hooks; a layer with code outside the graph (LoRA on a MoE's
-experts) recomputes everything through transformers' own switch."""
+"""Activation checkpointing: which decoder layers recompute in backward and what they keep (their input;
+for long samples their attention output, which a full recomputation would run twice; with
+recompute_qkv=false the fused q/k/v GEMM's output). torch's checkpoint wraps the layer's `forward`, inside
+its compiled graph and FSDP2's hooks; a layer with code outside the graph (LoRA on a MoE's experts)
+recomputes everything through transformers' own switch."""
 
 from __future__ import annotations
 
@@ -39,8 +38,7 @@ def apply(model: nn.Module, layers: list[nn.Module], cfg: ModelConfig, max_lengt
 
 
 def chosen_layers(layers: list[nn.Module], cfg: ModelConfig) -> list[nn.Module]:
-    """The layers model.gradient_checkpointing_ratio checkpoints; recompute_qkv=false refused where
-    they run parts outside their compiled graph."""
+    """The layers model.gradient_checkpointing_ratio checkpoints (recompute_qkv=false checked against them)."""
     chosen = checkpointed(layers, cfg.gradient_checkpointing_ratio)
     if has_eager_parts_compiled(cfg, chosen) and not cfg.recompute_qkv:
         raise ConfigError("model.recompute_qkv=false: this model's layers run parts outside their compiled "
@@ -59,9 +57,7 @@ def wants_attention_kept(cfg: ModelConfig, max_length: int) -> bool:
 
 
 def reruns_attention_compiled(cfg: ModelConfig, max_length: int, eager_parts: bool) -> bool:
-    """Whether compiled layers rerun their attention kernel (eager_parts: LoRA on a MoE's experts,
-    recomputed whole). The kernel is rerun under an RNG-state replay that inductor's C++ wrapper
-    cannot emit (sfttrain.parallel.cpp_wrapper)."""
+    """Whether compiled layers rerun their attention kernel (eager_parts: layers recomputed whole)."""
     kept = wants_attention_kept(cfg, max_length) and not eager_parts
     return cfg.compile and cfg.enable_gradient_checkpointing and not kept
 
@@ -97,9 +93,8 @@ def checkpointed_forward(forward, *args, **kwargs):
 
 
 def keeping(attention: bool, qkv: tuple[int, int] | None):
-    """The selective checkpoint's policy: keep the attention kernel's outputs (`attention`) and the
-    GEMM output whose weight operand has the shape `qkv`, recompute the rest. A closure, not a
-    partial, which dynamo would trace; only static shapes are compared, else a guard recompiles."""
+    """The selective checkpoint's policy: keep the attention kernel's outputs and the GEMM output whose
+    weight has the shape `qkv`. A closure (a partial dynamo would trace); static shapes only (else a guard)."""
     def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
         if attention and op in kernel_ops():
             return CheckpointPolicy.MUST_SAVE
@@ -110,8 +105,7 @@ def keeping(attention: bool, qkv: tuple[int, int] | None):
 
 
 def qkv_weight_shape(config) -> tuple[int, int]:
-    """(hidden, q + k + v widths): the fused q/k/v projection's weight as aten's mm sees it, a shape
-    no other projection of a decoder layer has."""
+    """The fused q/k/v weight as aten's mm sees it (hidden, q + k + v widths): no other projection's shape."""
     return config.hidden_size, (config.num_attention_heads + 2 * config.num_key_value_heads) * head_dim_of(config)
 
 

@@ -139,7 +139,7 @@ class CapturedLayers:
     def run(self, graph_pass):
         """Loss and gradients with each layer's graph, as dynamo captured it for inductor, rewritten by
         `graph_pass` and run eagerly; and per graph, the groups of weights concatenated (by their roles) and
-        the frozen projections folded with their adapters (sfttrain.lora_fold), one tuple a fold. Graphs
+        the frozen projections folded with their adapters (sfttrain.fuse_projections), one tuple a fold. Graphs
         dynamo captures during the step (the first, or after a torch._dynamo.reset) are rewritten as captured."""
         self.graph_pass, self.seen, self.folded = graph_pass, [], set()
         for entry in self.graphs:
@@ -190,7 +190,7 @@ def test_inductor_compiles_the_fused_layer_to_what_the_unfused_computes(fold_lor
     same layer run eagerly and unfused: inductor takes the rewritten graph (its fake values, the
     split's views), and output and gradients agree within assert_same's bounds (inductor's fp32 CPU
     kernels also reorder the norms' and the softmax's sums: the same kind of difference). Folded
-    (sfttrain.lora_fold), inductor generates the op's code itself: no call of the op, whose Python
+    (sfttrain.fuse_projections), inductor generates the op's code itself: no call of the op, whose Python
     would cost host time."""
     from peft import LoraConfig, inject_adapter_in_model
     from transformers import AutoConfig
@@ -254,7 +254,7 @@ def test_inductor_compiles_the_fused_layer_to_what_the_unfused_computes(fold_lor
 def test_on_the_gpu_the_fused_layers_train_what_the_unfused_do(fold_lora):
     """stories260K with LoRA as sfttrain runs it on one GPU (bf16 frozen base, fp32 adapters, bf16
     autocast, each layer one graph), compiled without and then with the pass (adapters folded into the
-    frozen GEMMs or not, sfttrain.lora_fold): the same loss (relative 1e-3: a sum of fp32 losses) and
+    frozen GEMMs or not, sfttrain.fuse_projections): the same loss (relative 1e-3: a sum of fp32 losses) and
     adapter gradients (2e-2 in norm: they pass through bf16 activations, unit roundoff 3.9e-3, which
     round otherwise where a GEMM is blocked otherwise, and folded, where base and adapter are summed in
     one fp32 accumulator before rounding; the bounds and reasons of tests/test_parallel.py's wrapper

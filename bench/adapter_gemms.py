@@ -1,4 +1,4 @@
-"""The GEMMs of one W1 layer's folded LoRA adapters (sfttrain/lora_fold.py), one at a time: their time and
+"""The GEMMs of one W1 layer's folded LoRA adapters (sfttrain/fuse_projections.py), one at a time: their time and
 FLOP rate as cuBLAS runs them, and for the weight gradients (a product over the tokens, K = 13,696, into a
 rank-wide matrix) split over the tokens into a batched GEMM whose partial products are summed (split-K by
 hand), and with --autotune as inductor's max-autotune picks (Triton templates, its own split-K).
@@ -22,7 +22,7 @@ import torch
 from bench.common import time_calls
 from bench.lora_linear import D, FF, KV, R, T
 
-# group: (input width, output width, projections): q/k/v, o, gate/up, down (sfttrain.lora_fold's groups)
+# group: (input width, output width, projections): q/k/v, o, gate/up, down (sfttrain.fuse_projections's groups)
 GROUPS = {"qkv": (D, D + 2 * KV, 3), "o": (D, D, 1), "gate_up": (D, 2 * FF, 2), "down": (FF, D, 1)}
 SPLITS = (2, 4, 8, 16, 32)
 FROZEN = ("frozen alone: x W^T", "frozen alone: g W")  # the same group without adapters, for comparison
@@ -30,7 +30,7 @@ TILE, SMS = 128 * 128, 132  # an output tile of a Hopper GEMM kernel; the H200's
 
 
 def operands(tokens: int, d_in: int, d_out: int, n: int, device, dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """A group's six products as (a, b) of a @ b, in the layouts of the compiled layer (lora_fold's op)."""
+    """A group's six products as (a, b) of a @ b, in the layouts of the compiled layer (fuse_projections' op)."""
     r = n * R
 
     def rand(*shape):

@@ -1,7 +1,7 @@
 """One W1 decoder layer's seven projections (q, k, v, o, gate, up, down at 13,696 tokens, LoRA rank 64),
 forward and backward compiled by inductor, per formulation of the LoRA adapters: GPU ms a layer (CUDA
-events over 30 calls) and host ms a call. The study behind sfttrain/lora_fold.py (docs/benchmarks.md,
-runs CC, CD, CJ, CL and CM); `kcat_group_fn` is the formulation lora_fold implements.
+events over 30 calls) and host ms a call. The study behind sfttrain/fuse_projections.py (docs/benchmarks.md,
+runs CC, CD, CJ, CL and CM); `kcat_group_fn` is the formulation sfttrain.fuse_projections implements.
 
     python3 -m bench.lora_linear [--tokens N] [--autotune] [variant ...]
 

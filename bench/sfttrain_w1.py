@@ -58,7 +58,7 @@ VARIANTS = {
     "grad_ckpt": ["model.enable_gradient_checkpointing=true"],
     "lora": LORA_W1,
     "lora_fused": [*LORA_W1, "model.fuse_projections=true"],
-    "lora_unfolded": [*LORA_W1, "model.fold_lora=false"],  # peft's adapters as they are (sfttrain/lora_fold.py)
+    "lora_unfolded": [*LORA_W1, "model.fold_lora=false"],  # peft's adapters as they are (sfttrain/fuse_projections.py)
     "lora_2micro": [*LORA_W1, "data.max_token_len_per_gpu=8192"],
     "lora_grad_ckpt": [*LORA_W1, "model.enable_gradient_checkpointing=true"],
 }

@@ -5,6 +5,7 @@ A user's mistake or an actionable fault ends the run with one message from rank 
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import os
@@ -19,33 +20,25 @@ from sfttrain.runtime import Runtime
 
 # a rank other than 0 waits this long for rank 0 to report the error; past it, it reports its own
 WAIT_FOR_RANK0_S = 60
-HYDRA_FLAGS = {"--config-path": "path", "-cp": "path", "--config-name": "name", "-cn": "name"}
 
 
 def parse_args(argv: list[str]) -> tuple[str | None, list[str]]:
-    """(the YAML file, the overrides): the first argument, or Hydra's --config-path DIR --config-name NAME."""
-    hydra, rest = hydra_flags(argv)
+    """(the YAML file, the overrides): the first argument, or Hydra's --config-path DIR --config-name NAME
+    (also -cp / -cn, DIR or =DIR)."""
+    hydra = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    hydra.add_argument("--config-path", "-cp")
+    hydra.add_argument("--config-name", "-cn")
+    flags, rest = hydra.parse_known_args(argv)
     yaml_path = rest[0] if rest and "=" not in rest[0] else None
     overrides = rest[1:] if yaml_path else rest
-    if not hydra:
+    name = flags.config_name
+    if flags.config_path is None and name is None:
         return yaml_path, overrides
-    if yaml_path or "name" not in hydra:
+    if yaml_path or name is None:
         raise ConfigError("name the YAML file once: as the first argument (python -m sfttrain.run my_sft.yaml ...), "
                           "or as Hydra's --config-path DIR --config-name NAME (DIR/NAME.yaml)")
-    name = hydra["name"] if hydra["name"].endswith((".yaml", ".yml")) else hydra["name"] + ".yaml"
-    return os.path.join(hydra.get("path", "."), name), overrides
-
-
-def hydra_flags(argv: list[str]) -> tuple[dict[str, str], list[str]]:
-    """Hydra's --config-path / --config-name (also -cp / -cn; DIR or =DIR) taken out of argv."""
-    flags, rest, args = {}, [], iter(argv)
-    for arg in args:
-        flag, eq, value = arg.partition("=")
-        if flag in HYDRA_FLAGS:
-            flags[HYDRA_FLAGS[flag]] = value if eq else next(args, "")
-        else:
-            rest.append(arg)
-    return flags, rest
+    name = name if name.endswith((".yaml", ".yml")) else name + ".yaml"
+    return os.path.join(flags.config_path or ".", name), overrides
 
 
 def stop(error: UserError) -> None:
@@ -68,12 +61,12 @@ def stop(error: UserError) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    runtime = Runtime().start()  # before any thread starts
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("-h", "--help"):
+        print_help(argv[1] if len(argv) > 1 else None)
+        return
+    runtime = Runtime().start()  # before any thread starts
     try:
-        if argv and argv[0] in ("-h", "--help"):
-            print_help(argv[1] if len(argv) > 1 else None)
-            return
         cfg = load_config(*parse_args(argv))
     except UserError as e:
         stop(e)
@@ -100,7 +93,6 @@ def one_thread_without_torchrun() -> None:
 
 def train(cfg: Config, runtime: Runtime) -> None:
     rank = int(os.environ.get("RANK", 0))
-    runtime.note_interrupts()
     try:
         _train(cfg, rank, runtime)
     except KeyboardInterrupt:  # also raised while an error below was being handled

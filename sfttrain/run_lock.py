@@ -34,15 +34,8 @@ def check_not_in_use(run_dir: str) -> None:
         fd = os.open(os.path.join(run_dir, LOCK_FILE), os.O_RDONLY)
     except OSError:  # no run has held it yet (or it cannot be read: the run's own start-up says what then)
         return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # shared: two preflights do not see each other
-    except BlockingIOError:
-        raise ConfigError(_in_use_message(run_dir)) from None
-    except OSError as e:
-        if e.errno not in NO_LOCKS:
-            raise
-    finally:
-        os.close(fd)
+    _flock(run_dir, fd, fcntl.LOCK_SH)  # shared: two preflights do not see each other
+    os.close(fd)
 
 
 def _take(run_dir: str, held: dict[str, int]) -> list[str]:
@@ -51,26 +44,32 @@ def _take(run_dir: str, held: dict[str, int]) -> list[str]:
     if key in held:  # this process holds it already (a second trainer in one process)
         return []
     fd = os.open(os.path.join(run_dir, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    if (e := _flock(run_dir, fd, fcntl.LOCK_EX)) is not None:
         os.close(fd)
-        raise ConfigError(_in_use_message(run_dir)) from None
-    except OSError as e:
-        os.close(fd)
-        if e.errno not in NO_LOCKS:
-            raise
         return [f"  WARNING: the run folder's filesystem has no file locks ({e.strerror}): a second run started "
                 f"in {run_dir} while this one runs would not be refused, and the two would save over each other"]
     os.ftruncate(fd, 0)
-    os.write(fd, json.dumps(_me()).encode())
+    holder = {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+              "slurm_job": os.environ.get("SLURM_JOB_ID")}
+    os.write(fd, json.dumps(holder).encode())
     held[key] = fd
     return []
 
 
-def _me() -> dict:
-    return {"host": socket.gethostname(), "pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-            "slurm_job": os.environ.get("SLURM_JOB_ID")}
+def _flock(run_dir: str, fd: int, operation: int) -> OSError | None:
+    """flock(2) without waiting: None once taken, the error where the filesystem has no locks; where another
+    run holds it, fd is closed and the ConfigError raised."""
+    try:
+        fcntl.flock(fd, operation | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ConfigError(_in_use_message(run_dir)) from None
+    except OSError as e:
+        if e.errno not in NO_LOCKS:
+            os.close(fd)
+            raise
+        return e
+    return None
 
 
 def _in_use_message(run_dir: str) -> str:

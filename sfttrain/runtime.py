@@ -38,8 +38,12 @@ class Runtime:
         _open.append(self)
 
     def start(self) -> Runtime:
-        """From the main thread, first thing: stacks on SIGUSR1, and SIGTERM when torchrun dies."""
+        """From the main thread, first thing: stacks on SIGUSR1; SIGTERM when torchrun dies; Ctrl-C outside
+        `noting` stops the rank at once, and is remembered; SIGTERM ends the rank as by default, unless a
+        Ctrl-C came first (the rank must live to say its line)."""
         faulthandler.register(signal.SIGUSR1, file=2, all_threads=True)
+        for signum, handler in ((signal.SIGINT, self._interrupt), (signal.SIGTERM, self._end_unless_interrupted)):
+            self._previous[signum] = signal.signal(signum, handler)
         if "TORCHELASTIC_RUN_ID" in os.environ and sys.platform.startswith("linux"):
             launcher = os.getppid()  # a killed torchrun must leave no orphans training on
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -58,10 +62,6 @@ class Runtime:
         self.locks.clear()
         if self in _open:
             _open.remove(self)
-
-    def _handle(self, signum: int, handler) -> None:
-        previous = signal.signal(signum, handler)
-        self._previous.setdefault(signum, previous)
 
     def enter(self, name: str) -> None:
         with self._guard:
@@ -89,12 +89,6 @@ class Runtime:
                     self.report_phase(rank, timeout_s)
 
         threading.Thread(target=watch, name="sfttrain-phase-watchdog", daemon=True).start()
-
-    def note_interrupts(self) -> None:
-        """For the whole run: Ctrl-C outside `noting` stops the rank at once, and is remembered; SIGTERM
-        ends the rank as by default, unless a Ctrl-C came first (the rank must live to say its line)."""
-        self._handle(signal.SIGINT, self._interrupt)
-        self._handle(signal.SIGTERM, self._end_unless_interrupted)
 
     def _interrupt(self, signum: int, frame) -> None:
         self.interrupted = True

@@ -124,6 +124,7 @@ class FSDPSFTTrainer:
                 f"{cfg.model.loss_chunk_tokens}-token chunks, softmax kernel {self.resolved.loss_kernel}")
         loss += ", logits only at the positions with a target"
         threads = torch.get_num_threads()
+        host = {**here, "before_model_gib": self.host_rss_before_model} if (here := host_memory_gib()) else {}
         lines = [
             "sfttrain",
             f"  world size          : {self.world.world_size} ({self.world.device.type}, {threads} CPU "
@@ -156,18 +157,13 @@ class FSDPSFTTrainer:
             *describe_workers(cfg.data.num_workers, ranks_of_this_launcher(), cpus_of_this_process()),
             resume.line(f"{resume.path or 'fresh start'} (step {self.state.step}, run id {self.state.run_id})"),
             *(f"    {note}" for note in resume_notes),
-            f"  host memory         : {describe_host_memory(self._host_memory_per_rank())}",
+            f"  host memory         : {describe_host_memory(from_every_rank(host))}",
         ]
         if fsdp.model_dtype != "fp32" and cfg.model.lora_rank == 0:  # LoRA's adapters are fp32 anyway
             lines.append(f"  WARNING: model_dtype={fsdp.model_dtype} keeps master weights and AdamW state in "
                          f"{fsdp.model_dtype}: updates below ~1/256 of a weight are rounded away (at lr "
                          f"{cfg.optim.lr} most are). Use model_dtype=fp32 with mixed_precision=true.")
         self.logger.info("\n".join(lines))
-
-    def _host_memory_per_rank(self) -> list[dict]:
-        here = host_memory_gib()
-        mine = {**here, "before_model_gib": self.host_rss_before_model} if here else {}
-        return from_every_rank(mine)
 
     def train(self) -> None:
         t = self.cfg.trainer
@@ -293,12 +289,6 @@ class FSDPSFTTrainer:
         read one micro-batch late so the device never waits on the host."""
         self.runtime.enter(f"validation after step {self.state.step}")
         self.lm.eval()
-        try:
-            return self._validation_loss()
-        finally:
-            self.lm.train()
-
-    def _validation_loss(self) -> float | None:
         totals = torch.zeros(2, dtype=torch.float64, device=self.world.device)
         votes = None
         for micro in self.val_batches:
@@ -306,10 +296,13 @@ class FSDPSFTTrainer:
             totals[1] += micro.num_loss_tokens
             if self.cfg.trainer.save_on_sigterm:
                 if votes is not None and votes.item() > 0:
-                    self.stopping = True
-                    return None
+                    self.stopping, totals = True, None
+                    break
                 votes = self.stop_flag().clone()
                 dist.all_reduce(votes)
+        self.lm.train()
+        if totals is None:
+            return None
         dist.all_reduce(totals)
         return (totals[0] / totals[1].clamp(min=1)).item()
 

@@ -387,7 +387,6 @@ def test_a_runtime_restores_what_it_changed(tmp_path):
 
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     run = Runtime().start()
-    run.note_interrupts()
     assert lock_run_folder(str(tmp_path), run.locks) == [] and len(run.locks) == 1
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) != before
     with pytest.raises(ConfigError, match="is in use by another sfttrain run"):

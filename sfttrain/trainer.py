@@ -12,11 +12,9 @@ import torch.distributed as dist
 
 from sfttrain import checks, checkpoint, export, fp8, lora, moe, profiling, recompute
 from sfttrain.attention import describe_backend, fallback_warning
-from sfttrain.checkpoint_writer import writer_kind
 from sfttrain.checkpoint_folder import (complete_checkpoints, describe_retention, is_complete, read_state,
                                         remove_stale_tmp)
 from sfttrain.config import Config, logger_names, moot_settings
-from sfttrain.config.resolved import Resolved
 from sfttrain.data.loader import (StepBatch, TrainData, cpus_of_this_process, describe_workers, step_batches,
                                   validation_batches)
 from sfttrain.data.files import CONVERTED_DIR
@@ -33,8 +31,9 @@ from sfttrain.metrics import (MetricsLogger, StepEnd, StepTimer, describe_host_m
                               host_memory_gib, memory_stats, start_wandb, throughput)
 from sfttrain.model import decoder_layers, load_model, local_model_folder, stop_generation_at
 from sfttrain.optim import build_optimizer, build_scheduler, clipped_step, describe_schedule, schedule_settings
-from sfttrain.parallel import cpp_wrapper, describe_compile, describe_sharding, gradient_sync, parallelize
+from sfttrain.parallel import describe_compile, describe_sharding, gradient_sync, parallelize
 from sfttrain.checkpoint_folder import Resume
+from sfttrain.resolved import resolve
 from sfttrain.resume import check_resume, find_resume
 from sfttrain.run_lock import lock_run_folder
 from sfttrain.runtime import Runtime
@@ -79,15 +78,7 @@ class FSDPSFTTrainer:
         self.answer_end = renderer.describe_end(stop_generation_at(model, renderer.end_token_id))
         self.model_shape = ModelShape.of(model)
         chunk_loss, loss_kernel = select_chunk_loss(cfg.model.loss_kernel, world.device.type, cfg.model.compile)
-        m = cfg.model
-        self.resolved = Resolved(
-            device=world.device.type, attention=loaded.attn_backend, liger=loaded.liger, loss_kernel=loss_kernel,
-            recompute_attention=m.enable_gradient_checkpointing and not recompute.wants_attention_kept(m, d.max_length),
-            compile_cpp_wrapper=m.compile and cpp_wrapper(cfg, world.device.type, model.config),
-            fuse_projections=m.compile and m.fuses_projections(),
-            fold_lora=m.compile and m.lora_rank > 0 and m.fuses_projections() and m.folds_lora(),
-            fp8=fp8.choose(m, fp8.hidden_size(model)).recipe or "off",
-            async_save_writer=writer_kind(t.async_save_writer, world.device))
+        self.resolved = resolve(cfg, world.device, loaded, loss_kernel)
         longest_segment = max_segment_length(d.max_length, d.pad_to_multiple, world.row_slice[1])
         self.lm = CausalLMLoss(model, fused=self.resolved.liger,
                                compiled_max_seqlen=longest_segment if cfg.model.compile else None,

@@ -235,3 +235,10 @@ def test_one_rank_without_torchrun_takes_one_thread_as_torchrun_gives(gsm8k_head
     assert done.returncode == 0, out[-3000:]
     assert out.count("NOTE: OMP_NUM_THREADS is unset: one CPU thread per rank") == 1, out[-3000:]
     assert "  world size          : 1 (cpu, 1 CPU thread per rank)" in out, out[-3000:]
+    # the start-up's one line of what each auto became: on a CPU, the per-sample attention (the varlen
+    # kernels need a GPU), torch's softmax (Liger's needs Triton) and a writer thread
+    chosen = [line for line in out.splitlines() if line.startswith("  chosen              : ")]
+    assert len(chosen) == 1, out[-3000:]
+    for choice in ("model.attn_implementation=sdpa_blockmask (auto)", "model.loss_kernel=torch (auto)",
+                   "trainer.async_save_writer=thread (auto)", "model.fp8=off,"):
+        assert choice in chosen[0], chosen[0]

@@ -1,11 +1,17 @@
 """Every setting that may be `auto`, as this run resolved it: made once at start-up, when the machine and
-the model are known (sfttrain.trainer), read from there on, and printed in one start-up line."""
+the model are known, read from there on, and printed in one start-up line."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+import torch
+
+from sfttrain import fp8, recompute
+from sfttrain.checkpoint_writer import writer_kind
 from sfttrain.config.schema import Config, value_of
+from sfttrain.model import LoadedModel
+from sfttrain.parallel import cpp_wrapper
 
 
 def _of(key: str):
@@ -34,3 +40,16 @@ class Resolved:
             text = str(value).lower() if isinstance(value, bool) else value
             chosen.append(f"{f.metadata['key']}={text}" + (" (auto)" if given == "auto" else ""))
         return "  chosen              : " + ", ".join(chosen)
+
+
+def resolve(cfg: Config, device: torch.device, loaded: LoadedModel, loss_kernel: str) -> Resolved:
+    """The run's choices on `device` for the loaded model and the loss kernel sfttrain.loss chose."""
+    m, model = cfg.model, loaded.model
+    fused, kept = m.compile and m.fuses_projections(), recompute.wants_attention_kept(m, cfg.data.max_length)
+    return Resolved(
+        device=device.type, attention=loaded.attn_backend, liger=loaded.liger, loss_kernel=loss_kernel,
+        recompute_attention=m.enable_gradient_checkpointing and not kept,
+        compile_cpp_wrapper=m.compile and cpp_wrapper(cfg, device.type, model.config),
+        fuse_projections=fused, fold_lora=fused and m.lora_rank > 0 and m.folds_lora(),
+        fp8=fp8.choose(m, fp8.hidden_size(model)).recipe or "off",
+        async_save_writer=writer_kind(cfg.trainer.async_save_writer, device))

@@ -49,13 +49,9 @@ class World:
         return self.rank // self.sp_size  # sp is the mesh's innermost dimension
 
     @property
-    def sp_rank(self) -> int:
-        return self.rank % self.sp_size
-
-    @property
     def row_slice(self) -> tuple[int, int]:
         """(this rank's slice, slices) of every packed row (sfttrain.data.pack.local_slice)."""
-        return (self.sp_rank, self.sp_size)
+        return (self.rank % self.sp_size, self.sp_size)
 
     @property
     def grad_ranks(self) -> int:
@@ -71,7 +67,7 @@ class World:
 
 
 def init_world(cfg: Config) -> World:
-    """Starts the process group (`_backend`) and builds the mesh."""
+    """Starts the process group and builds the mesh."""
     rank, local_rank, world_size = (int(os.environ.get(k, d)) for k, d in
                                     (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
     check_one_launcher_per_node()
@@ -90,15 +86,14 @@ def init_world(cfg: Config) -> World:
     if not dist.is_initialized():
         # one process without torchrun: a rendezvous without a port, which could collide with another job's
         store = dist.HashStore() if world_size == 1 and "MASTER_PORT" not in os.environ else None
-        dist.init_process_group(_backend(cfg, use_cuda), store=store, rank=rank, world_size=world_size,
+        # offloaded parameters also need gloo: FSDP reduces host tensors
+        backend = ("cuda:nccl,cpu:gloo" if cfg.model.fsdp_config.offloaded() else "nccl") if use_cuda else "gloo"
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=cfg.trainer.nccl_timeout),
                                 device_id=device if use_cuda else None)
     sp = cfg.ulysses_sequence_parallel_size
-    replicate, shard = mesh_shape
-    if sp == 1:
-        mesh = init_device_mesh(device.type, (replicate, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
-    else:
-        mesh = init_device_mesh(device.type, (replicate, shard, sp), mesh_dim_names=("dp_replicate", "dp_shard", "sp"))
+    names = ("dp_replicate", "dp_shard", "sp")[:2 if sp == 1 else 3]
+    mesh = init_device_mesh(device.type, (*mesh_shape, sp)[:len(names)], mesh_dim_names=names)
     return World(rank, local_rank, world_size, device, mesh, sp)
 
 
@@ -144,22 +139,13 @@ def check_one_launcher_per_node() -> None:
 
 
 def check_world(cfg: Config, world_size: int) -> tuple[int, int]:
-    """The mesh shape for world_size ranks; a ConfigError where the config does not fit them."""
-    _check_verl_world_keys(cfg, world_size)
-    return _mesh_shape(cfg, world_size)
-
-
-def _backend(cfg: Config, use_cuda: bool) -> str:
-    """nccl on CUDA, gloo on CPU; offloaded parameters also need gloo (FSDP reduces host tensors)."""
-    fsdp = cfg.model.fsdp_config
-    if not use_cuda:
-        return "gloo"
-    return "cuda:nccl,cpu:gloo" if fsdp.offloaded() else "nccl"
-
-
-def _mesh_shape(cfg: Config, world_size: int) -> tuple[int, int]:
-    """(replicas, shards) of the data-parallel ranks, world / sp of them."""
-    fsdp, sp = cfg.model.fsdp_config, cfg.ulysses_sequence_parallel_size
+    """The mesh shape for world_size ranks, (replicas, shards) of the data-parallel ranks; a ConfigError
+    where the config does not fit them."""
+    t, fsdp, sp = cfg.trainer, cfg.model.fsdp_config, cfg.ulysses_sequence_parallel_size
+    # verl users set trainer.nnodes / n_gpus_per_node; torchrun decides, so they must agree
+    if t.nnodes is not None and t.n_gpus_per_node is not None and t.nnodes * t.n_gpus_per_node != world_size:
+        raise ConfigError(f"trainer.nnodes * trainer.n_gpus_per_node = {t.nnodes * t.n_gpus_per_node} but torchrun "
+                          f"started {world_size} ranks; fix the keys or the torchrun flags (or remove the keys)")
     dp = data_parallel_size(world_size, sp)
     ranks = f"{dp} data-parallel ranks ({world_size} ranks / ulysses_sequence_parallel_size={sp})" if sp > 1 else \
         f"world size {world_size}"
@@ -182,14 +168,6 @@ def data_parallel_size(world_size: int, sp: int) -> int:
     return world_size // sp
 
 
-def _check_verl_world_keys(cfg: Config, world_size: int) -> None:
-    """verl users set trainer.nnodes / n_gpus_per_node; torchrun decides, so they must agree."""
-    t = cfg.trainer
-    if t.nnodes is not None and t.n_gpus_per_node is not None and t.nnodes * t.n_gpus_per_node != world_size:
-        raise ConfigError(f"trainer.nnodes * trainer.n_gpus_per_node = {t.nnodes * t.n_gpus_per_node} but torchrun "
-                          f"started {world_size} ranks; fix the keys or the torchrun flags (or remove the keys)")
-
-
 @contextlib.contextmanager
 def one_rank_group():
     """A process group of this process alone, for the preflight's collectives; nothing when one is up."""
@@ -203,16 +181,9 @@ def one_rank_group():
         dist.destroy_process_group()
 
 
-def barrier(world: World) -> None:
-    if world.device.type == "cuda":
-        dist.barrier(device_ids=[world.local_rank])
-    else:
-        dist.barrier()
-
-
 def shutdown(world: World) -> None:
     # gloo aborts a rank that exits while another still writes a checkpoint
-    barrier(world)
+    dist.barrier(device_ids=[world.local_rank] if world.device.type == "cuda" else None)
     dist.destroy_process_group()
 
 

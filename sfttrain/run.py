@@ -5,47 +5,40 @@ A user's mistake or an actionable fault ends the run with one message from rank 
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import os
 import sys
 import time
 
-from sfttrain import phase, stop_signal
 from sfttrain.config import Config, ConfigError, load_config
 from sfttrain.errors import UserError
-from sfttrain.faults import classify, peer_lost, what_next
+from sfttrain.faults import classify, peer_lost, timed_out, what_next
 from sfttrain.help import print_help
+from sfttrain.runtime import Runtime
 
 # a rank other than 0 waits this long for rank 0 to report the error; past it, it reports its own
 WAIT_FOR_RANK0_S = 60
-HYDRA_FLAGS = {"--config-path": "path", "-cp": "path", "--config-name": "name", "-cn": "name"}
 
 
 def parse_args(argv: list[str]) -> tuple[str | None, list[str]]:
-    """(the YAML file, the overrides): the first argument, or Hydra's --config-path DIR --config-name NAME."""
-    hydra, rest = hydra_flags(argv)
+    """(the YAML file, the overrides): the first argument, or Hydra's --config-path DIR --config-name NAME
+    (also -cp / -cn, DIR or =DIR)."""
+    hydra = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    hydra.add_argument("--config-path", "-cp")
+    hydra.add_argument("--config-name", "-cn")
+    flags, rest = hydra.parse_known_args(argv)
     yaml_path = rest[0] if rest and "=" not in rest[0] else None
     overrides = rest[1:] if yaml_path else rest
-    if not hydra:
+    name = flags.config_name
+    if flags.config_path is None and name is None:
         return yaml_path, overrides
-    if yaml_path or "name" not in hydra:
+    if yaml_path or name is None:
         raise ConfigError("name the YAML file once: as the first argument (python -m sfttrain.run my_sft.yaml ...), "
                           "or as Hydra's --config-path DIR --config-name NAME (DIR/NAME.yaml)")
-    name = hydra["name"] if hydra["name"].endswith((".yaml", ".yml")) else hydra["name"] + ".yaml"
-    return os.path.join(hydra.get("path", "."), name), overrides
-
-
-def hydra_flags(argv: list[str]) -> tuple[dict[str, str], list[str]]:
-    """Hydra's --config-path / --config-name (also -cp / -cn; DIR or =DIR) taken out of argv."""
-    flags, rest, args = {}, [], iter(argv)
-    for arg in args:
-        flag, eq, value = arg.partition("=")
-        if flag in HYDRA_FLAGS:
-            flags[HYDRA_FLAGS[flag]] = value if eq else next(args, "")
-        else:
-            rest.append(arg)
-    return flags, rest
+    name = name if name.endswith((".yaml", ".yml")) else name + ".yaml"
+    return os.path.join(flags.config_path or ".", name), overrides
 
 
 def stop(error: UserError) -> None:
@@ -68,34 +61,47 @@ def stop(error: UserError) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    phase.dump_stacks_on_sigusr1()  # before any thread starts: each inherits the signal mask (see there)
-    stop_signal.follow_the_launcher()
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("-h", "--help"):
+        print_help(argv[1] if len(argv) > 1 else None)
+        return
+    runtime = Runtime().start()  # before any thread starts
     try:
-        if argv and argv[0] in ("-h", "--help"):
-            print_help(argv[1] if len(argv) > 1 else None)
-            return
         cfg = load_config(*parse_args(argv))
     except UserError as e:
         stop(e)
+    one_thread_without_torchrun()
     # torch loads only now: a config mistake is said within a second; `record` gives torchrun a bug's traceback
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    record(train)(cfg)
-
-
-def train(cfg: Config) -> None:
-    rank = int(os.environ.get("RANK", 0))
-    stop_signal.note_interrupts()
     try:
-        _train(cfg, rank)
+        record(train)(cfg, runtime)
+    finally:
+        runtime.close()
+
+
+def one_thread_without_torchrun() -> None:
+    """A rank started without torchrun and without OMP_NUM_THREADS gets one thread, as torchrun's ranks do:
+    torch's default of every core is many times slower wherever other work shares the cores."""
+    if "OMP_NUM_THREADS" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
+        return
+    os.environ["OMP_NUM_THREADS"] = "1"  # before torch loads; the DataLoader workers inherit it
+    if int(os.environ.get("RANK", 0)) == 0:
+        print("NOTE: OMP_NUM_THREADS is unset: one CPU thread per rank, as torchrun sets (OMP_NUM_THREADS=N for "
+              "more)", flush=True)
+
+
+def train(cfg: Config, runtime: Runtime) -> None:
+    rank = int(os.environ.get("RANK", 0))
+    try:
+        _train(cfg, rank, runtime)
     except KeyboardInterrupt:  # also raised while an error below was being handled
-        interrupted(cfg, rank)
+        interrupted(cfg, rank, runtime)
     # skip the final collection of torch's object graphs: seconds per rank, and everything is closed
     gc.freeze()
 
 
-def _train(cfg: Config, rank: int) -> None:
+def _train(cfg: Config, rank: int, runtime: Runtime) -> None:
     from sfttrain.distributed import init_world, shutdown
     from sfttrain.metrics import require_loggers
     from sfttrain.trainer import FSDPSFTTrainer
@@ -105,41 +111,42 @@ def _train(cfg: Config, rank: int) -> None:
         require_loggers(cfg)
         world = init_world(cfg)
         if world.device.type == "cuda":  # NCCL's own watchdog ends the process without a Python exception
-            phase.start_watchdog(rank, timeout)
-        trainer = FSDPSFTTrainer(cfg, world)
+            runtime.start_watchdog(rank, timeout)
+        trainer = FSDPSFTTrainer(cfg, world, runtime)
         try:
             trainer.train()
         finally:
             trainer.logger.close()  # the bar ends before any error is printed
-        phase.enter("shutdown")
+        runtime.enter("shutdown")
         shutdown(world)
     except UserError as e:
         stop(e)
     except Exception as e:  # a bug, or a collective's timeout: then where this rank was
         try:
-            explain(e, cfg, rank)
+            explain(e, cfg, rank, runtime)
         except Exception as later:  # torch's SIGCHLD handler raises wherever the rank is when its data
-            explain(later, cfg, rank)  # worker dies, and the rank's read of that worker may fail first
+            explain(later, cfg, rank, runtime)  # worker dies, and the rank's read of that worker may fail first
             raise later
-        phase.report_timeout(e, rank, timeout)
+        if timed_out(e):
+            runtime.report_phase(rank, timeout)
         raise
 
 
-def explain(error: Exception, cfg: Config, rank: int) -> None:
+def explain(error: Exception, cfg: Config, rank: int, runtime: Runtime) -> None:
     """Ends this rank where the user can act on the error; returns for a bug."""
-    if stop_signal.interrupted():  # the collective of a rank that Ctrl-C stopped first
-        interrupted(cfg, rank)
-    if known := classify(error, cfg, rank, phase.current()):
+    if runtime.interrupted:  # the collective of a rank that Ctrl-C stopped first
+        interrupted(cfg, rank, runtime)
+    if known := classify(error, cfg, rank, runtime.phase):
         stop(known)
     if peer_lost(str(error)):  # another rank ended first with the cause: torchrun ends this one
-        stop_signal.end_if_told()
+        runtime.end_if_told()
         time.sleep(WAIT_FOR_RANK0_S)  # past the wait, this rank says what it saw
 
 
-def interrupted(cfg: Config, rank: int) -> None:
-    """A Ctrl-C that stops at once (sfttrain.stop_signal): one line and exit code 130, no tracebacks."""
+def interrupted(cfg: Config, rank: int, runtime: Runtime) -> None:
+    """A Ctrl-C that stops at once (sfttrain.runtime): one line and exit code 130, no tracebacks."""
     if rank == 0:
-        print(f"sfttrain: interrupted (Ctrl-C) in {phase.current()}, without a save. "
+        print(f"sfttrain: interrupted (Ctrl-C) in {runtime.phase}, without a save. "
               f"{what_next(cfg.trainer)}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(130)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from sfttrain import checks, checkpoint, export, fp8, lora, moe, phase, profiling, recompute, stop_signal
+from sfttrain import checks, checkpoint, export, fp8, lora, moe, profiling, recompute
 from sfttrain.attention import describe_backend, fallback_warning
 from sfttrain.checkpoint_folder import (complete_checkpoints, describe_retention, is_complete, read_state,
                                         remove_stale_tmp)
@@ -33,8 +33,10 @@ from sfttrain.model import decoder_layers, load_model, local_model_folder, stop_
 from sfttrain.optim import build_optimizer, build_scheduler, clipped_step, describe_schedule, schedule_settings
 from sfttrain.parallel import describe_compile, describe_sharding, gradient_sync, parallelize
 from sfttrain.checkpoint_folder import Resume
+from sfttrain.resolved import resolve
 from sfttrain.resume import check_resume, find_resume
 from sfttrain.run_lock import lock_run_folder
+from sfttrain.runtime import Runtime
 
 
 @dataclass
@@ -48,12 +50,12 @@ class QueuedStep:
 
 
 class FSDPSFTTrainer:
-    def __init__(self, cfg: Config, world: World):
-        self.cfg, self.world = cfg, world
+    def __init__(self, cfg: Config, world: World, runtime: Runtime):
+        self.cfg, self.world, self.runtime = cfg, world, runtime
         d, t = cfg.data, cfg.trainer
         self.run_dir = t.default_local_dir
         check_shared_run_dir(self.run_dir, world)  # every node writes its shards there
-        self.folder_warnings = lock_run_folder(self.run_dir)  # one run at a time in a run folder
+        self.folder_warnings = lock_run_folder(self.run_dir, runtime.locks)  # one run at a time in a run folder
 
         # every problem the checks and the row scan find, listed before the model is loaded
         folder, rows, self.plan, self.data_report = checks.start_run(cfg, world)
@@ -72,12 +74,13 @@ class FSDPSFTTrainer:
 
         self.host_rss_before_model = host_memory_gib().get("host_rss_gib")
         loaded = load_model(cfg.model, world.device)
-        model, self.attn_backend, self.liger = loaded.model, loaded.attn_backend, loaded.liger
+        model = loaded.model
         self.answer_end = renderer.describe_end(stop_generation_at(model, renderer.end_token_id))
         self.model_shape = ModelShape.of(model)
-        chunk_loss, self.loss_kernel = select_chunk_loss(cfg.model.loss_kernel, world.device.type, cfg.model.compile)
+        chunk_loss, loss_kernel = select_chunk_loss(cfg.model.loss_kernel, world.device.type, cfg.model.compile)
+        self.resolved = resolve(cfg, world.device, loaded, loss_kernel)
         longest_segment = max_segment_length(d.max_length, d.pad_to_multiple, world.row_slice[1])
-        self.lm = CausalLMLoss(model, fused=self.liger,
+        self.lm = CausalLMLoss(model, fused=self.resolved.liger,
                                compiled_max_seqlen=longest_segment if cfg.model.compile else None,
                                chunk_loss=chunk_loss, chunk_tokens=cfg.model.loss_chunk_tokens)
         self.layout = parallelize(self.lm, world, cfg)
@@ -100,27 +103,32 @@ class FSDPSFTTrainer:
         self.checkpointer = checkpoint.Checkpointer(self.run_dir, world, cfg, resume.run_id, self.logger.event,
                                                     self.lm.model, self.optimizer, self.tokenizer)
         self.timer = StepTimer(world.device)
-        self.stop_vote, self.stopping = stop_signal.StopVote(world.device), False  # trainer.save_on_sigterm
+        # this rank's vote to stop (trainer.save_on_sigterm), a number in each step's all-reduce
+        self.vote, self.voted, self.stopping = torch.zeros(1, device=world.device), False, False
         self.profiler = profiling.StepProfiler(t, self.run_dir, world.rank, world.device, self.logger.info)
         self._print_startup(resume, resume_notes)
 
     def _print_startup(self, resume: Resume, resume_notes: list[str]) -> None:
         cfg, shape = self.cfg, self.model_shape
         fsdp = cfg.model.fsdp_config
-        loss = ("Liger's fused linear cross-entropy" if self.liger else f"chunked linear cross-entropy, "
-                f"{cfg.model.loss_chunk_tokens}-token chunks, softmax kernel {self.loss_kernel}")
+        loss = ("Liger's fused linear cross-entropy" if self.resolved.liger else f"chunked linear cross-entropy, "
+                f"{cfg.model.loss_chunk_tokens}-token chunks, softmax kernel {self.resolved.loss_kernel}")
         loss += ", logits only at the positions with a target"
+        threads = torch.get_num_threads()
+        host = {**here, "before_model_gib": self.host_rss_before_model} if (here := host_memory_gib()) else {}
         lines = [
             "sfttrain",
-            f"  world size          : {self.world.world_size} ({self.world.device.type}), "
-            f"mesh {tuple(self.world.mesh.shape)} {self.world.mesh.mesh_dim_names}",
+            f"  world size          : {self.world.world_size} ({self.world.device.type}, {threads} CPU "
+            f"thread{'s' if threads > 1 else ''} per rank), mesh {tuple(self.world.mesh.shape)} "
+            f"{self.world.mesh.mesh_dim_names}",
             *describe_auto_cpu(cfg, self.world.device),
             *([describe_software(self.world.device)] if self.world.is_main else []),  # git asked once, not per rank
             self.plan.describe(),
             f"  model               : {cfg.model.partial_pretrain} ({shape.num_params / 1e6:.2f}M params, "
             f"{shape.trainable_params / 1e6:.2f}M trainable{shape.describe_active()}, {shape.num_layers} layers), "
-            f"attention {describe_backend()}, liger {self.liger}",
-            *fallback_warning(cfg.model.attn_implementation, self.attn_backend, self.world.device.type),
+            f"attention {describe_backend()}",
+            self.resolved.describe(cfg),
+            *fallback_warning(cfg.model.attn_implementation, self.resolved.attention, self.world.device.type),
             *lora.describe(cfg.model),
             *moe.describe_lora(self.lm.model, cfg.model),
             f"  loss                : {loss}",
@@ -140,18 +148,13 @@ class FSDPSFTTrainer:
             *describe_workers(cfg.data.num_workers, ranks_of_this_launcher(), cpus_of_this_process()),
             resume.line(f"{resume.path or 'fresh start'} (step {self.state.step}, run id {self.state.run_id})"),
             *(f"    {note}" for note in resume_notes),
-            f"  host memory         : {describe_host_memory(self._host_memory_per_rank())}",
+            f"  host memory         : {describe_host_memory(from_every_rank(host))}",
         ]
         if fsdp.model_dtype != "fp32" and cfg.model.lora_rank == 0:  # LoRA's adapters are fp32 anyway
             lines.append(f"  WARNING: model_dtype={fsdp.model_dtype} keeps master weights and AdamW state in "
                          f"{fsdp.model_dtype}: updates below ~1/256 of a weight are rounded away (at lr "
                          f"{cfg.optim.lr} most are). Use model_dtype=fp32 with mixed_precision=true.")
         self.logger.info("\n".join(lines))
-
-    def _host_memory_per_rank(self) -> list[dict]:
-        here = host_memory_gib()
-        mine = {**here, "before_model_gib": self.host_rss_before_model} if here else {}
-        return from_every_rank(mine)
 
     def train(self) -> None:
         t = self.cfg.trainer
@@ -162,9 +165,9 @@ class FSDPSFTTrainer:
         self.timer.restart()  # start-up is not step time
         started, first_step = time.perf_counter(), self.state.step
         queued = None  # the previous step: its update is queued on the device, its numbers not yet read
-        with stop_signal.noting(t.save_on_sigterm):
+        with self.runtime.noting(t.save_on_sigterm):
             while self.state.step < total:
-                phase.enter(f"step {self.state.step + 1}")
+                self.runtime.enter(f"step {self.state.step + 1}")
                 wait_start = time.perf_counter()
                 self.profiler.before_step(self.state.step + 1)
                 batch = self.next_batch(batches)
@@ -174,7 +177,7 @@ class FSDPSFTTrainer:
                 step = self.state.step
                 last = step == total
                 # every rank read the same vote (finish); a lone rank's own note is the verdict, a step sooner
-                self.stopping = self.stopping or (self.world.world_size == 1 and stop_signal.received() is not None)
+                self.stopping = self.stopping or (self.world.world_size == 1 and bool(self.runtime.received))
                 validate = self.val_batches is not None and (last or (t.test_freq > 0 and step % t.test_freq == 0))
                 pause = validate or profiled or self.saves(step, last)
                 if pause:
@@ -228,7 +231,7 @@ class FSDPSFTTrainer:
 
     def update(self, batch: StepBatch, loss_sum: torch.Tensor, data_wait: float) -> QueuedStep:
         """Queues the clipped update (skipped on the device if the loss or the norm is not finite)."""
-        totals = torch.cat([loss_sum.reshape(1), self.stop_vote.flag(), router_stats(self.lm, loss_sum.device)])
+        totals = torch.cat([loss_sum.reshape(1), self.stop_flag(), router_stats(self.lm, loss_sum.device)])
         dist.all_reduce(totals)  # one all-reduce: the loss, the ranks' votes to stop, the router's statistics
         loss_sum = totals[0]
         lr = self.scheduler.get_last_lr()[0]
@@ -275,14 +278,8 @@ class FSDPSFTTrainer:
     def validate(self) -> float | None:
         """Token-weighted validation loss over all ranks; None where a SIGTERM stopped it. Stop votes are
         read one micro-batch late so the device never waits on the host."""
-        phase.enter(f"validation after step {self.state.step}")
+        self.runtime.enter(f"validation after step {self.state.step}")
         self.lm.eval()
-        try:
-            return self._validation_loss()
-        finally:
-            self.lm.train()
-
-    def _validation_loss(self) -> float | None:
         totals = torch.zeros(2, dtype=torch.float64, device=self.world.device)
         votes = None
         for micro in self.val_batches:
@@ -290,25 +287,36 @@ class FSDPSFTTrainer:
             totals[1] += micro.num_loss_tokens
             if self.cfg.trainer.save_on_sigterm:
                 if votes is not None and votes.item() > 0:
-                    self.stopping = True
-                    return None
-                votes = self.stop_vote.flag().clone()
+                    self.stopping, totals = True, None
+                    break
+                votes = self.stop_flag().clone()
                 dist.all_reduce(votes)
+        self.lm.train()
+        if totals is None:
+            return None
         dist.all_reduce(totals)
         return (totals[0] / totals[1].clamp(min=1)).item()
 
+    def stop_flag(self) -> torch.Tensor:
+        """1 once a signal was noted; the value travels with the kernel's launch: no wait on the device."""
+        if self.runtime.received and not self.voted:
+            self.vote.fill_(1.0)
+            self.voted = True
+        return self.vote
+
     def save(self) -> None:
-        phase.enter(f"the save of step {self.state.step}")
+        self.runtime.enter(f"the save of step {self.state.step}")
         final = self.state.step == self.plan.total_steps or self.stopping  # written and committed before going on
         self.checkpointer.save(self.state, wandb_id=self.logger.wandb_id, final=final)
 
     def stop(self) -> None:
-        """Ends the run after a SIGTERM (sfttrain.stop_signal), once the step's checkpoint is committed."""
+        """Ends the run after a SIGTERM (sfttrain.runtime), once the step's checkpoint is committed."""
         self.checkpointer.wait()
         self.checkpointer.close()
         # whose signal the vote carried (a SIGTERM noted since, as torchrun ending the job sends, is not the cause)
-        own = self.stop_vote.voted or (self.world.world_size == 1 and stop_signal.received())
-        who = f"{stop_signal.received() or 'SIGTERM'} received" if own else "another rank received SIGTERM"
+        received = self.runtime.received[0] if self.runtime.received else None
+        own = self.voted or (self.world.world_size == 1 and received)
+        who = f"{received or 'SIGTERM'} received" if own else "another rank received SIGTERM"
         raise StoppedBySignal(
             f"{who}: training stopped after step {self.state.step} of {self.plan.total_steps}, whose checkpoint "
             f"{os.path.join(self.run_dir, f'global_step_{self.state.step}')} is committed. "
@@ -319,7 +327,7 @@ class FSDPSFTTrainer:
         final = os.path.join(self.run_dir, f"global_step_{self.plan.total_steps}")
         if not is_complete(final) or os.path.isdir(os.path.join(final, export.HF_EXPORT_DIR)):
             return
-        phase.enter(f"the Hugging Face export of {final}")
+        self.runtime.enter(f"the Hugging Face export of {final}")
         base = local_model_folder(self.cfg.model) if self.cfg.model.lora_rank > 0 else None
         out = export.into_checkpoint(final, self.world.rank, self.world.world_size,
                                      self.cfg.model.trust_remote_code, base)

@@ -37,7 +37,7 @@ import sfttrain.distributed  # noqa: F401
 import sfttrain.errors  # noqa: F401
 import sfttrain.help  # noqa: F401
 import sfttrain.metrics  # noqa: F401
-import sfttrain.phase  # noqa: F401
+import sfttrain.runtime  # noqa: F401
 import sfttrain.trainer  # noqa: F401
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: F401
 

@@ -351,31 +351,52 @@ def test_a_ctrl_c_that_stops_at_once_says_what_the_same_command_does(gsm8k_head,
 
 
 def test_a_first_ctrl_c_is_noted_and_a_second_stops_at_once(monkeypatch):
-    """In the training loop (stop_signal.noting): a first Ctrl-C is noted for a save and stop, as a SIGTERM is;
+    """In the training loop (Runtime.noting): a first Ctrl-C is noted for a save and stop, as a SIGTERM is;
     another within ECHO_S (torchrun passing the terminal's on) changes nothing; a later one raises
     KeyboardInterrupt; outside the loop, Ctrl-C has its previous action again."""
-    from sfttrain import stop_signal
+    from sfttrain import runtime
 
-    for name in ("_received", "_ctrl_c", "_interrupted"):
-        monkeypatch.setattr(stop_signal, name, [])
-    monkeypatch.setattr(stop_signal, "ECHO_S", 0.5)
+    monkeypatch.setattr(runtime, "ECHO_S", 0.5)
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     outside = []
     signal.signal(signal.SIGINT, lambda *_: outside.append("SIGINT"))
+    run = runtime.Runtime()
     try:
-        with stop_signal.noting(True):
+        with run.noting(True):
             signal.raise_signal(signal.SIGINT)
             signal.raise_signal(signal.SIGINT)
-            assert stop_signal.received() == "Ctrl-C (SIGINT)" and not stop_signal.interrupted() and not outside
+            assert run.received == ["Ctrl-C (SIGINT)"] and not run.interrupted and not outside
             time.sleep(0.5)
             with pytest.raises(KeyboardInterrupt):
                 signal.raise_signal(signal.SIGINT)
-            assert stop_signal.interrupted()
+            assert run.interrupted
         signal.raise_signal(signal.SIGINT)
         assert outside == ["SIGINT"]
     finally:
+        run.close()
         signal.signal(signal.SIGINT, before[0])
         signal.signal(signal.SIGTERM, before[1])
+
+
+def test_a_runtime_restores_what_it_changed(tmp_path):
+    """A run's Runtime takes SIGINT, SIGTERM and SIGUSR1 and the run folder's lock; closed, the process has
+    its handlers back and the folder is free (tests, and tools, run several runs in one process)."""
+    from sfttrain.errors import ConfigError
+    from sfttrain.run_lock import check_not_in_use, lock_run_folder
+    from sfttrain.runtime import Runtime
+
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    run = Runtime().start()
+    assert lock_run_folder(str(tmp_path), run.locks) == [] and len(run.locks) == 1
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) != before
+    with pytest.raises(ConfigError, match="is in use by another sfttrain run"):
+        check_not_in_use(str(tmp_path))
+    run.close()
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+    check_not_in_use(str(tmp_path))
+    again = Runtime().start()
+    assert lock_run_folder(str(tmp_path), again.locks) == []
+    again.close()
 
 
 @functools.cache

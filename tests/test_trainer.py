@@ -1,15 +1,18 @@
 """End-to-end runs with real ranks (gloo; started as conftest.launch says) on the real
 stories260K model."""
 
+import os
 import re
+import subprocess
+import sys
 from collections import Counter
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.conftest import (BASE_OVERRIDES, LINEAR_ADAM, STORIES, load_checkpoint_model, read_metrics, run_sfttrain,
-                            train_losses, update_error)
+from tests.conftest import (BASE_OVERRIDES, LINEAR_ADAM, REPO, STORIES, load_checkpoint_model, rank_env, read_metrics,
+                            run_sfttrain, train_losses, update_error)
 
 # Runs compared here differ only in the order of fp32 sums (rank split, micro-batching, compiled vs
 # eager kernels): relative differences of ~1e-6 in each gradient (sqrt(terms) x 2^-24), which the
@@ -217,3 +220,25 @@ def test_demo_model_learns_gsm8k(demo_run):
     assert "mfu" not in metrics[0]  # no GPU peak to measure a CPU against
     assert all(m["step_time_s"] > 0 for m in metrics if "loss" in m)
     assert (run_dir / "config.yaml").read_text().count("train_batch_size: 16") == 1
+
+
+def test_one_rank_without_torchrun_takes_one_thread_as_torchrun_gives(gsm8k_head, tmp_path):
+    """`python -m sfttrain.run` without OMP_NUM_THREADS: torch would take every core, many times slower
+    where other work shares them; the rank takes one thread, as torchrun's ranks get, and says so once."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one core: torch takes one thread either way")
+    env = {k: v for k, v in rank_env().items() if k != "OMP_NUM_THREADS"}
+    command = _job(gsm8k_head, tmp_path / "run", "trainer.total_training_steps=1", "data.train_batch_size=4")
+    done = subprocess.run([sys.executable, "-m", "sfttrain.run", *command], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    assert out.count("NOTE: OMP_NUM_THREADS is unset: one CPU thread per rank") == 1, out[-3000:]
+    assert "  world size          : 1 (cpu, 1 CPU thread per rank)" in out, out[-3000:]
+    # the start-up's one line of what each auto became: on a CPU, the per-sample attention (the varlen
+    # kernels need a GPU), torch's softmax (Liger's needs Triton) and a writer thread
+    chosen = [line for line in out.splitlines() if line.startswith("  chosen              : ")]
+    assert len(chosen) == 1, out[-3000:]
+    for choice in ("model.attn_implementation=sdpa_blockmask (auto)", "model.loss_kernel=torch (auto)",
+                   "trainer.async_save_writer=thread (auto)", "model.fp8=off,"):
+        assert choice in chosen[0], chosen[0]

@@ -232,13 +232,9 @@ def value_of(cfg: Config, key: str) -> Any:
 
 
 @functools.cache
-def _defaults() -> Config:
-    return Config()
-
-
 def default_of(key: str) -> Any:
     """The schema's default of a dotted key."""
-    return value_of(_defaults(), key)
+    return value_of(Config(), key)
 
 
 def logger_names(t: TrainerConfig) -> list[str]:

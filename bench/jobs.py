@@ -1,7 +1,7 @@
 """The benches' sfttrain jobs as processes: wait for their steps, stop them, and keep why one failed.
 
 A job still running at its timeout is asked for its stacks before it is stopped: every rank and
-DataLoader worker under its launcher gets SIGUSR1 (sfttrain/phase.py: each prints its threads' Python
+DataLoader worker under its launcher gets SIGUSR1 (faulthandler: each prints its threads' Python
 stacks to the job's log), so the record of a hung job says where it waited.
 """
 
@@ -13,9 +13,9 @@ import signal
 import subprocess
 import time
 
-from sfttrain.phase import STACKS_HEADER
+from sfttrain.runtime import STACKS_HEADER
 
-STACKS_WAIT_S = 1  # for a process to write its stacks (sfttrain.phase.print_stacks)
+STACKS_WAIT_S = 1  # for a process to write its stacks (faulthandler)
 STOP_GRACE_S = 60  # torchrun passes SIGTERM on to its ranks and waits for them; past this, SIGKILL
 
 
@@ -99,7 +99,7 @@ def descendants(pid: int) -> list[int]:
 def why_it_failed(path: str, chars: int = 8000) -> str:
     """The part of a failed job's log that says why: from a crash's Python stack (faulthandler's
     "Fatal Python error", which torchrun's summary at the end calls only "Signal 11"), else from the
-    stacks a timed-out job's processes printed (sfttrain.phase.print_stacks), else from sfttrain's one-line
+    stacks a timed-out job's processes printed (faulthandler), else from sfttrain's one-line
     message, else from the first traceback (a rank's: torchrun's own comes after it), else the end of the log."""
     with open(path, errors="replace") as f:
         text = f.read()

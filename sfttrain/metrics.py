@@ -163,7 +163,7 @@ class MetricsLogger:
     (SLURM logs, pipes) tqdm's rate and ETA end the plain step lines. The bar starts at the first step
     logged: start-up and that step's compilation are not its rate."""
 
-    def __init__(self, cfg: Config, run_dir: str, enabled: bool, total_steps: int, start_step: int,
+    def __init__(self, cfg: Config, run_dir: str, enabled: bool, total_steps: int,
                  wandb_id: Optional[str] = None, wandb_run=None):
         self.enabled = enabled
         self.log_freq = cfg.trainer.log_freq

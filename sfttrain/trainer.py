@@ -20,8 +20,7 @@ from sfttrain.data.loader import (StepBatch, TrainData, cpus_of_this_process, de
 from sfttrain.data.files import CONVERTED_DIR
 from sfttrain.data.pack import max_segment_length
 from sfttrain.data.parquet import DataFileChanged
-from sfttrain.data.prepare import LENGTHS_DIR
-from sfttrain.data.report import describe
+from sfttrain.data.prepare import LENGTHS_DIR, describe
 from sfttrain.distributed import World, check_shared_run_dir, describe_auto_cpu, from_every_rank, ranks_of_this_launcher
 from sfttrain.errors import NonFiniteLossError, StoppedBySignal
 from sfttrain.faults import what_next
@@ -98,7 +97,7 @@ class FSDPSFTTrainer:
         if resume_from:
             self.state = checkpoint.load(resume_from, self.lm.model, self.optimizer, self.scheduler, world, cfg,
                                          self.state)
-        self.logger = MetricsLogger(cfg, self.run_dir, world.is_main, self.plan.total_steps, self.state.step,
+        self.logger = MetricsLogger(cfg, self.run_dir, world.is_main, self.plan.total_steps,
                                     wandb_id=self.state.wandb_id, wandb_run=wandb_run)
         self.checkpointer = checkpoint.Checkpointer(self.run_dir, world, cfg, resume.run_id, self.logger.event,
                                                     self.lm.model, self.optimizer, self.tokenizer)

@@ -70,7 +70,7 @@ def test_a_job_stopped_at_its_timeout_leaves_its_stacks(gsm8k_head, tmp_path):
     torchrun's agent is spared that signal (it would end it), and the job is then stopped. The
     record's excerpt of the log starts at the stacks."""
     from bench.jobs import stop, why_it_failed
-    from sfttrain.phase import STACKS_HEADER
+    from sfttrain.runtime import STACKS_HEADER
     from tests.test_checkpoint import wait_until
 
     run_dir, log = tmp_path / "run", tmp_path / "log"
@@ -86,7 +86,7 @@ def test_a_job_stopped_at_its_timeout_leaves_its_stacks(gsm8k_head, tmp_path):
     assert proc.returncode != -signal.SIGUSR1, log.read_text()[-3000:]
     stacks = why_it_failed(str(log), chars=len(log.read_text()))
     assert STACKS_HEADER in stacks.split("\n", 1)[0], stacks[:3000]
-    # each process writes its stacks in one write(2). The main thread's stack of each rank and each worker
+    # the main thread's stack of each rank and each worker
     # (forked from the rank's main thread, so its stack goes on from there) has one <module> frame
     # (sfttrain.run's); a worker's also has torch's worker loop.
     assert stacks.count("<module>") >= 4 and stacks.count("torch/utils/data/_utils/worker.py") >= 2, stacks

@@ -25,12 +25,13 @@ from __future__ import annotations
 import collections
 import contextlib
 import datetime
+import io
 import json
 import logging
 import os
 import shutil
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional
 
@@ -44,8 +45,8 @@ from sfttrain.checkpoint_folder import STATE_FILE, complete_checkpoints, enforce
 # re-exported (noqa): the trainer, the preflight and the exporter know them as sfttrain.checkpoint's
 from sfttrain.checkpoint_load import (TrainState, check_same_model, estimated_bytes, load,  # noqa: F401
                                       read_back, rng_state, state_dicts, trained_state_dict)  # noqa: F401
-from sfttrain.checkpoint_writer import OneLineError, Staging, WriterProcess, WriterThreadErrors, cuda_room, \
-    one_line, tensor_bytes, write_shards, writer_kind
+from sfttrain.checkpoint_writer import OneLineError, Staging, WriterProcess, cuda_room, one_line, tensor_bytes, \
+    write_shards, writer_kind
 from sfttrain.config import Config, ConfigError, to_yaml
 from sfttrain.distributed import World, decided_by_rank0, from_every_rank, ranks_of_this_launcher
 from sfttrain.errors import CheckpointError, data_worker_died
@@ -98,7 +99,6 @@ class Checkpointer:
         self.staging = Staging(world.device, pinned, shared=self.in_process) if cfg.trainer.async_save else None
         # fewer where the staging memory holds fewer copies (agreed after the first step: _reserve_slots)
         self.slots, self.slots_agreed = cfg.trainer.async_save_in_flight, False
-        self.thread_errors = WriterThreadErrors()
         # one writer: every rank writes its saves in the same order, so DCP's collectives pair up
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-write")
         self.cleaner = ThreadPoolExecutor(1, thread_name_prefix="ckpt-delete")  # retention's deletions
@@ -218,7 +218,8 @@ class Checkpointer:
     def _wait_oldest(self) -> None:
         """Waits for the oldest save's write on every rank, then commits it. The ranks ask each other
         every second, so a failed write on one stops the others waiting for it in DCP's collectives."""
-        while not self._all_written(_finished_within(self.pending[0].future, seconds=1.0)):
+        self.pending[0].awaited = True
+        while not self._all_written(bool(wait([self.pending[0].future], timeout=1.0).done)):
             pass
         self._commit()
 
@@ -241,7 +242,9 @@ class Checkpointer:
     def _small_files(self, state: TrainState, wandb_id: Optional[str]) -> dict[str, Any]:
         """Taken now, written by the writer thread: their fsyncs would stall training behind earlier writes."""
         world = self.world
-        files: dict[str, Any] = {os.path.join("rng", f"rank_{world.rank}.pt"): rng_state()}
+        rng = io.BytesIO()
+        torch.save(rng_state(), rng)
+        files: dict[str, str | bytes] = {os.path.join("rng", f"rank_{world.rank}.pt"): rng.getvalue()}
         if world.is_main:
             extra = {**asdict(state), "wandb_id": wandb_id, "world_size": world.world_size}
             files[STATE_FILE] = json.dumps(extra, indent=1)
@@ -252,11 +255,7 @@ class Checkpointer:
         """Before the shards: DCP's write ends only once every rank has started it, so rank 0's fsync of
         the folder after it (write_shards) covers every rank's small files."""
         for name, content in files.items():
-            path = os.path.join(tmp, name)
-            if isinstance(content, str):
-                write_synced(path, content)
-            else:
-                _torch_save_synced(content, path)
+            write_synced(os.path.join(tmp, name), content)
         if self.world.is_main:
             hf = os.path.join(tmp, "hf")
             self.model.config.save_pretrained(hf)
@@ -274,7 +273,7 @@ class Checkpointer:
             if slot is not None:  # a background save: its host copy (made now if it was staged on the device)
                 state_dict = self.staging.to_host(state_dict, slot)
             if slot is None or not self.in_process:
-                return write_shards(state_dict, tmp, threads, self.write_group, self.world.is_main, self.thread_errors)
+                return write_shards(state_dict, tmp, threads, self.write_group, self.world.is_main)
             process = self._writer_process()
             self.write_began = time.perf_counter()  # a writer started anew (a lost one's replacement): not the write
             return process.write(state_dict, slot, tmp, threads)  # its slot's copy: kept there
@@ -328,7 +327,7 @@ class Checkpointer:
         every second, so no collective times out). Raised without touching the run folder, whose disk may
         be what hangs: the next start removes the partial folder."""
         if self.process is not None:
-            self.process.process.kill()  # not joined: a process in a stuck write ends only once the write returns
+            self.process.stop(timeout=10)
         raise CheckpointError(stuck_message(self, p.step, time.perf_counter() - (began or p.started),
                                             SLOWEST_WRITE_BYTES_PER_S))
 
@@ -404,7 +403,7 @@ class Checkpointer:
         written = p.written_s or seconds  # None only if its callback has not run yet: it ended just now
         record = {"step": p.step, "event": "checkpoint", "path": p.final, "async": p.background, "bytes": size,
                   "stall_s": stall, "waited_previous_s": p.waited_s, "written_s": written, "write_s": write_s,
-                  "commit_s": seconds, "gb_per_s": size / 1e9 / write_s,
+                  "commit_s": seconds, "gb_per_s": size / 1e9 / write_s, "awaited": p.awaited,
                   "staging": ("device" if self.staging.on_device else "host") if p.background else None}
         waited = f" ({p.waited_s:.2f} s of it for older saves' writes)" if p.waited_s >= 0.01 else ""
         self.report(record, f"checkpoint {os.path.basename(p.final)} committed: {size / 1e9:.3g} GB, training "
@@ -425,6 +424,7 @@ class PendingSave:
     waited_s: float  # of stall_s, the seconds spent waiting for older saves' writes to free a place
     background: bool  # written by DCP's thread while training went on
     written_s: Optional[float] = None  # seconds from started until this rank's write finished
+    awaited: bool = False  # committed by a wait of the loop for its write, not at a step boundary (poll)
 
     def mark_written(self, _future: Future) -> None:
         self.written_s = time.perf_counter() - self.started
@@ -437,12 +437,6 @@ def host_memory_available() -> int:
             line = next(line for line in f if line.startswith("MemAvailable:"))
         return int(line.split()[1]) * 1024
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def _finished_within(future: Future, seconds: float) -> bool:
-    with contextlib.suppress(TimeoutError):
-        future.exception(timeout=seconds)  # waits; the error itself is read by _all_written
-    return future.done()
 
 
 def _attempt(work: Callable[[], None]) -> Optional[BaseException]:
@@ -463,9 +457,3 @@ def _save_error(error: BaseException) -> BaseException:
 class NotEnoughSpace(OneLineError):
     """A save not started: the free space is below the last checkpoint's size."""
 
-
-def _torch_save_synced(obj, path: str) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())

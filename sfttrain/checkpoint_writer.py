@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import io
 import logging
 import os
 import time
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
-from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.tensor import DTensor
 
 from sfttrain import stop_signal
@@ -44,14 +45,11 @@ def cuda_room(device: torch.device) -> int:
 def write_shards(state_dict: dict, tmp: str, thread_count: int, group, is_main: bool) -> float:
     """This rank's DCP write into `tmp`; rank 0 then fsyncs what DCP does not. Returns its seconds."""
     started = time.perf_counter()
-    metadata = dcp.save(state_dict, storage_writer=dcp.FileSystemWriter(tmp, thread_count=thread_count),
-                        process_group=group)
-    # DCP drops the items of an extra writer thread that died (its traceback printed), and commits without them
-    missing = [fqn for fqn, md in metadata.state_dict_metadata.items() for chunk in getattr(md, "chunks", [None])
-               if MetadataIndex(fqn, getattr(chunk, "offsets", None)) not in metadata.storage_data]
-    if missing:
-        raise OneLineError(f"{len(missing)} items of the checkpoint were not written ({missing[0]}, ...): one of "
-                           "DCP's writer threads failed (its traceback is above)")
+    writer = dcp.FileSystemWriter(tmp, thread_count=thread_count)
+    writer.fs = files = KeptErrors()
+    dcp.save(state_dict, storage_writer=writer, process_group=group)
+    if files.errors:
+        raise files.errors[0]
     if is_main:
         fsync_tree(tmp)
     return time.perf_counter() - started
@@ -71,6 +69,29 @@ def one_line(error: BaseException) -> str:
 
 class OneLineError(OSError):
     """An error already worded as one line."""
+
+
+class KeptErrors(FileSystem):
+    """DCP's files, whose errors are kept for the write to raise: DCP does not watch its extra writer threads
+    (thread_count > 1), whose death would print a traceback and leave their items out of a checkpoint that
+    looks whole. A file that cannot be opened is written nowhere."""
+
+    def __init__(self):
+        super().__init__()
+        self.errors: list[Exception] = []
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        try:
+            with contextlib.ExitStack() as files:
+                try:
+                    stream = files.enter_context(super().create_stream(path, mode))
+                except Exception as e:  # noqa: BLE001 - raised by write_shards, in the rank's own thread
+                    self.errors.append(e)
+                    stream = io.BytesIO()
+                yield stream
+        except Exception as e:  # noqa: BLE001 - as above
+            self.errors.append(e)
 
 
 class WriterProcess:
@@ -181,6 +202,7 @@ def _map(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     return type(obj)(_map(v, fn) for v in obj) if isinstance(obj, (list, tuple)) else obj
 
 
+@torch.no_grad()
 def _copy(src: Any, dst: Any) -> None:
     """`src`'s tensors into `dst`'s, matched by key (non_blocking: the caller synchronizes)."""
     if isinstance(src, torch.Tensor):
@@ -191,17 +213,17 @@ def _copy(src: Any, dst: Any) -> None:
 
 
 def host_state_dict(state_dict: dict, pinned: bool, shared: bool) -> dict:
-    """A host copy of `state_dict` (a DTensor keeps its spec, its shard on the host), in shared memory where a
-    writer process reads it; pinned: page-locked in place, so it can be shared too."""
+    """Host memory for a copy of `state_dict`'s tensors (a DTensor keeps its spec, its shard on the host):
+    shared where a writer process reads it, page-locked with `pinned` (in place where shared)."""
     def host(t: torch.Tensor) -> torch.Tensor:
-        copy = t.detach().to("cpu", copy=True)
-        if pinned or shared:
+        copy = torch.empty_like(t, device="cpu", pin_memory=pinned and not shared)
+        if shared:
             local = _local(copy).share_memory_()
             if pinned and local.numel():
                 cudart = torch.cuda.cudart()
                 if code := int(cudart.cudaHostRegister(local.data_ptr(), local.numel() * local.element_size(), 1)):
                     raise RuntimeError(f"page-locking a staging slot failed (CUDA error {code})")
-                weakref.finalize(local.untyped_storage(), cudart.cudaHostUnregister, local.data_ptr())
+                weakref.finalize(copy, cudart.cudaHostUnregister, local.data_ptr())  # before it is freed
         return copy
 
     return _map(state_dict, host)
@@ -209,28 +231,24 @@ def host_state_dict(state_dict: dict, pinned: bool, shared: bool) -> dict:
 
 class DeviceCopy:
     """A background save's copy on the training device (milliseconds), copied to host memory by the
-    writer thread when the save's turn comes (Staging.to_host)."""
+    writer thread when the save's turn comes (Staging.to_host); on CUDA, `ready` after the copies."""
 
     def __init__(self, state_dict: dict, device: torch.device):
         self.state_dict: Optional[dict] = _map(state_dict, lambda t: t.detach().clone())
-        self.ready = None  # on CUDA: the training stream's point after the copies
-        if device.type == "cuda":
-            self.ready = torch.cuda.Event()
+        self.ready = torch.cuda.Event() if device.type == "cuda" else None
+        if self.ready is not None:
             self.ready.record(torch.cuda.current_stream(device))
 
 
 class Staging:
-    """The copies of background saves, taken before save() returns (the next steps change the
-    weights); one per save in flight. On the host, a slot per save; on the device
-    (trainer.async_save_staging), a GPU copy that the writer thread copies into one host slot on a
-    stream of its own. Host copies are shared where a writer process reads them, and pinned with
-    trainer.async_save_pinned; such copies are kept and reused. Page locking is slow and slows the
-    steps beside it, so pinned slots are allocated once, between the first and second step."""
+    """The copies of background saves, taken before save() returns; one per save in flight. On the host,
+    a slot per save; on the device (trainer.async_save_staging), a GPU copy that the writer thread copies
+    into one host slot on a stream of its own. Host copies are kept and reused: shared where a writer
+    process reads them, pinned with trainer.async_save_pinned (allocated once, before the second step)."""
 
     def __init__(self, device: torch.device, pinned: bool, shared: bool):
         self.device, self.pinned, self.shared = device, pinned, shared
-        self.keeps = pinned or shared
-        self.kept: dict[int, dict] = {}  # slot -> its kept host copy
+        self.kept: dict[int, dict] = {}  # slot -> its host copy
         self.on_device = False  # decided by reserve, after the first step
         self.stream: Optional[torch.cuda.Stream] = None  # the writer thread's device-to-host copies
 
@@ -263,15 +281,11 @@ class Staging:
                 return self._into_host(on_device, slot)  # (synchronized: before the device copy is freed)
 
     def _into_host(self, state_dict: dict, slot: int) -> dict:
-        host = self.kept.get(slot)
-        if host is None:
-            host = host_state_dict(state_dict, self.pinned, self.shared)
-        else:
-            _copy(state_dict, host)
-            if self.device.type == "cuda":  # the copies into pinned memory are asynchronous
-                torch.cuda.current_stream(self.device).synchronize()
-        if self.keeps:
-            self.kept[slot] = host
+        if (host := self.kept.get(slot)) is None:
+            host = self.kept[slot] = host_state_dict(state_dict, self.pinned, self.shared)
+        _copy(state_dict, host)
+        if self.device.type == "cuda":  # the copies into pinned memory are asynchronous
+            torch.cuda.current_stream(self.device).synchronize()
         return host
 
 

@@ -207,7 +207,7 @@ class Checkpointer:
         shutil.rmtree(tmp, ignore_errors=True)  # debris of a crashed save of the same step
         free = shutil.disk_usage(self.run_dir).free
         if self.last_bytes and free < self.last_bytes:
-            raise NotEnoughSpace(f"it needs about {size_text(self.last_bytes)} (the size of the last checkpoint) "
+            raise OneLineError(f"it needs about {size_text(self.last_bytes)} (the size of the last checkpoint) "
                                  f"and {self.run_dir} has {size_text(free)} free, {NOT_STARTED}")
         os.makedirs(os.path.join(tmp, "rng"))
 
@@ -411,7 +411,3 @@ def _save_error(error: BaseException) -> BaseException:
     if data_worker_died(error):
         raise error
     return error
-
-
-class NotEnoughSpace(OneLineError):
-    """A save not started: the free space is below the last checkpoint's size."""

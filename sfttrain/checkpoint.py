@@ -1,23 +1,16 @@
-"""Sharded (DCP) checkpoints: the checkpointer, with its atomic commit and the retention of this
-run's checkpoints (loading: sfttrain.checkpoint_load).
+"""Sharded (DCP) checkpoints: the checkpointer, its atomic commit and the retention of this run's
+checkpoints (loading: sfttrain.checkpoint_load).
 
-Layout of `<run>/global_step_N/`:
-  .metadata, __*.distcp   model + optimizer, sharded (torch.distributed.checkpoint), reshardable
-  trainer_state.json      TrainState: step, data position and fingerprint, optimizer settings, run id, world size
-  rng/rank_R.pt           each rank's RNG states
-  config.yaml             the resolved run config
-  hf/                     the model's config, generation config and tokenizer (for export)
-  huggingface/            with trainer.save_hf, on the final checkpoint: the exported model (after the commit)
-  COMPLETE                written last, the list of the files above and their sizes; only folders with it are
-                          ever resumed from, and only while their files are those it lists
+`<run>/global_step_N/` holds the model and optimizer shards (DCP's .metadata and __*.distcp, reshardable),
+trainer_state.json (TrainState, run id, world size), rng/rank_R.pt, config.yaml, hf/ (config and tokenizer,
+for export), with trainer.save_hf huggingface/ (the export, after the commit), and COMPLETE, written last:
+its files and their sizes. Only folders with COMPLETE, whose files are those it lists, are resumed from.
 
-Commit protocol: every rank writes into `.global_step_N.tmp`; once every rank's write has finished
-(at once, or with trainer.async_save at a later step boundary) rank 0 writes COMPLETE, fsyncs, and
-renames the folder (checkpoint_folder.publish). A crash leaves a `.tmp` folder at worst, which the
-next start deletes; a save that fails on any rank ends every rank with one CheckpointError.
-
-The data position (epoch, samples of it consumed) and the seed name the samples used whatever the
-world size, so N ranks' checkpoint resumes on M (DCP reshards the model and optimizer).
+Commit: every rank writes into `.global_step_N.tmp`; once every rank's write has finished (at once, or with
+trainer.async_save at a later step boundary) rank 0 writes COMPLETE, fsyncs and renames the folder. A crash
+leaves a `.tmp` folder at worst, which the next start deletes; a save that fails on any rank ends every
+rank with one CheckpointError. The data position and the seed name the samples used whatever the world
+size, so N ranks' checkpoint resumes on M.
 """
 
 from __future__ import annotations
@@ -25,70 +18,66 @@ from __future__ import annotations
 import collections
 import contextlib
 import datetime
+import io
 import json
 import logging
 import os
 import shutil
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from sfttrain import stop_signal
+from sfttrain.checkpoint_faults import NOT_STARTED, not_saved, stuck_message
 from sfttrain.checkpoint_folder import STATE_FILE, complete_checkpoints, enforce_retention, fsync_path, hide, \
     publish, remove, room_problem, size_text, tree_bytes, write_complete, write_synced
 # re-exported (noqa): the trainer, the preflight and the exporter know them as sfttrain.checkpoint's
 from sfttrain.checkpoint_load import (TrainState, check_same_model, estimated_bytes, load,  # noqa: F401
                                       read_back, rng_state, state_dicts, trained_state_dict)  # noqa: F401
-from sfttrain.checkpoint_writer import OneLineError, Staging, WriterProcess, WriterThreadErrors, cuda_room, \
-    one_line, tensor_bytes, write_shards, writer_kind
+from sfttrain.checkpoint_writer import OneLineError, Staging, WriterProcess, cuda_room, one_line, tensor_bytes, \
+    write_shards, writer_kind
 from sfttrain.config import Config, ConfigError, to_yaml
 from sfttrain.distributed import World, decided_by_rank0, from_every_rank, ranks_of_this_launcher
 from sfttrain.errors import CheckpointError, data_worker_died
-from sfttrain.checkpoint_faults import NOT_STARTED, not_saved, stuck_message
 from sfttrain.faults import file_at_size_limit
 
 # DCP's CheckpointException (every rank's error) is a BaseException
 WRITE_ERRORS = (Exception, CheckpointException)
 # a rank's state of the oldest save's write, agreed by a MIN over ranks: failed, stuck, still writing, written
 FAILED, STUCK = -2, -1
-# a write is stuck only past trainer.nccl_timeout and past its rank's share at this rate: a large
-# checkpoint on slow storage is slow, not stuck
+# a write is stuck past trainer.nccl_timeout and its rank's share at this rate: slow storage is slow, not stuck
 SLOWEST_WRITE_BYTES_PER_S = 20e6
 
 
 class Checkpointer:
-    """Writes `global_step_N` checkpoints of one run (`run_id`). With trainer.async_save, a periodic
-    save returns once this rank's shard is copied (checkpoint_writer.Staging); one writer thread per
-    rank writes the saves in order (on CUDA through a writer process: trainer.async_save_writer)
-    while training goes on, and each is committed at the first step boundary where every rank's
-    write has finished (`poll`). Up to trainer.async_save_in_flight saves are in flight; a save
-    finding them all in flight waits for the oldest. The final save waits for every write.
-
-    Per committed checkpoint, `report(record, line)` gets its size and the seconds the loop stalled,
-    the write took, and until the commit."""
+    """Writes `global_step_N` checkpoints of run `run_id`. With trainer.async_save a periodic save returns
+    once this rank's shard is copied (Staging); one writer thread per rank writes the saves in order (on
+    CUDA through a writer process: trainer.async_save_writer) while training goes on, and each commits at
+    the first step boundary where every rank has written it (`poll`). A save finding
+    trainer.async_save_in_flight saves in flight waits for the oldest; the final save waits for all.
+    `report(record, line)` gets each commit's size and seconds (stall, write, until the commit)."""
 
     def __init__(self, run_dir: str, world: World, cfg: Config, run_id: str, report: Callable[[dict, str], None],
                  model, optimizer, tokenizer):
         self.run_dir, self.world, self.cfg, self.run_id, self.report = run_dir, world, cfg, run_id, report
         self.model, self.optimizer, self.tokenizer = model, optimizer, tokenizer  # what each save holds
-        # rendered once: rendering the schema through OmegaConf at each save would stall training
-        self.config_yaml = to_yaml(cfg) if world.is_main else None
+        self.config_yaml = to_yaml(cfg) if world.is_main else None  # once: rendering it per save stalls
         self.pending: collections.deque[PendingSave] = collections.deque()  # oldest first
         own = complete_checkpoints(run_dir, run_id)
         self.last_bytes = tree_bytes(own[-1][1]) if own and world.is_main else None  # rank 0's space check
         # known without asking the run folder's disk, which a stuck write may leave stuck too (_stuck)
         self.committed: Optional[str] = own[-1][1] if own else None
-        self.write_began: Optional[float] = None  # perf_counter when the running write began (the writer thread's)
+        self.write_began: Optional[float] = None  # perf_counter when the writer thread's running write began
         self.stuck_after_s = max(cfg.trainer.nccl_timeout,
                                  estimated_bytes(model) / world.world_size / SLOWEST_WRITE_BYTES_PER_S)
-        self.warned_grace = False  # _warn_if_a_stop_would_not_save has said it
-        # DCP's collectives (writer thread) and the agreement on "every rank has written" (main thread)
-        # must not interleave: a gloo group each (host tensors: never waiting for the GPU)
+        self.warned_grace = False
+        # DCP's collectives (writer thread) and the agreement on the writes (main thread) must not
+        # interleave: a gloo group each (host tensors: never waiting for the GPU)
         timeout = datetime.timedelta(seconds=cfg.trainer.nccl_timeout)
         self.write_group = dist.new_group(backend="gloo", timeout=timeout)
         self.agree_group = dist.new_group(backend="gloo", timeout=timeout)
@@ -98,7 +87,6 @@ class Checkpointer:
         self.staging = Staging(world.device, pinned, shared=self.in_process) if cfg.trainer.async_save else None
         # fewer where the staging memory holds fewer copies (agreed after the first step: _reserve_slots)
         self.slots, self.slots_agreed = cfg.trainer.async_save_in_flight, False
-        self.thread_errors = WriterThreadErrors()
         # one writer: every rank writes its saves in the same order, so DCP's collectives pair up
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-write")
         self.cleaner = ThreadPoolExecutor(1, thread_name_prefix="ckpt-delete")  # retention's deletions
@@ -117,33 +105,33 @@ class Checkpointer:
         """Collective. Raises CheckpointError on every rank if any rank could not write its part."""
         started = time.perf_counter()
         background = self.cfg.trainer.async_save and not final
-        room = self.slots - 1 if background else 0
-        while len(self.pending) > room:  # a full queue (or a final save) waits for the oldest write
+        while len(self.pending) > (self.slots - 1 if background else 0):  # a full queue waits for the oldest
             self._wait_oldest()
         waited = time.perf_counter() - started
         if self.in_process and not self.pending:  # (with a save in flight, its write finds a lost writer)
             self._replace_lost_writer()
         tmp = os.path.join(self.run_dir, f".global_step_{state.step}.tmp")
         self._agree(state.step, tmp, _attempt(lambda: self._prepare(tmp)))
-        (state_dict, slot), error = (None, None), None
+        state_dict, slot, error = None, None, None
         try:
             model_sd, optim_sd = state_dicts(self.model, self.optimizer)
-            state_dict, slot = self._prepare_write({"model": model_sd, "optim": optim_sd}, background)
+            state_dict = {"model": model_sd, "optim": optim_sd}
+            if background:  # copied before save() returns: the next steps change the weights
+                state_dict, slot = self.staging.stage(state_dict, busy={p.slot for p in self.pending})
         except WRITE_ERRORS as e:  # noqa: BLE001 - any failure of any rank is agreed on below
             error = _save_error(e)
         self._agree(state.step, tmp, error)  # before the write, whose collectives need every rank
-        future = self.writer.submit(self._write, state_dict, tmp, slot, self._small_files(state, wandb_id))
+        future = self.writer.submit(self._write, state_dict, tmp, slot, self._small_files(state, wandb_id), started)
         del state_dict
         self.pending.append(PendingSave(state.step, tmp, os.path.join(self.run_dir, f"global_step_{state.step}"),
                                         future, slot, started, time.perf_counter() - started, waited, background))
-        future.add_done_callback(self.pending[-1].mark_written)
         if not background:
             self.wait()
 
     def poll(self) -> None:
-        """Collective, after every step: commits, oldest first, the saves every rank has written (one
-        tiny all-reduce while a save is in flight). After the first step, when the optimizer's state
-        exists, reserves the staging of the saves to come."""
+        """Collective, after every step: commits, oldest first, the saves every rank has written (one tiny
+        all-reduce while a save is in flight). After the first step (the optimizer's state exists) it
+        reserves the staging of the saves to come."""
         if self.staging is not None and not self.slots_agreed and self.cfg.trainer.save_freq > 0:
             self._reserve_slots()
         while self.pending and self._all_written(self.pending[0].future.done()):
@@ -161,64 +149,55 @@ class Checkpointer:
             self.process.close()
 
     def _reserve_slots(self) -> None:
-        """Collective: where background saves are staged (host, or the device: trainer.async_save_staging)
-        and how many may be in flight (as many copies as every node's memory holds, at least one).
-        Pinned host copies are allocated now, before the second step."""
+        """Collective: where background saves are staged (trainer.async_save_staging) and how many may be in
+        flight (as many copies as every node's memory holds, at least one). Pinned host copies are
+        allocated now, before the second step: page locking beside the steps would slow them."""
         model_sd, optim_sd = state_dicts(self.model, self.optimizer)
         live = {"model": model_sd, "optim": optim_sd}
-        copy, device = max(tensor_bytes(live), 1), self.world.device
-        local_ranks = ranks_of_this_launcher()
+        copy, device, local_ranks = max(tensor_bytes(live), 1), self.world.device, ranks_of_this_launcher()
         available = host_memory_available()
         # one copy's worth kept free for the rest of the node's work (data workers, the writes' page cache)
         host_fit = available // (copy * local_ranks) - 1
-        fits = torch.tensor([host_fit, self._device_fit(live, copy, host_fit)])
+        if device.type != "cuda":  # the device's memory is the host's, where the host slot takes one copy
+            device_fit = host_fit - 1
+        else:  # none where offloaded to host memory (model.fsdp_config.cpu_offload): a "device" copy is a host one
+            device_fit = 0 if copy - tensor_bytes(live, on="cuda") > copy // 100 else cuda_room(device) // copy
+        fits = torch.tensor([host_fit, device_fit])
         dist.all_reduce(fits, op=dist.ReduceOp.MIN, group=self.agree_group)
         host_fit, device_fit = fits.tolist()
         wanted, setting = self.slots, self.cfg.trainer.async_save_staging
         on_device = device_fit >= 1 and (setting == "device" or
                                          setting == "auto" and device.type == "cuda" and device_fit >= wanted)
         self.slots, self.slots_agreed = max(1, min(wanted, device_fit if on_device else host_fit)), True
-        if self.in_process:
-            # the writer process first, on every rank (making it is a collective of the writer threads)
+        if self.in_process:  # the writer process first, on every rank (a collective of the writer threads)
             self.writer.submit(self._writer_process)
         started = time.perf_counter()
         pinned = self.staging.reserve(live, self.slots, on_device)
-        if self.in_process:  # each pinned slot's copy is sent to the writer process now, not with a save's write
-            for slot in pinned:
-                self.writer.submit(lambda slot=slot: self._writer_process().write(self.staging.kept[slot], slot))
-        if self.world.is_main:
-            self._say_staging(wanted, copy, local_ranks, available, on_device, pinned, time.perf_counter() - started)
-
-    def _device_fit(self, live: dict, copy: int, host_fit: int) -> int:
-        device = self.world.device
-        if device.type != "cuda":  # the device's memory is the host's, where the host slot takes one copy
-            return host_fit - 1
-        if copy - tensor_bytes(live, on="cuda") > copy // 100:
-            return 0  # offloaded to host memory (model.fsdp_config.cpu_offload): a "device" copy would be a host one
-        return cuda_room(device) // copy
-
-    def _say_staging(self, wanted: int, copy: int, local_ranks: int, available: int, on_device: bool,
-                     pinned: list[int], pinning_s: float) -> None:
-        device, setting = self.world.device, self.cfg.trainer.async_save_staging
+        for slot in pinned if self.in_process else []:  # sent to the writer process now, not with a save's write
+            self.writer.submit(lambda slot=slot: self._writer_process().write(self.staging.kept[slot], slot))
+        if not self.world.is_main:
+            return
         where = (f"on {device} (its free memory holds {self.slots} beside the first step's peak), then copied to "
                  "host memory by the writer" if on_device else "in host memory")
-        locked = (f"; {len(pinned)} x {size_text(copy)} of page-locked host memory allocated in {pinning_s:.1f} s "
-                  "before step 2 (once: page locking beside the steps would slow them)" if pinned else "")
+        locked = (f"; {len(pinned)} x {size_text(copy)} of page-locked host memory allocated in "
+                  f"{time.perf_counter() - started:.1f} s before step 2 (once: page locking beside the steps would "
+                  "slow them)" if pinned else "")
         self.report(None, f"background saves: each takes a copy of a rank's model and optimizer shard "
                           f"({size_text(copy)}) {where} (trainer.async_save_staging={setting}); {self.slots} in flight "
                           f"at most{locked}")
         if self.slots < wanted:
-            log = logging.getLogger("sfttrain")
             holds = (f"the free memory of {device} holds {self.slots}" if on_device else
                      f"host memory holds {self.slots}: a host copy of a rank's shard takes {size_text(copy)} "
                      f"({local_ranks} ranks per node) and {size_text(available)} are available")
-            log.warning(f"trainer.async_save_in_flight={wanted}, but {holds}. At most {self.slots} saves will be in "
-                        "flight; a save finding them all in flight waits for the oldest write")
+            logging.getLogger("sfttrain").warning(
+                f"trainer.async_save_in_flight={wanted}, but {holds}. At most {self.slots} saves will be in flight; "
+                "a save finding them all in flight waits for the oldest write")
 
     def _wait_oldest(self) -> None:
-        """Waits for the oldest save's write on every rank, then commits it. The ranks ask each other
-        every second, so a failed write on one stops the others waiting for it in DCP's collectives."""
-        while not self._all_written(_finished_within(self.pending[0].future, seconds=1.0)):
+        """Waits for the oldest save's write on every rank, then commits it. The ranks ask each other every
+        second, so a failed write on one stops the others waiting for it in DCP's collectives."""
+        self.pending[0].awaited = True
+        while not self._all_written(bool(wait([self.pending[0].future], timeout=1.0).done)):
             pass
         self._commit()
 
@@ -228,56 +207,46 @@ class Checkpointer:
         shutil.rmtree(tmp, ignore_errors=True)  # debris of a crashed save of the same step
         free = shutil.disk_usage(self.run_dir).free
         if self.last_bytes and free < self.last_bytes:
-            raise NotEnoughSpace(f"it needs about {size_text(self.last_bytes)} (the size of the last checkpoint) "
+            raise OneLineError(f"it needs about {size_text(self.last_bytes)} (the size of the last checkpoint) "
                                  f"and {self.run_dir} has {size_text(free)} free, {NOT_STARTED}")
         os.makedirs(os.path.join(tmp, "rng"))
 
-    def _prepare_write(self, state_dict: dict, background: bool) -> tuple[dict, Optional[int]]:
-        """A background save's copy, taken before save() returns (the next steps change the weights)."""
-        if not background:
-            return state_dict, None
-        return self.staging.stage(state_dict, busy={p.slot for p in self.pending})
-
-    def _small_files(self, state: TrainState, wandb_id: Optional[str]) -> dict[str, Any]:
+    def _small_files(self, state: TrainState, wandb_id: Optional[str]) -> dict[str, str | bytes]:
         """Taken now, written by the writer thread: their fsyncs would stall training behind earlier writes."""
-        world = self.world
-        files: dict[str, Any] = {os.path.join("rng", f"rank_{world.rank}.pt"): rng_state()}
-        if world.is_main:
-            extra = {**asdict(state), "wandb_id": wandb_id, "world_size": world.world_size}
-            files[STATE_FILE] = json.dumps(extra, indent=1)
+        rng = io.BytesIO()
+        torch.save(rng_state(), rng)
+        files: dict[str, str | bytes] = {os.path.join("rng", f"rank_{self.world.rank}.pt"): rng.getvalue()}
+        if self.world.is_main:
+            files[STATE_FILE] = json.dumps({**asdict(state), "wandb_id": wandb_id,
+                                            "world_size": self.world.world_size}, indent=1)
             files["config.yaml"] = self.config_yaml
         return files
 
-    def _write_small_files(self, tmp: str, files: dict[str, Any]) -> None:
-        """Before the shards: DCP's write ends only once every rank has started it, so rank 0's fsync of
-        the folder after it (write_shards) covers every rank's small files."""
-        for name, content in files.items():
-            path = os.path.join(tmp, name)
-            if isinstance(content, str):
-                write_synced(path, content)
-            else:
-                _torch_save_synced(content, path)
-        if self.world.is_main:
-            hf = os.path.join(tmp, "hf")
-            self.model.config.save_pretrained(hf)
-            if getattr(self.model, "generation_config", None) is not None:
-                self.model.generation_config.save_pretrained(hf)
-            self.tokenizer.save_pretrained(hf)
-
-    def _write(self, state_dict: dict, tmp: str, slot: Optional[int],
-               small_files: dict[str, Any]) -> float:
-        """The writer thread: the small files, then the shards, a background save's in the writer process."""
+    def _write(self, state_dict: dict, tmp: str, slot: Optional[int], small_files: dict[str, str | bytes],
+               started: float) -> tuple[float, float]:
+        """The writer thread: the small files (first: DCP's write ends once every rank has begun it, so rank
+        0's fsync of the folder after it covers them), then the shards, a background save's in the writer
+        process. Returns the shards' write seconds and the seconds since `started`."""
         self.write_began = time.perf_counter()  # (_all_written: a write unfinished past stuck_after_s is stuck)
         try:
-            self._write_small_files(tmp, small_files)
+            for name, content in small_files.items():
+                write_synced(os.path.join(tmp, name), content)
+            if self.world.is_main:
+                hf = os.path.join(tmp, "hf")
+                self.model.config.save_pretrained(hf)
+                if getattr(self.model, "generation_config", None) is not None:
+                    self.model.generation_config.save_pretrained(hf)
+                self.tokenizer.save_pretrained(hf)
             threads = self.cfg.trainer.save_thread_count
             if slot is not None:  # a background save: its host copy (made now if it was staged on the device)
                 state_dict = self.staging.to_host(state_dict, slot)
             if slot is None or not self.in_process:
-                return write_shards(state_dict, tmp, threads, self.write_group, self.world.is_main, self.thread_errors)
-            process = self._writer_process()
-            self.write_began = time.perf_counter()  # a writer started anew (a lost one's replacement): not the write
-            return process.write(state_dict, slot, tmp, threads)  # its slot's copy: kept there
+                write_s = write_shards(state_dict, tmp, threads, self.write_group, self.world.is_main)
+            else:
+                process = self._writer_process()
+                self.write_began = time.perf_counter()  # a writer started anew (a lost one's replacement)
+                write_s = process.write(state_dict, slot, tmp, threads)  # its slot's copy: kept there
+            return write_s, time.perf_counter() - started
         finally:
             self.write_began = None
 
@@ -300,10 +269,9 @@ class Checkpointer:
         self.process = None
         if self.world.is_main:
             logging.getLogger("sfttrain").warning(
-                f"the checkpoint writer process of rank(s) {sorted(lost)} had ended "
-                f"(exit code(s) {sorted(lost.values())}; "
-                "-9 is SIGKILL, most often the host's out-of-memory killer): every rank's writer is started anew "
-                "for this save")
+                f"the checkpoint writer process of rank(s) {sorted(lost)} had ended (exit code(s) "
+                f"{sorted(lost.values())}; -9 is SIGKILL, most often the host's out-of-memory killer): every rank's "
+                "writer is started anew for this save")
 
     def _all_written(self, done: bool) -> bool:
         """True when every rank has written the oldest save; a write that failed on any rank fails every rank."""
@@ -328,7 +296,7 @@ class Checkpointer:
         every second, so no collective times out). Raised without touching the run folder, whose disk may
         be what hangs: the next start removes the partial folder."""
         if self.process is not None:
-            self.process.process.kill()  # not joined: a process in a stuck write ends only once the write returns
+            self.process.stop(timeout=10)
         raise CheckpointError(stuck_message(self, p.step, time.perf_counter() - (began or p.started),
                                             SLOWEST_WRITE_BYTES_PER_S))
 
@@ -376,35 +344,29 @@ class Checkpointer:
                 renamed = os.path.isdir(p.final) and not os.path.lexists(p.tmp)  # publish's rename was done
         self._agree(p.step, p.tmp, error, renamed)
         self.committed = p.final
-        if world.is_main:
-            enforce_retention(self.run_dir, self.cfg.trainer.max_ckpt_to_keep, self.run_id,
-                              delete=lambda path: self.cleaner.submit(shutil.rmtree, hide(path), True))
-            write_s = p.future.result()
-            self._report(p, self.last_bytes, write_s, time.perf_counter() - p.started)
-            self._warn_if_next_will_not_fit()
-            self._warn_if_a_stop_would_not_save(write_s)
-
-    def _warn_if_next_will_not_fit(self) -> None:
-        free = shutil.disk_usage(self.run_dir).free
-        if free < self.last_bytes:
-            logging.getLogger("sfttrain").warning(
-                f"{self.run_dir} has {size_text(free)} free and a checkpoint takes {size_text(self.last_bytes)}: the "
-                "next save will not fit (retention deletes the oldest only after the next commit). Free space now, or "
-                "the next save stops the run (it then resumes from the last checkpoint)")
-
-    def _warn_if_a_stop_would_not_save(self, write_s: float) -> None:
-        """Once, where a SIGTERM's save would outlast the default grace (sfttrain.stop_signal)."""
+        if not world.is_main:
+            return
+        enforce_retention(self.run_dir, self.cfg.trainer.max_ckpt_to_keep, self.run_id,
+                          delete=lambda path: self.cleaner.submit(shutil.rmtree, hide(path), True))
+        write_s, written_s = p.future.result()
+        self._report(p, self.last_bytes, write_s, written_s, time.perf_counter() - p.started)
+        log = logging.getLogger("sfttrain")
+        if (free := shutil.disk_usage(self.run_dir).free) < self.last_bytes:
+            log.warning(f"{self.run_dir} has {size_text(free)} free and a checkpoint takes "
+                        f"{size_text(self.last_bytes)}: the next save will not fit (retention deletes the oldest only "
+                        "after the next commit). Free space now, or the next save stops the run (it then resumes from "
+                        "the last checkpoint)")
+        # once, where a SIGTERM's save would outlast the default grace (sfttrain.stop_signal)
         warning = stop_signal.grace_warning(write_s) if self.cfg.trainer.save_on_sigterm else None
         if warning and not self.warned_grace:
             self.warned_grace = True
-            logging.getLogger("sfttrain").warning(warning)
+            log.warning(warning)
 
-    def _report(self, p: PendingSave, size: int, write_s: float, seconds: float) -> None:
+    def _report(self, p: PendingSave, size: int, write_s: float, written_s: float, seconds: float) -> None:
         stall = p.stall_s if p.background else seconds
-        written = p.written_s or seconds  # None only if its callback has not run yet: it ended just now
         record = {"step": p.step, "event": "checkpoint", "path": p.final, "async": p.background, "bytes": size,
-                  "stall_s": stall, "waited_previous_s": p.waited_s, "written_s": written, "write_s": write_s,
-                  "commit_s": seconds, "gb_per_s": size / 1e9 / write_s,
+                  "stall_s": stall, "waited_previous_s": p.waited_s, "written_s": written_s, "write_s": write_s,
+                  "commit_s": seconds, "gb_per_s": size / 1e9 / write_s, "awaited": p.awaited,
                   "staging": ("device" if self.staging.on_device else "host") if p.background else None}
         waited = f" ({p.waited_s:.2f} s of it for older saves' writes)" if p.waited_s >= 0.01 else ""
         self.report(record, f"checkpoint {os.path.basename(p.final)} committed: {size / 1e9:.3g} GB, training "
@@ -418,16 +380,13 @@ class PendingSave:
     step: int
     tmp: str
     final: str
-    future: Future  # the write and its fsyncs; its result: the write's seconds
-    slot: Optional[int]  # the staging slot holding its host copy (Staging; None: not staged)
+    future: Future  # the write and its fsyncs; its result: (the write's seconds, seconds from started until written)
+    slot: Optional[int]  # the staging slot holding its host copy (None: not staged)
     started: float  # perf_counter when save() began
     stall_s: float  # seconds the training loop waited for it (a background write: until it was staged)
     waited_s: float  # of stall_s, the seconds spent waiting for older saves' writes to free a place
-    background: bool  # written by DCP's thread while training went on
-    written_s: Optional[float] = None  # seconds from started until this rank's write finished
-
-    def mark_written(self, _future: Future) -> None:
-        self.written_s = time.perf_counter() - self.started
+    background: bool  # written while training went on
+    awaited: bool = False  # committed by a wait of the loop for its write, not at a step boundary (poll)
 
 
 def host_memory_available() -> int:
@@ -437,12 +396,6 @@ def host_memory_available() -> int:
             line = next(line for line in f if line.startswith("MemAvailable:"))
         return int(line.split()[1]) * 1024
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def _finished_within(future: Future, seconds: float) -> bool:
-    with contextlib.suppress(TimeoutError):
-        future.exception(timeout=seconds)  # waits; the error itself is read by _all_written
-    return future.done()
 
 
 def _attempt(work: Callable[[], None]) -> Optional[BaseException]:
@@ -458,14 +411,3 @@ def _save_error(error: BaseException) -> BaseException:
     if data_worker_died(error):
         raise error
     return error
-
-
-class NotEnoughSpace(OneLineError):
-    """A save not started: the free space is below the last checkpoint's size."""
-
-
-def _torch_save_synced(obj, path: str) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())

@@ -11,7 +11,7 @@ from sfttrain.checkpoint_folder import complete_checkpoints, size_text, tree_byt
 from sfttrain.faults import (SIZE_LIMIT_FIX, disk_full, fault, folder_gone, over_size_limit, peer_lost, resumes_from,
                              what_next)
 
-NOT_STARTED = "so it was not started"  # how NotEnoughSpace's message ends
+NOT_STARTED = "so it was not started"  # how the message of a save refused for lack of space ends
 
 
 def stuck_message(saver, step: int, seconds: float, rate: float) -> str:

@@ -286,8 +286,8 @@ def hide(path: str) -> str:
     return trash
 
 
-def write_synced(path: str, text: str) -> None:
-    with open(path, "w") as f:
+def write_synced(path: str, text: str | bytes) -> None:
+    with open(path, "wb" if isinstance(text, bytes) else "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())

@@ -9,7 +9,7 @@ import os
 import pickle
 import random
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Optional
 
 import numpy as np
 import torch
@@ -89,13 +89,6 @@ def read_back(path: str):
         raise damaged_error(path, f"its shards do not read back ({'; '.join(causes)})") from None
 
 
-def _read_file(path: str, read: Callable[[], Any]) -> Any:
-    try:
-        return read()
-    except UNREADABLE as e:
-        raise damaged_error(path, f"it does not read back ({_first_sentence(e)})") from None
-
-
 def _read_rng_states(path: str, world: World) -> Optional[dict]:
     """Collective: this rank's RNG states (None without the file). A file that does not read back on
     any rank fails every rank at once: a rank failing alone would leave the others waiting."""
@@ -133,7 +126,10 @@ def _trained(model, model_sd: dict) -> dict:
 
 def check_same_model(path: str, model_sd: dict) -> None:
     """A checkpoint of another model fails here with names and shapes, not deep inside DCP."""
-    metadata = _read_file(path, dcp.FileSystemReader(path).read_metadata)
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    except UNREADABLE as e:
+        raise damaged_error(path, f"it does not read back ({_first_sentence(e)})") from None
     stored = {k[len("model."):]: md for k, md in metadata.state_dict_metadata.items() if k.startswith("model.")}
     missing = sorted(set(model_sd) - set(stored))
     extra = sorted(set(stored) - set(model_sd))  # e.g. adapters on other layers (model.target_modules)

@@ -349,7 +349,7 @@ def test_checkpoint_records(ref):
         assert 0 <= m["waited_previous_s"] <= m["stall_s"]
         assert 0 < m["write_s"] <= m["written_s"]
         assert m["gb_per_s"] == pytest.approx(m["bytes"] / 1e9 / m["write_s"])
-    assert records[-1]["stall_s"] == records[-1]["commit_s"]
+    assert records[-1]["stall_s"] == records[-1]["commit_s"] and records[-1]["awaited"]
     # the queue is cut to what host memory holds, at the first save, in one line
     (cap,) = re.findall(rf"trainer.async_save_in_flight={MANY_IN_FLIGHT}, but host memory holds (\d+): .*",
                         (ref.parent / "ref.log").read_text())
@@ -618,14 +618,47 @@ def test_a_sigterm_to_one_rank_stops_every_rank_after_the_same_step(data, ref, t
     assert code == 8, out[-3000:]
 
 
-def test_a_write_over_half_the_grace_is_said_once():
-    """A stop needs a step or two and then the save: a write over half the default 30 s grace is worth
-    a warning (the Checkpointer logs it once, after the commit that measured it)."""
+@pytest.mark.parametrize("save_on_sigterm", [True, False])
+def test_a_write_over_half_the_grace_is_said_once(tmp_path, caplog, monkeypatch, save_on_sigterm):
+    """A stop needs a step or two and then the save: a write over half the default grace is worth a
+    warning, logged once (after the first commit that measured it), and only where a SIGTERM saves
+    (trainer.save_on_sigterm). A grace of 0 s makes every write of three real saves one such write."""
     from sfttrain import stop_signal
 
     assert stop_signal.grace_warning(stop_signal.GRACE_S / 2) is None
     warning = stop_signal.grace_warning(16.0)
     assert warning.startswith("a checkpoint took 16 s to write") and "TORCH_ELASTIC_SHUTDOWN_TIMEOUT" in warning
+    monkeypatch.setattr(stop_signal, "GRACE_S", 0.0)
+    with one_rank_checkpointer(tmp_path / "run", f"trainer.save_on_sigterm={save_on_sigterm}") as saver:
+        for step in (1, 2, 3):
+            saver.save(checkpoint.TrainState(step=step), final=True)
+    said = [r for r in caplog.records if re.match(r"a checkpoint took \d+ s to write", r.getMessage())]
+    assert len(said) == (1 if save_on_sigterm else 0), [r.getMessage() for r in said]
+    assert checkpoint_folder.is_complete(str(tmp_path / "run" / "global_step_3"))
+
+
+@contextlib.contextmanager
+def one_rank_checkpointer(run_dir: Path, *overrides: str):
+    """A real Checkpointer of a one-rank gloo group in this process, for stories260K on CPU."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sfttrain.distributed import World
+
+    run_dir.mkdir(exist_ok=True)
+    cfg = load_config(overrides=["data.train_files=x.parquet", f"model.partial_pretrain={STORIES}",
+                                 f"trainer.default_local_dir={run_dir}", *overrides])
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        world = World(0, 0, 1, torch.device("cpu"), init_device_mesh("cpu", (1,)))
+        model = AutoModelForCausalLM.from_pretrained(STORIES)
+        saver = checkpoint.Checkpointer(str(run_dir), world, cfg, "run", lambda record, line: None, model,
+                                        torch.optim.AdamW(model.parameters()), AutoTokenizer.from_pretrained(STORIES))
+        yield saver
+        saver.close()
+    finally:
+        dist.destroy_process_group()
 
 
 def test_a_lone_rank_stops_on_its_own_note(data, tmp_path):
@@ -1119,30 +1152,15 @@ def wait_for_path(path: Path, timeout: float = 60) -> bool:
 def test_a_save_into_a_run_folder_that_is_gone_is_one_message(tmp_path):
     """The save itself finds the run folder gone (deleted after the step's metrics record): a
     CheckpointError naming the folder (one rank's gloo group in this process, a real Checkpointer)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from sfttrain.distributed import World
     from sfttrain.errors import CheckpointError
 
     run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    cfg = load_config(overrides=["data.train_files=x.parquet", f"model.partial_pretrain={STORIES}",
-                                 f"trainer.default_local_dir={run_dir}"])
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        world = World(0, 0, 1, torch.device("cpu"), init_device_mesh("cpu", (1,)))
-        model = torch.nn.Linear(4, 4)
-        saver = checkpoint.Checkpointer(str(run_dir), world, cfg, "run", lambda record, line: None, model,
-                                        torch.optim.AdamW(model.parameters()), None)
+    with one_rank_checkpointer(run_dir) as saver:
         shutil.rmtree(run_dir)
         with pytest.raises(CheckpointError, match=re.escape(
                 f"the checkpoint of step 1 was not saved: the run folder {run_dir} "
                 "(trainer.default_local_dir) is gone")):
             saver.save(checkpoint.TrainState(step=1), final=True)
-        saver.close()
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_killed_writer_process_ends_the_job_with_one_message(data, tmp_path):
@@ -1183,10 +1201,12 @@ def test_a_stuck_write_ends_the_run_with_one_message(data, tmp_path):
     filesystem that stopped answering) hung the run for good, without a word: the ranks' agreement on the
     write answered every second, so no collective timed out. Past trainer.nccl_timeout (the tiny model's
     checkpoint takes far less at 20 MB/s) the run stops with one message naming the step, the limit and
-    the last good checkpoint (exit code 6), the writer killed."""
+    the last good checkpoint (exit code 6), the writer killed and waited for by its rank (ended before the
+    rank: a process left behind would hold its memory, pinned on a GPU machine)."""
     run_dir, log = tmp_path / "run", tmp_path / "job.log"
     proc = launch(1, job(data, run_dir, "trainer.save_freq=1", "trainer.async_save_writer=process",
                          "trainer.total_epochs=100", "trainer.nccl_timeout=8"), log)
+    writer = None
     try:
         assert wait_until(lambda: (run_dir / "global_step_2").exists(), proc), log.read_text()[-3000:]
         ranks = proc.ranks() if isinstance(proc, ForkedJob) else [proc.pid]
@@ -1194,8 +1214,11 @@ def test_a_stuck_write_ends_the_run_with_one_message(data, tmp_path):
                     if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
         os.kill(writer, signal.SIGSTOP)
         code = proc.wait(timeout=120)
+        ended = not alive(writer)  # at once: the rank waited for it
     finally:
         kill_job(proc)
+        if writer is not None and alive(writer):
+            os.kill(writer, signal.SIGKILL)
     out = log.read_text()
     message = one_message(subprocess.CompletedProcess(proc.args, code, stdout=out), 6)
     last = max(step for step, _ in checkpoint_folder.complete_checkpoints(str(run_dir)))
@@ -1203,7 +1226,7 @@ def test_a_stuck_write_ends_the_run_with_one_message(data, tmp_path):
                      r"\(the longest a write may take here: 8 s, the larger of trainer.nccl_timeout=8 and a rank's "
                      r"share of the checkpoint at 20 MB/s\): it is stuck", message), message
     assert f"the last good checkpoint is {run_dir / f'global_step_{last}'}. " in message, message
-    assert not alive(writer)
+    assert ended
 
 
 def writer_processes(proc) -> list[int]:
@@ -1294,9 +1317,10 @@ def test_a_killed_data_worker_ends_the_job_with_one_message(data, tmp_path, sig)
 def test_non_finite_loss_lets_the_save_in_flight_commit(data, tmp_path):
     """lr=1e30 without clipping: step 1's update is applied and saved in the background, step 2's
     loss is not finite (exit 4). The save of step 1 commits before the run stops, and the message
-    sends the user there. Its write is still in flight when step 2 ends: the first background save
-    of a run with writer processes starts them (a process each, importing torch: seconds), and
-    a step of this model takes a fraction of that."""
+    sends the user there. Its write is still in flight when step 2 ends (the first background save
+    of a run with writer processes starts them, a process each importing torch: seconds), which its
+    record shows: the loop waited for its write (awaited), where a save written before step 2's end
+    commits at that step's boundary."""
     run_dir = tmp_path / "run"
     proc = run_sfttrain(2, job(data, run_dir, "optim.lr=1e30", "optim.clip_grad=0", "trainer.save_freq=1",
                                "trainer.async_save_writer=process"),
@@ -1306,3 +1330,23 @@ def test_non_finite_loss_lets_the_save_in_flight_commit(data, tmp_path):
     assert f"then resume from {run_dir / 'global_step_1'}" in message, message
     assert checkpoint_folder.is_complete(str(run_dir / "global_step_1"))
     assert not [p.name for p in run_dir.iterdir() if p.name.startswith(".global_step")]
+    [record] = [m for m in read_metrics(run_dir) if m.get("event") == "checkpoint"]
+    assert record["step"] == 1 and record["async"] and record["awaited"], record
+
+
+def test_a_dcp_writer_thread_that_fails_fails_the_write(tmp_path, capfd):
+    """DCP's extra writer threads (trainer.save_thread_count > 1) died with a traceback, and DCP committed
+    without their items: write_shards raises the file's error instead, and no traceback is printed. One
+    file of the four is a folder (its open fails); which thread takes it varies, so each is tried."""
+    from sfttrain.checkpoint_writer import write_shards
+
+    state_dict = {f"w{i}": torch.full((1000,), float(i)) for i in range(8)}
+    for blocked in range(4):
+        tmp = tmp_path / str(blocked)
+        (tmp / f"__0_{blocked}.distcp").mkdir(parents=True)
+        with pytest.raises(IsADirectoryError, match=f"__0_{blocked}.distcp"):
+            write_shards(state_dict, str(tmp), 4, None, True)
+    assert "Traceback" not in capfd.readouterr().err
+    written = write_shards(state_dict, str(tmp_path / "whole"), 4, None, True)
+    assert written > 0 and sorted(p.name for p in (tmp_path / "whole").glob("*.distcp")) == \
+        [f"__0_{i}.distcp" for i in range(4)]

@@ -40,7 +40,7 @@ class TrainState:
     global_batch: int = 0
     seed: int = 0
     wandb_id: Optional[str] = None
-    data: Optional[dict] = None  # the data fingerprint (sfttrain.data.fingerprint)
+    data: Optional[dict] = None  # the data fingerprint (sfttrain.data.prepare)
     schedule: Optional[dict] = None  # the optimizer and LR schedule settings (sfttrain.optim.schedule_settings)
     run_id: Optional[str] = None  # the run these checkpoints belong to (sfttrain.resume)
     base: Optional[dict] = None  # LoRA: the base and the adapter settings they are trained with (lora.trained_identity)

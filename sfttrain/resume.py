@@ -9,7 +9,7 @@ import os
 from sfttrain.checkpoint_folder import Resume, choose_resume, read_state
 from sfttrain.config import Config, ConfigError, TrainerConfig
 from sfttrain.distributed import decided_by_rank0
-from sfttrain.data.fingerprint import RENDERING_KEY, ROWS_KEY, differences
+from sfttrain.data.prepare import RENDERING_KEY, ROWS_KEY, differences
 from sfttrain.data.render import RENDERING_CHANGE, RENDERING_VERSION
 from sfttrain.export import HF_EXPORT_DIR
 from sfttrain.lora import check_base

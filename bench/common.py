@@ -129,10 +129,10 @@ def require_samples(available: int, steps: int, per_step: int, data: str) -> Non
 
 
 def require_qlora_device(device: str) -> None:
-    """TRL's QLoRA (bench.trl_w1 --qlora, bench.lora_w2b's trl_qlora) quantizes through bitsandbytes'
-    CUDA kernels: refused on a CPU before anything is drawn or trained."""
+    """TRL's QLoRA baseline (bench.trl_w1 --qlora, bench.lora_w2b's trl_qlora) is bitsandbytes' CUDA
+    kernels, as its users run them: refused on a CPU before anything is drawn or trained."""
     if device != "cuda":
-        raise SystemExit("TRL's QLoRA needs a CUDA GPU: bitsandbytes' 4-bit NF4 kernels run on CUDA only "
+        raise SystemExit("TRL's QLoRA baseline needs a CUDA GPU: it measures bitsandbytes' CUDA kernels "
                          "(pass --device cuda, or leave trl_qlora out of --systems)")
 
 

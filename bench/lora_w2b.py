@@ -15,7 +15,7 @@ bitsandbytes (bench.trl_w1 --qlora: no double quantization, bf16 compute), CUDA 
 
     python3 -m bench.lora_w2b --out results.jsonl [--data train.jsonl] \\
         [--systems sfttrain sfttrain_nf4 sfttrain_fp8 trl trl_qlora] [--steps 16 --warmup 5] \\
-        [--trl_steps 8 --trl_warmup 3] [--device cpu --tiny]
+        [--trl_steps 8 --trl_warmup 3] [--run_timeout SECONDS] [--device cpu --tiny]
 
 The model folder in --work is named by its shape (a --tiny run and a full one never share one); a
 run that would train a second epoch of --data is refused.
@@ -39,7 +39,7 @@ BASES = {"sfttrain": [], "sfttrain_nf4": ["model.base_quant=nf4"], "sfttrain_fp8
 def run_sfttrain(args, model_dir: str, parquet: str, system: str) -> dict:
     """The run's record, named lora_w2b, lora_w2b_nf4 or lora_w2b_fp8."""
     return run_variant("lora_w2b" + system.removeprefix("sfttrain"), args, model_dir, parquet,
-                       [*SFTTRAIN, *BASES[system]])
+                       [*SFTTRAIN, *BASES[system]], timeout=args.run_timeout)
 
 
 def run_trl(args, model_dir: str, qlora: bool) -> None:
@@ -50,7 +50,7 @@ def run_trl(args, model_dir: str, qlora: bool) -> None:
            "--max_length", "4096", "--steps", str(args.trl_steps), "--warmup", str(args.trl_warmup),
            *(["--tiny"] if args.tiny else ["--micro_batch", "16", "--grad_accum", "8"])]
     print("+", " ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    subprocess.run(cmd, check=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=args.run_timeout)
 
 
 def main() -> None:
@@ -62,6 +62,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, help="sfttrain's untimed steps (default 5; --tiny: 1)")
     p.add_argument("--trl_steps", type=int, default=8)
     p.add_argument("--trl_warmup", type=int, default=3)
+    p.add_argument("--run_timeout", type=float, help="seconds each system may take (start-up included); one "
+                   "killed at it, or failing, is recorded as failed and the next one runs")
     p.add_argument("--tiny", action="store_true",
                    help="smoke run: tiny model, 4 sequences a step (use with --device cpu)")
     args = p.parse_args()
@@ -76,10 +78,15 @@ def main() -> None:
     tokenizer = load_tokenizer(args.tokenizer)
     model_dir = save_model(args.work, w2b_config(tokenizer, tiny=args.tiny), tokenizer, args.device)
     for system in args.systems:
-        if system in BASES:
-            emit(run_sfttrain(args, model_dir, parquet, system), args.out)
-        else:
-            run_trl(args, model_dir, qlora=system == "trl_qlora")
+        try:
+            if system in BASES:
+                emit(run_sfttrain(args, model_dir, parquet, system), args.out)
+            else:
+                run_trl(args, model_dir, qlora=system == "trl_qlora")
+        except subprocess.CalledProcessError as e:
+            emit({"system": system, "status": "failed", "rc": e.returncode}, args.out)
+        except subprocess.TimeoutExpired as e:
+            emit({"system": system, "status": "failed", "error": f"killed at {e.timeout:.0f} s"}, args.out)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ number of labelled tokens, as tensors read only after training.
 with the seed article's settings, the same as sfttrain's LoRA variant (`LORA` below); the base
 stays as built here (fp32 weights, bf16 autocast), as TRL does it by default. --qlora is --peft over
 the --model_dir base loaded in 4 bits through bitsandbytes (QLoRA: NF4, no double quantization, bf16
-compute), which TRL prepares for k-bit training itself; bitsandbytes needs a CUDA GPU.
+compute), which TRL prepares for k-bit training itself; on a CUDA GPU only (bitsandbytes' CUDA kernels).
 
 --model_dir trains a saved model folder (bench.lora_w2b's, bench.moe_w4's) instead of building W1's.
 --deadline bounds the run for a caller with a time budget (bench.moe_w4): past it, training stops at

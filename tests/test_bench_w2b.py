@@ -41,11 +41,23 @@ def test_lora_w2b_sfttrain_nf4_trains_the_same_data(tmp_path):
     assert nf4["real_tokens"] == bf16["real_tokens"] > 0
 
 
+def test_lora_w2b_records_a_refused_system_and_runs_the_next(tmp_path):
+    """sfttrain refuses model.base_quant=fp8 on a CPU (without it in the schema, as an unknown choice):
+    the call records that system as failed and still trains the next."""
+    out = tmp_path / "w2b.jsonl"
+    run_bench_here("bench.lora_w2b", "--tiny", "--device", "cpu", "--systems", "sfttrain_fp8", "sfttrain", "--data",
+                   SAMPLE, "--work", str(tmp_path), "--out", str(out))
+    fp8, bf16 = records(out)
+    assert fp8["system"] == "sfttrain_fp8" and fp8["status"] == "failed" and fp8["rc"] != 0
+    assert bf16["variant"] == "lora_w2b" and bf16["real_tokens"] > 0
+
+
 def test_lora_w2b_refuses_trl_qlora_on_cpu_before_drawing(tmp_path):
-    """bitsandbytes' 4-bit kernels are CUDA's: the QLoRA baseline on a CPU stops at its arguments,
+    """The QLoRA baseline measures bitsandbytes' CUDA kernels: on a CPU it stops at its arguments,
     before any model is drawn or any system trains."""
     out = tmp_path / "w2b.jsonl"
-    with pytest.raises(AssertionError, match="TRL's QLoRA needs a CUDA GPU: bitsandbytes' 4-bit NF4 kernels"):
+    refusal = "TRL's QLoRA baseline needs a CUDA GPU: it measures bitsandbytes' CUDA kernels"
+    with pytest.raises(AssertionError, match=refusal):
         run_bench_here("bench.lora_w2b", "--tiny", "--device", "cpu", "--systems", "sfttrain", "trl_qlora", "--data",
                        SAMPLE, "--work", str(tmp_path), "--out", str(out))
     assert not out.exists() and not list(tmp_path.iterdir())

@@ -8,6 +8,7 @@ trained on, counted from the batches the model received.
 """
 
 import argparse
+import dataclasses
 import gc
 import hashlib
 import json
@@ -127,6 +128,14 @@ def require_samples(available: int, steps: int, per_step: int, data: str) -> Non
                          f"{available}: pass GSM8K's full train file as --data (docs/workloads.md, \"The data\")")
 
 
+def require_qlora_device(device: str) -> None:
+    """TRL's QLoRA baseline (bench.trl_w1 --qlora, bench.lora_w2b's trl_qlora) is bitsandbytes' CUDA
+    kernels, as its users run them: refused on a CPU before anything is drawn or trained."""
+    if device != "cuda":
+        raise SystemExit("TRL's QLoRA baseline needs a CUDA GPU: it measures bitsandbytes' CUDA kernels "
+                         "(pass --device cuda, or leave trl_qlora out of --systems)")
+
+
 def synchronize(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -222,6 +231,15 @@ def memory_gib(device: str) -> dict:
     }
 
 
+def model_shape(model: torch.nn.Module) -> ModelShape:
+    """ModelShape.of, with bitsandbytes' 4-bit weights (TRL's QLoRA) counted at their shape: each
+    packs two weights a byte, so its numel is half theirs."""
+    shape = ModelShape.of(model)
+    packed = sum(p.quant_state.shape.numel() - p.numel() for p in model.parameters()
+                 if getattr(p, "quant_state", None) is not None)
+    return dataclasses.replace(shape, num_params=shape.num_params + packed, active_params=shape.active_params + packed)
+
+
 def result(system: str, args: argparse.Namespace, model: torch.nn.Module, clock: StepClock,
            ledger: TokenLedger, **variant) -> dict:
     """The benchmark record: throughput, step times, memory and MFU of the timed steps."""
@@ -229,7 +247,7 @@ def result(system: str, args: argparse.Namespace, model: torch.nn.Module, clock:
     lengths, supervised = ledger.totals()
     seconds = sum(times)
     tokens_per_s = sum(lengths) / seconds
-    fpt = ModelShape.of(model).flops_per_token(lengths)
+    fpt = model_shape(model).flops_per_token(lengths)
     return {
         "system": system,
         **variant,

@@ -14,12 +14,14 @@ real length of each sample (attention mask, or the padding-free sequence boundar
 number of labelled tokens, as tensors read only after training.
 
     python3 -m bench.trl_w1 --data DATA.jsonl --tokenizer DIR --out RESULTS.jsonl \\
-        [--gradient_checkpointing {on,off}] [--liger {on,off}] [--padding_free] [--peft] [--device cpu --tiny] \\
-        [--model_dir DIR] [--deadline SECONDS]
+        [--gradient_checkpointing {on,off}] [--liger {on,off}] [--padding_free] [--peft | --qlora] \\
+        [--device cpu --tiny] [--model_dir DIR] [--deadline SECONDS]
 
 --peft trains LoRA adapters through TRL's own peft integration (``SFTTrainer(peft_config=...)``)
 with the seed article's settings, the same as sfttrain's LoRA variant (`LORA` below); the base
-stays as built here (fp32 weights, bf16 autocast), as TRL does it by default.
+stays as built here (fp32 weights, bf16 autocast), as TRL does it by default. --qlora is --peft over
+the --model_dir base loaded in 4 bits through bitsandbytes (QLoRA: NF4, no double quantization, bf16
+compute), which TRL prepares for k-bit training itself; on a CUDA GPU only (bitsandbytes' CUDA kernels).
 
 --model_dir trains a saved model folder (bench.lora_w2b's, bench.moe_w4's) instead of building W1's.
 --deadline bounds the run for a caller with a time budget (bench.moe_w4): past it, training stops at
@@ -29,6 +31,7 @@ of results: for a model that does not fit, that is the result.
 """
 
 import argparse
+import importlib.metadata
 import tempfile
 import time
 
@@ -37,8 +40,8 @@ from datasets import Dataset
 from transformers import TrainerCallback
 from trl import SFTConfig, SFTTrainer
 
-from bench.common import (StepClock, TokenLedger, add_common_args, apply_tiny, emit, memory_gib, require_samples,
-                          result)
+from bench.common import (StepClock, TokenLedger, add_common_args, apply_tiny, emit, memory_gib, require_qlora_device,
+                          require_samples, result)
 from bench.w1_data import build_model, load_rows, load_tokenizer, model_config
 
 
@@ -108,14 +111,18 @@ class Timing(TrainerCallback):
             control.should_training_stop = True
 
 
-def load_model(model_dir: str, device: str, peft: bool):
-    """A saved model as a user loads it, SDPA, no KV cache: LoRA's frozen base straight in bf16;
-    for full fine-tuning fp32 weights (trained under bf16 autocast), which is also what TRL itself
-    loads a model path in (its default dtype) and what sfttrain keeps as master weights."""
-    from transformers import AutoModelForCausalLM
+def load_model(model_dir: str, device: str, peft: bool, qlora: bool = False):
+    """A saved model as a user loads it, SDPA, no KV cache: LoRA's frozen base straight in bf16 (QLoRA:
+    in NF4, quantized as it loads); for full fine-tuning fp32 weights (trained under bf16 autocast),
+    which is also what TRL itself loads a model path in (its default dtype) and what sfttrain keeps as
+    master weights."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    dtype = torch.bfloat16 if peft else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa", device_map=device)
+    dtype = torch.bfloat16 if peft or qlora else torch.float32
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=False,
+                               bnb_4bit_compute_dtype=torch.bfloat16) if qlora else None
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa", device_map=device,
+                                                 quantization_config=quant)
     model.config.use_cache = False
     return model
 
@@ -153,22 +160,32 @@ def main() -> None:
     parser.add_argument("--liger", choices=["on", "off"], default="off", help="use_liger_kernel=True (needs CUDA)")
     parser.add_argument("--padding_free", action="store_true", help="TRL's padding_free=True (no packing)")
     parser.add_argument("--peft", action="store_true", help="LoRA (r 64, alpha 32, all-linear) through peft")
+    parser.add_argument("--qlora", action="store_true", help="--peft over the --model_dir base in 4-bit NF4 "
+                        "(bitsandbytes, CUDA only)")
     parser.add_argument("--model_dir", help="train this saved model (e.g. bench.lora_w2b's; loaded in bf16 with "
                         "--peft, else in fp32) instead of building W1's")
     parser.add_argument("--deadline", type=float, help="seconds after start-up past which training stops at the next "
                         "step end once a step has been timed (the record times the steps up to there)")
     args = parser.parse_args()
+    if args.qlora:
+        if not args.model_dir:
+            parser.error("--qlora quantizes a saved base as it loads: pass --model_dir")
+        require_qlora_device(args.device)
+        args.peft = True
     deadline = None if args.deadline is None else time.monotonic() + args.deadline
     apply_tiny(args)
 
     rows = load_rows(args.data, args.rows)
     require_samples(len(rows), args.steps, args.micro_batch * args.grad_accum, args.data)
     tokenizer = load_tokenizer(args.tokenizer)
+    precision = "fp32 weights + bf16 autocast"
+    if args.model_dir and args.peft:
+        precision = "nf4 base (bitsandbytes), bf16 compute" if args.qlora else "bf16 weights"
     variant = dict(trl_liger=args.liger, trl_padding_free=args.padding_free, peft=LORA if args.peft else None,
-                   model_dir=args.model_dir,
-                   precision="bf16 weights" if args.model_dir and args.peft else "fp32 weights + bf16 autocast")
+                   model_dir=args.model_dir, precision=precision,
+                   **({"bitsandbytes": importlib.metadata.version("bitsandbytes")} if args.qlora else {}))
     if args.model_dir:
-        model = load_model(args.model_dir, args.device, args.peft)
+        model = load_model(args.model_dir, args.device, args.peft, args.qlora)
     else:
         model = build_model(model_config(args.tiny), args.device)
     clock, ledger = StepClock(args.device, args.warmup, args.steps), TokenLedger(args.warmup, args.steps)

@@ -1,8 +1,10 @@
 """bench/'s W2b scripts (tests/bench_run.py says what the bench tests check): LoRA with sfttrain and
-TRL on one model folder, the FP8 comparison, and the model folder's name."""
+TRL on one model folder, the FP8 comparison, the QLoRA baseline's CPU refusal and FLOP count, and the
+model folder's name."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -21,6 +23,66 @@ def test_lora_w2b_and_trl_w1(tmp_path):
     assert sfttrain["variant"] == "lora_w2b" and sfttrain["real_tokens"] > 0
     assert trl["system"] == "trl" and trl["peft"]["r"] == 64 and trl["real_tokens"] > 0
     assert trl["model_dir"] == str(next(tmp_path.glob("model_*")))  # the one folder both trained
+
+
+def test_lora_w2b_sfttrain_nf4_trains_the_same_data(tmp_path):
+    """sfttrain_nf4 is sfttrain's run over the saved base quantized to NF4 as it loads (nf4 runs on a
+    CPU): its record is named for it and trained the very tokens the bf16 base's run did."""
+    from sfttrain.config.schema import ModelConfig
+
+    if "base_quant" not in {f.name for f in dataclasses.fields(ModelConfig)}:
+        pytest.skip("model.base_quant comes with issue 60's NF4 base")
+    out = tmp_path / "w2b.jsonl"
+    run_bench_here("bench.lora_w2b", "--tiny", "--device", "cpu", "--systems", "sfttrain", "sfttrain_nf4", "--data",
+                   SAMPLE, "--work", str(tmp_path), "--out", str(out))
+    bf16, nf4 = records(out)
+    assert (bf16["variant"], nf4["variant"]) == ("lora_w2b", "lora_w2b_nf4")
+    assert "model.base_quant=nf4" in nf4["overrides"] and "model.base_quant=nf4" not in bf16["overrides"]
+    assert nf4["real_tokens"] == bf16["real_tokens"] > 0
+
+
+def test_lora_w2b_records_a_refused_system_and_runs_the_next(tmp_path):
+    """sfttrain refuses model.base_quant=fp8 on a CPU (without it in the schema, as an unknown choice):
+    the call records that system as failed and still trains the next."""
+    out = tmp_path / "w2b.jsonl"
+    run_bench_here("bench.lora_w2b", "--tiny", "--device", "cpu", "--systems", "sfttrain_fp8", "sfttrain", "--data",
+                   SAMPLE, "--work", str(tmp_path), "--out", str(out))
+    fp8, bf16 = records(out)
+    assert fp8["system"] == "sfttrain_fp8" and fp8["status"] == "failed" and fp8["rc"] != 0
+    assert bf16["variant"] == "lora_w2b" and bf16["real_tokens"] > 0
+
+
+def test_lora_w2b_refuses_trl_qlora_on_cpu_before_drawing(tmp_path):
+    """The QLoRA baseline measures bitsandbytes' CUDA kernels: on a CPU it stops at its arguments,
+    before any model is drawn or any system trains."""
+    out = tmp_path / "w2b.jsonl"
+    refusal = "TRL's QLoRA baseline needs a CUDA GPU: it measures bitsandbytes' CUDA kernels"
+    with pytest.raises(AssertionError, match=refusal):
+        run_bench_here("bench.lora_w2b", "--tiny", "--device", "cpu", "--systems", "sfttrain", "trl_qlora", "--data",
+                       SAMPLE, "--work", str(tmp_path), "--out", str(out))
+    assert not out.exists() and not list(tmp_path.iterdir())
+
+
+def test_qlora_flops_count_4bit_weights_at_their_shape():
+    """bitsandbytes packs two 4-bit weights a byte: the record's FLOPs per token count the quantized
+    model as the bf16 one it was made from (its ModelShape), not as half its frozen weights."""
+    bnb = pytest.importorskip("bitsandbytes", reason="bitsandbytes: bench/wheels.sh fetches it for the GPU")
+    from transformers import LlamaForCausalLM
+
+    from bench.common import model_shape, w2b_config
+    from bench.w1_data import load_tokenizer
+    from sfttrain.flops import ModelShape
+
+    tokenizer = load_tokenizer(str(REPO / "assets" / "tokenizers" / "qwen2.5-instruct"))
+    model = LlamaForCausalLM(w2b_config(tokenizer, tiny=True))
+    linears = [linear for layer in model.model.layers for linear in (layer.self_attn.q_proj, layer.mlp.down_proj)]
+    for linear in linears:  # frozen, as under LoRA
+        linear.weight.requires_grad_(False)
+    reference = ModelShape.of(model)
+    for linear in linears:
+        linear.weight = bnb.nn.Params4bit(linear.weight.data, requires_grad=False, quant_type="nf4").to("cpu")
+    assert ModelShape.of(model).num_params < reference.num_params  # packed: what model_shape corrects
+    assert model_shape(model) == reference
 
 
 def test_fp8_w2b_runs_bf16_and_reports_the_fp8_refusal_on_cpu(tmp_path):

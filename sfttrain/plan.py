@@ -22,14 +22,14 @@ from transformers import AutoConfig
 from sfttrain.checkpoint import TrainState, check_same_model, estimated_bytes, trained_state_dict
 from sfttrain.checkpoint_folder import (choose_resume, describe_retention, nearest_existing, room_problem, size_text,
                                         step_of)
-from sfttrain.checks import Findings, Startup, batch_split, on_devices, read_rows, run_checks
-from sfttrain.config import (Config, ConfigError, as_list, config_problems, load_config, logger_names,
+from sfttrain.checks import Findings, Startup, batch_split, config_first, on_devices, read_rows, run_checks
+from sfttrain.config import (Config, ConfigError, as_list, load_config, logger_names,
                              mixed_precision_dtypes, moot_settings, shard_group_size)
 from sfttrain.data.batching import make_plan
 from sfttrain.data.files import missing_entries, open_source
 from sfttrain.data.loader import cpus_of_this_process, describe_workers
 from sfttrain.data.parquet import row_fields
-from sfttrain.data.prepare import Rows, plan_and_report
+from sfttrain.data.prepare import plan_and_report
 from sfttrain.data.report import describe
 from sfttrain.distributed import check_cuda_visible, one_rank_group, wants_cuda
 from sfttrain.errors import UserError
@@ -149,7 +149,7 @@ def memory_per_rank(cfg: Config, shape: DenseShape, model: torch.nn.Module, dp_s
     return {k: v / GIB for k, v in out.items()}
 
 
-def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sfttrain.plan", description=__doc__.split("\n\n")[0],
                                      usage="%(prog)s [recipe.yaml] [key=value ...] --nproc N [--nnodes M] "
                                            "[--elsewhere]")
@@ -158,7 +158,19 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--nnodes", type=int, default=1, help="nodes, as torchrun's --nnodes")
     parser.add_argument("--elsewhere", action="store_true",
                         help="the run starts on other machines: data and run folders missing here are notes")
-    return parser.parse_known_args(argv)
+    args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    try:
+        cfg = load_config(*parse_config_args(rest), check=False)
+    except UserError as e:  # an unknown key, a value of the wrong type, a YAML error: nothing to plan with
+        print(f"sfttrain plan: {e.kind}: {e}")
+        return 2
+    lines, found = preflight(cfg, args.nproc, args.nnodes, args.elsewhere)
+    print("\n".join(lines))
+    if found.notes:
+        print("\n".join(["not checked here:"] + [f"  - {n}" for n in found.notes]))
+    listed = [f"  - {p}".replace("\n", "\n    ") for p in found.problems]  # a problem's own lines under its dash
+    print("\n".join(["problems:", *listed]) if listed else "no problems found")
+    return 2 if listed else 0
 
 
 @dataclass
@@ -168,26 +180,21 @@ class Batches:
     fingerprint: Optional[dict] = None  # the data fingerprint; None: the rows were not rendered here
 
 
-def training_rows(s: Startup) -> tuple[Optional[Rows], Optional[int]]:
-    """(rows rendered as the run renders them, rows trained); only counted without a tokenizer;
-    (None, None) where the data is not here."""
-    files = as_list(s.cfg.data.train_files)
-    if not files or missing_entries(files):
-        return None, None
-    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-    if s.folder is not None and any(os.path.isfile(os.path.join(s.folder, f)) for f in tokenizer_files):
-        rows = read_rows(s, (0, 1), (0, 1))
-        return rows, None if rows is None else int(rows.stats.keep.sum())
-    if s.folder is not None:
-        s.found.notes.append(f"{s.folder} has no tokenizer: the rows are counted, not rendered")
-    source = s.found.check(lambda: open_source(files, row_fields(s.cfg.data), s.cfg.trainer.default_local_dir))
-    return None, None if source is None else source.num_rows
-
-
 def batch_section(s: Startup) -> Batches:
-    """The batch arithmetic over the data-parallel ranks, and the data report."""
+    """The batch arithmetic over the data-parallel ranks, and the data report of the rows rendered as the run
+    renders them (only counted where the model folder has no tokenizer)."""
     cfg, d, dp_size, found = s.cfg, s.cfg.data, s.dp_size, s.found
-    rows, count = training_rows(s)
+    files, rows, count = as_list(d.train_files), None, None
+    tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    here = files and not missing_entries(files)
+    if here and s.folder is not None and any(os.path.isfile(os.path.join(s.folder, f)) for f in tokenizer_files):
+        rows = read_rows(s, (0, 1), (0, 1))
+        count = None if rows is None else int(rows.stats.keep.sum())
+    elif here:
+        if s.folder is not None:
+            found.notes.append(f"{s.folder} has no tokenizer: the rows are counted, not rendered")
+        source = found.check(lambda: open_source(files, row_fields(d), cfg.trainer.default_local_dir))
+        count = None if source is None else source.num_rows
     if dp_size is None:
         return Batches(["  data-parallel ranks : none: the ranks do not split into sequence-parallel groups (see "
                         "the problems below)"])
@@ -305,56 +312,30 @@ def model_section(s: Startup):
 
 
 def preflight(cfg: Config, nproc: int, nnodes: int, elsewhere: bool = False) -> tuple[list[str], Findings]:
-    """(report lines, what was found): the run's own checks, none stopping the rest."""
+    """(report lines, what was found): the run's own checks, none stopping the rest, and what it would do."""
     s = Startup(cfg, nproc * nnodes, run_devices(cfg), planning=True, elsewhere=elsewhere)
-    lines = [f"sfttrain plan: {nnodes} node(s) x {nproc} rank(s)"]
-    try:
-        with one_rank_group():  # the row scan's collectives
-            run_checks(s)
-            plan_sections(s, nproc, lines)
-    except Exception as e:  # noqa: BLE001 -- a value the config refuses (a micro-batch of 0) that a later
-        if not config_problems(cfg):  # section cannot take, the run stops before; else a bug, raised
-            raise
-        s.found.notes.append(f"the rest of the plan needs the config's problems fixed first ({type(e).__name__}: "
-                             f"{e}): fix them and run the preflight again")
-    return lines, s.found
-
-
-def plan_sections(s: Startup, nproc: int, lines: list[str]) -> None:
-    """The report beyond the registry's checks, appended to `lines` and `s.found`."""
-    cfg, found = s.cfg, s.found
-    try:
-        check_cuda_visible(cfg)
-    except ConfigError as e:
-        found.notes.append(f"{e} (on this machine: a problem only if the nodes the run starts on have none either)")
-    if "wandb" in logger_names(cfg.trainer) and os.environ.get("WANDB_MODE") not in ("offline", "disabled"):
-        found.notes.append("trainer.logger includes wandb: its login (`wandb login`, or WANDB_API_KEY) is checked when "
-                           "the run starts, where a missing one stops it at once (WANDB_MODE=offline needs none)")
-    model = model_section(s)
-    batches = batch_section(s)
-    lines += batches.lines
-    lines += describe_workers(cfg.data.num_workers, nproc, cpus_of_this_process(), where="this machine")
-    lines += resume_section(cfg, batches, s.folder, model, found)
-    lines += memory_section(cfg, s.dp_size, s.folder, model, found)
-    lines += checkpoint_section(cfg, model, found)
-    lines += describe_retention(cfg.trainer.max_ckpt_to_keep)
-    lines += moot_settings(cfg)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args, rest = parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        cfg = load_config(*parse_config_args(rest), check=False)
-    except UserError as e:  # an unknown key, a value of the wrong type, a YAML error: nothing to plan with
-        print(f"sfttrain plan: {e.kind}: {e}")
-        return 2
-    lines, found = preflight(cfg, args.nproc, args.nnodes, args.elsewhere)
-    print("\n".join(lines))
-    if found.notes:
-        print("\n".join(["not checked here:"] + [f"  - {n}" for n in found.notes]))
-    listed = [f"  - {p}".replace("\n", "\n    ") for p in found.problems]  # a problem's own lines under its dash
-    print("\n".join(["problems:", *listed]) if listed else "no problems found")
-    return 2 if listed else 0
+    lines, found = [f"sfttrain plan: {nnodes} node(s) x {nproc} rank(s)"], s.found
+    with one_rank_group(), config_first(s):  # the row scan's collectives
+        run_checks(s)
+        try:
+            check_cuda_visible(cfg)
+        except ConfigError as e:
+            found.notes.append(f"{e} (on this machine: a problem only if the nodes the run starts on have none "
+                               "either)")
+        if "wandb" in logger_names(cfg.trainer) and os.environ.get("WANDB_MODE") not in ("offline", "disabled"):
+            found.notes.append("trainer.logger includes wandb: its login (`wandb login`, or WANDB_API_KEY) is checked "
+                               "when the run starts, where a missing one stops it at once (WANDB_MODE=offline needs "
+                               "none)")
+        model = model_section(s)
+        batches = batch_section(s)
+        lines += batches.lines
+        lines += describe_workers(cfg.data.num_workers, nproc, cpus_of_this_process(), where="this machine")
+        lines += resume_section(cfg, batches, s.folder, model, found)
+        lines += memory_section(cfg, s.dp_size, s.folder, model, found)
+        lines += checkpoint_section(cfg, model, found)
+        lines += describe_retention(cfg.trainer.max_ckpt_to_keep)
+        lines += moot_settings(cfg)
+    return lines, found
 
 
 if __name__ == "__main__":

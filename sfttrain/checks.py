@@ -217,21 +217,20 @@ def run_checks(s: Startup) -> Findings:
         args = [getattr(s, name) for name in check.needs if name != "device"]
         if any(a is None for a in args):
             continue
-        result = on_devices(s, devices, lambda device: check.run(*args, *([device] if device else [])),
-                            gives=bool(check.gives))
+        result = on_devices(s, devices, lambda device: check.run(*args, *([device] if device else [])))
         if check.gives:
             setattr(s, check.gives, result)
     return s.found
 
 
-def on_devices(s: Startup, devices: tuple, run: Callable[[Optional[str]], Any], gives: bool = False) -> Any:
+def on_devices(s: Startup, devices: tuple, run: Callable[[Optional[str]], Any]) -> Any:
     """run(device) for each device, its problems recorded: a note where another device takes the
     run, a problem where none does. The last result."""
     result, refusals = None, []
     for device in devices:
         found = Findings()
         result = found.check(lambda: run(device))
-        for problem in result if isinstance(result, list) and not gives else []:
+        for problem in result if isinstance(result, list) else []:
             found.add(problem)
         s.found.notes += found.notes
         refusals.append([(device, p) for p in found.problems])

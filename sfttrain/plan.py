@@ -2,8 +2,8 @@
 
     python -m sfttrain.plan [recipe.yaml] [key=value ...] --nproc N [--nnodes M] [--elsewhere]
 
-Prints the batch arithmetic, the data report, memory per rank from config.json alone, and every problem
-the run's own start-up checks would stop on. Exits 0 when nothing is wrong, else 2.
+Prints the batch arithmetic, the data report, memory per rank from the model's config alone, and every
+problem the run's own start-up checks would stop on. Exits 0 when nothing is wrong, else 2.
 """
 
 from __future__ import annotations
@@ -147,30 +147,6 @@ def memory_per_rank(cfg: Config, shape: DenseShape, model: torch.nn.Module, dp_s
         out["loss: the head's gradient (fp32, and its copy saved for backward)"] = \
             shape.vocab * shape.hidden * (4 + (weight_bytes if weight_bytes != 4 else 0))
     return {k: v / GIB for k, v in out.items()}
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sfttrain.plan", description=__doc__.split("\n\n")[0],
-                                     usage="%(prog)s [recipe.yaml] [key=value ...] --nproc N [--nnodes M] "
-                                           "[--elsewhere]")
-    parser.add_argument("--nproc", type=int, required=True,
-                        help="GPUs (ranks) per node, as torchrun's --nproc_per_node")
-    parser.add_argument("--nnodes", type=int, default=1, help="nodes, as torchrun's --nnodes")
-    parser.add_argument("--elsewhere", action="store_true",
-                        help="the run starts on other machines: data and run folders missing here are notes")
-    args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-    try:
-        cfg = load_config(*parse_config_args(rest), check=False)
-    except UserError as e:  # an unknown key, a value of the wrong type, a YAML error: nothing to plan with
-        print(f"sfttrain plan: {e.kind}: {e}")
-        return 2
-    lines, found = preflight(cfg, args.nproc, args.nnodes, args.elsewhere)
-    print("\n".join(lines))
-    if found.notes:
-        print("\n".join(["not checked here:"] + [f"  - {n}" for n in found.notes]))
-    listed = [f"  - {p}".replace("\n", "\n    ") for p in found.problems]  # a problem's own lines under its dash
-    print("\n".join(["problems:", *listed]) if listed else "no problems found")
-    return 2 if listed else 0
 
 
 @dataclass
@@ -336,6 +312,30 @@ def preflight(cfg: Config, nproc: int, nnodes: int, elsewhere: bool = False) -> 
         lines += describe_retention(cfg.trainer.max_ckpt_to_keep)
         lines += moot_settings(cfg)
     return lines, found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sfttrain.plan", description=__doc__.split("\n\n")[0],
+                                     usage="%(prog)s [recipe.yaml] [key=value ...] --nproc N [--nnodes M] "
+                                           "[--elsewhere]")
+    parser.add_argument("--nproc", type=int, required=True,
+                        help="GPUs (ranks) per node, as torchrun's --nproc_per_node")
+    parser.add_argument("--nnodes", type=int, default=1, help="nodes, as torchrun's --nnodes")
+    parser.add_argument("--elsewhere", action="store_true",
+                        help="the run starts on other machines: data and run folders missing here are notes")
+    args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    try:
+        cfg = load_config(*parse_config_args(rest), check=False)
+    except UserError as e:  # an unknown key, a value of the wrong type, a YAML error: nothing to plan with
+        print(f"sfttrain plan: {e.kind}: {e}")
+        return 2
+    lines, found = preflight(cfg, args.nproc, args.nnodes, args.elsewhere)
+    print("\n".join(lines))
+    if found.notes:
+        print("\n".join(["not checked here:"] + [f"  - {n}" for n in found.notes]))
+    listed = [f"  - {p}".replace("\n", "\n    ") for p in found.problems]  # a problem's own lines under its dash
+    print("\n".join(["problems:", *listed]) if listed else "no problems found")
+    return 2 if listed else 0
 
 
 if __name__ == "__main__":

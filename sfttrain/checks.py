@@ -51,7 +51,6 @@ class Findings:
     notes: list[str] = dataclasses.field(default_factory=list)
 
     def check(self, run: Callable[[], Any]) -> Any:
-        """run()'s result, or None with its UserError recorded."""
         try:
             return run()
         except UserError as e:
@@ -211,7 +210,6 @@ REGISTRY = (
 
 
 def run_checks(s: Startup) -> Findings:
-    """Every check of the registry, each problem recorded in s.found."""
     for check in REGISTRY:
         devices = s.devices if "device" in check.needs else (None,)
         args = [getattr(s, name) for name in check.needs if name != "device"]

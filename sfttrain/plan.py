@@ -85,7 +85,6 @@ class DenseShape:
 
 
 def compute_bytes(cfg: Config) -> int:
-    """Bytes per value of what the forward computes in: bf16 with mixed precision, else model_dtype."""
     mixed = mixed_precision_dtypes(cfg.model.fsdp_config)
     return DTYPE_BYTES[mixed[0] if mixed else cfg.model.fsdp_config.model_dtype]
 

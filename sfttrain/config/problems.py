@@ -29,7 +29,6 @@ def _schema_problems(cfg: Config) -> Iterator[str]:
 
 
 def validate(cfg: Config) -> None:
-    """Refuses the configuration with every problem `config_problems` finds, one a line."""
     problems = config_problems(cfg)
     if problems:
         raise ConfigError("\n".join(problems))
@@ -102,7 +101,6 @@ def _validate_data(d: DataConfig) -> Iterator[str]:
 
 
 def _columns(value: Any) -> bool:
-    """A column name, or a non-empty list of them."""
     return (isinstance(value, str) and value != "" or isinstance(value, (list, tuple, ListConfig)) and len(value) > 0
             and all(isinstance(k, str) and k for k in value))
 

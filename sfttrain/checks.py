@@ -144,10 +144,10 @@ def open_files(cfg: Config, dp_size: int, planning: bool) -> list[str]:
     """The data workers' handover needs file descriptors: the run raises its soft limit to the hard one,
     the preflight only checks that one."""
     need, (soft, hard) = open_files_needed(cfg.data, dp_size), resource.getrlimit(resource.RLIMIT_NOFILE)
-    with contextlib.suppress(ValueError, OSError):  # an unlimited hard limit: the kernel's nr_open caps it
-        if not planning:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1 << 20) if hard == resource.RLIM_INFINITY
-                                                        else hard, hard))
+    raised = max(soft, 1 << 20) if hard == resource.RLIM_INFINITY else hard  # unlimited: the kernel's nr_open caps it
+    if not planning:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
     if hard != resource.RLIM_INFINITY and hard < need:
         return [f"the open files limit of this job is {hard} (`ulimit -Hn`, the most `ulimit -n` may be raised to), "
                 f"and a rank and each of its data workers need up to about {need} here. {OPEN_FILES_FIX}"]

@@ -263,13 +263,6 @@ def checkpoint_section(cfg: Config, model, found: Findings) -> list[str]:
             f"{size_text(free)} free in {there}"]
 
 
-def run_devices(cfg: Config) -> tuple[str, ...]:
-    """The device types the run may take: both on a machine without a GPU under device=auto."""
-    if cfg.trainer.device != "auto" or torch.cuda.is_available():
-        return ("cuda" if wants_cuda(cfg) else "cpu",)
-    return ("cuda", "cpu")
-
-
 def model_section(s: Startup):
     """The model built as the run builds it, on the meta device; None where it cannot be built here."""
     m = s.cfg.model
@@ -288,7 +281,10 @@ def model_section(s: Startup):
 
 def preflight(cfg: Config, nproc: int, nnodes: int, elsewhere: bool = False) -> tuple[list[str], Findings]:
     """(report lines, what was found): the run's own checks, none stopping the rest, and what it would do."""
-    s = Startup(cfg, nproc * nnodes, run_devices(cfg), planning=True, elsewhere=elsewhere)
+    # the device types the run may take: both on a machine without a GPU under device=auto
+    devices = (("cuda" if wants_cuda(cfg) else "cpu",) if cfg.trainer.device != "auto" or torch.cuda.is_available()
+               else ("cuda", "cpu"))
+    s = Startup(cfg, nproc * nnodes, devices, planning=True, elsewhere=elsewhere)
     lines, found = [f"sfttrain plan: {nnodes} node(s) x {nproc} rank(s)"], s.found
     with one_rank_group(), config_first(s):  # the row scan's collectives
         run_checks(s)

@@ -200,12 +200,11 @@ def check_writable(run_dir: str) -> None:
 
 def _run_folder_paths(run_dir: str) -> list[str]:
     """The run folder, its files and every folder in it but the checkpoints' (one may be read-only to keep it)."""
-    top = [os.path.join(run_dir, name) for name in sorted(os.listdir(run_dir))]
-    folders = []
-    for parent, names, _ in os.walk(run_dir):
+    paths = set()
+    for parent, names, files in os.walk(run_dir):
         names[:] = [name for name in names if not (parent == run_dir and STEP_DIR.match(name))]
-        folders += [os.path.join(parent, name) for name in names]
-    return [run_dir, *sorted(set(folders) | {p for p in top if not os.path.isdir(p)})]
+        paths |= {os.path.join(parent, name) for name in names + (files if parent == run_dir else [])}
+    return [run_dir, *sorted(paths)]
 
 
 def unreadable(paths: list[str]) -> Optional[str]:

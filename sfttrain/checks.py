@@ -1,13 +1,16 @@
 """The start-up checks: one registry that the run and the preflight run before any compute.
 
-A check is a function of what it needs; it raises a typed error or returns its problems (a `Note`:
-not checkable here). A check whose needs are None is skipped. The run stops after the whole list.
+A check is a function of what it needs; it raises a typed error or returns a list of its problems (a
+`Note`: not checkable here); any other result is not a problem. A check whose needs are None is
+skipped. The run stops after the whole list.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import resource
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Callable, Optional
@@ -25,7 +28,7 @@ from sfttrain.data.parquet import hub_id_hint, row_fields
 from sfttrain.data.prepare import Rows, plan_and_report, scan_rows
 from sfttrain.distributed import World, check_world, data_parallel_size
 from sfttrain.errors import DataError, UserError
-from sfttrain.faults import check_open_files, check_writable, open_files_problem
+from sfttrain.faults import OPEN_FILES_FIX, check_writable
 from sfttrain.hub import cached_folder, is_repo_id
 from sfttrain.loss import chunk_loss_kernel
 from sfttrain.metrics import require_loggers
@@ -48,7 +51,6 @@ class Findings:
     notes: list[str] = dataclasses.field(default_factory=list)
 
     def check(self, run: Callable[[], Any]) -> Any:
-        """run()'s result, or None with its UserError recorded."""
         try:
             return run()
         except UserError as e:
@@ -63,10 +65,9 @@ class Findings:
 
     def stop_if_any(self) -> None:
         """Raises every problem, one a line, as an error of the first one's kind (its exit code)."""
-        if len(self.problems) == 1:
-            raise self.problems[0]
         if self.problems:
-            raise type(self.problems[0])("\n".join(map(str, self.problems)))
+            raise self.problems[0] if len(self.problems) == 1 else type(self.problems[0])("\n".join(
+                map(str, self.problems)))
 
 
 @dataclass
@@ -82,11 +83,8 @@ class Startup:
     folder: Optional[str] = None  # the model folder on this machine, once found
 
     @cached_property
-    def dp_size(self) -> Optional[int]:
-        try:
-            return data_parallel_size(self.world_size, self.cfg.ulysses_sequence_parallel_size)
-        except ConfigError:  # the world check lists it
-            return None
+    def dp_size(self) -> Optional[int]:  # None: the world check lists why
+        return Findings().check(lambda: data_parallel_size(self.world_size, self.cfg.ulysses_sequence_parallel_size))
 
 
 @dataclass(frozen=True)
@@ -142,10 +140,18 @@ def run_folder(cfg: Config, elsewhere: bool) -> None:
         raise Note(str(e)) if elsewhere and not os.path.exists(cfg.trainer.default_local_dir) else e
 
 
-def open_files(cfg: Config, dp_size: int, planning: bool) -> Optional[str]:
-    """The data workers' handover needs file descriptors; the run raises its soft limit, the preflight only checks."""
-    need = open_files_needed(cfg.data, dp_size)
-    return open_files_problem(need) if planning else check_open_files(need)
+def open_files(cfg: Config, dp_size: int, planning: bool) -> list[str]:
+    """The data workers' handover needs file descriptors: the run raises its soft limit to the hard one,
+    the preflight only checks that one."""
+    need, (soft, hard) = open_files_needed(cfg.data, dp_size), resource.getrlimit(resource.RLIMIT_NOFILE)
+    raised = max(soft, 1 << 20) if hard == resource.RLIM_INFINITY else hard  # unlimited: the kernel's nr_open caps it
+    if not planning:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+    if hard != resource.RLIM_INFINITY and hard < need:
+        return [f"the open files limit of this job is {hard} (`ulimit -Hn`, the most `ulimit -n` may be raised to), "
+                f"and a rank and each of its data workers need up to about {need} here. {OPEN_FILES_FIX}"]
+    return []
 
 
 def weights_present(cfg: Config, folder: str, planning: bool) -> None:
@@ -166,22 +172,6 @@ def fp8_ready(cfg: Config, device: str) -> list:
     return []
 
 
-def liger_ready(cfg: Config, device: str) -> None:
-    """A CPU run ignores model.use_liger (it says so at start-up)."""
-    if cfg.model.use_liger and device == "cuda":
-        liger_patching()
-
-
-def attention_ready(cfg: Config, folder: str, device: str) -> None:
-    """The backend's name is dropped: a check's str result is a problem."""
-    attention_backend(cfg.model, AutoConfig.from_pretrained(folder, trust_remote_code=cfg.model.trust_remote_code),
-                      device)
-
-
-def loss_kernel_ready(cfg: Config, device: str) -> None:
-    chunk_loss_kernel(cfg.model.loss_kernel, device)
-
-
 def layout_ready(cfg: Config, world_size: int, device: str) -> None:
     """What the layout needs of the device; without a mesh (the world's problem) only what needs none."""
     mesh = Findings().check(lambda: check_world(cfg, world_size))
@@ -189,10 +179,11 @@ def layout_ready(cfg: Config, world_size: int, device: str) -> None:
     check_device(cfg, "sharded" if mesh is None else choose_layout(world_size, mesh[1], sp, offload), device)
 
 
-def batch_split(cfg: Config, dp_size: int) -> Optional[str]:
+def batch_split(cfg: Config, dp_size: int) -> list[str]:
     d = cfg.data
-    return batch_problem(d.train_batch_size, d.micro_batch_size_per_gpu, dp_size, d.max_token_len_per_gpu,
-                         sp_size=cfg.ulysses_sequence_parallel_size)
+    problem = batch_problem(d.train_batch_size, d.micro_batch_size_per_gpu, dp_size, d.max_token_len_per_gpu,
+                            sp_size=cfg.ulysses_sequence_parallel_size)
+    return [problem] if problem else []
 
 
 REGISTRY = (
@@ -208,9 +199,10 @@ REGISTRY = (
     Check(check_max_length, ("cfg", "folder")),
     Check(check_model_config, ("cfg", "folder")),  # its family, router loss and Ulysses heads
     Check(fp8_ready, ("cfg", "device")),
-    Check(liger_ready, ("cfg", "device")),
-    Check(attention_ready, ("cfg", "folder", "device")),
-    Check(loss_kernel_ready, ("cfg", "device")),
+    Check(lambda cfg, device: cfg.model.use_liger and device == "cuda" and liger_patching(), ("cfg", "device")),
+    Check(lambda cfg, folder, device: attention_backend(cfg.model, AutoConfig.from_pretrained(
+        folder, trust_remote_code=cfg.model.trust_remote_code), device), ("cfg", "folder", "device")),
+    Check(lambda cfg, device: chunk_loss_kernel(cfg.model.loss_kernel, device), ("cfg", "device")),
     Check(layout_ready, ("cfg", "world_size", "device")),
     Check(data_entries, ("cfg", "elsewhere")),
     Check(batch_split, ("cfg", "dp_size")),
@@ -218,29 +210,26 @@ REGISTRY = (
 
 
 def run_checks(s: Startup) -> Findings:
-    """Every check of the registry, each problem recorded in s.found."""
     for check in REGISTRY:
         devices = s.devices if "device" in check.needs else (None,)
         args = [getattr(s, name) for name in check.needs if name != "device"]
         if any(a is None for a in args):
             continue
-        result = on_devices(s, devices, lambda device: check.run(*args, *([device] if device else [])),
-                            gives=bool(check.gives))
+        result = on_devices(s, devices, lambda device: check.run(*args, *([device] if device else [])))
         if check.gives:
             setattr(s, check.gives, result)
     return s.found
 
 
-def on_devices(s: Startup, devices: tuple, run: Callable[[Optional[str]], Any], gives: bool = False) -> Any:
+def on_devices(s: Startup, devices: tuple, run: Callable[[Optional[str]], Any]) -> Any:
     """run(device) for each device, its problems recorded: a note where another device takes the
     run, a problem where none does. The last result."""
     result, refusals = None, []
     for device in devices:
         found = Findings()
         result = found.check(lambda: run(device))
-        if not gives:  # a list of problems, one, or None
-            for problem in result if isinstance(result, list) else [result] if isinstance(result, str) else []:
-                found.add(problem)
+        for problem in result if isinstance(result, list) else []:
+            found.add(problem)
         s.found.notes += found.notes
         refusals.append([(device, p) for p in found.problems])
     for device, problem in [r for refused in refusals for r in refused]:
@@ -276,14 +265,28 @@ def read_rows(s: Startup, scan: tuple[int, int], val_share: tuple[int, int]) -> 
     return rows
 
 
+@contextlib.contextmanager
+def config_first(s: Startup):
+    """A value the config refuses (a micro-batch of 0) that a later check cannot take: the config's problems
+    are said, not that check's traceback (without them, a bug's)."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001
+        if not config_problems(s.cfg):
+            raise
+        s.found.notes.append(f"the rest of the plan needs the config's problems fixed first ({type(e).__name__}: "
+                             f"{e}): fix them and run the preflight again")
+
+
 def start_run(cfg: Config, world: World) -> tuple[str, Rows, BatchPlan, dict]:
     """The run's start-up before the model: (folder, rows, plan, report), or every problem as one error."""
     s = Startup(cfg, world.world_size, (world.device.type,))
-    run_checks(s)
-    rows = read_rows(s, (world.rank, world.world_size), (world.dp_rank, world.dp_size))
-    planned = None if rows is None else s.found.check(
-        lambda: plan_and_report(cfg, rows, world.dp_size, cfg.trainer.default_local_dir))
-    if planned is not None:
-        s.found.check(lambda: check_window(cfg.trainer.profile_steps, planned[0].total_steps))
+    with config_first(s):
+        run_checks(s)
+        rows = read_rows(s, (world.rank, world.world_size), (world.dp_rank, world.dp_size))
+        planned = None if rows is None else s.found.check(
+            lambda: plan_and_report(cfg, rows, world.dp_size, cfg.trainer.default_local_dir))
+        if planned is not None:
+            s.found.check(lambda: check_window(cfg.trainer.profile_steps, planned[0].total_steps))
     s.found.stop_if_any()
     return s.folder, rows, *planned

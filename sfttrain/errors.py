@@ -27,55 +27,46 @@ class UserError(Exception):
 
 
 class ConfigError(UserError, ValueError):
-    """A configuration the user must fix; the message says what to change."""
     kind = "config error"
 
 
 class DataError(ConfigError):
-    """A data file or row the user must fix (missing, empty, unreadable, a bad row)."""
     exit_code = 3
     kind = "data error"
 
 
 class NonFiniteLossError(UserError, RuntimeError):
-    """A step's loss or grad norm was not finite; the update was not applied."""
     exit_code = 4
     kind = "training stopped"
 
 
 class DependencyError(ConfigError):
-    """The config asks for a package that is not installed (or does not import)."""
     exit_code = 5
     kind = "missing dependency"
 
 
 class CheckpointError(UserError, RuntimeError):
-    """A checkpoint could not be saved (a full disk, most often); nothing of it was committed."""
     exit_code = 6
     kind = "checkpoint not saved"
 
 
 class ExportError(UserError, RuntimeError):
-    """The Hugging Face export of a committed checkpoint failed; the checkpoint itself resumes."""
     exit_code = 7
     kind = "export failed"
 
 
 class StoppedBySignal(UserError, RuntimeError):
-    """A SIGTERM or a first Ctrl-C stopped training; the step in flight was saved first (sfttrain/stop_signal.py)."""
     exit_code = 8
     kind = "stopped"
     every_rank = True
 
 
 class OutOfMemory(UserError, RuntimeError):
-    """A rank ran out of memory (the GPU's or the host's); the message names the phase and what to lower."""
     exit_code = 9
     kind = "out of memory"
 
 
 def data_worker_died(error: BaseException) -> bool:
-    """torch's DataLoader raises this RuntimeError wherever the rank is when a worker dies: not the failure of the
-    code it lands in. torch says it only in the text."""
+    """torch's DataLoader raises this wherever the rank is when a worker dies (only its text says it)."""
     text = str(error)
     return isinstance(error, RuntimeError) and "DataLoader worker (pid" in text and "is killed by signal" in text

@@ -4,7 +4,6 @@ and errno. Where a library gives only text, it is read here and nowhere else. Im
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import pwd
@@ -42,6 +41,12 @@ OPEN_FILES_FIX = ("Raise the open files limit where the job starts (`ulimit -n 6
                   "or the limit of the Slurm job or container that sets it; `ulimit -Hn` is the most it may be raised "
                   "to), or lower data.num_workers (a data worker holds a file descriptor per tensor of the steps it "
                   "hands over)")
+# errno: (what failed of a place, the fix, the run folder to set instead)
+BROKEN = {errno.EROFS: ("the filesystem of {} is read-only", "It was mounted read-only, or the kernel made it "
+                        "read-only after a disk error (`dmesg` says which; `mount` shows ro): make it writable again",
+                        "a folder on a writable disk"),
+          errno.EIO: ("the disk of {} failed", "A failing disk, its network server, or a filesystem the kernel stopped "
+                      "after an error (`dmesg` says which): repair it", "a folder on another disk")}
 # a path in an error's text: one the OS's words follow, else a quoted one
 PATH_BEFORE_WORDS = re.compile(rf"(/[^\s'\"]+): (?:{'|'.join(map(re.escape, WORDS))})")
 QUOTED_PATH = re.compile(r"""['"](/[^'"\n]+)['"]""")
@@ -49,7 +54,6 @@ QUOTED_PATH = re.compile(r"""['"](/[^'"\n]+)['"]""")
 
 def what_next(t: TrainerConfig) -> str:
     """What the same command does next: the checkpoint its start-up would resume from, or a fresh start."""
-
     try:
         last = choose_resume(t, t.default_local_dir).path
     except ConfigError as refused:  # a damaged checkpoint
@@ -103,12 +107,10 @@ def _chain(error: BaseException | str) -> list[BaseException]:
 
 
 def disk_full(error: BaseException | str) -> bool:
-    """A write that found its disk full, its quota used up or the file size limit reached."""
     return os_errno(error) in FULL
 
 
 def over_size_limit(error: BaseException | str) -> bool:
-    """A write past the process's file size limit (ulimit -f)."""
     return os_errno(error) == errno.EFBIG
 
 
@@ -150,11 +152,11 @@ def fault(error: BaseException | str, run_dir: Optional[str]) -> Optional[Fault]
         return None
     own = next((e for e in _chain(error) if isinstance(e, OSError) and e.errno is not None), None)
     line = _words_line(text)
-    path = os.fsdecode(own.filename) if own is not None and own.filename else _path_in(line)
+    named = PATH_BEFORE_WORDS.search(line) or QUOTED_PATH.search(line)
+    path = os.fsdecode(own.filename) if own is not None and own.filename else named and named.group(1)
     what = (f"{own.strerror}{f': {own.filename}' if own.filename else ''}" if own is not None and own.strerror
             else line[:200] or type(error).__name__)
     in_run = run_dir is not None and (path is None or _inside(path, run_dir))
-    place = f"the run folder {run_dir}" if in_run else path
     if SHARED_MEMORY in text or ((path or "").startswith("/dev/shm/") and code in FULL):
         return Fault(f"the shared memory (/dev/shm) is full ({what})", SHARED_MEMORY_FIX, False, False)
     if code == errno.EFBIG:
@@ -162,15 +164,10 @@ def fault(error: BaseException | str, run_dir: Optional[str]) -> Optional[Fault]
     if code in FULL:
         return Fault(f"the disk is full ({what})", _free_space_fix(path, run_dir, in_run), in_run and path is not None,
                      in_run)
-    if code == errno.EROFS:
-        fix = ("It was mounted read-only, or the kernel made it read-only after a disk error (`dmesg` says which; "
-               "`mount` shows ro): make it writable again")
-        return Fault(f"the filesystem of {place} is read-only ({what})",
-                     fix + _elsewhere(in_run, "a folder on a writable disk"), in_run, in_run)
-    if code == errno.EIO:
-        return Fault(f"the disk of {place} failed ({what})",
-                     "A failing disk, its network server, or a filesystem the kernel stopped after an error (`dmesg` "
-                     "says which): repair it" + _elsewhere(in_run, "a folder on another disk"), in_run, in_run)
+    if code in BROKEN:
+        cause, fix, instead = BROKEN[code]
+        place = f"the run folder {run_dir}" if in_run else path
+        return Fault(f"{cause.format(place)} ({what})", fix + _elsewhere(in_run, instead), in_run, in_run)
     if code in (errno.EACCES, errno.EPERM):
         if not path:
             return None
@@ -203,31 +200,11 @@ def check_writable(run_dir: str) -> None:
 
 def _run_folder_paths(run_dir: str) -> list[str]:
     """The run folder, its files and every folder in it but the checkpoints' (one may be read-only to keep it)."""
-    top = [os.path.join(run_dir, name) for name in sorted(os.listdir(run_dir))]
-    folders = []
-    for parent, names, _ in os.walk(run_dir):
+    paths = set()
+    for parent, names, files in os.walk(run_dir):
         names[:] = [name for name in names if not (parent == run_dir and STEP_DIR.match(name))]
-        folders += [os.path.join(parent, name) for name in names]
-    return [run_dir, *sorted(set(folders) | {p for p in top if not os.path.isdir(p)})]
-
-
-def check_open_files(need: int) -> None:
-    """Raises the open files limit to the hard one; ConfigError where that is below `need`."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    with contextlib.suppress(ValueError, OSError):  # an unlimited hard limit: the kernel's nr_open caps it
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20),
-                                                     hard))
-    if problem := open_files_problem(need):
-        raise ConfigError(problem)
-
-
-def open_files_problem(need: int) -> Optional[str]:
-    """Why the hard open files limit is below `need`, or None (the preflight's check too)."""
-    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
-    if hard == resource.RLIM_INFINITY or hard >= need:
-        return None
-    return (f"the open files limit of this job is {hard} (`ulimit -Hn`, the most `ulimit -n` may be raised to), and "
-            f"a rank and each of its data workers need up to about {need} here. {OPEN_FILES_FIX}")
+        paths |= {os.path.join(parent, name) for name in names + (files if parent == run_dir else [])}
+    return [run_dir, *sorted(paths)]
 
 
 def unreadable(paths: list[str]) -> Optional[str]:
@@ -247,11 +224,6 @@ def _words_line(text: str) -> str:
     worded = [line for line in lines if ERRNO_IN_TEXT.search(line) or SHARED_MEMORY in line or
               any(words in line for words in WORDS)]
     return (worded or lines or [""])[-1 if worded else 0]
-
-
-def _path_in(line: str) -> Optional[str]:
-    found = PATH_BEFORE_WORDS.search(line) or QUOTED_PATH.search(line)
-    return found.group(1) if found else None
 
 
 def _inside(path: str, folder: str) -> bool:

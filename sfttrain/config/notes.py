@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import Callable
 
-from sfttrain.config.schema import Config, TrainerConfig, default_of, logger_names, short
+from sfttrain.config.schema import Config, TrainerConfig, default_of, logger_names, short, value_of
 
 # (the mode that leaves them unread, its section, the keys, why and what would read them)
 _UNREAD: list[tuple[Callable[[Config], bool], str, tuple[str, ...], Callable[[Config], str]]] = [
@@ -38,12 +38,8 @@ _UNREAD: list[tuple[Callable[[Config], bool], str, tuple[str, ...], Callable[[Co
 def moot_settings(cfg: Config) -> list[str]:
     notes = []
     for unread, prefix, keys, why in _UNREAD:
-        section = cfg
-        for part in prefix.split("."):
-            section = getattr(section, part)
-        values = {key: getattr(section, key) for key in keys}
-        set_keys = [f"{prefix}.{key}={short(value)}" for key, value in values.items()
-                    if value != default_of(f"{prefix}.{key}")]
+        set_keys = [f"{key}={short(value_of(cfg, key))}" for key in (f"{prefix}.{k}" for k in keys)
+                    if value_of(cfg, key) != default_of(key)]
         if set_keys and unread(cfg):
             notes.append(f"{', '.join(set_keys)} ignored: {why(cfg)}")
     return [f"  NOTE: {note}" for note in [*notes, *_moot_run_names(cfg.trainer)]]

@@ -29,7 +29,6 @@ def _schema_problems(cfg: Config) -> Iterator[str]:
 
 
 def validate(cfg: Config) -> None:
-    """Refuses the configuration with every problem `config_problems` finds, one a line."""
     problems = config_problems(cfg)
     if problems:
         raise ConfigError("\n".join(problems))
@@ -39,19 +38,14 @@ def config_problems(cfg: Config) -> list[str]:
     """Every problem, each once, so that a config is fixed in one go."""
     problems = [*_schema_problems(cfg), *_validate_data(cfg.data), *_validate_model(cfg.model),
                 *verl_switch_problems(cfg), *_check_no_shard(cfg), *_validate_optim(cfg.optim),
-                *_validate_trainer(cfg.trainer), *_validate_fp8(cfg),
-                *_sequence_parallel_size_problems(cfg.ulysses_sequence_parallel_size)]
+                *_validate_trainer(cfg.trainer), *_validate_fp8(cfg)]
     return list(dict.fromkeys(problems))
 
 
 def check_sequence_parallel_size(sp: int) -> None:
-    for problem in _sequence_parallel_size_problems(sp):
-        raise ConfigError(problem)
-
-
-def _sequence_parallel_size_problems(sp: int) -> Iterator[str]:
+    """The world check's (sfttrain.distributed), which both the run and the preflight run."""
     if sp < 1:
-        yield f"ulysses_sequence_parallel_size must be >= 1 (1: off), got {sp}"
+        raise ConfigError(f"ulysses_sequence_parallel_size must be >= 1 (1: off), got {sp}")
 
 
 def rendering_problems(max_length: int, truncation: str) -> Iterator[str]:
@@ -98,23 +92,17 @@ def _validate_data(d: DataConfig) -> Iterator[str]:
         yield (f"data.prompt_dict_keys={list(d.prompt_dict_keys)} with data.prompt_key=null: there is no "
                "prompt column to follow them into; set data.prompt_key to the column that holds them, or "
                "remove data.prompt_dict_keys")
-    yield from _check_prompt_is_not_the_response(d)
-
-
-def _columns(value: Any) -> bool:
-    """A column name, or a non-empty list of them."""
-    return (isinstance(value, str) and value != "" or isinstance(value, (list, tuple, ListConfig)) and len(value) > 0
-            and all(isinstance(k, str) and k for k in value))
-
-
-def _check_prompt_is_not_the_response(d: DataConfig) -> Iterator[str]:
-    """One column read at two nested keys (verl's extra_info: question, answer) is two cells."""
-    keys = as_list(d.prompt_key)
+    keys = as_list(d.prompt_key)  # one column read at two nested keys (verl's extra_info: question, answer): two cells
     prompts = [[*keys[:1], *(d.prompt_dict_keys or [])], *([key] for key in keys[1:])]
     if keys and not d.multiturn.enable and [d.response_key, *(d.response_dict_keys or [])] in prompts:
         yield (f"data.prompt_key={d.prompt_key!r} and data.response_key={d.response_key!r} read the same cell: each "
                "sample would be its answer after itself as the prompt; set data.response_key to the answers' column "
                "(or data.prompt_dict_keys / data.response_dict_keys to a nested column's two fields)")
+
+
+def _columns(value: Any) -> bool:
+    return (isinstance(value, str) and value != "" or isinstance(value, (list, tuple, ListConfig)) and len(value) > 0
+            and all(isinstance(k, str) and k for k in value))
 
 
 def _check_dynamic_bsz(d: DataConfig) -> Iterator[str]:
@@ -137,22 +125,15 @@ def _validate_model(m: ModelConfig) -> Iterator[str]:
     if not 0.0 < m.gradient_checkpointing_ratio <= 1.0:
         yield (f"model.gradient_checkpointing_ratio must lie in (0, 1], got {m.gradient_checkpointing_ratio}; "
                "set model.enable_gradient_checkpointing=false to recompute no layer")
-    yield from _check_checkpointing_keys(m)
-    yield from _validate_compiled_layers(m)
-    yield from _validate_fsdp(m.fsdp_config)
-    yield from _validate_lora(m)
-
-
-def _check_checkpointing_keys(m: ModelConfig) -> Iterator[str]:
-    """The keys that shape gradient checkpointing, set with it off (their defaults pass)."""
-    if m.enable_gradient_checkpointing:
-        return
     for key, value in (("gradient_checkpointing_ratio", m.gradient_checkpointing_ratio),
-                       ("recompute_attention", m.recompute_attention)):
-        if value != default_of(f"model.{key}"):
+                       ("recompute_attention", m.recompute_attention)):  # what shapes it, set with it off
+        if not m.enable_gradient_checkpointing and value != default_of(f"model.{key}"):
             yield (f"model.{key}={str(value).lower()} shapes gradient checkpointing, which "
                    "model.enable_gradient_checkpointing=false turns off (every activation kept): set "
                    f"model.enable_gradient_checkpointing=true, or remove model.{key}")
+    yield from _validate_compiled_layers(m)
+    yield from _validate_fsdp(m.fsdp_config)
+    yield from _validate_lora(m)
 
 
 def _validate_compiled_layers(m: ModelConfig) -> Iterator[str]:
@@ -243,7 +224,10 @@ def _validate_trainer(t: TrainerConfig) -> Iterator[str]:
         yield ("trainer.resume_allow_data_change=true lets a resume go on with changed data, but "
                "trainer.resume_mode=disable never resumes: remove trainer.resume_allow_data_change to "
                "start afresh, or remove trainer.resume_mode=disable to resume")
-    yield from _check_profile_steps(t.profile_steps)
+    steps = t.profile_steps
+    if steps and (min(steps) < 1 or sorted(steps) != list(range(min(steps), max(steps) + 1))):
+        yield (f"trainer.profile_steps={list(steps)}: give consecutive step numbers from 1 on, once each, "
+               "e.g. [11, 12, 13] (one window is profiled)")
     if t.profile_memory and not t.profile_steps:
         yield ("trainer.profile_memory=true records memory over trainer.profile_steps: name those steps "
                "too, e.g. trainer.profile_steps=[11]")
@@ -252,14 +236,6 @@ def _validate_trainer(t: TrainerConfig) -> Iterator[str]:
             yield (f"trainer.logger={name!r} is not one of {list(LOGGERS)}. Every run writes its metrics "
                    "to <run folder>/metrics.jsonl (`python -m sfttrain.plot <run folder>` draws them); for "
                    "a dashboard use wandb (WANDB_MODE=offline keeps it on this machine)")
-
-
-def _check_profile_steps(steps: Optional[list[int]]) -> Iterator[str]:
-    if not steps:
-        return
-    if min(steps) < 1 or sorted(steps) != list(range(min(steps), max(steps) + 1)):
-        yield (f"trainer.profile_steps={list(steps)}: give consecutive step numbers from 1 on, once each, "
-               "e.g. [11, 12, 13] (one window is profiled)")
 
 
 def _validate_lora(m: ModelConfig) -> Iterator[str]:

@@ -16,7 +16,6 @@ from functools import cached_property
 from typing import Any, Callable, Optional
 
 import torch
-from transformers import AutoConfig
 
 from sfttrain import fp8
 from sfttrain.config import Config, ConfigError, as_list, config_problems
@@ -29,7 +28,7 @@ from sfttrain.data.prepare import Rows, plan_and_report, scan_rows
 from sfttrain.distributed import World, check_world, data_parallel_size
 from sfttrain.errors import DataError, UserError
 from sfttrain.faults import OPEN_FILES_FIX, check_writable
-from sfttrain.hub import cached_folder, is_repo_id
+from sfttrain.hub import cached_folder, is_repo_id, model_config
 from sfttrain.loss import chunk_loss_kernel
 from sfttrain.metrics import require_loggers
 from sfttrain.model import (attention_backend, check_max_length, check_model_config, check_model_folder, check_weights,
@@ -200,8 +199,8 @@ REGISTRY = (
     Check(check_model_config, ("cfg", "folder")),  # its family, router loss and Ulysses heads
     Check(fp8_ready, ("cfg", "device")),
     Check(lambda cfg, device: cfg.model.use_liger and device == "cuda" and liger_patching(), ("cfg", "device")),
-    Check(lambda cfg, folder, device: attention_backend(cfg.model, AutoConfig.from_pretrained(
-        folder, trust_remote_code=cfg.model.trust_remote_code), device), ("cfg", "folder", "device")),
+    Check(lambda cfg, folder, device: attention_backend(cfg.model, model_config(folder, cfg.model.trust_remote_code),
+                                                        device), ("cfg", "folder", "device")),
     Check(lambda cfg, device: chunk_loss_kernel(cfg.model.loss_kernel, device), ("cfg", "device")),
     Check(layout_ready, ("cfg", "world_size", "device")),
     Check(data_entries, ("cfg", "elsewhere")),

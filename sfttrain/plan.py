@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from transformers import AutoConfig
 
 from sfttrain.checkpoint import TrainState, check_same_model, estimated_bytes, trained_state_dict
 from sfttrain.checkpoint_folder import (choose_resume, describe_retention, nearest_existing, room_problem, size_text,
@@ -29,10 +28,10 @@ from sfttrain.data.batching import make_plan
 from sfttrain.data.files import missing_entries, open_source
 from sfttrain.data.loader import cpus_of_this_process, describe_workers
 from sfttrain.data.parquet import row_fields
-from sfttrain.data.prepare import plan_and_report
-from sfttrain.data.report import describe
+from sfttrain.data.prepare import describe, plan_and_report
 from sfttrain.distributed import check_cuda_visible, one_rank_group, wants_cuda
 from sfttrain.errors import UserError
+from sfttrain.hub import model_config
 from sfttrain.lora import apply_lora, base_dtype, trained_identity
 from sfttrain.model import build_on_meta, decoder_layers
 from sfttrain.moe import MoeShape
@@ -268,8 +267,7 @@ def model_section(s: Startup):
     m = s.cfg.model
     if s.folder is None:
         return None
-    model = s.found.check(lambda: build_on_meta(m, AutoConfig.from_pretrained(s.folder,
-                                                                            trust_remote_code=m.trust_remote_code)))
+    model = s.found.check(lambda: build_on_meta(m, model_config(s.folder, m.trust_remote_code)))
     if model is not None and m.lora_rank > 0:  # its targets checked against the linear layers, as the run does
         model = s.found.check(lambda: apply_lora(model, m))
     if model is not None and m.enable_gradient_checkpointing:

@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     runtime = Runtime().start()  # before any thread starts
     try:
-        cfg = load_config(*parse_args(argv))
+        cfg = load_config(*parse_args(argv), check=False)  # its problems are listed with the start-up checks
     except UserError as e:
         stop(e)
     one_thread_without_torchrun()

@@ -208,7 +208,19 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     cu_k = cu_q if cu_seq_lens_k is None else cu_seq_lens_k.to(device=query.device, dtype=torch.int32)
     max_q = int(max_length_q)
     max_k = max_q if max_length_k is None else int(max_length_k)
-    _refuse_what_is_not_implemented(module, query, key, attention_mask, dropout, is_causal, s_aux)
+    if attention_mask is not None:
+        raise ValueError(f"attn_implementation={ATTN_IMPLEMENTATION!r} takes no attention_mask: packed rows have "
+                         "no padding and the sample boundaries come from cu_seq_lens_q. Pass attention_mask=None.")
+    if is_causal is False or not getattr(module, "is_causal", True):
+        raise ValueError(f"{ATTN_IMPLEMENTATION!r} implements causal attention only")
+    if dropout and dropout > 0.0:  # torch's varlen attention has none: backends would disagree
+        raise ValueError(f"{ATTN_IMPLEMENTATION!r} does not implement attention dropout (got {dropout}); set the "
+                         "model config's attention_dropout to 0 for training")
+    if s_aux is not None:
+        raise ValueError(f"{ATTN_IMPLEMENTATION!r} does not support attention sinks")
+    if query.dim() != 4 or query.shape[0] != 1 or key.shape[2] != query.shape[2]:
+        raise ValueError(f"{ATTN_IMPLEMENTATION!r} takes one packed row (batch 1) without a KV cache "
+                         f"(use_cache=False), got query {tuple(query.shape)}, key {tuple(key.shape)}")
     backend = _backend if _backend is not None else select_backend("auto", query.device.type)
     if backend != "sdpa_blockmask":
         query, key, value = _in_half_precision(backend, query, key, value)
@@ -227,29 +239,11 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     return out.unsqueeze(0), None
 
 
-def _refuse_what_is_not_implemented(module, query, key, attention_mask, dropout, is_causal, s_aux) -> None:
-    if attention_mask is not None:
-        raise ValueError(f"attn_implementation={ATTN_IMPLEMENTATION!r} takes no attention_mask: packed rows have "
-                         "no padding and the sample boundaries come from cu_seq_lens_q. Pass attention_mask=None.")
-    if is_causal is False or not getattr(module, "is_causal", True):
-        raise ValueError(f"{ATTN_IMPLEMENTATION!r} implements causal attention only")
-    if dropout and dropout > 0.0:  # torch's varlen attention has none: backends would disagree
-        raise ValueError(f"{ATTN_IMPLEMENTATION!r} does not implement attention dropout (got {dropout}); set the "
-                         "model config's attention_dropout to 0 for training")
-    if s_aux is not None:
-        raise ValueError(f"{ATTN_IMPLEMENTATION!r} does not support attention sinks")
-    if query.dim() != 4 or query.shape[0] != 1 or key.shape[2] != query.shape[2]:
-        raise ValueError(f"{ATTN_IMPLEMENTATION!r} takes one packed row (batch 1) without a KV cache "
-                         f"(use_cache=False), got query {tuple(query.shape)}, key {tuple(key.shape)}")
-
-
 def _in_half_precision(backend: str, query, key, value) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """fp16/bf16 of one dtype for the flash kernels: cast back where autocast's RoPE promoted q and k
     to fp32 (as transformers' flash integration does); fp32 outside autocast is an error."""
-    half = (torch.float16, torch.bfloat16)
-    dev = query.device.type
-    if torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) in half:
-        target = torch.get_autocast_dtype(dev)
+    half, dev = (torch.float16, torch.bfloat16), query.device.type
+    if torch.is_autocast_enabled(dev) and (target := torch.get_autocast_dtype(dev)) in half:
         return query.to(target), key.to(target), value.to(target)
     if not (query.dtype in half and key.dtype == query.dtype and value.dtype == query.dtype):
         raise ValueError(f"attention backend {backend!r} needs fp16/bf16 query/key/value of one dtype, got "

@@ -27,9 +27,14 @@ class SequenceParallel:
         # KV heads fewer than sp repeated, so that query head group j meets KV head j
         key, value = (t if t.shape[1] % self.size == 0 else t.repeat_interleave(self.size // t.shape[1], dim=1)
                       for t in (key, value))
-        query, key, value = (self._gather_sequence(t) for t in (query, key, value))
+        # [1, H, T/sp, D] -> [1, H/sp, T, D]: head group j to rank j, whose tokens arrive i-th from rank i
+        query, key, value = (self._exchange(t[0].reshape(self.size, t.shape[1] // self.size, *t.shape[2:]))
+                             .transpose(0, 1).reshape(1, t.shape[1] // self.size, -1, t.shape[3])
+                             for t in (query, key, value))
         out, _ = attention.varlen_attention_forward(module, query, key, value, attention_mask, **kwargs)
-        return self._scatter_sequence(out), None
+        # [1, T, H/sp, D] -> [1, T/sp, H, D]: token slice j to rank j, head group i from rank i
+        recv = self._exchange(out[0].reshape(self.size, -1, *out.shape[2:]))
+        return recv.permute(1, 0, 2, 3).reshape(1, recv.shape[1], -1, out.shape[3]), None
 
     # eager under model.compile: a graph break around the collective, not a trace of it
     @torch.compiler.disable
@@ -37,19 +42,6 @@ class SequenceParallel:
         """Chunk j of dim 0 to rank j; chunk i of the result from rank i (autograd: back in backward)."""
         return all_to_all_single(torch.empty_like(send, memory_format=torch.contiguous_format), send.contiguous(),
                                  group=self.group)
-
-    def _gather_sequence(self, x: torch.Tensor) -> torch.Tensor:
-        """[1, H, T/sp, D] -> [1, H/sp, T, D]: all tokens of the row, this rank's heads."""
-        heads, local, dim = x.shape[1:]
-        # head group j to rank j; rank i's tokens arrive i-th, in token order
-        recv = self._exchange(x[0].reshape(self.size, heads // self.size, local, dim))
-        return recv.transpose(0, 1).reshape(1, heads // self.size, self.size * local, dim)
-
-    def _scatter_sequence(self, out: torch.Tensor) -> torch.Tensor:
-        """[1, T, H/sp, D] -> [1, T/sp, H, D]: this rank's tokens, all heads."""
-        tokens, heads, dim = out.shape[1:]
-        recv = self._exchange(out[0].reshape(self.size, tokens // self.size, heads, dim))  # [sp, T/sp, H/sp, D]
-        return recv.permute(1, 0, 2, 3).reshape(1, tokens // self.size, self.size * heads, dim)
 
 
 def check_model(model_config, sp: int) -> None:

@@ -1,17 +1,12 @@
-"""Causal attention within each sample of a packed row, for unmodified Hugging Face causal LMs.
+"""Causal attention within each sample of a packed row, registered in transformers' AttentionInterface
+as "sfttrain_varlen"; the model call's FlashAttentionKwargs (cu_seq_lens_q/k, max_length_q/k) reach it.
 
-The trainer calls the model with transformers' FlashAttentionKwargs (cu_seq_lens_q/k, max_length_q/k);
-the modeling code forwards them down to the function registered here as "sfttrain_varlen".
+Not in AttentionMaskInterface: for an implementation without a mask function masking_utils returns
+mask=None before building a [T, T] mask or detecting packed sequences (a host sync per forward). The
+name avoids "flash", "sdpa", "flex_attention" and "/", which transformers routes elsewhere.
 
-The name is registered in AttentionInterface only, not AttentionMaskInterface: for an implementation
-without a mask function, masking_utils exits early with mask=None, before any [T, T] mask or the
-packed-sequence detection (a host sync per forward) is made. So boundaries come from cu_seq_lens_q
-alone, and a 4-D mask reaching here is refused. The name avoids "flash", "sdpa", "flex_attention"
-and "/", which transformers routes to its own capability checks or Hub kernels.
-
-Backends: flash_attn (the package), torch_varlen (aten::_flash_attention_forward, CUDA only; a row
-of one sample on cuDNN where faster, Hopper or newer) and sdpa_blockmask (one causal SDPA per
-sample: exact on any device, a host sync per layer).
+Backends: flash_attn (the package), torch_varlen (aten::_flash_attention_forward, CUDA; a row of one
+sample on cuDNN on Hopper or newer) and sdpa_blockmask (one causal SDPA per sample, any device).
 """
 
 from __future__ import annotations
@@ -31,8 +26,7 @@ BACKENDS = ("flash_attn", "torch_varlen", "sdpa_blockmask")  # also the "auto" p
 # set by `configure`; None: each call picks "auto" for the query's device
 _backend: str | None = None
 _cudnn_rows: bool = False  # torch_varlen runs a row of one sample on cuDNN
-# the head sizes cuDNN's path was measured and tested at; others stay on flash
-CUDNN_HEAD_DIMS = (64, 128)
+CUDNN_HEAD_DIMS = (64, 128)  # where cuDNN's path was measured and tested; others stay on flash
 
 
 @functools.lru_cache(maxsize=None)
@@ -44,13 +38,6 @@ def _flash_attn_importable() -> bool:
     return True
 
 
-@functools.lru_cache(maxsize=None)
-def _torch_varlen_available() -> bool:
-    # torch >= 2.11's op takes a window
-    op = getattr(torch.ops.aten, "_flash_attention_forward", None)
-    return op is not None and any(a.name == "window_size_left" for a in op.default._schema.arguments)
-
-
 def _unavailable_reason(backend: str, device_type: str) -> str | None:
     if backend == "sdpa_blockmask":
         return None
@@ -58,24 +45,19 @@ def _unavailable_reason(backend: str, device_type: str) -> str | None:
         return f"{backend!r} needs a CUDA device (got {device_type!r})"
     if backend == "flash_attn":
         return None if _flash_attn_importable() else "the flash_attn package is not importable"
-    if backend == "torch_varlen":
-        ok = _torch_varlen_available()
-        return None if ok else f"torch {torch.__version__}'s aten::_flash_attention_forward takes no attention window"
-    raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
+    op = getattr(torch.ops.aten, "_flash_attention_forward", None)  # torch >= 2.11's takes a window
+    if op is None or not any(a.name == "window_size_left" for a in op.default._schema.arguments):
+        return f"torch {torch.__version__}'s aten::_flash_attention_forward takes no attention window"
+    return None
 
 
-def _default_device_type() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def available_backends(device_type: str | None = None) -> list[str]:
-    device_type = device_type or _default_device_type()
+def available_backends(device_type: str) -> list[str]:
     return [b for b in BACKENDS if _unavailable_reason(b, device_type) is None]
 
 
 def select_backend(requested: str = "auto", device_type: str | None = None) -> str:
     """"auto" (the first available of BACKENDS) or a named backend, refused saying why where it cannot run."""
-    device_type = device_type or _default_device_type()
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     if requested == "auto":
         return available_backends(device_type)[0]  # sdpa_blockmask is always available
     if requested not in BACKENDS:
@@ -113,8 +95,7 @@ def configure(backend: str = "auto", device_type: str | None = None) -> str:
     return _backend
 
 
-def cudnn_attention_available() -> bool:
-    # Hopper or newer: where it was measured
+def cudnn_attention_available() -> bool:  # Hopper or newer: where it was measured
     return (torch.cuda.is_available() and torch.backends.cudnn.is_available()
             and torch.cuda.get_device_capability() >= (9, 0))
 
@@ -149,9 +130,8 @@ def _run_flash_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, softcap):
 def _run_torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, softcap):
     if softcap is not None:
         raise ValueError(SOFTCAP_UNSUPPORTED)
-    # The op varlen_attn wraps, called directly: varlen_attn takes its window as a list, which
-    # inductor's C++ wrapper cannot pass. TRAP: causal is window (-1, 0) WITH is_causal; (-1, -1)
-    # without it is bidirectional.
+    # varlen_attn's op, called directly: inductor's C++ wrapper cannot pass varlen_attn's window list.
+    # TRAP: causal is window (-1, 0) WITH is_causal; (-1, -1) without it is bidirectional.
     return torch.ops.aten._flash_attention_forward(
         q, k, v, cu_q, cu_k, max_q, max_k, 0.0, tuple(window) == (-1, 0), False,
         scale=scale, window_size_left=window[0], window_size_right=window[1],
@@ -167,43 +147,30 @@ def _run_cudnn_one_sample(q, k, v, scale):
 def _run_sdpa_blockmask(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, softcap):
     del max_q, max_k  # one causal SDPA per sample: nothing crosses a boundary, no [T, T] mask
     bounds = cu_q.tolist()
-    if cu_k is not cu_q and cu_k.tolist() != bounds:
-        raise ValueError("sdpa_blockmask needs cu_seq_lens_k == cu_seq_lens_q (self-attention)")
-    if bounds[0] != 0 or bounds[-1] != q.shape[0]:
-        raise ValueError(f"cu_seq_lens_q must start at 0 and end at the row length {q.shape[0]}, got "
-                         f"{bounds[0]} .. {bounds[-1]}")
-    gqa = k.shape[1] != q.shape[1]
-    outs = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        if end == start:
-            continue
-        qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))
-        length = end - start
-        if softcap is not None:
-            o = _softcapped_attention(qs, ks, vs, scale, window, softcap)
-        elif window[0] >= 0 and window[0] + 1 < length:
-            i = torch.arange(length, device=q.device)
+    if bounds[0] != 0 or bounds[-1] != q.shape[0] or (cu_k is not cu_q and cu_k.tolist() != bounds):
+        raise ValueError(f"sdpa_blockmask needs cu_seq_lens_k == cu_seq_lens_q (self-attention) from 0 to the row "
+                         f"length {q.shape[0]}, got {bounds}")
+    gqa, outs = k.shape[1] != q.shape[1], []
+    for start, end in ((a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a):
+        qs, ks, vs = (t[start:end].transpose(0, 1)[None] for t in (q, k, v))  # [1, H, L, D]: SDPA's fused kernels
+        if softcap is None and not 0 <= window[0] < end - start - 1:
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            i = torch.arange(end - start, device=q.device)
             rel = i[:, None] - i[None, :]  # query index minus key index
-            mask = (rel >= 0) & (rel <= window[0])
-            o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], attn_mask=mask, scale=scale,
-                                               enable_gqa=gqa)[0]
-        else:  # [1, H, L, D]: SDPA's fused kernels take 4-D inputs only
-            o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], is_causal=True, scale=scale,
-                                               enable_gqa=gqa)[0]
-        outs.append(o.transpose(0, 1))
+            visible = (rel >= 0) & ((rel <= window[0]) if window[0] >= 0 else True)
+            o = (F.scaled_dot_product_attention(qs, ks, vs, attn_mask=visible, scale=scale, enable_gqa=gqa)
+                 if softcap is None else _softcapped_attention(qs, ks, vs, scale, visible, softcap))
+        outs.append(o[0].transpose(0, 1))
     return torch.cat(outs, dim=0)
 
 
-def _softcapped_attention(q, k, v, scale, window, softcap):
-    """Gemma 2's eager attention of one sample [H, L, D] (SDPA has no soft-cap), softmax in fp32."""
-    k, v = (t.repeat_interleave(q.shape[0] // t.shape[0], dim=0) for t in (k, v))  # GQA
+def _softcapped_attention(q, k, v, scale, visible, softcap):
+    """Gemma 2's eager attention (SDPA has no soft-cap), softmax in fp32."""
+    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))  # GQA
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    scores = softcap * torch.tanh((q @ k.transpose(1, 2)) * scale / softcap)
-    i = torch.arange(q.shape[1], device=q.device)
-    rel = i[:, None] - i[None, :]  # query index minus key index
-    visible = (rel >= 0) & ((rel <= window[0]) if window[0] >= 0 else True)
-    probs = scores.masked_fill(~visible, float("-inf")).float().softmax(dim=-1).to(q.dtype)
-    return probs @ v
+    scores = softcap * torch.tanh((q @ k.transpose(-1, -2)) * scale / softcap)
+    return scores.masked_fill(~visible, float("-inf")).float().softmax(dim=-1).to(q.dtype) @ v
 
 
 SOFTCAP_UNSUPPORTED = ("this model soft-caps its attention logits (attn_logit_softcapping), which PyTorch's varlen "
@@ -221,22 +188,39 @@ def check_model(config, backend: str, compute_dtype: torch.dtype) -> None:
                           "model.attn_implementation=sdpa_blockmask (slow on a GPU)")
 
 
-_KERNELS = {
-    "flash_attn": _run_flash_attn,
-    "torch_varlen": _run_torch_varlen,
-    "sdpa_blockmask": _run_sdpa_blockmask,
-}
+_KERNELS = {"flash_attn": _run_flash_attn, "torch_varlen": _run_torch_varlen, "sdpa_blockmask": _run_sdpa_blockmask}
 
 
 def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                              sliding_window: int | None = None, softcap: float | None = None,
                              is_causal: bool | None = None, s_aux: torch.Tensor | None = None,
+                             cu_seq_lens_q: torch.Tensor | None = None, cu_seq_lens_k: torch.Tensor | None = None,
+                             max_length_q: int | None = None, max_length_k: int | None = None,
                              **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' sdpa_attention_forward contract: query [1, H, T, D], key/value [1, Hkv, T, D];
-    returns ([1, T, H, D], None)."""
-    cu_q, cu_k, max_q, max_k = _packed_boundaries(kwargs, query.device)
-    _refuse_what_is_not_implemented(module, query, key, attention_mask, dropout, is_causal, s_aux)
+    returns ([1, T, H, D], None). The `_k` boundaries default to the `_q` ones."""
+    if cu_seq_lens_q is None or max_length_q is None:
+        raise ValueError(f"attn_implementation={ATTN_IMPLEMENTATION!r} needs the packed-row boundaries: call the "
+                         "model with cu_seq_lens_q=, cu_seq_lens_k= (int32 [n+1], 0 .. T) and max_length_q=, "
+                         "max_length_k= (int). Without them samples would attend across boundaries.")
+    cu_q = cu_seq_lens_q.to(device=query.device, dtype=torch.int32)
+    cu_k = cu_q if cu_seq_lens_k is None else cu_seq_lens_k.to(device=query.device, dtype=torch.int32)
+    max_q = int(max_length_q)
+    max_k = max_q if max_length_k is None else int(max_length_k)
+    if attention_mask is not None:
+        raise ValueError(f"attn_implementation={ATTN_IMPLEMENTATION!r} takes no attention_mask: packed rows have "
+                         "no padding and the sample boundaries come from cu_seq_lens_q. Pass attention_mask=None.")
+    if is_causal is False or not getattr(module, "is_causal", True):
+        raise ValueError(f"{ATTN_IMPLEMENTATION!r} implements causal attention only")
+    if dropout and dropout > 0.0:  # torch's varlen attention has none: backends would disagree
+        raise ValueError(f"{ATTN_IMPLEMENTATION!r} does not implement attention dropout (got {dropout}); set the "
+                         "model config's attention_dropout to 0 for training")
+    if s_aux is not None:
+        raise ValueError(f"{ATTN_IMPLEMENTATION!r} does not support attention sinks")
+    if query.dim() != 4 or query.shape[0] != 1 or key.shape[2] != query.shape[2]:
+        raise ValueError(f"{ATTN_IMPLEMENTATION!r} takes one packed row (batch 1) without a KV cache "
+                         f"(use_cache=False), got query {tuple(query.shape)}, key {tuple(key.shape)}")
     backend = _backend if _backend is not None else select_backend("auto", query.device.type)
     if backend != "sdpa_blockmask":
         query, key, value = _in_half_precision(backend, query, key, value)
@@ -255,46 +239,11 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     return out.unsqueeze(0), None
 
 
-def _packed_boundaries(kwargs: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-    """The boundaries from the model call's kwargs (the `_k` twins default to the `_q` ones)."""
-    cu_q, max_q = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
-    if cu_q is None or max_q is None:
-        raise ValueError(f"attn_implementation={ATTN_IMPLEMENTATION!r} needs the packed-row boundaries: call the "
-                         "model with cu_seq_lens_q=, cu_seq_lens_k= (int32 [n+1], 0 .. T) and max_length_q=, "
-                         "max_length_k= (int). Without them samples would attend across boundaries.")
-    cu_k, max_k = kwargs.get("cu_seq_lens_k"), kwargs.get("max_length_k")
-    cu_k, max_k = (cu_q if cu_k is None else cu_k), (max_q if max_k is None else max_k)
-    return (cu_q.to(device=device, dtype=torch.int32), cu_k.to(device=device, dtype=torch.int32), int(max_q),
-            int(max_k))
-
-
-def _refuse_what_is_not_implemented(module, query, key, attention_mask, dropout, is_causal, s_aux) -> None:
-    if attention_mask is not None:
-        raise ValueError(f"attn_implementation={ATTN_IMPLEMENTATION!r} takes no attention_mask: packed rows have "
-                         "no padding and the sample boundaries come from cu_seq_lens_q. Pass attention_mask=None.")
-    if is_causal is False or not getattr(module, "is_causal", True):
-        raise ValueError(f"{ATTN_IMPLEMENTATION!r} implements causal attention only")
-    if dropout and dropout > 0.0:  # torch's varlen attention has none: backends would disagree
-        raise ValueError(f"{ATTN_IMPLEMENTATION!r} does not implement attention dropout (got {dropout}); set the "
-                         "model config's attention_dropout to 0 for training")
-    if s_aux is not None:
-        raise ValueError(f"{ATTN_IMPLEMENTATION!r} does not support attention sinks")
-    if query.dim() != 4 or query.shape[0] != 1:
-        raise ValueError(f"{ATTN_IMPLEMENTATION!r} expects one packed row (batch 1), got query {tuple(query.shape)}")
-    if key.shape[2] != query.shape[2]:
-        raise ValueError(f"{ATTN_IMPLEMENTATION!r}: key length {key.shape[2]} != query length {query.shape[2]} "
-                         "(a KV cache is not supported; call the model with use_cache=False)")
-    if query.shape[1] % key.shape[1] != 0:
-        raise ValueError(f"query heads {query.shape[1]} not a multiple of kv heads {key.shape[1]}")
-
-
 def _in_half_precision(backend: str, query, key, value) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The flash kernels take fp16/bf16 of one dtype. Under autocast RoPE promotes q and k to fp32:
-    cast back, as transformers' flash integration does; outside autocast fp32 is an error."""
-    half = (torch.float16, torch.bfloat16)
-    dev = query.device.type
-    if torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) in half:
-        target = torch.get_autocast_dtype(dev)
+    """fp16/bf16 of one dtype for the flash kernels: cast back where autocast's RoPE promoted q and k
+    to fp32 (as transformers' flash integration does); fp32 outside autocast is an error."""
+    half, dev = (torch.float16, torch.bfloat16), query.device.type
+    if torch.is_autocast_enabled(dev) and (target := torch.get_autocast_dtype(dev)) in half:
         return query.to(target), key.to(target), value.to(target)
     if not (query.dtype in half and key.dtype == query.dtype and value.dtype == query.dtype):
         raise ValueError(f"attention backend {backend!r} needs fp16/bf16 query/key/value of one dtype, got "

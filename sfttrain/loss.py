@@ -1,8 +1,6 @@
-"""Token-sum cross-entropy, normalised by the step's global loss-token count.
-
-`CausalLMLoss` wraps the unmodified Hugging Face model and computes the loss from the decoder's
-hidden states chunk by chunk, so the [tokens, vocab] logits are never held whole. Under FSDP it
-is the root module: the embedding / lm_head all-gathers happen inside its forward."""
+"""Token-sum cross-entropy, normalised by the step's global loss-token count. `CausalLMLoss` wraps the
+unmodified Hugging Face model (under FSDP, the root module) and computes the loss from the decoder's
+hidden states chunk by chunk, so the [tokens, vocab] logits are never held whole."""
 
 from __future__ import annotations
 
@@ -52,8 +50,8 @@ def output_head(config) -> OutputHead:
 class CausalLMLoss(nn.Module):
     def __init__(self, model: nn.Module, fused: bool, compiled_max_seqlen: int | None = None,
                  chunk_loss: ChunkLoss | None = None, chunk_tokens: int = 1024):
-        """fused: Liger's fused linear cross-entropy. compiled_max_seqlen: a fixed bound passed as the
-        attention's max sample length, so the compiled decoder does not recompile per value."""
+        """fused: Liger's fused linear cross-entropy. compiled_max_seqlen: the attention's max sample
+        length, fixed so that the compiled decoder does not recompile per value."""
         super().__init__()
         self.model = model  # the Hugging Face causal LM, unmodified
         self.fused = fused
@@ -102,9 +100,8 @@ class CausalLMLoss(nn.Module):
 
 
 def chunk_loss_and_grad(logits: torch.Tensor, labels: torch.Tensor, with_grad: bool):
-    """Summed cross-entropy of logits [C, V] and, if with_grad, softmax - onehot (zero on ignored
-    rows) in the logits' dtype. Softmax in fp32; compiled, one kernel and no fp32 [C, V] buffer
-    (an in-place gradient makes inductor's kernels much slower)."""
+    """Summed cross-entropy of logits [C, V] and, if with_grad, softmax - onehot (zero on ignored rows) in
+    the logits' dtype; softmax in fp32. Not in place: compiled, it is one kernel without an fp32 [C, V]."""
     logits32 = logits.float()
     lse = torch.logsumexp(logits32, dim=-1)
     valid = labels != IGNORE_INDEX
@@ -174,8 +171,8 @@ def chunk_loss_kernel(kernel: str, device_type: str) -> str:
 
 
 def select_chunk_loss(kernel: str, device_type: str, compile_torch: bool) -> tuple[ChunkLoss, str]:
-    """LinearCrossEntropy's chunk kernel for model.loss_kernel, and its name. torch's is compiled on
-    CUDA or with model.compile (eager it allocates fp32 [chunk, vocab] temporaries)."""
+    """The chunk kernel for model.loss_kernel and its name; torch's compiled on CUDA or with model.compile
+    (eager it allocates fp32 [chunk, vocab] temporaries)."""
     if chunk_loss_kernel(kernel, device_type) == "liger":
         return liger_chunk_loss_and_grad, "liger"
     if compile_torch or device_type == "cuda":
@@ -184,10 +181,9 @@ def select_chunk_loss(kernel: str, device_type: str, compile_torch: bool) -> tup
 
 
 class LinearCrossEntropy(torch.autograd.Function):
-    """sum_t CE(head(hidden_t @ weight.T + bias), label_t) by chunks of chunk_tokens rows, the
-    gradients computed in forward: each chunk's logits become softmax - onehot at once and are
-    multiplied back into d hidden and d weight (fp32 across chunks); backward only scales them.
-    The GEMMs run in compute_dtype; the gradients come back in the inputs' own dtypes."""
+    """sum_t CE(head(hidden_t @ weight.T + bias), label_t) by chunks of rows, the gradients made in
+    forward (each chunk's softmax - onehot multiplied back into d hidden and an fp32 d weight);
+    backward only scales them. GEMMs in compute_dtype, gradients in the inputs' dtypes."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, head, compute_dtype, chunk_loss, with_grad, chunk_tokens):
@@ -243,14 +239,14 @@ def _add_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 def normalised(loss_sum: torch.Tensor, global_loss_tokens: int, grad_ranks: int) -> torch.Tensor:
-    """sum / (loss tokens of the WHOLE step), x grad_ranks to undo FSDP's average over them: the
-    update does not depend on how the step is split into ranks, slices and micro-batches."""
+    """sum / (loss tokens of the WHOLE step), x grad_ranks to undo FSDP's average: the update does not
+    depend on how the step is split into ranks, slices and micro-batches."""
     return loss_sum * (grad_ranks / max(global_loss_tokens, 1))
 
 
 def step_objective(lm: CausalLMLoss, loss_sum: torch.Tensor, batch, grad_ranks: int) -> torch.Tensor:
-    """The micro-batch's share of the step's objective: the `normalised` loss, plus the router's
-    load-balancing loss over the real tokens of the WHOLE step (batch: the StepBatch, sfttrain.moe)."""
+    """The micro-batch's share of the step's objective: the `normalised` loss, plus the router's loss over
+    the real tokens of the WHOLE step (batch: the StepBatch; sfttrain.moe)."""
     objective = normalised(loss_sum, batch.num_loss_tokens, grad_ranks)
     if lm.router is None:
         return objective
@@ -258,10 +254,8 @@ def step_objective(lm: CausalLMLoss, loss_sum: torch.Tensor, batch, grad_ranks: 
 
 
 def router_stats(lm: CausalLMLoss, device: torch.device) -> torch.Tensor:
-    """The step's router statistics to sum over ranks (empty without the router's loss)."""
     return lm.router.step_stats(device) if lm.router is not None else torch.zeros(0, device=device)
 
 
 def router_metrics(lm: CausalLMLoss, stats: list[float], batch) -> dict:
-    """router_aux and expert_load of a step from its summed `router_stats` ({} without)."""
     return lm.router.metrics(stats, sum(batch.sample_lengths)) if lm.router is not None else {}

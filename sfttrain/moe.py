@@ -28,8 +28,7 @@ class Routing:
 
 
 def routing(config) -> Routing | None:
-    """The model's routing from its config (a PretrainedConfig or a config.json dict); None for a
-    dense model."""
+    """From a PretrainedConfig or a config.json dict; None for a dense model."""
     get = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
     experts = get("num_experts") or get("num_local_experts")  # Qwen-MoE / Mixtral spelling
     top_k = get("num_experts_per_tok")
@@ -67,24 +66,22 @@ class MoeShape:
         return r.num_experts * hidden + r.num_experts * 3 * hidden * self.expert_intermediate + shared
 
     def lora_params(self, hidden: int, rank: int) -> int:
-        """One sparse layer's MLP adapters under all-linear: a rank-r pair per expert on gate_up_proj
-        and down_proj, and the shared expert's linears (peft may add a few: a doubled rank, the router)."""
+        """One sparse layer's MLP adapters under all-linear: a pair per expert on gate_up_proj and
+        down_proj, and the shared expert's linears (peft may add a few)."""
         f, s, e = self.expert_intermediate, self.shared_intermediate, self.routing.num_experts
         experts = rank * e * ((hidden + 2 * f) + (f + hidden))
         shared = rank * (3 * (hidden + s) + hidden + 1) if s else 0  # gate, up, down; the sigmoid gate D -> 1
         return experts + shared
 
     def mlp_activations_per_token(self) -> int:
-        """bf16 values one sparse MLP keeps for backward per token (gate, up and their product per
-        routed and shared expert, the router's logits)."""
+        """Values one sparse MLP keeps for backward per token (gate, up, their product; router logits)."""
         return (3 * self.routing.top_k * self.expert_intermediate + 3 * self.shared_intermediate
                 + self.routing.num_experts)
 
 
 class RouterBalance:
-    """The router's load-balancing loss of a step's micro-batches, and the experts' load: `record`
-    each training forward's logits, `take` the micro-batch's sum_s T_s aux_s for its objective,
-    `step_stats` for the trainer's one all-reduce, `metrics` from their sums."""
+    """The router's load-balancing loss and the experts' load: `record` each training forward's logits,
+    `take` the micro-batch's sum_s T_s aux_s, `step_stats` for the step's all-reduce, `metrics` from its sums."""
 
     def __init__(self, config):
         self.routing = routing(config)
@@ -133,7 +130,7 @@ class RouterBalance:
         return pending
 
     def step_stats(self, device: torch.device) -> torch.Tensor:
-        """This rank's [sum_s T_s aux_s, load...] of the step, and a fresh start for the next."""
+        """This rank's [sum_s T_s aux_s, load...] of the step; reset for the next."""
         load = torch.as_tensor(self.load, dtype=torch.float32, device=device).flatten()
         stats = torch.cat([torch.as_tensor(self.aux_sum, dtype=torch.float32, device=device).reshape(1), load])
         self.aux_sum, self.load = 0.0, 0.0

@@ -15,12 +15,10 @@ from sfttrain.config import OptimConfig
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     """Weight decay on matrices only: norms and biases (1-D) are not decayed."""
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.ndim >= 2]}, {"params": [p for p in params if p.ndim < 2]}]
-    for group, settings in zip(groups, group_settings(cfg)):
-        group.update(settings)
-    # fused: one kernel per dtype and device (CUDA and CPU), which also applies the clip factor and
-    # skips a non-finite step on the device (clipped_step)
-    return torch.optim.AdamW(groups, lr=cfg.lr, fused=True)
+    matrices, vectors = group_settings(cfg)
+    # fused: one kernel per dtype and device, which also applies clipped_step's clip factor and skip
+    return torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], **matrices},
+                              {"params": [p for p in params if p.ndim < 2], **vectors}], lr=cfg.lr, fused=True)
 
 
 def group_settings(cfg: OptimConfig) -> list[dict]:
@@ -31,16 +29,13 @@ def group_settings(cfg: OptimConfig) -> list[dict]:
 
 def clipped_step(optimizer: torch.optim.AdamW, params: list[torch.Tensor], max_norm: float,
                  loss_sum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Clips the gradients to a total 2-norm of max_norm (inf: no clipping) and steps build_optimizer's fused
-    AdamW, unless the loss or the norm is not finite. Returns the gradient norm (global under FSDP) and whether
-    the step was taken, both on loss_sum's device.
+    """Clips the gradients to a total 2-norm of max_norm (inf: no clipping) and steps the fused AdamW unless
+    the loss or the norm is not finite; returns the (global) gradient norm and whether the step was taken.
 
-    The clip factor and the skip reach the fused kernel as device tensors, through the attributes torch's AMP
-    GradScaler sets (gradients divided by `grad_scale`; nothing updated, not even the step count, when
-    `found_inf` is set): no host sync between backward and the update, and no extra pass over the gradients.
-    torch does not document them: tests/test_optim.py fails on a torch whose fused AdamW stops reading them.
-    FSDP's DTensor parameters take them too (0-dim tensors replicate implicitly), and so do parameters
-    offloaded to the host (the kernel copies both to each parameter's device)."""
+    The clip factor and the skip reach the fused kernel as device tensors through the attributes AMP's
+    GradScaler sets (`grad_scale` divides the gradients; `found_inf` skips the whole update): no host sync,
+    no extra pass over the gradients. torch does not document them: tests/test_optim.py fails on a torch
+    whose fused AdamW stops reading them. DTensor and offloaded parameters take them too."""
     norm = torch.nn.utils.get_total_norm([p.grad for p in params])
     if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2: the all-reduce of the partial norms
         norm = norm.full_tensor()
@@ -57,9 +52,8 @@ def warmup_steps(cfg: OptimConfig, total_steps: int) -> int:
 
 
 def describe_schedule(cfg: OptimConfig, total_steps: int) -> list[str]:
-    """The start-up's lr and weight-decay lines, and its warnings (`schedule_warnings`). Both say where
-    they differ from verl's SFT trainer, whose command lines run here unchanged: its scheduler (transformers'
-    formula) trains the first warmup step at lr 0, and its AdamW decays every parameter."""
+    """The start-up's lr and weight-decay lines and warnings, saying where they differ from verl's SFT
+    trainer (whose command lines run here unchanged)."""
     warmup = warmup_steps(cfg, total_steps)
     first = f" (the first at lr x 1/{warmup}; verl's starts at 0)" if warmup > 1 else ""
     lines = [f"  lr                  : {cfg.lr} {cfg.lr_scheduler}, {warmup} warmup steps{first}"]
@@ -70,10 +64,8 @@ def describe_schedule(cfg: OptimConfig, total_steps: int) -> list[str]:
 
 
 def schedule_warnings(cfg: OptimConfig, total_steps: int) -> list[str]:
-    """Warnings of a learning rate that trains less than asked, said at start-up and by the preflight:
-    optim.lr=0 (no weight moves: a throughput or data test can mean it, a fine-tune cannot), and
-    optim.lr_warmup_steps outlasting the run (a verl command line cut to a few steps for a test, or steps
-    meant as a ratio), where the rate never reaches optim.lr."""
+    """A learning rate that trains less than asked (start-up and preflight): zero, or a warmup longer than
+    the run (a verl command line cut short, or steps meant as a ratio)."""
     if cfg.lr == 0:
         return ["  WARNING: optim.lr=0: no weight changes (AdamW's steps and its weight decay both scale with the "
                 "rate), so the run trains nothing; set optim.lr (verl's default is 1e-5)"]
@@ -86,10 +78,9 @@ def schedule_warnings(cfg: OptimConfig, total_steps: int) -> list[str]:
 
 
 def lr_factor(step: int, cfg: OptimConfig, total_steps: int) -> float:
-    """Multiplier of optim.lr for optimizer step `step` (0-based): linear warmup, (step + 1) / warmup, so that
-    the first step trains and the last warmup step is at optim.lr (transformers' and verl's get_cosine_schedule_
-    with_warmup give step / warmup: the first step at 0, which moves no weight), then the cosine of those
-    schedulers down to min_lr_ratio (reached one step past the last), or constant."""
+    """Multiplier of optim.lr at optimizer step `step` (0-based): warmup (step + 1) / warmup, so that the first
+    step trains (transformers' and verl's step / warmup start at 0), then their cosine down to min_lr_ratio
+    (one step past the last), or constant."""
     warmup = warmup_steps(cfg, total_steps)
     if step < warmup:
         return (step + 1) / warmup
@@ -107,10 +98,8 @@ def schedule_settings(cfg: OptimConfig, total_steps: int) -> dict:
 
 def set_step(optimizer: torch.optim.Optimizer, scheduler: LambdaLR, cfg: OptimConfig, total_steps: int,
              step: int) -> None:
-    """After a resume: the LR is a pure function of (step, the current config), and so are the
-    other settings. A loaded optimizer state brings the checkpoint's lr, betas, eps and weight
-    decay, and a loaded scheduler its base LRs and its old schedule's position: both are
-    replaced by the current config's, at `step`."""
+    """After a resume: the loaded optimizer's and scheduler's settings (the checkpoint's lr, betas, eps,
+    weight decay, base LRs, position) replaced by the current config's at `step`."""
     lr = cfg.lr * lr_factor(step, cfg, total_steps)
     for group, settings in zip(optimizer.param_groups, group_settings(cfg)):
         group.update(settings, lr=lr, initial_lr=cfg.lr)

@@ -1,8 +1,7 @@
-"""Parallelism applied to the unmodified (meta-device) model, then its weights materialised. Three
-layouts (`Layout`), whose checkpoints resume in any other: sharded (several ranks or CPU offload:
-each decoder layer one `fully_shard` unit, the root `CausalLMLoss` the rest), single (one rank:
-unwrapped, autocast; FSDP would shard nothing yet run its hooks), replicated (shard groups of one
-rank: the one-device model under DDP)."""
+"""Parallelism applied to the meta-device model, then its weights materialised. Three layouts, whose
+checkpoints resume in any other: sharded (each decoder layer a `fully_shard` unit, the root
+`CausalLMLoss` the rest), single (one rank, no CPU offload: unwrapped, under autocast), replicated
+(shard groups of one rank: DDP)."""
 
 from __future__ import annotations
 
@@ -45,17 +44,12 @@ def parallelize(lm: CausalLMLoss, world: World, cfg: Config) -> Layout:
 
 
 def choose_layout(world_size: int, dp_shard: int, sp_size: int, offload: bool) -> Layout:
-    """The layout of world_size ranks in shard groups of dp_shard (the mesh's dimension)."""
-    if world_size == 1 and not offload:
-        return "single"
-    if dp_shard == 1 and sp_size == 1 and not offload:
-        return "replicated"
-    return "sharded"
+    if offload or (world_size > 1 and (dp_shard > 1 or sp_size > 1)):
+        return "sharded"
+    return "single" if world_size == 1 else "replicated"
 
 
 def check_device(cfg: Config, layout: Layout, device_type: str) -> None:
-    """What the layout needs of the device: CPU offload moves shards to a GPU; DDP's bf16 reduce is
-    a compression hook that runs through NCCL."""
     if cfg.model.fsdp_config.offloaded() and device_type != "cuda":
         raise ConfigError("model.fsdp_config.cpu_offload/offload_params need a CUDA device; set them to false")
     if layout == "replicated" and _bf16_reduce(cfg) and device_type != "cuda":
@@ -64,7 +58,6 @@ def check_device(cfg: Config, layout: Layout, device_type: str) -> None:
 
 
 def describe_sharding(world: World, cfg: Config, layout: Layout) -> str:
-    """The start-up line on how the weights are laid out (HSDP too: fsdp_size below the world size)."""
     fsdp = cfg.model.fsdp_config
     moot = ("; model.fsdp_config.forward_prefetch=true ignored: nothing is gathered (it applies to sharded models)"
             if fsdp.forward_prefetch and layout != "sharded" else "")
@@ -99,9 +92,8 @@ def single_device(lm: CausalLMLoss, world: World, cfg: Config) -> None:
 
 
 def replicate_model(lm: CausalLMLoss, world: World, cfg: Config) -> None:
-    """DDP over the data-parallel ranks on the one-device model: gradients averaged in 100 MB
-    buckets (views of the gradients) as backward produces them, through bf16 compression where
-    reduce_dtype is bf16."""
+    """DDP over the data-parallel ranks: gradients averaged in 100 MB buckets as backward makes them,
+    bf16-compressed where reduce_dtype is bf16."""
     # the compiled layers are autograd nodes of their own: the all-reduces already start per layer
     torch._dynamo.config.optimize_ddp = False
     replicate(lm, process_group=world.mesh["dp_replicate"].get_group(), bucket_cap_mb=100,
@@ -123,9 +115,8 @@ def compile_decoder(lm: CausalLMLoss, world: World, cfg: Config) -> None:
 
 def compile_layers(layers: list[torch.nn.Module], cpp_wrapper: bool,
                    fuse: fuse_projections.FuseSharedInputProjections | None = None) -> None:
-    """torch.compile each decoder layer: the layers share one forward, compiled once, and FSDP's
-    hooks stay between them. Dynamic shapes: every packed row has another length.
-    fuse: the pre-grad pass of model.fuse_projections."""
+    """torch.compile each decoder layer (one forward, compiled once; FSDP's hooks stay between them),
+    dynamic shapes: every packed row has another length. fuse: model.fuse_projections' pre-grad pass."""
     # inductor's mixed-order reduction guards on the first compile's token count: in strict mode a
     # later micro-batch on the other side of it recompiles every layer
     options = {"triton.mix_order_reduction_non_strict_mode": True, **({"cpp_wrapper": True} if cpp_wrapper else {}),
@@ -137,8 +128,7 @@ def compile_layers(layers: list[torch.nn.Module], cpp_wrapper: bool,
 
 def allow_side_effects_in_checkpoints() -> None:
     """A side effect inside a checkpoint (transformers >= 5.25 sets a context variable around
-    attention) would break the layer's graph there and recompute parts of it several times; the
-    recomputation need not replay it. torchtitan sets the same."""
+    attention) would break the layer's graph; the recomputation need not replay it (torchtitan's too)."""
     torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 
 
@@ -155,31 +145,38 @@ def cpp_wrapper(cfg: Config, device_type: str, model_config) -> bool:
     setting = cfg.model.compile_cpp_wrapper
     if setting == "auto":
         return why_python_wrapper(cfg, model_config) is None
-    if setting and _grouped_gemm_without_cpp_call(model_config):
-        raise ConfigError(f"model.compile_cpp_wrapper=true: inductor's C++ wrapper in torch {torch.__version__} has no "
-                          "call for the grouped GEMM this mixture of experts runs (torch >= 2.12 has one); set "
-                          "model.compile_cpp_wrapper=auto (the Python wrapper here)")
-    if setting and _reruns_attention(cfg, model_config):
-        raise ConfigError("model.compile_cpp_wrapper=true: the checkpointed layers rerun attention under compilation, "
-                          "whose RNG-state call inductor's C++ wrapper cannot emit (sfttrain/recompute.py); set "
-                          "model.compile_cpp_wrapper=auto (the Python wrapper) or model.recompute_attention=false "
-                          "(attention outputs kept: more memory)")
+    cannot = setting and _cpp_wrapper_cannot(cfg, model_config)
+    if cannot:
+        raise ConfigError(f"model.compile_cpp_wrapper=true: {cannot}; set model.compile_cpp_wrapper=auto (the Python "
+                          "wrapper here)" + (" or model.recompute_attention=false (attention outputs kept: more memory)"
+                                            if cannot == RERUNS_ATTENTION else ""))
     return setting
 
 
-def _reruns_attention(cfg: Config, model_config) -> bool:
+RERUNS_ATTENTION = ("the checkpointed layers rerun attention compiled, whose RNG-state call inductor's C++ wrapper "
+                    "cannot emit (sfttrain/recompute.py)")
+
+
+def _cpp_wrapper_cannot(cfg: Config, model_config) -> str | None:
+    """Why inductor's C++ wrapper cannot build this run's compiled layers (None: it can)."""
+    if routing(model_config) is not None and TorchVersion(torch.__version__) < "2.12":
+        return (f"inductor's C++ wrapper in torch {torch.__version__} has no call for the grouped GEMM of the "
+                "experts (torch >= 2.12 has one)")
     # LoRA on a MoE may adapt the experts, which then run outside the compiled graph (sfttrain.lora)
-    eager_parts = cfg.model.lora_rank > 0 and routing(model_config) is not None
-    return recompute.reruns_attention_compiled(cfg.model, cfg.data.max_length, eager_parts)
+    eager = cfg.model.lora_rank > 0 and routing(model_config) is not None
+    return RERUNS_ATTENTION if recompute.reruns_attention_compiled(cfg.model, cfg.data.max_length, eager) else None
 
 
-def _grouped_gemm_without_cpp_call(model_config) -> bool:
-    """A MoE (torch._grouped_mm, sfttrain.experts) under a torch whose C++ wrapper has no shim for it."""
-    return routing(model_config) is not None and TorchVersion(torch.__version__) < "2.12"
+def why_python_wrapper(cfg: Config, model_config) -> str | None:
+    """Why model.compile_cpp_wrapper=auto keeps a CUDA run on the Python wrapper (None: it does not)."""
+    if cfg.model.fp8 != "off":
+        return "FP8 runs were measured on it"
+    if cfg.micro_batch_tokens() > CPP_WRAPPER_MAX_TOKENS:
+        return f"micro-batches over {CPP_WRAPPER_MAX_TOKENS} tokens: model.compile_cpp_wrapper=auto"
+    return _cpp_wrapper_cannot(cfg, model_config)
 
 
 def describe_compile(cfg: Config, world: World, model_config) -> str:
-    """The start-up line on compilation."""
     if not cfg.model.compile:
         return "off (eager)"
     wrapper = "C++" if cpp_wrapper(cfg, world.device.type, model_config) else "Python"
@@ -193,19 +190,6 @@ def describe_compile(cfg: Config, world: World, model_config) -> str:
     fused = ("" if fuse is None
              else f"; projections sharing an input run as one GEMM{fuse.describe()} (model.fuse_projections)")
     return f"each decoder layer, dynamic shapes, kernels launched by inductor's {wrapper} wrapper{why}{fused}"
-
-
-def why_python_wrapper(cfg: Config, model_config) -> str | None:
-    """Why model.compile_cpp_wrapper=auto keeps a CUDA run on the Python wrapper (None: it does not)."""
-    if _grouped_gemm_without_cpp_call(model_config):
-        return "the C++ one cannot call this torch's grouped GEMM of the experts"
-    if cfg.model.fp8 != "off":
-        return "FP8 runs were measured on it"
-    if _reruns_attention(cfg, model_config):
-        return "the checkpointed layers rerun attention compiled, which the C++ one cannot build"
-    if cfg.micro_batch_tokens() > CPP_WRAPPER_MAX_TOKENS:
-        return f"micro-batches over {CPP_WRAPPER_MAX_TOKENS} tokens: model.compile_cpp_wrapper=auto"
-    return None
 
 
 def shard(lm: CausalLMLoss, world: World, cfg: Config, offload: bool) -> None:
@@ -233,7 +217,7 @@ def shard(lm: CausalLMLoss, world: World, cfg: Config, offload: bool) -> None:
 
 
 def gradient_sync(lm: CausalLMLoss, last_micro_batch: bool) -> None:
-    """Gradients all-reduced across replicas (HSDP, DDP) only in the step's last micro-batch."""
+    """Gradients all-reduced across replicas (HSDP, DDP) in the step's last micro-batch only."""
     if isinstance(lm, FSDPModule):
         lm.set_requires_all_reduce(last_micro_batch)
     elif isinstance(lm, DDP):

@@ -1,18 +1,11 @@
 """RoPE scalings whose frequencies depend on the batch, refused where packing would mix them.
 
-transformers computes dynamic-NTK and LongRoPE frequencies once per forward from
-max(position_ids) + 1: above original_max_position_embeddings the long-context frequencies, below
-it the original ones, for every token of the forward. A packed row holds several samples (positions
-restart at 0 for each), so a short sample packed beside one longer than that limit would be trained
-with the long-context frequencies, which it never sees alone at inference; under Ulysses each rank
-of one sample sees only its slice's positions and could pick other frequencies than its neighbour.
-Both happen only when a sample can be longer than the limit, that is when data.max_length exceeds
-it; one sample per forward (micro-batches of one, no token budget, no sequence parallelism) is
-always exact.
-
-The check reads config.json (both spellings: transformers 4.x `rope_scaling` with `type` or
-`rope_type`, 5.x `rope_parameters`, also per attention type), so the preflight runs it without
-transformers building anything.
+transformers picks dynamic-NTK and LongRoPE frequencies per forward from max(position_ids) + 1: above
+original_max_position_embeddings the long-context ones for every token. A short sample packed beside
+a longer one would train with frequencies it never sees alone (and Ulysses ranks of one sample could
+pick different ones). Only possible where data.max_length exceeds that limit and a forward holds
+several samples. Read from config.json (transformers 4.x `rope_scaling`, 5.x `rope_parameters`, per
+attention type too), so the preflight runs it without building the model.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.nn.functional import all_to_all_single
 
 from sfttrain import attention
 from sfttrain.config import ConfigError
@@ -26,47 +27,21 @@ class SequenceParallel:
         # KV heads fewer than sp repeated, so that query head group j meets KV head j
         key, value = (t if t.shape[1] % self.size == 0 else t.repeat_interleave(self.size // t.shape[1], dim=1)
                       for t in (key, value))
-        query, key, value = (self._gather_sequence(t) for t in (query, key, value))
+        # [1, H, T/sp, D] -> [1, H/sp, T, D]: head group j to rank j, whose tokens arrive i-th from rank i
+        query, key, value = (self._exchange(t[0].reshape(self.size, t.shape[1] // self.size, *t.shape[2:]))
+                             .transpose(0, 1).reshape(1, t.shape[1] // self.size, -1, t.shape[3])
+                             for t in (query, key, value))
         out, _ = attention.varlen_attention_forward(module, query, key, value, attention_mask, **kwargs)
-        return self._scatter_sequence(out), None
+        # [1, T, H/sp, D] -> [1, T/sp, H, D]: token slice j to rank j, head group i from rank i
+        recv = self._exchange(out[0].reshape(self.size, -1, *out.shape[2:]))
+        return recv.permute(1, 0, 2, 3).reshape(1, recv.shape[1], -1, out.shape[3]), None
 
-    # the exchanges stay eager under model.compile: a graph break around a collective, not a trace of it
+    # eager under model.compile: a graph break around the collective, not a trace of it
     @torch.compiler.disable
-    def _gather_sequence(self, x: torch.Tensor) -> torch.Tensor:
-        """[1, H, T/sp, D] -> [1, H/sp, T, D]: all tokens of the row, this rank's heads."""
-        heads, local, dim = x.shape[1:]
-        # send head group j to rank j; rank i's chunk arrives i-th, i.e. in token order
-        send = x[0].reshape(self.size, heads // self.size, local, dim)
-        recv = AllToAll.apply(send, self.group)  # [sp, H/sp, T/sp, D], first dim = source rank
-        return recv.transpose(0, 1).reshape(1, heads // self.size, self.size * local, dim)
-
-    @torch.compiler.disable
-    def _scatter_sequence(self, out: torch.Tensor) -> torch.Tensor:
-        """[1, T, H/sp, D] -> [1, T/sp, H, D]: this rank's tokens, all heads."""
-        tokens, heads, dim = out.shape[1:]
-        send = out[0].reshape(self.size, tokens // self.size, heads, dim)  # token slice j to rank j
-        recv = AllToAll.apply(send, self.group)  # [sp, T/sp, H/sp, D], first dim = head group
-        return recv.permute(1, 0, 2, 3).reshape(1, tokens // self.size, self.size * heads, dim)
-
-
-class AllToAll(torch.autograd.Function):
-    """Chunk j of dim 0 goes to rank j; chunk i of the result came from rank i; and back in backward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return _all_to_all(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _all_to_all(grad, ctx.group), None
-
-
-def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    dist.all_to_all_single(out, x, group=group)
-    return out
+    def _exchange(self, send: torch.Tensor) -> torch.Tensor:
+        """Chunk j of dim 0 to rank j; chunk i of the result from rank i (autograd: back in backward)."""
+        return all_to_all_single(torch.empty_like(send, memory_format=torch.contiguous_format), send.contiguous(),
+                                 group=self.group)
 
 
 def check_model(model_config, sp: int) -> None:

@@ -59,20 +59,6 @@ class MoeShape:
         return cls(r, c.get("moe_intermediate_size") or c["intermediate_size"],
                    c.get("shared_expert_intermediate_size") or 0, sparse)
 
-    def mlp_params(self, hidden: int) -> int:
-        """One sparse layer's MLP: router, experts (gate, up, down each), shared expert and its gate."""
-        r = self.routing
-        shared = 3 * hidden * self.shared_intermediate + hidden if self.shared_intermediate else 0
-        return r.num_experts * hidden + r.num_experts * 3 * hidden * self.expert_intermediate + shared
-
-    def lora_params(self, hidden: int, rank: int) -> int:
-        """One sparse layer's MLP adapters under all-linear: a pair per expert on gate_up_proj and
-        down_proj, and the shared expert's linears (peft may add a few)."""
-        f, s, e = self.expert_intermediate, self.shared_intermediate, self.routing.num_experts
-        experts = rank * e * ((hidden + 2 * f) + (f + hidden))
-        shared = rank * (3 * (hidden + s) + hidden + 1) if s else 0  # gate, up, down; the sigmoid gate D -> 1
-        return experts + shared
-
     def mlp_activations_per_token(self) -> int:
         """Values one sparse MLP keeps for backward per token (gate, up, their product; router logits)."""
         return (3 * self.routing.top_k * self.expert_intermediate + 3 * self.shared_intermediate

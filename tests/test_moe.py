@@ -41,13 +41,12 @@ def _meta_model(config):
 
 
 @pytest.mark.parametrize("name", TINY_MOE)
-def test_preflight_counts_every_expert(name, tmp_path):
-    """The preflight's memory estimate counts all expert parameters (each is held, gathered and
-    updated), from config.json alone: the same count as the model transformers builds."""
+def test_preflight_finds_the_sparse_layers(name, tmp_path):
+    """The preflight's activation model reads which layers are sparse from config.json (its parameters
+    are counted on the model built on the meta device)."""
     config = _config(name)
     config.save_pretrained(tmp_path)
     shape = DenseShape.from_config_json(str(tmp_path))
-    assert shape.num_params == sum(p.numel() for p in _meta_model(config).parameters())
     assert shape.moe.sparse_layers == {"qwen3_moe_mlp_only_layers": 2, "qwen2_moe": 1}.get(name, 3)
 
 
@@ -59,8 +58,6 @@ def test_w4_counts(tmp_path):
     experts = 6_039_797_760
     assert shape.num_params == 6_853_538_304
     assert shape.active_params == 6_853_538_304 - experts + experts * 8 // 128 == 1_191_227_904
-    config.save_pretrained(tmp_path)
-    assert DenseShape.from_config_json(str(tmp_path)).num_params == 6_853_538_304
 
 
 ROUTER = dict(output_router_logits=True, router_aux_loss_coef=0.1)  # a coefficient that shows in the gradients
@@ -288,16 +285,6 @@ def test_lora_on_experts_says_what_it_adapts(family):
     assert all(".experts." not in n for n, p in model.named_parameters() if p.requires_grad)
     with pytest.raises(ConfigError, match="model.lora_dropout=0.1 .* set model.lora_dropout=0"):
         _lora_model(family, lora_dropout=0.1)
-
-
-def test_preflight_lora_params_match_peft(tmp_path):
-    """The preflight's adapter count on a MoE (experts adapted per expert, the shared expert's
-    linears, a dense layer's MLP) against the adapters sfttrain.lora puts in (Qwen2-MoE: peft
-    adds nothing of its own there)."""
-    model, _ = _lora_model("qwen2_moe")
-    _config("qwen2_moe").save_pretrained(tmp_path)
-    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    assert DenseShape.from_config_json(str(tmp_path)).lora_params(4) == adapters
 
 
 def test_router_loss_under_ulysses_is_refused():

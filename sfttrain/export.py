@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from sfttrain import lora
+from sfttrain import lora, quant
 from sfttrain.checkpoint import read_back
 from sfttrain.checkpoint_folder import check_intact, fsync_path, fsync_tree, read_state, resolve, runs, size_text
 from sfttrain.config import ModelConfig
@@ -203,6 +203,8 @@ def export_lora(checkpoint_dir: str, out_dir: str, dtype: str = "auto", max_shar
 
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, trust_remote_code=trust_remote_code)
     peft_model = lora.wrap(base, cfg)
+    if cfg.base_quant == "nf4":  # the base the adapters were trained on
+        quant.round_trip(peft_model.get_base_model(), lora.base_dtype(cfg))
     reader = dcp.FileSystemReader(checkpoint_dir)
     adapters = read_tensors(reader, model_tensors(checkpoint_dir))
     result = peft_model.get_base_model().load_state_dict(adapters, strict=False)
@@ -211,6 +213,8 @@ def export_lora(checkpoint_dir: str, out_dir: str, dtype: str = "auto", max_shar
         raise ValueError(f"{checkpoint_dir}: its adapters do not match model.target_modules / lora_rank on "
                          f"{base_dir}: unexpected {result.unexpected_keys[:5]}, not in the checkpoint {not_loaded[:5]}")
     peft_model.save_pretrained(os.path.join(out_dir, ADAPTER_DIR))
+    with open(os.path.join(out_dir, ADAPTER_DIR, "sfttrain_base.json"), "w") as f:  # which base, quantized how
+        json.dump({**(trained_on or {}), "base_quant": cfg.base_quant}, f, indent=1)
     final_dtype = DTYPE.get(dtype) or _stored_dtype(base_dir)
     merged = peft_model.merge_and_unload().to(final_dtype)
     merged.save_pretrained(out_dir, max_shard_size=max_shard_size)

@@ -137,8 +137,8 @@ def base_identity(name: str, folder: str) -> dict:
 
 def trained_identity(m: ModelConfig, folder: str) -> dict:
     """The base's identity and the adapter settings that fix the function the adapters compute."""
-    return {**base_identity(m.partial_pretrain, folder), "adapters": {f"model.{key}": getattr(m, key) for key in
-                                                                        ("lora_rank", "lora_alpha", "target_modules")}}
+    keys = ("lora_rank", "lora_alpha", "target_modules", "base_quant")
+    return {**base_identity(m.partial_pretrain, folder), "adapters": {f"model.{key}": getattr(m, key) for key in keys}}
 
 
 def _file_fingerprint(path: str, sample: int = 1 << 16) -> list:

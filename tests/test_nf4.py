@@ -191,3 +191,38 @@ def test_weights_no_block_fits_stay_in_their_dtype_with_a_warning(caplog):
     assert type(model.big.weight).__name__ == "NF4Tensor" and model.big.weight.scaler_block_size == 256
     assert type(model.odd.weight) is nn.Parameter and type(model.head.weight) is nn.Parameter
     assert "1 linear weights stay in their dtype" in caplog.text and "odd" in caplog.text
+
+
+def test_random_init_quantizes_the_seeded_draw():
+    """A random base (the benches') is drawn per module from the seed, as without NF4, and quantized."""
+    from sfttrain.config import load_config
+    from sfttrain.model import load_model, materialise_model
+
+    def build(quant: str) -> dict:
+        cfg = load_config(None, ["data.train_files=x.parquet", f"model.partial_pretrain={STORIES}", *LORA,
+                                 "model.random_init=true", f"model.base_quant={quant}",
+                                 "model.fsdp_config.mixed_precision=false"])
+        model = load_model(cfg.model, torch.device("cpu")).model
+        materialise_model(model, cfg.model, torch.device("cpu"), torch.device("cpu"), seed=3)
+        return {n: m.weight for n, m in model.named_modules() if n.endswith("base_layer")}
+
+    plain, quantized = build("none"), build("nf4")
+    for name, weight in quantized.items():
+        want = to_nf4(plain[name], SCALER_BLOCKS[name.split(".")[-2]]).get_original_weight()
+        assert torch.equal(weight.get_original_weight(), want), name
+
+
+def test_base_quant_and_random_init_are_checked_at_start_up():
+    from sfttrain.checks import lora_base_ready
+    from sfttrain.config import ConfigError, load_config
+
+    def check(*overrides: str) -> None:
+        lora_base_ready(load_config(None, ["data.train_files=x.parquet", f"model.partial_pretrain={STORIES}",
+                                           *overrides]))
+
+    with pytest.raises(ConfigError, match="model.base_quant=nf4 quantizes the frozen base under LoRA adapters, "
+                                          "but model.lora_rank=0"):
+        check("model.base_quant=nf4")
+    with pytest.raises(ConfigError, match="trainer.save_hf=true with LoRA on model.random_init=true"):
+        check("model.lora_rank=8", "model.random_init=true", "trainer.save_hf=true")
+    check("model.lora_rank=8", "model.random_init=true", "model.base_quant=nf4")  # a bench's: it resumes

@@ -21,6 +21,16 @@ SCALER_BLOCK = 256  # scales per block of their int8 quantization, where the wei
 SHARDABLE = 4
 
 
+# held per weight: 4 bits, an int8 scale per block, an fp32 factor per block of scales
+BYTES_PER_WEIGHT = 0.5 + 1 / BLOCK + 4 / (BLOCK * SCALER_BLOCK)
+
+
+def dequantize_bytes_per_weight(dtype: torch.dtype) -> int:
+    """Peak temporaries of torchao's dequantize per weight: two int64 index halves, the looked-up and
+    scaled halves and their interleaved copy in `dtype`."""
+    return 8 + 3 * dtype.itemsize
+
+
 def torchao_nf4():
     """(NF4Tensor, to_nf4) from torchao, which moved them across releases."""
     try:

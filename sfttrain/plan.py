@@ -34,6 +34,7 @@ from sfttrain.distributed import check_cuda_visible, one_rank_group, wants_cuda
 from sfttrain.errors import UserError
 from sfttrain.lora import apply_lora, base_dtype, trained_identity
 from sfttrain.model import build_on_meta, decoder_layers
+from sfttrain import quant
 from sfttrain.moe import MoeShape
 from sfttrain.optim import schedule_settings, schedule_warnings
 from sfttrain.parallel import cpp_wrapper
@@ -99,6 +100,12 @@ class DenseShape:
         if self.sparse_layers:
             layers += self.sparse_layers * self._layer_params(sparse=True)
         return embeddings + layers + self.hidden  # + the final norm
+
+    @property
+    def linear_params(self) -> int:
+        """The decoder layers' projection weights (a MoE's experts, fused parameters, are none)."""
+        h, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return self.layers * (2 * h * q + 2 * h * kv) + (self.layers - self.sparse_layers) * 3 * h * self.intermediate
 
     def lora_params(self, rank: int) -> int:
         """Adapter parameters for all-linear targets: rank x (in + out) per projection."""
@@ -189,15 +196,25 @@ def memory_per_rank(cfg: Config, shape: DenseShape, dp_size: int) -> dict[str, f
     logits = m.loss_chunk_tokens * shape.vocab * compute * (2 if m.loss_kernel == "torch" else 1)
     autocast = mixed_precision_dtypes(fsdp) is not None and m.lora_rank == 0  # LoRA's base is bf16 already
     base = 0 if m.lora_rank == 0 else n * base_dtype(m).itemsize
+    if m.base_quant == "nf4":
+        base -= shape.linear_params * (base_dtype(m).itemsize - quant.BYTES_PER_WEIGHT)
     out = {"parameters": (base + trained * trained_bytes) / shard, "gradients": trained * trained_bytes / shard,
            "optimizer (AdamW m, v)": 2 * trained * trained_bytes / shard}
-    if shard > 1:
+    if shard > 1 and m.base_quant == "nf4":
+        linear = shape.linear_params // shape.layers
+        rest = shape.layer_params - linear  # norms, biases
+        out["NF4 weights (gathered layers)"] = 2 * (linear * quant.BYTES_PER_WEIGHT + rest * compute)
+    elif shard > 1:
         out[f"{compute_name} weights (gathered layers)"] = 2 * shape.layer_params * compute
     elif autocast:
         out["bf16 weights (autocast copies)"] = autocast_copy_params(cfg, shape) * 2
     out[f"activations ({'with' if m.enable_gradient_checkpointing else 'without'} checkpointing)"] = activations
     out["backward: one layer's MLP gradients"] = backward_bytes(shape, cfg.micro_batch_tokens(), compute,
                                                                 m.lora_rank > 0)
+    if m.base_quant == "nf4":
+        largest = shape.hidden * max(shape.intermediate, shape.heads * shape.head_dim)
+        out["NF4: the largest weight dequantized (torchao's temporaries)"] = \
+            largest * quant.dequantize_bytes_per_weight(base_dtype(m))
     out[f"logits / loss chunk ({m.loss_chunk_tokens} tokens x {shape.vocab} vocab)"] = logits
     if m.lora_rank == 0 and not m.use_liger:
         weight_bytes = compute if shard > 1 else DTYPE_BYTES[fsdp.model_dtype]  # the head's weight in the loss

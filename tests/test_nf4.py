@@ -226,3 +226,23 @@ def test_base_quant_and_random_init_are_checked_at_start_up():
     with pytest.raises(ConfigError, match="trainer.save_hf=true with LoRA on model.random_init=true"):
         check("model.lora_rank=8", "model.random_init=true", "trainer.save_hf=true")
     check("model.lora_rank=8", "model.random_init=true", "model.base_quant=nf4")  # a bench's: it resumes
+
+
+def test_the_preflight_counts_the_weights_nf4_holds():
+    """The preflight's parameter memory against the bytes the model a run builds holds (NF4's packed
+    values, scales and factors; the rest in fp32). Within 2%: the preflight counts QLoRA's 256 scales
+    per factor and no per-tensor mean and lookup table, which stories260K's small matrices make ~1%."""
+    from sfttrain.config import load_config
+    from sfttrain.model import load_model, materialise_model
+    from sfttrain.plan import GIB, DenseShape, memory_per_rank
+
+    cfg = load_config(None, ["data.train_files=x.parquet", f"model.partial_pretrain={STORIES}", *NF4,
+                             "model.fsdp_config.mixed_precision=false"])
+    model = load_model(cfg.model, torch.device("cpu")).model
+    materialise_model(model, cfg.model, torch.device("cpu"), torch.device("cpu"), seed=1)
+    held = sum(sum(t.nbytes for t in (p.quantized_data, p.quantized_scalers, p.quantization_factor, p.scaler_mean,
+                                      p.nf4)) if type(p).__name__ == "NF4Tensor" else p.nbytes
+               for p in model.parameters())
+    planned = memory_per_rank(cfg, DenseShape.from_config_json(str(STORIES)), dp_size=1)["parameters"] * GIB
+    unquantized = sum(p.numel() * 4 for p in model.parameters())
+    assert planned == pytest.approx(held, rel=0.02) and held < 0.7 * unquantized

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from pathlib import Path
 
 import pytest
@@ -246,3 +247,15 @@ def test_the_preflight_counts_the_weights_nf4_holds():
     planned = memory_per_rank(cfg, DenseShape.from_config_json(str(STORIES)), dp_size=1)["parameters"] * GIB
     unquantized = sum(p.numel() * 4 for p in model.parameters())
     assert planned == pytest.approx(held, rel=0.02) and held < 0.7 * unquantized
+
+
+def test_a_missing_torchao_is_one_clear_message(monkeypatch):
+    from sfttrain.checks import lora_base_ready
+    from sfttrain.config import load_config
+    from sfttrain.errors import DependencyError
+
+    for name in ("torchao", "torchao.quantization", "torchao.dtypes", "torchao.dtypes.nf4tensor"):
+        monkeypatch.setitem(sys.modules, name, None)  # import raises ImportError
+    cfg = load_config(None, ["data.train_files=x.parquet", f"model.partial_pretrain={STORIES}", *NF4])
+    with pytest.raises(DependencyError, match=r"model.base_quant=nf4 needs torchao: pip install -e '.\[fp8\]'"):
+        lora_base_ready(cfg)

@@ -41,18 +41,19 @@ def to_nf4(weight: torch.Tensor, scaler_block: int):
     return to_nf4(weight.contiguous(), 64, scaler_block)
 
 
+def nf4_run(tmp_path_factory, data: Path, nproc: int, name: str, *extra: str) -> tuple[Path, str]:
+    run_dir = tmp_path_factory.mktemp(name) / "run"
+    return run_dir, run_sfttrain(nproc, lora_job(data, run_dir, "model.base_quant=nf4", *extra)).stdout
+
+
 @pytest.fixture(scope="module")
 def ref(data, tmp_path_factory) -> tuple[Path, str]:
-    run_dir = tmp_path_factory.mktemp("nf4_ref") / "run"
-    proc = run_sfttrain(2, lora_job(data, run_dir, "model.base_quant=nf4", "trainer.save_freq=1"))
-    return run_dir, proc.stdout
+    return nf4_run(tmp_path_factory, data, 2, "nf4_ref", "trainer.save_freq=1")
 
 
 @pytest.fixture(scope="module")
 def one(data, tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("nf4_one") / "run"
-    run_sfttrain(1, lora_job(data, run_dir, "model.base_quant=nf4"))
-    return run_dir
+    return nf4_run(tmp_path_factory, data, 1, "nf4_one")[0]
 
 
 def dequantized_base() -> dict[str, torch.Tensor]:

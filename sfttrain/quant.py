@@ -32,16 +32,13 @@ def dequantize_bytes_per_weight(dtype: torch.dtype) -> int:
 
 
 def torchao_nf4():
-    """(NF4Tensor, to_nf4) from torchao, which moved them across releases."""
+    """torchao's to_nf4 (torchao >= 0.18, the fp8 extra's)."""
     try:
-        from torchao.quantization import NF4Tensor, to_nf4
+        from torchao.quantization import to_nf4
     except ImportError:
-        try:
-            from torchao.dtypes.nf4tensor import NF4Tensor, to_nf4
-        except ImportError:
-            raise DependencyError("model.base_quant=nf4 needs torchao: pip install -e '.[fp8]' in the checkout, "
-                                  "or set model.base_quant=none") from None
-    return NF4Tensor, to_nf4
+        raise DependencyError("model.base_quant=nf4 needs torchao: pip install -e '.[fp8]' in the checkout, "
+                              "or set model.base_quant=none") from None
+    return to_nf4
 
 
 def scaler_block(shape: torch.Size) -> int | None:
@@ -64,7 +61,7 @@ def frozen_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
 def quantize_on_meta(model: nn.Module) -> None:
     """Each frozen linear weight of the meta model becomes an NF4 placeholder, but those of a shape
     no block fits (a warning names them)."""
-    _, to_nf4 = torchao_nf4()
+    to_nf4 = torchao_nf4()
     shards = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     left = []
     for name, module in frozen_linears(model):
@@ -89,10 +86,9 @@ def is_nf4(tensor: torch.Tensor) -> bool:
 
 def fill_shard(local: torch.Tensor, full: torch.Tensor, rows: slice) -> None:
     """Quantizes the full weight `full` and stores its `rows` (this rank's shard) in the NF4 `local`."""
-    _, to_nf4 = torchao_nf4()
+    to_nf4 = torchao_nf4()
     quantized = to_nf4(full.to(local.device, local.dtype).contiguous(), BLOCK, local.scaler_block_size)
-    shard = quantized.split(rows.stop - rows.start)[rows.start // (rows.stop - rows.start)] \
-        if rows.stop - rows.start < full.shape[0] else quantized
+    shard = quantized.split(rows.stop - rows.start)[rows.start // (rows.stop - rows.start)]
     local.copy_(shard)  # the sharded parts; to_empty left the unsharded mean and lookup table empty
     local.scaler_mean, local.nf4 = shard.scaler_mean, shard.nf4
 
@@ -100,7 +96,7 @@ def fill_shard(local: torch.Tensor, full: torch.Tensor, rows: slice) -> None:
 def round_trip(model: nn.Module, dtype: torch.dtype) -> None:
     """Each weight NF4 would hold replaced by its dequantized value, computed as training did from
     `dtype` (the frozen base's): the base its adapters were trained on, in the model's own dtype."""
-    _, to_nf4 = torchao_nf4()
+    to_nf4 = torchao_nf4()
     with torch.no_grad():
         for _, module in frozen_linears(model):
             w = module.weight

@@ -34,10 +34,8 @@ torchao = pytest.importorskip("torchao")
 
 
 def to_nf4(weight: torch.Tensor, scaler_block: int):
-    try:
-        from torchao.quantization import to_nf4
-    except ImportError:
-        from torchao.dtypes.nf4tensor import to_nf4
+    from torchao.quantization import to_nf4
+
     return to_nf4(weight.contiguous(), 64, scaler_block)
 
 
@@ -255,7 +253,7 @@ def test_a_missing_torchao_is_one_clear_message(monkeypatch):
     from sfttrain.config import load_config
     from sfttrain.errors import DependencyError
 
-    for name in ("torchao", "torchao.quantization", "torchao.dtypes", "torchao.dtypes.nf4tensor"):
+    for name in ("torchao", "torchao.quantization"):
         monkeypatch.setitem(sys.modules, name, None)  # import raises ImportError
     cfg = load_config(None, ["data.train_files=x.parquet", f"model.partial_pretrain={STORIES}", *NF4])
     with pytest.raises(DependencyError, match=r"model.base_quant=nf4 needs torchao: pip install -e '.\[fp8\]'"):

@@ -258,3 +258,10 @@ def test_a_missing_torchao_is_one_clear_message(monkeypatch):
     cfg = load_config(None, ["data.train_files=x.parquet", f"model.partial_pretrain={STORIES}", *NF4])
     with pytest.raises(DependencyError, match=r"model.base_quant=nf4 needs torchao: pip install -e '.\[fp8\]'"):
         lora_base_ready(cfg)
+
+
+def test_ddp_is_refused(data, tmp_path):
+    """DDP's first forward broadcasts the frozen weights too, NF4's scales garbled on the way."""
+    proc = run_sfttrain(2, lora_job(data, tmp_path / "run", "model.base_quant=nf4",
+                                    "model.fsdp_config.sharding_strategy=NO_SHARD"), check=False)
+    assert proc.returncode == 2 and "model.base_quant=nf4 with DDP (NO_SHARD or fsdp_size=1)" in proc.stdout

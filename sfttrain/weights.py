@@ -22,7 +22,8 @@ from sfttrain.lora import base_name, init_adapter, is_adapter_weight
 
 @contextlib.contextmanager
 def parameters_on_meta() -> Iterator[None]:
-    """Modules built inside get their parameters on the meta device; buffers are computed for real."""
+    """Modules built inside get their parameters on the meta device; buffers are computed for real.
+    (accelerate's init_empty_weights re-wraps a meta parameter at each registration: it unties weights.)"""
     register = nn.Module.register_parameter
 
     def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:

@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from sfttrain import fp8
+from sfttrain import fp8, quant
 from sfttrain.config import Config, ConfigError, as_list, config_problems
 from sfttrain.data.batching import BatchPlan, batch_problem
 from sfttrain.data.chat import build_renderer, resolve_chat_template
@@ -171,6 +171,21 @@ def fp8_ready(cfg: Config, device: str) -> list:
     return []
 
 
+def lora_base_ready(cfg: Config) -> None:
+    """What LoRA's frozen base needs: adapters to quantize it for, torchao, and weight files to merge into."""
+    m = cfg.model
+    if m.base_quant != "none" and m.lora_rank <= 0:
+        raise ConfigError(f"model.base_quant={m.base_quant} quantizes the frozen base under LoRA adapters, but "
+                          "model.lora_rank=0 trains every weight (a quantized weight takes no update); set "
+                          "model.lora_rank > 0, or model.base_quant=none")
+    if m.lora_rank > 0 and m.random_init and cfg.trainer.save_hf:
+        raise ConfigError("trainer.save_hf=true with LoRA on model.random_init=true: the merged export adds the "
+                          "adapters to the base's weight files, and a random base has none; set trainer.save_hf="
+                          "false (its checkpoints resume: the base is drawn again from trainer.seed)")
+    if m.base_quant == "nf4":
+        quant.torchao_nf4()
+
+
 def layout_ready(cfg: Config, world_size: int, device: str) -> None:
     """What the layout needs of the device; without a mesh (the world's problem) only what needs none."""
     mesh = Findings().check(lambda: check_world(cfg, world_size))
@@ -198,6 +213,7 @@ REGISTRY = (
     Check(check_max_length, ("cfg", "folder")),
     Check(check_model_config, ("cfg", "folder")),  # its family, router loss and Ulysses heads
     Check(fp8_ready, ("cfg", "device")),
+    Check(lora_base_ready, ("cfg",)),
     Check(lambda cfg, device: cfg.model.use_liger and device == "cuda" and liger_patching(), ("cfg", "device")),
     Check(lambda cfg, folder, device: attention_backend(cfg.model, model_config(folder, cfg.model.trust_remote_code),
                                                         device), ("cfg", "folder", "device")),

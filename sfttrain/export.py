@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from transformers.utils.hub import convert_file_size_to_int  # "5GB" -> bytes, as save_pretrained reads it
 
-from sfttrain import lora
+from sfttrain import lora, quant
 from sfttrain.checkpoint import read_back
 from sfttrain.checkpoint_folder import check_intact, fsync_path, fsync_tree, read_state, resolve, runs, size_text
 from sfttrain.config import ModelConfig
@@ -177,6 +177,8 @@ def export_lora(checkpoint_dir: str, out_dir: str, dtype: str = "auto", max_shar
     adapters = read_tensors(dcp.FileSystemReader(checkpoint_dir), model_tensors(checkpoint_dir))
     out_dtype = DTYPE.get(dtype) or model_config(base_dir, trust_remote_code).dtype or torch.float32
     state = merged(base, cfg, adapters, os.path.join(out_dir, ADAPTER_DIR)).to(out_dtype).state_dict()
+    with open(os.path.join(out_dir, ADAPTER_DIR, "sfttrain_base.json"), "w") as f:  # which base, quantized how
+        json.dump({**(trained_on or {}), "base_quant": cfg.base_quant}, f, indent=1)
     hf_dir = os.path.join(checkpoint_dir, "hf")
     tied = tied_names(hf_dir, list(state))
     write_weights(out_dir, {n: t for n, t in state.items() if n not in tied},
@@ -187,6 +189,8 @@ def export_lora(checkpoint_dir: str, out_dir: str, dtype: str = "auto", max_shar
 def merged(base: nn.Module, cfg: ModelConfig, adapters: dict[str, torch.Tensor], adapter_dir: str) -> nn.Module:
     """`base` with the adapters added into its weights by peft; the peft adapter folder saved in adapter_dir."""
     peft_model = lora.wrap(base, cfg)
+    if cfg.base_quant == "nf4":  # the base the adapters were trained on
+        quant.round_trip(peft_model.get_base_model(), lora.base_dtype(cfg))
     result = peft_model.get_base_model().load_state_dict(adapters, strict=False)
     not_loaded = [k for k in result.missing_keys if lora.is_adapter_weight(k)]
     if result.unexpected_keys or not_loaded:

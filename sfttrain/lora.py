@@ -14,7 +14,7 @@ import warnings
 import torch
 from torch import nn
 
-from sfttrain import moe
+from sfttrain import moe, quant
 from sfttrain.config import ConfigError, ModelConfig, mixed_precision_dtypes
 from sfttrain.dtypes import CONFIG_NAMES, DTYPE
 from sfttrain.errors import DependencyError
@@ -29,10 +29,12 @@ def base_dtype(cfg: ModelConfig) -> torch.dtype:
 
 
 def apply_lora(model: nn.Module, cfg: ModelConfig) -> nn.Module:
-    """Injects the adapters into `model` in place, everything else frozen; returns `model`. On the
-    meta device sfttrain.weights draws them from the seed (`init_adapter`)."""
+    """Injects the adapters into `model` in place, everything else frozen (model.base_quant: in 4
+    bits); returns `model`. On the meta device sfttrain.weights draws them from the seed (`init_adapter`)."""
     model = wrap(model, cfg).get_base_model()
     run_parameter_adapters_eager(model)
+    if cfg.base_quant == "nf4":
+        quant.quantize_on_meta(model)
     if mixed_precision_dtypes(cfg.fsdp_config):
         # the GEMMs' dtype is set by autocast or FSDP: peft's cast of the input up to the fp32
         # adapter's dtype would only be cast back down (and a copy saved for backward)
@@ -78,6 +80,8 @@ def describe(cfg: ModelConfig) -> list[str]:
     if cfg.lora_rank <= 0:
         return []
     base = CONFIG_NAMES[base_dtype(cfg)]
+    if cfg.base_quant == "nf4":
+        base = f"NF4 (linear weights, {quant.BLOCK}-weight blocks; embeddings, norms and head in {base})"
     return [f"  lora                : rank {cfg.lora_rank}, alpha {cfg.lora_alpha} (scale "
             f"{cfg.lora_alpha / cfg.lora_rank:g}), targets {cfg.target_modules}, dropout {cfg.lora_dropout}; "
             f"frozen base in {base}, adapters and AdamW state in fp32"]
@@ -133,8 +137,8 @@ def base_identity(name: str, folder: str) -> dict:
 
 def trained_identity(m: ModelConfig, folder: str) -> dict:
     """The base's identity and the adapter settings that fix the function the adapters compute."""
-    return {**base_identity(m.partial_pretrain, folder), "adapters": {f"model.{key}": getattr(m, key) for key in
-                                                                        ("lora_rank", "lora_alpha", "target_modules")}}
+    keys = ("lora_rank", "lora_alpha", "target_modules", "base_quant")
+    return {**base_identity(m.partial_pretrain, folder), "adapters": {f"model.{key}": getattr(m, key) for key in keys}}
 
 
 def _file_fingerprint(path: str, sample: int = 1 << 16) -> list:

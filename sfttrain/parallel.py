@@ -52,6 +52,10 @@ def choose_layout(world_size: int, dp_shard: int, sp_size: int, offload: bool) -
 def check_device(cfg: Config, layout: Layout, device_type: str) -> None:
     if cfg.model.fsdp_config.offloaded() and device_type != "cuda":
         raise ConfigError("model.fsdp_config.cpu_offload/offload_params need a CUDA device; set them to false")
+    if layout == "replicated" and cfg.model.base_quant != "none":
+        raise ConfigError(f"model.base_quant={cfg.model.base_quant} with DDP (NO_SHARD or fsdp_size=1): DDP's first "
+                          "forward broadcasts every weight, which corrupts the NF4 tensors' scales; use "
+                          "model.fsdp_config.sharding_strategy=FULL_SHARD (FSDP2 gathers the NF4 shards)")
     if layout == "replicated" and _bf16_reduce(cfg) and device_type != "cuda":
         raise ConfigError("model.fsdp_config.mixed_precision.reduce_dtype=bf16 with DDP (NO_SHARD or fsdp_size=1) "
                           "compresses gradients through NCCL, on GPUs only; set reduce_dtype=fp32")

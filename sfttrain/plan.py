@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from sfttrain import quant
 from sfttrain.checkpoint import TrainState, check_same_model, estimated_bytes, trained_state_dict
 from sfttrain.checkpoint_folder import (choose_resume, describe_retention, nearest_existing, room_problem, size_text,
                                         step_of)
@@ -119,16 +120,20 @@ def memory_per_rank(cfg: Config, shape: DenseShape, model: torch.nn.Module, dp_s
     m, fsdp, tokens = cfg.model, cfg.model.fsdp_config, cfg.micro_batch_tokens()
     shard, compute = shard_group_size(fsdp, dp_size), compute_bytes(cfg)
     total = sum(p.numel() for p in model.parameters())
-    layer = max(sum(p.numel() for p in block.parameters()) for block in decoder_layers(model))
+    layer, layer_nf4 = max((sum(p.numel() for p in b.parameters()),
+                            sum(p.numel() for p in b.parameters() if quant.is_nf4(p))) for b in decoder_layers(model))
     # what training updates: every weight, or LoRA's fp32 adapters (the frozen base has no gradient or moments)
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    base = (total - trained) * base_dtype(m).itemsize  # LoRA's frozen base
+    nf4 = [p.numel() for p in model.parameters() if quant.is_nf4(p)]  # model.base_quant=nf4's weights
+    base = (total - trained - sum(nf4)) * base_dtype(m).itemsize + sum(nf4) * quant.BYTES_PER_WEIGHT
     trained *= 4 if m.lora_rank > 0 else DTYPE_BYTES[fsdp.model_dtype]
     recomputed = len(checkpointed(list(range(shape.layers)), m.gradient_checkpointing_ratio)) \
         if m.enable_gradient_checkpointing else 0
     out = {"parameters": (base + trained) / shard, "gradients": trained / shard,
            "optimizer (AdamW m, v)": 2 * trained / shard}
-    if shard > 1:
+    if shard > 1 and nf4:
+        out["NF4 weights (gathered layers)"] = 2 * (layer_nf4 * quant.BYTES_PER_WEIGHT + (layer - layer_nf4) * compute)
+    elif shard > 1:
         out[f"{'bf16' if compute == 2 else 'fp32'} weights (gathered layers)"] = 2 * layer * compute
     elif mixed_precision_dtypes(fsdp) is not None and m.lora_rank == 0:  # LoRA's base is bf16 already
         # compiled recomputed layers free their copies inside the graph
@@ -138,6 +143,9 @@ def memory_per_rank(cfg: Config, shape: DenseShape, model: torch.nn.Module, dp_s
         shape, tokens, recomputed, compute, wants_attention_kept(m, cfg.data.max_length), not m.recompute_qkv)
     adapters = 5 * shape.intermediate if m.lora_rank > 0 and not shape.sparse else 0  # LoRA on a dense MLP
     out["backward: one layer's MLP gradients"] = (shape.mlp_activations_per_token() + adapters) * tokens * compute
+    if nf4:
+        out["NF4: the largest weight dequantized (torchao's temporaries)"] = \
+            max(nf4) * quant.dequantize_bytes_per_weight(base_dtype(m))
     out[f"logits / loss chunk ({m.loss_chunk_tokens} tokens x {shape.vocab} vocab)"] = \
         m.loss_chunk_tokens * shape.vocab * compute * (2 if m.loss_kernel == "torch" else 1)
     if m.lora_rank == 0 and not m.use_liger:

@@ -16,13 +16,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from sfttrain import moe
+from sfttrain import moe, quant
 from sfttrain.lora import base_name, init_adapter, is_adapter_weight
 
 
 @contextlib.contextmanager
 def parameters_on_meta() -> Iterator[None]:
-    """Modules built inside get their parameters on the meta device; buffers are computed for real."""
+    """Modules built inside get their parameters on the meta device; buffers are computed for real.
+    (accelerate's init_empty_weights re-wraps a meta parameter at each registration: it unties weights.)"""
     register = nn.Module.register_parameter
 
     def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
@@ -81,7 +82,8 @@ def _local_index(param: torch.Tensor) -> tuple[slice, ...]:
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
-    return param.to_local() if isinstance(param, DTensor) else param
+    """The tensor a rank holds itself (to_local would wrap a parameter's in a new one)."""
+    return param._local_tensor if isinstance(param, DTensor) else param
 
 
 def _read_checkpoint(model: nn.Module, path: str) -> None:
@@ -97,7 +99,10 @@ def _read_checkpoint(model: nn.Module, path: str) -> None:
                 continue
             raise ValueError(f"{path}: no tensor {name!r} in its weight files (sfttrain reads the model's own "
                              "parameter names; checkpoints with renamed keys need converting first)")
-        _local(param).copy_(_read_slice(files[name], name, _local_index(param)))
+        if quant.is_nf4(_local(param)):  # quantized whole (its blocks' scales are the whole weight's)
+            quant.fill_shard(_local(param), _read_slice(files[name], name, ()), _local_index(param)[0])
+        else:
+            _local(param).copy_(_read_slice(files[name], name, _local_index(param)))
 
 
 def _tensor_files(path: str) -> dict[str, str]:
@@ -145,4 +150,7 @@ def _random_init(modules: list[tuple[str, nn.Module]], seed: int, device: torch.
         finally:
             module._parameters.update(owned)
         for n, p in owned.items():
-            _local(p).copy_(full[n][_local_index(p)])
+            if quant.is_nf4(_local(p)):
+                quant.fill_shard(_local(p), full[n], _local_index(p)[0])
+            else:
+                _local(p).copy_(full[n][_local_index(p)])

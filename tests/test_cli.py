@@ -69,7 +69,7 @@ def test_help_finds_keys_by_a_word_or_another_trainers_name():
         return re.findall(r"^  ([a-z_.]+)=", format_help(word), re.MULTILINE)
 
     assert keys("lora") == ["model.fold_lora", "model.lora_rank", "model.lora_alpha", "model.target_modules",
-                            "model.lora_dropout", "model.fuse_projections"]  # the last by its help
+                            "model.lora_dropout", "model.fuse_projections", "model.base_quant"]  # the last two: help
     assert keys("learning_rate") == ["optim.lr"] and keys("gradient_checkpointing") == [
         "model.enable_gradient_checkpointing", "model.gradient_checkpointing_ratio"]
     assert keys("profile") == ["trainer.profile_steps", "trainer.profile_memory"]

@@ -282,7 +282,7 @@ RECIPES = {
     "w1_qwen2.5-0.5b": (1, "qwen0.5b", ["data.train_files=~/data/gsm8k/train.parquet"]),
     "qwen2.5-0.5b_gsm8k": (4, "qwen0.5b", []), "llama3.1-8b_full_8gpu": (8, "llama8b", []),
     "llama3.1-8b_lora_1gpu": (1, "llama8b", []), "qwen2.5-0.5b_multiturn_chat": (8, "qwen0.5b", []),
-    "qwen2.5-7b_long_context_ulysses": (8, "qwen7b", []),
+    "qwen2.5-7b_long_context_ulysses": (8, "qwen7b", []), "llama3.1-70b_qlora_1gpu": (1, "llama70b", []),
 }
 
 
@@ -315,6 +315,8 @@ def test_recipe_preflight(name, tmp_path, monkeypatch, gsm8k_dir):
     monkeypatch.chdir(tmp_path)
     folders = {"stories": STORIES, "qwen0.5b": config_only_folder(tmp_path / "q", QWEN25_05B),
                "llama8b": config_only_folder(tmp_path / "l", LLAMA31_8B),
+               "llama70b": config_only_folder(tmp_path / "l70", dict(LLAMA31_8B, hidden_size=8192, num_hidden_layers=80,
+                                                                     intermediate_size=28672, num_attention_heads=64)),
                "qwen7b": config_only_folder(tmp_path / "q7", dict(QWEN25_05B, hidden_size=3584, intermediate_size=18944,
                                                                   num_hidden_layers=28, num_attention_heads=28,
                                                                   num_key_value_heads=4, vocab_size=152064,

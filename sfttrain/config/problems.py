@@ -248,10 +248,6 @@ def _validate_lora(m: ModelConfig) -> Iterator[str]:
         yield f"model.lora_alpha must be positive, got {m.lora_alpha}"
     if not 0.0 <= m.lora_dropout < 1.0:
         yield f"model.lora_dropout must lie in [0, 1), got {m.lora_dropout}"
-    if m.random_init:
-        yield ("model.lora_rank > 0 with model.random_init=true: LoRA adapts pretrained weights, and a "
-               "random base would be in no checkpoint (they hold the adapters only); save the random "
-               "model to a folder first, or set model.lora_rank=0")
     targets = m.target_modules
     if not (isinstance(targets, str) or (isinstance(targets, list) and all(isinstance(t, str) for t in targets))):
         yield f"model.target_modules must be all-linear or a list of linear layer names, got {targets!r}"

@@ -25,7 +25,7 @@ from sfttrain.flops import ModelShape, mfu
 
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 # the seed article's LoRA settings (its keys as sfttrain takes them), on weights loaded from the model
-# folder: sfttrain refuses LoRA on a random base (no checkpoint would hold it)
+# folder, as a user's LoRA run adapts a saved model
 LORA = ["model.random_init=false", "model.lora_rank=64", "model.lora_alpha=32", "model.target_modules=all-linear"]
 # GSM8K's whole train file (7473 rows), where this checkout finds one (docs/workloads.md, "The data"):
 # .bench_data/ on the GPU machines, the shared folder beside the checkouts here

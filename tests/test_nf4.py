@@ -233,7 +233,9 @@ def test_the_preflight_counts_the_weights_nf4_holds():
     values, scales and factors; the rest in fp32). Within 2%: the preflight counts QLoRA's 256 scales
     per factor and no per-tensor mean and lookup table, which stories260K's small matrices make ~1%."""
     from sfttrain.config import load_config
-    from sfttrain.model import load_model, materialise_model
+    from sfttrain.hub import model_config
+    from sfttrain.lora import apply_lora
+    from sfttrain.model import build_on_meta, load_model, materialise_model
     from sfttrain.plan import GIB, DenseShape, memory_per_rank
 
     cfg = load_config(None, ["data.train_files=x.parquet", f"model.partial_pretrain={STORIES}", *NF4,
@@ -243,7 +245,8 @@ def test_the_preflight_counts_the_weights_nf4_holds():
     held = sum(sum(t.nbytes for t in (p.quantized_data, p.quantized_scalers, p.quantization_factor, p.scaler_mean,
                                       p.nf4)) if type(p).__name__ == "NF4Tensor" else p.nbytes
                for p in model.parameters())
-    planned = memory_per_rank(cfg, DenseShape.from_config_json(str(STORIES)), dp_size=1)["parameters"] * GIB
+    meta = apply_lora(build_on_meta(cfg.model, model_config(str(STORIES), False)), cfg.model)  # as the preflight
+    planned = memory_per_rank(cfg, DenseShape.from_config_json(str(STORIES)), meta, dp_size=1)["parameters"] * GIB
     unquantized = sum(p.numel() * 4 for p in model.parameters())
     assert planned == pytest.approx(held, rel=0.02) and held < 0.7 * unquantized
 

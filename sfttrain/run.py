@@ -62,14 +62,14 @@ def stop(error: UserError) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in ("-h", "--help"):
-        print_help(argv[1] if len(argv) > 1 else None)
-        return
-    runtime = Runtime().start()  # before any thread starts
     try:
+        if argv and argv[0] in ("-h", "--help"):
+            print_help(argv[1] if len(argv) > 1 else None)
+            return
         cfg = load_config(*parse_args(argv), check=False)  # its problems are listed with the start-up checks
     except UserError as e:
         stop(e)
+    runtime = Runtime().start()  # before any thread starts
     one_thread_without_torchrun()
     # torch loads only now: a config mistake is said within a second; `record` gives torchrun a bug's traceback
     from torch.distributed.elastic.multiprocessing.errors import record

@@ -14,7 +14,7 @@ from torch import nn
 from sfttrain import attention
 from sfttrain.config import ConfigError, load_config
 from sfttrain.data.batching import make_plan
-from sfttrain.distributed import _mesh_shape
+from sfttrain.distributed import check_world
 from sfttrain.sequence_parallel import SequenceParallel, check_model
 from tests.conftest import BASE_OVERRIDES, STORIES, load_checkpoint_model, read_metrics, run_on_ranks, run_sfttrain
 
@@ -141,8 +141,8 @@ def test_world_and_batch_not_divisible_are_refused_in_data_parallel_ranks(tmp_pa
     cfg = load_config(overrides=[f"model.partial_pretrain={STORIES}", f"data.train_files={tmp_path}/x.parquet",
                                  f"model.ulysses_sequence_parallel_size={SP}", "data.train_batch_size=6"])
     with pytest.raises(ConfigError, match="ulysses_sequence_parallel_size=2 must divide the world size 3"):
-        _mesh_shape(cfg, 3)
-    assert _mesh_shape(cfg, 8) == (1, 4)
+        check_world(cfg, 3)
+    assert check_world(cfg, 8) == (1, 4)
     with pytest.raises(ConfigError, match=r"not divisible by the 4 data-parallel ranks \(8 ranks = 4 data-parallel x "
                                           r"2 sequence-parallel\); use data.train_batch_size=16"):
         make_plan(cfg, 4, 100)

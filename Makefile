@@ -1,5 +1,5 @@
 # make demo : set up .venv/ and train the tiny real model on a GSM8K sample, 2 CPU ranks
-# make test : set up .venv/, lint the tree (ruff) and run the test suite
+# make test : set up .venv/, lint the tree (ruff), type-check the engine (mypy) and run the test suite
 # make clean: remove .venv/ and work/ (the demo's data and runs)
 #
 # Everything is installed into the project virtualenv .venv/ (created with $(PYTHON) -m venv):
@@ -52,6 +52,7 @@ TEST_WORKERS ?= 2
 ALLOWED_SKIPS ?= --allowed-skips=tests/allowed_skips.txt
 test: $(STAMP)
 	$(PY) -m ruff check .
+	$(PY) -m mypy
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(ALLOWED_SKIPS) $(PYTEST_ARGS)
 
 clean:

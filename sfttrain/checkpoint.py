@@ -39,8 +39,8 @@ from sfttrain.checkpoint_folder import STATE_FILE, complete_checkpoints, enforce
 # re-exported (noqa): the trainer, the preflight and the exporter know them as sfttrain.checkpoint's
 from sfttrain.checkpoint_load import (TrainState, check_same_model, estimated_bytes, load,  # noqa: F401
                                       read_back, rng_state, state_dicts, trained_state_dict)  # noqa: F401
-from sfttrain.checkpoint_writer import OneLineError, Staging, WriterProcess, cuda_room, one_line, tensor_bytes, \
-    write_shards, writer_kind
+from sfttrain.checkpoint_writer import DeviceCopy, OneLineError, Staging, WriterProcess, cuda_room, one_line, \
+    tensor_bytes, write_shards, writer_kind
 from sfttrain.config import Config, ConfigError, to_yaml
 from sfttrain.distributed import World, decided_by_rank0, from_every_rank, ranks_of_this_launcher
 from sfttrain.errors import CheckpointError, data_worker_died
@@ -62,11 +62,11 @@ class Checkpointer:
     trainer.async_save_in_flight saves in flight waits for the oldest; the final save waits for all.
     `report(record, line)` gets each commit's size and seconds (stall, write, until the commit)."""
 
-    def __init__(self, run_dir: str, world: World, cfg: Config, run_id: str, report: Callable[[dict, str], None],
-                 model, optimizer, tokenizer):
+    def __init__(self, run_dir: str, world: World, cfg: Config, run_id: str,
+                 report: Callable[[Optional[dict], str], None], model, optimizer, tokenizer):
         self.run_dir, self.world, self.cfg, self.run_id, self.report = run_dir, world, cfg, run_id, report
         self.model, self.optimizer, self.tokenizer = model, optimizer, tokenizer  # what each save holds
-        self.config_yaml = to_yaml(cfg) if world.is_main else None  # once: rendering it per save stalls
+        self.config_yaml = to_yaml(cfg) if world.is_main else ""  # once: rendering it per save stalls
         self.pending: collections.deque[PendingSave] = collections.deque()  # oldest first
         own = complete_checkpoints(run_dir, run_id)
         self.last_bytes = tree_bytes(own[-1][1]) if own and world.is_main else None  # rank 0's space check
@@ -84,7 +84,7 @@ class Checkpointer:
         self.in_process = writer_kind(cfg.trainer.async_save_writer, world.device) == "process"
         self.process: Optional[WriterProcess] = None
         pinned = cfg.trainer.async_save_pinned and world.device.type == "cuda"
-        self.staging = Staging(world.device, pinned, shared=self.in_process) if cfg.trainer.async_save else None
+        self.staging = Staging(world.device, pinned, shared=self.in_process)  # background saves' copies
         # fewer where the staging memory holds fewer copies (agreed after the first step: _reserve_slots)
         self.slots, self.slots_agreed = cfg.trainer.async_save_in_flight, False
         # one writer: every rank writes its saves in the same order, so DCP's collectives pair up
@@ -112,7 +112,8 @@ class Checkpointer:
             self._replace_lost_writer()
         tmp = os.path.join(self.run_dir, f".global_step_{state.step}.tmp")
         self._agree(state.step, tmp, _attempt(lambda: self._prepare(tmp)))
-        state_dict, slot, error = None, None, None
+        state_dict: dict | DeviceCopy | None = None
+        slot, error = None, None
         try:
             model_sd, optim_sd = state_dicts(self.model, self.optimizer)
             state_dict = {"model": model_sd, "optim": optim_sd}
@@ -121,6 +122,7 @@ class Checkpointer:
         except WRITE_ERRORS as e:  # noqa: BLE001 - any failure of any rank is agreed on below
             error = _save_error(e)
         self._agree(state.step, tmp, error)  # before the write, whose collectives need every rank
+        assert state_dict is not None  # taken, or _agree has raised
         future = self.writer.submit(self._write, state_dict, tmp, slot, self._small_files(state, wandb_id), started)
         del state_dict
         self.pending.append(PendingSave(state.step, tmp, os.path.join(self.run_dir, f"global_step_{state.step}"),
@@ -132,7 +134,7 @@ class Checkpointer:
         """Collective, after every step: commits, oldest first, the saves every rank has written (one tiny
         all-reduce while a save is in flight). After the first step (the optimizer's state exists) it
         reserves the staging of the saves to come."""
-        if self.staging is not None and not self.slots_agreed and self.cfg.trainer.save_freq > 0:
+        if self.cfg.trainer.async_save and not self.slots_agreed and self.cfg.trainer.save_freq > 0:
             self._reserve_slots()
         while self.pending and self._all_written(self.pending[0].future.done()):
             self._commit()
@@ -174,7 +176,7 @@ class Checkpointer:
         started = time.perf_counter()
         pinned = self.staging.reserve(live, self.slots, on_device)
         for slot in pinned if self.in_process else []:  # sent to the writer process now, not with a save's write
-            self.writer.submit(lambda slot=slot: self._writer_process().write(self.staging.kept[slot], slot))
+            self.writer.submit(lambda kept: self._writer_process().write(self.staging.kept[kept], kept), slot)
         if not self.world.is_main:
             return
         where = (f"on {device} (its free memory holds {self.slots} beside the first step's peak), then copied to "
@@ -222,7 +224,7 @@ class Checkpointer:
             files["config.yaml"] = self.config_yaml
         return files
 
-    def _write(self, state_dict: dict, tmp: str, slot: Optional[int], small_files: dict[str, str | bytes],
+    def _write(self, state_dict: dict | DeviceCopy, tmp: str, slot: Optional[int], small_files: dict[str, str | bytes],
                started: float) -> tuple[float, float]:
         """The writer thread: the small files (first: DCP's write ends once every rank has begun it, so rank
         0's fsync of the folder after it covers them), then the shards, a background save's in the writer
@@ -238,7 +240,8 @@ class Checkpointer:
                     self.model.generation_config.save_pretrained(hf)
                 self.tokenizer.save_pretrained(hf)
             threads = self.cfg.trainer.save_thread_count
-            if slot is not None:  # a background save: its host copy (made now if it was staged on the device)
+            if isinstance(state_dict, DeviceCopy):  # staged on the device: its host copy is made now
+                assert slot is not None  # Staging.stage gives every copy a slot
                 state_dict = self.staging.to_host(state_dict, slot)
             if slot is None or not self.in_process:
                 write_s = write_shards(state_dict, tmp, threads, self.write_group, self.world.is_main)
@@ -260,7 +263,7 @@ class Checkpointer:
     def _replace_lost_writer(self) -> None:
         """Collective, before a save with none in flight: a writer process that ended (the OOM killer)
         would fail this save; the writers form one group, so every rank's is replaced."""
-        codes = [None] * self.world.world_size
+        codes: list[Optional[int]] = [None] * self.world.world_size
         dist.all_gather_object(codes, self.process and self.process.exit_code(), group=self.agree_group)
         lost = {rank: code for rank, code in enumerate(codes) if code is not None}
         if not lost:
@@ -332,7 +335,7 @@ class Checkpointer:
 
     def _commit(self) -> None:
         p, world = self.pending.popleft(), self.world
-        error, renamed = None, False
+        error, renamed, size = None, False, 0
         if world.is_main:
             try:
                 size = write_complete(p.tmp)
@@ -346,14 +349,17 @@ class Checkpointer:
         self.committed = p.final
         if not world.is_main:
             return
-        enforce_retention(self.run_dir, self.cfg.trainer.max_ckpt_to_keep, self.run_id,
-                          delete=lambda path: self.cleaner.submit(shutil.rmtree, hide(path), True))
+
+        def delete_later(path: str) -> None:
+            self.cleaner.submit(shutil.rmtree, hide(path), True)
+
+        enforce_retention(self.run_dir, self.cfg.trainer.max_ckpt_to_keep, self.run_id, delete=delete_later)
         write_s, written_s = p.future.result()
-        self._report(p, self.last_bytes, write_s, written_s, time.perf_counter() - p.started)
+        self._report(p, size, write_s, written_s, time.perf_counter() - p.started)
         log = logging.getLogger("sfttrain")
-        if (free := shutil.disk_usage(self.run_dir).free) < self.last_bytes:
+        if (free := shutil.disk_usage(self.run_dir).free) < size:
             log.warning(f"{self.run_dir} has {size_text(free)} free and a checkpoint takes "
-                        f"{size_text(self.last_bytes)}: the next save will not fit (retention deletes the oldest only "
+                        f"{size_text(size)}: the next save will not fit (retention deletes the oldest only "
                         "after the next commit). Free space now, or the next save stops the run (it then resumes from "
                         "the last checkpoint)")
         # once, where a SIGTERM's save would outlast the default grace (sfttrain.stop_signal)

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 
@@ -62,6 +63,7 @@ def load(path: str, model, optimizer, scheduler, world: World, cfg: Config, curr
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
                    options=STATE_DICT_OPTIONS)
     del model_sd, optim_sd
+    assert current.schedule is not None  # this run's own state, made with its schedule
     set_step(optimizer, scheduler, cfg.optim, current.schedule["total steps"], extra["step"])
     if extra["world_size"] == world.world_size and (rng := _read_rng_states(path, world)):
         set_rng_state(rng)
@@ -133,8 +135,8 @@ def check_same_model(path: str, model_sd: dict) -> None:
     stored = {k[len("model."):]: md for k, md in metadata.state_dict_metadata.items() if k.startswith("model.")}
     missing = sorted(set(model_sd) - set(stored))
     extra = sorted(set(stored) - set(model_sd))  # e.g. adapters on other layers (model.target_modules)
-    shapes = [f"{k}: checkpoint {tuple(stored[k].size)} vs model {tuple(v.shape)}" for k, v in model_sd.items()
-              if k in stored and hasattr(stored[k], "size") and tuple(stored[k].size) != tuple(v.shape)]
+    shapes = [f"{k}: checkpoint {tuple(md.size)} vs model {tuple(v.shape)}" for k, v in model_sd.items()
+              if isinstance(md := stored.get(k), TensorStorageMetadata) and tuple(md.size) != tuple(v.shape)]
     if missing or extra or shapes:
         raise ConfigError(f"{path} was written for another model than model.partial_pretrain (or another "
                           f"LoRA setup: model.lora_rank, model.target_modules): {len(missing)} weights missing "
@@ -157,7 +159,9 @@ def rng_state() -> dict:
     """Every RNG's state as tensors, ints and lists only: it loads with torch.load(weights_only=True),
     so a checkpoint file is never unpickled (a pickle can run code)."""
     version, mt_state, gauss = random.getstate()
-    name, keys, pos, has_gauss, cached = np.random.get_state()
+    legacy = np.random.get_state()
+    assert isinstance(legacy, tuple)  # numpy's global RandomState is an MT19937, whose legacy state is a tuple
+    name, keys, pos, has_gauss, cached = legacy
     state = {"python": [version, list(mt_state), gauss], "numpy": [name, torch.from_numpy(keys.astype(np.int64)),
                                                                     pos, has_gauss, cached],
              "torch": torch.get_rng_state()}

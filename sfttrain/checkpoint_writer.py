@@ -76,7 +76,7 @@ class KeptErrors(FileSystem):
     (thread_count > 1), whose death would print a traceback and leave their items out of a checkpoint that
     looks whole. A file that cannot be opened is written nowhere."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         self.errors: list[Exception] = []
 
@@ -234,7 +234,7 @@ class DeviceCopy:
     writer thread when the save's turn comes (Staging.to_host); on CUDA, `ready` after the copies."""
 
     def __init__(self, state_dict: dict, device: torch.device):
-        self.state_dict: Optional[dict] = _map(state_dict, lambda t: t.detach().clone())
+        self.state_dict: dict = _map(state_dict, lambda t: t.detach().clone())
         self.ready = torch.cuda.Event() if device.type == "cuda" else None
         if self.ready is not None:
             self.ready.record(torch.cuda.current_stream(device))
@@ -268,10 +268,8 @@ class Staging:
         slot = min(set(range(len(busy) + 1)) - busy)
         return self._into_host(state_dict, slot), slot
 
-    def to_host(self, staged: dict | DeviceCopy, slot: int) -> dict:
-        if not isinstance(staged, DeviceCopy):
-            return staged
-        on_device, staged.state_dict = staged.state_dict, None  # the device copy is freed once copied
+    def to_host(self, staged: DeviceCopy, slot: int) -> dict:
+        on_device, staged.state_dict = staged.state_dict, {}  # the device copy is freed once copied
         if staged.ready is None:
             return self._into_host(on_device, slot)
         with torch.cuda.device(self.device):

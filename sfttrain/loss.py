@@ -5,7 +5,7 @@ hidden states chunk by chunk, so the [tokens, vocab] logits are never held whole
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Union
 
 import torch
 from torch import nn
@@ -14,6 +14,14 @@ from sfttrain.config import ConfigError
 from sfttrain.errors import GPU_INSTALL
 from sfttrain.data.pack import IGNORE_INDEX, MicroBatch
 from sfttrain.moe import RouterBalance
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedModel
+
+# a Hugging Face causal LM, LoRA's PeftModel around one (which forwards the model's attributes)
+CausalLM = Union["PreTrainedModel", "PeftModel"]
+
 
 @dataclass(frozen=True)
 class OutputHead:
@@ -48,7 +56,7 @@ def output_head(config) -> OutputHead:
 
 
 class CausalLMLoss(nn.Module):
-    def __init__(self, model: nn.Module, fused: bool, compiled_max_seqlen: int | None = None,
+    def __init__(self, model: CausalLM, fused: bool, compiled_max_seqlen: int | None = None,
                  chunk_loss: ChunkLoss | None = None, chunk_tokens: int = 1024):
         """fused: Liger's fused linear cross-entropy. compiled_max_seqlen: the attention's max sample
         length, fixed so that the compiled decoder does not recompile per value."""
@@ -83,9 +91,11 @@ class CausalLMLoss(nn.Module):
         head = self.model.get_output_embeddings()
         weight, bias = head.weight, getattr(head, "bias", None)
         labels = batch.labels.view(-1)
-        if batch.loss_rows.numel():
+        rows = batch.loss_rows
+        assert rows is not None  # set by MicroBatch.__post_init__
+        if rows.numel():
             # only positions with a target need logits; the others get a zero gradient
-            hidden, labels = hidden.index_select(0, batch.loss_rows), labels.index_select(0, batch.loss_rows)
+            hidden, labels = hidden.index_select(0, rows), labels.index_select(0, rows)
         compute_dtype = self.autocast_dtype or weight.dtype
         if self.fused:
             from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy

@@ -10,7 +10,7 @@ from typing import Literal
 import torch
 from torch.distributed._composable.replicate import DDP, replicate
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.torch_version import TorchVersion
 
 from sfttrain import fp8, fuse_projections, recompute, sequence_parallel
@@ -103,6 +103,7 @@ def replicate_model(lm: CausalLMLoss, world: World, cfg: Config) -> None:
     replicate(lm, process_group=world.mesh["dp_replicate"].get_group(), bucket_cap_mb=100,
               gradient_as_bucket_view=True)
     if _bf16_reduce(cfg):
+        assert isinstance(lm, DDP)  # replicate gave lm a DDP subclass of its class
         lm.register_comm_hook(None, bf16_compress_hook)
 
 
@@ -199,21 +200,19 @@ def describe_compile(cfg: Config, world: World, model_config) -> str:
 def shard(lm: CausalLMLoss, world: World, cfg: Config, offload: bool) -> None:
     fsdp = cfg.model.fsdp_config
     dtypes = mixed_precision_dtypes(fsdp)
-    # 1-D mesh: FSDP; 2-D (replicate x shard): HSDP
-    common = dict(mesh=world.fsdp_mesh(), reshard_after_forward=fsdp.sharding_strategy != "SHARD_GRAD_OP")
-    if dtypes:
-        common["mp_policy"] = MixedPrecisionPolicy(param_dtype=DTYPE[dtypes[0]], reduce_dtype=DTYPE[dtypes[1]])
-    if offload:
-        common["offload_policy"] = CPUOffloadPolicy()
+    mesh = world.fsdp_mesh()  # 1-D mesh: FSDP; 2-D (replicate x shard): HSDP
+    reshard = fsdp.sharding_strategy != "SHARD_GRAD_OP"
+    mp_policy = (MixedPrecisionPolicy(param_dtype=DTYPE[dtypes[0]], reduce_dtype=DTYPE[dtypes[1]]) if dtypes
+                 else MixedPrecisionPolicy())
+    offload_policy = CPUOffloadPolicy() if offload else OffloadPolicy()
     layers = decoder_layers(lm.model)
     compile_decoder(lm, world, cfg)
-    for i, layer in enumerate(layers):
-        # backward needs the last layer's and the root's parameters again at once: kept gathered
-        last = i == len(layers) - 1
-        fully_shard(layer, **{**common, "reshard_after_forward": common["reshard_after_forward"] and not last})
-    fully_shard(lm, **{**common, "reshard_after_forward": False})
+    # backward needs the last layer's and the root's parameters again at once: kept gathered
+    sharded = [fully_shard(layer, mesh=mesh, reshard_after_forward=reshard and i < len(layers) - 1,
+                           mp_policy=mp_policy, offload_policy=offload_policy) for i, layer in enumerate(layers)]
+    fully_shard(lm, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy, offload_policy=offload_policy)
     if fsdp.forward_prefetch:
-        for layer, nxt in zip(layers, layers[1:]):
+        for layer, nxt in zip(sharded, sharded[1:]):
             layer.set_modules_to_forward_prefetch([nxt])
     # offloaded parameters live on the host (FSDP copies them to the device per layer)
     materialise_model(lm.model, cfg.model, torch.device("cpu") if offload else world.device, world.device,

@@ -233,7 +233,7 @@ class FSDPSFTTrainer:
         totals = torch.cat([loss_sum.reshape(1), self.stop_flag(), router_stats(self.lm, loss_sum.device)])
         dist.all_reduce(totals)  # one all-reduce: the loss, the ranks' votes to stop, the router's statistics
         loss_sum = totals[0]
-        lr = self.scheduler.get_last_lr()[0]
+        lr = float(self.scheduler.get_last_lr()[0])
         # the optimizer's list, not the model's: walking LoRA's thousands of modules costs host time each step
         params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
         max_norm = self.cfg.optim.clip_grad if self.cfg.optim.clip_grad > 0 else math.inf
@@ -280,18 +280,19 @@ class FSDPSFTTrainer:
         self.runtime.enter(f"validation after step {self.state.step}")
         self.lm.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.world.device)
-        votes = None
+        votes, stopped = None, False
+        assert self.val_batches is not None  # the loop validates only with validation data
         for micro in self.val_batches:
             totals[0] += self.lm(micro.to(self.world.device)).double()
             totals[1] += micro.num_loss_tokens
             if self.cfg.trainer.save_on_sigterm:
                 if votes is not None and votes.item() > 0:
-                    self.stopping, totals = True, None
+                    self.stopping = stopped = True
                     break
                 votes = self.stop_flag().clone()
                 dist.all_reduce(votes)
         self.lm.train()
-        if totals is None:
+        if stopped:
             return None
         dist.all_reduce(totals)
         return (totals[0] / totals[1].clamp(min=1)).item()

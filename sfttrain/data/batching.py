@@ -32,9 +32,9 @@ class BatchPlan:
         return self.global_batch // self.dp_size
 
     @property
-    def accum_steps(self) -> Optional[int]:
-        """Micro-batches per optimizer step (None: decided per step by the token budget)."""
-        return None if self.token_budget else self.samples_per_rank // self.micro_batch
+    def accum_steps(self) -> int:
+        """Micro-batches per optimizer step without a token budget (with one: decided per step)."""
+        return self.samples_per_rank // self.micro_batch
 
     def describe(self) -> str:
         if self.token_budget:

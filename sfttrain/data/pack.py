@@ -75,7 +75,8 @@ def shifted_labels(sample: RenderedSample) -> list[int]:
 def pack(samples: list[RenderedSample], pad_to: int = 1) -> MicroBatch:
     if not samples:
         return empty_micro_batch()
-    input_ids, labels, positions, bounds = [], [], [], [0]
+    input_ids, labels, bounds = [], [], [0]
+    positions: list[int] = []
     for s in samples:
         input_ids += s.input_ids
         labels += shifted_labels(s)

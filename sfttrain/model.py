@@ -19,7 +19,7 @@ from sfttrain.dtypes import DTYPE
 from sfttrain.errors import GPU_INSTALL, DependencyError
 from sfttrain.faults import unreadable
 from sfttrain.hub import local_model_path, model_config
-from sfttrain.loss import output_head
+from sfttrain.loss import CausalLM, output_head
 from sfttrain.moe import RouterBalance
 
 
@@ -67,7 +67,7 @@ def embedding_rows(cfg: ModelConfig, folder: str) -> int | None:
 
 @dataclass
 class LoadedModel:
-    model: nn.Module
+    model: CausalLM
     attn_backend: str
     liger: bool  # Liger's kernels patched in, and its fused loss to be used
 

@@ -12,8 +12,7 @@ import torch.distributed as dist
 
 from sfttrain import checks, checkpoint, export, fp8, lora, moe, profiling, recompute
 from sfttrain.attention import describe_backend, fallback_warning
-from sfttrain.checkpoint_folder import (complete_checkpoints, describe_retention, is_complete, read_state,
-                                        remove_stale_tmp)
+from sfttrain.checkpoint_folder import describe_retention, is_complete, read_state, remove_stale_tmp
 from sfttrain.config import Config, logger_names, moot_settings
 from sfttrain.data.loader import (StepBatch, TrainData, cpus_of_this_process, describe_workers, step_batches,
                                   validation_batches)
@@ -254,7 +253,7 @@ class FSDPSFTTrainer:
             raise NonFiniteLossError(
                 f"non-finite loss ({loss}) or grad norm ({grad_norm}) at step {queued.step} "
                 f"(epoch {batch.epoch}); the update was NOT applied. Rows of this step: {batch.rows[:16]}... "
-                f"Lower optim.lr, keep optim.clip_grad > 0, or check those rows; {self._restart_hint()}")
+                f"Lower optim.lr, keep optim.clip_grad > 0, or check those rows. {what_next(self.cfg.trainer)}")
         self.stopping = self.stopping or stop_votes > 0
         metrics = {"loss": loss, "lr": queued.lr, "grad_norm": grad_norm, **router_metrics(self.lm, router, batch)}
         seconds = self.timer.lap(queued.end)
@@ -262,12 +261,6 @@ class FSDPSFTTrainer:
                                   self.world.world_size, self.world.device))
         metrics.update(epoch=batch.epoch, data_wait_s=queued.data_wait, **memory_stats(self.world.device))
         self.logger.log(queued.step, metrics)
-
-    def _restart_hint(self) -> str:
-        saved = complete_checkpoints(self.run_dir, self.state.run_id)
-        if saved:
-            return f"then resume from {saved[-1][1]} (trainer.resume_mode=auto does)."
-        return "no checkpoint was written yet, so the run restarts from the beginning."
 
     def saves(self, step: int, last: bool) -> bool:
         t = self.cfg.trainer

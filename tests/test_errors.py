@@ -140,7 +140,8 @@ def catalogue(tmp: Path) -> dict[str, Case]:
         # the trainer reads a step's numbers only once the next step is queued
         "non_finite_loss": Case(["optim.lr=1e30", "optim.clip_grad=0", "data.train_batch_size=4",
                                  "data.micro_batch_size_per_gpu=4"],
-                                ["non-finite loss", "at step 2 ", "NOT applied", "no checkpoint was written yet"],
+                                ["non-finite loss", "at step 2 ", "NOT applied",
+                                 "The same command then starts afresh: no checkpoint was committed yet"],
                                 NON_FINITE, torchrun=True),
     }
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -23,22 +22,11 @@ FP8_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with FP8 tensor cores
 INSTALL = "pip install -e '.[fp8]'"
 
 
-@dataclass(frozen=True)
-class Fp8Choice:
-    recipe: str | None  # "tensorwise" | "rowwise" | None (off)
-    reason: str  # why, for the start-up line
-
-
-def choose(cfg: ModelConfig, hidden_size: int) -> Fp8Choice:
-    """model.fp8 resolved for a model of `hidden_size` (auto decides by it)."""
-    if cfg.fp8 == "off":
-        return Fp8Choice(None, "model.fp8=off")
+def choose(cfg: ModelConfig, hidden_size: int) -> str:
+    """model.fp8 resolved for a model of `hidden_size`: auto is tensorwise from AUTO_MIN_HIDDEN on, else off."""
     if cfg.fp8 != "auto":
-        return Fp8Choice(cfg.fp8, f"model.fp8={cfg.fp8}")
-    if hidden_size >= AUTO_MIN_HIDDEN:
-        return Fp8Choice("tensorwise", f"model.fp8=auto: hidden_size {hidden_size} >= {AUTO_MIN_HIDDEN}")
-    return Fp8Choice(None, f"model.fp8=auto: off, hidden_size {hidden_size} < {AUTO_MIN_HIDDEN} (GEMMs this small "
-                           "lose more to FP8's scaling casts than its faster matmuls save)")
+        return cfg.fp8
+    return "tensorwise" if hidden_size >= AUTO_MIN_HIDDEN else "off"
 
 
 def convertible(layers: list[nn.Module]) -> tuple[list[str], list[str]]:
@@ -78,10 +66,9 @@ def float8_api():
     return float8
 
 
-def apply(model: nn.Module, cfg: ModelConfig, fsdp_all_gather: bool) -> None:
-    """model.fp8 applied to the (meta) model before it is compiled and sharded."""
-    recipe = choose(cfg, hidden_size(model)).recipe
-    if recipe is not None:
+def apply(model: nn.Module, cfg: ModelConfig, recipe: str, fsdp_all_gather: bool) -> None:
+    """The resolved model.fp8 applied to the (meta) model before it is compiled and sharded."""
+    if recipe != "off":
         convert(decoder_layers(model), recipe, fsdp_all_gather, cfg.fp8_fast_accum_grads)
 
 
@@ -116,13 +103,17 @@ def scale_precompute_hook(model: nn.Module) -> Callable | None:
     return lambda _optimizer, _args, _kwargs: precompute(model)
 
 
-def describe(model: nn.Module, cfg: ModelConfig) -> list[str]:
+def describe(model: nn.Module, cfg: ModelConfig, recipe: str) -> list[str]:
     """The start-up line on FP8 (none with model.fp8=off), read from the converted model."""
     if cfg.fp8 == "off":
         return []
-    choice, converted = choose(cfg, hidden_size(model)), converted_layers(model)
-    if choice.recipe is None or not converted:
-        why = choice.reason if choice.recipe is None else "no linear layer has dimensions that are multiples of 16"
+    hidden, converted = hidden_size(model), converted_layers(model)
+    reason = f"model.fp8={cfg.fp8}"
+    if cfg.fp8 == "auto":
+        reason += f": hidden_size {hidden} {'<' if recipe == 'off' else '>='} {AUTO_MIN_HIDDEN}"
+    if recipe == "off" or not converted:
+        why = (f"{reason}: GEMMs this small lose more to FP8's scaling casts than its faster matmuls save"
+               if recipe == "off" else "no linear layer has dimensions that are multiples of 16")
         return [f"  fp8                 : off ({why})"]
     ids = {id(m) for m in converted}
     names = sorted({name for layer in decoder_layers(model) for name, m in layer.named_modules() if id(m) in ids})
@@ -133,10 +124,9 @@ def describe(model: nn.Module, cfg: ModelConfig) -> list[str]:
     skipped = convertible(decoder_layers(model))[1]  # plain linear layers left: dimensions that do not fit
     bf16 = ["lm_head", *(["the experts' grouped GEMMs"] if routing(model.config) else []),
             *([f"{len(skipped)} linear layers with a dimension not a multiple of 16"] if skipped else [])]
-    hidden = hidden_size(model)
     warnings = [*([] if cfg.compile else ["model.compile=false runs FP8's scaling casts as kernels of their own"]),
                 *([f"hidden_size {hidden} < {AUTO_MIN_HIDDEN}: GEMMs this small usually run slower in FP8 "
                    "(model.fp8=auto keeps it off)"] if hidden < AUTO_MIN_HIDDEN else [])]
-    return [f"  fp8                 : {choice.recipe} scaling ({choice.reason}), {len(converted)} linear layers "
+    return [f"  fp8                 : {recipe} scaling ({reason}), {len(converted)} linear layers "
             f"({', '.join(names)}){gather}; fast accumulation in {accum}; bf16: {', '.join(bf16)}"
             + "".join(f"; WARNING: {w}" for w in warnings)]

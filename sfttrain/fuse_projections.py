@@ -30,13 +30,13 @@ FROZEN_GROUP_MAX_BYTES = 32 * 2**20  # where copying the weights costs what the 
 LINEAR = (torch._C._nn.linear, F.linear)  # a linear layer in dynamo's graph
 
 
-def graph_pass(cfg: ModelConfig, model_config) -> FuseSharedInputProjections | None:
-    """The pass model.fuse_projections asks for (None: off), folding LoRA's groups first with model.fold_lora."""
-    if not cfg.fuses_projections():
+def graph_pass(cfg: ModelConfig, model_config, fuse: bool, fold_lora: bool) -> FuseSharedInputProjections | None:
+    """The pass for model.fuse_projections and model.fold_lora as resolved (`fuse`, `fold_lora`); None: off."""
+    if not fuse:
         return None
     hidden, qkv = qkv_weight_shape(model_config)
     bound = math.inf if cfg.fuse_projections is True else FROZEN_GROUP_MAX_BYTES
-    return FuseSharedInputProjections(bound, None if cfg.recompute_qkv else (qkv, hidden), cfg.folds_lora())
+    return FuseSharedInputProjections(bound, None if cfg.recompute_qkv else (qkv, hidden), fold_lora)
 
 
 class FuseSharedInputProjections(CustomGraphPass):

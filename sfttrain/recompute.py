@@ -22,13 +22,13 @@ LONG_SAMPLE = 8192  # data.max_length from which model.recompute_attention=auto 
 GEMMS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)  # what a linear runs as, without and with bias
 
 
-def apply(model: nn.Module, layers: list[nn.Module], cfg: ModelConfig, max_length: int) -> None:
-    """Activation checkpointing on model.gradient_checkpointing_ratio of `layers`, spread evenly."""
+def apply(model: nn.Module, layers: list[nn.Module], cfg: ModelConfig, keep_attention: bool) -> None:
+    """Activation checkpointing on model.gradient_checkpointing_ratio of `layers`, spread evenly;
+    keep_attention: model.recompute_attention as `attention_kept` resolved it."""
     chosen = chosen_layers(layers, cfg)
     if has_eager_parts_compiled(cfg, chosen):
         transformers_checkpointing(model, layers, chosen)
         return
-    keep_attention = wants_attention_kept(cfg, max_length)
     qkv = None if cfg.recompute_qkv else qkv_weight_shape(model.config)
     # no context_fn unless there is a policy: dynamo refuses the default one (noop_context_fn)
     policy = ({"context_fn": functools.partial(create_selective_checkpoint_contexts, keeping(keep_attention, qkv))}
@@ -51,6 +51,12 @@ def checkpointed(layers: list[nn.Module], ratio: float) -> list[nn.Module]:
     return [layer for i, layer in enumerate(layers) if int((i + 1) * ratio) > int(i * ratio)]
 
 
+def attention_kept(cfg: ModelConfig, layers: list[nn.Module], max_length: int) -> bool:
+    """Whether the checkpointed `layers` keep their attention output: as `wants_attention_kept`, unless
+    a part outside their compiled graph makes them recompute everything."""
+    return wants_attention_kept(cfg, max_length) and not has_eager_parts_compiled(cfg, chosen_layers(layers, cfg))
+
+
 def wants_attention_kept(cfg: ModelConfig, max_length: int) -> bool:
     """model.recompute_attention read: false, or auto with samples of LONG_SAMPLE tokens or more."""
     return cfg.recompute_attention is False or (cfg.recompute_attention == "auto" and max_length >= LONG_SAMPLE)
@@ -68,20 +74,21 @@ def has_eager_parts_compiled(cfg: ModelConfig, chosen: list[nn.Module]) -> bool:
                                for layer in chosen for module in layer.modules())
 
 
-def describe(layers: list[nn.Module], cfg: ModelConfig, max_length: int) -> str:
-    """The start-up line: how many layers recompute in backward, and what each keeps."""
+def describe(layers: list[nn.Module], cfg: ModelConfig, keep_attention: bool) -> str:
+    """The start-up line: how many layers recompute in backward, and what each keeps (keep_attention:
+    as `attention_kept` resolved it)."""
     if not cfg.enable_gradient_checkpointing:
         return "  recompute           : none (model.enable_gradient_checkpointing=false): every activation kept"
     chosen = checkpointed(layers, cfg.gradient_checkpointing_ratio)
     setting = f"model.recompute_attention={str(cfg.recompute_attention).lower()}"
-    if cfg.recompute_attention == "auto":
-        setting += f", data.max_length {'>=' if max_length >= LONG_SAMPLE else '<'} {LONG_SAMPLE}"
-    if wants_attention_kept(cfg, max_length) and not has_eager_parts_compiled(cfg, chosen):
-        kept = f"its input and its attention output ({setting})"
-    elif not wants_attention_kept(cfg, max_length):
-        kept = f"its input only ({setting})" if cfg.recompute_qkv else f"its input ({setting})"
-    else:
+    if cfg.recompute_attention == "auto":  # auto keeps it from LONG_SAMPLE tokens on
+        setting += f", data.max_length {'>=' if keep_attention else '<'} {LONG_SAMPLE}"
+    if has_eager_parts_compiled(cfg, chosen):
         kept = "its input only: its compiled graph has parts outside it, which a selective checkpoint cannot hold"
+    elif keep_attention:
+        kept = f"its input and its attention output ({setting})"
+    else:
+        kept = f"its input only ({setting})" if cfg.recompute_qkv else f"its input ({setting})"
     if not cfg.recompute_qkv:
         kept += ", and its fused q/k/v GEMM output (model.recompute_qkv=false)"
     return f"  recompute           : {len(chosen)} of {len(layers)} layers in backward, each keeping {kept}"

@@ -10,7 +10,7 @@ import torch
 from sfttrain import fp8, recompute
 from sfttrain.checkpoint_writer import writer_kind
 from sfttrain.config.schema import Config, value_of
-from sfttrain.model import LoadedModel
+from sfttrain.model import LoadedModel, decoder_layers
 from sfttrain.parallel import cpp_wrapper
 
 
@@ -45,11 +45,12 @@ class Resolved:
 def resolve(cfg: Config, device: torch.device, loaded: LoadedModel, loss_kernel: str) -> Resolved:
     """The run's choices on `device` for the loaded model and the loss kernel sfttrain.loss chose."""
     m, model = cfg.model, loaded.model
-    fused, kept = m.compile and m.fuses_projections(), recompute.wants_attention_kept(m, cfg.data.max_length)
+    fused = m.compile and m.fuses_projections()
     return Resolved(
         device=device.type, attention=loaded.attn_backend, liger=loaded.liger, loss_kernel=loss_kernel,
-        recompute_attention=m.enable_gradient_checkpointing and not kept,
+        recompute_attention=m.enable_gradient_checkpointing and not recompute.attention_kept(
+            m, decoder_layers(model), cfg.data.max_length),
         compile_cpp_wrapper=m.compile and cpp_wrapper(cfg, device.type, model.config),
         fuse_projections=fused, fold_lora=fused and m.lora_rank > 0 and m.folds_lora(),
-        fp8=fp8.choose(m, fp8.hidden_size(model)).recipe or "off",
+        fp8=fp8.choose(m, fp8.hidden_size(model)),
         async_save_writer=writer_kind(cfg.trainer.async_save_writer, device))

@@ -89,11 +89,11 @@ def test_a_cpu_run_stops_at_start_up_with_one_message(tmp_path):
 
 def test_auto_turns_fp8_on_for_wide_layers_only():
     auto = ModelConfig(fp8="auto")
-    assert fp8.choose(auto, 896).recipe is None  # W1: Qwen2.5-0.5B
-    assert "hidden_size 896 < 4096" in fp8.choose(auto, 896).reason
-    assert fp8.choose(auto, 4096).recipe == "tensorwise"  # W2b: Llama-3-8B's shape
-    assert fp8.choose(ModelConfig(fp8="rowwise"), 896).recipe == "rowwise"  # asked for: done
-    assert fp8.choose(ModelConfig(fp8="off"), 8192).recipe is None
+    assert fp8.choose(auto, 896) == "off"  # W1: Qwen2.5-0.5B
+    assert "(model.fp8=auto: hidden_size 64 < 4096: " in fp8.describe(llama(), auto, "off")[0]
+    assert fp8.choose(auto, 4096) == "tensorwise"  # W2b: Llama-3-8B's shape
+    assert fp8.choose(ModelConfig(fp8="rowwise"), 896) == "rowwise"  # asked for: done
+    assert fp8.choose(ModelConfig(fp8="off"), 8192) == "off"
 
 
 @pytest.mark.parametrize("fast_grads", [True, False])
@@ -101,7 +101,7 @@ def test_fast_accumulation_reaches_the_gradient_gemms_unless_turned_off(fast_gra
     """model.fp8_fast_accum_grads: the gradient GEMMs' accumulation is the forward's fast mode, or
     torchao's recipe as it is; the start-up line says which."""
     model, cfg = llama(), ModelConfig(fp8="tensorwise", fp8_fast_accum_grads=fast_grads)
-    fp8.apply(model, cfg, fsdp_all_gather=False)
+    fp8.apply(model, cfg, "tensorwise", fsdp_all_gather=False)
     configs = [m.config for m in fp8.converted_layers(model)]
     assert len(configs) == 2 * 7  # every linear layer of the two decoder layers
     for config in configs:
@@ -109,7 +109,7 @@ def test_fast_accumulation_reaches_the_gradient_gemms_unless_turned_off(fast_gra
         assert config.gemm_config_grad_input.use_fast_accum == fast_grads
         assert config.gemm_config_grad_weight.use_fast_accum == fast_grads
     expected = "every GEMM" if fast_grads else "the forward GEMM only (model.fp8_fast_accum_grads=false)"
-    assert f"; fast accumulation in {expected};" in fp8.describe(model, cfg)[0]
+    assert f"; fast accumulation in {expected};" in fp8.describe(model, cfg, "tensorwise")[0]
 
 
 def test_which_layers_convert():
@@ -194,7 +194,7 @@ def test_sharded_fp8_checkpoint_and_export_are_unchanged(tmp_path):
         saved = {}
         for name, mode in (("plain", "off"), ("fp8", "tensorwise")):
             model = load_model(dataclasses.replace(cfg, fp8=mode), torch.device("cpu")).model
-            fp8.apply(model, dataclasses.replace(cfg, fp8=mode), fsdp_all_gather=True)
+            fp8.apply(model, dataclasses.replace(cfg, fp8=mode), mode, fsdp_all_gather=True)
             for layer in decoder_layers(model):
                 fully_shard(layer, mesh=mesh)
             fully_shard(model, mesh=mesh)
@@ -204,7 +204,7 @@ def test_sharded_fp8_checkpoint_and_export_are_unchanged(tmp_path):
                 p.grad = torch.ones_like(p)
             optimizer.step()
             if mode != "off":  # what the trainer's hook does after each step
-                assert fp8.describe(model, cfg) == [
+                assert fp8.describe(model, cfg, mode) == [
                     "  fp8                 : tensorwise scaling (model.fp8=tensorwise), 20 linear layers "
                     "(self_attn.k_proj, self_attn.o_proj, self_attn.q_proj, self_attn.v_proj); weights all-gathered "
                     "in FP8; fast accumulation in every GEMM; bf16: lm_head, 15 linear layers with a dimension not "

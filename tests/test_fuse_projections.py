@@ -91,7 +91,7 @@ def test_the_projections_of_one_input_are_fused_and_compute_what_they_did(lora, 
     if frozen_max_bytes is not None:
         monkeypatch.setattr(fuse_projections, "FROZEN_GROUP_MAX_BYTES", frozen_max_bytes)
         cfg = ModelConfig(compile=True, lora_rank=8, enable_gradient_checkpointing=True, recompute_qkv=recompute_qkv)
-        graph_pass = fuse_projections.graph_pass(cfg, layers.lm.model.config)
+        graph_pass = fuse_projections.graph_pass(cfg, layers.lm.model.config, True, cfg.folds_lora())
     fused, seen, _ = layers.run(graph_pass)
     # on the CPU the attention's host syncs break a layer into several graphs, and a graph may be
     # captured again (a guard on the first call's shapes): the distinct groups of all of them
@@ -177,7 +177,7 @@ def test_lora_folded_into_the_frozen_gemms_computes_what_peft_does(settings, fol
     layers = captured(lora=True)
     monkeypatch.setattr(fuse_projections, "FROZEN_GROUP_MAX_BYTES", 64 << 10)
     cfg = ModelConfig(compile=True, lora_rank=8, fold_lora=True, **settings)
-    fused, seen, found = layers.run(fuse_projections.graph_pass(cfg, layers.lm.model.config))
+    fused, seen, found = layers.run(fuse_projections.graph_pass(cfg, layers.lm.model.config, True, cfg.folds_lora()))
     assert found == {tuple(group) for group in folded}
     assert {tuple(group) for graph in seen for group in graph} == {tuple(group) for group in groups}
     assert_same(fused, layers.plain)

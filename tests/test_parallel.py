@@ -20,7 +20,7 @@ def checkpoint_layers(lm: CausalLMLoss, ratio: float, recompute_attention: bool 
                       recompute_qkv: bool = True) -> None:
     cfg = ModelConfig(gradient_checkpointing_ratio=ratio, recompute_attention=recompute_attention, compile=True,
                       recompute_qkv=recompute_qkv)
-    recompute.apply(lm.model, decoder_layers(lm.model), cfg, max_length=256)
+    recompute.apply(lm.model, decoder_layers(lm.model), cfg, keep_attention=not recompute_attention)
 
 
 def stories_loss(samples: list[int]) -> tuple[CausalLMLoss, object]:
@@ -107,24 +107,27 @@ def test_the_recompute_line_says_what_a_layer_keeps_and_eager_parts_keep_the_old
     hold); eager, the same layer keeps its attention output (there is no graph to break)."""
     lm, _ = stories_loss([8])
     layers = decoder_layers(lm.model)
-    line = recompute.describe(layers, ModelConfig(gradient_checkpointing_ratio=0.5), 8192)
+
+    def describe(cfg: ModelConfig, max_length: int) -> str:  # as the trainer resolves it
+        return recompute.describe(layers, cfg, recompute.attention_kept(cfg, layers, max_length))
+
+    line = describe(ModelConfig(gradient_checkpointing_ratio=0.5), 8192)
     assert ("2 of 5 layers in backward, each keeping its input and its attention output "
             "(model.recompute_attention=auto, data.max_length >= 8192)") in line, line
-    assert "its input only (model.recompute_attention=auto, data.max_length < 8192)" in recompute.describe(
-        layers, ModelConfig(), 8191)
-    assert "its attention output (model.recompute_attention=false)" in recompute.describe(
-        layers, ModelConfig(recompute_attention=False), 256)
-    assert "its input only (model.recompute_attention=true)" in recompute.describe(
-        layers, ModelConfig(recompute_attention=True), 8192)
-    assert "none" in recompute.describe(layers, ModelConfig(enable_gradient_checkpointing=False), 8192)
+    assert "its input only (model.recompute_attention=auto, data.max_length < 8192)" in describe(ModelConfig(), 8191)
+    assert "its attention output (model.recompute_attention=false)" in describe(
+        ModelConfig(recompute_attention=False), 256)
+    assert "its input only (model.recompute_attention=true)" in describe(ModelConfig(recompute_attention=True), 8192)
+    assert "none" in describe(ModelConfig(enable_gradient_checkpointing=False), 8192)
     assert ("its input (model.recompute_attention=auto, data.max_length < 8192), and its fused q/k/v GEMM "
-            "output (model.recompute_qkv=false)") in recompute.describe(layers, ModelConfig(recompute_qkv=False), 256)
+            "output (model.recompute_qkv=false)") in describe(ModelConfig(recompute_qkv=False), 256)
     layers[0].mlp.forward = torch.compiler.disable(layers[0].mlp.forward)
-    assert "its attention output" in recompute.describe(layers, ModelConfig(compile=False), 8192)  # no graph
-    assert "parts outside it" in recompute.describe(layers, ModelConfig(compile=True), 8192)
+    assert "its attention output" in describe(ModelConfig(compile=False), 8192)  # no graph
+    assert "parts outside it" in describe(ModelConfig(compile=True), 8192)
+    assert not recompute.attention_kept(ModelConfig(compile=True), layers, 8192)  # the chosen line's value
     with pytest.raises(ConfigError, match="model.recompute_qkv=false: this model's layers run parts outside"):
-        recompute.apply(lm.model, layers, ModelConfig(compile=True, recompute_qkv=False), 256)
-    recompute.apply(lm.model, layers, ModelConfig(compile=True), 8192)
+        recompute.apply(lm.model, layers, ModelConfig(compile=True, recompute_qkv=False), False)
+    recompute.apply(lm.model, layers, ModelConfig(compile=True), False)
     assert all(layer.gradient_checkpointing and "forward" not in vars(layer) for layer in layers)
 
 
@@ -428,7 +431,8 @@ def test_checkpointed_layers_that_rerun_attention_take_the_python_wrapper(monkey
     cfg = Config()
     cfg.model.compile, cfg.data.max_length = True, 1024  # checkpointing is on by default
     assert cpp_wrapper(cfg, "cuda", Qwen3Config()) is False
-    assert "rerun attention" in describe_compile(cfg, cuda, Qwen3Config())
+    chosen = types.SimpleNamespace(compile_cpp_wrapper=False, fuse_projections=False, fold_lora=False)  # what it reads
+    assert "rerun attention" in describe_compile(cfg, cuda, Qwen3Config(), chosen)
     cfg.model.compile_cpp_wrapper = True
     with pytest.raises(ConfigError, match="model.recompute_attention=false"):
         cpp_wrapper(cfg, "cuda", Qwen3Config())

@@ -40,7 +40,7 @@ from sfttrain.checkpoint_folder import STATE_FILE, complete_checkpoints, enforce
 from sfttrain.checkpoint_load import (TrainState, check_same_model, estimated_bytes, load,  # noqa: F401
                                       read_back, rng_state, state_dicts, trained_state_dict)  # noqa: F401
 from sfttrain.checkpoint_writer import DeviceCopy, OneLineError, Staging, WriterProcess, cuda_room, one_line, \
-    tensor_bytes, write_shards, writer_kind
+    tensor_bytes, write_shards
 from sfttrain.config import Config, ConfigError, to_yaml
 from sfttrain.distributed import World, decided_by_rank0, from_every_rank, ranks_of_this_launcher
 from sfttrain.errors import CheckpointError, data_worker_died
@@ -63,7 +63,7 @@ class Checkpointer:
     `report(record, line)` gets each commit's size and seconds (stall, write, until the commit)."""
 
     def __init__(self, run_dir: str, world: World, cfg: Config, run_id: str,
-                 report: Callable[[Optional[dict], str], None], model, optimizer, tokenizer):
+                 report: Callable[[Optional[dict], str], None], model, optimizer, tokenizer, writer: str):
         self.run_dir, self.world, self.cfg, self.run_id, self.report = run_dir, world, cfg, run_id, report
         self.model, self.optimizer, self.tokenizer = model, optimizer, tokenizer  # what each save holds
         self.config_yaml = to_yaml(cfg) if world.is_main else ""  # once: rendering it per save stalls
@@ -81,7 +81,7 @@ class Checkpointer:
         timeout = datetime.timedelta(seconds=cfg.trainer.nccl_timeout)
         self.write_group = dist.new_group(backend="gloo", timeout=timeout)
         self.agree_group = dist.new_group(backend="gloo", timeout=timeout)
-        self.in_process = writer_kind(cfg.trainer.async_save_writer, world.device) == "process"
+        self.in_process = writer == "process"  # trainer.async_save_writer as sfttrain.resolved chose it
         self.process: Optional[WriterProcess] = None
         pinned = cfg.trainer.async_save_pinned and world.device.type == "cuda"
         self.staging = Staging(world.device, pinned, shared=self.in_process)  # background saves' copies

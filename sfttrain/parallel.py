@@ -5,7 +5,7 @@ checkpoints resume in any other: sharded (each decoder layer a `fully_shard` uni
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch.distributed._composable.replicate import DDP, replicate
@@ -20,24 +20,27 @@ from sfttrain.loss import CausalLMLoss
 from sfttrain.model import DTYPE, decoder_layers, materialise_model
 from sfttrain.moe import routing
 
+if TYPE_CHECKING:  # sfttrain.resolved imports this module
+    from sfttrain.resolved import Resolved
+
 
 Layout = Literal["single", "replicated", "sharded"]
 
 
-def parallelize(lm: CausalLMLoss, world: World, cfg: Config) -> Layout:
+def parallelize(lm: CausalLMLoss, world: World, cfg: Config, resolved: Resolved) -> Layout:
     offload = cfg.model.fsdp_config.offloaded()
     layout = choose_layout(world.world_size, world.mesh["dp_shard"].size(), world.sp_size, offload)
     check_device(cfg, layout, world.device.type)
     # before FSDP wraps the weights it all-gathers; offloaded shards are gathered as they are
-    fp8.apply(lm.model, cfg.model, fsdp_all_gather=layout == "sharded" and not offload)
+    fp8.apply(lm.model, cfg.model, resolved.fp8, fsdp_all_gather=layout == "sharded" and not offload)
     if cfg.model.enable_gradient_checkpointing:
-        recompute.apply(lm.model, decoder_layers(lm.model), cfg.model, cfg.data.max_length)
+        recompute.apply(lm.model, decoder_layers(lm.model), cfg.model, not resolved.recompute_attention)
     if world.sp_size > 1:
         sequence_parallel.apply(lm, world.mesh["sp"].get_group(), world.sp_size)
     if layout == "sharded":
-        shard(lm, world, cfg, offload)
+        shard(lm, world, cfg, offload, resolved)
         return layout
-    single_device(lm, world, cfg)
+    single_device(lm, world, cfg, resolved)
     if layout == "replicated":
         replicate_model(lm, world, cfg)
     return layout
@@ -84,7 +87,7 @@ def describe_sharding(world: World, cfg: Config, layout: Layout) -> str:
     return f"FSDP2 over {shards} ranks, {kind}{offload}"
 
 
-def single_device(lm: CausalLMLoss, world: World, cfg: Config) -> None:
+def single_device(lm: CausalLMLoss, world: World, cfg: Config, resolved: Resolved) -> None:
     materialise_model(lm.model, cfg.model, world.device, world.device, cfg.trainer.seed)
     dtypes = mixed_precision_dtypes(cfg.model.fsdp_config)
     if dtypes:
@@ -92,7 +95,7 @@ def single_device(lm: CausalLMLoss, world: World, cfg: Config) -> None:
         # the residual stream in the compute dtype, as FSDP's param_dtype makes it (autocast alone
         # would leave it, and what backward saves of it, in fp32)
         lm.model.get_input_embeddings().register_forward_hook(lambda _module, _args, out: out.to(dtype))
-    compile_decoder(lm, world, cfg)
+    compile_decoder(lm, cfg, resolved)
 
 
 def replicate_model(lm: CausalLMLoss, world: World, cfg: Config) -> None:
@@ -112,10 +115,10 @@ def _bf16_reduce(cfg: Config) -> bool:
     return dtypes is not None and dtypes[1] == "bf16"
 
 
-def compile_decoder(lm: CausalLMLoss, world: World, cfg: Config) -> None:
+def compile_decoder(lm: CausalLMLoss, cfg: Config, resolved: Resolved) -> None:
     if cfg.model.compile:
-        compile_layers(decoder_layers(lm.model), cpp_wrapper(cfg, world.device.type, lm.model.config),
-                       fuse_projections.graph_pass(cfg.model, lm.model.config))
+        compile_layers(decoder_layers(lm.model), resolved.compile_cpp_wrapper, fuse_projections.graph_pass(
+            cfg.model, lm.model.config, resolved.fuse_projections, resolved.fold_lora))
 
 
 def compile_layers(layers: list[torch.nn.Module], cpp_wrapper: bool,
@@ -181,23 +184,23 @@ def why_python_wrapper(cfg: Config, model_config) -> str | None:
     return _cpp_wrapper_cannot(cfg, model_config)
 
 
-def describe_compile(cfg: Config, world: World, model_config) -> str:
+def describe_compile(cfg: Config, world: World, model_config, resolved: Resolved) -> str:
     if not cfg.model.compile:
         return "off (eager)"
-    wrapper = "C++" if cpp_wrapper(cfg, world.device.type, model_config) else "Python"
+    wrapper = "C++" if resolved.compile_cpp_wrapper else "Python"
     why = ""
     if wrapper == "Python" and world.device.type == "cuda" and cfg.model.compile_cpp_wrapper == "auto":
         why = f" ({why_python_wrapper(cfg, model_config)})"
     if world.device.type != "cuda" and cfg.model.compile_cpp_wrapper is True:  # `cpp_wrapper`: GPUs only
         why = (f" (model.compile_cpp_wrapper=true ignored on {world.device.type}: the C++ wrapper launches GPU "
                "kernels; on CPU the kernels are the host's own work)")
-    fuse = fuse_projections.graph_pass(cfg.model, model_config)
+    fuse = fuse_projections.graph_pass(cfg.model, model_config, resolved.fuse_projections, resolved.fold_lora)
     fused = ("" if fuse is None
              else f"; projections sharing an input run as one GEMM{fuse.describe()} (model.fuse_projections)")
     return f"each decoder layer, dynamic shapes, kernels launched by inductor's {wrapper} wrapper{why}{fused}"
 
 
-def shard(lm: CausalLMLoss, world: World, cfg: Config, offload: bool) -> None:
+def shard(lm: CausalLMLoss, world: World, cfg: Config, offload: bool, resolved: Resolved) -> None:
     fsdp = cfg.model.fsdp_config
     dtypes = mixed_precision_dtypes(fsdp)
     mesh = world.fsdp_mesh()  # 1-D mesh: FSDP; 2-D (replicate x shard): HSDP
@@ -206,7 +209,7 @@ def shard(lm: CausalLMLoss, world: World, cfg: Config, offload: bool) -> None:
                  else MixedPrecisionPolicy())
     offload_policy = CPUOffloadPolicy() if offload else OffloadPolicy()
     layers = decoder_layers(lm.model)
-    compile_decoder(lm, world, cfg)
+    compile_decoder(lm, cfg, resolved)
     # backward needs the last layer's and the root's parameters again at once: kept gathered
     sharded = [fully_shard(layer, mesh=mesh, reshard_after_forward=reshard and i < len(layers) - 1,
                            mp_policy=mp_policy, offload_policy=offload_policy) for i, layer in enumerate(layers)]

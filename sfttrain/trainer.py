@@ -81,7 +81,7 @@ class FSDPSFTTrainer:
         self.lm = CausalLMLoss(model, fused=self.resolved.liger,
                                compiled_max_seqlen=longest_segment if cfg.model.compile else None,
                                chunk_loss=chunk_loss, chunk_tokens=cfg.model.loss_chunk_tokens)
-        self.layout = parallelize(self.lm, world, cfg)
+        self.layout = parallelize(self.lm, world, cfg, self.resolved)
         self.optimizer = build_optimizer(self.lm, cfg.optim)
         if hook := fp8.scale_precompute_hook(self.lm.model):
             self.optimizer.register_step_post_hook(hook)
@@ -99,7 +99,8 @@ class FSDPSFTTrainer:
         self.logger = MetricsLogger(cfg, self.run_dir, world.is_main, self.plan.total_steps,
                                     wandb_id=self.state.wandb_id, wandb_run=wandb_run)
         self.checkpointer = checkpoint.Checkpointer(self.run_dir, world, cfg, resume.run_id, self.logger.event,
-                                                    self.lm.model, self.optimizer, self.tokenizer)
+                                                    self.lm.model, self.optimizer, self.tokenizer,
+                                                    self.resolved.async_save_writer)
         self.timer = StepTimer(world.device)
         # this rank's vote to stop (trainer.save_on_sigterm), a number in each step's all-reduce
         self.vote, self.voted, self.stopping = torch.zeros(1, device=world.device), False, False
@@ -132,9 +133,9 @@ class FSDPSFTTrainer:
             f"  loss                : {loss}",
             f"  precision           : weights/optimizer {fsdp.model_dtype}, mixed precision {fsdp.mixed_precision}",
             f"  sharding            : {describe_sharding(self.world, cfg, self.layout)}",
-            f"  compile             : {describe_compile(cfg, self.world, self.lm.model.config)}",
-            recompute.describe(decoder_layers(self.lm.model), cfg.model, cfg.data.max_length),
-            *fp8.describe(self.lm.model, cfg.model),
+            f"  compile             : {describe_compile(cfg, self.world, self.lm.model.config, self.resolved)}",
+            recompute.describe(decoder_layers(self.lm.model), cfg.model, not self.resolved.recompute_attention),
+            *fp8.describe(self.lm.model, cfg.model, self.resolved.fp8),
             *describe_schedule(cfg.optim, self.plan.total_steps),
             f"  run folder          : {self.run_dir}",
             *describe_retention(cfg.trainer.max_ckpt_to_keep),

@@ -644,6 +644,7 @@ def one_rank_checkpointer(run_dir: Path, *overrides: str):
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from sfttrain.checkpoint_writer import writer_kind
     from sfttrain.distributed import World
 
     run_dir.mkdir(exist_ok=True)
@@ -654,7 +655,8 @@ def one_rank_checkpointer(run_dir: Path, *overrides: str):
         world = World(0, 0, 1, torch.device("cpu"), init_device_mesh("cpu", (1,)))
         model = AutoModelForCausalLM.from_pretrained(STORIES)
         saver = checkpoint.Checkpointer(str(run_dir), world, cfg, "run", lambda record, line: None, model,
-                                        torch.optim.AdamW(model.parameters()), AutoTokenizer.from_pretrained(STORIES))
+                                        torch.optim.AdamW(model.parameters()), AutoTokenizer.from_pretrained(STORIES),
+                                        writer_kind(cfg.trainer.async_save_writer, world.device))
         yield saver
         saver.close()
     finally:

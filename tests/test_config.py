@@ -284,7 +284,8 @@ def test_runtime_notes_for_settings_a_device_or_layout_ignores():
                                                       "(it applies to sharded models)")
     cpu = types.SimpleNamespace(device=__import__("torch").device("cpu"))
     cfg = load_config(overrides=[*COMMON, "model.compile=true", "model.compile_cpp_wrapper=true"])
-    assert "(model.compile_cpp_wrapper=true ignored on cpu: " in describe_compile(cfg, cpu, None)
+    chosen = types.SimpleNamespace(compile_cpp_wrapper=False, fuse_projections=False, fold_lora=False)  # what it reads
+    assert "(model.compile_cpp_wrapper=true ignored on cpu: " in describe_compile(cfg, cpu, None, chosen)
 
 
 def test_a_run_that_auto_places_on_the_cpu_says_so():

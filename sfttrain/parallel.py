@@ -5,23 +5,20 @@ checkpoints resume in any other: sharded (each decoder layer a `fully_shard` uni
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 from torch.distributed._composable.replicate import DDP, replicate
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.torch_version import TorchVersion
 
 from sfttrain import fp8, fuse_projections, recompute, sequence_parallel
 from sfttrain.config import Config, ConfigError, mixed_precision_dtypes
 from sfttrain.distributed import World
 from sfttrain.loss import CausalLMLoss
 from sfttrain.model import DTYPE, decoder_layers, materialise_model
-from sfttrain.moe import routing
+from sfttrain.resolved import Resolved, why_python_wrapper
 
-if TYPE_CHECKING:  # sfttrain.resolved imports this module
-    from sfttrain.resolved import Resolved
 
 
 Layout = Literal["single", "replicated", "sharded"]
@@ -138,50 +135,6 @@ def allow_side_effects_in_checkpoints() -> None:
     """A side effect inside a checkpoint (transformers >= 5.25 sets a context variable around
     attention) would break the layer's graph; the recomputation need not replay it (torchtitan's too)."""
     torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
-
-
-# the longest micro-batch `auto` gives the C++ wrapper: the longest it was measured to run at
-CPP_WRAPPER_MAX_TOKENS = 65536
-
-
-def cpp_wrapper(cfg: Config, device_type: str, model_config) -> bool:
-    """Whether inductor's C++ wrapper launches the compiled layers' kernels (model.compile_cpp_wrapper):
-    on GPUs only, where the host can fall behind the kernels; auto where `why_python_wrapper` finds
-    no reason against it. An explicit true that cannot be built is refused."""
-    if device_type != "cuda":
-        return False
-    setting = cfg.model.compile_cpp_wrapper
-    if setting == "auto":
-        return why_python_wrapper(cfg, model_config) is None
-    cannot = setting and _cpp_wrapper_cannot(cfg, model_config)
-    if cannot:
-        raise ConfigError(f"model.compile_cpp_wrapper=true: {cannot}; set model.compile_cpp_wrapper=auto (the Python "
-                          "wrapper here)" + (" or model.recompute_attention=false (attention outputs kept: more memory)"
-                                            if cannot == RERUNS_ATTENTION else ""))
-    return setting
-
-
-RERUNS_ATTENTION = ("the checkpointed layers rerun attention compiled, whose RNG-state call inductor's C++ wrapper "
-                    "cannot emit (sfttrain/recompute.py)")
-
-
-def _cpp_wrapper_cannot(cfg: Config, model_config) -> str | None:
-    """Why inductor's C++ wrapper cannot build this run's compiled layers (None: it can)."""
-    if routing(model_config) is not None and TorchVersion(torch.__version__) < "2.12":
-        return (f"inductor's C++ wrapper in torch {torch.__version__} has no call for the grouped GEMM of the "
-                "experts (torch >= 2.12 has one)")
-    # LoRA on a MoE may adapt the experts, which then run outside the compiled graph (sfttrain.lora)
-    eager = cfg.model.lora_rank > 0 and routing(model_config) is not None
-    return RERUNS_ATTENTION if recompute.reruns_attention_compiled(cfg.model, cfg.data.max_length, eager) else None
-
-
-def why_python_wrapper(cfg: Config, model_config) -> str | None:
-    """Why model.compile_cpp_wrapper=auto keeps a CUDA run on the Python wrapper (None: it does not)."""
-    if cfg.model.fp8 != "off":
-        return "FP8 runs were measured on it"
-    if cfg.micro_batch_tokens() > CPP_WRAPPER_MAX_TOKENS:
-        return f"micro-batches over {CPP_WRAPPER_MAX_TOKENS} tokens: model.compile_cpp_wrapper=auto"
-    return _cpp_wrapper_cannot(cfg, model_config)
 
 
 def describe_compile(cfg: Config, world: World, model_config, resolved: Resolved) -> str:

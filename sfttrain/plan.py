@@ -37,7 +37,7 @@ from sfttrain.lora import apply_lora, base_dtype, trained_identity
 from sfttrain.model import build_on_meta, decoder_layers
 from sfttrain.moe import MoeShape
 from sfttrain.optim import schedule_settings, schedule_warnings
-from sfttrain.parallel import cpp_wrapper
+from sfttrain.resolved import cpp_wrapper
 from sfttrain.profiling import check_window, window_passed
 from sfttrain.recompute import checkpointed, chosen_layers, wants_attention_kept
 from sfttrain.resume import review_resume

@@ -404,7 +404,8 @@ def test_checkpointed_layers_that_rerun_attention_take_the_python_wrapper(monkey
 
     from sfttrain import attention
     from sfttrain.config import Config, ConfigError
-    from sfttrain.parallel import cpp_wrapper, describe_compile
+    from sfttrain.parallel import describe_compile
+    from sfttrain.resolved import cpp_wrapper
     from tests.test_fuse_projections import loss_and_grads as adapter_grads, stories
 
     def around(lm):
@@ -461,7 +462,7 @@ def test_cpp_wrapper_is_chosen_only_where_it_can_call_the_experts_grouped_gemm(m
     from transformers import Qwen3Config, Qwen3MoeConfig
 
     from sfttrain.config import Config, ConfigError
-    from sfttrain.parallel import cpp_wrapper
+    from sfttrain.resolved import cpp_wrapper
 
     monkeypatch.setattr(torch, "__version__", torch_version)
     cfg = Config()

@@ -543,13 +543,13 @@ def test_preflight_lists_a_bad_validation_row_beside_a_bad_training_row(gsm8k_di
 
 def test_preflight_lists_the_cpp_wrapper_a_gpu_run_refuses(tmp_path):
     """model.compile_cpp_wrapper=true on compiled, checkpointed layers that rerun attention: a run on GPUs
-    refuses it once the model is built (sfttrain.parallel.cpp_wrapper; a CPU run ignores the key, so no
+    refuses it once the model is built (sfttrain.resolved.cpp_wrapper; a CPU run ignores the key, so no
     CPU run shows it), after the data scan. The preflight of a trainer.device=cuda run lists that refusal
     in the words of the run's function."""
     from transformers import AutoConfig
 
     from sfttrain.config import ConfigError, load_config
-    from sfttrain.parallel import cpp_wrapper
+    from sfttrain.resolved import cpp_wrapper
 
     job = [*BASE_OVERRIDES, f"data.train_files={tmp_path}/absent.parquet", "model.compile=true",
            "model.enable_gradient_checkpointing=true", "model.compile_cpp_wrapper=true",

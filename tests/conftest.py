@@ -96,6 +96,7 @@ SKIP_CONDITIONS = {
     "pre-hopper": lambda: not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
     "no-flash-attn": lambda: importlib.util.find_spec("flash_attn") is None,
     "no-liger": lambda: importlib.util.find_spec("liger_kernel") is None,
+    "no-bitsandbytes": lambda: importlib.util.find_spec("bitsandbytes") is None,
 }
 
 

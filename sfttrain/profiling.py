@@ -3,15 +3,13 @@
 Every rank writes a Chrome trace (https://ui.perfetto.dev) into <run folder>/profile/; rank 0 writes
 and prints torch's operator table (`python -m bench.trace_report TRACE` breaks a trace down further).
 trainer.profile_memory (CUDA) also saves the allocator's history for https://pytorch.org/memory_viz
-and names what is live at the window's peak; its stacks slow the host. The window ends with a device
-synchronisation so that its last kernels are in the trace.
+(`python -m bench.memory_peak SNAPSHOT` names what is live at its peak); its stacks slow the host.
+The window ends with a device synchronisation so that its last kernels are in the trace.
 """
 
 from __future__ import annotations
 
-import collections
 import os
-import pickle
 import time
 
 import torch
@@ -23,7 +21,6 @@ from sfttrain.errors import ConfigError
 PROFILE_DIR = "profile"
 SUMMARY = "summary.txt"
 MEMORY_EVENTS = 1_000_000  # allocator events kept at most (several KB each with their stacks)
-GIB = 2**30
 
 
 def check_window(steps: list[int] | None, total_steps: int) -> None:
@@ -64,15 +61,13 @@ class StepProfiler:
         self.folder = os.path.join(run_dir, PROFILE_DIR)
         self.rank, self.device, self.info = rank, device, info
         self.prof = self.step_range = None
-        self.start, self.profiled, self.allocated_before = 0.0, [], 0
+        self.start, self.profiled = 0.0, []
 
     def before_step(self, step: int) -> None:
         if step not in self.steps:
             return
         if self.prof is None:
-            if self.memory:
-                self.allocated_before = torch.cuda.memory_allocated(self.device)
-                # private, but the documented way (https://pytorch.org/docs/stable/torch_cuda_memory.html)
+            if self.memory:  # private, but the documented way (https://pytorch.org/docs/stable/torch_cuda_memory.html)
                 torch.cuda.memory._record_memory_history(stacks="python", max_entries=MEMORY_EVENTS)
             activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])]
             self.prof = profile(activities=activities, record_shapes=True)  # shapes tell an operator's calls apart
@@ -101,7 +96,13 @@ class StepProfiler:
         name = window_name(self.profiled)
         trace = os.path.join(self.folder, f"steps_{name}_rank{self.rank}.json")
         self.prof.export_chrome_trace(trace)
-        memory = self.stop_memory(name) if self.memory else []
+        memory = []
+        if self.memory:  # private, as _record_memory_history
+            snapshot = os.path.join(self.folder, f"memory_steps_{name}_rank{self.rank}.pickle")
+            torch.cuda.memory._dump_snapshot(snapshot)
+            torch.cuda.memory._record_memory_history(enabled=None)
+            memory = [f"memory snapshot {snapshot} (https://pytorch.org/memory_viz draws it; "
+                      f"python -m bench.memory_peak {snapshot} names what is live at its peak)"]
         if self.rank == 0:
             sort_by = "self_device_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
             table = self.prof.key_averages().table(sort_by=sort_by, row_limit=15, max_name_column_width=70)
@@ -110,52 +111,3 @@ class StepProfiler:
                 f.write(text + "\n")
             self.info(f"profile of steps {name} (trace {trace}):\n{text}")
         self.prof = None
-
-    def stop_memory(self, name: str) -> list[str]:
-        snapshot = torch.cuda.memory._snapshot()
-        torch.cuda.memory._record_memory_history(enabled=None)
-        path = os.path.join(self.folder, f"memory_steps_{name}_rank{self.rank}.pickle")
-        with open(path, "wb") as f:
-            pickle.dump(snapshot, f)
-        events = snapshot["device_traces"][self.device.index or 0]
-        return [f"memory snapshot {path} (open it in https://pytorch.org/memory_viz)",
-                *describe_peak(events, self.allocated_before)]
-
-
-def describe_peak(events: list[dict], allocated_before: int, top: int = 10) -> list[str]:
-    """The window's peak allocated memory and, by where they were made, its allocations live then."""
-    peak, live = live_at_peak(events)
-    size, blocks = collections.Counter(), collections.Counter()
-    for event in live:
-        site = allocation_site(event.get("frames", []))
-        size[site] += event["size"]
-        blocks[site] += 1
-    return [f"peak allocated in the window {(allocated_before + peak) / GIB:.2f} GiB ({allocated_before / GIB:.2f} "
-            f"GiB allocated before it); of the window's own allocations live at the peak, by where they were made:",
-            *(f"  {n / GIB:8.2f} GiB in {blocks[site]:5d} blocks  {site}" for site, n in size.most_common(top))]
-
-
-def live_at_peak(events: list[dict]) -> tuple[int, list[dict]]:
-    """The most bytes allocated beyond the window's start (alloc and free_requested events, as
-    memory_allocated counts them) and the window's allocations live then."""
-    current, peak, peak_at, live = 0, 0, -1, {}
-    for i, event in enumerate(events):
-        current += {"alloc": 1, "free_requested": -1}.get(event["action"], 0) * event["size"]
-        if current > peak:
-            peak, peak_at = current, i
-    for event in events[:peak_at + 1]:
-        if event["action"] == "alloc":
-            live[event["addr"]] = event
-        elif event["action"] == "free_requested":
-            live.pop(event["addr"], None)
-    return peak, list(live.values())
-
-
-def allocation_site(frames: list[dict]) -> str:
-    """The innermost frame outside torch, as file:line function."""
-    for frame in frames:
-        if f"{os.sep}torch{os.sep}" not in frame["filename"]:
-            return f"{frame['filename']}:{frame['line']} {frame['name']}"
-    return "torch" if frames else "(no stack)"
-
-

@@ -1,17 +1,21 @@
 """trainer.profile_steps (sfttrain/profiling.py): a trace per rank and a summary of the window's
-steps, and training that computes what it computes unprofiled; bench.trace_report reads the trace."""
+steps, and training that computes what it computes unprofiled; bench.trace_report reads the trace,
+bench.memory_peak the allocator's snapshot."""
 
 from __future__ import annotations
 
 import json
+import pickle
 import re
 
 import pytest
 import torch
 
 from sfttrain.config import ConfigError, TrainerConfig, load_config
+from bench.memory_peak import allocation_site, describe_peak, live_at_peak
+from bench.memory_peak import report as memory_report
 from bench.trace_report import report
-from sfttrain.profiling import StepProfiler, allocation_site, describe, describe_peak, live_at_peak
+from sfttrain.profiling import StepProfiler, describe
 from tests.conftest import run_sfttrain, train_losses, two_rank_job
 
 
@@ -84,6 +88,12 @@ def test_the_allocators_history_replays_to_its_peak():
         "at the peak, by where they were made:",
         "      2.03 GiB in     2 blocks  /site/transformers/models/llama/modeling_llama.py:171 forward",
         "      0.64 GiB in     2 blocks  (no stack)"]
+    # the snapshot's segments hold 4 GiB at its end, the events added 131 x 16 MiB: 1.95 GiB before the window
+    segments = [{"device": 0, "allocated_size": 3 * 2**30}, {"device": 0, "allocated_size": 2**30},
+                {"device": 1, "allocated_size": 2**33}]
+    assert memory_report({"device_traces": [made], "segments": segments})[:2] == [
+        "cuda:0", "peak allocated in the window 4.00 GiB (1.95 GiB allocated before it); of the window's own "
+        "allocations live at the peak, by where they were made:"]
 
 
 def test_profile_memory_needs_the_window_and_a_gpu():
@@ -96,14 +106,15 @@ def test_profile_memory_needs_the_window_and_a_gpu():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the allocator's history is CUDA's")
 def test_profile_memory_on_a_gpu_names_the_peak(gsm8k_head, tmp_path):
-    """One GPU, steps 2-3 with the allocator's history: a snapshot file, and the summary's peak no
-    lower than what was allocated before the window, with the window's allocations by site."""
+    """One GPU, steps 2-3 with the allocator's history: a snapshot file whose peak (bench.memory_peak)
+    is no lower than what was allocated before the window, with the window's allocations by site."""
     run_dir = tmp_path / "run"
     proc = run_sfttrain(1, two_rank_job(gsm8k_head, run_dir, "trainer.device=cuda", "trainer.profile_steps=[2,3]",
                                         "trainer.profile_memory=true", "model.fsdp_config.mixed_precision=true"),
                         env={"CUDA_VISIBLE_DEVICES": "0"})
-    assert (run_dir / "profile" / "memory_steps_2-3_rank0.pickle").is_file()
-    summary = (run_dir / "profile" / "summary.txt").read_text()
+    snapshot = run_dir / "profile" / "memory_steps_2-3_rank0.pickle"
+    assert f"memory snapshot {snapshot} (" in (run_dir / "profile" / "summary.txt").read_text()
+    summary = "\n".join(memory_report(pickle.loads(snapshot.read_bytes())))
     peak, before = map(float, re.search(r"peak allocated in the window ([\d.]+) GiB \(([\d.]+) GiB", summary).groups())
     assert peak >= before > 0 and "blocks" in summary, summary
     text = "\n".join(report(json.loads((run_dir / "profile" / "steps_2-3_rank0.json").read_text())["traceEvents"]))

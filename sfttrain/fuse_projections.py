@@ -50,14 +50,20 @@ class FuseSharedInputProjections(CustomGraphPass):
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         if self.fold_lora:
-            counters["inductor"]["folded_lora"] += fold(graph, self.folds)
+            adapted = defaultdict(list)
+            for node in graph.nodes:
+                if (a := Adapted.match(node)) is not None:
+                    adapted[a.x, a.bias is not None].append(a)
+            for group in adapted.values():
+                if self.bounds([a.weight for a in group]) == (True, False):
+                    fold_group(graph, group)
+                    counters["inductor"]["folded_lora"] += 1
         groups = defaultdict(list)
         for node in graph.nodes:
-            key = group_key(node)
-            if key is not None:
+            if (key := group_key(node)) is not None:
                 groups[key].append(node)
         for (_, trained, *_), nodes in groups.items():
-            if len(nodes) > 1 and (trained or self.fuses_frozen([n.args[1] for n in nodes])):
+            if len(nodes) > 1 and (trained or any(self.bounds([n.args[1] for n in nodes]))):
                 fuse(graph, nodes)
                 counters["inductor"]["fused_projections"] += 1
 
@@ -70,20 +76,11 @@ class FuseSharedInputProjections(CustomGraphPass):
         kept = "" if self.always_fused is None else " other than q/k/v, whose output model.recompute_qkv=false keeps"
         return f", but not groups of frozen weights over {int(self.frozen_max_bytes) >> 20} MiB a layer{kept}{folded}"
 
-    def fuses_frozen(self, weights: list[torch.fx.Node]) -> bool:
-        return self.within_bound(weights) or self.fused_shape(weights) == self.always_fused
-
-    def folds(self, weights: list[torch.fx.Node]) -> bool:
-        return self.within_bound(weights) and self.fused_shape(weights) != self.always_fused
-
-    def within_bound(self, weights: list[torch.fx.Node]) -> bool:
+    def bounds(self, weights: list[torch.fx.Node]) -> tuple[bool, bool]:
+        """Whether a group's frozen weights fit frozen_max_bytes, and whether their fused shape is always_fused."""
         values = [w.meta["example_value"] for w in weights]
-        return sum(w.numel() * w.element_size() for w in values) <= self.frozen_max_bytes
-
-    @staticmethod
-    def fused_shape(weights: list[torch.fx.Node]) -> tuple[int, int]:
-        values = [w.meta["example_value"] for w in weights]
-        return sum(w.shape[0] for w in values), values[0].shape[1]
+        fits = sum(w.numel() * w.element_size() for w in values) <= self.frozen_max_bytes
+        return fits, (sum(w.shape[0] for w in values), values[0].shape[1]) == self.always_fused
 
     def uuid(self) -> str:
         """inductor's cache key: the code of this pass and its settings."""
@@ -95,13 +92,11 @@ class FuseSharedInputProjections(CustomGraphPass):
 def group_key(node: torch.fx.Node) -> tuple | None:
     """(input, weights trained, has bias, weights' dtype) of a linear of parameters (graph inputs: they
     exist before the group's first linear); else None."""
-    if not is_call(node, LINEAR) or node.kwargs:
+    if not is_call(node, LINEAR) or node.kwargs or "example_value" not in node.meta:
         return None
     x, weight, bias = (*node.args, None)[:3]
-    if not are_parameters([weight, bias]):
-        return None
-    w = weight.meta.get("example_value")
-    if w is None or w.dim() != 2 or "example_value" not in node.meta:
+    w = weight.meta.get("example_value") if are_parameters([weight, bias]) else None
+    if w is None or w.dim() != 2:
         return None
     return x, w.requires_grad, bias is not None, w.dtype
 
@@ -112,7 +107,7 @@ def fuse(graph: torch.fx.Graph, nodes: list[torch.fx.Node]) -> None:
     with graph.inserting_before(nodes[0]):
         weight = concatenated(graph, [n.args[1] for n in nodes])
         bias = concatenated(graph, biases) if biases else None
-        fused = with_value(graph.call_function(torch._C._nn.linear, (nodes[0].args[0], weight, bias)))
+        fused = call(graph, torch._C._nn.linear, (nodes[0].args[0], weight, bias))
     split_back(graph, fused, nodes)
     for node in nodes:
         graph.erase_node(node)
@@ -189,20 +184,6 @@ class Adapted:
         return a if frozen and lora_a.requires_grad and lora_b.requires_grad else None
 
 
-def fold(graph: torch.fx.Graph, folds_frozen) -> int:
-    """Folds each group of adapted projections of one input whose frozen weights `folds_frozen` accepts;
-    returns how many."""
-    groups = defaultdict(list)
-    for node in graph.nodes:
-        adapted = Adapted.match(node)
-        if adapted is not None:
-            groups[adapted.x, adapted.bias is not None].append(adapted)
-    folded = [group for group in groups.values() if folds_frozen([a.weight for a in group])]
-    for group in folded:
-        fold_group(graph, group)
-    return len(folded)
-
-
 def fold_group(graph: torch.fx.Graph, group: list[Adapted]) -> None:
     """Replaces the group's projections (base, A, B, scale, sum) by one lora_linear, split back."""
     position = {node: i for i, node in enumerate(graph.nodes)}
@@ -212,22 +193,16 @@ def fold_group(graph: torch.fx.Graph, group: list[Adapted]) -> None:
             first.prepend(a.scale)
     x = group[0].x
     with graph.inserting_before(first):
-        u = with_value(graph.call_function(torch._C._nn.linear, (x, _joined(graph, [a.lora_a for a in group]))))
-        scaled = [recomputed(with_value(graph.call_function(operator.mul, (a.lora_b, a.scale)))) for a in group]
-        trained = (scaled[0] if len(group) == 1 else
-                   recomputed(with_value(graph.call_function(torch.block_diag, tuple(scaled)))))
-        frozen = _joined(graph, [a.weight for a in group])
-        bias = _joined(graph, [a.bias for a in group]) if group[0].bias is not None else None
-        fused = with_value(graph.call_function(torch.ops.sfttrain.lora_linear.default, (x, u, frozen, trained, bias)))
+        u = call(graph, torch._C._nn.linear, (x, concatenated(graph, [a.lora_a for a in group])))
+        scaled = [call(graph, operator.mul, (a.lora_b, a.scale), recompute=True) for a in group]
+        trained = scaled[0] if len(group) == 1 else call(graph, torch.block_diag, tuple(scaled), recompute=True)
+        frozen = concatenated(graph, [a.weight for a in group])
+        bias = concatenated(graph, [a.bias for a in group]) if group[0].bias is not None else None
+        fused = call(graph, torch.ops.sfttrain.lora_linear.default, (x, u, frozen, trained, bias))
     split_back(graph, fused, [a.out for a in group])
     for a in group:
         for node in (a.out, a.out.args[1], a.linear_b, a.linear_a, a.base):
             graph.erase_node(node)
-
-
-def _joined(graph: torch.fx.Graph, params: list[torch.fx.Node]) -> torch.fx.Node:
-    """One projection's parameter as it is, a group's concatenated."""
-    return params[0] if len(params) == 1 else concatenated(graph, params)
 
 
 def _bias(linear: torch.fx.Node) -> torch.fx.Node | None:
@@ -244,15 +219,17 @@ def are_parameters(nodes) -> bool:
 
 
 def concatenated(graph: torch.fx.Graph, params: list[torch.fx.Node]) -> torch.fx.Node:
-    """The parameters concatenated along dim 0 at the insertion point, recomputed in backward."""
-    return recomputed(with_value(graph.call_function(torch.cat, (params,), {"dim": 0})))
+    """One parameter as it is; several concatenated along dim 0 at the insertion point, recomputed in backward."""
+    if len(params) == 1:
+        return params[0]
+    return call(graph, torch.cat, (params,), {"dim": 0}, recompute=True)
 
 
 def split_back(graph: torch.fx.Graph, fused: torch.fx.Node, replaced: list[torch.fx.Node]) -> None:
     """Hands each of `replaced` its columns of `fused` (their outputs side by side, in order)."""
     sizes = [node.meta["example_value"].shape[-1] for node in replaced]
     with graph.inserting_after(fused):
-        parts = with_value(graph.call_function(torch.split, (fused, sizes), {"dim": -1}))
+        parts = call(graph, torch.split, (fused, sizes), {"dim": -1})
     for i, node in enumerate(replaced):
         with graph.inserting_after(parts):
             part = graph.call_function(operator.getitem, (parts, i))
@@ -260,17 +237,15 @@ def split_back(graph: torch.fx.Graph, fused: torch.fx.Node, replaced: list[torch
         node.replace_all_uses_with(part)
 
 
-def recomputed(node: torch.fx.Node) -> torch.fx.Node:
-    """Marks a concatenation of parameters for recomputation in backward (saved, it holds a weights' copy)."""
-    node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-    return node
-
-
-def with_value(node: torch.fx.Node) -> torch.fx.Node:
-    """An inserted node given the fake `example_value` later passes read, computed as dynamo does (under the
-    inputs' fake mode and the Python dispatcher, which handles symbolic sizes)."""
+def call(graph: torch.fx.Graph, target, args: tuple, kwargs: dict | None = None, recompute: bool = False):
+    """A node inserted with the fake `example_value` later passes read, computed as dynamo does (under the
+    inputs' fake mode and the Python dispatcher, which handles symbolic sizes). `recompute`: a product of
+    parameters, recomputed in backward (saved, it would hold a copy of the weights)."""
+    node = graph.call_function(target, args, kwargs or {})
     args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["example_value"])
     modes = {t.fake_mode for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, FakeTensor)}
     with modes.pop() if modes else contextlib.nullcontext(), enable_python_dispatcher():
         node.meta["example_value"] = node.target(*args, **kwargs)
+    if recompute:
+        node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
     return node

@@ -32,13 +32,13 @@ def choose(cfg: ModelConfig, hidden_size: int) -> str:
 def convertible(layers: list[nn.Module]) -> tuple[list[str], list[str]]:
     """The names ("{layer index}.{module}") of the plain nn.Linear modules FP8 takes, and of those it
     leaves in bf16 (a dimension not a multiple of 16)."""
-    converted, skipped = [], []
-    for i, layer in enumerate(layers):
-        for name, module in layer.named_modules():
-            if type(module) is nn.Linear:
-                fits = module.in_features % 16 == 0 and module.out_features % 16 == 0
-                (converted if fits else skipped).append(f"{i}.{name}")
-    return converted, skipped
+    linears = [(f"{i}.{name}", fits(m)) for i, layer in enumerate(layers) for name, m in layer.named_modules()
+               if type(m) is nn.Linear]
+    return [name for name, ok in linears if ok], [name for name, ok in linears if not ok]
+
+
+def fits(linear: nn.Linear) -> bool:
+    return linear.in_features % 16 == 0 and linear.out_features % 16 == 0
 
 
 def check_available(cfg: ModelConfig, device: torch.device) -> None:
@@ -66,29 +66,24 @@ def float8_api():
     return float8
 
 
-def apply(model: nn.Module, cfg: ModelConfig, recipe: str, fsdp_all_gather: bool) -> None:
-    """The resolved model.fp8 applied to the (meta) model before it is compiled and sharded."""
-    if recipe != "off":
-        convert(decoder_layers(model), recipe, fsdp_all_gather, cfg.fp8_fast_accum_grads)
+def apply(model: nn.Module, cfg: ModelConfig, recipe: str, fsdp_all_gather: bool, emulate: bool = False) -> None:
+    """The resolved model.fp8 applied to the (meta) model before it is compiled and sharded: its decoder
+    layers' convertible linear layers become Float8Linear in place; emulate: without FP8 GEMMs (CPU)."""
+    if recipe == "off":
+        return
+    float8 = float8_api()
+    config = dataclasses.replace(float8.Float8LinearConfig.from_recipe_name(recipe), emulate=emulate,
+                                 enable_fsdp_float8_all_gather=fsdp_all_gather and recipe == "tensorwise")
+    if cfg.fp8_fast_accum_grads:
+        fast = float8.config.Float8GemmConfig(use_fast_accum=True)
+        config = dataclasses.replace(config, gemm_config_grad_input=fast, gemm_config_grad_weight=fast)
+    for layer in decoder_layers(model):
+        float8.convert_to_float8_training(layer, config=config, module_filter_fn=lambda m, _: type(m) is nn.Linear
+                                          and fits(m))
 
 
 def hidden_size(model: nn.Module) -> int:
     return model.config.get_text_config().hidden_size
-
-
-def convert(layers: list[nn.Module], recipe: str, fsdp_all_gather: bool, fast_accum_grads: bool,
-            emulate: bool = False) -> None:
-    """Swaps the convertible linear layers of `layers` for Float8Linear in place; emulate: without FP8 GEMMs."""
-    float8 = float8_api()
-    config = dataclasses.replace(float8.Float8LinearConfig.from_recipe_name(recipe), emulate=emulate,
-                                 enable_fsdp_float8_all_gather=fsdp_all_gather and recipe == "tensorwise")
-    if fast_accum_grads:
-        fast = float8.config.Float8GemmConfig(use_fast_accum=True)
-        config = dataclasses.replace(config, gemm_config_grad_input=fast, gemm_config_grad_weight=fast)
-    converted = set(convertible(layers)[0])
-    for i, layer in enumerate(layers):
-        float8.convert_to_float8_training(layer, config=config,
-                                          module_filter_fn=lambda _module, fqn, i=i: f"{i}.{fqn}" in converted)
 
 
 def converted_layers(model: nn.Module) -> list[nn.Module]:
@@ -115,8 +110,7 @@ def describe(model: nn.Module, cfg: ModelConfig, recipe: str) -> list[str]:
         why = (f"{reason}: GEMMs this small lose more to FP8's scaling casts than its faster matmuls save"
                if recipe == "off" else "no linear layer has dimensions that are multiples of 16")
         return [f"  fp8                 : off ({why})"]
-    ids = {id(m) for m in converted}
-    names = sorted({name for layer in decoder_layers(model) for name, m in layer.named_modules() if id(m) in ids})
+    names = sorted({name for layer in decoder_layers(model) for name, m in layer.named_modules() if m in converted})
     config = converted[0].config
     gather = "; weights all-gathered in FP8" if config.enable_fsdp_float8_all_gather else ""
     accum = ("every GEMM" if config.gemm_config_grad_input.use_fast_accum else

@@ -149,11 +149,9 @@ def _flat(tree, prefix=""):
 def test_emulated_fp8_trains_close_to_fp32_with_the_same_state():
     """Conversion swaps the GEMMs only: the same parameters (objects, names), a loss and gradients
     within FP8's rounding of the fp32 ones, and the same optimizer state keys after a step."""
-    from sfttrain.model import decoder_layers
-
     reference, model = llama(), llama()
     params = dict(model.named_parameters())
-    fp8.convert(decoder_layers(model), "tensorwise", fsdp_all_gather=False, fast_accum_grads=True, emulate=True)
+    fp8.apply(model, ModelConfig(), "tensorwise", fsdp_all_gather=False, emulate=True)
     assert len(fp8.converted_layers(model)) == 2 * 7
     assert dict(model.named_parameters()) == params  # the very tensors
     ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(1))
@@ -264,11 +262,8 @@ def test_preflight_lists_the_fp8_problems(tmp_path, monkeypatch):
 
 
 def _tiny_fp8_llama(fsdp_all_gather: bool):
-    from sfttrain.model import decoder_layers
-
     model = llama()
-    fp8.convert(decoder_layers(model), "tensorwise", fsdp_all_gather=fsdp_all_gather, fast_accum_grads=True,
-                emulate=True)
+    fp8.apply(model, ModelConfig(), "tensorwise", fsdp_all_gather=fsdp_all_gather, emulate=True)
     return model
 
 

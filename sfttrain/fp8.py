@@ -29,15 +29,8 @@ def choose(cfg: ModelConfig, hidden_size: int) -> str:
     return "tensorwise" if hidden_size >= AUTO_MIN_HIDDEN else "off"
 
 
-def convertible(layers: list[nn.Module]) -> tuple[list[str], list[str]]:
-    """The names ("{layer index}.{module}") of the plain nn.Linear modules FP8 takes, and of those it
-    leaves in bf16 (a dimension not a multiple of 16)."""
-    linears = [(f"{i}.{name}", fits(m)) for i, layer in enumerate(layers) for name, m in layer.named_modules()
-               if type(m) is nn.Linear]
-    return [name for name, ok in linears if ok], [name for name, ok in linears if not ok]
-
-
 def fits(linear: nn.Linear) -> bool:
+    """FP8's GEMMs need both dimensions to divide by 16; other layers stay in bf16."""
     return linear.in_features % 16 == 0 and linear.out_features % 16 == 0
 
 
@@ -115,7 +108,7 @@ def describe(model: nn.Module, cfg: ModelConfig, recipe: str) -> list[str]:
     gather = "; weights all-gathered in FP8" if config.enable_fsdp_float8_all_gather else ""
     accum = ("every GEMM" if config.gemm_config_grad_input.use_fast_accum else
              "the forward GEMM only (model.fp8_fast_accum_grads=false)")
-    skipped = convertible(decoder_layers(model))[1]  # plain linear layers left: dimensions that do not fit
+    skipped = [m for layer in decoder_layers(model) for m in layer.modules() if type(m) is nn.Linear]  # not fitting
     bf16 = ["lm_head", *(["the experts' grouped GEMMs"] if routing(model.config) else []),
             *([f"{len(skipped)} linear layers with a dimension not a multiple of 16"] if skipped else [])]
     warnings = [*([] if cfg.compile else ["model.compile=false runs FP8's scaling casts as kernels of their own"]),

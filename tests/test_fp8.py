@@ -117,17 +117,18 @@ def test_which_layers_convert():
     experts and router are no linear layers."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from sfttrain.model import decoder_layers
+    def converted(model) -> list[str]:
+        fp8.apply(model, ModelConfig(), "tensorwise", fsdp_all_gather=False, emulate=True)
+        return sorted(name for name, m in model.named_modules() if type(m).__name__ == "Float8Linear")
 
     model = llama(intermediate=100)  # the MLP's 100 does not divide by 16
-    converted, skipped = fp8.convertible(decoder_layers(model))
-    attention = [f"{i}.self_attn.{p}_proj" for i in (0, 1) for p in "qkvo"]
-    assert sorted(converted) == sorted(attention)
-    assert sorted(skipped) == sorted(f"{i}.mlp.{p}_proj" for i in (0, 1) for p in ("gate", "up", "down"))
+    assert converted(model) == sorted(f"model.layers.{i}.self_attn.{p}_proj" for i in (0, 1) for p in "qkvo")
+    assert "; bf16: lm_head, 6 linear layers with a dimension not a multiple of 16;" in fp8.describe(
+        model, ModelConfig(fp8="tensorwise"), "tensorwise")[0]
     moe = Qwen3MoeForCausalLM(Qwen3MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
                                              moe_intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
                                              num_key_value_heads=2, num_experts=4, num_experts_per_tok=2))
-    assert fp8.convertible(decoder_layers(moe)) == ([f"0.self_attn.{p}_proj" for p in "qkvo"], [])
+    assert converted(moe) == sorted(f"model.layers.0.self_attn.{p}_proj" for p in "qkvo")
 
 
 def state_dict_keys(model: nn.Module, optimizer) -> tuple[list, list]:

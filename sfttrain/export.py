@@ -24,7 +24,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import save_file
-from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from transformers.utils.hub import convert_file_size_to_int  # "5GB" -> bytes, as save_pretrained reads it
@@ -94,25 +93,29 @@ def export(checkpoint_dir: str, out_dir: str, dtype: str = "auto", max_shard_siz
     hf_dir = os.path.join(checkpoint_dir, "hf")  # a checkpoint's check_intact, or its commit, vouched for it
     stored = model_tensors(checkpoint_dir)
     if any(lora.is_adapter_weight(name) for name in stored):
-        if rank == 0:  # the merge needs the whole base model: one process does it
-            export_lora(checkpoint_dir, out_dir, dtype, max_shard_size, trust_remote_code, base_dir)
-        return
-    tied = tied_names(hf_dir, list(stored))
-    stored = {n: md for n, md in stored.items() if n not in tied}
-    floats = {md.properties.dtype for md in stored.values() if md.properties.dtype.is_floating_point}
-    cast, reader = DTYPE.get(dtype), dcp.FileSystemReader(checkpoint_dir)
+        if rank != 0:  # the merge needs the whole base model: one process does it
+            return
+        tensors, world_size = export_lora(checkpoint_dir, out_dir, dtype, trust_remote_code, base_dir), 1
+        out_dtype = next(iter(tensors.values())).dtype
 
-    def read(names: list[str]) -> dict[str, torch.Tensor]:  # LOAD_BUDGET_BYTES of the checkpoint at a time
-        split = split_torch_state_dict_into_shards({n: meta_tensor(stored[n]) for n in names},
-                                                   max_shard_size=LOAD_BUDGET_BYTES)
-        tensors = (t for group in split.filename_to_tensors.values()
-                   for t in read_tensors(reader, {n: stored[n] for n in group}).items())
-        return {name: (t.to(cast) if cast and t.is_floating_point() else t).contiguous() for name, t in tensors}
+        def read(names: list[str]) -> dict[str, torch.Tensor]:
+            return {n: tensors[n].contiguous() for n in names}
+    else:
+        floats = {md.properties.dtype for md in stored.values() if md.properties.dtype.is_floating_point}
+        cast, reader = DTYPE.get(dtype), dcp.FileSystemReader(checkpoint_dir)
+        tensors = {n: meta_tensor(md, cast) for n, md in stored.items()}
+        out_dtype = cast or (floats.pop() if len(floats) == 1 else torch.float32)
 
-    write_weights(out_dir, {n: meta_tensor(md, cast) for n, md in stored.items()}, read, max_shard_size,
-                  rank, world_size)
+        def read(names: list[str]) -> dict[str, torch.Tensor]:  # LOAD_BUDGET_BYTES of the checkpoint at a time
+            split = split_torch_state_dict_into_shards({n: meta_tensor(stored[n]) for n in names},
+                                                       max_shard_size=LOAD_BUDGET_BYTES)
+            tensors = (t for group in split.filename_to_tensors.values()
+                       for t in read_tensors(reader, {n: stored[n] for n in group}).items())
+            return {name: (t.to(cast) if cast and t.is_floating_point() else t).contiguous() for name, t in tensors}
+    tied = tied_names(hf_dir, list(tensors))
+    write_weights(out_dir, {n: t for n, t in tensors.items() if n not in tied}, read, max_shard_size, rank, world_size)
     if rank == 0:
-        _write_metadata_files(hf_dir, out_dir, cast or (floats.pop() if len(floats) == 1 else torch.float32))
+        _write_metadata_files(hf_dir, out_dir, out_dtype)
 
 
 def meta_tensor(md: TensorStorageMetadata, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
@@ -151,55 +154,40 @@ def into_checkpoint(checkpoint_dir: str, rank: int, world_size: int, trust_remot
     return out
 
 
-def export_lora(checkpoint_dir: str, out_dir: str, dtype: str = "auto", max_shard_size: str | int = "5GB",
-                trust_remote_code: bool = False, base_dir: Optional[str] = None) -> None:
-    """A LoRA checkpoint merged into its base in fp32; out_dir/adapter gets the peft adapter."""
+def export_lora(checkpoint_dir: str, out_dir: str, dtype: str = "auto", trust_remote_code: bool = False,
+                base_dir: Optional[str] = None) -> dict[str, torch.Tensor]:
+    """The state of a LoRA checkpoint merged into its base by peft (in fp32, then the export's dtype);
+    out_dir/adapter gets the peft adapter."""
     from omegaconf import OmegaConf
     from transformers import AutoModelForCausalLM
 
     # the model section only: keys of other sections that a later version dropped must not stop an export
     stored = OmegaConf.load(os.path.join(checkpoint_dir, "config.yaml")).model
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), stored))
-    trained_on = read_state(checkpoint_dir).get("base")
-    name = base_dir or cfg.partial_pretrain
-    base_dir = base_dir or base_folder(cfg.partial_pretrain, trained_on)
+    trained_on = read_state(checkpoint_dir).get("base") or {}
+    name, found = base_dir or cfg.partial_pretrain, trained_on.get("folder")
+    if base_dir is None:  # model.partial_pretrain, else the folder the run read
+        moved = not os.path.isdir(cfg.partial_pretrain) and found and os.path.isdir(found)
+        base_dir = found if moved else local_model_path(cfg.partial_pretrain)
     if not os.path.isfile(os.path.join(base_dir, "config.json")):
         raise ConfigError(f"{checkpoint_dir} holds LoRA adapters only; their base model {base_dir!r} "
                           "(model.partial_pretrain) is not a model folder here: pass --base DIR")
-    lora.check_base(trained_on, lora.base_identity(name, base_dir), f"exporting {checkpoint_dir}")
+    lora.check_base(trained_on or None, lora.base_identity(name, base_dir), f"exporting {checkpoint_dir}")
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, trust_remote_code=trust_remote_code)
-    adapters = read_tensors(dcp.FileSystemReader(checkpoint_dir), model_tensors(checkpoint_dir))
-    out_dtype = DTYPE.get(dtype) or model_config(base_dir, trust_remote_code).dtype or torch.float32
-    state = merged(base, cfg, adapters, os.path.join(out_dir, ADAPTER_DIR)).to(out_dtype).state_dict()
-    with open(os.path.join(out_dir, ADAPTER_DIR, "sfttrain_base.json"), "w") as f:  # which base, quantized how
-        json.dump({**(trained_on or {}), "base_quant": cfg.base_quant}, f, indent=1)
-    hf_dir = os.path.join(checkpoint_dir, "hf")
-    tied = tied_names(hf_dir, list(state))
-    write_weights(out_dir, {n: t for n, t in state.items() if n not in tied},
-                  lambda names: {n: state[n].contiguous() for n in names}, max_shard_size)
-    _write_metadata_files(hf_dir, out_dir, out_dtype)
-
-
-def merged(base: nn.Module, cfg: ModelConfig, adapters: dict[str, torch.Tensor], adapter_dir: str) -> nn.Module:
-    """`base` with the adapters added into its weights by peft; the peft adapter folder saved in adapter_dir."""
     peft_model = lora.wrap(base, cfg)
     if cfg.base_quant == "nf4":  # the base the adapters were trained on
         quant.round_trip(peft_model.get_base_model(), lora.base_dtype(cfg))
+    adapters = read_tensors(dcp.FileSystemReader(checkpoint_dir), model_tensors(checkpoint_dir))
     result = peft_model.get_base_model().load_state_dict(adapters, strict=False)
     not_loaded = [k for k in result.missing_keys if lora.is_adapter_weight(k)]
     if result.unexpected_keys or not_loaded:
         raise ValueError(f"the adapters do not match model.target_modules / lora_rank on {base.name_or_path}: "
                          f"unexpected {result.unexpected_keys[:5]}, not in the checkpoint {not_loaded[:5]}")
-    peft_model.save_pretrained(adapter_dir)
-    return peft_model.merge_and_unload()
-
-
-def base_folder(given: str, trained_on: dict | None) -> str:
-    """A LoRA checkpoint's base: model.partial_pretrain, else the folder the run read."""
-    found = (trained_on or {}).get("folder")
-    if not os.path.isdir(given) and found and os.path.isdir(found):
-        return found
-    return local_model_path(given)
+    peft_model.save_pretrained(os.path.join(out_dir, ADAPTER_DIR))
+    with open(os.path.join(out_dir, ADAPTER_DIR, "sfttrain_base.json"), "w") as f:  # which base, quantized how
+        json.dump({**trained_on, "base_quant": cfg.base_quant}, f, indent=1)
+    out_dtype = DTYPE.get(dtype) or model_config(base_dir, trust_remote_code).dtype or torch.float32
+    return peft_model.merge_and_unload().to(out_dtype).state_dict()
 
 
 def refused_message(error: BaseException, refused: Fault, out: str, tmp: str) -> str:

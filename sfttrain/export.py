@@ -61,7 +61,6 @@ def tied_names(hf_dir: str, names: list[str]) -> set[str]:
 
 
 def read_tensors(reader: dcp.FileSystemReader, stored: dict[str, TensorStorageMetadata]) -> dict:
-    """HF name -> full tensor of the model tensors `stored`, read without a process group."""
     loaded = {MODEL_PREFIX + name: torch.empty(md.size, dtype=md.properties.dtype) for name, md in stored.items()}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message=".*single process.*")
@@ -119,7 +118,6 @@ def export(checkpoint_dir: str, out_dir: str, dtype: str = "auto", max_shard_siz
 
 
 def meta_tensor(md: TensorStorageMetadata, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """A stored tensor's shape, in `dtype` where it is floating point (else as stored)."""
     cast = dtype is not None and md.properties.dtype.is_floating_point
     return torch.empty(md.size, dtype=dtype if cast else md.properties.dtype, device="meta")
 
@@ -191,7 +189,6 @@ def export_lora(checkpoint_dir: str, out_dir: str, dtype: str = "auto", trust_re
 
 
 def refused_message(error: BaseException, refused: Fault, out: str, tmp: str) -> str:
-    """What a filesystem refused the export into `out` (written as `tmp`), what is left and what to do."""
     left = f"its partial folder {tmp} is left: delete it" if os.path.lexists(tmp) else "the partial folder was removed"
     if over_size_limit(error):
         return (f"a file of {out} reached the file size limit (ulimit -f): nothing was exported ({left}). "

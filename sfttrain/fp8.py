@@ -23,7 +23,6 @@ INSTALL = "pip install -e '.[fp8]'"
 
 
 def choose(cfg: ModelConfig, hidden_size: int) -> str:
-    """model.fp8 resolved for a model of `hidden_size`: auto is tensorwise from AUTO_MIN_HIDDEN on, else off."""
     if cfg.fp8 != "auto":
         return cfg.fp8
     return "tensorwise" if hidden_size >= AUTO_MIN_HIDDEN else "off"
@@ -35,7 +34,6 @@ def fits(linear: nn.Linear) -> bool:
 
 
 def check_available(cfg: ModelConfig, device: torch.device) -> None:
-    """Refuses model.fp8 (auto too) where it cannot run: no CUDA, no FP8 tensor cores, no torchao."""
     if cfg.fp8 == "off":
         return
     if device.type != "cuda":
@@ -50,7 +48,6 @@ def check_available(cfg: ModelConfig, device: torch.device) -> None:
 
 
 def float8_api():
-    """torchao.float8, or the DependencyError that says how to install it."""
     try:
         import torchao.float8 as float8
     except ImportError:
@@ -92,7 +89,6 @@ def scale_precompute_hook(model: nn.Module) -> Callable | None:
 
 
 def describe(model: nn.Module, cfg: ModelConfig, recipe: str) -> list[str]:
-    """The start-up line on FP8 (none with model.fp8=off), read from the converted model."""
     if cfg.fp8 == "off":
         return []
     hidden, converted = hidden_size(model), converted_layers(model)

@@ -31,7 +31,6 @@ LINEAR = (torch._C._nn.linear, F.linear)  # a linear layer in dynamo's graph
 
 
 def graph_pass(cfg: ModelConfig, model_config, fuse: bool, fold_lora: bool) -> FuseSharedInputProjections | None:
-    """The pass for model.fuse_projections and model.fold_lora as resolved (`fuse`, `fold_lora`); None: off."""
     if not fuse:
         return None
     hidden, qkv = qkv_weight_shape(model_config)
@@ -68,7 +67,6 @@ class FuseSharedInputProjections(CustomGraphPass):
                 counters["inductor"]["fused_projections"] += 1
 
     def describe(self) -> str:
-        """What the start-up line says of the groups left apart and of LoRA's folding."""
         but_qkv = " but q/k/v's" if self.always_fused else ""
         folded = f", LoRA's B inside the frozen GEMMs{but_qkv} (model.fold_lora)" if self.fold_lora else ""
         if self.frozen_max_bytes == math.inf:
@@ -102,7 +100,6 @@ def group_key(node: torch.fx.Node) -> tuple | None:
 
 
 def fuse(graph: torch.fx.Graph, nodes: list[torch.fx.Node]) -> None:
-    """Replaces the group's linears by one over the concatenated weights (and biases), split back."""
     biases = [_bias(n) for n in nodes if _bias(n) is not None]  # all or none (group_key)
     with graph.inserting_before(nodes[0]):
         weight = concatenated(graph, [n.args[1] for n in nodes])
@@ -168,7 +165,6 @@ class Adapted:
 
     @classmethod
     def match(cls, node: torch.fx.Node) -> Adapted | None:
-        """The adapted projection whose output (peft's sum) `node` is, or None."""
         args = node.args if is_call(node, (operator.add,)) else ()
         if not (len(args) == 2 and is_call(args[0], LINEAR) and is_call(args[1], (operator.mul,))
                 and is_call(args[1].args[0], LINEAR) and is_call(args[1].args[0].args[0], LINEAR)):
@@ -185,7 +181,6 @@ class Adapted:
 
 
 def fold_group(graph: torch.fx.Graph, group: list[Adapted]) -> None:
-    """Replaces the group's projections (base, A, B, scale, sum) by one lora_linear, split back."""
     position = {node: i for i, node in enumerate(graph.nodes)}
     first = min((a.out for a in group), key=position.__getitem__)
     for a in group:  # a later projection's scale (a float peft reads) is needed at the first sum
@@ -226,7 +221,6 @@ def concatenated(graph: torch.fx.Graph, params: list[torch.fx.Node]) -> torch.fx
 
 
 def split_back(graph: torch.fx.Graph, fused: torch.fx.Node, replaced: list[torch.fx.Node]) -> None:
-    """Hands each of `replaced` its columns of `fused` (their outputs side by side, in order)."""
     sizes = [node.meta["example_value"].shape[-1] for node in replaced]
     with graph.inserting_after(fused):
         parts = call(graph, torch.split, (fused, sizes), {"dim": -1})

@@ -39,7 +39,6 @@ def local_model_path(name: str) -> str:
 
 
 def model_config(folder: str, trust_remote_code: bool):
-    """The transformers config of a local model folder."""
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
@@ -54,7 +53,6 @@ def cached_folder(name: str) -> str | None:
 
 
 def _download(name: str, revision: str | None = None, local_files_only: bool = False) -> str:
-    """The snapshot folder, or a ConfigError that says what to do."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 

@@ -23,7 +23,6 @@ ALL_LINEAR = "all-linear"  # peft's spelling: every nn.Linear except the output 
 
 
 def base_dtype(cfg: ModelConfig) -> torch.dtype:
-    """The frozen base's dtype: the compute dtype (mixed precision's param dtype, else model_dtype)."""
     dtypes = mixed_precision_dtypes(cfg.fsdp_config)
     return DTYPE[dtypes[0] if dtypes else cfg.fsdp_config.model_dtype]
 
@@ -45,7 +44,6 @@ def apply_lora(model: nn.Module, cfg: ModelConfig) -> nn.Module:
 
 
 def wrap(model: nn.Module, cfg: ModelConfig):
-    """peft's PeftModel around `model`, whose modules now hold the adapters."""
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError:
@@ -76,7 +74,6 @@ def run_parameter_adapters_eager(model: nn.Module) -> None:
 
 
 def describe(cfg: ModelConfig) -> list[str]:
-    """The start-up line for LoRA (none without it)."""
     if cfg.lora_rank <= 0:
         return []
     base = CONFIG_NAMES[base_dtype(cfg)]

@@ -74,7 +74,6 @@ class StepTimer:
 
 def throughput(lengths: list[int], loss_tokens: int, seconds: float, shape: ModelShape, num_gpus: int,
                device: torch.device) -> dict:
-    """Tokens/s, and MFU where this device's peak is known (not on CPU)."""
     tokens = sum(lengths)
     out = {"tokens": tokens, "loss_tokens": loss_tokens, "step_time_s": seconds,
            "tokens_per_s": tokens / seconds, "loss_tokens_per_s": loss_tokens / seconds}
@@ -139,7 +138,6 @@ def commit_of(checkout: str) -> str | None:
 
 
 def host_memory_gib() -> dict:
-    """This process's resident host memory (VmRSS) and its high-water mark (VmHWM), Linux."""
     try:
         with open("/proc/self/status") as f:
             fields = dict(line.split(":", 1) for line in f if line.startswith(("VmRSS", "VmHWM")))
@@ -228,7 +226,6 @@ class MetricsLogger:
             raise
 
     def summary(self, steps: int, seconds: float, run_dir: str, final: Optional[str], exported: Optional[str]) -> str:
-        """The run's end: what this start trained, and the commands that take its result further."""
         losses = " -> ".join(f"{self.seen[k][1]:.4g} (step {self.seen[k][0]})" for k in ("first loss", "last loss")
                              if k in self.seen)
         val = f"; val/loss {self.seen['last val/loss'][1]:.4g}" if "last val/loss" in self.seen else ""

@@ -24,7 +24,6 @@ from sfttrain.moe import RouterBalance
 
 
 def load_tokenizer(cfg: ModelConfig, chat_template: str | None = None):
-    """The model's tokenizer, its chat template replaced by data.chat_template if set."""
     path = local_model_folder(cfg)
     # samples longer than the tokenizer's model_max_length are handled by data.truncation
     logging.getLogger("transformers.tokenization_utils_base").setLevel(logging.ERROR)
@@ -61,7 +60,6 @@ def check_model_config(cfg: Config, folder: str) -> None:
 
 
 def embedding_rows(cfg: ModelConfig, folder: str) -> int | None:
-    """config.json's vocab_size: the token ids the model can embed."""
     return getattr(model_config(folder, cfg.trust_remote_code).get_text_config(), "vocab_size", None)
 
 
@@ -90,7 +88,6 @@ def load_model(cfg: ModelConfig, device: torch.device) -> LoadedModel:
 
 
 def attention_backend(cfg: ModelConfig, config, device_type: str) -> str:
-    """model.attn_implementation's backend on `device_type`, refused where it cannot run."""
     backend = attention.select_backend(cfg.attn_implementation, device_type)
     attention.check_model(config, backend, lora.base_dtype(cfg))
     return backend
@@ -124,7 +121,6 @@ def materialise_model(model: nn.Module, cfg: ModelConfig, device: torch.device, 
 
 
 def liger_patching():
-    """Liger's families and patch function, or the DependencyError that says how to install it."""
     try:
         from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN, _apply_liger_kernel_to_instance
     except ImportError:
@@ -167,7 +163,6 @@ def local_model_folder(cfg: ModelConfig) -> str:
 
 
 def check_model_folder(cfg: ModelConfig, path: str) -> None:
-    """`path` holds a config.json transformers reads."""
     config = os.path.join(path, "config.json")
     check_readable(cfg, [path, config])
     if not os.path.isfile(config):

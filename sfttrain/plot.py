@@ -58,7 +58,6 @@ def read_series(path: str) -> dict[str, tuple[list[int], list[float]]]:
 
 
 def figure(series: dict[str, tuple[list[int], list[float]]], run_dir: str):
-    """The recorded panels in a column over a shared step axis, titled with the run's name."""
     panels = {name: [(k, label) for k, label in curves if k in series] for name, curves in PANELS.items()}
     panels = {name: curves for name, curves in panels.items() if curves} or {"loss": []}
     fig, axes = plt.subplots(len(panels), 1, figsize=(12, 8), sharex=True, squeeze=False)

@@ -64,7 +64,6 @@ def materialise(model: nn.Module, device: torch.device, buffer_device: torch.dev
 
 
 def _shared_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
-    """The owners (module, attribute) of each parameter held by several modules (tied embeddings)."""
     owners: dict[int, list[tuple[nn.Module, str]]] = {}
     for module in model.modules():
         for name, param in module._parameters.items():
@@ -106,7 +105,6 @@ def _read_checkpoint(model: nn.Module, path: str) -> None:
 
 
 def _tensor_files(path: str) -> dict[str, str]:
-    """tensor name -> the file holding it (safetensors preferred, else PyTorch .bin)."""
     from safetensors import safe_open
 
     names: dict[str, str] = {}

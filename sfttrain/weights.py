@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from sfttrain import moe, quant
 from sfttrain.lora import base_name, init_adapter, is_adapter_weight
@@ -24,18 +25,15 @@ from sfttrain.lora import base_name, init_adapter, is_adapter_weight
 def parameters_on_meta() -> Iterator[None]:
     """Modules built inside get their parameters on the meta device; buffers are computed for real.
     (accelerate's init_empty_weights re-wraps a meta parameter at each registration: it unties weights.)"""
-    register = nn.Module.register_parameter
-
-    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+    def on_meta(_module: nn.Module, _name: str, param: nn.Parameter | None) -> nn.Parameter | None:
         if param is not None and not param.is_meta:
-            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        register(module, name, param)
+            return nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
 
-    nn.Module.register_parameter = on_meta
+    handle = register_module_parameter_registration_hook(on_meta)
     try:
         yield
     finally:
-        nn.Module.register_parameter = register
+        handle.remove()
 
 
 def materialise(model: nn.Module, device: torch.device, buffer_device: torch.device, seed: int,

@@ -105,9 +105,7 @@ def fuse(graph: torch.fx.Graph, nodes: list[torch.fx.Node]) -> None:
         weight = concatenated(graph, [n.args[1] for n in nodes])
         bias = concatenated(graph, biases) if biases else None
         fused = call(graph, torch._C._nn.linear, (nodes[0].args[0], weight, bias))
-    split_back(graph, fused, nodes)
-    for node in nodes:
-        graph.erase_node(node)
+    split_back(graph, fused, nodes, nodes)
 
 
 def folded_linear(x, u, frozen, trained, bias):
@@ -194,10 +192,8 @@ def fold_group(graph: torch.fx.Graph, group: list[Adapted]) -> None:
         frozen = concatenated(graph, [a.weight for a in group])
         bias = concatenated(graph, [a.bias for a in group]) if group[0].bias is not None else None
         fused = call(graph, torch.ops.sfttrain.lora_linear.default, (x, u, frozen, trained, bias))
-    split_back(graph, fused, [a.out for a in group])
-    for a in group:
-        for node in (a.out, a.out.args[1], a.linear_b, a.linear_a, a.base):
-            graph.erase_node(node)
+    split_back(graph, fused, [a.out for a in group],
+               [node for a in group for node in (a.out, a.out.args[1], a.linear_b, a.linear_a, a.base)])
 
 
 def _bias(linear: torch.fx.Node) -> torch.fx.Node | None:
@@ -220,7 +216,9 @@ def concatenated(graph: torch.fx.Graph, params: list[torch.fx.Node]) -> torch.fx
     return call(graph, torch.cat, (params,), {"dim": 0}, recompute=True)
 
 
-def split_back(graph: torch.fx.Graph, fused: torch.fx.Node, replaced: list[torch.fx.Node]) -> None:
+def split_back(graph: torch.fx.Graph, fused: torch.fx.Node, replaced: list[torch.fx.Node],
+               erased: list[torch.fx.Node]) -> None:
+    """Hands each of `replaced` its columns of `fused` (their outputs side by side), then erases `erased`."""
     sizes = [node.meta["example_value"].shape[-1] for node in replaced]
     with graph.inserting_after(fused):
         parts = call(graph, torch.split, (fused, sizes), {"dim": -1})
@@ -229,6 +227,8 @@ def split_back(graph: torch.fx.Graph, fused: torch.fx.Node, replaced: list[torch
             part = graph.call_function(operator.getitem, (parts, i))
         part.meta.update(node.meta)
         node.replace_all_uses_with(part)
+    for node in erased:  # users first
+        graph.erase_node(node)
 
 
 def call(graph: torch.fx.Graph, target, args: tuple, kwargs: dict | None = None, recompute: bool = False):

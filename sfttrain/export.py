@@ -30,7 +30,7 @@ from transformers.utils.hub import convert_file_size_to_int  # "5GB" -> bytes, a
 
 from sfttrain import lora, quant
 from sfttrain.checkpoint import read_back
-from sfttrain.checkpoint_folder import check_intact, fsync_path, fsync_tree, read_state, resolve, runs, size_text
+from sfttrain.checkpoint_folder import check_intact, fsync_tree, publish, read_state, resolve, runs, size_text
 from sfttrain.config import ModelConfig
 from sfttrain.distributed import agree_on_errors
 from sfttrain.dtypes import DTYPE
@@ -139,6 +139,7 @@ def into_checkpoint(checkpoint_dir: str, rank: int, world_size: int, trust_remot
         error = f"rank {rank}: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[-1]}"[:400]
     failed = agree_on_errors(error, group)
     if not failed and rank == 0:
+        fsync_tree(tmp)  # its files on disk before the rename names them
         publish(tmp, out)
     elif rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -214,13 +215,6 @@ def _write_metadata_files(hf_dir: str, out_dir: str, dtype: torch.dtype) -> None
         f.write("\n")
 
 
-def publish(tmp: str, out: str) -> None:
-    """The export appears complete or not at all: its files are on disk before the rename names them."""
-    fsync_tree(tmp)
-    os.replace(tmp, out)  # over an empty folder too
-    fsync_path(os.path.dirname(out))
-
-
 def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(prog="python -m sfttrain.export", description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint_dir", help="a global_step_N folder, or a run folder (its latest complete checkpoint)")
@@ -261,6 +255,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         with read_back(ckpt):
             export(ckpt, tmp, dtype=args.dtype, max_shard_size=args.max_shard_size,
                    trust_remote_code=args.trust_remote_code, base_dir=args.base)
+        fsync_tree(tmp)  # its files on disk before the rename names them
         publish(tmp, out)
     except Exception as e:  # a ConfigError (a LoRA checkpoint onto another base), an OSError or safetensors' own
         refused = None if isinstance(e, ConfigError) else fault(e, None)

@@ -199,7 +199,7 @@ class MetricsLogger:
             if self.bar is not None and not self.interactive:
                 rate = {**self.bar.format_dict, "bar_format": "{rate_fmt}, ETA {remaining}"}
                 line += f" | {tqdm.format_meter(**rate).strip()}"
-            self.write(line)
+            self.info(line)
 
     def event(self, record: Optional[dict], line: str) -> None:
         """A record that is not a step's (a checkpoint committed), fsynced: a crash's resume goes back
@@ -207,7 +207,7 @@ class MetricsLogger:
         if self.enabled:
             if record is not None:
                 self._append(record, sync=True)
-            self.write(line)
+            self.info(line)
 
     def _append(self, record: dict, sync: bool = False) -> None:
         """An OSError (a full or failing disk, which sfttrain.run says) names metrics.jsonl."""
@@ -239,11 +239,9 @@ class MetricsLogger:
         lines.append(f"  plot             : python -m sfttrain.plot {run_dir}")
         return "\n".join(lines)
 
-    def info(self, text: str) -> None:
-        if self.enabled:
-            self.write(text)
-
-    def write(self, line: str) -> None:
+    def info(self, line: str) -> None:
+        if not self.enabled:
+            return
         if self.bar is not None and self.bar.n >= self.total_steps:
             self.close_bar()  # a finished bar stays above what follows, not redrawn under it
         if self.bar is not None and self.interactive:

@@ -176,8 +176,6 @@ def each_row(rows: list[tuple], render_one) -> list:
     for r in rows:
         try:
             out.append(render_one(r))
-        except RowError:
-            raise
         except ValueError as e:
             raise RowError(r[-1], str(e)) from e
     return out

@@ -206,9 +206,7 @@ def test_bad_conversations_are_named():
               "row 2: assistant message 1 has no content"),
              ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": " \n"}],
               r"row 2: assistant message 1 has no content \(null, missing or empty\); it would train the model to "
-              "answer nothing"),
-             ([{"role": "user", "content": "hi"}, {"role": "model", "content": "x"}],
-              "message 1 has role 'model'.*Gemini's name for the assistant: rename it 'assistant'")]
+              "answer nothing")]
     for messages, message in cases:
         with pytest.raises(ValueError, match=message):
             r.render(messages, {}, row=2)
@@ -281,8 +279,8 @@ def test_trls_prompt_completion_lists_are_one_conversation(tokenizer, tmp_path):
 def test_sharegpt_turns_are_the_messages_they_name(tokenizer, tmp_path):
     """ShareGPT's rows ({"conversations": [{"from": "human", "value": ...}, ...]}) read as the
     role/content messages they name (system, human -> user, gpt -> assistant): the same messages,
-    tokens and loss masks as those messages written as such. The default keys on a
-    file of that form name the key to set."""
+    tokens and loss masks as those messages written as such; so do other formats' role names
+    (OpenAI's developer, Gemini's model). The default keys on a file of that form name the key to set."""
     role_of = {"system": "system", "user": "human", "assistant": "gpt"}
     plain = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Q"},
              {"role": "assistant", "content": "A"}, {"role": "user", "content": "Q2"},
@@ -295,6 +293,10 @@ def test_sharegpt_turns_are_the_messages_they_name(tokenizer, tmp_path):
     assert messages == plain
     r = renderer(tokenizer)
     assert r.render(messages, kwargs, row) == r.render(plain, {}, 0)
+    other = [{**m, "role": {"system": "developer", "assistant": "model"}.get(m["role"], m["role"])} for m in plain]
+    (tmp_path / "other.jsonl").write_text(json.dumps({"messages": other}) + "\n")
+    assert open_source([str(tmp_path / "other.jsonl")], ChatMessages(["messages"], None, None),
+                       str(tmp_path / "run")).read(np.arange(1))[0][0] == plain
     for fields in (ChatMessages(["messages"], None, None), PromptResponse(["question"], ["answer"])):
         with pytest.raises(ConfigError, match="data.multiturn.messages_key=conversations"):
             open_source([str(tmp_path / "sharegpt.jsonl")], fields, str(tmp_path / "run"))

@@ -217,7 +217,7 @@ def test_suggested_batch_sizes_are_valid_and_nearest(mb, dp, budget):
     for b in range(1, 70):
         if batch_problem(b, mb, dp, budget) is None:
             continue
-        valid = [v for v in range(1, 200) if batch_problem(v, mb, dp, budget, suggest=False) is None]
+        valid = [v for v in range(1, 200) if batch_problem(v, mb, dp, budget) is None]
         below, above = [v for v in valid if v < b], [v for v in valid if v > b]
         assert nearest_valid_batches(b, mb, dp, budget) == ([below[-1]] if below else []) + [above[0]]
         assert "use data.train_batch_size=" in batch_problem(b, mb, dp, budget)

@@ -163,5 +163,5 @@ def test_an_answers_reasoning_that_the_template_drops_is_refused():
                  {"role": "assistant", "content": "Final answer.", "reasoning_content": "Last reasoning."}):
         with pytest.raises(ValueError, match=r"row 4: the chat template renders assistant message 3, the last "
                                              r"answer, as '(\\n)*Final answer.<｜end▁of▁sentence｜>', without part "
-                                             r"of its content or reasoning"):
+                                             r"of it"):
             chat.render([*TURNS[:3], last], {}, 4)

@@ -94,8 +94,7 @@ def sequence_parallel_note(dp_size: int, sp_size: int) -> str:
 def make_plan(cfg: Config, dp_size: int, num_rows: int) -> BatchPlan:
     d, t = cfg.data, cfg.trainer
     b, mb, sp = d.train_batch_size, d.micro_batch_size_per_gpu, cfg.ulysses_sequence_parallel_size
-    problem = batch_problem(b, mb, dp_size, d.max_token_len_per_gpu, sp_size=sp)
-    if problem:
+    if problem := batch_problem(b, mb, dp_size, d.max_token_len_per_gpu, sp_size=sp):
         raise ConfigError(problem)
     steps_per_epoch = num_rows // b
     if steps_per_epoch == 0:
@@ -106,8 +105,7 @@ def make_plan(cfg: Config, dp_size: int, num_rows: int) -> BatchPlan:
                      t.total_training_steps)
 
 
-def batch_problem(b: int, mb: int, dp_size: int, token_budget: Optional[int],
-                  suggest: bool = True, sp_size: int = 1) -> Optional[str]:
+def batch_problem(b: int, mb: int, dp_size: int, token_budget: Optional[int], sp_size: int = 1) -> Optional[str]:
     """What is wrong with global batch b (None if it splits), with the nearest valid sizes."""
     per_rank = b // dp_size
     other_fix = ""
@@ -120,8 +118,6 @@ def batch_problem(b: int, mb: int, dp_size: int, token_budget: Optional[int],
         other_fix = f", or a data.micro_batch_size_per_gpu that divides {per_rank}"
     else:
         return None
-    if not suggest:
-        return problem
     valid = " or ".join(str(v) for v in nearest_valid_batches(b, mb, dp_size, token_budget))
     return f"{problem}; use data.train_batch_size={valid}{other_fix}"
 

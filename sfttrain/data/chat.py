@@ -18,25 +18,15 @@ import os
 from jinja2 import TemplateError
 
 from sfttrain.config import ConfigError
-from sfttrain.data.render import (DROPPED_FIX, TEMPLATE_FIX, AnswerNotLocated, Renderer, RenderedSample, RowError,
-                                  TemplateFailed, answer_span, apply_template, check_no_end_token, dropped, each_row)
+from sfttrain.data.render import (TEMPLATE_FIX, AnswerNotLocated, Renderer, RenderedSample, RowError,
+                                  TemplateFailed, answer_span, check_no_end_token, check_whole, each_row)
 
 ROLES = ("system", "user", "assistant", "tool")
-ROLE_HINTS = {  # other formats' names of these roles, and what to do
-    "model": " ('model' is Gemini's name for the assistant: rename it 'assistant')",
-    "function": " ('function' is OpenAI's former name for a tool's result: rename it 'tool')",
-    "ipython": " ('ipython' is Llama 3's name for a tool's result: rename it 'tool')",
-    "developer": " ('developer' is OpenAI's newer name for the system message: rename it 'system')",
-}
 
 
 class ChatRenderer(Renderer):
 
     def __init__(self, tokenizer, *, max_length: int, truncation: str, chat_template: str | None = None):
-        if chat_template is None and not getattr(tokenizer, "chat_template", None):
-            raise ConfigError("data.multiturn.enable=true renders each conversation with a chat template, and the "
-                              "tokenizer has none: set data.chat_template to a template file (.jinja) or its text, "
-                              "e.g. the template of the model's instruct version")
         super().__init__(tokenizer, max_length=max_length, truncation=truncation, chat_template=chat_template)
         if not getattr(tokenizer, "is_fast", False):
             raise ConfigError("data.multiturn needs a fast tokenizer (character offsets of the rendered text); "
@@ -45,10 +35,6 @@ class ChatRenderer(Renderer):
             raise ConfigError(f"the chat template writes {self.turn_end.tail[:20]!r} after an assistant message, no "
                               "token of the tokenizer's own; data.multiturn needs a template that ends each assistant "
                               "turn with one, where the next turn's text starts (set data.chat_template=...)")
-
-    def _render(self, messages: list[dict], kwargs: dict, generation_prompt: bool) -> str:
-        return apply_template(self.tokenizer, messages, add_generation_prompt=generation_prompt,
-                              chat_template=self.chat_template, **kwargs)
 
     def render_many(self, rows: list[tuple[list[dict], dict, int]]) -> list[RenderedSample]:
         return each_row(rows, lambda r: self.render(*r))
@@ -62,15 +48,17 @@ class ChatRenderer(Renderer):
             for i in turns:
                 check_no_end_token([t for t in (messages[i].get("reasoning_content"), messages[i]["content"])
                                     if isinstance(t, str)], self.turn_end, f"assistant message {i}")
-            text = self._render(messages, kwargs, False)
+            text = self._apply(messages, False, **kwargs)
             spans = [self._assistant_span(text, messages, kwargs, i) for i in turns]
+            last = messages[turns[-1]]  # an earlier turn trains as later turns see it; the last, whole
+            check_whole([t for t in (last.get("reasoning_content"), last["content"]) if t], text[slice(*spans[-1])],
+                        f"assistant message {turns[-1]}, the last answer,")
         except AnswerNotLocated as e:
             raise ValueError(f"row {row}: {e}") from None
         except TemplateFailed as e:
             raise ValueError(f"row {row}: the chat template failed on this conversation: {e}; "
                              f"{TEMPLATE_FIX}") from None
         check_turns_apart(spans, turns, self.end_token, row)
-        check_last_answer(messages[turns[-1]], text[slice(*spans[-1])], turns[-1], row)
         edges = [0, *(k for span in spans for k in span), len(text)]
         pieces = self.tokenizer([text[a:b] for a, b in zip(edges, edges[1:])], add_special_tokens=False)["input_ids"]
         input_ids = [t for piece in pieces for t in piece]
@@ -80,8 +68,8 @@ class ChatRenderer(Renderer):
                                                    f"messages, {sum(loss_mask)} trained")
 
     def _assistant_span(self, text: str, messages: list[dict], kwargs: dict, i: int) -> tuple[int, int]:
-        span = answer_span(self.tokenizer, text, self._render(messages[:i], kwargs, True), self.turn_end,
-                           lambda: self._render(messages[:i], kwargs, False), f"assistant message {i}")
+        span = answer_span(self.tokenizer, text, self._apply(messages[:i], True, **kwargs), self.turn_end,
+                           lambda: self._apply(messages[:i], False, **kwargs), f"assistant message {i}")
         return span.start, span.stop
 
 
@@ -95,23 +83,12 @@ def check_turns_apart(spans: list[tuple[int, int]], turns: list[int], end_token:
                              f"located; {TEMPLATE_FIX}")
 
 
-def check_last_answer(message: dict, rendered: str, i: int, row: int) -> None:
-    """The last answer rendered whole: DeepSeek-R1's template drops what precedes </think>, which would
-    train something else than the row says."""
-    texts = [t for t in (message.get("reasoning_content"), message["content"]) if t]
-    if lost := dropped(texts, rendered):
-        raise ValueError(f"row {row}: the chat template renders assistant message {i}, the last answer, as "
-                         f"{rendered[:80]!r}, without part of its content or reasoning ({lost[:80]!r}): what would be "
-                         f"trained is not the row's answer. {DROPPED_FIX}")
-
-
 def check_messages(messages: list[dict], row: int) -> None:
     """Known roles, string contents, an assistant turn with content (or tool calls) after a prompt.
     The reader has dropped null keys: a null content arrives as a missing one."""
     for i, m in enumerate(messages):
         if m.get("role") not in ROLES:
-            hint = ROLE_HINTS.get(m.get("role"), "")
-            raise ValueError(f"row {row}: message {i} has role {m.get('role')!r}; expected one of {list(ROLES)}{hint}")
+            raise ValueError(f"row {row}: message {i} has role {m.get('role')!r}; expected one of {list(ROLES)}")
         if not isinstance(m.get("content", ""), str):
             raise ValueError(f"row {row}: message {i} content is {type(m['content']).__name__}, expected a string")
         # a turn that only calls tools has no text; any other would train an empty answer

@@ -11,7 +11,6 @@ that differ in keys and types read back as written, and a bad cell is named with
 from __future__ import annotations
 
 import codecs
-import csv
 import difflib
 import glob
 import hashlib
@@ -27,8 +26,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
 from sfttrain.checkpoint_folder import replace_synced
-from sfttrain.data.parquet import (JSON_CELLS, LINE_COLUMN, ChatMessages, ParquetSource, PromptResponse, missing_file,
-                                   no_rows)
+from sfttrain.data.parquet import JSON_CELLS, LINE_COLUMN, ChatMessages, ParquetSource, PromptResponse, no_rows
 from sfttrain.distributed import decided_by_rank0
 from sfttrain.errors import DataError
 from sfttrain.faults import unreadable
@@ -37,7 +35,6 @@ DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".arrow", ".csv", ".tsv")
 DATA_PATTERNS = ", ".join("*" + s for s in DATA_SUFFIXES)  # for messages
 TEXT_SUFFIXES = (".jsonl", ".json", ".csv", ".tsv")  # formats that may come compressed
 COMPRESSED = (".gz", ".bz2", ".zst")  # pyarrow detects the codec by the suffix
-CONVERTED_SUFFIXES = DATA_SUFFIXES[1:]  # read through a Parquet conversion in the run folder
 SAVED_DATASET = "state.json"  # in a folder datasets' save_to_disk wrote (beside dataset_info.json)
 SAVED_DATASET_DICT = "dataset_dict.json"  # in the folder of a DatasetDict's save_to_disk (a folder per split)
 CONVERTED_DIR = "data_cache"  # in the run folder: the JSON, CSV and Arrow files converted to Parquet
@@ -50,7 +47,7 @@ SPLITS = ("train", "test", "validation", "valid", "val", "dev", "eval")  # a spl
 def open_source(paths: list[str], fields: PromptResponse | ChatMessages, run_dir: str) -> ParquetSource:
     """Rank 0 converts (the run folder is shared): a malformed line stops every rank with one message."""
     files = data_files(paths)
-    targets = {f: cached_parquet(f, run_dir) for f in files if data_format(f) in CONVERTED_SUFFIXES}
+    targets = {f: cached_parquet(f, run_dir) for f in files if data_format(f) != ".parquet"}
 
     def convert_missing() -> None:
         for source, target in targets.items():
@@ -152,8 +149,8 @@ def data_format(path: str) -> str:
     return inner if suffix in COMPRESSED and inner in TEXT_SUFFIXES else suffix
 
 
-def open_text(path: str, newline: str | None = None):
-    return io.TextIOWrapper(pa.input_stream(path, compression="detect"), encoding="utf-8-sig", newline=newline)
+def open_text(path: str):
+    return io.TextIOWrapper(pa.input_stream(path, compression="detect"), encoding="utf-8-sig")
 
 
 def saved_dataset_files(path: str) -> list[str]:
@@ -167,8 +164,6 @@ def saved_dataset_files(path: str) -> list[str]:
 
 
 def cached_parquet(source: str, run_dir: str) -> str:
-    if not os.path.isfile(source):
-        raise missing_file(source)
     stat = os.stat(source)
     key = json.dumps([os.path.abspath(source), stat.st_size, stat.st_mtime_ns, FORMAT_VERSION])
     stem = os.path.splitext(os.path.basename(source))[0]
@@ -233,12 +228,9 @@ def arrow_batches(source: str) -> tuple[pa.Schema, list[pa.RecordBatch]]:
 
 def csv_batches(source: str) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
     """Every column read as text: an answer of digits stays the text it is."""
-    delimiter = "\t" if data_format(source) == ".tsv" else ","
-    with open_text(source, newline="") as f:
-        header = next(csv.reader(f, delimiter=delimiter), None)
-    if not header or not any(header):
-        raise DataError(f"{source}: no header row naming the columns; the first line names them, e.g. question,answer")
-    reader = pacsv.open_csv(source, parse_options=pacsv.ParseOptions(delimiter=delimiter, newlines_in_values=True),
+    parse = pacsv.ParseOptions(delimiter="\t" if data_format(source) == ".tsv" else ",", newlines_in_values=True)
+    header = pacsv.open_csv(source, parse_options=parse).schema.names
+    reader = pacsv.open_csv(source, parse_options=parse,
                             convert_options=pacsv.ConvertOptions(column_types={name: pa.string() for name in header}))
     return reader.schema, reader
 

@@ -4,9 +4,9 @@ the seed say which samples were used, whatever the world size."""
 from __future__ import annotations
 
 import array
-import contextlib
 import dataclasses
 import hashlib
+import io
 import itertools
 import logging
 import math
@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from sfttrain import stop_signal
-from sfttrain.checkpoint_folder import replace_synced
+from sfttrain.checkpoint_folder import write_atomically
 from sfttrain.config import DataConfig
 from sfttrain.distributed import decided_by_rank0, from_every_rank
 from sfttrain.errors import DataError, UserError
@@ -46,11 +46,8 @@ class StepBatch:
     sample_lengths: list[int]  # the whole step, all ranks (tokens/s and the MFU attention term)
     rows: list[int]  # global row ids of the step (for error messages)
 
-    def pin_memory(self) -> "StepBatch":
-        return dataclasses.replace(self, micro_batches=[m.pin_memory() for m in self.micro_batches])
-
-    def share_memory(self) -> "StepBatch":
-        return dataclasses.replace(self, micro_batches=[m.share_memory() for m in self.micro_batches])
+    def map_tensors(self, fn) -> "StepBatch":
+        return dataclasses.replace(self, micro_batches=[m.map_tensors(fn) for m in self.micro_batches])
 
 
 @dataclass(frozen=True)
@@ -132,7 +129,7 @@ class StepStream(IterableDataset):
                 return
             # into shared memory here, where a full /dev/shm raises in the rank; torch's feeder thread
             # would print the error and drop the step, the rank waiting for it forever
-            yield step.share_memory() if info else step
+            yield step.map_tensors(torch.Tensor.share_memory_) if info else step
 
 
 PREFETCH = 2  # steps each data worker builds ahead (the DataLoader's prefetch_factor)
@@ -164,7 +161,7 @@ def step_batches(data: TrainData, epoch: int, consumed: int, num_workers: int,
         for item in steps:
             if isinstance(item, UserError):
                 raise item
-            yield item.pin_memory() if pin_memory else item
+            yield item.map_tensors(torch.Tensor.pin_memory) if pin_memory else item
     except (EOFError, ConnectionError):  # a killed worker's handover: torch's SIGCHLD handler names it moments later
         time.sleep(1)
         raise
@@ -236,15 +233,9 @@ def _load_stats(path: str) -> list[np.ndarray] | None:
 
 def _save_stats(path: str, columns: list[np.ndarray]) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp.npz"
-    try:
-        np.savez(tmp, **dict(zip(STATS, columns)))
-        replace_synced(tmp, path)
-    except OSError as e:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        e.filename = e.filename or path
-        raise
+    npz = io.BytesIO()
+    np.savez(npz, **dict(zip(STATS, columns)))
+    write_atomically(path, npz.getvalue())
 
 
 SCAN_BLOCK_ROWS = 4096  # rows read and rendered at once by the start-up scan

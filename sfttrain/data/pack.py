@@ -36,18 +36,11 @@ class MicroBatch:
             self.loss_rows = (self.labels.view(-1) != IGNORE_INDEX).nonzero().view(-1)
 
     def to(self, device: torch.device) -> "MicroBatch":
-        return self._map_tensors(lambda t: t.to(device, non_blocking=True))
+        return self.map_tensors(lambda t: t.to(device, non_blocking=True))
 
-    def pin_memory(self) -> "MicroBatch":
-        """Page-locked: the next step's batch copies to the GPU while this one computes."""
-        return self._map_tensors(torch.Tensor.pin_memory)
+    TENSORS = 5  # the tensors map_tensors maps
 
-    def share_memory(self) -> "MicroBatch":
-        return self._map_tensors(torch.Tensor.share_memory_)
-
-    TENSORS = 5  # the tensors _map_tensors maps
-
-    def _map_tensors(self, fn) -> "MicroBatch":
+    def map_tensors(self, fn) -> "MicroBatch":
         return MicroBatch(fn(self.input_ids), fn(self.labels), fn(self.position_ids), fn(self.cu_seqlens),
                           self.max_seqlen, self.num_loss_tokens, self.num_samples, fn(self.loss_rows))
 

@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from sfttrain.config import ConfigError, as_list
+from sfttrain.config import as_list
 from sfttrain.errors import DataError
 from sfttrain.hub import is_repo_id
 
@@ -86,10 +86,6 @@ def file_stamp(path: str) -> Optional[tuple[int, ...]]:
     except FileNotFoundError:
         return None
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
-
-
-def missing_file(path: str) -> DataError:
-    return DataError(f"data file {path!r} does not exist (check data.train_files / data.val_files){hub_id_hint(path)}")
 
 
 def no_rows(source: str) -> DataError:
@@ -164,8 +160,6 @@ class ParquetSource:
 
     def __init__(self, files: list[str], fields: PromptResponse | ChatMessages,
                  origins: Optional[dict[str, str]] = None):
-        if not files:
-            raise ConfigError("no Parquet files given")
         self.fields = fields
         self.origins = origins or {}
         self.row_groups: list[RowGroup] = []
@@ -181,9 +175,7 @@ class ParquetSource:
         self._cache_rows = SHUFFLE_WINDOW_ROWS + max(g.num_rows for g in self.row_groups)
         self.groups_decoded = 0  # for bench/data_scale.py and tests
 
-    def _add_file(self, file: str) -> None:
-        if not os.path.isfile(file):
-            raise missing_file(file)
+    def _add_file(self, file: str) -> None:  # a missing file is the start-up checks' (sfttrain.checks)
         self._stamps[file] = file_stamp(file)  # before its metadata is read: a later change is seen
         try:
             meta = pq.ParquetFile(file)
@@ -250,8 +242,7 @@ class ParquetSource:
         rows = np.asarray(rows, dtype=np.int64)
         groups = np.searchsorted(self._starts, rows, side="right") - 1
         out: list = [None] * len(rows)
-        _, first = np.unique(groups, return_index=True)
-        for g in groups[np.sort(first)].tolist():
+        for g in dict.fromkeys(groups.tolist()):
             where = np.flatnonzero(groups == g)
             group = self.row_groups[g]
             locals_ = (rows[where] - group.first_row).tolist()
@@ -273,10 +264,8 @@ class ParquetSource:
         group = self.row_groups[g]
         try:
             table = pq.ParquetFile(group.file).read_row_group(group.index, columns=self._columns[group.file])
-        except (pa.ArrowException, OSError):  # a file changed since start-up fails its read in many ways
+        finally:  # a file changed since start-up fails its read in many ways, or reads as other rows
             self._check_unchanged(group)
-            raise
-        self._check_unchanged(group)  # one that still reads may hold other rows: never trained on silently
         self.groups_decoded += 1
         self._cache[g] = table.combine_chunks()
         return self._cache[g]
@@ -318,9 +307,10 @@ def _text_hint(value, key_path: list[str]) -> str:
     return ""
 
 
-# ShareGPT's turns ({"from": "human", "value": ...}) and the roles they name, as chat templates know them
-SHAREGPT_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "tool": "tool", "observation": "tool", "function_response": "tool"}
+# other formats' names of the chat templates' roles: ShareGPT's turns ({"from": "human", "value": ...}),
+# Gemini's 'model', OpenAI's 'developer' (and its former 'function'), Llama 3's 'ipython'
+ROLE_NAMES = {"human": "user", "gpt": "assistant", "observation": "tool", "function_response": "tool",
+              "model": "assistant", "developer": "system", "function": "tool", "ipython": "tool"}
 
 
 def _messages(value, key: str) -> list[dict]:
@@ -328,18 +318,20 @@ def _messages(value, key: str) -> list[dict]:
     value = _json(value, key)
     if not isinstance(value, list) or not all(isinstance(m, dict) for m in value):
         raise DataError(f"{key} is {_kind(value)}, expected a list of {{role, content}} messages")
-    return [_text_parts(_sharegpt_turn({k: v for k, v in m.items() if v is not None}, f"{key}[{i}]"), f"{key}[{i}]")
+    return [_text_parts(_turn({k: v for k, v in m.items() if v is not None}, f"{key}[{i}]"), f"{key}[{i}]")
             for i, m in enumerate(value)]
 
 
-def _sharegpt_turn(message: dict, where: str) -> dict:
-    """A ShareGPT turn as {role, content}; a function_call turn (LLaMA-Factory's) as OpenAI's tool_calls."""
-    if "role" in message or "from" not in message or "value" not in message:
-        return message
-    turn = {k: v for k, v in message.items() if k not in ("from", "value")}
-    if message["from"] == "function_call":
-        return {"role": "assistant", "tool_calls": _tool_calls(message["value"], where), **turn}
-    return {"role": SHAREGPT_ROLES.get(message["from"], message["from"]), "content": message["value"], **turn}
+def _turn(message: dict, where: str) -> dict:
+    """The templates' {role, content}: of ShareGPT's turn, of a function_call turn (LLaMA-Factory's) as
+    OpenAI's tool_calls, of a role by another name."""
+    if "role" not in message and {"from", "value"} <= message.keys():
+        turn = {k: v for k, v in message.items() if k not in ("from", "value")}
+        if message["from"] == "function_call":
+            return {"role": "assistant", "tool_calls": _tool_calls(message["value"], where), **turn}
+        message = {"role": message["from"], "content": message["value"], **turn}
+    role = message.get("role")
+    return {**message, "role": ROLE_NAMES[role]} if isinstance(role, str) and role in ROLE_NAMES else message
 
 
 def _tool_calls(value, where: str) -> list[dict]:

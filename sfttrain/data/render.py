@@ -19,9 +19,6 @@ from sfttrain.config import ConfigError, rendering_problems
 
 PROBE = "\x00sfttrain-probe\x00"  # an assistant content no real text contains
 TEMPLATE_FIX = "fix the template (data.chat_template=... replaces the tokenizer's) or the row"
-DROPPED_FIX = ("A template that drops reasoning (DeepSeek-R1's keeps what follows </think> only) trains no "
-               "reasoning: use one that renders it (data.chat_template=... replaces the tokenizer's), or take it out "
-               "of the data")
 
 
 class TemplateFailed(ValueError):
@@ -132,10 +129,15 @@ def check_no_end_token(texts: list[str], end: TurnEnd, where: str) -> None:
                                    "model would learn to stop there. Remove it from the data")
 
 
-def dropped(texts: list[str], rendered: str) -> str | None:
-    """The first of `texts` that `rendered` does not hold, whitespace aside (templates trim answers)."""
+def check_whole(texts: list[str], rendered: str, what: str) -> None:
+    """The trained answer holds each of `texts`, whitespace aside (templates trim answers)."""
     squeezed = "".join(rendered.split())
-    return next((t for t in texts if "".join(t.split()) not in squeezed), None)
+    if lost := next((t for t in texts if "".join(t.split()) not in squeezed), None):
+        raise AnswerNotLocated(f"the chat template renders {what} as {rendered[:80]!r}, without part of it "
+                               f"({lost[:80]!r}): what would be trained is not the row's answer. A template that "
+                               "drops reasoning (DeepSeek-R1's keeps what follows </think> only) trains no reasoning: "
+                               "use one that renders it (data.chat_template=... replaces the tokenizer's), or take it "
+                               "out of the data")
 
 
 # in the data fingerprint: raised with every change that renders the same rows to other tokens
@@ -159,9 +161,7 @@ def check_answer(response: str, answer: str, apart_prompt: str | None) -> None:
         raise AnswerNotLocated(f"the chat template's generation prompt {apart_prompt!r} is not in its rendering of "
                                f"the row, which has {answer[:40]!r} where the answer goes: the answer cannot be told "
                                f"from what the template writes before it; {TEMPLATE_FIX}")
-    if lost := dropped([response], answer):
-        raise AnswerNotLocated(f"the chat template renders this row's response as {answer[:80]!r}, without part of "
-                               f"it ({lost[:80]!r}): what would be trained is not the response. {DROPPED_FIX}")
+    check_whole([response], answer, "this row's response")
 
 
 class RowError(ValueError):
@@ -176,8 +176,6 @@ def each_row(rows: list[tuple], render_one) -> list:
     for r in rows:
         try:
             out.append(render_one(r))
-        except RowError:
-            raise
         except ValueError as e:
             raise RowError(r[-1], str(e)) from e
     return out
@@ -189,8 +187,9 @@ class Renderer:
         for problem in rendering_problems(max_length, truncation):
             raise ConfigError(problem)
         if apply_chat_template and chat_template is None and not getattr(tokenizer, "chat_template", None):
-            raise ConfigError("the tokenizer has no chat template; set data.apply_chat_template=false to use the "
-                              "raw prompt text, or pass a Jinja template with data.chat_template=...")
+            raise ConfigError("the tokenizer has no chat template; pass a Jinja template (a file or its text) with "
+                              "data.chat_template=..., e.g. that of the model's instruct version (or, for "
+                              "prompt/response rows, set data.apply_chat_template=false to use the raw prompt text)")
         self.tokenizer, self.max_length, self.truncation = tokenizer, max_length, truncation
         self.apply_chat_template, self.chat_template = apply_chat_template, chat_template
         self.turn_end = turn_end(tokenizer, chat_template) if apply_chat_template else TurnEnd("", None, "")
@@ -246,10 +245,13 @@ class Renderer:
         check_answer(response, answer, generation[span.start:] if span.prompt_apart else None)
         return (generation if span.prompt_apart else text[:span.start]), answer
 
+    def _apply(self, messages: list[dict], generation_prompt: bool, **kwargs) -> str:
+        return apply_template(self.tokenizer, messages, add_generation_prompt=generation_prompt,
+                              chat_template=self.chat_template, **kwargs)  # None: the tokenizer's own
+
     def _template(self, messages: list[dict], generation_prompt: bool, part: str) -> str:
         try:
-            return apply_template(self.tokenizer, messages, add_generation_prompt=generation_prompt,
-                                  chat_template=self.chat_template)  # None: the tokenizer's own
+            return self._apply(messages, generation_prompt)
         except TemplateFailed as e:
             raise TemplateFailed(f"the chat template failed on this row's {part}: {e}; "
                                  f"{TEMPLATE_FIX}") from e.__cause__

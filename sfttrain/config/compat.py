@@ -125,10 +125,10 @@ def translate(layer: DictConfig) -> None:
     _apply_aliases(layer)
     _checkpoint_contents(layer)
     for key, why in IGNORED_VERL_KEYS.items():
-        if (value := _pop(layer, key)) is not _ABSENT:
+        if (value := pop(layer, key)) is not _ABSENT:
             _say(f"sfttrain: ignoring {key}={_as_typed(value)}: {why}")
     for key, why in NULL_ONLY_VERL_KEYS.items():
-        if (value := _pop(layer, key)) is _ABSENT:
+        if (value := pop(layer, key)) is _ABSENT:
             continue
         plain = _plain(value)
         if plain not in (None, "", {}, []) and not (isinstance(plain, dict) and all(v is None for v in plain.values())):
@@ -139,7 +139,7 @@ def translate(layer: DictConfig) -> None:
 _ABSENT = object()
 
 
-def _pop(layer: DictConfig, key: str) -> Any:
+def pop(layer: DictConfig, key: str) -> Any:
     """Removes a dotted key from the layer, returning its value (_ABSENT where it has none)."""
     parent, _, leaf = key.rpartition(".")
     node = OmegaConf.select(layer, parent, default=None, throw_on_missing=False) if parent else layer
@@ -165,7 +165,7 @@ def _say(line: str) -> None:
 
 def _apply_aliases(layer: DictConfig) -> None:
     for old, new in ALIASES.items():
-        if (value := _pop(layer, old)) is _ABSENT:
+        if (value := pop(layer, old)) is _ABSENT:
             continue
         if OmegaConf.select(layer, new, default=_ABSENT) is not _ABSENT:
             raise ConfigError(f"both {old} and {new} are set; {old} is verl's name for {new}: keep one")

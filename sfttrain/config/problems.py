@@ -36,7 +36,7 @@ def validate(cfg: Config) -> None:
 
 def config_problems(cfg: Config) -> list[str]:
     """Every problem, each once, so that a config is fixed in one go."""
-    problems = [*_schema_problems(cfg), *_validate_data(cfg.data), *_validate_model(cfg.model),
+    problems = [*cfg.load_problems, *_schema_problems(cfg), *_validate_data(cfg.data), *_validate_model(cfg.model),
                 *verl_switch_problems(cfg), *_check_no_shard(cfg), *_validate_optim(cfg.optim),
                 *_validate_trainer(cfg.trainer), *_validate_fp8(cfg)]
     return list(dict.fromkeys(problems))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, ClassVar, Iterator, Optional
 
 from omegaconf import ListConfig
 
@@ -211,6 +211,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     ulysses_sequence_parallel_size: int = key(1, "ranks sharing each packed row, attention heads split over them")
     use_remove_padding: bool = key(True, "verl key; sfttrain is always padding-free")
+    load_problems: ClassVar[tuple[str, ...]] = ()  # what the load found (unknown keys): not a key, listed by checks
 
     def micro_batch_tokens(self) -> int:
         """Tokens of the largest micro-batch on one rank (split over the sequence-parallel group)."""

@@ -274,6 +274,12 @@ KILLED_FIX = {
                     "emptyDir of medium Memory mounted at /dev/shm; `df -h /dev/shm` shows its size). Or set "
                     "data.num_workers=0 (now {n}): the rank then builds its batches itself, without shared memory"),
 }
+WORKER_KILLED = re.compile(r"DataLoader worker \(pid (\d+)\) is killed by signal: ([^.\n]+)")
+
+
+def data_worker_died(error: BaseException) -> Optional[re.Match]:
+    """torch's DataLoader raises this wherever the rank is when a worker dies: (its pid, the signal's words)."""
+    return next((found for e in _chain(error) if (found := WORKER_KILLED.search(str(e)))), None)
 
 
 def killed_worker(error: BaseException, cfg: Config, rank: int, where: str) -> Optional[OutOfMemory]:
@@ -284,14 +290,16 @@ def killed_worker(error: BaseException, cfg: Config, rank: int, where: str) -> O
         full = fault(error, None)
         return OutOfMemory(f"rank {rank}'s DataLoader worker could not hand a step over in {where}: {full.cause}. "
                            f"{full.fix}. {then}")
-    names = {signal.strsignal(s): s for s in KILLED_FIX}
-    sign = re.compile(rf"DataLoader worker \(pid (\d+)\) is killed by signal: ({'|'.join(map(re.escape, names))})")
-    killed = next((found for e in _chain(error) if (found := sign.search(str(e)))), None)
-    if not killed:
+    sig = {signal.strsignal(s): s for s in KILLED_FIX}.get((killed := data_worker_died(error)) and killed.group(2))
+    if sig is None:
         return None
-    sig = signal.Signals(names[killed.group(2)])
     return OutOfMemory(f"rank {rank}'s DataLoader worker (pid {killed.group(1)}) was killed by {sig.name} in "
                        f"{where}: {KILLED_FIX[sig].format(n=cfg.data.num_workers)}. {then}")
+
+
+def not_utf8(error: BaseException) -> bool:
+    """pyarrow's CSV reader says a byte that is not UTF-8 only in its text."""
+    return isinstance(error, UnicodeDecodeError) or "invalid UTF8" in str(error)
 
 
 def timed_out(error: BaseException) -> bool:

@@ -76,8 +76,7 @@ def classify(error: BaseException, cfg: Config, rank: int, where: str) -> Option
     """The UserError that ends the run for `error`, raised in `where` (sfttrain.phase); None for a bug."""
     # memory first: a data worker's full /dev/shm is memory run out, as its SIGBUS death is
     return (out_of_memory(error, cfg, rank, where) or killed_worker(error, cfg, rank, where) or
-            filesystem_error(error, cfg.trainer, where) or
-            folder_gone_error(error, cfg.trainer.default_local_dir, where))
+            filesystem_error(error, cfg.trainer, where))
 
 
 def os_errno(error: BaseException | str) -> Optional[int]:
@@ -124,8 +123,12 @@ def file_at_size_limit(folder: str) -> Optional[str]:
 
 
 def filesystem_error(error: BaseException, t: TrainerConfig, where: str) -> Optional[UserError]:
-    """A filesystem's refusal: a ConfigError at start-up, else a CheckpointError; None for other errors."""
+    """A filesystem's refusal: a ConfigError at start-up, else a CheckpointError (also where the run folder went
+    away while it ran); None for other errors."""
     found = fault(error, t.default_local_dir)
+    gone = where != "start-up" and isinstance(error, OSError) and folder_gone(t.default_local_dir)
+    if found is None and gone:
+        return CheckpointError(f"{gone}. Found in {where}" + (f", writing {error.filename}" if error.filename else ""))
     if found is None:
         return None
     if where == "start-up":
@@ -352,10 +355,3 @@ def folder_gone(run_dir: str) -> Optional[str]:
             "run ran, its checkpoints with it, so no later one can be saved. If it was moved, move it back and run "
             "the same command: it resumes from its last checkpoint; else the same command starts afresh")
 
-
-def folder_gone_error(error: BaseException, run_dir: str, where: str) -> Optional[CheckpointError]:
-    """A run folder's file that failed because the folder is gone (not at start-up), else None."""
-    gone = folder_gone(run_dir)
-    if not gone or where == "start-up" or not isinstance(error, OSError):
-        return None
-    return CheckpointError(f"{gone}. Found in {where}" + (f", writing {error.filename}" if error.filename else ""))

@@ -11,7 +11,7 @@ from omegaconf.nodes import StringNode
 from yaml import YAMLError, safe_load
 
 from sfttrain.config.compat import ALIASES, foreign_key_problem, pop, translate
-from sfttrain.config.problems import validate
+from sfttrain.config.problems import config_problems
 from sfttrain.config.schema import Config
 from sfttrain.errors import ConfigError
 
@@ -46,8 +46,8 @@ def load_config(yaml_path: Optional[str] = None, overrides: tuple[str, ...] | li
     except OmegaConfBaseException as e:
         raise ConfigError(_value_problem(e)) from None
     cfg.load_problems = tuple(dict.fromkeys(unknown))
-    if check:
-        validate(cfg)
+    if check and (problems := config_problems(cfg)):
+        raise ConfigError("\n".join(problems))
     return cfg
 
 

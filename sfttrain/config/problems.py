@@ -25,10 +25,12 @@ def _choice(key: str, value: Any, choices: tuple) -> Iterator[str]:
 def _schema_problems(cfg: Config) -> Iterator[str]:
     """Every key outside the values, or below the least, that its schema field names."""
     for key, f in schema_fields():
-        value, least = value_of(cfg, key), f.metadata["minimum"]
+        value, least, default = value_of(cfg, key), f.metadata["minimum"], default_of(key)
         yield from _choice(key, value, f.metadata["choices"]) if f.metadata["choices"] else ()
-        if least is not None and value < least:
-            yield f"{key} must be >= {least}, got {value}"
+        if least is not None and value is not None and value < least:
+            instead = f"{key}={default}" if default is not None else f"{key}={least}, or null (the default)"
+            yield (f"{key}={value} is {'negative' if least == 0 else f'below {least}'}; {f.metadata['help']}: "
+                   f"e.g. {instead}")
 
 
 def config_problems(cfg: Config) -> list[str]:
@@ -63,9 +65,6 @@ def _validate_data(d: DataConfig) -> Iterator[str]:
     if d.max_token_len_per_gpu is not None and d.max_token_len_per_gpu < d.max_length:
         yield (f"data.max_token_len_per_gpu={d.max_token_len_per_gpu} is below data.max_length="
                f"{d.max_length}: a longest sample would not fit; raise it or lower data.max_length")
-    if d.num_workers < 0:
-        yield (f"data.num_workers={d.num_workers}: the worker processes a rank builds its steps in are 0 "
-               "(built in the rank itself, the default) or more; e.g. data.num_workers=0")
     if d.prompt_key is None and not d.multiturn.enable and d.apply_chat_template:
         yield ("data.prompt_key=null trains whole texts without a prompt, which a chat template would "
                "render as an empty user turn: set data.apply_chat_template=false")
@@ -181,36 +180,20 @@ def _validate_optim(o: OptimConfig) -> Iterator[str]:
         if not math.isfinite(value):
             yield (f"{key}={value} is not a finite number; set a number such as its default "
                    f"{default_of(key)}")
-    if o.lr < 0:
-        yield f"optim.lr={o.lr} is negative; use a positive rate such as 1e-5"
     # torch's AdamW checks betas, eps and weight decay in its defaults only, not in parameter groups
     if len(o.betas) != 2:
         yield f"optim.betas must have two values, got {o.betas}"
     elif not all(0.0 <= beta < 1.0 for beta in o.betas):
         yield (f"optim.betas={list(o.betas)}: each must lie in [0, 1), such as its default "
                f"{default_of('optim.betas')}")
-    if o.eps < 0:
-        yield (f"optim.eps={o.eps} is negative; use a small positive number such as its default "
-               f"{default_of('optim.eps')}")
-    if o.weight_decay < 0:
-        yield (f"optim.weight_decay={o.weight_decay} is negative (it would grow the weights); use 0 (none) or a "
-               f"positive value such as its default {default_of('optim.weight_decay')}")
     if not 0.0 <= o.lr_warmup_steps_ratio <= 1.0 or not 0.0 <= o.min_lr_ratio <= 1.0:
         yield "optim.lr_warmup_steps_ratio and optim.min_lr_ratio must lie in [0, 1]"
 
 
 def _validate_trainer(t: TrainerConfig) -> Iterator[str]:
-    if t.seed < 0:  # numpy's generator takes none
-        yield f"trainer.seed={t.seed}: give a seed >= 0, e.g. trainer.seed={default_of('trainer.seed')}"
-    if t.total_training_steps is not None and t.total_training_steps < 1:
-        yield (f"trainer.total_training_steps={t.total_training_steps} would train nothing: give a number "
-               "of steps >= 1, or null to train trainer.total_epochs passes over the data")
     if t.max_ckpt_to_keep is not None and t.max_ckpt_to_keep < 0:
         yield (f"trainer.max_ckpt_to_keep={t.max_ckpt_to_keep}: set N > 0 to keep this run's newest N "
                "checkpoints, or null (the default; 0 is the same, as in verl) to keep every one")
-    if t.log_freq < 1:
-        yield (f"trainer.log_freq={t.log_freq}: a console line every N steps needs N >= 1 (metrics.jsonl "
-               "gets every step whatever it is); e.g. trainer.log_freq=1, the default")
     if t.resume_mode == "resume_path" and not t.resume_from_path:
         yield "trainer.resume_mode=resume_path needs trainer.resume_from_path"
     if t.resume_mode == "disable" and t.resume_from_path:  # verl ignores the path: which was meant?
@@ -237,8 +220,6 @@ def _validate_trainer(t: TrainerConfig) -> Iterator[str]:
 
 def _validate_lora(m: ModelConfig) -> Iterator[str]:
     """The names in target_modules are checked against the model at load (sfttrain.lora)."""
-    if m.lora_rank < 0:
-        yield f"model.lora_rank must be 0 (full fine-tuning) or positive, got {m.lora_rank}"
     if m.lora_rank <= 0:
         return
     if m.lora_alpha <= 0:

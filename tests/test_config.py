@@ -98,6 +98,16 @@ def test_verls_sft_trainer_yaml_keys_that_say_none(capsys):
                               ("data.custom_cls.path=my_dataset.py", "data.custom_cls=.*convert the data")]:
         with pytest.raises(ConfigError, match=rf"^{message}.*; remove the key \(or set it to null\)$"):
             load_config(overrides=[*COMMON, override])
+    # a verl key refused is listed with every other problem of the config: loading goes on past it
+    with pytest.raises(ConfigError) as refused:
+        load_config(overrides=[*COMMON, "model.external_lib=my_models", "trainer.save_interval=3",
+                               "trainer.save_freq=4", "trainer.checkpoint.keep=2", "optim.learning_rate=1",
+                               "optim.lr=-1"])
+    assert [line.split(":")[0] for line in str(refused.value).splitlines()] == [
+        "both trainer.save_interval and trainer.save_freq are set; trainer.save_interval is verl's name for "
+        "trainer.save_freq", "trainer.checkpoint.keep", "model.external_lib='my_models'",
+        "unknown config key 'optim.learning_rate'; did you mean optim.lr?", "optim.lr=-1.0 is negative; peak "
+        "learning rate, reached after the warmup"], str(refused.value)
 
 
 def test_verls_checkpoint_contents(tmp_path, capsys):

@@ -22,8 +22,8 @@ FREE_FORM = ("model.fsdp_config.mixed_precision", "model.fsdp_config.wrap_policy
 def load_config(yaml_path: Optional[str] = None, overrides: tuple[str, ...] | list[str] = (),
                 check: bool = True) -> Config:
     """The merged, resolved configuration, validated unless `check` is false (the start-up checks list its
-    problems, the unknown keys among them: `Config.load_problems`)."""
-    layers, unknown = [], []
+    problems, those of the load among them: unknown keys and verl keys refused, `Config.load_problems`)."""
+    layers, problems = [], []
     if yaml_path is not None:
         try:
             layers.append(OmegaConf.load(yaml_path))
@@ -38,16 +38,15 @@ def load_config(yaml_path: Optional[str] = None, overrides: tuple[str, ...] | li
     layers.append(_dotlist(overrides, merged))
     try:
         for layer in layers:
-            translate(layer)
-            unknown += _drop_unknown_keys(layer, merged)
+            problems += translate(layer) + _drop_unknown_keys(layer, merged)
             merged = OmegaConf.merge(merged, layer)
         OmegaConf.resolve(merged)
         cfg: Config = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         raise ConfigError(_value_problem(e)) from None
-    cfg.load_problems = tuple(dict.fromkeys(unknown))
-    if check and (problems := config_problems(cfg)):
-        raise ConfigError("\n".join(problems))
+    cfg.load_problems = tuple(dict.fromkeys(problems))
+    if check and (found := config_problems(cfg)):
+        raise ConfigError("\n".join(found))
     return cfg
 
 

@@ -98,15 +98,16 @@ def test_verls_sft_trainer_yaml_keys_that_say_none(capsys):
                               ("data.custom_cls.path=my_dataset.py", "data.custom_cls=.*convert the data")]:
         with pytest.raises(ConfigError, match=rf"^{message}.*; remove the key \(or set it to null\)$"):
             load_config(overrides=[*COMMON, override])
-    # a verl key refused is listed with every other problem of the config: loading goes on past it
+    # a verl key refused, or a value of the wrong type, is listed with every other problem of the config
     with pytest.raises(ConfigError) as refused:
         load_config(overrides=[*COMMON, "model.external_lib=my_models", "trainer.save_interval=3",
                                "trainer.save_freq=4", "trainer.checkpoint.keep=2", "optim.learning_rate=1",
-                               "optim.lr=-1"])
+                               "data.max_length=long", "optim.lr=-1"])
     assert [line.split(":")[0] for line in str(refused.value).splitlines()] == [
         "both trainer.save_interval and trainer.save_freq are set; trainer.save_interval is verl's name for "
         "trainer.save_freq", "trainer.checkpoint.keep", "model.external_lib='my_models'",
-        "unknown config key 'optim.learning_rate'; did you mean optim.lr?", "optim.lr=-1.0 is negative; peak "
+        "unknown config key 'optim.learning_rate'; did you mean optim.lr?", "bad value for data.max_length",
+        "optim.lr=-1.0 is negative; peak "
         "learning rate, reached after the warmup"], str(refused.value)
 
 

@@ -124,10 +124,10 @@ def translate(layer: DictConfig) -> list[str]:
     problems of those it refuses."""
     problems = [*_apply_aliases(layer), *_checkpoint_contents(layer)]
     for key, why in IGNORED_VERL_KEYS.items():
-        if (value := pop(layer, key)) is not _ABSENT:
+        if (value := pop(layer, key)) is not ABSENT:
             _say(f"sfttrain: ignoring {key}={_as_typed(value)}: {why}")
     for key, why in NULL_ONLY_VERL_KEYS.items():
-        if (value := pop(layer, key)) is _ABSENT:
+        if (value := pop(layer, key)) is ABSENT:
             continue
         plain = _plain(value)
         if plain not in (None, "", {}, []) and not (isinstance(plain, dict) and all(v is None for v in plain.values())):
@@ -137,15 +137,15 @@ def translate(layer: DictConfig) -> list[str]:
     return problems
 
 
-_ABSENT = object()
+ABSENT = object()
 
 
 def pop(layer: DictConfig, key: str) -> Any:
-    """Removes a dotted key from the layer, returning its value (_ABSENT where it has none)."""
+    """Removes a dotted key from the layer, returning its value (ABSENT where it has none)."""
     parent, _, leaf = key.rpartition(".")
     node = OmegaConf.select(layer, parent, default=None, throw_on_missing=False) if parent else layer
     if not isinstance(node, DictConfig) or leaf not in node:
-        return _ABSENT
+        return ABSENT
     return node.pop(leaf)
 
 
@@ -166,9 +166,9 @@ def _say(line: str) -> None:
 
 def _apply_aliases(layer: DictConfig) -> Iterator[str]:
     for old, new in ALIASES.items():
-        if (value := pop(layer, old)) is _ABSENT:
+        if (value := pop(layer, old)) is ABSENT:
             continue
-        if OmegaConf.select(layer, new, default=_ABSENT) is not _ABSENT:
+        if OmegaConf.select(layer, new, default=ABSENT) is not ABSENT:
             yield f"both {old} and {new} are set; {old} is verl's name for {new}: keep one"
         else:
             OmegaConf.update(layer, new, value, force_add=True)

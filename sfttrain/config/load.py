@@ -6,11 +6,11 @@ import difflib
 from typing import Any, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import OmegaConfBaseException, ValidationError
 from omegaconf.nodes import StringNode
 from yaml import YAMLError, safe_load
 
-from sfttrain.config.compat import ALIASES, foreign_key_problem, pop, translate
+from sfttrain.config.compat import ABSENT, ALIASES, foreign_key_problem, pop, translate
 from sfttrain.config.problems import config_problems
 from sfttrain.config.schema import Config
 from sfttrain.errors import ConfigError
@@ -22,7 +22,8 @@ FREE_FORM = ("model.fsdp_config.mixed_precision", "model.fsdp_config.wrap_policy
 def load_config(yaml_path: Optional[str] = None, overrides: tuple[str, ...] | list[str] = (),
                 check: bool = True) -> Config:
     """The merged, resolved configuration, validated unless `check` is false (the start-up checks list its
-    problems, those of the load among them: unknown keys and verl keys refused, `Config.load_problems`)."""
+    problems, those of the load among them: unknown keys, values of the wrong type and verl keys refused,
+    `Config.load_problems`)."""
     layers, problems = [], []
     if yaml_path is not None:
         try:
@@ -39,7 +40,7 @@ def load_config(yaml_path: Optional[str] = None, overrides: tuple[str, ...] | li
     try:
         for layer in layers:
             problems += translate(layer) + _drop_unknown_keys(layer, merged)
-            merged = OmegaConf.merge(merged, layer)
+            merged = _merge(merged, layer, problems)
         OmegaConf.resolve(merged)
         cfg: Config = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
@@ -48,6 +49,17 @@ def load_config(yaml_path: Optional[str] = None, overrides: tuple[str, ...] | li
     if check and (found := config_problems(cfg)):
         raise ConfigError("\n".join(found))
     return cfg
+
+
+def _merge(merged: DictConfig, layer: DictConfig, problems: list[str]) -> DictConfig:
+    """The layer merged; a value of the wrong type is one more problem, taken out so that the rest merges."""
+    while True:
+        try:
+            return OmegaConf.merge(merged, layer)
+        except ValidationError as e:
+            if not e.full_key or pop(layer, e.full_key) is ABSENT:
+                raise
+            problems.append(_value_problem(e))
 
 
 def _dotlist(overrides: tuple[str, ...] | list[str], schema: DictConfig) -> DictConfig:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import os
 import resource
 from dataclasses import dataclass
@@ -84,13 +85,6 @@ class Startup:
     @cached_property
     def dp_size(self) -> Optional[int]:  # None: the world check lists why
         return Findings().check(lambda: data_parallel_size(self.world_size, self.cfg.ulysses_sequence_parallel_size))
-
-
-@dataclass(frozen=True)
-class Check:
-    run: Callable
-    needs: tuple[str, ...]  # Startup's attributes, in the order run takes them ("device": each of its devices)
-    gives: Optional[str] = None  # the Startup attribute its result sets
 
 
 def model_folder(cfg: Config, planning: bool, elsewhere: bool) -> Optional[str]:
@@ -200,39 +194,29 @@ def batch_split(cfg: Config, dp_size: int) -> list[str]:
     return [problem] if problem else []
 
 
-REGISTRY = (
-    Check(config_problems, ("cfg",)),
-    Check(check_world, ("cfg", "world_size")),
-    Check(require_loggers, ("cfg",)),
-    Check(open_files, ("cfg", "dp_size", "planning")),
-    Check(run_folder, ("cfg", "elsewhere")),
-    Check(model_folder, ("cfg", "planning", "elsewhere"), gives="folder"),
-    Check(lambda cfg, folder: check_weights_readable(cfg.model, folder), ("cfg", "folder")),
-    Check(weights_present, ("cfg", "folder", "planning")),
-    Check(check_rope, ("cfg", "folder")),  # RoPE that packing would make depend on the batch
-    Check(check_max_length, ("cfg", "folder")),
-    Check(check_model_config, ("cfg", "folder")),  # its family, router loss and Ulysses heads
-    Check(fp8_ready, ("cfg", "device")),
-    Check(lora_base_ready, ("cfg",)),
-    Check(lambda cfg, device: cfg.model.use_liger and device == "cuda" and liger_patching(), ("cfg", "device")),
-    Check(lambda cfg, folder, device: attention_backend(cfg.model, model_config(folder, cfg.model.trust_remote_code),
-                                                        device), ("cfg", "folder", "device")),
-    Check(lambda cfg, device: chunk_loss_kernel(cfg.model.loss_kernel, device), ("cfg", "device")),
-    Check(layout_ready, ("cfg", "world_size", "device")),
-    Check(data_entries, ("cfg", "elsewhere")),
-    Check(batch_split, ("cfg", "dp_size")),
-)
+# a check's parameters are Startup's attributes ("device": each of its devices)
+REGISTRY = (config_problems, check_world, require_loggers, open_files, run_folder, model_folder,
+            lambda cfg, folder: check_weights_readable(cfg.model, folder), weights_present,
+            check_rope,  # RoPE that packing would make depend on the batch
+            check_max_length, check_model_config,  # its family, router loss and Ulysses heads
+            fp8_ready, lora_base_ready,
+            lambda cfg, device: cfg.model.use_liger and device == "cuda" and liger_patching(),
+            lambda cfg, folder, device: attention_backend(cfg.model, model_config(folder, cfg.model.trust_remote_code),
+                                                          device),
+            lambda cfg, device: chunk_loss_kernel(cfg.model.loss_kernel, device), layout_ready, data_entries,
+            batch_split)
 
 
 def run_checks(s: Startup) -> Findings:
     for check in REGISTRY:
-        devices = s.devices if "device" in check.needs else (None,)
-        args = [getattr(s, name) for name in check.needs if name != "device"]
+        needs = inspect.signature(check).parameters
+        args = [getattr(s, name) for name in needs if name != "device"]
         if any(a is None for a in args):
             continue
-        result = on_devices(s, devices, lambda device: check.run(*args, *([device] if device else [])))
-        if check.gives:
-            setattr(s, check.gives, result)
+        devices = s.devices if "device" in needs else (None,)
+        result = on_devices(s, devices, lambda device: check(*args, *([device] if device else [])))
+        if check is model_folder:
+            s.folder = result
     return s.found
 
 

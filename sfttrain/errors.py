@@ -65,8 +65,3 @@ class OutOfMemory(UserError, RuntimeError):
     exit_code = 9
     kind = "out of memory"
 
-
-def data_worker_died(error: BaseException) -> bool:
-    """torch's DataLoader raises this wherever the rank is when a worker dies (only its text says it)."""
-    text = str(error)
-    return isinstance(error, RuntimeError) and "DataLoader worker (pid" in text and "is killed by signal" in text

@@ -76,8 +76,7 @@ def classify(error: BaseException, cfg: Config, rank: int, where: str) -> Option
     """The UserError that ends the run for `error`, raised in `where` (sfttrain.phase); None for a bug."""
     # memory first: a data worker's full /dev/shm is memory run out, as its SIGBUS death is
     return (out_of_memory(error, cfg, rank, where) or killed_worker(error, cfg, rank, where) or
-            filesystem_error(error, cfg.trainer, where) or
-            folder_gone_error(error, cfg.trainer.default_local_dir, where))
+            filesystem_error(error, cfg.trainer, where))
 
 
 def os_errno(error: BaseException | str) -> Optional[int]:
@@ -124,8 +123,12 @@ def file_at_size_limit(folder: str) -> Optional[str]:
 
 
 def filesystem_error(error: BaseException, t: TrainerConfig, where: str) -> Optional[UserError]:
-    """A filesystem's refusal: a ConfigError at start-up, else a CheckpointError; None for other errors."""
+    """A filesystem's refusal: a ConfigError at start-up, else a CheckpointError (also where the run folder went
+    away while it ran); None for other errors."""
     found = fault(error, t.default_local_dir)
+    gone = where != "start-up" and isinstance(error, OSError) and folder_gone(t.default_local_dir)
+    if found is None and gone:
+        return CheckpointError(f"{gone}. Found in {where}" + (f", writing {error.filename}" if error.filename else ""))
     if found is None:
         return None
     if where == "start-up":
@@ -274,6 +277,12 @@ KILLED_FIX = {
                     "emptyDir of medium Memory mounted at /dev/shm; `df -h /dev/shm` shows its size). Or set "
                     "data.num_workers=0 (now {n}): the rank then builds its batches itself, without shared memory"),
 }
+WORKER_KILLED = re.compile(r"DataLoader worker \(pid (\d+)\) is killed by signal: ([^.\n]+)")
+
+
+def data_worker_died(error: BaseException) -> Optional[re.Match]:
+    """torch's DataLoader raises this wherever the rank is when a worker dies: (its pid, the signal's words)."""
+    return next((found for e in _chain(error) if (found := WORKER_KILLED.search(str(e)))), None)
 
 
 def killed_worker(error: BaseException, cfg: Config, rank: int, where: str) -> Optional[OutOfMemory]:
@@ -284,14 +293,16 @@ def killed_worker(error: BaseException, cfg: Config, rank: int, where: str) -> O
         full = fault(error, None)
         return OutOfMemory(f"rank {rank}'s DataLoader worker could not hand a step over in {where}: {full.cause}. "
                            f"{full.fix}. {then}")
-    names = {signal.strsignal(s): s for s in KILLED_FIX}
-    sign = re.compile(rf"DataLoader worker \(pid (\d+)\) is killed by signal: ({'|'.join(map(re.escape, names))})")
-    killed = next((found for e in _chain(error) if (found := sign.search(str(e)))), None)
-    if not killed:
+    sig = {signal.strsignal(s): s for s in KILLED_FIX}.get((killed := data_worker_died(error)) and killed.group(2))
+    if sig is None:
         return None
-    sig = signal.Signals(names[killed.group(2)])
     return OutOfMemory(f"rank {rank}'s DataLoader worker (pid {killed.group(1)}) was killed by {sig.name} in "
                        f"{where}: {KILLED_FIX[sig].format(n=cfg.data.num_workers)}. {then}")
+
+
+def not_utf8(error: BaseException) -> bool:
+    """pyarrow's CSV reader says a byte that is not UTF-8 only in its text."""
+    return "invalid UTF8" in str(error)
 
 
 def timed_out(error: BaseException) -> bool:
@@ -344,10 +355,3 @@ def folder_gone(run_dir: str) -> Optional[str]:
             "run ran, its checkpoints with it, so no later one can be saved. If it was moved, move it back and run "
             "the same command: it resumes from its last checkpoint; else the same command starts afresh")
 
-
-def folder_gone_error(error: BaseException, run_dir: str, where: str) -> Optional[CheckpointError]:
-    """A run folder's file that failed because the folder is gone (not at start-up), else None."""
-    gone = folder_gone(run_dir)
-    if not gone or where == "start-up" or not isinstance(error, OSError):
-        return None
-    return CheckpointError(f"{gone}. Found in {where}" + (f", writing {error.filename}" if error.filename else ""))

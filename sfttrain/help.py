@@ -53,7 +53,3 @@ def format_help(section: str | None = None) -> str:
         lines.append(f"verl's {' and '.join(CHECKPOINT_KEYS)}: accepted and ignored (a checkpoint always holds the "
                      "model, optimizer and extra state); hf_model among the contents sets trainer.save_hf=true")
     return "\n".join(lines)
-
-
-def print_help(section: str | None = None) -> None:
-    print(format_help(section))

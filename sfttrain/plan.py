@@ -327,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = load_config(*parse_config_args(rest), check=False)
-    except UserError as e:  # an unknown key, a value of the wrong type, a YAML error: nothing to plan with
+    except UserError as e:  # a value of the wrong type, a YAML error: nothing to plan with
         print(f"sfttrain plan: {e.kind}: {e}")
         return 2
     lines, found = preflight(cfg, args.nproc, args.nnodes, args.elsewhere)

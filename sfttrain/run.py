@@ -15,7 +15,7 @@ import time
 from sfttrain.config import Config, ConfigError, load_config
 from sfttrain.errors import UserError
 from sfttrain.faults import classify, peer_lost, timed_out, what_next
-from sfttrain.help import print_help
+from sfttrain.help import format_help
 from sfttrain.runtime import Runtime
 
 # a rank other than 0 waits this long for rank 0 to report the error; past it, it reports its own
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     try:
         if argv and argv[0] in ("-h", "--help"):
-            print_help(argv[1] if len(argv) > 1 else None)
+            print(format_help(argv[1] if len(argv) > 1 else None))
             return
         cfg = load_config(*parse_args(argv), check=False)  # its problems are listed with the start-up checks
     except UserError as e:

@@ -73,21 +73,23 @@ def test_the_run_and_the_preflight_name_the_same_keys(case, gsm8k_dir, tmp_path)
     assert set(KEY.findall(message)) == set(KEY.findall(problems)) == keys, (message, problems)
 
 
-def test_four_mistakes_are_listed_at_once_by_both(gsm8k_dir, tmp_path):
+def test_five_mistakes_are_listed_at_once_by_both(gsm8k_dir, tmp_path):
     """A misspelled data file (named with the file it most likely meant), max_length above the model's
-    positions, a batch that does not divide and a value the config refuses (a negative learning rate):
-    all four from one start of the run and from the preflight; the run exits with the code of the first
-    one's kind (the config's, 2: the config's values and the model's checks come before the data's)."""
+    positions, a batch that does not divide, a value the config refuses (a negative learning rate) and a
+    key it does not know (Hugging Face's name, with the key meant): all five from one start of the run and
+    from the preflight; the run exits with the code of the first one's kind (the config's, 2: the config's
+    keys and values and the model's checks come before the data's)."""
     overrides = job(tmp_path, gsm8k_dir, [*misspelled_file(tmp_path), "data.max_length=1024",
                                           "data.train_batch_size=7", "data.micro_batch_size_per_gpu=2",
-                                          "optim.lr=-1"])
+                                          "optim.lr=-1", "trainer.save_steps=5"])
     run_code, message = refused(overrides)
     plan_code, problems = planned(overrides)
     expected = [f"data file '{tmp_path / 'trian.parquet'}' does not exist (check data.train_files; did you mean "
                 f"{tmp_path / 'train.parquet'}?)",
                 "data.max_length=1024 is above the model's max_position_embeddings=512",
                 "data.train_batch_size=7 gives 7 samples per data-parallel rank",
-                "optim.lr=-1.0 is negative"]
+                "optim.lr=-1.0 is negative",
+                "unknown config key 'trainer.save_steps'; did you mean trainer.save_freq?"]
     assert run_code == 2 and plan_code == 2, (message, problems)
     assert all(e in message and e in problems for e in expected), (message, problems)
 

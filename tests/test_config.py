@@ -98,6 +98,17 @@ def test_verls_sft_trainer_yaml_keys_that_say_none(capsys):
                               ("data.custom_cls.path=my_dataset.py", "data.custom_cls=.*convert the data")]:
         with pytest.raises(ConfigError, match=rf"^{message}.*; remove the key \(or set it to null\)$"):
             load_config(overrides=[*COMMON, override])
+    # a verl key refused, or a value of the wrong type, is listed with every other problem of the config
+    with pytest.raises(ConfigError) as refused:
+        load_config(overrides=[*COMMON, "model.external_lib=my_models", "trainer.save_interval=3",
+                               "trainer.save_freq=4", "trainer.checkpoint.keep=2", "optim.learning_rate=1",
+                               "data.max_length=long", "optim.lr=-1"])
+    assert [line.split(":")[0] for line in str(refused.value).splitlines()] == [
+        "both trainer.save_interval and trainer.save_freq are set; trainer.save_interval is verl's name for "
+        "trainer.save_freq", "trainer.checkpoint.keep", "model.external_lib='my_models'",
+        "unknown config key 'optim.learning_rate'; did you mean optim.lr?", "bad value for data.max_length",
+        "optim.lr=-1.0 is negative; peak "
+        "learning rate, reached after the warmup"], str(refused.value)
 
 
 def test_verls_checkpoint_contents(tmp_path, capsys):
@@ -307,8 +318,8 @@ def test_a_run_that_auto_places_on_the_cpu_says_so():
 @pytest.mark.parametrize("override, message", [
     ("optim.betas=[0.9,1.5]", r"optim.betas=\[0.9, 1.5\]: each must lie in \[0, 1\)"),
     ("optim.betas=[-0.1,0.95]", r"optim.betas=\[-0.1, 0.95\]: each must lie in \[0, 1\)"),
-    ("optim.eps=-1e-8", r"optim.eps=-1e-08 is negative; .*default 1e-08"),
-    ("optim.weight_decay=-0.1", r"optim.weight_decay=-0.1 is negative .*default 0.01"),
+    ("optim.eps=-1e-8", r"optim.eps=-1e-08 is negative; .*e\.g\. optim.eps=1e-08"),
+    ("optim.weight_decay=-0.1", r"optim.weight_decay=-0.1 is negative; .*e\.g\. optim.weight_decay=0.01"),
 ])
 def test_adamw_values_torch_checks_only_in_its_defaults_are_refused(override, message):
     """sfttrain sets betas, eps and weight decay per parameter group, where torch's AdamW does not check
@@ -395,7 +406,9 @@ def test_a_value_outside_a_keys_choices_or_below_its_least_is_refused():
     for key in chosen:
         assert re.search(rf"^{re.escape(key)}='nonsense' is not one of \[", str(refused.value), re.MULTILINE), key
     for key, least in counts.items():
-        assert f"\n{key} must be >= {least}, got {least - 1}" in f"\n{refused.value}", key
+        below = "negative" if least == 0 else f"below {least}"
+        assert re.search(rf"^{re.escape(key)}={least - 1}(\.0)? is {below}; .*: e\.g\. {re.escape(key)}=",
+                         str(refused.value), re.MULTILINE), key
 
 
 @pytest.mark.parametrize("overrides, message", [

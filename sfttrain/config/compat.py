@@ -9,7 +9,6 @@ import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from sfttrain.config.schema import Config
-from sfttrain.errors import ConfigError
 
 # verl spellings accepted as synonyms: verl's key -> the schema's
 ALIASES = {
@@ -120,31 +119,33 @@ def foreign_key_problem(key: str, known: set[str]) -> Optional[str]:
     return None
 
 
-def translate(layer: DictConfig) -> None:
-    """verl's spellings to the schema's, its meaningless keys dropped (each said once), in place."""
-    _apply_aliases(layer)
-    _checkpoint_contents(layer)
+def translate(layer: DictConfig) -> list[str]:
+    """verl's spellings to the schema's, its meaningless keys dropped (each said once), in place; the
+    problems of those it refuses."""
+    problems = [*_apply_aliases(layer), *_checkpoint_contents(layer)]
     for key, why in IGNORED_VERL_KEYS.items():
-        if (value := _pop(layer, key)) is not _ABSENT:
+        if (value := pop(layer, key)) is not ABSENT:
             _say(f"sfttrain: ignoring {key}={_as_typed(value)}: {why}")
     for key, why in NULL_ONLY_VERL_KEYS.items():
-        if (value := _pop(layer, key)) is _ABSENT:
+        if (value := pop(layer, key)) is ABSENT:
             continue
         plain = _plain(value)
         if plain not in (None, "", {}, []) and not (isinstance(plain, dict) and all(v is None for v in plain.values())):
-            raise ConfigError(f"{key}={plain!r}: {why}; remove the key (or set it to null)")
-        _say(f"sfttrain: ignoring {key}={_as_typed(plain)} (verl's key, none given): {why}")
+            problems.append(f"{key}={plain!r}: {why}; remove the key (or set it to null)")
+        else:
+            _say(f"sfttrain: ignoring {key}={_as_typed(plain)} (verl's key, none given): {why}")
+    return problems
 
 
-_ABSENT = object()
+ABSENT = object()
 
 
-def _pop(layer: DictConfig, key: str) -> Any:
-    """Removes a dotted key from the layer, returning its value (_ABSENT where it has none)."""
+def pop(layer: DictConfig, key: str) -> Any:
+    """Removes a dotted key from the layer, returning its value (ABSENT where it has none)."""
     parent, _, leaf = key.rpartition(".")
     node = OmegaConf.select(layer, parent, default=None, throw_on_missing=False) if parent else layer
     if not isinstance(node, DictConfig) or leaf not in node:
-        return _ABSENT
+        return ABSENT
     return node.pop(leaf)
 
 
@@ -163,32 +164,30 @@ def _say(line: str) -> None:
         print(line, flush=True)
 
 
-def _apply_aliases(layer: DictConfig) -> None:
+def _apply_aliases(layer: DictConfig) -> Iterator[str]:
     for old, new in ALIASES.items():
-        if (value := _pop(layer, old)) is _ABSENT:
+        if (value := pop(layer, old)) is ABSENT:
             continue
-        if OmegaConf.select(layer, new, default=_ABSENT) is not _ABSENT:
-            raise ConfigError(f"both {old} and {new} are set; {old} is verl's name for {new}: keep one")
-        OmegaConf.update(layer, new, value, force_add=True)
+        if OmegaConf.select(layer, new, default=ABSENT) is not ABSENT:
+            yield f"both {old} and {new} are set; {old} is verl's name for {new}: keep one"
+        else:
+            OmegaConf.update(layer, new, value, force_add=True)
 
 
-def _checkpoint_contents(layer: DictConfig) -> None:
+def _checkpoint_contents(layer: DictConfig) -> list[str]:
     """Drops verl's trainer.checkpoint section (sfttrain's checkpoints hold everything; hf_model
-    is trainer.save_hf=true); an unknown content or key is refused."""
+    is trainer.save_hf=true); an unknown content or key is a problem."""
     section = OmegaConf.select(layer, "trainer.checkpoint", default=None, throw_on_missing=False)
     if not isinstance(section, DictConfig):
-        return
-    unknown = sorted(set(section.keys()) - {key.rpartition(".")[2] for key in CHECKPOINT_KEYS})
-    if unknown:
-        raise ConfigError(f"trainer.checkpoint.{unknown[0]}: unknown key; verl's trainer.checkpoint section has "
-                          "save_contents and load_contents only")
-    raw = OmegaConf.to_container(section, resolve=False)  # load_contents is ${trainer.checkpoint.save_contents}
+        return []
+    raw = OmegaConf.to_container(layer.trainer.pop("checkpoint"), resolve=False)  # load_contents: ${...save_contents}
     saved = raw.get("save_contents")
     contents = [saved] if isinstance(saved, str) else list(saved or [])
-    if bad := [c for c in contents if c not in CHECKPOINT_CONTENTS]:
-        raise ConfigError(f"trainer.checkpoint.save_contents: {bad} unknown; verl's contents are "
-                          f"{list(CHECKPOINT_CONTENTS)}")
-    layer.trainer.pop("checkpoint")
+    unknown = sorted(set(raw) - {key.rpartition(".")[2] for key in CHECKPOINT_KEYS})
+    if unknown or (bad := [c for c in contents if c not in CHECKPOINT_CONTENTS]):
+        return [f"trainer.checkpoint.{unknown[0]}: unknown key; verl's trainer.checkpoint section has save_contents "
+                "and load_contents only" if unknown else f"trainer.checkpoint.save_contents: {bad} unknown; verl's "
+                f"contents are {list(CHECKPOINT_CONTENTS)}"]
     if "hf_model" in contents and OmegaConf.select(layer, "trainer.save_hf", default=None) is None:
         OmegaConf.update(layer, "trainer.save_hf", True, force_add=True)
     hf = ("; hf_model is trainer.save_hf=true (set here): the final checkpoint exported into its huggingface/, "
@@ -196,6 +195,7 @@ def _checkpoint_contents(layer: DictConfig) -> None:
     _say(f"sfttrain: ignoring trainer.checkpoint ({', '.join(f'{k}={v}' for k, v in raw.items())}): sfttrain's "
          f"checkpoints always hold the model, optimizer and extra state (data position, RNG), and a resume reads "
          f"them all{hf}")
+    return []
 
 
 def verl_switch_problems(cfg: Config) -> Iterator[str]:

@@ -1,4 +1,4 @@
-"""Defaults <- YAML file <- `key=value` overrides, into a typed `Config`; every unknown key is an error."""
+"""Defaults <- YAML file <- `key=value` overrides, into a typed `Config`; every unknown key is a problem."""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import difflib
 from typing import Any, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import OmegaConfBaseException, ValidationError
 from omegaconf.nodes import StringNode
 from yaml import YAMLError, safe_load
 
-from sfttrain.config.compat import ALIASES, foreign_key_problem, translate
-from sfttrain.config.problems import validate
+from sfttrain.config.compat import ABSENT, ALIASES, foreign_key_problem, pop, translate
+from sfttrain.config.problems import config_problems
 from sfttrain.config.schema import Config
 from sfttrain.errors import ConfigError
 
@@ -21,8 +21,10 @@ FREE_FORM = ("model.fsdp_config.mixed_precision", "model.fsdp_config.wrap_policy
 
 def load_config(yaml_path: Optional[str] = None, overrides: tuple[str, ...] | list[str] = (),
                 check: bool = True) -> Config:
-    """The merged, resolved configuration, validated unless `check` is false (the preflight lists it)."""
-    layers = []
+    """The merged, resolved configuration, validated unless `check` is false (the start-up checks list its
+    problems, those of the load among them: unknown keys, values of the wrong type and verl keys refused,
+    `Config.load_problems`)."""
+    layers, problems = [], []
     if yaml_path is not None:
         try:
             layers.append(OmegaConf.load(yaml_path))
@@ -37,16 +39,27 @@ def load_config(yaml_path: Optional[str] = None, overrides: tuple[str, ...] | li
     layers.append(_dotlist(overrides, merged))
     try:
         for layer in layers:
-            translate(layer)
-            _check_known_keys(layer, merged)
-            merged = OmegaConf.merge(merged, layer)
+            problems += translate(layer) + _drop_unknown_keys(layer, merged)
+            merged = _merge(merged, layer, problems)
         OmegaConf.resolve(merged)
         cfg: Config = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         raise ConfigError(_value_problem(e)) from None
-    if check:
-        validate(cfg)
+    cfg.load_problems = tuple(dict.fromkeys(problems))
+    if check and (found := config_problems(cfg)):
+        raise ConfigError("\n".join(found))
     return cfg
+
+
+def _merge(merged: DictConfig, layer: DictConfig, problems: list[str]) -> DictConfig:
+    """The layer merged; a value of the wrong type is one more problem, taken out so that the rest merges."""
+    while True:
+        try:
+            return OmegaConf.merge(merged, layer)
+        except ValidationError as e:
+            if not e.full_key or pop(layer, e.full_key) is ABSENT:
+                raise
+            problems.append(_value_problem(e))
 
 
 def _dotlist(overrides: tuple[str, ...] | list[str], schema: DictConfig) -> DictConfig:
@@ -89,13 +102,16 @@ def _flat_keys(node: Any, prefix: str = "") -> list[str]:
     return keys
 
 
-def _check_known_keys(layer: DictConfig, schema: DictConfig) -> None:
-    """Every unknown key of the layer, each with the key meant; a section's keys are one problem."""
+def _drop_unknown_keys(layer: DictConfig, schema: DictConfig) -> list[str]:
+    """Every unknown key of the layer as a problem, with the key meant, taken out so that the rest loads."""
     known = set(_flat_keys(schema)) | set(ALIASES)
     unknown = [key for key in _flat_keys(layer)
                if key not in known and not any(key.startswith(k + ".") for k in FREE_FORM)]
-    if unknown:
-        raise ConfigError("\n".join(dict.fromkeys(_unknown_key(key, known) for key in unknown)))
+    for key in unknown:  # from its first part the schema lacks (a section's keys: the section)
+        parts = key.split(".")
+        pop(layer, ".".join(next(parts[:i] for i in range(1, len(parts) + 1)
+                                 if _schema_node(schema, ".".join(parts[:i])) is None)))
+    return [_unknown_key(key, known) for key in unknown]
 
 
 def _unknown_key(key: str, known: set[str]) -> str:

@@ -1,10 +1,13 @@
 """Checks of the configuration that need no world size and no data, per section, each problem naming
-the key to change. Batch arithmetic that needs the world size is in `sfttrain.data.batching`."""
+the key to change (batch arithmetic that needs the world size is in `sfttrain.data.batching`); and the
+notes for keys set away from their default that this configuration never reads: accepted (verl's command
+lines carry them), but said, with what would make them count."""
 
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator, Optional
+import os
+from typing import Any, Callable, Iterator, Optional
 
 from omegaconf import ListConfig
 
@@ -22,21 +25,17 @@ def _choice(key: str, value: Any, choices: tuple) -> Iterator[str]:
 def _schema_problems(cfg: Config) -> Iterator[str]:
     """Every key outside the values, or below the least, that its schema field names."""
     for key, f in schema_fields():
-        value, least = value_of(cfg, key), f.metadata["minimum"]
+        value, least, default = value_of(cfg, key), f.metadata["minimum"], default_of(key)
         yield from _choice(key, value, f.metadata["choices"]) if f.metadata["choices"] else ()
-        if least is not None and value < least:
-            yield f"{key} must be >= {least}, got {value}"
-
-
-def validate(cfg: Config) -> None:
-    problems = config_problems(cfg)
-    if problems:
-        raise ConfigError("\n".join(problems))
+        if least is not None and value is not None and value < least:
+            instead = f"{key}={default}" if default is not None else f"{key}={least}, or null (the default)"
+            yield (f"{key}={value} is {'negative' if least == 0 else f'below {least}'}; {f.metadata['help']}: "
+                   f"e.g. {instead}")
 
 
 def config_problems(cfg: Config) -> list[str]:
     """Every problem, each once, so that a config is fixed in one go."""
-    problems = [*_schema_problems(cfg), *_validate_data(cfg.data), *_validate_model(cfg.model),
+    problems = [*cfg.load_problems, *_schema_problems(cfg), *_validate_data(cfg.data), *_validate_model(cfg.model),
                 *verl_switch_problems(cfg), *_check_no_shard(cfg), *_validate_optim(cfg.optim),
                 *_validate_trainer(cfg.trainer), *_validate_fp8(cfg)]
     return list(dict.fromkeys(problems))
@@ -66,9 +65,6 @@ def _validate_data(d: DataConfig) -> Iterator[str]:
     if d.max_token_len_per_gpu is not None and d.max_token_len_per_gpu < d.max_length:
         yield (f"data.max_token_len_per_gpu={d.max_token_len_per_gpu} is below data.max_length="
                f"{d.max_length}: a longest sample would not fit; raise it or lower data.max_length")
-    if d.num_workers < 0:
-        yield (f"data.num_workers={d.num_workers}: the worker processes a rank builds its steps in are 0 "
-               "(built in the rank itself, the default) or more; e.g. data.num_workers=0")
     if d.prompt_key is None and not d.multiturn.enable and d.apply_chat_template:
         yield ("data.prompt_key=null trains whole texts without a prompt, which a chat template would "
                "render as an empty user turn: set data.apply_chat_template=false")
@@ -184,36 +180,20 @@ def _validate_optim(o: OptimConfig) -> Iterator[str]:
         if not math.isfinite(value):
             yield (f"{key}={value} is not a finite number; set a number such as its default "
                    f"{default_of(key)}")
-    if o.lr < 0:
-        yield f"optim.lr={o.lr} is negative; use a positive rate such as 1e-5"
     # torch's AdamW checks betas, eps and weight decay in its defaults only, not in parameter groups
     if len(o.betas) != 2:
         yield f"optim.betas must have two values, got {o.betas}"
     elif not all(0.0 <= beta < 1.0 for beta in o.betas):
         yield (f"optim.betas={list(o.betas)}: each must lie in [0, 1), such as its default "
                f"{default_of('optim.betas')}")
-    if o.eps < 0:
-        yield (f"optim.eps={o.eps} is negative; use a small positive number such as its default "
-               f"{default_of('optim.eps')}")
-    if o.weight_decay < 0:
-        yield (f"optim.weight_decay={o.weight_decay} is negative (it would grow the weights); use 0 (none) or a "
-               f"positive value such as its default {default_of('optim.weight_decay')}")
     if not 0.0 <= o.lr_warmup_steps_ratio <= 1.0 or not 0.0 <= o.min_lr_ratio <= 1.0:
         yield "optim.lr_warmup_steps_ratio and optim.min_lr_ratio must lie in [0, 1]"
 
 
 def _validate_trainer(t: TrainerConfig) -> Iterator[str]:
-    if t.seed < 0:  # numpy's generator takes none
-        yield f"trainer.seed={t.seed}: give a seed >= 0, e.g. trainer.seed={default_of('trainer.seed')}"
-    if t.total_training_steps is not None and t.total_training_steps < 1:
-        yield (f"trainer.total_training_steps={t.total_training_steps} would train nothing: give a number "
-               "of steps >= 1, or null to train trainer.total_epochs passes over the data")
     if t.max_ckpt_to_keep is not None and t.max_ckpt_to_keep < 0:
         yield (f"trainer.max_ckpt_to_keep={t.max_ckpt_to_keep}: set N > 0 to keep this run's newest N "
                "checkpoints, or null (the default; 0 is the same, as in verl) to keep every one")
-    if t.log_freq < 1:
-        yield (f"trainer.log_freq={t.log_freq}: a console line every N steps needs N >= 1 (metrics.jsonl "
-               "gets every step whatever it is); e.g. trainer.log_freq=1, the default")
     if t.resume_mode == "resume_path" and not t.resume_from_path:
         yield "trainer.resume_mode=resume_path needs trainer.resume_from_path"
     if t.resume_mode == "disable" and t.resume_from_path:  # verl ignores the path: which was meant?
@@ -240,8 +220,6 @@ def _validate_trainer(t: TrainerConfig) -> Iterator[str]:
 
 def _validate_lora(m: ModelConfig) -> Iterator[str]:
     """The names in target_modules are checked against the model at load (sfttrain.lora)."""
-    if m.lora_rank < 0:
-        yield f"model.lora_rank must be 0 (full fine-tuning) or positive, got {m.lora_rank}"
     if m.lora_rank <= 0:
         return
     if m.lora_alpha <= 0:
@@ -314,3 +292,51 @@ def mixed_precision_dtypes(f: FSDPConfig) -> Optional[tuple[str, str]]:
     raise ConfigError(f"model.fsdp_config.mixed_precision must be true, false or a dict, got {mp!r}")
 
 
+# (the mode that leaves them unread, its section, the keys, why and what would read them)
+_UNREAD: list[tuple[Callable[[Config], bool], str, tuple[str, ...], Callable[[Config], str]]] = [
+    (lambda c: c.model.lora_rank <= 0, "model", ("lora_alpha", "target_modules", "lora_dropout"),
+     lambda c: "model.lora_rank=0 trains every weight, no LoRA adapter; set model.lora_rank > 0 (e.g. 32) for LoRA"),
+    (lambda c: c.data.multiturn.enable, "data",
+     ("prompt_key", "response_key", "prompt_dict_keys", "response_dict_keys"),
+     lambda c: "data.multiturn.enable=true reads conversations from data.multiturn.messages_key="
+               f"{short(c.data.multiturn.messages_key)}"),
+    (lambda c: not c.data.multiturn.enable, "data.multiturn",
+     ("messages_key", "tools_key", "enable_thinking_key", "system_key"),
+     lambda c: "rows are prompt/response pairs (data.prompt_key, data.response_key); set data.multiturn.enable=true "
+               "for conversations"),
+    (lambda c: c.optim.lr_scheduler == "constant", "optim", ("min_lr_ratio",),
+     lambda c: "optim.lr_scheduler=constant never decays the LR; set optim.lr_scheduler=cosine to decay to lr * "
+               "min_lr_ratio"),
+    (lambda c: c.optim.lr_warmup_steps > 0 and c.optim.lr_warmup_steps_ratio != 0, "optim", ("lr_warmup_steps_ratio",),
+     lambda c: f"optim.lr_warmup_steps={c.optim.lr_warmup_steps} sets the warmup; set optim.lr_warmup_steps=-1 to "
+               "warm up over the ratio"),
+    (lambda c: c.trainer.test_freq > 0 and c.data.val_files in (None, "", []), "trainer", ("test_freq",),
+     lambda c: "no data.val_files to validate on; set data.val_files"),
+    (lambda c: not c.trainer.async_save, "trainer",
+     ("async_save_pinned", "async_save_in_flight", "async_save_writer", "async_save_staging"),
+     lambda c: "trainer.async_save=false writes every checkpoint in the training loop; set trainer.async_save=true "
+               "for background saves"),
+]
+
+
+def moot_settings(cfg: Config) -> list[str]:
+    notes = []
+    for unread, prefix, keys, why in _UNREAD:
+        set_keys = [f"{key}={short(value_of(cfg, key))}" for key in (f"{prefix}.{k}" for k in keys)
+                    if value_of(cfg, key) != default_of(key)]
+        if set_keys and unread(cfg):
+            notes.append(f"{', '.join(set_keys)} ignored: {why(cfg)}")
+    return [f"  NOTE: {note}" for note in [*notes, *_moot_run_names(cfg.trainer)]]
+
+
+def _moot_run_names(t: TrainerConfig) -> list[str]:
+    # the names are wandb's run and project, and name the default run folder: with neither they label nothing
+    if "wandb" in logger_names(t):
+        return []
+    folders = os.path.normpath(t.default_local_dir).split(os.sep)
+    keys = [f"trainer.{key}={short(value)}" for key, value in (("project_name", t.project_name),
+                                                               ("experiment_name", t.experiment_name))
+            if value != default_of(f"trainer.{key}") and value not in folders]
+    return [f"{', '.join(keys)} ignored: they name the wandb run and the default run folder, but trainer.logger="
+            f"{short(t.logger)} has no wandb and trainer.default_local_dir={t.default_local_dir} is set; add wandb "
+            "to trainer.logger to use them"] if keys else []

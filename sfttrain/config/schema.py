@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, ClassVar, Iterator, Optional
 
 from omegaconf import ListConfig
 
@@ -60,7 +60,7 @@ class DataConfig:
     chat_template: Optional[str] = key(None, "replaces the tokenizer's chat template: a file, or the Jinja text")
     multiturn: MultiturnConfig = field(default_factory=MultiturnConfig)
     shuffle: bool = key(True, "per-epoch order from trainer.seed and the epoch")
-    num_workers: int = key(0, "> 0: worker processes build the steps ahead of the loop (per rank)")
+    num_workers: int = key(0, "> 0: worker processes build the steps ahead of the loop (per rank)", minimum=0)
     balance_dp_token: bool = key(True, "verl key; sfttrain always balances tokens across ranks (false is refused)")
     no_loss_rows: str = key("error", "rows truncation leaves without a supervised token: refused (naming them) or "
                                      "dropped", choices=("error", "drop"))
@@ -119,7 +119,7 @@ class ModelConfig:
                                        "more peak memory", minimum=1)
     loss_kernel: str = key("auto", "auto: liger where it runs (Triton, CUDA); torch: compiled on CUDA, a second "
                                    "logits buffer", choices=("auto", "liger", "torch"))
-    lora_rank: int = key(0, "> 0: train LoRA adapters of this rank on a frozen base")
+    lora_rank: int = key(0, "> 0: train LoRA adapters of this rank on a frozen base", minimum=0)
     lora_alpha: int = key(16, "LoRA scaling: the update is scaled by lora_alpha / lora_rank")
     target_modules: Any = key("all-linear", "all-linear (every linear layer but lm_head) or a list of layer names")
     lora_dropout: float = key(0.0, "dropout on the adapters' input (resumes exactly on the same world size only)")
@@ -147,10 +147,10 @@ class ModelConfig:
 @dataclass
 class OptimConfig:
     optimizer: str = key("adamw", "adamw (fused on CUDA)")
-    lr: float = key(1e-5, "peak learning rate, reached after the warmup")
+    lr: float = key(1e-5, "peak learning rate, reached after the warmup", minimum=0)
     betas: list[float] = key(text="AdamW's (beta1, beta2)", factory=lambda: [0.9, 0.95])
-    eps: float = key(1e-8, "AdamW's epsilon")
-    weight_decay: float = key(0.01, "not applied to norms and biases")
+    eps: float = key(1e-8, "AdamW's epsilon", minimum=0)
+    weight_decay: float = key(0.01, "not applied to norms and biases (< 0 would grow the weights)", minimum=0)
     lr_warmup_steps_ratio: float = key(0.1, "linear warmup over this share of the total steps")
     lr_warmup_steps: int = key(-1, "if > 0, overrides the ratio")
     lr_scheduler: str = key("cosine", "the LR after the warmup", choices=("cosine", "constant"))
@@ -165,9 +165,9 @@ class TrainerConfig:
     experiment_name: str = key("run", "wandb run name; part of the default run folder")
     total_epochs: int = key(1, "passes over the training data (unless total_training_steps is set)", minimum=1)
     total_training_steps: Optional[int] = key(None, "if set (>= 1), stops and schedules the LR here, before or past "
-                                                    "the end of total_epochs")
+                                                    "the end of total_epochs", minimum=1)
     logger: Any = key("console", "console | wandb | a list of them (metrics.jsonl is always written)")
-    seed: int = key(1, "data order and random init")
+    seed: int = key(1, "data order and random init", minimum=0)
     test_freq: int = key(-1, "validate every N steps and at the end; -1 (or 0): at the end only")
     save_freq: int = key(-1, "checkpoint every N steps and at the end; -1 (or 0): at the end only")
     max_ckpt_to_keep: Optional[int] = key(None, "keep this run's newest N checkpoints; null (or 0, as in verl): all")
@@ -190,7 +190,7 @@ class TrainerConfig:
                            choices=("auto", "disable", "resume_path"))
     resume_from_path: Optional[str] = key(None, "a checkpoint, or a run folder (its latest checkpoint)")
     save_hf: bool = key(False, "also export the final model to <final checkpoint>/huggingface")
-    log_freq: int = key(1, "a console line every N >= 1 steps (metrics.jsonl gets every step)")
+    log_freq: int = key(1, "a console line every N steps (metrics.jsonl gets every step)", minimum=1)
     nnodes: Optional[int] = key(None, "verl key; if given, must match torchrun's world")
     n_gpus_per_node: Optional[int] = key(None, "verl key, see nnodes")
     device: str = key("auto", "auto: cuda where torch sees a GPU", choices=("auto", "cuda", "cpu"))
@@ -211,6 +211,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     ulysses_sequence_parallel_size: int = key(1, "ranks sharing each packed row, attention heads split over them")
     use_remove_padding: bool = key(True, "verl key; sfttrain is always padding-free")
+    load_problems: ClassVar[tuple[str, ...]] = ()  # what the load found (unknown keys): not a key, listed by checks
 
     def micro_batch_tokens(self) -> int:
         """Tokens of the largest micro-batch on one rank (split over the sequence-parallel group)."""

@@ -43,8 +43,8 @@ from sfttrain.checkpoint_writer import DeviceCopy, OneLineError, Staging, Writer
     tensor_bytes, write_shards
 from sfttrain.config import Config, ConfigError, to_yaml
 from sfttrain.distributed import World, decided_by_rank0, from_every_rank, ranks_of_this_launcher
-from sfttrain.errors import CheckpointError, data_worker_died
-from sfttrain.faults import file_at_size_limit
+from sfttrain.errors import CheckpointError
+from sfttrain.faults import data_worker_died, file_at_size_limit
 
 # DCP's CheckpointException (every rank's error) is a BaseException
 WRITE_ERRORS = (Exception, CheckpointException)

@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from sfttrain import stop_signal
 from sfttrain.checkpoint_folder import fsync_tree
+from sfttrain.faults import disk_full
 
 
 def writer_kind(setting: str, device: torch.device) -> str:
@@ -60,7 +61,7 @@ def one_line(error: BaseException) -> str:
     if isinstance(error, OneLineError):
         return str(error)
     lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
-    full = [line for line in lines if "No space left" in line]  # the cause, beside the zip writer's symptom
+    full = [line for line in lines if disk_full(line)]  # the cause, beside the zip writer's symptom
     if full:
         return full[-1][:300]
     text = lines[-1] if len(lines) > 1 else f"{type(error).__name__}: {lines[0]}"

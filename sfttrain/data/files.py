@@ -29,6 +29,7 @@ from sfttrain.checkpoint_folder import replace_synced
 from sfttrain.data.parquet import JSON_CELLS, LINE_COLUMN, ChatMessages, ParquetSource, PromptResponse, no_rows
 from sfttrain.distributed import decided_by_rank0
 from sfttrain.errors import DataError
+from sfttrain import faults
 from sfttrain.faults import unreadable
 
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".arrow", ".csv", ".tsv")
@@ -187,7 +188,7 @@ def convert(source: str, target: str) -> None:
     except BaseException as e:
         if os.path.exists(tmp):
             os.remove(tmp)
-        if isinstance(e, UnicodeDecodeError) or text and "invalid UTF8" in str(e):  # pyarrow names no line
+        if isinstance(e, UnicodeDecodeError) or text and faults.not_utf8(e):  # pyarrow names no line
             raise not_utf8(source) from None
         if text and isinstance(e, pa.ArrowInvalid):
             raise DataError(f"{source}: not a readable {data_format(source)[1:].upper()} file ({e})") from None

@@ -8,13 +8,14 @@ and a replaced step is moved to `.global_step_N.old` first; `remove_stale_tmp` c
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
 import shutil
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Optional
 
 from sfttrain.errors import ConfigError
 
@@ -151,9 +152,8 @@ def holds_weights(folder: str) -> bool:
 
 def weight_files(folder: str) -> list[str]:
     """A Hugging Face model folder's weight files (safetensors, or PyTorch's .bin)."""
-    if not os.path.isdir(folder):
-        return []
-    return [os.path.join(folder, n) for n in sorted(os.listdir(folder)) if n.endswith((".safetensors", ".bin"))]
+    return sorted(glob.glob(os.path.join(glob.escape(folder), "*.safetensors")) +
+                  glob.glob(os.path.join(glob.escape(folder), "*.bin")))
 
 
 def _what_instead(path: str) -> str:
@@ -224,18 +224,6 @@ def publish(tmp: str, final: str) -> None:
     fsync_path(parent)
     if os.path.lexists(aside):
         remove(aside)
-
-
-def enforce_retention(run_dir: str, keep: Optional[int], run_id: Optional[str] = None,
-                      delete: Optional[Callable[[str], None]] = None) -> list[int]:
-    """Keeps the newest `keep` checkpoints of the run `run_id` (all when None or 0), judged by what is on
-    disk, so it holds across resumes; returns the steps deleted."""
-    if not keep:
-        return []
-    doomed = complete_checkpoints(run_dir, run_id)[:-keep]
-    for _, path in doomed:
-        (delete or remove)(path)
-    return [step for step, _ in doomed]
 
 
 def describe_retention(keep: Optional[int]) -> list[str]:

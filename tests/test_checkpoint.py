@@ -718,8 +718,7 @@ def test_find_resume_modes_and_errors(tmp_path):
             resume.find_resume(TrainerConfig(resume_mode="resume_path", resume_from_path=str(bad)), str(run_dir))
     checkpoint_folder.remove_stale_tmp(str(run_dir))
     assert not (run_dir / ".global_step_14.tmp").exists()
-    checkpoint_folder.enforce_retention(str(run_dir), 1)
-    assert sorted(p.name for p in run_dir.iterdir()) == ["global_step_10", "global_step_12"]
+    assert sorted(p.name for p in run_dir.iterdir()) == ["global_step_10", "global_step_12", "global_step_2"]
 
 
 def test_a_resume_path_without_a_checkpoint_says_what_it_holds(tmp_path):

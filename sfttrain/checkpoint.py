@@ -28,7 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
-import psutil
+import psutil  # type: ignore[import-untyped]  # (peft and wandb require it)
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
@@ -312,13 +312,12 @@ class Checkpointer:
         """Collective: raises CheckpointError on every rank if `error` is set on any, once every rank has
         stopped writing; rank 0 removes the partial folders (this save's and the later ones') and words
         the one message every rank raises."""
-        status = torch.tensor([int(error is not None)])
-        dist.all_reduce(status, op=dist.ReduceOp.MAX, group=self.agree_group)
-        if not status.item():
+        every = from_every_rank(one_line(error) if error is not None else None, self.agree_group)
+        errors = [(rank, text) for rank, text in enumerate(every) if text is not None]
+        if not errors:
             return
         for later in self.pending:
             later.future.cancel()
-        errors = from_every_rank(one_line(error) if error is not None else None, self.agree_group)
 
         def clean_up() -> None:
             limited = file_at_size_limit(tmp) if os.path.isdir(tmp) else None  # named before the folder goes
@@ -330,7 +329,7 @@ class Checkpointer:
 
         decided_by_rank0(clean_up, self.agree_group)
 
-    def _not_saved(self, step: int, errors: list[Optional[str]], limited: Optional[str], left: bool,
+    def _not_saved(self, step: int, errors: list[tuple[int, str]], limited: Optional[str], left: bool,
                    renamed: bool) -> str:
         """What failed, what is left, and what to do (`limited`: a file at the file size limit; `left`: the
         partial folder could not be removed; `renamed`: the commit failed after its rename, whose fsync
@@ -351,10 +350,9 @@ class Checkpointer:
         return (f"the checkpoint of step {step} was not saved: {why}. Nothing of it was committed ({partial}); "
                 f"the last good checkpoint is {last or 'none'}. {fix}. {what_next(self.cfg.trainer)}")
 
-    def _why_not_saved(self, errors: list[Optional[str]], limited: Optional[str],
+    def _why_not_saved(self, failed: list[tuple[int, str]], limited: Optional[str],
                        last: Optional[str]) -> tuple[str, str]:
-        """(the failure in words, what to do)."""
-        failed = [(rank, text) for rank, text in enumerate(errors) if text is not None]
+        """(the failure in words, what to do) from the failed ranks' errors."""
         # a rank that lost a peer inside a collective reports only that: the cause is the peer's error
         causes = [(rank, text) for rank, text in failed if not peer_lost(text)] or failed
         full = [(rank, text) for rank, text in causes if disk_full(text)]
@@ -399,7 +397,17 @@ class Checkpointer:
         for _, path in complete_checkpoints(self.run_dir, self.run_id)[:-keep] if keep else []:
             self.cleaner.submit(shutil.rmtree, hide(path), True)
         write_s, written_s = p.future.result()
-        self._report(p, size, write_s, written_s, time.perf_counter() - p.started)
+        seconds = time.perf_counter() - p.started
+        stall = p.stall_s if p.background else seconds
+        record = {"step": p.step, "event": "checkpoint", "path": p.final, "async": p.background, "bytes": size,
+                  "stall_s": stall, "waited_previous_s": p.waited_s, "written_s": written_s, "write_s": write_s,
+                  "commit_s": seconds, "gb_per_s": size / 1e9 / write_s, "awaited": p.awaited,
+                  "staging": ("device" if self.staging.on_device else "host") if p.background else None}
+        waited = f" ({p.waited_s:.2f} s of it for older saves' writes)" if p.waited_s >= 0.01 else ""
+        self.report(record, f"checkpoint {os.path.basename(p.final)} committed: {size / 1e9:.3g} GB, training "
+                            f"stalled {stall:.2f} s{waited}, written in {write_s:.2f} s ({record['gb_per_s']:.3g} GB/s"
+                            f"{', in the background' if p.background else ''}), committed {seconds:.2f} s after "
+                            "the save began")
         log = logging.getLogger("sfttrain")
         if (free := shutil.disk_usage(self.run_dir).free) < size:
             log.warning(f"{self.run_dir} has {size_text(free)} free and a checkpoint takes "
@@ -411,18 +419,6 @@ class Checkpointer:
         if warning and not self.warned_grace:
             self.warned_grace = True
             log.warning(warning)
-
-    def _report(self, p: PendingSave, size: int, write_s: float, written_s: float, seconds: float) -> None:
-        stall = p.stall_s if p.background else seconds
-        record = {"step": p.step, "event": "checkpoint", "path": p.final, "async": p.background, "bytes": size,
-                  "stall_s": stall, "waited_previous_s": p.waited_s, "written_s": written_s, "write_s": write_s,
-                  "commit_s": seconds, "gb_per_s": size / 1e9 / write_s, "awaited": p.awaited,
-                  "staging": ("device" if self.staging.on_device else "host") if p.background else None}
-        waited = f" ({p.waited_s:.2f} s of it for older saves' writes)" if p.waited_s >= 0.01 else ""
-        self.report(record, f"checkpoint {os.path.basename(p.final)} committed: {size / 1e9:.3g} GB, training "
-                            f"stalled {stall:.2f} s{waited}, written in {write_s:.2f} s ({record['gb_per_s']:.3g} GB/s"
-                            f"{', in the background' if p.background else ''}), committed {seconds:.2f} s after "
-                            "the save began")
 
 
 @dataclass

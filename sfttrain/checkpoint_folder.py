@@ -424,12 +424,10 @@ def _describe_others(run_dir: str, run_id: str, start: int) -> list[str]:
         if other == run_id:
             continue
         replaced = [s for s in steps if s > start]
-        notes.append(f"found {_steps(steps)} of another run (id {other or 'none: an older sfttrain'}): kept, not "
+        some = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}..{steps[-1]} ({len(steps)} checkpoints)"
+        notes.append(f"found {some} of another run (id {other or 'none: an older sfttrain'}): kept, not "
                      "counted for max_ckpt_to_keep nor resumed by resume_mode=auto" +
                      (f"; a save of this run at one of steps {replaced} replaces that one" if replaced else "") +
                      ". A new trainer.default_local_dir keeps runs apart")
     return notes
 
-
-def _steps(steps: list[int]) -> str:
-    return f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}..{steps[-1]} ({len(steps)} checkpoints)"

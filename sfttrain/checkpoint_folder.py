@@ -146,10 +146,6 @@ def resolve(path: str) -> str:
     raise ConfigError(f"{path!r} {_what_instead(path)}")
 
 
-def holds_weights(folder: str) -> bool:
-    return bool(weight_files(folder))
-
-
 def weight_files(folder: str) -> list[str]:
     """A Hugging Face model folder's weight files (safetensors, or PyTorch's .bin)."""
     return sorted(glob.glob(os.path.join(glob.escape(folder), "*.safetensors")) +
@@ -162,13 +158,13 @@ def _what_instead(path: str) -> str:
     names = set(os.listdir(path)) if os.path.isdir(path) else set()
     if any(VERL_SHARD.match(name) for name in names):
         hf = os.path.join(path, "huggingface")
-        start = (f"set model.partial_pretrain={hf} (its weights, saved beside the shards)" if holds_weights(hf) else
+        start = (f"set model.partial_pretrain={hf} (its weights, saved beside the shards)" if weight_files(hf) else
                  f"merge its shards into a Hugging Face folder (verl: `python -m verl.model_merger merge "
                  f"--backend fsdp --local_dir {path} --target_dir OUT`) and set model.partial_pretrain=OUT")
         return ("is a verl checkpoint (model_world_size_*_rank_*.pt): sfttrain resumes its own runs only (their "
                 f"optimizer, schedule and data position). To fine-tune on from its weights, {start}, without "
                 "trainer.resume_from_path")
-    if "config.json" in names and holds_weights(path):
+    if "config.json" in names and weight_files(path):
         return ("is a Hugging Face model folder, not a checkpoint: to start from its weights, set "
                 f"model.partial_pretrain={path}; trainer.resume_from_path continues a sfttrain run (its optimizer, "
                 "schedule and data position)")
@@ -187,7 +183,7 @@ def not_a_model_folder(path: str) -> Optional[str]:
     checkpoint = path if is_complete(path) else latest[1] if latest else None
     if checkpoint:
         export = os.path.join(checkpoint, "huggingface")
-        weights = (f"set model.partial_pretrain={export} (trainer.save_hf's export of it)" if holds_weights(export) else
+        weights = (f"set model.partial_pretrain={export} (trainer.save_hf's export of it)" if weight_files(export) else
                    f"export them (`python -m sfttrain.export {checkpoint} OUT`) and set model.partial_pretrain=OUT")
         return (f"is a sfttrain "
                 f"{'checkpoint' if checkpoint == path else f'run folder (its latest checkpoint: {checkpoint})'},"
@@ -412,10 +408,8 @@ def _passed_over(resume_from_path: Optional[str], chosen: str) -> str:
 def _run_id(path: Optional[str], run_dir: str) -> str:
     """The resumed checkpoint's run id; a new one on a fresh start, for an older checkpoint, or for a branch."""
     carried = run_id_of(path) if path else None
-    if carried is None:
-        return uuid.uuid4().hex[:12]
-    later = [step for step, _ in complete_checkpoints(run_dir, carried) if step > step_of(path)]
-    return uuid.uuid4().hex[:12] if later else carried
+    branched = carried is not None and any(step > step_of(path) for step, _ in complete_checkpoints(run_dir, carried))
+    return carried if carried is not None and not branched else uuid.uuid4().hex[:12]
 
 
 def _describe_others(run_dir: str, run_id: str, start: int) -> list[str]:

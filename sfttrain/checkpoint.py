@@ -26,7 +26,7 @@ import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, TypeVar
 
 import psutil  # type: ignore[import-untyped]  # (peft and wandb require it)
 import torch
@@ -53,6 +53,7 @@ WRITE_ERRORS = (Exception, CheckpointException)
 FAILED, STUCK = -2, -1
 # a write is stuck past trainer.nccl_timeout and its rank's share at this rate: slow storage is slow, not stuck
 SLOWEST_WRITE_BYTES_PER_S = 20e6
+T = TypeVar("T")
 NOT_STARTED = "so it was not started"  # how the message of a save refused for lack of space ends
 
 
@@ -109,12 +110,12 @@ class Checkpointer:
         if self.in_process and not self.pending:  # (with a save in flight, its write finds a lost writer)
             self._replace_lost_writer()
         tmp = os.path.join(self.run_dir, f".global_step_{state.step}.tmp")
-        staged: list = []  # (state dict, slot), once taken
-        # agreed before the write, whose collectives need every rank
-        self._agree(state.step, tmp, _attempt(lambda: staged.extend(self._prepare(tmp, background))))
-        (state_dict, slot), staged = staged, []
+        taken, error = _attempt(lambda: self._prepare(tmp, background))
+        self._agree(state.step, tmp, error)  # before the write, whose collectives need every rank
+        assert taken is not None  # or _agree has raised
+        state_dict, slot = taken
         future = self.writer.submit(self._write, state_dict, tmp, slot, self._small_files(state, wandb_id), started)
-        del state_dict
+        del state_dict, taken
         self.pending.append(PendingSave(state.step, tmp, os.path.join(self.run_dir, f"global_step_{state.step}"),
                                         future, slot, started, time.perf_counter() - started, waited, background))
         if not background:
@@ -435,13 +436,12 @@ class PendingSave:
     awaited: bool = False  # committed by a wait of the loop for its write, not at a step boundary (poll)
 
 
-def _attempt(work: Callable[[], None]) -> Optional[BaseException]:
-    """The error of `work`, for every rank to agree on; a data worker's death that landed in the save is
-    raised on: its exit code is the worker's, not the save's."""
+def _attempt(work: Callable[[], T]) -> tuple[Optional[T], Optional[BaseException]]:
+    """`work`'s value, or its error for every rank to agree on; a data worker's death that landed in the
+    save is raised on: its exit code is the worker's, not the save's."""
     try:
-        work()
+        return work(), None
     except WRITE_ERRORS as e:  # noqa: BLE001 - reported to every rank by Checkpointer._agree
         if data_worker_died(e):
             raise
-        return e
-    return None
+        return None, e

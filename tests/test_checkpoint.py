@@ -1281,7 +1281,8 @@ def test_a_data_worker_s_death_that_lands_in_a_save_is_passed_on():
     with pytest.raises(RuntimeError, match=r"DataLoader worker \(pid 4916\) is killed by signal"):
         _attempt(fail(died))
     full = OSError(28, "No space left on device")
-    assert _attempt(fail(full)) is full and _attempt(fail(RuntimeError("DCP failed"))) is not None
+    assert _attempt(fail(full)) == (None, full) and _attempt(fail(RuntimeError("DCP failed")))[1] is not None
+    assert _attempt(lambda: 3) == (3, None)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGBUS])

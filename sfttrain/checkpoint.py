@@ -26,15 +26,15 @@ import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, TypeVar
 
+import psutil  # type: ignore[import-untyped]  # (peft and wandb require it)
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from sfttrain import stop_signal
-from sfttrain.checkpoint_faults import NOT_STARTED, not_saved, stuck_message
-from sfttrain.checkpoint_folder import STATE_FILE, complete_checkpoints, enforce_retention, fsync_path, hide, \
+from sfttrain.checkpoint_folder import STATE_FILE, complete_checkpoints, fsync_path, hide, \
     publish, remove, room_problem, size_text, tree_bytes, write_complete, write_synced
 # re-exported (noqa): the trainer, the preflight and the exporter know them as sfttrain.checkpoint's
 from sfttrain.checkpoint_load import (TrainState, check_same_model, estimated_bytes, load,  # noqa: F401
@@ -44,7 +44,8 @@ from sfttrain.checkpoint_writer import DeviceCopy, OneLineError, Staging, Writer
 from sfttrain.config import Config, ConfigError, to_yaml
 from sfttrain.distributed import World, decided_by_rank0, from_every_rank, ranks_of_this_launcher
 from sfttrain.errors import CheckpointError
-from sfttrain.faults import data_worker_died, file_at_size_limit
+from sfttrain.faults import (SIZE_LIMIT_FIX, data_worker_died, disk_full, fault, file_at_size_limit, folder_gone,
+                             over_size_limit, peer_lost, resumes_from, what_next)
 
 # DCP's CheckpointException (every rank's error) is a BaseException
 WRITE_ERRORS = (Exception, CheckpointException)
@@ -52,6 +53,8 @@ WRITE_ERRORS = (Exception, CheckpointException)
 FAILED, STUCK = -2, -1
 # a write is stuck past trainer.nccl_timeout and its rank's share at this rate: slow storage is slow, not stuck
 SLOWEST_WRITE_BYTES_PER_S = 20e6
+T = TypeVar("T")
+NOT_STARTED = "so it was not started"  # how the message of a save refused for lack of space ends
 
 
 class Checkpointer:
@@ -90,16 +93,12 @@ class Checkpointer:
         # one writer: every rank writes its saves in the same order, so DCP's collectives pair up
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="ckpt-write")
         self.cleaner = ThreadPoolExecutor(1, thread_name_prefix="ckpt-delete")  # retention's deletions
-        self._check_room()
+        decided_by_rank0(self._check_room)  # a disk that cannot take the next save stops every rank now
 
     def _check_room(self) -> None:
-        """Collective: a disk that cannot take the next save stops every rank now, not at that save."""
-        def check() -> None:
-            need = self.last_bytes or estimated_bytes(self.model)
-            if problem := room_problem(self.run_dir, shutil.disk_usage(self.run_dir).free, need, not self.last_bytes):
-                raise ConfigError(problem)
-
-        decided_by_rank0(check)
+        need = self.last_bytes or estimated_bytes(self.model)
+        if problem := room_problem(self.run_dir, shutil.disk_usage(self.run_dir).free, need, not self.last_bytes):
+            raise ConfigError(problem)
 
     def save(self, state: TrainState, wandb_id: Optional[str] = None, final: bool = False) -> None:
         """Collective. Raises CheckpointError on every rank if any rank could not write its part."""
@@ -111,20 +110,12 @@ class Checkpointer:
         if self.in_process and not self.pending:  # (with a save in flight, its write finds a lost writer)
             self._replace_lost_writer()
         tmp = os.path.join(self.run_dir, f".global_step_{state.step}.tmp")
-        self._agree(state.step, tmp, _attempt(lambda: self._prepare(tmp)))
-        state_dict: dict | DeviceCopy | None = None
-        slot, error = None, None
-        try:
-            model_sd, optim_sd = state_dicts(self.model, self.optimizer)
-            state_dict = {"model": model_sd, "optim": optim_sd}
-            if background:  # copied before save() returns: the next steps change the weights
-                state_dict, slot = self.staging.stage(state_dict, busy={p.slot for p in self.pending})
-        except WRITE_ERRORS as e:  # noqa: BLE001 - any failure of any rank is agreed on below
-            error = _save_error(e)
+        taken, error = _attempt(lambda: self._prepare(tmp, background))
         self._agree(state.step, tmp, error)  # before the write, whose collectives need every rank
-        assert state_dict is not None  # taken, or _agree has raised
+        assert taken is not None  # or _agree has raised
+        state_dict, slot = taken
         future = self.writer.submit(self._write, state_dict, tmp, slot, self._small_files(state, wandb_id), started)
-        del state_dict
+        del state_dict, taken
         self.pending.append(PendingSave(state.step, tmp, os.path.join(self.run_dir, f"global_step_{state.step}"),
                                         future, slot, started, time.perf_counter() - started, waited, background))
         if not background:
@@ -157,7 +148,7 @@ class Checkpointer:
         model_sd, optim_sd = state_dicts(self.model, self.optimizer)
         live = {"model": model_sd, "optim": optim_sd}
         copy, device, local_ranks = max(tensor_bytes(live), 1), self.world.device, ranks_of_this_launcher()
-        available = host_memory_available()
+        available = psutil.virtual_memory().available  # Linux's MemAvailable: free and droppable cache
         # one copy's worth kept free for the rest of the node's work (data workers, the writes' page cache)
         host_fit = available // (copy * local_ranks) - 1
         if device.type != "cuda":  # the device's memory is the host's, where the host slot takes one copy
@@ -203,15 +194,20 @@ class Checkpointer:
             pass
         self._commit()
 
-    def _prepare(self, tmp: str) -> None:
-        if not self.world.is_main:
-            return
-        shutil.rmtree(tmp, ignore_errors=True)  # debris of a crashed save of the same step
-        free = shutil.disk_usage(self.run_dir).free
-        if self.last_bytes and free < self.last_bytes:
-            raise OneLineError(f"it needs about {size_text(self.last_bytes)} (the size of the last checkpoint) "
-                                 f"and {self.run_dir} has {size_text(free)} free, {NOT_STARTED}")
-        os.makedirs(os.path.join(tmp, "rng"))
+    def _prepare(self, tmp: str, background: bool) -> tuple[dict | DeviceCopy, Optional[int]]:
+        """Rank 0 makes the save's folder where its disk has room; every rank takes its state dict and, for
+        a background save, copies it before save() returns (the next steps change the weights)."""
+        if self.world.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)  # debris of a crashed save of the same step
+            free = shutil.disk_usage(self.run_dir).free
+            if self.last_bytes and free < self.last_bytes:
+                raise OneLineError(f"it needs about {size_text(self.last_bytes)} (the size of the last checkpoint) "
+                                   f"and {self.run_dir} has {size_text(free)} free, {NOT_STARTED}")
+            os.makedirs(os.path.join(tmp, "rng"))
+        model_sd, optim_sd = state_dicts(self.model, self.optimizer)
+        if not background:
+            return {"model": model_sd, "optim": optim_sd}, None
+        return self.staging.stage({"model": model_sd, "optim": optim_sd}, busy={p.slot for p in self.pending})
 
     def _small_files(self, state: TrainState, wandb_id: Optional[str]) -> dict[str, str | bytes]:
         """Taken now, written by the writer thread: their fsyncs would stall training behind earlier writes."""
@@ -263,8 +259,7 @@ class Checkpointer:
     def _replace_lost_writer(self) -> None:
         """Collective, before a save with none in flight: a writer process that ended (the OOM killer)
         would fail this save; the writers form one group, so every rank's is replaced."""
-        codes: list[Optional[int]] = [None] * self.world.world_size
-        dist.all_gather_object(codes, self.process and self.process.exit_code(), group=self.agree_group)
+        codes = from_every_rank(self.process and self.process.exit_code(), self.agree_group)
         lost = {rank: code for rank, code in enumerate(codes) if code is not None}
         if not lost:
             return
@@ -285,43 +280,45 @@ class Checkpointer:
         status = torch.tensor([FAILED if error is not None else STUCK if stuck else int(done)])
         dist.all_reduce(status, op=dist.ReduceOp.MIN, group=self.agree_group)
         if status.item() == STUCK:
-            self._stuck(self.pending[0], began)
+            self._stuck(self.pending[0].step, time.perf_counter() - (began or self.pending[0].started))
         if status.item() == FAILED:
             self._stop_writer()
             with contextlib.suppress(*WRITE_ERRORS):  # every rank's writer has stopped before the clean-up
                 future.result()
             failed = self.pending.popleft()
-            self._fail(failed.step, failed.tmp, error)
+            self._agree(failed.step, failed.tmp, error)
         return status.item() == 1
 
-    def _stuck(self, p: PendingSave, began: Optional[float]) -> None:
+    def _stuck(self, step: int, seconds: float) -> None:
         """A write unfinished past stuck_after_s would hang the run for good (the ranks' agreement answers
         every second, so no collective times out). Raised without touching the run folder, whose disk may
         be what hangs: the next start removes the partial folder."""
-        if self.process is not None:
-            self.process.stop(timeout=10)
-        raise CheckpointError(stuck_message(self, p.step, time.perf_counter() - (began or p.started),
-                                            SLOWEST_WRITE_BYTES_PER_S))
+        self._stop_writer(timeout=10)
+        raise CheckpointError(
+            f"the checkpoint of step {step} was not saved: its write has not finished {seconds:.0f} s after it "
+            f"began (the longest a write may take here: {self.stuck_after_s:.0f} s, the larger of "
+            f"trainer.nccl_timeout={self.cfg.trainer.nccl_timeout} and a rank's share of the checkpoint at "
+            f"{SLOWEST_WRITE_BYTES_PER_S / 1e6:.0f} MB/s): it is stuck, e.g. on a network filesystem that stopped "
+            "answering or in a checkpoint writer process that was stopped. Nothing of it was committed; the last "
+            f"good checkpoint is {self.committed or 'none'}. Check that {self.run_dir} answers (ls, df). "
+            f"{resumes_from(self.committed)}. A write that is only slow needs a larger trainer.nccl_timeout")
 
-    def _agree(self, step: int, tmp: str, error: Optional[BaseException], renamed: bool = False) -> None:
-        """Collective: raises CheckpointError on every rank if `error` is set on any."""
-        status = torch.tensor([int(error is not None)])
-        dist.all_reduce(status, op=dist.ReduceOp.MAX, group=self.agree_group)
-        if status.item():
-            self._fail(step, tmp, error, renamed)
-
-    def _stop_writer(self) -> None:
+    def _stop_writer(self, timeout: Optional[float] = None) -> None:
         """A save failed somewhere: a rank's write cannot finish without every rank's (a writer thread
         ends with DCP's own error)."""
         if self.process is not None:
-            self.process.stop()
+            self.process.stop(timeout)
 
-    def _fail(self, step: int, tmp: str, error: Optional[BaseException], renamed: bool = False) -> None:
-        """Collective, once every rank has stopped writing: rank 0 removes the partial folders (this
-        save's and the later ones') and words the one message every rank raises."""
+    def _agree(self, step: int, tmp: str, error: Optional[BaseException], renamed: bool = False) -> None:
+        """Collective: raises CheckpointError on every rank if `error` is set on any, once every rank has
+        stopped writing; rank 0 removes the partial folders (this save's and the later ones') and words
+        the one message every rank raises."""
+        every = from_every_rank(one_line(error) if error is not None else None, self.agree_group)
+        errors = [(rank, text) for rank, text in enumerate(every) if text is not None]
+        if not errors:
+            return
         for later in self.pending:
             later.future.cancel()
-        errors = from_every_rank(one_line(error) if error is not None else None, self.agree_group)
 
         def clean_up() -> None:
             limited = file_at_size_limit(tmp) if os.path.isdir(tmp) else None  # named before the folder goes
@@ -329,9 +326,56 @@ class Checkpointer:
                 with contextlib.suppress(OSError):
                     if os.path.lexists(partial):
                         remove(partial)
-            raise CheckpointError(not_saved(self, step, errors, limited, os.path.lexists(tmp), renamed))
+            raise CheckpointError(self._not_saved(step, errors, limited, os.path.lexists(tmp), renamed))
 
         decided_by_rank0(clean_up, self.agree_group)
+
+    def _not_saved(self, step: int, errors: list[tuple[int, str]], limited: Optional[str], left: bool,
+                   renamed: bool) -> str:
+        """What failed, what is left, and what to do (`limited`: a file at the file size limit; `left`: the
+        partial folder could not be removed; `renamed`: the commit failed after its rename, whose fsync
+        a failing disk refused)."""
+        if gone := folder_gone(self.run_dir):  # and its checkpoints and free space with it
+            return f"the checkpoint of step {step} was not saved: {gone}"
+        own = [(s, path) for s, path in complete_checkpoints(self.run_dir, self.run_id) if not (renamed and s == step)]
+        last = own[-1][1] if own else None
+        why, fix = self._why_not_saved(errors, limited, last)
+        if renamed:
+            final = os.path.join(self.run_dir, f"global_step_{step}")
+            return (f"the checkpoint of step {step} may not be saved: {why}, in its commit, once its files were on "
+                    f"the disk and its folder renamed to {final}: whether the rename reached the disk is not known. "
+                    f"The last good checkpoint before it is {last or 'none'}. {fix}. The same command then resumes "
+                    f"from {final} where it is there (whole), else from {last or 'nothing: it starts afresh'}")
+        partial = (f"its partial folder .global_step_{step}.tmp is left, and the next start deletes it" if left
+                   else "its partial folder was removed")
+        return (f"the checkpoint of step {step} was not saved: {why}. Nothing of it was committed ({partial}); "
+                f"the last good checkpoint is {last or 'none'}. {fix}. {what_next(self.cfg.trainer)}")
+
+    def _why_not_saved(self, failed: list[tuple[int, str]], limited: Optional[str],
+                       last: Optional[str]) -> tuple[str, str]:
+        """(the failure in words, what to do) from the failed ranks' errors."""
+        # a rank that lost a peer inside a collective reports only that: the cause is the peer's error
+        causes = [(rank, text) for rank, text in failed if not peer_lost(text)] or failed
+        full = [(rank, text) for rank, text in causes if disk_full(text)]
+        rank, text = (full or causes)[0]
+        if limited or over_size_limit(text):  # the disk may have room: a file met the limit (EFBIG)
+            return (f"the file size limit (ulimit -f) was reached ({f'{limited}: ' if limited else ''}{text}, on "
+                    f"rank {rank})"), SIZE_LIMIT_FIX
+        found = fault(text, self.run_dir)
+        if found is not None and not (full and found.in_run_folder):  # not the run folder's disk filling
+            return f"{found.cause}, on rank {rank}", found.fix  # read-only, denied, open files, another disk full
+        why = (f"the disk is full ({text}, on rank {rank})" if full
+               else f"{text} (rank {rank}{f' and {len(failed) - 1} other ranks' if len(failed) > 1 else ''})")
+        if not (full or NOT_STARTED in text):
+            return why, "Fix what the error names"
+        size = self.last_bytes or (tree_bytes(last) if last else None)
+        keep = self.cfg.trainer.max_ckpt_to_keep
+        space = f"{self.run_dir} has {size_text(shutil.disk_usage(self.run_dir).free)} free" + \
+            (f"; a checkpoint takes {size_text(size)}" if size else "") + \
+            (f" (max_ckpt_to_keep={keep} needs room for {keep + 1}: the oldest is deleted after the next commit)"
+             if keep and size else "")
+        return why, (f"{space}. Free space (or set trainer.default_local_dir on a larger disk, or lower "
+                     "trainer.max_ckpt_to_keep)")
 
     def _commit(self) -> None:
         p, world = self.pending.popleft(), self.world
@@ -349,13 +393,22 @@ class Checkpointer:
         self.committed = p.final
         if not world.is_main:
             return
-
-        def delete_later(path: str) -> None:
+        # retention: this run's newest max_ckpt_to_keep (all where null or 0), as on disk, so it holds across resumes
+        keep = self.cfg.trainer.max_ckpt_to_keep
+        for _, path in complete_checkpoints(self.run_dir, self.run_id)[:-keep] if keep else []:
             self.cleaner.submit(shutil.rmtree, hide(path), True)
-
-        enforce_retention(self.run_dir, self.cfg.trainer.max_ckpt_to_keep, self.run_id, delete=delete_later)
         write_s, written_s = p.future.result()
-        self._report(p, size, write_s, written_s, time.perf_counter() - p.started)
+        seconds = time.perf_counter() - p.started
+        stall = p.stall_s if p.background else seconds
+        record = {"step": p.step, "event": "checkpoint", "path": p.final, "async": p.background, "bytes": size,
+                  "stall_s": stall, "waited_previous_s": p.waited_s, "written_s": written_s, "write_s": write_s,
+                  "commit_s": seconds, "gb_per_s": size / 1e9 / write_s, "awaited": p.awaited,
+                  "staging": ("device" if self.staging.on_device else "host") if p.background else None}
+        waited = f" ({p.waited_s:.2f} s of it for older saves' writes)" if p.waited_s >= 0.01 else ""
+        self.report(record, f"checkpoint {os.path.basename(p.final)} committed: {size / 1e9:.3g} GB, training "
+                            f"stalled {stall:.2f} s{waited}, written in {write_s:.2f} s ({record['gb_per_s']:.3g} GB/s"
+                            f"{', in the background' if p.background else ''}), committed {seconds:.2f} s after "
+                            "the save began")
         log = logging.getLogger("sfttrain")
         if (free := shutil.disk_usage(self.run_dir).free) < size:
             log.warning(f"{self.run_dir} has {size_text(free)} free and a checkpoint takes "
@@ -367,18 +420,6 @@ class Checkpointer:
         if warning and not self.warned_grace:
             self.warned_grace = True
             log.warning(warning)
-
-    def _report(self, p: PendingSave, size: int, write_s: float, written_s: float, seconds: float) -> None:
-        stall = p.stall_s if p.background else seconds
-        record = {"step": p.step, "event": "checkpoint", "path": p.final, "async": p.background, "bytes": size,
-                  "stall_s": stall, "waited_previous_s": p.waited_s, "written_s": written_s, "write_s": write_s,
-                  "commit_s": seconds, "gb_per_s": size / 1e9 / write_s, "awaited": p.awaited,
-                  "staging": ("device" if self.staging.on_device else "host") if p.background else None}
-        waited = f" ({p.waited_s:.2f} s of it for older saves' writes)" if p.waited_s >= 0.01 else ""
-        self.report(record, f"checkpoint {os.path.basename(p.final)} committed: {size / 1e9:.3g} GB, training "
-                            f"stalled {stall:.2f} s{waited}, written in {write_s:.2f} s ({record['gb_per_s']:.3g} GB/s"
-                            f"{', in the background' if p.background else ''}), committed {seconds:.2f} s after "
-                            "the save began")
 
 
 @dataclass
@@ -395,25 +436,12 @@ class PendingSave:
     awaited: bool = False  # committed by a wait of the loop for its write, not at a step boundary (poll)
 
 
-def host_memory_available() -> int:
-    """Linux's MemAvailable (free memory plus the page cache that can be dropped); elsewhere the free pages."""
-    with contextlib.suppress(OSError, StopIteration, ValueError):
-        with open("/proc/meminfo") as f:
-            line = next(line for line in f if line.startswith("MemAvailable:"))
-        return int(line.split()[1]) * 1024
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def _attempt(work: Callable[[], None]) -> Optional[BaseException]:
+def _attempt(work: Callable[[], T]) -> tuple[Optional[T], Optional[BaseException]]:
+    """`work`'s value, or its error for every rank to agree on; a data worker's death that landed in the
+    save is raised on: its exit code is the worker's, not the save's."""
     try:
-        work()
+        return work(), None
     except WRITE_ERRORS as e:  # noqa: BLE001 - reported to every rank by Checkpointer._agree
-        return _save_error(e)
-    return None
-
-
-def _save_error(error: BaseException) -> BaseException:
-    """A data worker's death that landed in the save is raised on: its exit code is the worker's, not the save's."""
-    if data_worker_died(error):
-        raise error
-    return error
+        if data_worker_died(e):
+            raise
+        return None, e

@@ -8,13 +8,14 @@ and a replaced step is moved to `.global_step_N.old` first; `remove_stale_tmp` c
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
 import shutil
 import uuid
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Optional
 
 from sfttrain.errors import ConfigError
 
@@ -145,15 +146,10 @@ def resolve(path: str) -> str:
     raise ConfigError(f"{path!r} {_what_instead(path)}")
 
 
-def holds_weights(folder: str) -> bool:
-    return bool(weight_files(folder))
-
-
 def weight_files(folder: str) -> list[str]:
     """A Hugging Face model folder's weight files (safetensors, or PyTorch's .bin)."""
-    if not os.path.isdir(folder):
-        return []
-    return [os.path.join(folder, n) for n in sorted(os.listdir(folder)) if n.endswith((".safetensors", ".bin"))]
+    return sorted(glob.glob(os.path.join(glob.escape(folder), "*.safetensors")) +
+                  glob.glob(os.path.join(glob.escape(folder), "*.bin")))
 
 
 def _what_instead(path: str) -> str:
@@ -162,13 +158,13 @@ def _what_instead(path: str) -> str:
     names = set(os.listdir(path)) if os.path.isdir(path) else set()
     if any(VERL_SHARD.match(name) for name in names):
         hf = os.path.join(path, "huggingface")
-        start = (f"set model.partial_pretrain={hf} (its weights, saved beside the shards)" if holds_weights(hf) else
+        start = (f"set model.partial_pretrain={hf} (its weights, saved beside the shards)" if weight_files(hf) else
                  f"merge its shards into a Hugging Face folder (verl: `python -m verl.model_merger merge "
                  f"--backend fsdp --local_dir {path} --target_dir OUT`) and set model.partial_pretrain=OUT")
         return ("is a verl checkpoint (model_world_size_*_rank_*.pt): sfttrain resumes its own runs only (their "
                 f"optimizer, schedule and data position). To fine-tune on from its weights, {start}, without "
                 "trainer.resume_from_path")
-    if "config.json" in names and holds_weights(path):
+    if "config.json" in names and weight_files(path):
         return ("is a Hugging Face model folder, not a checkpoint: to start from its weights, set "
                 f"model.partial_pretrain={path}; trainer.resume_from_path continues a sfttrain run (its optimizer, "
                 "schedule and data position)")
@@ -187,7 +183,7 @@ def not_a_model_folder(path: str) -> Optional[str]:
     checkpoint = path if is_complete(path) else latest[1] if latest else None
     if checkpoint:
         export = os.path.join(checkpoint, "huggingface")
-        weights = (f"set model.partial_pretrain={export} (trainer.save_hf's export of it)" if holds_weights(export) else
+        weights = (f"set model.partial_pretrain={export} (trainer.save_hf's export of it)" if weight_files(export) else
                    f"export them (`python -m sfttrain.export {checkpoint} OUT`) and set model.partial_pretrain=OUT")
         return (f"is a sfttrain "
                 f"{'checkpoint' if checkpoint == path else f'run folder (its latest checkpoint: {checkpoint})'},"
@@ -224,18 +220,6 @@ def publish(tmp: str, final: str) -> None:
     fsync_path(parent)
     if os.path.lexists(aside):
         remove(aside)
-
-
-def enforce_retention(run_dir: str, keep: Optional[int], run_id: Optional[str] = None,
-                      delete: Optional[Callable[[str], None]] = None) -> list[int]:
-    """Keeps the newest `keep` checkpoints of the run `run_id` (all when None or 0), judged by what is on
-    disk, so it holds across resumes; returns the steps deleted."""
-    if not keep:
-        return []
-    doomed = complete_checkpoints(run_dir, run_id)[:-keep]
-    for _, path in doomed:
-        (delete or remove)(path)
-    return [step for step, _ in doomed]
 
 
 def describe_retention(keep: Optional[int]) -> list[str]:
@@ -424,10 +408,8 @@ def _passed_over(resume_from_path: Optional[str], chosen: str) -> str:
 def _run_id(path: Optional[str], run_dir: str) -> str:
     """The resumed checkpoint's run id; a new one on a fresh start, for an older checkpoint, or for a branch."""
     carried = run_id_of(path) if path else None
-    if carried is None:
-        return uuid.uuid4().hex[:12]
-    later = [step for step, _ in complete_checkpoints(run_dir, carried) if step > step_of(path)]
-    return uuid.uuid4().hex[:12] if later else carried
+    branched = carried is not None and any(step > step_of(path) for step, _ in complete_checkpoints(run_dir, carried))
+    return carried if carried is not None and not branched else uuid.uuid4().hex[:12]
 
 
 def _describe_others(run_dir: str, run_id: str, start: int) -> list[str]:
@@ -436,12 +418,10 @@ def _describe_others(run_dir: str, run_id: str, start: int) -> list[str]:
         if other == run_id:
             continue
         replaced = [s for s in steps if s > start]
-        notes.append(f"found {_steps(steps)} of another run (id {other or 'none: an older sfttrain'}): kept, not "
+        some = f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}..{steps[-1]} ({len(steps)} checkpoints)"
+        notes.append(f"found {some} of another run (id {other or 'none: an older sfttrain'}): kept, not "
                      "counted for max_ckpt_to_keep nor resumed by resume_mode=auto" +
                      (f"; a save of this run at one of steps {replaced} replaces that one" if replaced else "") +
                      ". A new trainer.default_local_dir keeps runs apart")
     return notes
 
-
-def _steps(steps: list[int]) -> str:
-    return f"step {steps[0]}" if len(steps) == 1 else f"steps {steps[0]}..{steps[-1]} ({len(steps)} checkpoints)"

@@ -112,16 +112,13 @@ def _first_sentence(error: BaseException) -> str:
 def state_dicts(model, optimizer) -> tuple[dict, dict]:
     """DCP's model and optimizer state dicts, frozen weights left out."""
     model_sd, optim_sd = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
-    return _trained(model, model_sd), optim_sd
+    return trained_state_dict(model, model_sd), optim_sd
 
 
-def trained_state_dict(model) -> dict:
-    """The model's part of a checkpoint (the preflight's, of the model built on the meta device)."""
-    return _trained(model, get_model_state_dict(model, options=STATE_DICT_OPTIONS))
-
-
-def _trained(model, model_sd: dict) -> dict:
-    """ignore_frozen_params keeps a frozen weight tied to a trained one (LoRA's lm_head.weight)."""
+def trained_state_dict(model, model_sd: Optional[dict] = None) -> dict:
+    """The model's part of a checkpoint (the preflight's: of the model built on the meta device).
+    ignore_frozen_params keeps a frozen weight tied to a trained one (LoRA's lm_head.weight)."""
+    model_sd = get_model_state_dict(model, options=STATE_DICT_OPTIONS) if model_sd is None else model_sd
     frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
     return {k: v for k, v in model_sd.items() if k not in frozen}
 

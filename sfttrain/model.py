@@ -13,7 +13,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from sfttrain import attention, experts, lora, sequence_parallel, weights
-from sfttrain.checkpoint_folder import holds_weights, not_a_model_folder, weight_files
+from sfttrain.checkpoint_folder import not_a_model_folder, weight_files
 from sfttrain.config import Config, ConfigError, ModelConfig
 from sfttrain.dtypes import DTYPE
 from sfttrain.errors import GPU_INSTALL, DependencyError
@@ -191,6 +191,6 @@ def check_weights_readable(cfg: ModelConfig, folder: str) -> None:
 
 
 def check_weights(cfg: ModelConfig, path: str) -> None:
-    if not cfg.random_init and not holds_weights(path):
+    if not cfg.random_init and not weight_files(path):
         raise ConfigError(f"model.partial_pretrain={path!r} has a config but no weights (*.safetensors / *.bin); "
                           "set model.random_init=true to train from a random initialisation")

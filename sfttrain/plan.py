@@ -40,9 +40,8 @@ from sfttrain.optim import schedule_settings, schedule_warnings
 from sfttrain.resolved import cpp_wrapper
 from sfttrain.profiling import check_window, window_passed
 from sfttrain.recompute import checkpointed, chosen_layers, wants_attention_kept
-from sfttrain.resume import review_resume
+from sfttrain.resume import check_not_in_use, review_resume
 from sfttrain.run import parse_args as parse_config_args
-from sfttrain.run_lock import check_not_in_use
 
 GIB = 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}

@@ -32,8 +32,7 @@ from sfttrain.optim import build_optimizer, build_scheduler, clipped_step, descr
 from sfttrain.parallel import describe_compile, describe_sharding, gradient_sync, parallelize
 from sfttrain.checkpoint_folder import Resume
 from sfttrain.resolved import resolve
-from sfttrain.resume import check_resume, find_resume
-from sfttrain.run_lock import lock_run_folder
+from sfttrain.resume import check_resume, find_resume, lock_run_folder
 from sfttrain.runtime import Runtime
 
 

@@ -718,8 +718,7 @@ def test_find_resume_modes_and_errors(tmp_path):
             resume.find_resume(TrainerConfig(resume_mode="resume_path", resume_from_path=str(bad)), str(run_dir))
     checkpoint_folder.remove_stale_tmp(str(run_dir))
     assert not (run_dir / ".global_step_14.tmp").exists()
-    checkpoint_folder.enforce_retention(str(run_dir), 1)
-    assert sorted(p.name for p in run_dir.iterdir()) == ["global_step_10", "global_step_12"]
+    assert sorted(p.name for p in run_dir.iterdir()) == ["global_step_10", "global_step_12", "global_step_2"]
 
 
 def test_a_resume_path_without_a_checkpoint_says_what_it_holds(tmp_path):
@@ -1282,7 +1281,8 @@ def test_a_data_worker_s_death_that_lands_in_a_save_is_passed_on():
     with pytest.raises(RuntimeError, match=r"DataLoader worker \(pid 4916\) is killed by signal"):
         _attempt(fail(died))
     full = OSError(28, "No space left on device")
-    assert _attempt(fail(full)) is full and _attempt(fail(RuntimeError("DCP failed"))) is not None
+    assert _attempt(fail(full)) == (None, full) and _attempt(fail(RuntimeError("DCP failed")))[1] is not None
+    assert _attempt(lambda: 3) == (3, None)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGBUS])

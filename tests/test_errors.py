@@ -383,7 +383,7 @@ def test_a_runtime_restores_what_it_changed(tmp_path):
     """A run's Runtime takes SIGINT, SIGTERM and SIGUSR1 and the run folder's lock; closed, the process has
     its handlers back and the folder is free (tests, and tools, run several runs in one process)."""
     from sfttrain.errors import ConfigError
-    from sfttrain.run_lock import check_not_in_use, lock_run_folder
+    from sfttrain.resume import check_not_in_use, lock_run_folder
     from sfttrain.runtime import Runtime
 
     before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)

@@ -281,7 +281,7 @@ def test_a_second_run_in_a_busy_run_folder_is_refused(data, tmp_path, capsys):
     lock was taken, closed its copy: an orphaned worker cannot keep the folder locked). Killed, A
     leaves nothing to clean up: B's command trains in the folder."""
     from sfttrain import plan
-    from sfttrain.run_lock import LOCK_FILE, check_not_in_use
+    from sfttrain.resume import LOCK_FILE, check_not_in_use
     from sfttrain.runtime import STACKS_HEADER
     from tests.test_checkpoint import one_message, wait_until
 
@@ -327,7 +327,7 @@ def test_a_filesystem_without_locks_is_said_at_start_up(tmp_path, monkeypatch):
     import errno
     import fcntl
 
-    from sfttrain.run_lock import check_not_in_use, lock_run_folder
+    from sfttrain.resume import check_not_in_use, lock_run_folder
 
     def no_locks(fd, operation):
         raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))

@@ -277,7 +277,7 @@ def write_synced(path: str, text: str | bytes) -> None:
         os.fsync(f.fileno())
 
 
-def write_atomically(path: str, text: str) -> None:
+def write_atomically(path: str, text: str | bytes) -> None:
     """`text` as the file `path`, whole or not at all, also after a power loss; a failed write leaves
     the old one and no temporary file."""
     tmp = f"{path}.{os.getpid()}.tmp"

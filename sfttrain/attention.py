@@ -222,8 +222,15 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         raise ValueError(f"{ATTN_IMPLEMENTATION!r} takes one packed row (batch 1) without a KV cache "
                          f"(use_cache=False), got query {tuple(query.shape)}, key {tuple(key.shape)}")
     backend = sfttrain_backend or select_backend("auto", query.device.type)
-    if backend != "sdpa_blockmask":
-        query, key, value = _in_half_precision(backend, query, key, value)
+    # the flash kernels take fp16/bf16 of one dtype: cast back where autocast's RoPE promoted q and k to
+    # fp32 (as transformers' flash integration does); fp32 outside autocast is an error
+    flash, half, dev = backend != "sdpa_blockmask", (torch.float16, torch.bfloat16), query.device.type
+    if flash and torch.is_autocast_enabled(dev) and (target := torch.get_autocast_dtype(dev)) in half:
+        query, key, value = query.to(target), key.to(target), value.to(target)
+    elif flash and not (query.dtype in half and key.dtype == query.dtype and value.dtype == query.dtype):
+        raise ValueError(f"attention backend {backend!r} needs fp16/bf16 query/key/value of one dtype, got "
+                         f"{query.dtype}/{key.dtype}/{value.dtype}; run the model in bf16 (or under autocast), "
+                         "or configure 'sdpa_blockmask'")
     # a query sees keys with q - k < sliding_window
     window = (-1, 0) if sliding_window is None else (int(sliding_window) - 1, 0)
 
@@ -238,18 +245,6 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     out = _KERNELS[backend](q, k, v, cu_q, cu_k, max_q, max_k, scaling, window, softcap)
     return out.unsqueeze(0), None
 
-
-def _in_half_precision(backend: str, query, key, value) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fp16/bf16 of one dtype for the flash kernels: cast back where autocast's RoPE promoted q and k
-    to fp32 (as transformers' flash integration does); fp32 outside autocast is an error."""
-    half, dev = (torch.float16, torch.bfloat16), query.device.type
-    if torch.is_autocast_enabled(dev) and (target := torch.get_autocast_dtype(dev)) in half:
-        return query.to(target), key.to(target), value.to(target)
-    if not (query.dtype in half and key.dtype == query.dtype and value.dtype == query.dtype):
-        raise ValueError(f"attention backend {backend!r} needs fp16/bf16 query/key/value of one dtype, got "
-                         f"{query.dtype}/{key.dtype}/{value.dtype}; run the model in bf16 (or under autocast), "
-                         "or configure 'sdpa_blockmask'")
-    return query, key, value
 
 
 def ulysses_forward(group: dist.ProcessGroup, size: int):
@@ -280,8 +275,8 @@ def ulysses_forward(group: dist.ProcessGroup, size: int):
 
 
 def check_ulysses(model_config, sp: int) -> None:
-    """What Ulysses over sp ranks needs of the model's config: heads that split, and no router loss
-    (its per-sample statistics would need each sample's tokens from all sp ranks)."""
+    """What Ulysses over sp ranks needs of the model's config (a start-up check): heads that split, and no
+    router loss (its per-sample statistics would need each sample's tokens from all sp ranks)."""
     heads = model_config.num_attention_heads
     kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
     if heads % sp:
@@ -296,11 +291,6 @@ def check_ulysses(model_config, sp: int) -> None:
                           "(output_router_logits=true) is computed per sample and does not run under sequence "
                           "parallelism yet; set ulysses_sequence_parallel_size=1 or output_router_logits=false")
 
-
-def apply_ulysses(lm: nn.Module, group: dist.ProcessGroup, size: int) -> None:
-    """Installs Ulysses' attention on the model of `lm` (a CausalLMLoss)."""
-    check_ulysses(lm.model.config, size)
-    register(ulysses_forward(group, size))
 
 
 register()

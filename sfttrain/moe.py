@@ -17,9 +17,6 @@ from torch import nn
 from sfttrain.config import ConfigError
 from sfttrain.data.pack import MicroBatch
 
-EXPERTS = ".experts."  # in the name of every routed-expert parameter (and of adapters peft puts on them)
-
-
 @dataclass(frozen=True)
 class Routing:  # top_k of num_experts routed experts run per token
     top_k: int
@@ -34,8 +31,8 @@ def routing(config) -> Routing | None:
     return Routing(int(top_k), int(experts)) if experts and top_k else None
 
 
-def is_routed_expert(name: str) -> bool:
-    return EXPERTS in f".{name}."
+def is_routed_expert(name: str) -> bool:  # ".experts." names every routed-expert parameter and peft's adapters on it
+    return ".experts." in f".{name}."
 
 
 @dataclass(frozen=True)

@@ -69,7 +69,8 @@ def has_eager_parts_compiled(cfg: ModelConfig, chosen: list[nn.Module]) -> bool:
 
 
 def checkpointed_forward(forward, *args, **kwargs):
-    # non-reentrant: works with FSDP2's hooks and with inputs that need no grad
+    # non-reentrant: works with FSDP2's hooks and with inputs that need no grad. A function of its own: with
+    # partial(checkpoint, ...) as a layer's forward, dynamo leaves the checkpoint out of the compiled graph
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 

@@ -6,7 +6,13 @@ mask=None before building a [T, T] mask or detecting packed sequences (a host sy
 name avoids "flash", "sdpa", "flex_attention" and "/", which transformers routes elsewhere.
 
 Backends: flash_attn (the package), torch_varlen (aten::_flash_attention_forward, CUDA; a row of one
-sample on cuDNN on Hopper or newer) and sdpa_blockmask (one causal SDPA per sample, any device).
+sample on cuDNN on Hopper or newer) and sdpa_blockmask (one causal SDPA per sample, any device). The
+run's choice travels with each model call (`call_kwargs`), as the row boundaries do: no process-wide state.
+
+Ulysses sequence parallelism over packed rows: each sp rank keeps a slice of every row, and an all-to-all
+around attention turns [T/sp, H, D] into [T, H/sp, D] and back. Each rank's loss is its slice's sum,
+scaled like every rank's (`sfttrain.loss.step_objective`); FSDP shards over dp_shard x sp, so no loss is
+divided by sp anywhere.
 """
 
 from __future__ import annotations
@@ -15,7 +21,10 @@ import functools
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
+from torch.distributed.nn.functional import all_to_all_single
 
 from sfttrain.dtypes import CONFIG_NAMES
 from sfttrain.errors import GPU_INSTALL, ConfigError
@@ -23,9 +32,6 @@ from sfttrain.errors import GPU_INSTALL, ConfigError
 ATTN_IMPLEMENTATION = "sfttrain_varlen"
 BACKENDS = ("flash_attn", "torch_varlen", "sdpa_blockmask")  # also the "auto" preference order
 
-# set by `configure`; None: each call picks "auto" for the query's device
-_backend: str | None = None
-_cudnn_rows: bool = False  # torch_varlen runs a row of one sample on cuDNN
 CUDNN_HEAD_DIMS = (64, 128)  # where cuDNN's path was measured and tested; others stay on flash
 
 
@@ -80,19 +86,16 @@ def fallback_warning(requested: str, chosen: str, device_type: str) -> list[str]
             f"Install flash-attn ({GPU_INSTALL} in the checkout) or torch>=2.11 (PyTorch's own varlen flash attention)"]
 
 
-def register(forward=None) -> None:
-    """forward: a wrapper of varlen_attention_forward to register instead (sequence_parallel's)."""
+def register(forward=None) -> None:  # forward: a wrapper (ulysses_forward's)
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, forward or varlen_attention_forward)
 
 
-def configure(backend: str = "auto", device_type: str | None = None) -> str:
-    global _backend, _cudnn_rows
-    _backend = select_backend(backend, device_type)
-    _cudnn_rows = _backend == "torch_varlen" and cudnn_attention_available()
-    register()
-    return _backend
+def call_kwargs(backend: str) -> dict:
+    """What a model call passes to reach `backend` (torch_varlen: a row of one sample on cuDNN where it can)."""
+    return {"sfttrain_backend": backend,
+            "sfttrain_cudnn_rows": backend == "torch_varlen" and cudnn_attention_available()}
 
 
 def cudnn_attention_available() -> bool:  # Hopper or newer: where it was measured
@@ -100,8 +103,8 @@ def cudnn_attention_available() -> bool:  # Hopper or newer: where it was measur
             and torch.cuda.get_device_capability() >= (9, 0))
 
 
-def describe_backend() -> str:
-    return f"{_backend} (a row of one sample on cuDNN)" if _cudnn_rows else str(_backend)
+def describe_backend(backend: str) -> str:
+    return f"{backend} (a row of one sample on cuDNN)" if call_kwargs(backend)["sfttrain_cudnn_rows"] else backend
 
 
 @functools.lru_cache(maxsize=None)
@@ -194,12 +197,13 @@ _KERNELS = {"flash_attn": _run_flash_attn, "torch_varlen": _run_torch_varlen, "s
 def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                              sliding_window: int | None = None, softcap: float | None = None,
-                             is_causal: bool | None = None, s_aux: torch.Tensor | None = None,
                              cu_seq_lens_q: torch.Tensor | None = None, cu_seq_lens_k: torch.Tensor | None = None,
                              max_length_q: int | None = None, max_length_k: int | None = None,
+                             sfttrain_backend: str | None = None, sfttrain_cudnn_rows: bool = False,
                              **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' sdpa_attention_forward contract: query [1, H, T, D], key/value [1, Hkv, T, D];
-    returns ([1, T, H, D], None). The `_k` boundaries default to the `_q` ones."""
+    returns ([1, T, H, D], None). Causal only, without attention sinks: the families sfttrain.loss takes.
+    The `_k` boundaries default to the `_q` ones; sfttrain_*: `call_kwargs` (none: "auto" on the device)."""
     if cu_seq_lens_q is None or max_length_q is None:
         raise ValueError(f"attn_implementation={ATTN_IMPLEMENTATION!r} needs the packed-row boundaries: call the "
                          "model with cu_seq_lens_q=, cu_seq_lens_k= (int32 [n+1], 0 .. T) and max_length_q=, "
@@ -211,19 +215,22 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     if attention_mask is not None:
         raise ValueError(f"attn_implementation={ATTN_IMPLEMENTATION!r} takes no attention_mask: packed rows have "
                          "no padding and the sample boundaries come from cu_seq_lens_q. Pass attention_mask=None.")
-    if is_causal is False or not getattr(module, "is_causal", True):
-        raise ValueError(f"{ATTN_IMPLEMENTATION!r} implements causal attention only")
     if dropout and dropout > 0.0:  # torch's varlen attention has none: backends would disagree
         raise ValueError(f"{ATTN_IMPLEMENTATION!r} does not implement attention dropout (got {dropout}); set the "
                          "model config's attention_dropout to 0 for training")
-    if s_aux is not None:
-        raise ValueError(f"{ATTN_IMPLEMENTATION!r} does not support attention sinks")
     if query.dim() != 4 or query.shape[0] != 1 or key.shape[2] != query.shape[2]:
         raise ValueError(f"{ATTN_IMPLEMENTATION!r} takes one packed row (batch 1) without a KV cache "
                          f"(use_cache=False), got query {tuple(query.shape)}, key {tuple(key.shape)}")
-    backend = _backend if _backend is not None else select_backend("auto", query.device.type)
-    if backend != "sdpa_blockmask":
-        query, key, value = _in_half_precision(backend, query, key, value)
+    backend = sfttrain_backend or select_backend("auto", query.device.type)
+    # the flash kernels take fp16/bf16 of one dtype: cast back where autocast's RoPE promoted q and k to
+    # fp32 (as transformers' flash integration does); fp32 outside autocast is an error
+    flash, half, dev = backend != "sdpa_blockmask", (torch.float16, torch.bfloat16), query.device.type
+    if flash and torch.is_autocast_enabled(dev) and (target := torch.get_autocast_dtype(dev)) in half:
+        query, key, value = query.to(target), key.to(target), value.to(target)
+    elif flash and not (query.dtype in half and key.dtype == query.dtype and value.dtype == query.dtype):
+        raise ValueError(f"attention backend {backend!r} needs fp16/bf16 query/key/value of one dtype, got "
+                         f"{query.dtype}/{key.dtype}/{value.dtype}; run the model in bf16 (or under autocast), "
+                         "or configure 'sdpa_blockmask'")
     # a query sees keys with q - k < sliding_window
     window = (-1, 0) if sliding_window is None else (int(sliding_window) - 1, 0)
 
@@ -232,24 +239,58 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     # the q/k/v GEMM's output, a view that would keep all of it alive: a copy keeps only their columns.
     k, v = k.contiguous(), v.contiguous()
     # one sample (with the row's pad) fills the row: told by a shape, without a host sync
-    if (backend == "torch_varlen" and _cudnn_rows and cu_q.shape[0] == cu_k.shape[0] == 2 and window == (-1, 0)
-            and q.shape[-1] in CUDNN_HEAD_DIMS):
+    if (sfttrain_cudnn_rows and backend == "torch_varlen" and cu_q.shape[0] == cu_k.shape[0] == 2
+            and window == (-1, 0) and q.shape[-1] in CUDNN_HEAD_DIMS):
         return _run_cudnn_one_sample(q, k, v, scaling).unsqueeze(0), None
     out = _KERNELS[backend](q, k, v, cu_q, cu_k, max_q, max_k, scaling, window, softcap)
     return out.unsqueeze(0), None
 
 
-def _in_half_precision(backend: str, query, key, value) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fp16/bf16 of one dtype for the flash kernels: cast back where autocast's RoPE promoted q and k
-    to fp32 (as transformers' flash integration does); fp32 outside autocast is an error."""
-    half, dev = (torch.float16, torch.bfloat16), query.device.type
-    if torch.is_autocast_enabled(dev) and (target := torch.get_autocast_dtype(dev)) in half:
-        return query.to(target), key.to(target), value.to(target)
-    if not (query.dtype in half and key.dtype == query.dtype and value.dtype == query.dtype):
-        raise ValueError(f"attention backend {backend!r} needs fp16/bf16 query/key/value of one dtype, got "
-                         f"{query.dtype}/{key.dtype}/{value.dtype}; run the model in bf16 (or under autocast), "
-                         "or configure 'sdpa_blockmask'")
-    return query, key, value
+
+def ulysses_forward(group: dist.ProcessGroup, size: int):
+    """transformers' attention contract on this rank's slice of the row: query [1, H, T/sp, D], key/value
+    [1, Hkv, T/sp, D] -> ([1, T/sp, H, D], None), attention over the whole row for its share of the heads."""
+
+    @torch.compiler.disable  # eager under model.compile: a graph break around the collective, not a trace of it
+    def exchange(send: torch.Tensor) -> torch.Tensor:
+        """Chunk j of dim 0 to rank j; chunk i of the result from rank i (autograd: back in backward)."""
+        return all_to_all_single(torch.empty_like(send, memory_format=torch.contiguous_format), send.contiguous(),
+                                 group=group)
+
+    def forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
+                **kwargs):
+        # KV heads fewer than sp repeated, so that query head group j meets KV head j
+        key, value = (t if t.shape[1] % size == 0 else t.repeat_interleave(size // t.shape[1], dim=1)
+                      for t in (key, value))
+        # [1, H, T/sp, D] -> [1, H/sp, T, D]: head group j to rank j, whose tokens arrive i-th from rank i
+        query, key, value = (exchange(t[0].reshape(size, t.shape[1] // size, *t.shape[2:]))
+                             .transpose(0, 1).reshape(1, t.shape[1] // size, -1, t.shape[3])
+                             for t in (query, key, value))
+        out, _ = varlen_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        # [1, T, H/sp, D] -> [1, T/sp, H, D]: token slice j to rank j, head group i from rank i
+        recv = exchange(out[0].reshape(size, -1, *out.shape[2:]))
+        return recv.permute(1, 0, 2, 3).reshape(1, recv.shape[1], -1, out.shape[3]), None
+
+    return forward
+
+
+def check_ulysses(model_config, sp: int) -> None:
+    """What Ulysses over sp ranks needs of the model's config (a start-up check): heads that split, and no
+    router loss (its per-sample statistics would need each sample's tokens from all sp ranks)."""
+    heads = model_config.num_attention_heads
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+    if heads % sp:
+        raise ConfigError(f"ulysses_sequence_parallel_size={sp}: the model's {heads} attention heads do not "
+                          f"split over {sp} ranks; use a size that divides {heads}")
+    if kv_heads % sp and sp % kv_heads:
+        raise ConfigError(f"ulysses_sequence_parallel_size={sp}: the model's {kv_heads} key/value heads neither "
+                          f"split over {sp} ranks nor repeat evenly to {sp}; use a divisor or a multiple of "
+                          f"{kv_heads} that divides {heads}")
+    if getattr(model_config, "output_router_logits", False):
+        raise ConfigError(f"ulysses_sequence_parallel_size={sp}: the router's load-balancing loss "
+                          "(output_router_logits=true) is computed per sample and does not run under sequence "
+                          "parallelism yet; set ulysses_sequence_parallel_size=1 or output_router_logits=false")
+
 
 
 register()

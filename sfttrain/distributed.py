@@ -53,11 +53,6 @@ class World:
         """(this rank's slice, slices) of every packed row (sfttrain.data.pack.local_slice)."""
         return (self.rank % self.sp_size, self.sp_size)
 
-    @property
-    def grad_ranks(self) -> int:
-        """Ranks whose gradients FSDP averages: all of them (sp ranks each hold a share)."""
-        return self.world_size
-
     def fsdp_mesh(self) -> DeviceMesh:
         """dp_shard x sp as one shard dimension (sp ranks hold a share of each gradient); 2-D with HSDP."""
         shard = self.mesh["dp_shard"] if self.sp_size == 1 else self.mesh["dp_shard", "sp"]._flatten("dp_shard_sp")
@@ -67,7 +62,6 @@ class World:
 
 
 def init_world(cfg: Config) -> World:
-    """Starts the process group and builds the mesh."""
     rank, local_rank, world_size = (int(os.environ.get(k, d)) for k, d in
                                     (("RANK", 0), ("LOCAL_RANK", 0), ("WORLD_SIZE", 1)))
     check_one_launcher_per_node()
@@ -115,7 +109,6 @@ def describe_auto_cpu(cfg: Config, device: torch.device) -> list[str]:
 
 
 def check_cuda_visible(cfg: Config) -> None:
-    """trainer.device=cuda needs a GPU on this machine."""
     if cfg.trainer.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu")
 
@@ -159,8 +152,7 @@ def check_world(cfg: Config, world_size: int) -> tuple[int, int]:
     return (dp // shard, shard)
 
 
-def data_parallel_size(world_size: int, sp: int) -> int:
-    """The data-parallel ranks: world / sp groups of sp ranks."""
+def data_parallel_size(world_size: int, sp: int) -> int:  # world / sp groups of sp ranks
     check_sequence_parallel_size(sp)
     if world_size % sp:
         raise ConfigError(f"ulysses_sequence_parallel_size={sp} must divide the world size {world_size}: "
@@ -222,14 +214,14 @@ def agree_on_errors(error: Optional[str], group=None) -> list[str]:
 
 
 def check_shared_run_dir(run_dir: str, world: World, patience_s: float = 10.0) -> None:
-    """Collective, at start-up: every rank must see the run folder rank 0 commits to. Rank 0 writes a
-    token there; a rank that cannot read it within patience_s (a node-local disk) stops every rank."""
-    token = decided_by_rank0(lambda: _write_probe(run_dir))
-    probe = os.path.join(run_dir, f".shared-check-{token}")
+    """Collective, at start-up: every rank must see the run folder rank 0 commits to. Rank 0 writes a file
+    named by a random token there; a rank that cannot see it within patience_s (a node-local disk) stops
+    every rank."""
+    probe = os.path.join(run_dir, f".shared-check-{decided_by_rank0(lambda: _write_probe(run_dir))}")
     deadline = time.monotonic() + patience_s
-    while not _reads(probe, token) and time.monotonic() < deadline:
+    while not os.path.exists(probe) and time.monotonic() < deadline:
         time.sleep(0.5)
-    seen = from_every_rank((_reads(probe, token), socket.gethostname(), os.path.abspath(run_dir)))
+    seen = from_every_rank((os.path.exists(probe), socket.gethostname(), os.path.abspath(run_dir)))
     if world.is_main:
         os.remove(probe)
     blind = [f"rank {r} on {host} ({path})" for r, (ok, host, path) in enumerate(seen) if not ok]
@@ -250,11 +242,3 @@ def _write_probe(run_dir: str) -> str:
     except OSError as e:
         raise ConfigError(f"trainer.default_local_dir={run_dir!r} cannot be written: {e}") from None
     return token
-
-
-def _reads(path: str, token: str) -> bool:
-    try:
-        with open(path) as f:
-            return f.read() == token
-    except OSError:
-        return False

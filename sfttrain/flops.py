@@ -32,11 +32,10 @@ def peak_flops(device: torch.device) -> float | None:
 
 
 def count_params(model: torch.nn.Module, trainable_only: bool = False, routed_only: bool = False) -> int:
-    """Parameters of ``model`` (only those trained, only the routed experts'), each tensor counted
-    once (a tied embedding too); global sizes under FSDP2."""
-    unique = {id(p): p for name, p in model.named_parameters(remove_duplicate=False)
-              if (p.requires_grad or not trainable_only) and (moe.is_routed_expert(name) or not routed_only)}
-    return sum(p.numel() for p in unique.values())
+    """Parameters of ``model`` (only those trained, only the routed experts'), a tied embedding once;
+    global sizes under FSDP2."""
+    return sum(p.numel() for name, p in model.named_parameters()
+               if (p.requires_grad or not trainable_only) and (moe.is_routed_expert(name) or not routed_only))
 
 
 def mfu(flops_per_token: float, tokens_per_s: float, num_gpus: int, peak_flops: float = H200_BF16_PEAK_FLOPS) -> float:

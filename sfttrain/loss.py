@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Callable, Union
 import torch
 from torch import nn
 
+from sfttrain.attention import call_kwargs
 from sfttrain.config import ConfigError
 from sfttrain.errors import GPU_INSTALL
 from sfttrain.data.pack import IGNORE_INDEX, MicroBatch
@@ -57,14 +58,17 @@ def output_head(config) -> OutputHead:
 
 class CausalLMLoss(nn.Module):
     def __init__(self, model: CausalLM, fused: bool, compiled_max_seqlen: int | None = None,
-                 chunk_loss: ChunkLoss | None = None, chunk_tokens: int = 1024):
+                 chunk_loss: ChunkLoss | None = None, chunk_tokens: int = 1024, attention: str | None = None):
         """fused: Liger's fused linear cross-entropy. compiled_max_seqlen: the attention's max sample
-        length, fixed so that the compiled decoder does not recompile per value."""
+        length, fixed so that the compiled decoder does not recompile per value. attention: the backend
+        of sfttrain.attention (None: "auto" on each call's device)."""
         super().__init__()
         self.model = model  # the Hugging Face causal LM, unmodified
         self.fused = fused
-        self.compiled_max_seqlen = compiled_max_seqlen
         self.chunk_tokens = chunk_tokens
+        self.call_kwargs = call_kwargs(attention) if attention else {}
+        if compiled_max_seqlen:
+            self.call_kwargs.update(max_length_q=compiled_max_seqlen, max_length_k=compiled_max_seqlen)
         # set by sfttrain.parallel where no FSDP casts the parameters
         self.autocast_dtype: torch.dtype | None = None
         self.chunk_loss = chunk_loss or chunk_loss_and_grad
@@ -78,9 +82,7 @@ class CausalLMLoss(nn.Module):
 
     def forward(self, batch: MicroBatch) -> torch.Tensor:
         """Sum of the token losses of the micro-batch (fp32 scalar)."""
-        inputs = batch.model_inputs()
-        if self.compiled_max_seqlen:
-            inputs.update(max_length_q=self.compiled_max_seqlen, max_length_k=self.compiled_max_seqlen)
+        inputs = {**batch.model_inputs(), **self.call_kwargs}
         device_type = batch.input_ids.device.type
         with torch.autocast(device_type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None):
             out = self.model.get_decoder()(**inputs, use_cache=False, output_router_logits=self.router is not None)
@@ -248,24 +250,13 @@ def _add_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         acc += (a.float() @ b.float())
 
 
-def normalised(loss_sum: torch.Tensor, global_loss_tokens: int, grad_ranks: int) -> torch.Tensor:
-    """sum / (loss tokens of the WHOLE step), x grad_ranks to undo FSDP's average: the update does not
-    depend on how the step is split into ranks, slices and micro-batches."""
-    return loss_sum * (grad_ranks / max(global_loss_tokens, 1))
-
-
 def step_objective(lm: CausalLMLoss, loss_sum: torch.Tensor, batch, grad_ranks: int) -> torch.Tensor:
-    """The micro-batch's share of the step's objective: the `normalised` loss, plus the router's loss over
-    the real tokens of the WHOLE step (batch: the StepBatch; sfttrain.moe)."""
-    objective = normalised(loss_sum, batch.num_loss_tokens, grad_ranks)
+    """The micro-batch's share of the step's objective: sum / (loss tokens of the WHOLE step), x grad_ranks
+    (all ranks: sp ranks each hold a share) to undo FSDP's average, so that the update does not depend on how
+    the step is split into ranks, slices and micro-batches; plus the router's loss over the real tokens of
+    the whole step (batch: the StepBatch; sfttrain.moe)."""
+    objective = loss_sum * (grad_ranks / max(batch.num_loss_tokens, 1))
     if lm.router is None:
         return objective
     return objective + lm.router.take() * (lm.router.coef * grad_ranks / max(sum(batch.sample_lengths), 1))
 
-
-def router_stats(lm: CausalLMLoss, device: torch.device) -> torch.Tensor:
-    return lm.router.step_stats(device) if lm.router is not None else torch.zeros(0, device=device)
-
-
-def router_metrics(lm: CausalLMLoss, stats: list[float], batch) -> dict:
-    return lm.router.metrics(stats, sum(batch.sample_lengths)) if lm.router is not None else {}

@@ -21,8 +21,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
                               {"params": [p for p in params if p.ndim < 2], **vectors}], lr=cfg.lr, fused=True)
 
 
-def group_settings(cfg: OptimConfig) -> list[dict]:
-    """The config's AdamW settings of each parameter group (matrices, then norms and biases)."""
+def group_settings(cfg: OptimConfig) -> list[dict]:  # matrices, then norms and biases
     common = {"betas": tuple(cfg.betas), "eps": cfg.eps}
     return [{**common, "weight_decay": cfg.weight_decay}, {**common, "weight_decay": 0.0}]
 

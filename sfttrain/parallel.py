@@ -12,7 +12,7 @@ from torch.distributed._composable.replicate import DDP, replicate
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from sfttrain import fp8, fuse_projections, recompute, sequence_parallel
+from sfttrain import attention, fp8, fuse_projections, recompute
 from sfttrain.config import Config, ConfigError, mixed_precision_dtypes
 from sfttrain.distributed import World
 from sfttrain.loss import CausalLMLoss
@@ -25,19 +25,22 @@ Layout = Literal["single", "replicated", "sharded"]
 
 
 def parallelize(lm: CausalLMLoss, world: World, cfg: Config, resolved: Resolved) -> Layout:
+    # what the layout needs of the device (check_device) was checked at start-up (sfttrain.checks)
     offload = cfg.model.fsdp_config.offloaded()
     layout = choose_layout(world.world_size, world.mesh["dp_shard"].size(), world.sp_size, offload)
-    check_device(cfg, layout, world.device.type)
     # before FSDP wraps the weights it all-gathers; offloaded shards are gathered as they are
     fp8.apply(lm.model, cfg.model, resolved.fp8, fsdp_all_gather=layout == "sharded" and not offload)
     if cfg.model.enable_gradient_checkpointing:
         recompute.apply(lm.model, decoder_layers(lm.model), cfg.model, not resolved.recompute_attention)
-    if world.sp_size > 1:
-        sequence_parallel.apply(lm, world.mesh["sp"].get_group(), world.sp_size)
+    if world.sp_size > 1:  # what Ulysses needs of the model was checked at start-up (attention.check_ulysses)
+        attention.register(attention.ulysses_forward(world.mesh["sp"].get_group(), world.sp_size))
+    if cfg.model.compile:  # before FSDP's hooks and the weights: the layers are compiled at their first forward
+        compile_layers(decoder_layers(lm.model), resolved.compile_cpp_wrapper, fuse_projections.graph_pass(
+            cfg.model, lm.model.config, resolved.fuse_projections, resolved.fold_lora))
     if layout == "sharded":
-        shard(lm, world, cfg, offload, resolved)
+        shard(lm, world, cfg, offload)
         return layout
-    single_device(lm, world, cfg, resolved)
+    single_device(lm, world, cfg)
     if layout == "replicated":
         replicate_model(lm, world, cfg)
     return layout
@@ -84,7 +87,7 @@ def describe_sharding(world: World, cfg: Config, layout: Layout) -> str:
     return f"FSDP2 over {shards} ranks, {kind}{offload}"
 
 
-def single_device(lm: CausalLMLoss, world: World, cfg: Config, resolved: Resolved) -> None:
+def single_device(lm: CausalLMLoss, world: World, cfg: Config) -> None:
     materialise_model(lm.model, cfg.model, world.device, world.device, cfg.trainer.seed)
     dtypes = mixed_precision_dtypes(cfg.model.fsdp_config)
     if dtypes:
@@ -92,7 +95,6 @@ def single_device(lm: CausalLMLoss, world: World, cfg: Config, resolved: Resolve
         # the residual stream in the compute dtype, as FSDP's param_dtype makes it (autocast alone
         # would leave it, and what backward saves of it, in fp32)
         lm.model.get_input_embeddings().register_forward_hook(lambda _module, _args, out: out.to(dtype))
-    compile_decoder(lm, cfg, resolved)
 
 
 def replicate_model(lm: CausalLMLoss, world: World, cfg: Config) -> None:
@@ -110,12 +112,6 @@ def replicate_model(lm: CausalLMLoss, world: World, cfg: Config) -> None:
 def _bf16_reduce(cfg: Config) -> bool:
     dtypes = mixed_precision_dtypes(cfg.model.fsdp_config)
     return dtypes is not None and dtypes[1] == "bf16"
-
-
-def compile_decoder(lm: CausalLMLoss, cfg: Config, resolved: Resolved) -> None:
-    if cfg.model.compile:
-        compile_layers(decoder_layers(lm.model), resolved.compile_cpp_wrapper, fuse_projections.graph_pass(
-            cfg.model, lm.model.config, resolved.fuse_projections, resolved.fold_lora))
 
 
 def compile_layers(layers: list[torch.nn.Module], cpp_wrapper: bool,
@@ -153,7 +149,7 @@ def describe_compile(cfg: Config, world: World, model_config, resolved: Resolved
     return f"each decoder layer, dynamic shapes, kernels launched by inductor's {wrapper} wrapper{why}{fused}"
 
 
-def shard(lm: CausalLMLoss, world: World, cfg: Config, offload: bool, resolved: Resolved) -> None:
+def shard(lm: CausalLMLoss, world: World, cfg: Config, offload: bool) -> None:
     fsdp = cfg.model.fsdp_config
     dtypes = mixed_precision_dtypes(fsdp)
     mesh = world.fsdp_mesh()  # 1-D mesh: FSDP; 2-D (replicate x shard): HSDP
@@ -162,7 +158,6 @@ def shard(lm: CausalLMLoss, world: World, cfg: Config, offload: bool, resolved: 
                  else MixedPrecisionPolicy())
     offload_policy = CPUOffloadPolicy() if offload else OffloadPolicy()
     layers = decoder_layers(lm.model)
-    compile_decoder(lm, cfg, resolved)
     # backward needs the last layer's and the root's parameters again at once: kept gathered
     sharded = [fully_shard(layer, mesh=mesh, reshard_after_forward=reshard and i < len(layers) - 1,
                            mp_policy=mp_policy, offload_policy=offload_policy) for i, layer in enumerate(layers)]

@@ -62,16 +62,16 @@ def wants_attention_kept(cfg: ModelConfig, max_length: int) -> bool:
     return cfg.recompute_attention is False or (cfg.recompute_attention == "auto" and max_length >= LONG_SAMPLE)
 
 
-def reruns_attention_compiled(cfg: ModelConfig, max_length: int, eager_parts: bool) -> bool:
-    """Whether compiled layers rerun their attention kernel (eager_parts: layers recomputed whole)."""
-    kept = wants_attention_kept(cfg, max_length) and not eager_parts
-    return cfg.compile and cfg.enable_gradient_checkpointing and not kept
-
-
 def has_eager_parts_compiled(cfg: ModelConfig, chosen: list[nn.Module]) -> bool:
     """Whether compiled layers run a module outside the graph (torch.compiler.disable)."""
     return cfg.compile and any(getattr(module.forward, "_torchdynamo_disable", False)
                                for layer in chosen for module in layer.modules())
+
+
+def checkpointed_forward(forward, *args, **kwargs):
+    # non-reentrant: works with FSDP2's hooks and with inputs that need no grad. A function of its own: with
+    # partial(checkpoint, ...) as a layer's forward, dynamo leaves the checkpoint out of the compiled graph
+    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
 def describe(layers: list[nn.Module], cfg: ModelConfig, keep_attention: bool) -> str:
@@ -92,11 +92,6 @@ def describe(layers: list[nn.Module], cfg: ModelConfig, keep_attention: bool) ->
     if not cfg.recompute_qkv:
         kept += ", and its fused q/k/v GEMM output (model.recompute_qkv=false)"
     return f"  recompute           : {len(chosen)} of {len(layers)} layers in backward, each keeping {kept}"
-
-
-def checkpointed_forward(forward, *args, **kwargs):
-    # non-reentrant: works with FSDP2's hooks and with inputs that need no grad
-    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
 def keeping(attention: bool, qkv: tuple[int, int] | None):

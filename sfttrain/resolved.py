@@ -64,39 +64,34 @@ CPP_WRAPPER_MAX_TOKENS = 65536
 
 def cpp_wrapper(cfg: Config, device_type: str, model_config) -> bool:
     """Whether inductor's C++ wrapper launches the compiled layers' kernels (model.compile_cpp_wrapper):
-    on GPUs only, where the host can fall behind the kernels; auto where `why_python_wrapper` finds
-    no reason against it. An explicit true that cannot be built is refused."""
+    on GPUs only, where the host can fall behind the kernels. An explicit true that cannot be built is refused."""
     if device_type != "cuda":
         return False
     setting = cfg.model.compile_cpp_wrapper
-    if setting == "auto":
-        return why_python_wrapper(cfg, model_config) is None
-    cannot = setting and _cpp_wrapper_cannot(cfg, model_config)
-    if cannot:
+    cannot = setting and why_python_wrapper(cfg, model_config, auto=setting == "auto")
+    if cannot and setting is True:
         raise ConfigError(f"model.compile_cpp_wrapper=true: {cannot}; set model.compile_cpp_wrapper=auto (the Python "
                           "wrapper here)" + (" or model.recompute_attention=false (attention outputs kept: more memory)"
                                             if cannot == RERUNS_ATTENTION else ""))
-    return setting
+    return bool(setting) and not cannot
 
 
 RERUNS_ATTENTION = ("the checkpointed layers rerun attention compiled, whose RNG-state call inductor's C++ wrapper "
                     "cannot emit (sfttrain/recompute.py)")
 
 
-def _cpp_wrapper_cannot(cfg: Config, model_config) -> str | None:
-    """Why inductor's C++ wrapper cannot build this run's compiled layers (None: it can)."""
+def why_python_wrapper(cfg: Config, model_config, auto: bool = True) -> str | None:
+    """Why a CUDA run's compiled layers stay on the Python wrapper (None: they need not); auto: also
+    model.compile_cpp_wrapper=auto's reasons, not only what the C++ wrapper cannot build."""
+    if auto and cfg.model.fp8 != "off":
+        return "FP8 runs were measured on it"
+    if auto and cfg.micro_batch_tokens() > CPP_WRAPPER_MAX_TOKENS:
+        return f"micro-batches over {CPP_WRAPPER_MAX_TOKENS} tokens: model.compile_cpp_wrapper=auto"
     if routing(model_config) is not None and TorchVersion(torch.__version__) < "2.12":
         return (f"inductor's C++ wrapper in torch {torch.__version__} has no call for the grouped GEMM of the "
                 "experts (torch >= 2.12 has one)")
-    # LoRA on a MoE may adapt the experts, which then run outside the compiled graph (sfttrain.lora)
-    eager = cfg.model.lora_rank > 0 and routing(model_config) is not None
-    return RERUNS_ATTENTION if recompute.reruns_attention_compiled(cfg.model, cfg.data.max_length, eager) else None
-
-
-def why_python_wrapper(cfg: Config, model_config) -> str | None:
-    """Why model.compile_cpp_wrapper=auto keeps a CUDA run on the Python wrapper (None: it does not)."""
-    if cfg.model.fp8 != "off":
-        return "FP8 runs were measured on it"
-    if cfg.micro_batch_tokens() > CPP_WRAPPER_MAX_TOKENS:
-        return f"micro-batches over {CPP_WRAPPER_MAX_TOKENS} tokens: model.compile_cpp_wrapper=auto"
-    return _cpp_wrapper_cannot(cfg, model_config)
+    # LoRA on a MoE may adapt the experts, which then run outside the compiled graph (sfttrain.lora) and
+    # make the checkpointed layers recompute whole
+    m, eager = cfg.model, cfg.model.lora_rank > 0 and routing(model_config) is not None
+    kept = recompute.wants_attention_kept(m, cfg.data.max_length) and not eager
+    return RERUNS_ATTENTION if m.compile and m.enable_gradient_checkpointing and not kept else None

@@ -24,7 +24,7 @@ from sfttrain.distributed import World, check_shared_run_dir, describe_auto_cpu,
 from sfttrain.errors import NonFiniteLossError, StoppedBySignal
 from sfttrain.faults import what_next
 from sfttrain.flops import ModelShape
-from sfttrain.loss import CausalLMLoss, router_metrics, router_stats, select_chunk_loss, step_objective
+from sfttrain.loss import CausalLMLoss, select_chunk_loss, step_objective
 from sfttrain.metrics import (MetricsLogger, StepEnd, StepTimer, describe_host_memory, describe_software,
                               host_memory_gib, memory_stats, start_wandb, throughput)
 from sfttrain.model import decoder_layers, load_model, local_model_folder, stop_generation_at
@@ -70,21 +70,7 @@ class FSDPSFTTrainer:
             wandb_run = start_wandb(cfg, self.run_dir, read_state(resume_from)["wandb_id"] if resume_from else None)
 
         self.host_rss_before_model = host_memory_gib().get("host_rss_gib")
-        loaded = load_model(cfg.model, world.device)
-        model = loaded.model
-        self.answer_end = renderer.describe_end(stop_generation_at(model, renderer.end_token_id))
-        self.model_shape = ModelShape.of(model)
-        chunk_loss, loss_kernel = select_chunk_loss(cfg.model.loss_kernel, world.device.type, cfg.model.compile)
-        self.resolved = resolve(cfg, world.device, loaded, loss_kernel)
-        longest_segment = max_segment_length(d.max_length, d.pad_to_multiple, world.row_slice[1])
-        self.lm = CausalLMLoss(model, fused=self.resolved.liger,
-                               compiled_max_seqlen=longest_segment if cfg.model.compile else None,
-                               chunk_loss=chunk_loss, chunk_tokens=cfg.model.loss_chunk_tokens)
-        self.layout = parallelize(self.lm, world, cfg, self.resolved)
-        self.optimizer = build_optimizer(self.lm, cfg.optim)
-        if hook := fp8.scale_precompute_hook(self.lm.model):
-            self.optimizer.register_step_post_hook(hook)
-        self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.plan.total_steps)
+        self.build_model(renderer)
         self.data = TrainData(rows.source, renderer, self.plan, rows.stats, world.dp_rank, t.seed, d.shuffle,
                               self.model_shape.attention_coefficient, d.pad_to_multiple, world.row_slice)
         val = rows.val_samples
@@ -106,6 +92,26 @@ class FSDPSFTTrainer:
         self.profiler = profiling.StepProfiler(t, self.run_dir, world.rank, world.device, self.logger.info)
         self._print_startup(resume, resume_notes)
 
+    def build_model(self, renderer) -> None:
+        """The model, sharded and compiled in its loss module, its optimizer and LR schedule."""
+        cfg, world = self.cfg, self.world
+        loaded = load_model(cfg.model, world.device)
+        model = loaded.model
+        self.answer_end = renderer.describe_end(stop_generation_at(model, renderer.end_token_id))
+        self.model_shape = ModelShape.of(model)
+        chunk_loss, loss_kernel = select_chunk_loss(cfg.model.loss_kernel, world.device.type, cfg.model.compile)
+        self.resolved = resolve(cfg, world.device, loaded, loss_kernel)
+        longest_segment = max_segment_length(cfg.data.max_length, cfg.data.pad_to_multiple, world.row_slice[1])
+        self.lm = CausalLMLoss(model, fused=self.resolved.liger,
+                               compiled_max_seqlen=longest_segment if cfg.model.compile else None,
+                               chunk_loss=chunk_loss, chunk_tokens=cfg.model.loss_chunk_tokens,
+                               attention=self.resolved.attention)
+        self.layout = parallelize(self.lm, world, cfg, self.resolved)
+        self.optimizer = build_optimizer(self.lm, cfg.optim)
+        if hook := fp8.scale_precompute_hook(self.lm.model):
+            self.optimizer.register_step_post_hook(hook)
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.plan.total_steps)
+
     def _print_startup(self, resume: Resume, resume_notes: list[str]) -> None:
         cfg, shape = self.cfg, self.model_shape
         fsdp = cfg.model.fsdp_config
@@ -124,7 +130,7 @@ class FSDPSFTTrainer:
             self.plan.describe(),
             f"  model               : {cfg.model.partial_pretrain} ({shape.num_params / 1e6:.2f}M params, "
             f"{shape.trainable_params / 1e6:.2f}M trainable{shape.describe_active()}, {shape.num_layers} layers), "
-            f"attention {describe_backend()}",
+            f"attention {describe_backend(self.resolved.attention)}",
             self.resolved.describe(cfg),
             *fallback_warning(cfg.model.attn_implementation, self.resolved.attention, self.world.device.type),
             *lora.describe(cfg.model),
@@ -168,7 +174,10 @@ class FSDPSFTTrainer:
                 self.runtime.enter(f"step {self.state.step + 1}")
                 wait_start = time.perf_counter()
                 self.profiler.before_step(self.state.step + 1)
-                batch = self.next_batch(batches)
+                try:
+                    batch = next(batches)
+                except DataFileChanged as e:  # said with the last committed checkpoint
+                    raise e.then_resume(what_next(t)) from None
                 queued = self.step(batch, time.perf_counter() - wait_start, queued)
                 profiled = self.profiler.after_step(self.state.step)  # the window's end writes its trace
                 self.checkpointer.poll()  # commits a background save once every rank has written it
@@ -192,22 +201,13 @@ class FSDPSFTTrainer:
         self.checkpointer.close()
         if t.save_hf:
             self.export_hf()
-        self.say_done(total - first_step, time.perf_counter() - started)
-        self.logger.close()
-
-    def next_batch(self, batches) -> StepBatch:
-        """The next step's batch; a changed data file is said with the last committed checkpoint."""
-        try:
-            return next(batches)
-        except DataFileChanged as e:
-            raise e.then_resume(what_next(self.cfg.trainer)) from None
-
-    def say_done(self, steps: int, seconds: float) -> None:
-        """The run's last lines: what it trained, where the result is, the commands that go on from it."""
-        final = os.path.join(self.run_dir, f"global_step_{self.plan.total_steps}")
+        # the run's last lines: what it trained, where the result is, the commands that go on from it
+        final = os.path.join(self.run_dir, f"global_step_{total}")
         exported = os.path.join(final, export.HF_EXPORT_DIR)
-        self.logger.info(self.logger.summary(steps, seconds, self.run_dir, final if is_complete(final) else None,
+        self.logger.info(self.logger.summary(total - first_step, time.perf_counter() - started, self.run_dir,
+                                             final if is_complete(final) else None,
                                              exported if os.path.isdir(exported) else None))
+        self.logger.close()
 
     def step(self, batch: StepBatch, data_wait: float, previous: QueuedStep | None) -> QueuedStep:
         """Queues one optimizer step; the previous step's numbers are read after this one is queued, so
@@ -223,13 +223,14 @@ class FSDPSFTTrainer:
         for i, micro in enumerate(batch.micro_batches):
             gradient_sync(self.lm, last_micro_batch=i == len(batch.micro_batches) - 1)
             micro_loss = self.lm(micro.to(self.world.device))
-            step_objective(self.lm, micro_loss, batch, self.world.grad_ranks).backward()
+            step_objective(self.lm, micro_loss, batch, self.world.world_size).backward()
             loss_sum += micro_loss.detach()
         return loss_sum
 
     def update(self, batch: StepBatch, loss_sum: torch.Tensor, data_wait: float) -> QueuedStep:
         """Queues the clipped update (skipped on the device if the loss or the norm is not finite)."""
-        totals = torch.cat([loss_sum.reshape(1), self.stop_flag(), router_stats(self.lm, loss_sum.device)])
+        router = self.lm.router.step_stats(loss_sum.device) if self.lm.router else loss_sum.new_zeros(0)
+        totals = torch.cat([loss_sum.reshape(1), self.stop_flag(), router])
         dist.all_reduce(totals)  # one all-reduce: the loss, the ranks' votes to stop, the router's statistics
         loss_sum = totals[0]
         lr = float(self.scheduler.get_last_lr()[0])
@@ -255,7 +256,8 @@ class FSDPSFTTrainer:
                 f"(epoch {batch.epoch}); the update was NOT applied. Rows of this step: {batch.rows[:16]}... "
                 f"Lower optim.lr, keep optim.clip_grad > 0, or check those rows. {what_next(self.cfg.trainer)}")
         self.stopping = self.stopping or stop_votes > 0
-        metrics = {"loss": loss, "lr": queued.lr, "grad_norm": grad_norm, **router_metrics(self.lm, router, batch)}
+        metrics = {"loss": loss, "lr": queued.lr, "grad_norm": grad_norm,
+                   **(self.lm.router.metrics(router, sum(batch.sample_lengths)) if self.lm.router else {})}
         seconds = self.timer.lap(queued.end)
         metrics.update(throughput(batch.sample_lengths, batch.num_loss_tokens, seconds, self.model_shape,
                                   self.world.world_size, self.world.device))

@@ -83,10 +83,11 @@ def _pack(samples):
     return ids, pos, cu, max(lengths)
 
 
-def _packed_logits(model, samples):
+def _packed_logits(model, samples, backend=None):
+    """backend: the attention backend the call asks for (None: "auto" on the device)."""
     ids, pos, cu, m = _pack(samples)
     out = model(input_ids=ids, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
-                max_length_q=m, max_length_k=m)
+                max_length_q=m, max_length_k=m, **(attention.call_kwargs(backend) if backend else {}))
     return out.logits[0]
 
 
@@ -98,7 +99,7 @@ def _split(x, samples):
     return list(torch.split(x, [len(s) for s in samples]))
 
 
-def _leaks(model, samples, sample_idx=1, pos=2):
+def _leaks(model, samples, backend, sample_idx=1, pos=2):
     """Edit token `pos` of sample `sample_idx`; return (future_leak, cross_leak, own_change).
 
     future_leak: largest change of that sample's logits BEFORE `pos` (must be 0: causality).
@@ -108,8 +109,8 @@ def _leaks(model, samples, sample_idx=1, pos=2):
     edited = [s.clone() for s in samples]
     edited[sample_idx][pos] = (edited[sample_idx][pos] + 1) % VOCAB
     with torch.no_grad():
-        before = _split(_packed_logits(model, samples).float(), samples)
-        after = _split(_packed_logits(model, edited).float(), samples)
+        before = _split(_packed_logits(model, samples, backend).float(), samples)
+        after = _split(_packed_logits(model, edited, backend).float(), samples)
     diff = [(a - b).abs() for a, b in zip(after, before)]
     future = diff[sample_idx][:pos].max().item() if pos > 0 else 0.0
     cross = max(d.max().item() for i, d in enumerate(diff) if i != sample_idx)
@@ -123,12 +124,11 @@ def _assert_close(actual, expected, atol, rtol, what=""):
 
 @pytest.fixture(params=BACKENDS)
 def backend(request):
-    """Configure each backend that runs here; skip the others with the reason."""
+    """Each backend that runs here (the tests pass it to their calls); skip the others with the reason."""
     try:
         attention.select_backend(request.param, DEVICE)
     except ValueError as e:
         pytest.skip(str(e))
-    attention.configure(request.param, DEVICE)  # undone by conftest's attention_state
     return request.param
 
 
@@ -141,7 +141,7 @@ def test_packed_logits_match_per_sample(backend, kind):
     ref, packed = _models(kind, dtype)
     samples = _samples()
     with torch.no_grad():
-        got = _split(_packed_logits(packed, samples), samples)
+        got = _split(_packed_logits(packed, samples, backend), samples)
         want = _reference_logits(ref, samples)
     for i, (g, w) in enumerate(zip(got, want)):
         _assert_close(g, w, atol, rtol, f"{kind}/{backend} sample {i}")
@@ -155,7 +155,7 @@ def test_packed_gradients_match_per_sample_sum(backend, kind):
     g = torch.Generator().manual_seed(3)
     labels = [torch.randint(0, VOCAB, (len(s),), generator=g).to(DEVICE) for s in samples]
 
-    logits = _packed_logits(packed, samples)
+    logits = _packed_logits(packed, samples, backend)
     F.cross_entropy(logits.float(), torch.cat(labels), reduction="sum").backward()
     for s, y in zip(samples, labels):  # per-sample forwards, gradients accumulate = sum
         F.cross_entropy(ref(input_ids=s[None].to(DEVICE)).logits[0].float(), y, reduction="sum").backward()
@@ -179,13 +179,13 @@ def test_no_leak_forward_in_time_or_across_samples(backend, kind):
     samples = _samples(seed=4)
     # An edit in the middle of sample 1 (the second of four): its earlier tokens and all of
     # samples 0, 2 and 3 must be untouched.
-    future, cross, own = _leaks(packed, samples, sample_idx=1, pos=4)
+    future, cross, own = _leaks(packed, samples, backend, sample_idx=1, pos=4)
     assert own > 1e-3, "the edit did not change anything; the check would prove nothing"
     assert future <= LEAK_ATOL, f"later token changed earlier logits by {future} (non-causal)"
     assert cross <= LEAK_ATOL, f"edit in sample 1 changed another sample's logits by {cross}"
     # An edit at the first token of sample 0 must not reach samples 1..3 (boundary-blind causal
     # attention would pass the check above but fail this one).
-    future, cross, own = _leaks(packed, samples, sample_idx=0, pos=0)
+    future, cross, own = _leaks(packed, samples, backend, sample_idx=0, pos=0)
     assert own > 1e-3
     assert cross <= LEAK_ATOL, f"edit in sample 0 changed a later sample's logits by {cross}"
 
@@ -210,22 +210,21 @@ def _causal_whole_row(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, softcap)
 
 def test_leak_checks_catch_wrong_kernels(monkeypatch):
     """Negative controls: the checks above fail for the two classic mistakes."""
-    monkeypatch.setattr(attention, "_backend", "sdpa_blockmask")
     ref, packed = _models("qwen2", torch.float32)
     samples = _samples()
 
     # 1. Bidirectional inside each sample (torch varlen_attn's default window_size=(-1, -1)).
     monkeypatch.setitem(attention._KERNELS, "sdpa_blockmask", _bidirectional_per_sample)
-    future, cross, _ = _leaks(packed, samples, sample_idx=1, pos=4)
+    future, cross, _ = _leaks(packed, samples, "sdpa_blockmask", sample_idx=1, pos=4)
     assert future > 1e-3 and cross <= LEAK_ATOL
     with torch.no_grad():
-        got = _split(_packed_logits(packed, samples), samples)
+        got = _split(_packed_logits(packed, samples, "sdpa_blockmask"), samples)
         want = _reference_logits(ref, samples)
     assert not all(torch.allclose(g, w, atol=1e-5) for g, w in zip(got, want))
 
     # 2. Causal over the whole row, ignoring the sample boundaries.
     monkeypatch.setitem(attention._KERNELS, "sdpa_blockmask", _causal_whole_row)
-    future, cross, _ = _leaks(packed, samples, sample_idx=0, pos=0)
+    future, cross, _ = _leaks(packed, samples, "sdpa_blockmask", sample_idx=0, pos=0)
     assert future <= LEAK_ATOL and cross > 1e-3
 
 
@@ -246,6 +245,7 @@ def test_kernel_matches_fp32_reference(backend):
     out, weights = attention.varlen_attention_forward(
         module, q, k, v, None, dropout=0.0, scaling=scale,
         cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths),
+        **attention.call_kwargs(backend),
     )
     assert weights is None and out.shape == (1, t, h, d)
     w = torch.randn(out.shape, device=DEVICE, generator=None)
@@ -278,7 +278,8 @@ def test_backward_holds_k_and_v_not_the_fused_projection_they_are_sliced_from(ba
     q, k, v = (x.view(1, t, -1, d).transpose(1, 2) for x in qkv.split([h * d, hkv * d, hkv * d], -1))
     q = q * 1  # RoPE's output: a tensor of its own
     cu = torch.tensor([0, 15, t], dtype=torch.int32, device=DEVICE)
-    kwargs = dict(scaling=0.3, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=25, max_length_k=25)
+    kwargs = dict(scaling=0.3, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=25, max_length_k=25,
+                  **attention.call_kwargs(backend))
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda s: saved.append(s) or s, lambda s: s):
         out, _ = attention.varlen_attention_forward(torch.nn.Module(), q, k, v, None, **kwargs)
@@ -301,13 +302,11 @@ class Kernels(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 @pytest.mark.skipif(not attention.cudnn_attention_available(), reason="cuDNN attention rows: Hopper or newer GPUs")
-def test_a_row_of_one_sample_runs_on_cudnn_and_matches_fp32(monkeypatch):
+def test_a_row_of_one_sample_runs_on_cudnn_and_matches_fp32():
     """torch_varlen on a Hopper: a row that is one sample (cu_seqlens of two entries) runs on cuDNN's
     kernel, counted at the dispatcher, and matches the fp32 reference as the flash kernel does (bf16
     inputs: 3e-2, test_kernel_matches_fp32_reference's bound); a row of two samples stays on flash.
     W1's heads: 14 of 64 over 2 key/value heads."""
-    monkeypatch.setattr(attention, "_backend", "torch_varlen")
-    monkeypatch.setattr(attention, "_cudnn_rows", True)
     torch.manual_seed(7)
     t, h, hkv, d = 2048, 14, 2, 64
     for bounds, kernel in (((0, t), torch.ops.aten._scaled_dot_product_cudnn_attention.default),
@@ -319,7 +318,7 @@ def test_a_row_of_one_sample_runs_on_cudnn_and_matches_fp32(monkeypatch):
         with Kernels() as kernels:
             out, _ = attention.varlen_attention_forward(torch.nn.Module(), q, k, v, None, scaling=d ** -0.5,
                                                         cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest,
-                                                        max_length_k=longest)
+                                                        max_length_k=longest, **attention.call_kwargs("torch_varlen"))
         assert kernels.seen == [kernel]
         w = torch.randn(out.shape, device="cuda")
         (out.float() * w).sum().backward()
@@ -355,9 +354,9 @@ def test_a_packed_row_of_one_sample_reaches_cudnn_through_the_trainers_path(tmp_
                     num_attention_heads=heads, num_key_value_heads=1, max_position_embeddings=512
                     ).save_pretrained(folder)
         cfg = ModelConfig(partial_pretrain=str(folder), attn_implementation="auto", random_init=True)
-        model = load_model(cfg, cuda).model
-        materialise_model(model, cfg, cuda, cuda, seed=0)
-        lm = CausalLMLoss(model, fused=False)
+        loaded = load_model(cfg, cuda)
+        materialise_model(loaded.model, cfg, cuda, cuda, seed=0)
+        lm = CausalLMLoss(loaded.model, fused=False, attention=loaded.attn_backend)
         lm.autocast_dtype = torch.bfloat16
         row = pack([RenderedSample([5] * n, [1] * n, i) for i, n in enumerate(lengths)], pad_to=128)
         assert row.input_ids.shape[1] == 256 and len(row.cu_seqlens) == len(lengths) + 2  # a pad segment
@@ -402,34 +401,31 @@ def test_name_registered_and_mask_creation_skipped(monkeypatch):
         raise AssertionError("find_packed_sequence_indices was called")
 
     monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", boom)
-    monkeypatch.setattr(attention, "_backend", "sdpa_blockmask")
     _, packed = _models("qwen2_sliding", torch.float32)  # exercises the sliding-window mask too
     with torch.no_grad():
-        _packed_logits(packed, _samples())
+        _packed_logits(packed, _samples(), "sdpa_blockmask")
 
 
-def test_from_pretrained_accepts_name(tmp_path, monkeypatch):
-    monkeypatch.setattr(attention, "_backend", "sdpa_blockmask")
+def test_from_pretrained_accepts_name(tmp_path):
     ref, _ = _models("qwen2", torch.float32)
     ref.save_pretrained(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=ATTN_IMPLEMENTATION)
     assert model.config._attn_implementation == ATTN_IMPLEMENTATION
     samples = _samples()
     with torch.no_grad():
-        got = _split(_packed_logits(model.to(DEVICE).eval(), samples), samples)
+        got = _split(_packed_logits(model.to(DEVICE).eval(), samples, "sdpa_blockmask"), samples)
         want = _reference_logits(ref, samples)
     for g, w in zip(got, want):
         _assert_close(g, w, 1e-5, 1e-5, "from_pretrained")
 
 
-def test_errors(monkeypatch):
-    monkeypatch.setattr(attention, "_backend", "sdpa_blockmask")
+def test_errors():
     _, packed = _models("llama", torch.float32)
     ids, pos, cu, m = _pack(_samples())
     with pytest.raises(ValueError, match="cu_seq_lens_q"):
         packed(input_ids=ids, position_ids=pos)
     kw = dict(input_ids=ids, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
-              max_length_q=m, max_length_k=m)
+              max_length_q=m, max_length_k=m, **attention.call_kwargs("sdpa_blockmask"))
     with torch.no_grad():
         plain = packed(**kw).logits
         # transformers drops a 2D mask for implementations without a mask function (documented
@@ -485,7 +481,7 @@ def test_autocast_with_fp32_weights(backend, kind):
     ref, packed = _models(kind, torch.float32)
     samples = _samples()
     with torch.no_grad(), torch.autocast(DEVICE, dtype=torch.bfloat16):
-        got = _split(_packed_logits(packed, samples), samples)
+        got = _split(_packed_logits(packed, samples, backend), samples)
         want = _reference_logits(ref, samples)
     for i, (g, w) in enumerate(zip(got, want)):
         _assert_close(g, w, atol, rtol, f"{kind}/{backend} autocast sample {i}")
@@ -504,3 +500,23 @@ def test_auto_falling_back_to_the_per_sample_path_on_cuda_is_said():
     for requested, chosen, device in (("auto", "torch_varlen", "cuda"), ("auto", "flash_attn", "cuda"),
                                       ("sdpa_blockmask", "sdpa_blockmask", "cuda"), ("auto", "sdpa_blockmask", "cpu")):
         assert fallback_warning(requested, chosen, device) == []
+
+
+def test_the_backend_travels_with_the_model_call(monkeypatch):
+    """The backend a CausalLMLoss is made with reaches every layer's attention through its model call, as
+    the row boundaries do: two losses over one model in one process each get their own, nothing to undo.
+    (flash_attn's kernel stood in for by the per-sample one, which runs here: same numbers.)"""
+    from sfttrain.data.pack import pack
+    from sfttrain.data.render import RenderedSample
+    from sfttrain.loss import CausalLMLoss
+
+    seen = []
+    monkeypatch.setitem(attention._KERNELS, "flash_attn",
+                        lambda *args: seen.append(args[0].dtype) or attention._run_sdpa_blockmask(*args))
+    _, packed = _models("llama", torch.bfloat16)
+    row = pack([RenderedSample(s.tolist(), [1] * len(s), i) for i, s in enumerate(_samples())]).to(DEVICE)
+    with torch.no_grad():
+        chosen = CausalLMLoss(packed, fused=False, attention="flash_attn")(row)
+        assert seen == [torch.bfloat16] * 2  # both layers
+        other = CausalLMLoss(packed, fused=False, attention="sdpa_blockmask")(row)
+    assert len(seen) == 2 and torch.equal(chosen, other)

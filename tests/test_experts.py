@@ -1,10 +1,10 @@
-"""The MoE experts as grouped GEMMs (sfttrain/experts.py) against transformers' own per-expert loop."""
+"""The MoE experts as grouped GEMMs (sfttrain/moe.py) against transformers' own per-expert loop."""
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
-from sfttrain import experts
+from sfttrain import moe as experts
 
 SMALL = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 CONFIGS = {
@@ -50,7 +50,7 @@ def test_grouped_experts_compute_what_the_per_expert_loop_does(family, autocast)
     the last bf16 bit, where a token near a tie between two experts can go to either (an O(1)
     difference that is no error)."""
     name = experts.implementation_for(CONFIGS[family]())
-    assert name == experts.IMPLEMENTATION
+    assert name == experts.GROUPED_MM
     layers = 1 if autocast else SMALL["num_hidden_layers"]
     grouped, loop = build(family, name, layers), build(family, "eager", layers)
     assert grouped.config._experts_implementation == name

@@ -260,13 +260,10 @@ def test_compiled_checkpointed_layers_keep_attention_unless_told(recompute_atten
     from torch._dynamo.utils import counters
     from torch.profiler import ProfilerActivity, profile
 
-    from sfttrain import attention
-
-    attention.configure("torch_varlen", "cuda")
     cfg, cuda = ModelConfig(partial_pretrain=str(STORIES)), torch.device("cuda")
     model = load_model(cfg, cuda).model
     materialise_model(model, cfg, cuda, cuda, seed=0)
-    lm = CausalLMLoss(model, fused=False, compiled_max_seqlen=256).train()
+    lm = CausalLMLoss(model, fused=False, compiled_max_seqlen=256, attention="torch_varlen").train()
     lm.autocast_dtype = torch.bfloat16
     gen = random.Random(0)
     batch = pack([RenderedSample([gen.randrange(512) for _ in range(n)], [1] * n, i)
@@ -418,7 +415,7 @@ def test_checkpointed_layers_that_rerun_attention_take_the_python_wrapper(monkey
     try:
         for checkpoint_layers_way in ways:
             lm, _ = stories(lora=False)
-            use_one_sample(lm)  # after the model's load, which registers the default
+            use_one_sample(lm)
             checkpoint_layers_way(lm)
             torch._dynamo.reset()
             compile_layers(decoder_layers(lm.model), cpp_wrapper=True)

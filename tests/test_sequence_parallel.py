@@ -15,7 +15,7 @@ from sfttrain import attention
 from sfttrain.config import ConfigError, load_config
 from sfttrain.data.batching import make_plan
 from sfttrain.distributed import check_world
-from sfttrain.sequence_parallel import SequenceParallel, check_model
+from sfttrain.attention import check_ulysses, ulysses_forward
 from tests.conftest import BASE_OVERRIDES, STORIES, load_checkpoint_model, read_metrics, run_on_ranks, run_sfttrain
 
 SP = 2
@@ -28,7 +28,6 @@ TOL = 1e-5
 # ------------------------------------------------------------------ the attention exchange alone
 def _attention_worker() -> None:
     """On each of the SP ranks (run_on_ranks)."""
-    attention.configure("sdpa_blockmask", "cpu")
     for kv_heads in (4, 2, 1):  # split over the ranks (4, 2), repeated to them (1)
         _check_attention(dist.get_rank(), kv_heads)
 
@@ -47,7 +46,7 @@ def _check_attention(rank: int, kv_heads: int) -> None:
 
     part = slice(rank * length // SP, (rank + 1) * length // SP)
     local = [t[:, :, part].clone().requires_grad_() for t in (q, k, v)]
-    local_out, _ = SequenceParallel(dist.group.WORLD, SP).attention_forward(nn.Module(), *local, None, **kwargs)
+    local_out, _ = ulysses_forward(dist.group.WORLD, SP)(nn.Module(), *local, None, **kwargs)
     (local_out * weight[:, part]).sum().backward()
 
     torch.testing.assert_close(local_out, out[:, part], rtol=1e-12, atol=1e-12)
@@ -68,11 +67,11 @@ def test_head_counts_that_do_not_split_are_refused():
     class Shape:
         num_attention_heads, num_key_value_heads = 6, 3
 
-    check_model(Shape, 3)
+    check_ulysses(Shape, 3)
     with pytest.raises(ConfigError, match="6 attention heads do not split over 4"):
-        check_model(Shape, 4)
+        check_ulysses(Shape, 4)
     with pytest.raises(ConfigError, match="3 key/value heads neither split over 2"):
-        check_model(Shape, 2)
+        check_ulysses(Shape, 2)
 
 
 # ------------------------------------------------------------------ whole runs

@@ -49,27 +49,11 @@ class StepEnd:
         return self.host.tolist()
 
     def seconds_since(self, earlier: StepEnd) -> float:
-        """Both ends must have been read (or be known finished)."""
+        """A step's time runs from the end of the previous step's work to the end of its own: the data
+        wait and logging between them count (the GPU waited for them). Both ends must have been read."""
         if self.event is not None and earlier.event is not None:
             return earlier.event.elapsed_time(self.event) / 1e3
         return self.clock - earlier.clock
-
-
-class StepTimer:
-    """A step's time runs from the end of the previous step's work to the end of its own: the data
-    wait and logging between them count (the GPU waited for them), nothing of the next step."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.restart()
-
-    def restart(self) -> None:
-        """The next step's time starts now (after start-up, validation, checkpointing)."""
-        self.last = StepEnd(self.device)
-
-    def lap(self, end: StepEnd) -> float:
-        seconds, self.last = end.seconds_since(self.last), end
-        return seconds
 
 
 def throughput(lengths: list[int], loss_tokens: int, seconds: float, shape: ModelShape, num_gpus: int,

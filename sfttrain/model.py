@@ -12,7 +12,7 @@ from huggingface_hub.errors import StrictDataclassError
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from sfttrain import attention, experts, lora, sequence_parallel, weights
+from sfttrain import attention, lora, weights
 from sfttrain.checkpoint_folder import not_a_model_folder, weight_files
 from sfttrain.config import Config, ConfigError, ModelConfig
 from sfttrain.dtypes import DTYPE
@@ -20,7 +20,7 @@ from sfttrain.errors import GPU_INSTALL, DependencyError
 from sfttrain.faults import unreadable
 from sfttrain.hub import local_model_path, model_config
 from sfttrain.loss import CausalLM, output_head
-from sfttrain.moe import RouterBalance
+from sfttrain.moe import RouterBalance, implementation_for
 
 
 def load_tokenizer(cfg: ModelConfig, chat_template: str | None = None):
@@ -56,7 +56,7 @@ def check_model_config(cfg: Config, folder: str) -> None:
     output_head(config)
     RouterBalance.of(config)
     if cfg.ulysses_sequence_parallel_size > 1:
-        sequence_parallel.check_model(config, cfg.ulysses_sequence_parallel_size)
+        attention.check_ulysses(config, cfg.ulysses_sequence_parallel_size)
 
 
 def embedding_rows(cfg: ModelConfig, folder: str) -> int | None:
@@ -76,7 +76,6 @@ def load_model(cfg: ModelConfig, device: torch.device) -> LoadedModel:
     check_weights(cfg, path)
     config = model_config(path, cfg.trust_remote_code)
     backend = attention_backend(cfg, config, device.type)
-    attention.configure(backend)
     model = build_on_meta(cfg, config)
     if os.path.isfile(os.path.join(path, "generation_config.json")):  # from_config does not read it
         model.generation_config = GenerationConfig.from_pretrained(path)
@@ -95,7 +94,7 @@ def attention_backend(cfg: ModelConfig, config, device_type: str) -> str:
 
 def build_on_meta(cfg: ModelConfig, config) -> nn.Module:
     """The model of `config` on the meta device, in the dtype it trains in (LoRA's frozen base: the compute dtype)."""
-    moe = {"experts_implementation": name} if (name := experts.implementation_for(config)) else {}
+    moe = {"experts_implementation": name} if (name := implementation_for(config)) else {}
     dtype = lora.base_dtype(cfg) if cfg.lora_rank > 0 else DTYPE[cfg.fsdp_config.model_dtype]
     with weights.parameters_on_meta():
         return AutoModelForCausalLM.from_config(config, dtype=dtype,

@@ -27,7 +27,7 @@ from sfttrain.config import (Config, ConfigError, as_list, load_config, logger_n
                              mixed_precision_dtypes, moot_settings, shard_group_size)
 from sfttrain.data.batching import make_plan
 from sfttrain.data.files import missing_entries, open_source
-from sfttrain.data.loader import cpus_of_this_process, describe_workers
+from sfttrain.data.loader import describe_workers
 from sfttrain.data.parquet import row_fields
 from sfttrain.data.prepare import describe, plan_and_report
 from sfttrain.distributed import check_cuda_visible, one_rank_group, wants_cuda
@@ -305,7 +305,7 @@ def preflight(cfg: Config, nproc: int, nnodes: int, elsewhere: bool = False) -> 
         model = model_section(s)
         batches = batch_section(s)
         lines += batches.lines
-        lines += describe_workers(cfg.data.num_workers, nproc, cpus_of_this_process(), where="this machine")
+        lines += describe_workers(cfg.data.num_workers, nproc, where="this machine")
         lines += resume_section(cfg, batches, s.folder, model, found)
         lines += memory_section(cfg, s.dp_size, s.folder, model, found)
         lines += checkpoint_section(cfg, model, found)

@@ -14,8 +14,7 @@ from sfttrain import checks, checkpoint, export, fp8, lora, moe, profiling, reco
 from sfttrain.attention import describe_backend, fallback_warning
 from sfttrain.checkpoint_folder import describe_retention, is_complete, read_state, remove_stale_tmp
 from sfttrain.config import Config, logger_names, moot_settings
-from sfttrain.data.loader import (StepBatch, TrainData, cpus_of_this_process, describe_workers, step_batches,
-                                  validation_batches)
+from sfttrain.data.loader import StepBatch, TrainData, describe_workers, step_batches, validation_batches
 from sfttrain.data.files import CONVERTED_DIR
 from sfttrain.data.pack import max_segment_length
 from sfttrain.data.parquet import DataFileChanged
@@ -25,7 +24,7 @@ from sfttrain.errors import NonFiniteLossError, StoppedBySignal
 from sfttrain.faults import what_next
 from sfttrain.flops import ModelShape
 from sfttrain.loss import CausalLMLoss, select_chunk_loss, step_objective
-from sfttrain.metrics import (MetricsLogger, StepEnd, StepTimer, describe_host_memory, describe_software,
+from sfttrain.metrics import (MetricsLogger, StepEnd, describe_host_memory, describe_software,
                               host_memory_gib, memory_stats, start_wandb, throughput)
 from sfttrain.model import decoder_layers, load_model, local_model_folder, stop_generation_at
 from sfttrain.optim import build_optimizer, build_scheduler, clipped_step, describe_schedule, schedule_settings
@@ -86,7 +85,7 @@ class FSDPSFTTrainer:
         self.checkpointer = checkpoint.Checkpointer(self.run_dir, world, cfg, resume.run_id, self.logger.event,
                                                     self.lm.model, self.optimizer, self.tokenizer,
                                                     self.resolved.async_save_writer)
-        self.timer = StepTimer(world.device)
+        self.last_end = StepEnd(world.device)  # where the next step's time starts
         # this rank's vote to stop (trainer.save_on_sigterm), a number in each step's all-reduce
         self.vote, self.voted, self.stopping = torch.zeros(1, device=world.device), False, False
         self.profiler = profiling.StepProfiler(t, self.run_dir, world.rank, world.device, self.logger.info)
@@ -149,7 +148,7 @@ class FSDPSFTTrainer:
             *profiling.describe(cfg.trainer, self.run_dir, self.state.step, self.world.device),
             describe(self.data_report),
             self.answer_end,
-            *describe_workers(cfg.data.num_workers, ranks_of_this_launcher(), cpus_of_this_process()),
+            *describe_workers(cfg.data.num_workers, ranks_of_this_launcher()),
             resume.line(f"{resume.path or 'fresh start'} (step {self.state.step}, run id {self.state.run_id})"),
             *(f"    {note}" for note in resume_notes),
             f"  host memory         : {describe_host_memory(from_every_rank(host))}",
@@ -166,7 +165,7 @@ class FSDPSFTTrainer:
         batches = iter(step_batches(self.data, self.state.epoch, self.state.consumed_in_epoch,
                                     self.cfg.data.num_workers, pin_memory=self.world.device.type == "cuda"))
         self.lm.train()  # once here, not each step (host time with LoRA's many modules); validation restores it
-        self.timer.restart()  # start-up is not step time
+        self.last_end = StepEnd(self.world.device)  # start-up is not step time
         started, first_step = time.perf_counter(), self.state.step
         queued = None  # the previous step: its update is queued on the device, its numbers not yet read
         with self.runtime.noting(t.save_on_sigterm):
@@ -197,7 +196,7 @@ class FSDPSFTTrainer:
                 if self.stopping and not last:
                     self.stop()
                 if pause:
-                    self.timer.restart()  # not training time; logging and data waits are (the next step's)
+                    self.last_end = StepEnd(self.world.device)  # not training time (logging and data waits are)
         self.checkpointer.close()
         if t.save_hf:
             self.export_hf()
@@ -258,7 +257,7 @@ class FSDPSFTTrainer:
         self.stopping = self.stopping or stop_votes > 0
         metrics = {"loss": loss, "lr": queued.lr, "grad_norm": grad_norm,
                    **(self.lm.router.metrics(router, sum(batch.sample_lengths)) if self.lm.router else {})}
-        seconds = self.timer.lap(queued.end)
+        seconds, self.last_end = queued.end.seconds_since(self.last_end), queued.end
         metrics.update(throughput(batch.sample_lengths, batch.num_loss_tokens, seconds, self.model_shape,
                                   self.world.world_size, self.world.device))
         metrics.update(epoch=batch.epoch, data_wait_s=queued.data_wait, **memory_stats(self.world.device))

@@ -75,16 +75,6 @@ def pytest_configure(config):
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
-@pytest.fixture(autouse=True)
-def attention_state(monkeypatch):
-    """attention.configure (load_model calls it) sets a process-wide backend and cuDNN-rows choice:
-    whatever a test sets is undone after it, so that no test depends on the one before."""
-    from sfttrain import attention
-
-    for name in ("_backend", "_cudnn_rows"):
-        monkeypatch.setattr(attention, name, getattr(attention, name))
-
-
 def pytest_addoption(parser):
     parser.addoption("--allowed-skips", metavar="FILE",
                      help="fail the run on a skip of a test that FILE does not list (.ci/run: tests/allowed_skips.txt)")

@@ -167,9 +167,10 @@ def step_batches(data: TrainData, epoch: int, consumed: int, num_workers: int,
         raise
 
 
-def describe_workers(num_workers: int, ranks_here: int, cpus: int, where: str = "this node") -> list[str]:
+def describe_workers(num_workers: int, ranks_here: int, where: str = "this node") -> list[str]:
     if num_workers == 0:
         return []
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     processes = num_workers * ranks_here
     lines = [f"  data workers        : {num_workers} a rank, {processes} on {where} ({ranks_here} ranks, {cpus} CPUs)"]
     if processes + ranks_here > cpus:
@@ -179,10 +180,6 @@ def describe_workers(num_workers: int, ranks_here: int, cpus: int, where: str = 
         lines.append(f"  WARNING: {processes} data workers and {ranks_here} ranks share {where}'s {cpus} CPUs: "
                      f"they take turns, and the ranks wait for the CPU as well as for their steps. {fix}")
     return lines
-
-
-def cpus_of_this_process() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def leave_signals_to_the_rank(worker_id: int) -> None:

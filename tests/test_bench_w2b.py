@@ -5,7 +5,9 @@ model folder's name."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 
@@ -13,41 +15,49 @@ from tests.bench_run import SAMPLE, records, run_bench_here
 from tests.conftest import REPO
 
 
-def test_lora_w2b_and_trl_w1(tmp_path):
+@pytest.fixture(scope="module")
+def w2b(tmp_path_factory) -> tuple[Path, dict[str, dict]]:
+    """One bench.lora_w2b call for the tests of its systems (each would draw the model folder and train
+    sfttrain's bf16 base again): sfttrain_fp8 first (refused on a CPU: recorded as failed, the next
+    still trains), then sfttrain, sfttrain_nf4 and TRL + peft (where the bench extra installs it) on the
+    one saved folder. Its --work and each system's record."""
+    work = tmp_path_factory.mktemp("w2b")
+    out = work / "w2b.jsonl"
+    systems = ["sfttrain_fp8", "sfttrain", "sfttrain_nf4", *(["trl"] if importlib.util.find_spec("trl") else [])]
+    run_bench_here("bench.lora_w2b", "--tiny", "--device", "cpu", "--systems", *systems, "--data", SAMPLE, "--work",
+                   str(work), "--out", str(out))
+    runs = records(out)
+    assert len(runs) == len(systems), runs  # one record a system, trained or failed, in their order
+    return work, dict(zip(systems, runs))
+
+
+def test_lora_w2b_and_trl_w1(w2b):
     """sfttrain then TRL + peft (bench.trl_w1 --peft --model_dir) on one saved tiny W2b folder."""
     pytest.importorskip("trl", reason="TRL comes with the bench extra: pip install -e '.[bench]'")
-    out = tmp_path / "w2b.jsonl"
-    run_bench_here("bench.lora_w2b", "--tiny", "--device", "cpu", "--data", SAMPLE, "--work", str(tmp_path),
-                   "--out", str(out))
-    sfttrain, trl = records(out)
+    work, runs = w2b
+    sfttrain, trl = runs["sfttrain"], runs["trl"]
     assert sfttrain["variant"] == "lora_w2b" and sfttrain["real_tokens"] > 0
     assert trl["system"] == "trl" and trl["peft"]["r"] == 64 and trl["real_tokens"] > 0
-    assert trl["model_dir"] == str(next(tmp_path.glob("model_*")))  # the one folder both trained
+    assert trl["model_dir"] == str(next(work.glob("model_*")))  # the one folder both trained
 
 
-def test_lora_w2b_sfttrain_nf4_trains_the_same_data(tmp_path):
+def test_lora_w2b_sfttrain_nf4_trains_the_same_data(w2b):
     """sfttrain_nf4 is sfttrain's run over the saved base quantized to NF4 as it loads (nf4 runs on a
     CPU): its record is named for it and trained the very tokens the bf16 base's run did."""
     from sfttrain.config.schema import ModelConfig
 
     if "base_quant" not in {f.name for f in dataclasses.fields(ModelConfig)}:
         pytest.skip("model.base_quant comes with issue 60's NF4 base")
-    out = tmp_path / "w2b.jsonl"
-    run_bench_here("bench.lora_w2b", "--tiny", "--device", "cpu", "--systems", "sfttrain", "sfttrain_nf4", "--data",
-                   SAMPLE, "--work", str(tmp_path), "--out", str(out))
-    bf16, nf4 = records(out)
+    bf16, nf4 = w2b[1]["sfttrain"], w2b[1]["sfttrain_nf4"]
     assert (bf16["variant"], nf4["variant"]) == ("lora_w2b", "lora_w2b_nf4")
     assert "model.base_quant=nf4" in nf4["overrides"] and "model.base_quant=nf4" not in bf16["overrides"]
     assert nf4["real_tokens"] == bf16["real_tokens"] > 0
 
 
-def test_lora_w2b_records_a_refused_system_and_runs_the_next(tmp_path):
+def test_lora_w2b_records_a_refused_system_and_runs_the_next(w2b):
     """sfttrain refuses model.base_quant=fp8 on a CPU (without it in the schema, as an unknown choice):
     the call records that system as failed and still trains the next."""
-    out = tmp_path / "w2b.jsonl"
-    run_bench_here("bench.lora_w2b", "--tiny", "--device", "cpu", "--systems", "sfttrain_fp8", "sfttrain", "--data",
-                   SAMPLE, "--work", str(tmp_path), "--out", str(out))
-    fp8, bf16 = records(out)
+    fp8, bf16 = w2b[1]["sfttrain_fp8"], w2b[1]["sfttrain"]
     assert fp8["system"] == "sfttrain_fp8" and fp8["status"] == "failed" and fp8["rc"] != 0
     assert bf16["variant"] == "lora_w2b" and bf16["real_tokens"] > 0
 

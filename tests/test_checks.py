@@ -1,18 +1,16 @@
 """The start-up checks (sfttrain/checks.py): the run and the preflight list the same problems, every one
-of them, before any compute. Each case runs a real `python -m sfttrain.run` (one rank) and
-`python -m sfttrain.plan` on the same command line."""
+of them, before any compute. Each case runs a real one-rank job of sfttrain.run (conftest's launch) and
+sfttrain.plan's main on the same command line."""
 
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import BASE_OVERRIDES, REPO, rank_env
+from tests.conftest import BASE_OVERRIDES, run_sfttrain
 from tests.test_plan import run_plan
 
 KEY = re.compile(r"\b(?:data|model|optim|trainer)\.[a-z_0-9]+(?:\.[a-z_0-9]+)*")
@@ -49,11 +47,11 @@ def job(tmp: Path, gsm8k_dir: Path, mistakes: list[str]) -> list[str]:
 
 
 def refused(overrides: list[str]) -> tuple[int, str]:
-    """The run's exit code and its message (the problems, one or more a line)."""
-    done = subprocess.run([sys.executable, "-m", "sfttrain.run", *overrides], cwd=REPO, env=rank_env(),
-                          capture_output=True, text=True, timeout=600)
-    message = re.search(r"^sfttrain: [a-z ]+: (.*)", done.stderr, re.MULTILINE | re.DOTALL)
-    assert message, done.stdout[-2000:] + done.stderr[-3000:]
+    """The run's exit code and its message (the problems, one or more a line, the job's last words: nothing
+    is printed after them)."""
+    done = run_sfttrain(1, overrides, check=False, timeout=600)
+    message = re.search(r"^sfttrain: [a-z ]+: (.*)", done.stdout, re.MULTILINE | re.DOTALL)
+    assert message, done.stdout[-5000:]
     return done.returncode, message.group(1)
 
 

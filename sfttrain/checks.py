@@ -214,6 +214,7 @@ REGISTRY = (
     Check(check_model_config, ("cfg", "folder")),  # its family, router loss and Ulysses heads
     Check(fp8_ready, ("cfg", "device")),
     Check(lora_base_ready, ("cfg",)),
+    Check(lambda cfg, device: quant.check_fp8(cfg.model.base_quant, device), ("cfg", "device")),
     Check(lambda cfg, device: cfg.model.use_liger and device == "cuda" and liger_patching(), ("cfg", "device")),
     Check(lambda cfg, folder, device: attention_backend(cfg.model, model_config(folder, cfg.model.trust_remote_code),
                                                         device), ("cfg", "folder", "device")),

@@ -189,8 +189,8 @@ def export_lora(checkpoint_dir: str, out_dir: str, dtype: str = "auto", max_shar
 def merged(base: nn.Module, cfg: ModelConfig, adapters: dict[str, torch.Tensor], adapter_dir: str) -> nn.Module:
     """`base` with the adapters added into its weights by peft; the peft adapter folder saved in adapter_dir."""
     peft_model = lora.wrap(base, cfg)
-    if cfg.base_quant == "nf4":  # the base the adapters were trained on
-        quant.round_trip(peft_model.get_base_model(), lora.base_dtype(cfg))
+    if cfg.base_quant != "none":  # the base the adapters were trained on
+        quant.round_trip(peft_model.get_base_model(), lora.base_dtype(cfg), cfg.base_quant)
     result = peft_model.get_base_model().load_state_dict(adapters, strict=False)
     not_loaded = [k for k in result.missing_keys if lora.is_adapter_weight(k)]
     if result.unexpected_keys or not_loaded:

@@ -4,7 +4,6 @@ model folder's name."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import pytest
@@ -25,28 +24,26 @@ def test_lora_w2b_and_trl_w1(tmp_path):
     assert trl["model_dir"] == str(next(tmp_path.glob("model_*")))  # the one folder both trained
 
 
-def test_lora_w2b_sfttrain_nf4_trains_the_same_data(tmp_path):
-    """sfttrain_nf4 is sfttrain's run over the saved base quantized to NF4 as it loads (nf4 runs on a
-    CPU): its record is named for it and trained the very tokens the bf16 base's run did."""
-    from sfttrain.config.schema import ModelConfig
-
-    if "base_quant" not in {f.name for f in dataclasses.fields(ModelConfig)}:
-        pytest.skip("model.base_quant comes with issue 60's NF4 base")
+def test_lora_w2b_sfttrain_nf4_and_fp8_train_the_same_data(tmp_path):
+    """sfttrain_nf4 and sfttrain_fp8 are sfttrain's run over the saved base quantized to NF4 or float8
+    as it loads (both run on a CPU): each record is named for it and trained the very tokens the bf16
+    base's run did."""
     out = tmp_path / "w2b.jsonl"
-    run_bench_here("bench.lora_w2b", "--tiny", "--device", "cpu", "--systems", "sfttrain", "sfttrain_nf4", "--data",
-                   SAMPLE, "--work", str(tmp_path), "--out", str(out))
-    bf16, nf4 = records(out)
-    assert (bf16["variant"], nf4["variant"]) == ("lora_w2b", "lora_w2b_nf4")
-    assert "model.base_quant=nf4" in nf4["overrides"] and "model.base_quant=nf4" not in bf16["overrides"]
-    assert nf4["real_tokens"] == bf16["real_tokens"] > 0
+    run_bench_here("bench.lora_w2b", "--tiny", "--device", "cpu", "--systems", "sfttrain", "sfttrain_nf4",
+                   "sfttrain_fp8", "--data", SAMPLE, "--work", str(tmp_path), "--out", str(out))
+    bf16, nf4, fp8 = records(out)
+    assert (bf16["variant"], nf4["variant"], fp8["variant"]) == ("lora_w2b", "lora_w2b_nf4", "lora_w2b_fp8")
+    assert "model.base_quant=nf4" in nf4["overrides"] and "model.base_quant=fp8" in fp8["overrides"]
+    assert not any(o.startswith("model.base_quant") for o in bf16["overrides"])
+    assert nf4["real_tokens"] == fp8["real_tokens"] == bf16["real_tokens"] > 0
 
 
 def test_lora_w2b_records_a_refused_system_and_runs_the_next(tmp_path):
-    """sfttrain refuses model.base_quant=fp8 on a CPU (without it in the schema, as an unknown choice):
-    the call records that system as failed and still trains the next."""
+    """With model.lora_rank=0 (full fine-tuning) sfttrain refuses model.base_quant=fp8: the call
+    records that system as failed and still trains the next."""
     out = tmp_path / "w2b.jsonl"
     run_bench_here("bench.lora_w2b", "--tiny", "--device", "cpu", "--systems", "sfttrain_fp8", "sfttrain", "--data",
-                   SAMPLE, "--work", str(tmp_path), "--out", str(out))
+                   SAMPLE, "--work", str(tmp_path), "--out", str(out), "--override", "model.lora_rank=0")
     fp8, bf16 = records(out)
     assert fp8["system"] == "sfttrain_fp8" and fp8["status"] == "failed" and fp8["rc"] != 0
     assert bf16["variant"] == "lora_w2b" and bf16["real_tokens"] > 0

@@ -90,12 +90,11 @@ def _nf4_on_meta(name: str, module: nn.Linear) -> bool:
 
 
 def _fp8_on_meta(_name: str, module: nn.Linear) -> bool:
-    if not fp8_fits(module):
-        return False
-    module.weight = nn.Parameter(torch.empty_like(module.weight, dtype=FP8, device="meta"), requires_grad=False)
-    module.register_buffer("weight_scale", torch.ones(module.out_features, 1), persistent=False)
-    module.__class__ = Float8BaseLinear
-    return True
+    if fits := fp8_fits(module):
+        module.weight = nn.Parameter(torch.empty_like(module.weight, dtype=FP8, device="meta"), requires_grad=False)
+        module.register_buffer("weight_scale", torch.ones(module.out_features, 1), persistent=False)
+        module.__class__ = Float8BaseLinear
+    return fits
 
 
 def fp8_fits(module: nn.Module) -> bool:
@@ -154,33 +153,36 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor) -> torch.
     return torch._scaled_mm(q, b, scale, b_scale, out_dtype=torch.bfloat16).view(*a.shape[:-1], b.shape[1])
 
 
-class Float8Matmul(torch.autograd.Function):
-    """x @ W.T for a frozen e4m3 W (scales per output row): the input gradient in float8 too, no
-    weight gradient, nothing of x saved."""
+# an op of its own for torch.compile (an autograd.Function twice in a checkpointed layer breaks dynamo)
+@torch.library.custom_op("sfttrain::float8_linear", mutates_args=())
+def float8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x @ W.T for a frozen e4m3 W (scales per output row); its backward: the input gradient in float8
+    too, no weight gradient, nothing of x saved."""
+    return scaled_mm(x, weight.t(), scale.t()).to(x.dtype)
 
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(weight, scale)
-        ctx.dtype = x.dtype
-        return scaled_mm(x, weight.t(), scale.t()).to(x.dtype)
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        weight, scale = ctx.saved_tensors
-        # W's row scales lie along this GEMM's inner dimension, where no rowwise scale can go: folded into
-        # the gradient before it is quantized (e4m3 too: a scale per row spans its range, and e4m3's third
-        # mantissa bit halves the rounding e5m2 would add)
-        ones = torch.ones(1, weight.shape[1], device=grad.device)
-        return scaled_mm(grad * scale.t(), weight.t().contiguous().t(), ones).to(ctx.dtype), None, None
+@float8_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _input_gradient(ctx, grad: torch.Tensor):
+    weight, scale = ctx.saved_tensors
+    # W's row scales lie along this GEMM's inner dimension: folded into the gradient before it is quantized
+    # (to e4m3 too: a scale per row spans its range, and e4m3's third mantissa bit halves e5m2's rounding)
+    ones = scale.new_ones(1, weight.shape[1])
+    return scaled_mm(grad * scale.t(), weight.t().contiguous().t(), ones).to(grad.dtype), None, None
+
+
+float8_linear.register_autograd(_input_gradient, setup_context=lambda ctx, inputs, output: ctx.save_for_backward(
+    *inputs[1:]))
 
 
 class Float8BaseLinear(nn.Linear):
     """A frozen nn.Linear held in e4m3 with an fp32 scale per output row (`weight_scale`)."""
 
-    weight_scale: torch.Tensor
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = Float8Matmul.apply(x, self.weight, self.weight_scale)
+        out = float8_linear(x, self.weight, self.weight_scale)
         return out if self.bias is None else out + self.bias
 
 
@@ -197,7 +199,6 @@ def check_fp8(base_quant: str, device: str) -> None:
     try:
         torch._scaled_mm(q, q.t(), ones, ones.t(), out_dtype=torch.bfloat16)
     except (RuntimeError, NotImplementedError) as e:
-        where = torch.cuda.get_device_name() if device == "cuda" else f"torch {torch.__version__} on CPU"
         raise ConfigError(f"model.base_quant=fp8 needs float8 GEMMs with a scale per row (torch._scaled_mm), which "
-                          f"{where} does not run ({str(e).splitlines()[0]}); GPUs have them from compute capability "
-                          "8.9 (H100, H200, L40S): set model.base_quant=nf4 or none") from None
+                          f"torch {torch.__version__} does not run on {device} ({str(e).splitlines()[0]}); GPUs "
+                          "have them from compute capability 8.9 (H100, H200): use model.base_quant=nf4") from None

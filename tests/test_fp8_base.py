@@ -269,9 +269,9 @@ def test_fp8_is_refused_where_it_cannot_run(monkeypatch):
 
     monkeypatch.setattr(torch, "_scaled_mm", no_rowwise)
     with pytest.raises(ConfigError, match=r"model.base_quant=fp8 needs float8 GEMMs with a scale per row "
-                                          r"\(torch._scaled_mm\), which torch .* on CPU does not run "
+                                          r"\(torch._scaled_mm\), which torch .* does not run on cpu "
                                           r"\(torch._scaled_mm is only supported on CUDA devices with compute "
-                                          r"capability >= 9.0 or 8.9, or ROCm MI300\+\); .*set model.base_quant=nf4"):
+                                          r"capability >= 9.0 or 8.9, or ROCm MI300\+\); .*use model.base_quant=nf4"):
         check_fp8("fp8", "cpu")
     check_fp8("none", "cpu")
 

@@ -286,3 +286,30 @@ def test_a_weight_of_odd_shape_stays_with_a_warning(caplog):
         quantize_on_meta(model, "fp8")
     assert [type(m).__name__ for m in model] == ["Float8BaseLinear", "Linear", "Linear"]
     assert "model.base_quant=fp8: 1 linear weights stay in their dtype, a dimension not a multiple of 16" in caplog.text
+
+
+def test_a_compiled_checkpointed_layer_computes_as_eager():
+    """Two float8 projections inside one activation-checkpointed, compiled region (a decoder layer under
+    model.compile): the same outputs and input gradient as eager (an autograd.Function there broke dynamo)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from sfttrain import quant
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(64, 48, bias=False), nn.Linear(64, 32), nn.Linear(48, 16)).requires_grad_(False)
+    model.get_output_embeddings = lambda: model[2]
+    quant.quantize_on_meta(model, "fp8")
+    model.to_empty(device="cpu")
+    for m in model[:2]:
+        quant.fill_shard(m.weight, torch.randn(m.out_features, 64), slice(0, m.out_features), m)
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        return model[0](x)[..., :32] * model[1](x)
+
+    x = torch.randn(2, 7, 64, requires_grad=True)
+    eager = layer(x)
+    (want,) = torch.autograd.grad(eager.sum(), x)
+    compiled = torch.compile(lambda x: checkpoint(layer, x, use_reentrant=False), dynamic=True)(x)
+    (got,) = torch.autograd.grad(compiled.sum(), x)
+    assert torch.equal(compiled, eager) and torch.equal(got, want)

@@ -199,7 +199,7 @@ REGISTRY = (config_problems, check_world, require_loggers, open_files, run_folde
             lambda cfg, folder: check_weights_readable(cfg.model, folder), weights_present,
             check_rope,  # RoPE that packing would make depend on the batch
             check_max_length, check_model_config,  # its family, router loss and Ulysses heads
-            fp8_ready, lora_base_ready,
+            fp8_ready, lora_base_ready, lambda cfg, device: quant.check_fp8(cfg.model.base_quant, device),
             lambda cfg, device: cfg.model.use_liger and device == "cuda" and liger_patching(),
             lambda cfg, folder, device: attention_backend(cfg.model, model_config(folder, cfg.model.trust_remote_code),
                                                           device),

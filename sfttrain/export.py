@@ -174,8 +174,8 @@ def export_lora(checkpoint_dir: str, out_dir: str, dtype: str = "auto", trust_re
     lora.check_base(trained_on or None, lora.base_identity(name, base_dir), f"exporting {checkpoint_dir}")
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32, trust_remote_code=trust_remote_code)
     peft_model = lora.wrap(base, cfg)
-    if cfg.base_quant == "nf4":  # the base the adapters were trained on
-        quant.round_trip(peft_model.get_base_model(), lora.base_dtype(cfg))
+    if cfg.base_quant != "none":  # the base the adapters were trained on
+        quant.round_trip(peft_model.get_base_model(), lora.base_dtype(cfg), cfg.base_quant)
     adapters = read_tensors(dcp.FileSystemReader(checkpoint_dir), model_tensors(checkpoint_dir))
     result = peft_model.get_base_model().load_state_dict(adapters, strict=False)
     not_loaded = [k for k in result.missing_keys if lora.is_adapter_weight(k)]

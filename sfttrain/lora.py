@@ -32,8 +32,8 @@ def apply_lora(model: nn.Module, cfg: ModelConfig) -> nn.Module:
     bits); returns `model`. On the meta device sfttrain.weights draws them from the seed (`init_adapter`)."""
     model = wrap(model, cfg).get_base_model()
     run_parameter_adapters_eager(model)
-    if cfg.base_quant == "nf4":
-        quant.quantize_on_meta(model)
+    if cfg.base_quant != "none":
+        quant.quantize_on_meta(model, cfg.base_quant)
     if mixed_precision_dtypes(cfg.fsdp_config):
         # the GEMMs' dtype is set by autocast or FSDP: peft's cast of the input up to the fp32
         # adapter's dtype would only be cast back down (and a copy saved for backward)
@@ -77,8 +77,8 @@ def describe(cfg: ModelConfig) -> list[str]:
     if cfg.lora_rank <= 0:
         return []
     base = CONFIG_NAMES[base_dtype(cfg)]
-    if cfg.base_quant == "nf4":
-        base = f"NF4 (linear weights, {quant.BLOCK}-weight blocks; embeddings, norms and head in {base})"
+    if cfg.base_quant != "none":
+        base = f"{quant.HELD[cfg.base_quant]}; embeddings, norms and head in {base})"
     return [f"  lora                : rank {cfg.lora_rank}, alpha {cfg.lora_alpha} (scale "
             f"{cfg.lora_alpha / cfg.lora_rank:g}), targets {cfg.target_modules}, dropout {cfg.lora_dropout}; "
             f"frozen base in {base}, adapters and AdamW state in fp32"]

@@ -12,7 +12,7 @@ from torch.distributed._composable.replicate import DDP, replicate
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from sfttrain import attention, fp8, fuse_projections, recompute
+from sfttrain import attention, fp8, fuse_projections, quant, recompute
 from sfttrain.config import Config, ConfigError, mixed_precision_dtypes
 from sfttrain.distributed import World
 from sfttrain.loss import CausalLMLoss
@@ -59,6 +59,9 @@ def check_device(cfg: Config, layout: Layout, device_type: str) -> None:
         raise ConfigError(f"model.base_quant={cfg.model.base_quant} with DDP (NO_SHARD or fsdp_size=1): DDP's first "
                           "forward broadcasts every weight, which corrupts the NF4 tensors' scales; use "
                           "model.fsdp_config.sharding_strategy=FULL_SHARD (FSDP2 gathers the NF4 shards)")
+    if cfg.model.base_quant == "fp8" and cfg.model.fsdp_config.offloaded():
+        raise ConfigError("model.base_quant=fp8 with CPU offload: FSDP2 leaves the float8 weights out (whole on each "
+                          "GPU) and would not bring them from the host; set cpu_offload/offload_params=false")
     if layout == "replicated" and _bf16_reduce(cfg) and device_type != "cuda":
         raise ConfigError("model.fsdp_config.mixed_precision.reduce_dtype=bf16 with DDP (NO_SHARD or fsdp_size=1) "
                           "compresses gradients through NCCL, on GPUs only; set reduce_dtype=fp32")
@@ -157,11 +160,13 @@ def shard(lm: CausalLMLoss, world: World, cfg: Config, offload: bool) -> None:
     mp_policy = (MixedPrecisionPolicy(param_dtype=DTYPE[dtypes[0]], reduce_dtype=DTYPE[dtypes[1]]) if dtypes
                  else MixedPrecisionPolicy())
     offload_policy = CPUOffloadPolicy() if offload else OffloadPolicy()
-    layers = decoder_layers(lm.model)
+    layers, fp8_base = decoder_layers(lm.model), {p for p in lm.parameters() if p.dtype == quant.FP8} or None
     # backward needs the last layer's and the root's parameters again at once: kept gathered
     sharded = [fully_shard(layer, mesh=mesh, reshard_after_forward=reshard and i < len(layers) - 1,
-                           mp_policy=mp_policy, offload_policy=offload_policy) for i, layer in enumerate(layers)]
-    fully_shard(lm, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy, offload_policy=offload_policy)
+                           mp_policy=mp_policy, offload_policy=offload_policy, ignored_params=fp8_base)
+               for i, layer in enumerate(layers)]
+    fully_shard(lm, mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy, offload_policy=offload_policy,
+                ignored_params=fp8_base)
     if fsdp.forward_prefetch:
         for layer, nxt in zip(sharded, sharded[1:]):
             layer.set_modules_to_forward_prefetch([nxt])

@@ -118,8 +118,8 @@ def memory_per_rank(cfg: Config, shape: DenseShape, model: torch.nn.Module, dp_s
     builds it (on the meta device), for its parameter counts."""
     m, fsdp, tokens = cfg.model, cfg.model.fsdp_config, cfg.micro_batch_tokens()
     shard, compute = shard_group_size(fsdp, dp_size), compute_bytes(cfg)
-    total = sum(p.numel() for p in model.parameters())
-    layer, layer_nf4 = max((sum(p.numel() for p in b.parameters()),
+    total = sum(p.numel() for p in model.parameters() if p.dtype != quant.FP8)  # fp8's: whole on each rank
+    layer, layer_nf4 = max((sum(p.numel() for p in b.parameters() if p.dtype != quant.FP8),
                             sum(p.numel() for p in b.parameters() if quant.is_nf4(p))) for b in decoder_layers(model))
     # what training updates: every weight, or LoRA's fp32 adapters (the frozen base has no gradient or moments)
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -128,7 +128,7 @@ def memory_per_rank(cfg: Config, shape: DenseShape, model: torch.nn.Module, dp_s
     trained *= 4 if m.lora_rank > 0 else DTYPE_BYTES[fsdp.model_dtype]
     recomputed = len(checkpointed(list(range(shape.layers)), m.gradient_checkpointing_ratio)) \
         if m.enable_gradient_checkpointing else 0
-    out = {"parameters": (base + trained) / shard, "gradients": trained / shard,
+    out = {"parameters": (base + trained) / shard + quant.fp8_bytes(model), "gradients": trained / shard,
            "optimizer (AdamW m, v)": 2 * trained / shard}
     if shard > 1 and nf4:
         out["NF4 weights (gathered layers)"] = 2 * (layer_nf4 * quant.BYTES_PER_WEIGHT + (layer - layer_nf4) * compute)
@@ -145,6 +145,8 @@ def memory_per_rank(cfg: Config, shape: DenseShape, model: torch.nn.Module, dp_s
     if nf4:
         out["NF4: the largest weight dequantized (torchao's temporaries)"] = \
             max(nf4) * quant.dequantize_bytes_per_weight(base_dtype(m))
+    if fp8 := [p for p in model.parameters() if p.dtype == quant.FP8]:  # eager: fp32 temporaries, a transposed weight
+        out["FP8: a GEMM's quantization"] = max(tokens * max(p.shape) * 9 + p.numel() for p in fp8)
     out[f"logits / loss chunk ({m.loss_chunk_tokens} tokens x {shape.vocab} vocab)"] = \
         m.loss_chunk_tokens * shape.vocab * compute * (2 if m.loss_kernel == "torch" else 1)
     if m.lora_rank == 0 and not m.use_liger:

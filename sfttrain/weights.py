@@ -88,7 +88,7 @@ def _read_checkpoint(model: nn.Module, path: str) -> None:
     for name, param in model.named_parameters():  # a tied weight once
         if is_adapter_weight(name):
             continue
-        name = base_name(name)
+        module, name = model.get_submodule(name.rpartition(".")[0]), base_name(name)
         if name not in files:
             per_expert = moe.read_per_expert(files, name, _local_index(param), _read_slice)
             if per_expert is not None:
@@ -96,8 +96,8 @@ def _read_checkpoint(model: nn.Module, path: str) -> None:
                 continue
             raise ValueError(f"{path}: no tensor {name!r} in its weight files (sfttrain reads the model's own "
                              "parameter names; checkpoints with renamed keys need converting first)")
-        if quant.is_nf4(_local(param)):  # quantized whole (its blocks' scales are the whole weight's)
-            quant.fill_shard(_local(param), _read_slice(files[name], name, ()), _local_index(param)[0])
+        if quant.is_quantized(_local(param)):  # quantized whole (its blocks' scales are the whole weight's)
+            quant.fill_shard(_local(param), _read_slice(files[name], name, ()), _local_index(param)[0], module)
         else:
             _local(param).copy_(_read_slice(files[name], name, _local_index(param)))
 
@@ -137,7 +137,7 @@ def _random_init(modules: list[tuple[str, nn.Module]], seed: int, device: torch.
         if not owned:
             continue
         done.update(id(p) for p in owned.values())
-        full = {n: nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), p.requires_grad)
+        full = {n: nn.Parameter(torch.empty(p.shape, dtype=quant.full_dtype(p), device=device), p.requires_grad)
                 for n, p in owned.items()}
         torch.manual_seed(zlib.crc32(f"{seed}:{module_name}".encode()))
         module._parameters.update(full)
@@ -146,7 +146,7 @@ def _random_init(modules: list[tuple[str, nn.Module]], seed: int, device: torch.
         finally:
             module._parameters.update(owned)
         for n, p in owned.items():
-            if quant.is_nf4(_local(p)):
-                quant.fill_shard(_local(p), full[n], _local_index(p)[0])
+            if quant.is_quantized(_local(p)):
+                quant.fill_shard(_local(p), full[n], _local_index(p)[0], module)
             else:
                 _local(p).copy_(full[n][_local_index(p)])

@@ -4,7 +4,6 @@ model folder's name."""
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import os
 from pathlib import Path
@@ -18,12 +17,11 @@ from tests.conftest import REPO
 @pytest.fixture(scope="module")
 def w2b(tmp_path_factory) -> tuple[Path, dict[str, dict]]:
     """One bench.lora_w2b call for the tests of its systems (each would draw the model folder and train
-    sfttrain's bf16 base again): sfttrain_fp8 first (refused on a CPU: recorded as failed, the next
-    still trains), then sfttrain, sfttrain_nf4 and TRL + peft (where the bench extra installs it) on the
-    one saved folder. Its --work and each system's record."""
+    sfttrain's bf16 base again): sfttrain, sfttrain_nf4, sfttrain_fp8 and TRL + peft (where the bench
+    extra installs it) on the one saved folder. Its --work and each system's record."""
     work = tmp_path_factory.mktemp("w2b")
     out = work / "w2b.jsonl"
-    systems = ["sfttrain_fp8", "sfttrain", "sfttrain_nf4", *(["trl"] if importlib.util.find_spec("trl") else [])]
+    systems = ["sfttrain", "sfttrain_nf4", "sfttrain_fp8", *(["trl"] if importlib.util.find_spec("trl") else [])]
     run_bench_here("bench.lora_w2b", "--tiny", "--device", "cpu", "--systems", *systems, "--data", SAMPLE, "--work",
                    str(work), "--out", str(out))
     runs = records(out)
@@ -41,23 +39,24 @@ def test_lora_w2b_and_trl_w1(w2b):
     assert trl["model_dir"] == str(next(work.glob("model_*")))  # the one folder both trained
 
 
-def test_lora_w2b_sfttrain_nf4_trains_the_same_data(w2b):
-    """sfttrain_nf4 is sfttrain's run over the saved base quantized to NF4 as it loads (nf4 runs on a
-    CPU): its record is named for it and trained the very tokens the bf16 base's run did."""
-    from sfttrain.config.schema import ModelConfig
-
-    if "base_quant" not in {f.name for f in dataclasses.fields(ModelConfig)}:
-        pytest.skip("model.base_quant comes with issue 60's NF4 base")
-    bf16, nf4 = w2b[1]["sfttrain"], w2b[1]["sfttrain_nf4"]
-    assert (bf16["variant"], nf4["variant"]) == ("lora_w2b", "lora_w2b_nf4")
-    assert "model.base_quant=nf4" in nf4["overrides"] and "model.base_quant=nf4" not in bf16["overrides"]
-    assert nf4["real_tokens"] == bf16["real_tokens"] > 0
+def test_lora_w2b_sfttrain_nf4_and_fp8_train_the_same_data(w2b):
+    """sfttrain_nf4 and sfttrain_fp8 are sfttrain's run over the saved base quantized to NF4 or float8
+    as it loads (both run on a CPU): each record is named for it and trained the very tokens the bf16
+    base's run did."""
+    bf16, nf4, fp8 = (w2b[1][system] for system in ("sfttrain", "sfttrain_nf4", "sfttrain_fp8"))
+    assert (bf16["variant"], nf4["variant"], fp8["variant"]) == ("lora_w2b", "lora_w2b_nf4", "lora_w2b_fp8")
+    assert "model.base_quant=nf4" in nf4["overrides"] and "model.base_quant=fp8" in fp8["overrides"]
+    assert not any(o.startswith("model.base_quant") for o in bf16["overrides"])
+    assert nf4["real_tokens"] == fp8["real_tokens"] == bf16["real_tokens"] > 0
 
 
-def test_lora_w2b_records_a_refused_system_and_runs_the_next(w2b):
-    """sfttrain refuses model.base_quant=fp8 on a CPU (without it in the schema, as an unknown choice):
-    the call records that system as failed and still trains the next."""
-    fp8, bf16 = w2b[1]["sfttrain_fp8"], w2b[1]["sfttrain"]
+def test_lora_w2b_records_a_refused_system_and_runs_the_next(tmp_path):
+    """With model.lora_rank=0 (full fine-tuning) sfttrain refuses model.base_quant=fp8: the call
+    records that system as failed and still trains the next."""
+    out = tmp_path / "w2b.jsonl"
+    run_bench_here("bench.lora_w2b", "--tiny", "--device", "cpu", "--systems", "sfttrain_fp8", "sfttrain", "--data",
+                   SAMPLE, "--work", str(tmp_path), "--out", str(out), "--override", "model.lora_rank=0")
+    fp8, bf16 = records(out)
     assert fp8["system"] == "sfttrain_fp8" and fp8["status"] == "failed" and fp8["rc"] != 0
     assert bf16["variant"] == "lora_w2b" and bf16["real_tokens"] > 0
 

@@ -21,6 +21,16 @@ def test_qlora_w5_records_a_run_over_an_nf4_base(tmp_path):
     assert "frozen base in NF4" in (tmp_path / "qlora_w5.log").read_text()
 
 
+def test_qlora_w5_records_a_run_over_an_fp8_base(tmp_path):
+    out = tmp_path / "w5.jsonl"
+    run_bench_here("bench.qlora_w5", "--tiny", "--device", "cpu", "--base_quant", "fp8", "--data", SAMPLE, "--work",
+                   str(tmp_path), "--out", str(out))
+    (record,) = records(out)
+    assert record["variant"] == "qlora_w5_fp8" and record["status"] == "trained" and record["real_tokens"] > 0
+    assert "model.base_quant=fp8" in record["overrides"] and "model.base_quant=nf4" not in record["overrides"]
+    assert "frozen base in float8 e4m3" in (tmp_path / "qlora_w5_fp8.log").read_text()
+
+
 def test_w5_is_llama_3_1_70b_shaped(tmp_path):
     """The folder's config.json: Llama-3.1-70B's layers with the Qwen2.5 tokenizer's vocabulary, the
     parameter count docs/workloads.md states."""

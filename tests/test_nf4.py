@@ -11,10 +11,8 @@ small matrices do not fill; 172 = 4 x 43 gives the MLP's.
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +21,7 @@ from torch import nn
 
 from tests.conftest import STORIES, run_sfttrain
 from tests.test_checkpoint import data, losses_by_step, max_rel_diff, state  # noqa: F401 (data: fixture)
+from tests.test_fp8_base import check_exports, check_resume, quant_fixtures
 from tests.test_lora import LORA, REL_TOL, STEPS, lora_job
 
 NF4 = ["model.base_quant=nf4", *LORA]
@@ -39,19 +38,7 @@ def to_nf4(weight: torch.Tensor, scaler_block: int):
     return to_nf4(weight.contiguous(), 64, scaler_block)
 
 
-def nf4_run(tmp_path_factory, data: Path, nproc: int, name: str, *extra: str) -> tuple[Path, str]:
-    run_dir = tmp_path_factory.mktemp(name) / "run"
-    return run_dir, run_sfttrain(nproc, lora_job(data, run_dir, "model.base_quant=nf4", *extra)).stdout
-
-
-@pytest.fixture(scope="module")
-def ref(data, tmp_path_factory) -> tuple[Path, str]:
-    return nf4_run(tmp_path_factory, data, 2, "nf4_ref", "trainer.save_freq=1")
-
-
-@pytest.fixture(scope="module")
-def one(data, tmp_path_factory) -> Path:
-    return nf4_run(tmp_path_factory, data, 1, "nf4_one")[0]
+ref, one = quant_fixtures("nf4")
 
 
 def dequantized_base() -> dict[str, torch.Tensor]:
@@ -79,16 +66,7 @@ def test_one_rank_equals_two_ranks(ref, one):
 def test_resume_reloads_the_base_and_continues_exactly(data, ref, tmp_path):
     """Checkpoints hold the adapters only; a resume (on 1 rank) quantizes the base again from the
     model folder: steps 3-4 and the final adapters as ref's."""
-    run_dir, _ = ref
-    ckpt = state(run_dir / "global_step_2")
-    assert all(".lora_A." in n or ".lora_B." in n for n in ckpt["model"])
-    resumed = tmp_path / "run"
-    run_sfttrain(1, lora_job(data, resumed, "model.base_quant=nf4", "trainer.resume_mode=resume_path",
-                             f"trainer.resume_from_path={run_dir / 'global_step_2'}"))
-    want = losses_by_step(run_dir)
-    assert losses_by_step(resumed) == pytest.approx({s: want[s] for s in (3, 4)}, rel=REL_TOL)
-    assert max_rel_diff(state(resumed / f"global_step_{STEPS}")["model"],
-                        state(run_dir / f"global_step_{STEPS}")["model"]) <= REL_TOL
+    check_resume(data, ref[0], tmp_path / "run", "nf4", nproc=1)
 
 
 def test_resume_refuses_another_base_quant(data, ref, tmp_path):
@@ -104,45 +82,7 @@ def test_exports_equal_the_dequantized_base_plus_adapters(ref, tmp_path):
     """The merged export (transformers) and the adapter on the dequantized base (peft) give the
     logits of a reference built here: torchao's own round trip of each weight plus alpha/r * B @ A
     of the checkpoint's adapters (fp32: rounding of one weight add per layer)."""
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    from sfttrain.export import export
-
-    run_dir, _ = ref
-    out = tmp_path / "hf"
-    export(str(run_dir / f"global_step_{STEPS}"), str(out))
-    recorded = json.loads((out / "adapter" / "sfttrain_base.json").read_text())
-    assert recorded["base_quant"] == "nf4" and recorded["folder"] == str(STORIES)
-
-    base = dequantized_base()
-    reference = dict(base)
-    adapters = state(run_dir / f"global_step_{STEPS}")["model"]
-    for name in [n for n in adapters if ".lora_A." in n]:
-        module = name.split(".lora_A.")[0]
-        delta = adapters[name.replace(".lora_A.", ".lora_B.")] @ adapters[name]
-        reference[module + ".weight"] = reference[module + ".weight"] + 16 / 8 * delta
-
-    def logits(model) -> torch.Tensor:
-        with torch.no_grad():
-            return model.eval()(ids).logits.double()
-
-    def model_with(weights: dict) -> nn.Module:
-        model = AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.float32)
-        model.load_state_dict(weights, strict=False)
-        return model
-
-    ids = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
-    want = logits(model_with(reference))
-    merged = logits(AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32))
-    with_adapter = logits(PeftModel.from_pretrained(model_with(base), out / "adapter"))
-    scale = want.abs().max()
-    assert (merged - want).abs().max() <= 1e-5 * scale
-    assert (with_adapter - want).abs().max() <= 1e-5 * scale
-    # what the comparisons tell apart: the adapters and the quantization each move the logits
-    assert (logits(model_with(base)) - want).abs().max() > 1e-2 * scale
-    unquantized = AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.float32)
-    assert (logits(PeftModel.from_pretrained(unquantized, out / "adapter")) - want).abs().max() > 1e-2 * scale
+    check_exports(ref[0], tmp_path / "hf", "nf4", dequantized_base(), quantization_moves=1e-2)
 
 
 def test_the_trained_model_holds_the_dequantized_weights():
@@ -187,7 +127,7 @@ def test_weights_no_block_fits_stay_in_their_dtype_with_a_warning(caplog):
     with torch.device("meta"):
         model = Tiny()
     with caplog.at_level(logging.WARNING, logger="sfttrain"):
-        quantize_on_meta(model)
+        quantize_on_meta(model, "nf4")
     assert type(model.big.weight).__name__ == "NF4Tensor" and model.big.weight.scaler_block_size == 256
     assert type(model.odd.weight) is nn.Parameter and type(model.head.weight) is nn.Parameter
     assert "1 linear weights stay in their dtype" in caplog.text and "odd" in caplog.text

@@ -124,7 +124,8 @@ class ModelConfig:
     target_modules: Any = key("all-linear", "all-linear (every linear layer but lm_head) or a list of layer names")
     lora_dropout: float = key(0.0, "dropout on the adapters' input (resumes exactly on the same world size only)")
     base_quant: str = key("none", "with LoRA: the frozen base's linear weights in 4-bit NF4 (QLoRA; torchao, pip "
-                                  "install -e '.[fp8]'); embeddings, norms and head stay", choices=("none", "nf4"))
+                                  "install -e '.[fp8]') or float8 e4m3 (float8 GEMMs: H100/H200); embeddings, norms "
+                                  "and head stay", choices=("none", "nf4", "fp8"))
     fp8: str = key("off", "torchao's FP8 GEMMs (pip install -e '.[fp8]') in the decoder layers on Hopper/Ada GPUs; "
                           "auto: tensorwise from hidden_size 4096, where it gains",
                    choices=("off", "auto", "tensorwise", "rowwise"))

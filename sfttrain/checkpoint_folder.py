@@ -284,9 +284,10 @@ def write_atomically(path: str, text: str | bytes) -> None:
     try:
         write_synced(tmp, text)
         replace_synced(tmp, path)
-    except OSError:
+    except OSError as error:
         if os.path.exists(tmp):
             os.remove(tmp)
+        error.filename = path  # a failed write names no file; the temporary one is gone
         raise
 
 

@@ -87,7 +87,25 @@ SKIP_CONDITIONS = {
     "no-flash-attn": lambda: importlib.util.find_spec("flash_attn") is None,
     "no-liger": lambda: importlib.util.find_spec("liger_kernel") is None,
     "no-bitsandbytes": lambda: importlib.util.find_spec("bitsandbytes") is None,
+    "no-cpu-fp8-gemm": lambda: not cpu_runs_rowwise_fp8(),
 }
+
+
+def cpu_runs_rowwise_fp8() -> bool:
+    """Whether this torch's CPU runs float8 GEMMs with a scale per row (model.base_quant=fp8's): torch
+    2.13's does, 2.11's (the GPU image's) does not."""
+    from sfttrain.config import ConfigError
+    from sfttrain.quant import check_fp8
+
+    try:
+        check_fp8("fp8", "cpu")
+    except ConfigError:
+        return False
+    return True
+
+
+needs_cpu_fp8 = pytest.mark.skipif(not cpu_runs_rowwise_fp8(),
+                                   reason="this torch's CPU runs no rowwise-scaled float8 GEMM (torch 2.13's does)")
 
 
 class SkipAudit:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.bench_run import SAMPLE, records, run_bench_here
-from tests.conftest import REPO
+from tests.conftest import REPO, needs_cpu_fp8
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +39,7 @@ def test_lora_w2b_and_trl_w1(w2b):
     assert trl["model_dir"] == str(next(work.glob("model_*")))  # the one folder both trained
 
 
+@needs_cpu_fp8
 def test_lora_w2b_sfttrain_nf4_and_fp8_train_the_same_data(w2b):
     """sfttrain_nf4 and sfttrain_fp8 are sfttrain's run over the saved base quantized to NF4 or float8
     as it loads (both run on a CPU): each record is named for it and trained the very tokens the bf16

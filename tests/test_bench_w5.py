@@ -7,7 +7,7 @@ import json
 import torch
 
 from tests.bench_run import SAMPLE, records, run_bench_here
-from tests.conftest import REPO
+from tests.conftest import REPO, needs_cpu_fp8
 
 
 def test_qlora_w5_records_a_run_over_an_nf4_base(tmp_path):
@@ -21,6 +21,7 @@ def test_qlora_w5_records_a_run_over_an_nf4_base(tmp_path):
     assert "frozen base in NF4" in (tmp_path / "qlora_w5.log").read_text()
 
 
+@needs_cpu_fp8
 def test_qlora_w5_records_a_run_over_an_fp8_base(tmp_path):
     out = tmp_path / "w5.jsonl"
     run_bench_here("bench.qlora_w5", "--tiny", "--device", "cpu", "--base_quant", "fp8", "--data", SAMPLE, "--work",

@@ -108,7 +108,8 @@ def catalogue(tmp: Path) -> dict[str, Case]:
             "train.parquet row 1: the chat template failed on this row's prompt (as one user turn): ZeroDivisionError: "
             "integer division or modulo by zero; fix the template"], DATA),
         "multiturn_without_template": Case(["data.multiturn.enable=true", "data.apply_chat_template=true"], [
-            "the tokenizer has none: set data.chat_template"], CONFIG),
+            "the tokenizer has no chat template; pass a Jinja template (a file or its text) with data.chat_template="],
+            CONFIG),
         "messages_read_as_prompt": Case([f"data.train_files={messages}"], [
             "no column 'question'", "data.multiturn.enable=true"], DATA),
         "batch_dependent_rope": Case([f"model.partial_pretrain={dynamic}"], [

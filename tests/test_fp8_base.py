@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from tests.conftest import STORIES, run_sfttrain
+from tests.conftest import STORIES, needs_cpu_fp8, run_sfttrain
 from tests.test_checkpoint import data, losses_by_step, max_rel_diff, state  # noqa: F401 (data: fixture)
 from tests.test_lora import LORA, STEPS, lora_job
 
@@ -77,6 +77,7 @@ def dequantized_base() -> dict[str, torch.Tensor]:
     return {n: e4m3_rows(w) if n.split(".")[-2] in PROJECTIONS else w for n, w in weights.items()}
 
 
+@needs_cpu_fp8
 def test_gemms_equal_the_dequantized_weight_within_e4m3s_rounding():
     """Forward and input gradient against F.linear with the dequantized weight (fp64): each differs
     by at most what rounding x (or the gradient) per row to e4m3 moves it by, plus bf16's rounding of
@@ -115,6 +116,7 @@ def test_gemms_equal_the_dequantized_weight_within_e4m3s_rounding():
     assert layer.weight.grad is None and layer.weight.dtype == torch.float8_e4m3fn
 
 
+@needs_cpu_fp8
 def test_one_rank_equals_two_ranks(ref, one):
     """The 2-rank run holds the same float8 base as the 1-rank run (whole on each rank, quantized the
     same), and its adapters learn."""
@@ -129,11 +131,13 @@ def test_one_rank_equals_two_ranks(ref, one):
                         state(run_dir / f"global_step_{STEPS}")["model"]) <= FLIPS_ADAPTERS
 
 
+@needs_cpu_fp8
 def test_resume_reloads_the_base_and_continues_exactly(data, ref, tmp_path):
     """Checkpoints hold the adapters only; a resume (on 2 ranks, as ref) quantizes the base again."""
     check_resume(data, ref[0], tmp_path / "run", "fp8", nproc=2)
 
 
+@needs_cpu_fp8
 def test_exports_equal_the_dequantized_base_plus_adapters(ref, tmp_path):
     """The merged export (transformers) and the adapter on the dequantized base (peft) give the
     logits of a reference built here from the e4m3 round trip of each float8 weight plus alpha/r * B @ A
@@ -261,7 +265,6 @@ def test_fp8_is_refused_where_it_cannot_run(monkeypatch):
         lora_base_ready(config("model.base_quant=fp8"))
     with pytest.raises(ConfigError, match="model.base_quant=fp8 with CPU offload"):
         check_device(config(*FP8, "model.fsdp_config.cpu_offload=true"), "sharded", "cuda")
-    check_fp8("fp8", "cpu")  # torch 2.13 runs them on CPU
 
     def no_rowwise(*args, **kwargs):
         raise RuntimeError("torch._scaled_mm is only supported on CUDA devices with compute capability >= 9.0 or "
@@ -288,6 +291,7 @@ def test_a_weight_of_odd_shape_stays_with_a_warning(caplog):
     assert "model.base_quant=fp8: 1 linear weights stay in their dtype, a dimension not a multiple of 16" in caplog.text
 
 
+@needs_cpu_fp8
 def test_a_compiled_checkpointed_layer_computes_as_eager():
     """Two float8 projections inside one activation-checkpointed, compiled region (a decoder layer under
     model.compile): the same outputs and input gradient as eager (an autograd.Function there broke dynamo)."""

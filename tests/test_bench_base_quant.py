@@ -28,7 +28,6 @@ def nf4_relative_error() -> float:
 
 
 def test_base_quant_loss_records_none_and_nf4(tmp_path):
-    pytest.importorskip("torchao")
     out = tmp_path / "bq.jsonl"
     run_bench_here("bench.base_quant_loss", "--device", "cpu", "--model", str(STORIES), "--steps", "3", "--rows", "64",
                    "--data", SAMPLE, "--work", str(tmp_path), "--out", str(out))

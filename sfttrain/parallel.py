@@ -56,9 +56,11 @@ def check_device(cfg: Config, layout: Layout, device_type: str) -> None:
     if cfg.model.fsdp_config.offloaded() and device_type != "cuda":
         raise ConfigError("model.fsdp_config.cpu_offload/offload_params need a CUDA device; set them to false")
     if layout == "replicated" and cfg.model.base_quant != "none":
+        why = ("corrupts the NF4 tensors' scales" if cfg.model.base_quant == "nf4" else
+               "sends the float8 weights, which every rank quantized itself, a second time")
         raise ConfigError(f"model.base_quant={cfg.model.base_quant} with DDP (NO_SHARD or fsdp_size=1): DDP's first "
-                          "forward broadcasts every weight, which corrupts the NF4 tensors' scales; use "
-                          "model.fsdp_config.sharding_strategy=FULL_SHARD (FSDP2 gathers the NF4 shards)")
+                          f"forward broadcasts every weight, which {why}; use "
+                          "model.fsdp_config.sharding_strategy=FULL_SHARD (FSDP2 holds the quantized base)")
     if cfg.model.base_quant == "fp8" and cfg.model.fsdp_config.offloaded():
         raise ConfigError("model.base_quant=fp8 with CPU offload: FSDP2 leaves the float8 weights out (whole on each "
                           "GPU) and would not bring them from the host; set cpu_offload/offload_params=false")

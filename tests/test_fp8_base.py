@@ -252,7 +252,7 @@ def test_the_preflight_counts_the_weights_fp8_holds():
 
 
 def test_fp8_is_refused_where_it_cannot_run(monkeypatch):
-    """Without LoRA, with CPU offload, and where torch has no rowwise float8 GEMM (as on an A100)."""
+    """Without LoRA, with CPU offload, under DDP, and where torch has no rowwise float8 GEMM (as on an A100)."""
     from sfttrain.checks import lora_base_ready
     from sfttrain.config import ConfigError, load_config
     from sfttrain.parallel import check_device
@@ -265,6 +265,9 @@ def test_fp8_is_refused_where_it_cannot_run(monkeypatch):
         lora_base_ready(config("model.base_quant=fp8"))
     with pytest.raises(ConfigError, match="model.base_quant=fp8 with CPU offload"):
         check_device(config(*FP8, "model.fsdp_config.cpu_offload=true"), "sharded", "cuda")
+    with pytest.raises(ConfigError, match=r"model.base_quant=fp8 with DDP \(NO_SHARD or fsdp_size=1\): DDP's first "
+                                          r"forward broadcasts every weight, which sends the float8 weights"):
+        check_device(config(*FP8), "replicated", "cpu")
 
     def no_rowwise(*args, **kwargs):
         raise RuntimeError("torch._scaled_mm is only supported on CUDA devices with compute capability >= 9.0 or "

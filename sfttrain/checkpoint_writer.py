@@ -14,6 +14,7 @@ import datetime
 import io
 import logging
 import os
+import socket
 import time
 import weakref
 from typing import Any, Callable, Optional
@@ -22,6 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
+from multiprocessing import context as mp_context
+from multiprocessing import reduction
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.tensor import DTensor
 
@@ -120,7 +123,7 @@ class WriterProcess:
         A slot's copy is sent once: its tensors are shared memory, which later saves copy into."""
         known = self.sent.get(slot) is state_dict
         try:
-            self.conn.send((slot, tmp, thread_count, None if known else state_dict))
+            send_with_fds(self.conn, (slot, tmp, thread_count, None if known else state_dict))
         except (OSError, ValueError):
             raise self._gone() from None
         self.sent[slot] = state_dict
@@ -171,6 +174,7 @@ def _serve(conn, rank: int, world_size: int, timeout_s: int) -> None:
         store = host if rank == 0 else dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
         conn.send(("ok", None))
+        FdAfter.sock = socket.socket(fileno=os.dup(conn.fileno()))
         kept: dict[int, dict] = {}
         while (request := conn.recv()) is not None:
             slot, tmp, thread_count, state_dict = request
@@ -188,6 +192,47 @@ def _serve(conn, rank: int, world_size: int, timeout_s: int) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+class FdAfter:
+    """A pickled storage's file descriptor, received after its message (send_with_fds), in pickling order:
+    torch rebuilds a storage (detach) as unpickling reaches it, and closes the fd once it is mapped."""
+    sock: Optional[socket.socket] = None  # the writer's end of the pipe
+
+    def __init__(self, fd: int):
+        del fd  # the receiver's own number comes with the fd
+
+    def detach(self) -> int:
+        assert FdAfter.sock is not None
+        return reduction.recvfds(FdAfter.sock, 1)[0]
+
+
+class FdCollector:
+    """multiprocessing's hook for a spawn's fds, which reduction.DupFd asks while it is set for this thread."""
+    DupFd = FdAfter
+
+    def __init__(self) -> None:
+        self.fds: list[int] = []
+
+    def duplicate_for_child(self, fd: int) -> int:
+        self.fds.append(fd)
+        return fd
+
+
+def send_with_fds(conn, message: Any) -> None:
+    """`message`, then the file descriptors of its shared tensors, sent by this thread one per SCM_RIGHTS
+    message on the pipe's socket. (By default a resource_sharer thread serves each fd to the receiver, and
+    prints a traceback when the receiver dies mid-handshake, e.g. at the OOM killer's hand.)"""
+    collector = FdCollector()
+    mp_context.set_spawning_popen(collector)
+    try:
+        data = reduction.ForkingPickler.dumps(message)
+    finally:
+        mp_context.set_spawning_popen(None)
+    conn.send_bytes(data)
+    with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+        for fd in collector.fds:
+            reduction.sendfds(sock, [fd])
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

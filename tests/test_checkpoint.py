@@ -1164,6 +1164,37 @@ def test_a_save_into_a_run_folder_that_is_gone_is_one_message(tmp_path):
             saver.save(checkpoint.TrainState(step=1), final=True)
 
 
+def _add_one_in_place(conn) -> None:
+    """A writer's side of send_with_fds: its tensors are the sender's memory."""
+    from sfttrain.checkpoint_writer import FdAfter
+    FdAfter.sock = __import__("socket").socket(fileno=os.dup(conn.fileno()))
+    message = conn.recv()
+    for t in [message["a"], *message["b"]]:
+        t.add_(1)
+    conn.send(sorted(message))
+
+
+def test_a_writer_process_maps_the_staging_copy_sent_by_the_saving_thread_itself():
+    """The writer's shared memory comes with its message, from the thread that sends it (no resource_sharer
+    thread, whose traceback a writer killed mid-handshake printed beside the job's one message): the writer
+    adds 1 in place to three tensors (one a view of another's storage), and the sender sees it."""
+    from multiprocessing import resource_sharer
+
+    from sfttrain.checkpoint_writer import send_with_fds
+    sharer = resource_sharer._resource_sharer._listener
+    ctx = torch.multiprocessing.get_context("spawn")
+    conn, child = ctx.Pipe()
+    process = ctx.Process(target=_add_one_in_place, args=(child,))
+    process.start()
+    a, b = torch.arange(6.0).share_memory_(), torch.zeros(2, 3).share_memory_()
+    send_with_fds(conn, {"a": a, "b": [b, b[1]], "step": 3})
+    assert conn.recv() == ["a", "b", "step"]
+    process.join(30)
+    assert a.tolist() == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    assert b.tolist() == [[1.0, 1.0, 1.0], [2.0, 2.0, 2.0]]  # b[1] maps the same memory as b
+    assert resource_sharer._resource_sharer._listener is sharer
+
+
 def test_a_killed_writer_process_ends_the_job_with_one_message(data, tmp_path):
     """A rank's writer process (trainer.async_save_writer=process) is a process the kernel's
     out-of-memory killer may pick. Killed once the first checkpoint is committed, the next save fails

@@ -224,7 +224,7 @@ def send_with_fds(conn, message: Any) -> None:
     message on the pipe's socket. (By default a resource_sharer thread serves each fd to the receiver, and
     prints a traceback when the receiver dies mid-handshake, e.g. at the OOM killer's hand.)"""
     collector = FdCollector()
-    mp_context.set_spawning_popen(collector)
+    mp_context.set_spawning_popen(collector)  # type: ignore[arg-type]  # (the two methods DupFd uses)
     try:
         data = reduction.ForkingPickler.dumps(message)
     finally:

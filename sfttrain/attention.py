@@ -7,7 +7,8 @@ name avoids "flash", "sdpa", "flex_attention" and "/", which transformers routes
 
 Backends: flash_attn (the package), torch_varlen (aten::_flash_attention_forward, CUDA; a row of one
 sample on cuDNN on Hopper or newer) and sdpa_blockmask (one causal SDPA per sample, any device). The
-run's choice travels with each model call (`call_kwargs`), as the row boundaries do: no process-wide state.
+run's choice travels with each model call (`call_kwargs`), as the row boundaries and the Ulysses group
+do: no process-wide state.
 
 Ulysses sequence parallelism over packed rows: each sp rank keeps a slice of every row, and an all-to-all
 around attention turns [T/sp, H, D] into [T, H/sp, D] and back. Each rank's loss is its slice's sum,
@@ -86,10 +87,10 @@ def fallback_warning(requested: str, chosen: str, device_type: str) -> list[str]
             f"Install flash-attn ({GPU_INSTALL} in the checkout) or torch>=2.11 (PyTorch's own varlen flash attention)"]
 
 
-def register(forward=None) -> None:  # forward: a wrapper (ulysses_forward's)
+def register() -> None:
     from transformers import AttentionInterface
 
-    AttentionInterface.register(ATTN_IMPLEMENTATION, forward or varlen_attention_forward)
+    AttentionInterface.register(ATTN_IMPLEMENTATION, attention_forward)
 
 
 def call_kwargs(backend: str) -> dict:
@@ -247,31 +248,32 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
 
 
 
-def ulysses_forward(group: dist.ProcessGroup, size: int):
-    """transformers' attention contract on this rank's slice of the row: query [1, H, T/sp, D], key/value
-    [1, Hkv, T/sp, D] -> ([1, T/sp, H, D], None), attention over the whole row for its share of the heads."""
+@torch.compiler.disable  # eager under model.compile: a graph break around the collective, not a trace of it
+def _exchange(send: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Chunk j of dim 0 to rank j; chunk i of the result from rank i (autograd: back in backward)."""
+    return all_to_all_single(torch.empty_like(send, memory_format=torch.contiguous_format), send.contiguous(),
+                             group=group)
 
-    @torch.compiler.disable  # eager under model.compile: a graph break around the collective, not a trace of it
-    def exchange(send: torch.Tensor) -> torch.Tensor:
-        """Chunk j of dim 0 to rank j; chunk i of the result from rank i (autograd: back in backward)."""
-        return all_to_all_single(torch.empty_like(send, memory_format=torch.contiguous_format), send.contiguous(),
-                                 group=group)
 
-    def forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
-                **kwargs):
-        # KV heads fewer than sp repeated, so that query head group j meets KV head j
-        key, value = (t if t.shape[1] % size == 0 else t.repeat_interleave(size // t.shape[1], dim=1)
-                      for t in (key, value))
-        # [1, H, T/sp, D] -> [1, H/sp, T, D]: head group j to rank j, whose tokens arrive i-th from rank i
-        query, key, value = (exchange(t[0].reshape(size, t.shape[1] // size, *t.shape[2:]))
-                             .transpose(0, 1).reshape(1, t.shape[1] // size, -1, t.shape[3])
-                             for t in (query, key, value))
-        out, _ = varlen_attention_forward(module, query, key, value, attention_mask, **kwargs)
-        # [1, T, H/sp, D] -> [1, T/sp, H, D]: token slice j to rank j, head group i from rank i
-        recv = exchange(out[0].reshape(size, -1, *out.shape[2:]))
-        return recv.permute(1, 0, 2, 3).reshape(1, recv.shape[1], -1, out.shape[3]), None
-
-    return forward
+def attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask, sfttrain_sp_group: dist.ProcessGroup | None = None, **kwargs):
+    """The registered function: `varlen_attention_forward`, or with Ulysses (the call passes its sp group) the
+    same contract on this rank's slice of the row, query [1, H, T/sp, D], key/value [1, Hkv, T/sp, D] ->
+    ([1, T/sp, H, D], None), attention over the whole row for its share of the heads."""
+    if sfttrain_sp_group is None:
+        return varlen_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    group, size = sfttrain_sp_group, sfttrain_sp_group.size()
+    # KV heads fewer than sp repeated, so that query head group j meets KV head j
+    key, value = (t if t.shape[1] % size == 0 else t.repeat_interleave(size // t.shape[1], dim=1)
+                  for t in (key, value))
+    # [1, H, T/sp, D] -> [1, H/sp, T, D]: head group j to rank j, whose tokens arrive i-th from rank i
+    query, key, value = (_exchange(t[0].reshape(size, t.shape[1] // size, *t.shape[2:]), group)
+                         .transpose(0, 1).reshape(1, t.shape[1] // size, -1, t.shape[3])
+                         for t in (query, key, value))
+    out, _ = varlen_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    # [1, T, H/sp, D] -> [1, T/sp, H, D]: token slice j to rank j, head group i from rank i
+    recv = _exchange(out[0].reshape(size, -1, *out.shape[2:]), group)
+    return recv.permute(1, 0, 2, 3).reshape(1, recv.shape[1], -1, out.shape[3]), None
 
 
 def check_ulysses(model_config, sp: int) -> None:

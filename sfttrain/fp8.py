@@ -15,6 +15,7 @@ from sfttrain.config import ConfigError, ModelConfig
 from sfttrain.errors import DependencyError
 from sfttrain.model import decoder_layers
 from sfttrain.moe import routing
+from sfttrain.quant import fp8_fits
 
 # below this hidden size `auto` stays off (torchao's own filter leaves smaller GEMMs in bf16)
 AUTO_MIN_HIDDEN = 4096
@@ -26,11 +27,6 @@ def choose(cfg: ModelConfig, hidden_size: int) -> str:
     if cfg.fp8 != "auto":
         return cfg.fp8
     return "tensorwise" if hidden_size >= AUTO_MIN_HIDDEN else "off"
-
-
-def fits(linear: nn.Linear) -> bool:
-    """FP8's GEMMs need both dimensions to divide by 16; other layers stay in bf16."""
-    return linear.in_features % 16 == 0 and linear.out_features % 16 == 0
 
 
 def check_available(cfg: ModelConfig, device: torch.device) -> None:
@@ -68,8 +64,7 @@ def apply(model: nn.Module, cfg: ModelConfig, recipe: str, fsdp_all_gather: bool
         fast = float8.config.Float8GemmConfig(use_fast_accum=True)
         config = dataclasses.replace(config, gemm_config_grad_input=fast, gemm_config_grad_weight=fast)
     for layer in decoder_layers(model):
-        float8.convert_to_float8_training(layer, config=config, module_filter_fn=lambda m, _: type(m) is nn.Linear
-                                          and fits(m))
+        float8.convert_to_float8_training(layer, config=config, module_filter_fn=lambda m, _: fp8_fits(m))
 
 
 def hidden_size(model: nn.Module) -> int:

@@ -103,8 +103,7 @@ def set_step(optimizer: torch.optim.Optimizer, scheduler: LambdaLR, cfg: OptimCo
     for group, settings in zip(optimizer.param_groups, group_settings(cfg)):
         group.update(settings, lr=lr, initial_lr=cfg.lr)
     scheduler.base_lrs = [cfg.lr] * len(optimizer.param_groups)
-    scheduler.last_epoch = step
-    scheduler._last_lr = [lr] * len(optimizer.param_groups)  # what get_last_lr() reads
+    scheduler.last_epoch = step  # (its get_last_lr() stays stale: the loop reads the groups' lr)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int) -> LambdaLR:

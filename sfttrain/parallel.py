@@ -12,7 +12,7 @@ from torch.distributed._composable.replicate import DDP, replicate
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from sfttrain import attention, fp8, fuse_projections, quant, recompute
+from sfttrain import fp8, fuse_projections, quant, recompute
 from sfttrain.config import Config, ConfigError, mixed_precision_dtypes
 from sfttrain.distributed import World
 from sfttrain.loss import CausalLMLoss
@@ -33,7 +33,7 @@ def parallelize(lm: CausalLMLoss, world: World, cfg: Config, resolved: Resolved)
     if cfg.model.enable_gradient_checkpointing:
         recompute.apply(lm.model, decoder_layers(lm.model), cfg.model, not resolved.recompute_attention)
     if world.sp_size > 1:  # what Ulysses needs of the model was checked at start-up (attention.check_ulysses)
-        attention.register(attention.ulysses_forward(world.mesh["sp"].get_group(), world.sp_size))
+        lm.call_kwargs["sfttrain_sp_group"] = world.mesh["sp"].get_group()
     if cfg.model.compile:  # before FSDP's hooks and the weights: the layers are compiled at their first forward
         compile_layers(decoder_layers(lm.model), resolved.compile_cpp_wrapper, fuse_projections.graph_pass(
             cfg.model, lm.model.config, resolved.fuse_projections, resolved.fold_lora))

@@ -232,7 +232,7 @@ class FSDPSFTTrainer:
         totals = torch.cat([loss_sum.reshape(1), self.stop_flag(), router])
         dist.all_reduce(totals)  # one all-reduce: the loss, the ranks' votes to stop, the router's statistics
         loss_sum = totals[0]
-        lr = float(self.scheduler.get_last_lr()[0])
+        lr = self.optimizer.param_groups[0]["lr"]
         # the optimizer's list, not the model's: walking LoRA's thousands of modules costs host time each step
         params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
         max_norm = self.cfg.optim.clip_grad if self.cfg.optim.clip_grad > 0 else math.inf

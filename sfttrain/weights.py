@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from sfttrain import moe, quant
@@ -74,13 +73,13 @@ def _local_index(param: torch.Tensor) -> tuple[slice, ...]:
     """Where this rank's part of `param` lies in the full tensor (all of it when not sharded)."""
     if not isinstance(param, DTensor):
         return tuple(slice(0, n) for n in param.shape)
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    return tuple(slice(o, o + n) for o, n in zip(offset, shape))
+    chunk = param.__create_chunk_list__()[0]  # DCP's protocol: this rank's offset and size
+    return tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
-    """The tensor a rank holds itself (to_local would wrap a parameter's in a new one)."""
-    return param._local_tensor if isinstance(param, DTensor) else param
+    """The tensor a rank holds itself (under no_grad, to_local returns it, not a view of it)."""
+    return param.to_local() if isinstance(param, DTensor) else param
 
 
 def _read_checkpoint(model: nn.Module, path: str) -> None:

@@ -144,11 +144,13 @@ def one_sample(module, query, key, value, attention_mask, scaling=None, **kwargs
 
 def use_one_sample(lm: CausalLMLoss) -> None:
     """Registers `one_sample` as the attention forward of lm's model, whose layers must scale as it does."""
+    from transformers import AttentionInterface
+
     from sfttrain import attention
 
     for layer in decoder_layers(lm.model):
         assert layer.self_attn.scaling == layer.self_attn.head_dim ** -0.5, layer.self_attn.scaling
-    attention.register(forward=one_sample)
+    AttentionInterface.register(attention.ATTN_IMPLEMENTATION, one_sample)
 
 
 def partitioned(fused: bool):

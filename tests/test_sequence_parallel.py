@@ -15,7 +15,7 @@ from sfttrain import attention
 from sfttrain.config import ConfigError, load_config
 from sfttrain.data.batching import make_plan
 from sfttrain.distributed import check_world
-from sfttrain.attention import check_ulysses, ulysses_forward
+from sfttrain.attention import attention_forward, check_ulysses
 from tests.conftest import BASE_OVERRIDES, STORIES, load_checkpoint_model, read_metrics, run_on_ranks, run_sfttrain
 
 SP = 2
@@ -46,7 +46,7 @@ def _check_attention(rank: int, kv_heads: int) -> None:
 
     part = slice(rank * length // SP, (rank + 1) * length // SP)
     local = [t[:, :, part].clone().requires_grad_() for t in (q, k, v)]
-    local_out, _ = ulysses_forward(dist.group.WORLD, SP)(nn.Module(), *local, None, **kwargs)
+    local_out, _ = attention_forward(nn.Module(), *local, None, sfttrain_sp_group=dist.group.WORLD, **kwargs)
     (local_out * weight[:, part]).sum().backward()
 
     torch.testing.assert_close(local_out, out[:, part], rtol=1e-12, atol=1e-12)

@@ -122,22 +122,23 @@ def kernel_ops() -> frozenset:
     return frozenset(ops)
 
 
-# The kernels take q [T, H, D], k/v [T, Hkv, D], int32 cu_seqlens [n+1] and return [T, H, D]. window is
-# (left, 0), left -1 for plain causal; softcap is Gemma 2's cap * tanh(scores / cap), or None.
-def _run_flash_attn(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, softcap):
+# The kernels take q [T, H, D], k/v [T, Hkv, D], int32 cu_seqlens [n+1] (the same for keys: self-attention)
+# and return [T, H, D]. window is (left, 0), left -1 for plain causal; softcap is Gemma 2's cap * tanh(scores
+# / cap), or None.
+def _run_flash_attn(q, k, v, cu, max_len, scale, window, softcap):
     from flash_attn import flash_attn_varlen_func
 
-    return flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=scale,
+    return flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, dropout_p=0.0, softmax_scale=scale,
                                   causal=True, window_size=window, softcap=softcap or 0.0)
 
 
-def _run_torch_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, softcap):
+def _run_torch_varlen(q, k, v, cu, max_len, scale, window, softcap):
     if softcap is not None:
         raise ValueError(SOFTCAP_UNSUPPORTED)
     # varlen_attn's op, called directly: inductor's C++ wrapper cannot pass varlen_attn's window list.
     # TRAP: causal is window (-1, 0) WITH is_causal; (-1, -1) without it is bidirectional.
     return torch.ops.aten._flash_attention_forward(
-        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, tuple(window) == (-1, 0), False,
+        q, k, v, cu, cu, max_len, max_len, 0.0, tuple(window) == (-1, 0), False,
         scale=scale, window_size_left=window[0], window_size_right=window[1],
     )[0]
 
@@ -148,12 +149,11 @@ def _run_cudnn_one_sample(q, k, v, scale):
     return out[0].transpose(0, 1)
 
 
-def _run_sdpa_blockmask(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, softcap):
-    del max_q, max_k  # one causal SDPA per sample: nothing crosses a boundary, no [T, T] mask
-    bounds = cu_q.tolist()
-    if bounds[0] != 0 or bounds[-1] != q.shape[0] or (cu_k is not cu_q and cu_k.tolist() != bounds):
-        raise ValueError(f"sdpa_blockmask needs cu_seq_lens_k == cu_seq_lens_q (self-attention) from 0 to the row "
-                         f"length {q.shape[0]}, got {bounds}")
+def _run_sdpa_blockmask(q, k, v, cu, max_len, scale, window, softcap):
+    del max_len  # one causal SDPA per sample: nothing crosses a boundary, no [T, T] mask
+    bounds = cu.tolist()
+    if bounds[0] != 0 or bounds[-1] != q.shape[0]:
+        raise ValueError(f"sdpa_blockmask needs cu_seq_lens_q from 0 to the row length {q.shape[0]}, got {bounds}")
     gqa, outs = k.shape[1] != q.shape[1], []
     for start, end in ((a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a):
         qs, ks, vs = (t[start:end].transpose(0, 1)[None] for t in (q, k, v))  # [1, H, L, D]: SDPA's fused kernels
@@ -198,21 +198,17 @@ _KERNELS = {"flash_attn": _run_flash_attn, "torch_varlen": _run_torch_varlen, "s
 def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                              attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                              sliding_window: int | None = None, softcap: float | None = None,
-                             cu_seq_lens_q: torch.Tensor | None = None, cu_seq_lens_k: torch.Tensor | None = None,
-                             max_length_q: int | None = None, max_length_k: int | None = None,
+                             cu_seq_lens_q: torch.Tensor | None = None, max_length_q: int | None = None,
                              sfttrain_backend: str | None = None, sfttrain_cudnn_rows: bool = False,
                              **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' sdpa_attention_forward contract: query [1, H, T, D], key/value [1, Hkv, T, D];
     returns ([1, T, H, D], None). Causal only, without attention sinks: the families sfttrain.loss takes.
-    The `_k` boundaries default to the `_q` ones; sfttrain_*: `call_kwargs` (none: "auto" on the device)."""
+    Keys share the `_q` boundaries (self-attention); sfttrain_*: `call_kwargs` (none: "auto" on the device)."""
     if cu_seq_lens_q is None or max_length_q is None:
         raise ValueError(f"attn_implementation={ATTN_IMPLEMENTATION!r} needs the packed-row boundaries: call the "
-                         "model with cu_seq_lens_q=, cu_seq_lens_k= (int32 [n+1], 0 .. T) and max_length_q=, "
-                         "max_length_k= (int). Without them samples would attend across boundaries.")
-    cu_q = cu_seq_lens_q.to(device=query.device, dtype=torch.int32)
-    cu_k = cu_q if cu_seq_lens_k is None else cu_seq_lens_k.to(device=query.device, dtype=torch.int32)
-    max_q = int(max_length_q)
-    max_k = max_q if max_length_k is None else int(max_length_k)
+                         "model with cu_seq_lens_q= (int32 [n+1], 0 .. T) and max_length_q= (int). Without them "
+                         "samples would attend across boundaries.")
+    cu, max_len = cu_seq_lens_q.to(device=query.device, dtype=torch.int32), int(max_length_q)
     if attention_mask is not None:
         raise ValueError(f"attn_implementation={ATTN_IMPLEMENTATION!r} takes no attention_mask: packed rows have "
                          "no padding and the sample boundaries come from cu_seq_lens_q. Pass attention_mask=None.")
@@ -240,10 +236,10 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     # the q/k/v GEMM's output, a view that would keep all of it alive: a copy keeps only their columns.
     k, v = k.contiguous(), v.contiguous()
     # one sample (with the row's pad) fills the row: told by a shape, without a host sync
-    if (sfttrain_cudnn_rows and backend == "torch_varlen" and cu_q.shape[0] == cu_k.shape[0] == 2
+    if (sfttrain_cudnn_rows and backend == "torch_varlen" and cu.shape[0] == 2
             and window == (-1, 0) and q.shape[-1] in CUDNN_HEAD_DIMS):
         return _run_cudnn_one_sample(q, k, v, scaling).unsqueeze(0), None
-    out = _KERNELS[backend](q, k, v, cu_q, cu_k, max_q, max_k, scaling, window, softcap)
+    out = _KERNELS[backend](q, k, v, cu, max_len, scaling, window, softcap)
     return out.unsqueeze(0), None
 
 

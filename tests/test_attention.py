@@ -190,8 +190,8 @@ def test_no_leak_forward_in_time_or_across_samples(backend, kind):
     assert cross <= LEAK_ATOL, f"edit in sample 0 changed a later sample's logits by {cross}"
 
 
-def _bidirectional_per_sample(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, softcap):
-    b = cu_q.tolist()
+def _bidirectional_per_sample(q, k, v, cu, max_len, scale, window, softcap):
+    b = cu.tolist()
     return torch.cat([
         F.scaled_dot_product_attention(
             q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1),
@@ -201,7 +201,7 @@ def _bidirectional_per_sample(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, 
     ])
 
 
-def _causal_whole_row(q, k, v, cu_q, cu_k, max_q, max_k, scale, window, softcap):
+def _causal_whole_row(q, k, v, cu, max_len, scale, window, softcap):
     return F.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale,
         enable_gqa=True,
@@ -380,7 +380,7 @@ def test_torch_varlen_default_window_is_bidirectional():
     causal = varlen_attn(q, k, v, cu, cu, 9, 9, window_size=(-1, 0))
     assert (full - causal).abs().max() > 1e-2
     # ... and our wrapper gives the causal one.
-    assert torch.equal(attention._run_torch_varlen(q, k, v, cu, cu, 9, 9, None, (-1, 0), None), causal)
+    assert torch.equal(attention._run_torch_varlen(q, k, v, cu, 9, None, (-1, 0), None), causal)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.nn.functional import all_to_all_single
 
 from sfttrain.dtypes import CONFIG_NAMES
-from sfttrain.errors import GPU_INSTALL, ConfigError
+from sfttrain.errors import ConfigError
 
 ATTN_IMPLEMENTATION = "sfttrain_varlen"
 BACKENDS = ("flash_attn", "torch_varlen", "sdpa_blockmask")  # also the "auto" preference order
@@ -50,12 +50,9 @@ def _unavailable_reason(backend: str, device_type: str) -> str | None:
         return None
     if device_type != "cuda":
         return f"{backend!r} needs a CUDA device (got {device_type!r})"
-    if backend == "flash_attn":
-        return None if _flash_attn_importable() else "the flash_attn package is not importable"
-    op = getattr(torch.ops.aten, "_flash_attention_forward", None)  # torch >= 2.11's takes a window
-    if op is None or not any(a.name == "window_size_left" for a in op.default._schema.arguments):
-        return f"torch {torch.__version__}'s aten::_flash_attention_forward takes no attention window"
-    return None
+    if backend == "flash_attn" and not _flash_attn_importable():
+        return "the flash_attn package is not importable"
+    return None  # torch_varlen: every CUDA torch sfttrain takes (>= 2.11) has the windowed op
 
 
 def available_backends(device_type: str) -> list[str]:
@@ -75,16 +72,6 @@ def select_backend(requested: str = "auto", device_type: str | None = None) -> s
                           f"model.attn_implementation=auto or one available for {device_type!r}: "
                           f"{available_backends(device_type)}")
     return requested
-
-
-def fallback_warning(requested: str, chosen: str, device_type: str) -> list[str]:
-    """`auto` on CUDA ending on the slow per-sample path is said at start-up, with what to install."""
-    if requested != "auto" or device_type != "cuda" or chosen != "sdpa_blockmask":
-        return []
-    reasons = "; ".join(f"{b}: {_unavailable_reason(b, device_type)}" for b in ("flash_attn", "torch_varlen"))
-    return [f"  WARNING: model.attn_implementation=auto runs sdpa_blockmask on this GPU, one attention call per "
-            f"sample with a host sync per layer (several times slower than a varlen kernel) because {reasons}. "
-            f"Install flash-attn ({GPU_INSTALL} in the checkout) or torch>=2.11 (PyTorch's own varlen flash attention)"]
 
 
 def register() -> None:

@@ -244,12 +244,10 @@ def _covers(experts) -> bool:
 
 
 def implementation_for(config) -> str | None:
-    """The grouped-GEMM experts implementation for a MoE model under a transformers that takes one; else None."""
+    """The grouped-GEMM experts implementation for a MoE model; None for a dense one."""
     if routing(config) is None:
         return None
-    try:
-        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-    except ImportError:
-        return None
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
     ALL_EXPERTS_FUNCTIONS.register(GROUPED_MM, grouped_experts_forward)
     return GROUPED_MM

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from sfttrain import checks, checkpoint, export, fp8, lora, moe, profiling, recompute
-from sfttrain.attention import describe_backend, fallback_warning
+from sfttrain.attention import describe_backend
 from sfttrain.checkpoint_folder import describe_retention, is_complete, read_state, remove_stale_tmp
 from sfttrain.config import Config, logger_names, moot_settings
 from sfttrain.data.loader import StepBatch, TrainData, describe_workers, step_batches, validation_batches
@@ -131,7 +131,6 @@ class FSDPSFTTrainer:
             f"{shape.trainable_params / 1e6:.2f}M trainable{shape.describe_active()}, {shape.num_layers} layers), "
             f"attention {describe_backend(self.resolved.attention)}",
             self.resolved.describe(cfg),
-            *fallback_warning(cfg.model.attn_implementation, self.resolved.attention, self.world.device.type),
             *lora.describe(cfg.model),
             *moe.describe_lora(self.lm.model, cfg.model),
             f"  loss                : {loss}",

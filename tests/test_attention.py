@@ -488,20 +488,6 @@ def test_autocast_with_fp32_weights(backend, kind):
 
 
 
-def test_auto_falling_back_to_the_per_sample_path_on_cuda_is_said():
-    """`auto` on CUDA without flash-attn and without torch's varlen op ends on sdpa_blockmask: the
-    start-up says so, with each kernel's reason (this machine's own) and what to install; any
-    other choice says nothing."""
-    from sfttrain.attention import fallback_warning
-
-    [line] = fallback_warning("auto", "sdpa_blockmask", "cuda")
-    assert "runs sdpa_blockmask on this GPU" in line and "pip install -e '.[gpu]' --no-build-isolation" in line
-    assert "flash_attn: " in line and "torch_varlen: " in line and "torch>=2.11" in line
-    for requested, chosen, device in (("auto", "torch_varlen", "cuda"), ("auto", "flash_attn", "cuda"),
-                                      ("sdpa_blockmask", "sdpa_blockmask", "cuda"), ("auto", "sdpa_blockmask", "cpu")):
-        assert fallback_warning(requested, chosen, device) == []
-
-
 def test_the_backend_travels_with_the_model_call(monkeypatch):
     """The backend a CausalLMLoss is made with reaches every layer's attention through its model call, as
     the row boundaries do: two losses over one model in one process each get their own, nothing to undo.

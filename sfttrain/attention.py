@@ -59,9 +59,8 @@ def available_backends(device_type: str) -> list[str]:
     return [b for b in BACKENDS if _unavailable_reason(b, device_type) is None]
 
 
-def select_backend(requested: str = "auto", device_type: str | None = None) -> str:
+def select_backend(requested: str, device_type: str) -> str:
     """"auto" (the first available of BACKENDS) or a named backend, refused saying why where it cannot run."""
-    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     if requested == "auto":
         return available_backends(device_type)[0]  # sdpa_blockmask is always available
     if requested not in BACKENDS:
@@ -139,8 +138,6 @@ def _run_cudnn_one_sample(q, k, v, scale):
 def _run_sdpa_blockmask(q, k, v, cu, max_len, scale, window, softcap):
     del max_len  # one causal SDPA per sample: nothing crosses a boundary, no [T, T] mask
     bounds = cu.tolist()
-    if bounds[0] != 0 or bounds[-1] != q.shape[0]:
-        raise ValueError(f"sdpa_blockmask needs cu_seq_lens_q from 0 to the row length {q.shape[0]}, got {bounds}")
     gqa, outs = k.shape[1] != q.shape[1], []
     for start, end in ((a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a):
         qs, ks, vs = (t[start:end].transpose(0, 1)[None] for t in (q, k, v))  # [1, H, L, D]: SDPA's fused kernels

@@ -17,7 +17,6 @@ from torch import nn
 from sfttrain import moe, quant
 from sfttrain.config import ConfigError, ModelConfig, mixed_precision_dtypes
 from sfttrain.dtypes import CONFIG_NAMES, DTYPE
-from sfttrain.errors import DependencyError
 
 ALL_LINEAR = "all-linear"  # peft's spelling: every nn.Linear except the output layer
 
@@ -44,11 +43,8 @@ def apply_lora(model: nn.Module, cfg: ModelConfig) -> nn.Module:
 
 
 def wrap(model: nn.Module, cfg: ModelConfig):
-    try:
-        from peft import LoraConfig, get_peft_model
-    except ImportError:
-        raise DependencyError("model.lora_rank > 0 needs peft, one of sfttrain's own requirements: pip install "
-                              "'peft>=0.21' (or pip install -e . in the checkout again)") from None
+    from peft import LoraConfig, get_peft_model
+
     target = check_target_modules(model, cfg.target_modules)
     experts, _ = moe.expert_lora_targets(model, cfg)
     config = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,

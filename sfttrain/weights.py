@@ -12,6 +12,7 @@ import zlib
 from collections.abc import Callable, Iterator
 
 import torch
+from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import register_module_parameter_registration_hook
@@ -102,8 +103,6 @@ def _read_checkpoint(model: nn.Module, path: str) -> None:
 
 
 def _tensor_files(path: str) -> dict[str, str]:
-    from safetensors import safe_open
-
     names: dict[str, str] = {}
     safetensors = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     for file in safetensors or sorted(glob.glob(os.path.join(path, "*.bin"))):
@@ -119,8 +118,6 @@ def _read_slice(file: str, name: str, index: tuple[slice, ...]) -> torch.Tensor:
     """Only the bytes of `index` are read; the file is opened per tensor, as a map kept open would
     keep every page it touched in this process's memory."""
     if file.endswith(".safetensors"):
-        from safetensors import safe_open
-
         with safe_open(file, framework="pt") as f:
             return f.get_slice(name)[index] if index else f.get_tensor(name)
     return torch.load(file, mmap=True, weights_only=True)[name][index].clone()

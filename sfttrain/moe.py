@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from sfttrain.config import ConfigError
@@ -225,8 +226,8 @@ def grouped_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torc
     offsets = torch.cumsum(per_expert, dim=0, dtype=torch.int32)
 
     x = hidden_states[order // top_k].to(dtype)
-    gate_up = torch._grouped_mm(x, self.gate_up_proj.to(dtype).transpose(-2, -1), offs=offsets)
-    y = torch._grouped_mm(self._apply_gate(gate_up), self.down_proj.to(dtype).transpose(-2, -1), offs=offsets)
+    gate_up = F.grouped_mm(x, self.gate_up_proj.to(dtype).transpose(-2, -1), offs=offsets)
+    y = F.grouped_mm(self._apply_gate(gate_up), self.down_proj.to(dtype).transpose(-2, -1), offs=offsets)
     y = y * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(dtype)
     back = torch.empty_like(order)
     back[order] = torch.arange(order.numel(), device=order.device)

@@ -79,8 +79,9 @@ def _local_index(param: torch.Tensor) -> tuple[slice, ...]:
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
-    """The tensor a rank holds itself (under no_grad, to_local returns it, not a view of it)."""
-    return param.to_local() if isinstance(param, DTensor) else param
+    """The tensor a rank holds itself: to_local returns a parameter's as a new view (torch >= 2.13), on which
+    the NF4 shard's scales (fill_shard) would not reach FSDP's."""
+    return param._local_tensor if isinstance(param, DTensor) else param
 
 
 def _read_checkpoint(model: nn.Module, path: str) -> None:

@@ -112,3 +112,22 @@ def test_fused_step_on_dtensor_parameters_needs_no_host_sync(one_rank_mesh, max_
     assert not bool(stepped)
     for p, b in zip(params, before):
         assert torch.equal(p.full_tensor().detach(), b)
+
+
+def test_a_resume_follows_the_current_config_s_schedule_from_its_step():
+    """set_step on a fresh optimizer and scheduler (a resume): the rate of the resumed step and of each later
+    one is the current config's schedule at that step (another lr and warmup than the checkpoint's), and
+    AdamW's settings are the current config's; the loop reads the rate from the optimizer's groups."""
+    from sfttrain.config import OptimConfig
+    from sfttrain.optim import build_optimizer, build_scheduler, lr_factor, set_step
+
+    model = torch.nn.Linear(4, 3)
+    cfg, total, step = OptimConfig(lr=2e-3, lr_warmup_steps=4, betas=[0.8, 0.9], weight_decay=0.1), 20, 7
+    optimizer = build_optimizer(model, OptimConfig(lr=1e-5, lr_warmup_steps=10))  # as the checkpoint's was
+    scheduler = build_scheduler(optimizer, cfg, total)
+    set_step(optimizer, scheduler, cfg, total, step)
+    for now in range(step, step + 3):
+        assert [g["lr"] for g in optimizer.param_groups] == [cfg.lr * lr_factor(now, cfg, total)] * 2
+        optimizer.step()
+        scheduler.step()
+    assert [(g["betas"], g["weight_decay"]) for g in optimizer.param_groups] == [((0.8, 0.9), 0.1), ((0.8, 0.9), 0.0)]

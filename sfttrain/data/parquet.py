@@ -394,8 +394,10 @@ def _cells(table: pa.Table, column: str) -> list:
 def _where(group: RowGroup, local: int) -> str:
     """The line of a JSON file, else the row in the user's file."""
     parquet = pq.ParquetFile(group.file)
-    if LINE_COLUMN in parquet.schema_arrow.names:
-        return f"{group.source} line {parquet.read_row_group(group.index, columns=[LINE_COLUMN]).column(0)[local]}"
+    line = (parquet.read_row_group(group.index, columns=[LINE_COLUMN]).column(0)[local].as_py()
+            if LINE_COLUMN in parquet.schema_arrow.names else None)  # None: a JSON list's row
+    if line is not None:
+        return f"{group.source} line {line}"
     row = local + sum(parquet.metadata.row_group(i).num_rows for i in range(group.index))
     header = {".csv", ".tsv"} & set(PurePath(group.source).suffixes)  # also of train.csv.gz
     return f"{group.source} row {row}" + (" (from 0, the header row not counted)" if header else "")

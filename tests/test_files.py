@@ -152,25 +152,6 @@ def test_a_file_not_in_utf8_is_named(tmp_path):
             open_source([str(tmp_path / name)], FIELDS, str(tmp_path / "run"))
 
 
-@pytest.mark.parametrize("orient", ["columns", "index", "split", "records"])
-def test_pandas_whole_table_json_is_named_with_the_orient_that_reads(tmp_path, orient):
-    """pandas' DataFrame.to_json writes one object holding the whole table unless told orient='records'
-    (its default, 'columns', maps each column to its cells by index): refused, naming the orient
-    written and the call that writes rows. The records form reads as the rows."""
-    pandas = pytest.importorskip("pandas")
-    rows = GSM8K[:3]
-    path = tmp_path / f"{orient}.json"
-    pandas.DataFrame(rows).to_json(path, orient=orient)
-    if orient == "records":
-        assert [r for r, *_ in read_all(open_source([str(path)], FIELDS, str(tmp_path / "run")))] == \
-            [r["question"] for r in rows]
-        return
-    with pytest.raises(DataError, match=rf"{orient}.json: the file is one object holding the whole table, as pandas' "
-                                        rf"DataFrame.to_json\(orient='{orient}'\) writes it.*"
-                                        r"df.to_json\(path, orient='records', lines=True\)$"):
-        open_source([str(path)], FIELDS, str(tmp_path / "run"))
-
-
 def test_a_pattern_reads_the_files_it_matches_and_a_folder_of_splits_is_refused(tmp_path):
     """A hub dataset's layout: data/ holds train-0000{0,1}-of-00002.parquet and test-00000-of-00001.parquet.
     The folder read whole would train on the test rows too: refused, with a pattern per split. The

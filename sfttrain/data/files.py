@@ -214,12 +214,6 @@ def csv_batches(source: str) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
 def json_batches(source: str) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
     """Two passes, the keys then the rows. Cells are kept as JSON text: pyarrow's JSON reader refuses a
     column that changes type, and datasets' names no line (docs/benchmarks.md)."""
-    head = list(itertools.islice(records(source), 2))
-    if len(head) == 1 and (orient := pandas_orient(head[0][1])):
-        raise DataError(f"{source}: the file is one object holding the whole table, as pandas' DataFrame.to_json("
-                        f"orient={orient!r}) writes it{' (its default)' * (orient == 'columns')}, "
-                        "not a row per object; "
-                        "write the rows instead: df.to_json(path, orient='records', lines=True)")
     keys = list(dict.fromkeys(key for _, row in records(source) for key in row))  # first-seen order
     if not keys:
         raise no_rows(source)
@@ -229,17 +223,6 @@ def json_batches(source: str) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
     return schema, (pa.record_batch([[None if row.get(key) is None else json.dumps(row[key], ensure_ascii=False)
                                       for _, row in batch] for key in keys] + [[line for line, _ in batch]],
                                     schema=schema) for batch in batches)
-
-
-def pandas_orient(row: dict) -> str | None:
-    """The orient of pandas' to_json for one object holding a whole table; None for a row."""
-    if {"columns", "data"} <= row.keys() and isinstance(row["data"], list):
-        return "split"
-    if not row or not all(isinstance(v, dict) and v for v in row.values()):
-        return None
-    if all(k.isdigit() for v in row.values() for k in v):
-        return "columns"
-    return "index" if all(k.isdigit() for k in row) else None
 
 
 def records(path: str) -> Iterator[tuple[int | None, dict]]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import PurePath
@@ -273,15 +272,8 @@ class ParquetSource:
     def _check_unchanged(self, group: RowGroup) -> None:
         stamp = file_stamp(group.file)
         if stamp != self._stamps[group.file]:
-            then = self._stamps[group.file]
-            now = ("deleted" if stamp is None else "another file in its place" if stamp[:2] != then[:2]
-                   else f"{then[2]} bytes -> {stamp[2]}, modified {_clock(then[3])} -> {_clock(stamp[3])}")
             raise DataFileChanged(group.source if group.source == group.file else f"{group.source} (as {group.file})",
-                                  now)
-
-
-def _clock(mtime_ns: int) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(mtime_ns / 1e9))
+                                  "deleted" if stamp is None else "rewritten or replaced")
 
 
 def _text(value, key_path: list[str]) -> str:

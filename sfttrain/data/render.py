@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
-from sfttrain.config import ConfigError, rendering_problems
+from sfttrain.config import ConfigError
 
 PROBE = "\x00sfttrain-probe\x00"  # an assistant content no real text contains
 TEMPLATE_FIX = "fix the template (data.chat_template=... replaces the tokenizer's) or the row"
@@ -184,8 +184,6 @@ def each_row(rows: list[tuple], render_one) -> list:
 class Renderer:
     def __init__(self, tokenizer, *, max_length: int, truncation: str, apply_chat_template: bool = True,
                  chat_template: str | None = None):
-        for problem in rendering_problems(max_length, truncation):
-            raise ConfigError(problem)
         if apply_chat_template and chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise ConfigError("the tokenizer has no chat template; pass a Jinja template (a file or its text) with "
                               "data.chat_template=..., e.g. that of the model's instruct version (or, for "

@@ -147,8 +147,9 @@ def test_a_file_not_in_utf8_is_named(tmp_path):
     (tmp_path / "late.csv").write_bytes("\n".join(["question,answer", *rows[:1500], "Café?,oui", *rows[1500:]])
                                         .encode("latin-1"))
     (tmp_path / "ps.jsonl").write_text('{"question": "q", "answer": "a"}\n', encoding="utf-16")
-    for name in ("gbk.csv", "late.csv", "ps.jsonl"):
-        with pytest.raises(DataError, match=rf"{name}: not UTF-8 text \(.*\); .* Save As 'CSV UTF-8'"):
+    for name, found in (("gbk.csv", "invalid UTF8"), ("late.csv", "invalid UTF8"), ("ps.jsonl", "can't decode")):
+        with pytest.raises(DataError, match=rf"{name}: not a readable .* file \(.*{found}.*\); text files are read as "
+                                            r"UTF-8 \(Excel: Save As 'CSV UTF-8'"):
             open_source([str(tmp_path / name)], FIELDS, str(tmp_path / "run"))
 
 

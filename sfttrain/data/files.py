@@ -28,7 +28,6 @@ from sfttrain.checkpoint_folder import replace_synced
 from sfttrain.data.parquet import JSON_CELLS, LINE_COLUMN, ChatMessages, ParquetSource, PromptResponse, no_rows
 from sfttrain.distributed import decided_by_rank0
 from sfttrain.errors import DataError
-from sfttrain import faults
 from sfttrain.faults import unreadable
 
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".arrow", ".csv", ".tsv")
@@ -178,12 +177,10 @@ def convert(source: str, target: str) -> None:
     except BaseException as e:
         if os.path.exists(tmp):
             os.remove(tmp)
-        if isinstance(e, UnicodeDecodeError) or text and faults.not_utf8(e):
-            raise DataError(f"{source}: not UTF-8 text ({e}); data files are read as UTF-8: write it again as UTF-8 "
-                            "(Excel: Save As 'CSV UTF-8'; PowerShell: Out-File -Encoding utf8; or iconv -f GBK -t "
-                            "UTF-8 with the encoding it has)") from None
-        if text and isinstance(e, pa.ArrowInvalid):
-            raise DataError(f"{source}: not a readable {data_format(source)[1:].upper()} file ({e})") from None
+        if isinstance(e, UnicodeDecodeError) or text and isinstance(e, pa.ArrowInvalid):  # also CSV's "invalid UTF8"
+            raise DataError(f"{source}: not a readable {data_format(source)[1:].upper()} file ({e}); text files are "
+                            "read as UTF-8 (Excel: Save As 'CSV UTF-8'; PowerShell: Out-File -Encoding utf8; or "
+                            "iconv -f GBK -t UTF-8 with the encoding it has)") from None
         if isinstance(e, OSError) and e.errno is None and source.endswith(COMPRESSED):  # the codec's, not the OS's
             raise DataError(f"{source}: cannot be decompressed ({e}); the file is cut short or not compressed as its "
                             f"name says: write it again, or name it for what it is") from None

@@ -327,11 +327,7 @@ def _turn(message: dict, where: str) -> dict:
 
 
 def _tool_calls(value, where: str) -> list[dict]:
-    try:
-        calls = json.loads(value) if isinstance(value, str) else value
-    except json.JSONDecodeError as e:
-        raise DataError(f"{where}: a function_call turn's value is not JSON ({e}); it holds the call as "
-                        '{"name": ..., "arguments": {...}}') from None
+    calls = _json(value, where)
     calls = calls if isinstance(calls, list) else [calls]
     if not all(isinstance(c, dict) and "name" in c for c in calls):
         raise DataError(f"{where}: a function_call turn's value is {str(value)[:80]!r}, not a call "

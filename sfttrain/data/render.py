@@ -155,15 +155,6 @@ class RenderedSample:
     full_length: int = 0  # tokens before truncation
 
 
-def check_answer(response: str, answer: str, apart_prompt: str | None) -> None:
-    """The trained answer is all of the response, and nothing the template writes before it."""
-    if apart_prompt is not None and not answer.lstrip().startswith(response.lstrip()[:1]):
-        raise AnswerNotLocated(f"the chat template's generation prompt {apart_prompt!r} is not in its rendering of "
-                               f"the row, which has {answer[:40]!r} where the answer goes: the answer cannot be told "
-                               f"from what the template writes before it; {TEMPLATE_FIX}")
-    check_whole([response], answer, "this row's response")
-
-
 class RowError(ValueError):
     def __init__(self, row: int, message: str):
         super().__init__(message)
@@ -240,7 +231,12 @@ class Renderer:
         span = answer_span(self.tokenizer, text, generation, self.turn_end,
                            lambda: self._template(user, False, "prompt"), "this row's answer", prompt_apart_ok=True)
         answer = text[span.start:span.stop]
-        check_answer(response, answer, generation[span.start:] if span.prompt_apart else None)
+        # the trained answer is all of the response, and nothing the template writes before it
+        if span.prompt_apart and not answer.lstrip().startswith(response.lstrip()[:1]):
+            raise AnswerNotLocated(f"the chat template's generation prompt {generation[span.start:]!r} is not in its "
+                                   f"rendering of the row, which has {answer[:40]!r} where the answer goes: the answer "
+                                   f"cannot be told from what the template writes before it; {TEMPLATE_FIX}")
+        check_whole([response], answer, "this row's response")
         return (generation if span.prompt_apart else text[:span.start]), answer
 
     def _apply(self, messages: list[dict], generation_prompt: bool, **kwargs) -> str:

@@ -136,12 +136,6 @@ def subfolders_with_data(path: str) -> list[str]:
                    if os.path.isfile(f) and data_format(f) in DATA_SUFFIXES})
 
 
-def unread_subfolders(paths: list[str]) -> dict[str, list[str]]:
-    """Said at start-up: the user may have meant them."""
-    folders = [p for p in map(os.path.expanduser, paths) if not is_pattern(p) and os.path.isdir(p)]
-    return {folder: inside for folder in folders if (inside := subfolders_with_data(folder))}
-
-
 def data_format(path: str) -> str:
     """.jsonl for train.jsonl and train.jsonl.gz."""
     root, suffix = os.path.splitext(path)

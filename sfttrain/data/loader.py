@@ -64,27 +64,40 @@ class RowStats:
         return rows if self.keep is None else rows[self.keep[rows]]
 
 
-def epoch_rows(source: ParquetSource, stats: RowStats, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
-    return stats.kept(source.epoch_order(seed, epoch, shuffle))
+class TrainData(IterableDataset):
+    """Steps from the data position `start` for torch's DataLoader, whose workers render outside the
+    loop's GIL; worker w of W builds steps w, w + W, ..., which the DataLoader's round-robin returns in order."""
 
-
-class TrainData:
     def __init__(self, source: ParquetSource, renderer: Renderer, plan: BatchPlan, stats: RowStats, dp_rank: int,
                  seed: int, shuffle: bool, attn_coef: float, pad_to: int, row_slice: tuple[int, int] = (0, 1)):
         self.source, self.renderer, self.plan, self.stats, self.dp_rank = source, renderer, plan, stats, dp_rank
         self.seed, self.shuffle, self.pad_to = seed, shuffle, pad_to
         self.row_slice = row_slice  # (this rank's slice, slices per row): Ulysses sequence parallelism
         self.attn_coef = attn_coef  # a sample's balancing cost: s + attn_coef * s^2
+        self.start = (0, 0)  # (epoch, samples of it consumed): step_batches sets it
 
     def positions(self, epoch: int, consumed: int) -> Iterator[tuple[np.ndarray, int, int]]:
         b = self.plan.global_batch
         while True:
-            order = epoch_rows(self.source, self.stats, self.seed, epoch, self.shuffle)
+            order = self.stats.kept(self.source.epoch_order(self.seed, epoch, self.shuffle))
             while consumed + b <= len(order):
                 rows = order[consumed:consumed + b]
                 consumed += b
                 yield rows, epoch, consumed
             epoch, consumed = epoch + 1, 0
+
+    def __iter__(self) -> Iterator[StepBatch | UserError]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        for position in itertools.islice(self.positions(*self.start), worker, None, workers):
+            try:
+                step = self.step(*position)
+            except UserError as e:  # passed on as an item: torch would re-raise it inside its traceback
+                yield e
+                return
+            # into shared memory here, where a full /dev/shm raises in the rank; torch's feeder thread
+            # would print the error and drop the step, the rank waiting for it forever
+            yield step.map_tensors(torch.Tensor.share_memory_) if info else step
 
     def step(self, rows: np.ndarray, epoch: int, consumed: int) -> StepBatch:
         """Every rank splits the step alike from the known lengths, then renders its own share."""
@@ -111,26 +124,6 @@ def check_counts(samples, stats: RowStats, source: ParquetSource) -> None:
                 f"cache is stale, e.g. the tokenizer files changed: delete {stats.cache_file} and start again")
 
 
-class StepStream(IterableDataset):
-    """Steps for torch's DataLoader, whose workers render outside the loop's GIL; worker w of W builds
-    steps w, w + W, ..., which the DataLoader's round-robin returns in order."""
-
-    def __init__(self, data: TrainData, epoch: int, consumed: int):
-        self.data, self.epoch, self.consumed = data, epoch, consumed
-
-    def __iter__(self) -> Iterator[StepBatch | UserError]:
-        info = get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        for position in itertools.islice(self.data.positions(self.epoch, self.consumed), worker, None, workers):
-            try:
-                step = self.data.step(*position)
-            except UserError as e:  # passed on as an item: torch would re-raise it inside its traceback
-                yield e
-                return
-            # into shared memory here, where a full /dev/shm raises in the rank; torch's feeder thread
-            # would print the error and drop the step, the rank waiting for it forever
-            yield step.map_tensors(torch.Tensor.share_memory_) if info else step
-
 
 PREFETCH = 2  # steps each data worker builds ahead (the DataLoader's prefetch_factor)
 OPEN_FILES_BASE = 256  # beside the steps in flight: libraries, sockets, files
@@ -154,7 +147,8 @@ def step_batches(data: TrainData, epoch: int, consumed: int, num_workers: int,
                  pin_memory: bool) -> Iterator[StepBatch]:
     """Pinned here, not by the DataLoader's pin thread: it sets torch's thread count to 1, which the
     autograd thread inherits, and torch.compile then recompiles the layers backward re-runs."""
-    steps = iter(DataLoader(StepStream(data, epoch, consumed), batch_size=None, num_workers=num_workers,
+    data.start = (epoch, consumed)
+    steps = iter(DataLoader(data, batch_size=None, num_workers=num_workers,
                             prefetch_factor=PREFETCH if num_workers else None,
                             worker_init_fn=leave_signals_to_the_rank if num_workers else None))
     try:

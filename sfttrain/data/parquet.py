@@ -293,9 +293,6 @@ def _text_hint(value, key_path: list[str]) -> str:
                 "messages, TRL's form: with data.multiturn.messages_key=[prompt,completion])")
     if value is None:  # a JSON file's row without the key reads as null too
         return (f"; this row has no value for it (or no key {key_path[-1]!r} at all): fill it in, or remove the row")
-    if isinstance(value, (int, float, bool)):  # an answer column of numbers: verl fails on them too, mid-run
-        return (f" ({value!r}): the text is what is trained, so write it as text in the file (\"{value}\" in JSON, a "
-                "string column in Parquet)")
     return ""
 
 

@@ -278,10 +278,10 @@ def test_a_row_that_does_not_render_is_named_with_its_line(tmp_path):
 
 
 def test_a_file_with_several_bad_rows_names_the_first_few_at_once(tmp_path, monkeypatch):
-    """Bad cells and rows that do not render, in two blocks of the start-up scan (one real gloo rank):
-    the first is said in full, the next ones by their lines and the count, so that one start finds them
-    rather than one start per row; the scan stops at five (a column of nulls is not read row by row),
-    its count then a lower bound, and fewer are counted exactly."""
+    """Bad cells and rows that do not render, in blocks of the start-up scan (one real gloo rank): the
+    first is said in full, the next ones by their lines and the count, so that one start finds them
+    rather than one start per row; the scan stops after the block that brings five (a column of nulls
+    is not rendered to its end), its count then a lower bound, and fewer are counted exactly."""
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
@@ -290,7 +290,7 @@ def test_a_file_with_several_bad_rows_names_the_first_few_at_once(tmp_path, monk
     from sfttrain.data.render import Renderer
     from tests.conftest import STORIES
 
-    rows = [{"question": "q", "answer": "a"} for _ in range(12)]
+    rows = [{"question": "q", "answer": "a"} for _ in range(16)]
     for i in (2, 5, 9, 10):
         rows[i]["answer"] = None
     rows[7]["question"] = "q " * 100  # over data.max_length
@@ -299,10 +299,10 @@ def test_a_file_with_several_bad_rows_names_the_first_few_at_once(tmp_path, monk
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     renderer = Renderer(AutoTokenizer.from_pretrained(STORIES), max_length=32, truncation="error",
                         apply_chat_template=False)
-    monkeypatch.setattr(loader, "SCAN_BLOCK_ROWS", 8)  # two blocks
+    monkeypatch.setattr(loader, "SCAN_BLOCK_ROWS", 4)  # the fourth is not rendered while 5 are found
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        with pytest.raises(DataError, match=rf"^{path} line 3: answer is null, expected a string; .* \(5 or more bad "
+        with pytest.raises(DataError, match=rf"^{path} line 3: answer is null, expected a string; .* \(6 or more bad "
                                             rf"rows; the next: line 6, line 8, line 10, line 11\)$"):
             render_share(open_source([str(path)], FIELDS, str(tmp_path / "run")), renderer, 0, 1)
         rows[11]["answer"], rows[10]["answer"] = "a", "a"

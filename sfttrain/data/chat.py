@@ -36,8 +36,9 @@ class ChatRenderer(Renderer):
                               "token of the tokenizer's own; data.multiturn needs a template that ends each assistant "
                               "turn with one, where the next turn's text starts (set data.chat_template=...)")
 
-    def render_many(self, rows: list[tuple[list[dict], dict, int]]) -> list[RenderedSample]:
-        return each_row(rows, lambda r: self.render(*r))
+    def render_many(self, rows: list[tuple[list[dict], dict, int]],
+                    failed: list[RowError] | None = None) -> list[RenderedSample]:
+        return each_row(rows, lambda r: self.render(*r), failed)
 
     def render(self, messages: list[dict], kwargs: dict, row: int) -> RenderedSample:
         check_messages(messages, row)

@@ -233,54 +233,36 @@ SCAN_BLOCK_ROWS = 4096  # rows read and rendered at once by the start-up scan
 NAMED_BAD_ROWS = 5  # said at once, not one bad row per start
 
 
-def _render_block(source: ParquetSource, renderer: Renderer, rows: np.ndarray,
-                  bad: list[tuple[int, str]]) -> list[RenderedSample]:
-    """A block with a bad row is rendered row by row, each bad one added to `bad` as (row, message)."""
-    try:
-        return renderer.render_many(source.read(rows))
-    except (DataError, RowError):
-        pass
-    samples = []
-    for row in rows:
-        if len(bad) == NAMED_BAD_ROWS:  # enough to name: the scan stops (a column of nulls is not read row by row)
-            break
-        try:
-            samples += renderer.render_many(source.read(np.array([row])))
-        except RowError as e:  # the rendering of a row failed: its file and row (or line) replace its `row N`
-            text = re.sub(rf"^row {e.row}(: | )", lambda m: "the row " * (m[1] == " "), str(e))
-            bad.append((int(row), f"{source.where(e.row)}: {text}"))
-        except DataError as e:  # a bad cell names its file and row first; another error is the file's
-            if not str(e).startswith(source.where(int(row)) + ":"):
-                raise
-            bad.append((int(row), str(e)))
-    return samples
-
-
 def _scan(source: ParquetSource, renderer: Renderer, rank: int, world: int,
           keep: bool) -> tuple[list[RenderedSample], np.ndarray]:
     """Collective: (the samples if keep, [row, *STATS] per row) of this rank's share. A bad row on any
     rank stops every rank with one message."""
-    error, bad, samples, stats = None, [], [], []
+    error, bad, samples, stats, stopped = None, [], [], [], False
     first, end = rank * source.num_rows // world, (rank + 1) * source.num_rows // world  # this rank's share
     try:
         for start in range(first, end, SCAN_BLOCK_ROWS):  # a block at a time: never a share's text all in memory
-            if len(bad) == NAMED_BAD_ROWS:
+            if stopped := len(bad) >= NAMED_BAD_ROWS:  # enough to name: the rest is not rendered
                 break
-            for sample in _render_block(source, renderer, np.arange(start, min(start + SCAN_BLOCK_ROWS, end)), bad):
+            failed: list[RowError] = []
+            block = renderer.render_many(source.read(np.arange(start, min(start + SCAN_BLOCK_ROWS, end)), bad), failed)
+            for e in failed:  # a row that does not render: its file and row (or line) replace its `row N`
+                text = re.sub(rf"^row {e.row}(: | )", lambda m: "the row " * (m[1] == " "), str(e))
+                bad.append((e.row, f"{source.where(e.row)}: {text}"))
+            for sample in block:
                 stats.append((sample.row, len(sample.input_ids), loss_tokens(sample), sample.full_length,
                               digest(sample)))
                 if keep:
                     samples.append(sample)
     except DataError as e:  # not a row's: the file's
         error = str(e)
-    found = from_every_rank((error, len(bad), bad[:NAMED_BAD_ROWS]))
-    if first := next((e for e, _, _ in found if e), None):
+    found = from_every_rank((error, len(bad), sorted(bad)[:NAMED_BAD_ROWS], stopped))
+    if first := next((e for e, *_ in found if e), None):
         raise DataError(first)
-    if total := sum(n for _, n, _ in found):
-        rows = sorted(b for _, _, named in found for b in named)
+    if total := sum(n for _, n, _, _ in found):
+        rows = sorted(b for _, _, named, _ in found for b in named)
         file = source.where(rows[0][0]).rsplit(" ", 2)[0]  # the next rows in that file by their row or line alone
         more = ", ".join(source.where(row).removeprefix(file + " ") for row, _ in rows[1:NAMED_BAD_ROWS])
-        count = f"{total} or more" if any(n == NAMED_BAD_ROWS for _, n, _ in found) else str(total)
+        count = f"{total} or more" if any(s for *_, s in found) else str(total)
         raise DataError(rows[0][1] + (f" ({count} bad rows; the next: {more})" if total > 1 else ""))
     return samples, np.array(stats, dtype=np.int64).reshape(-1, 1 + len(STATS))
 

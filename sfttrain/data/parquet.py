@@ -234,10 +234,11 @@ class ParquetSource:
             order.append(rng.permutation(np.concatenate(window)))
         return np.concatenate(order)
 
-    def read(self, rows: np.ndarray) -> list[tuple]:
+    def read(self, rows: np.ndarray, bad: Optional[list[tuple[int, str]]] = None) -> list[tuple]:
         """(prompt, response, row) or (messages, template kwargs, row) per row id, one `take` per group.
         Groups go in the order rows first name them, so the cache trimmed after the read drops the
-        window that ended, not the one that began."""
+        window that ended, not the one that began. A bad cell raises, or with `bad` its row is left out
+        and added to it as (row, message)."""
         rows = np.asarray(rows, dtype=np.int64)
         groups = np.searchsorted(self._starts, rows, side="right") - 1
         out: list = [None] * len(rows)
@@ -251,10 +252,12 @@ class ParquetSource:
                 try:
                     out[i] = (*self.fields.decode(dict(zip(columns, cells))), group.first_row + local)
                 except DataError as e:  # a cell's: named by its row (or line)
-                    raise DataError(f"{_where(group, local)}: {e}") from None
+                    if bad is None:
+                        raise DataError(f"{_where(group, local)}: {e}") from None
+                    bad.append((group.first_row + local, f"{_where(group, local)}: {e}"))
         while sum(t.num_rows for t in self._cache.values()) > self._cache_rows and len(self._cache) > 1:
             self._cache.popitem(last=False)  # after the read: no group of this request is evicted during it
-        return out
+        return [row for row in out if row is not None]
 
     def _group(self, g: int) -> pa.Table:
         if g in self._cache:

@@ -161,14 +161,17 @@ class RowError(ValueError):
         self.row = row
 
 
-def each_row(rows: list[tuple], render_one) -> list:
-    """render_one of each row tuple (its last item the row id); a failure is a RowError naming it."""
+def each_row(rows: list[tuple], render_one, failed: list[RowError] | None = None) -> list:
+    """render_one of each row tuple (its last item the row id); a failure is a RowError naming it,
+    raised, or with `failed` added to it and the row left out."""
     out = []
     for r in rows:
         try:
             out.append(render_one(r))
         except ValueError as e:
-            raise RowError(r[-1], str(e)) from e
+            if failed is None:
+                raise RowError(r[-1], str(e)) from e
+            failed.append(RowError(r[-1], str(e)))
     return out
 
 
@@ -209,15 +212,17 @@ class Renderer:
     def render(self, prompt: str, response: str, row: int) -> RenderedSample:
         return self.render_many([(prompt, response, row)])[0]
 
-    def render_many(self, rows: list[tuple[str, str, int]]) -> list[RenderedSample]:
-        """One tokenizer call for the contexts and one for the answers: a fast tokenizer uses every core."""
-        if not rows:
+    def render_many(self, rows: list[tuple[str, str, int]],
+                    failed: list[RowError] | None = None) -> list[RenderedSample]:
+        """One tokenizer call for the contexts and one for the answers: a fast tokenizer uses every core.
+        `failed`: as each_row's."""
+        texts = each_row(rows, lambda r: (*self._texts(r[0], r[1]), r[2]), failed)
+        if not texts:
             return []
-        texts = each_row(rows, lambda r: self._texts(r[0], r[1]))
         # special tokens (e.g. BOS) for a plain prompt; a chat template writes its own
-        contexts = self.tokenizer([c for c, _ in texts], add_special_tokens=not self.apply_chat_template)["input_ids"]
-        answers = self.tokenizer([a for _, a in texts], add_special_tokens=False)["input_ids"]
-        return each_row(list(zip(contexts, answers, (r[2] for r in rows))), lambda t: self._pair(*t))
+        contexts = self.tokenizer([t[0] for t in texts], add_special_tokens=not self.apply_chat_template)["input_ids"]
+        answers = self.tokenizer([t[1] for t in texts], add_special_tokens=False)["input_ids"]
+        return each_row(list(zip(contexts, answers, (t[2] for t in texts))), lambda t: self._pair(*t), failed)
 
     def _texts(self, prompt: str, response: str) -> tuple[str, str]:
         """(context, answer) as text: the template's rendering of one user turn and its answer, split."""

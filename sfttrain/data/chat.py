@@ -69,9 +69,8 @@ class ChatRenderer(Renderer):
                                                    f"messages, {sum(loss_mask)} trained")
 
     def _assistant_span(self, text: str, messages: list[dict], kwargs: dict, i: int) -> tuple[int, int]:
-        span = answer_span(self.tokenizer, text, self._apply(messages[:i], True, **kwargs), self.turn_end,
-                           lambda: self._apply(messages[:i], False, **kwargs), f"assistant message {i}")
-        return span.start, span.stop
+        return answer_span(self.tokenizer, text, self._apply(messages[:i], True, **kwargs), self.turn_end,
+                           lambda: self._apply(messages[:i], False, **kwargs), f"assistant message {i}")[:2]
 
 
 def check_turns_apart(spans: list[tuple[int, int]], turns: list[int], end_token: str, row: int) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import Callable
 
 from sfttrain.config import ConfigError
 
@@ -69,16 +69,11 @@ def turn_end(tokenizer, chat_template: str | None) -> TurnEnd:
     return TurnEnd("", None, after)  # whitespace only: the renderer appends EOS
 
 
-class AnswerSpan(NamedTuple):
-    start: int  # where the answer starts in the template's text of the conversation
-    stop: int  # where it ends: after its end-of-turn token
-    prompt_apart: bool  # the template writes its generation prompt for generation only (see answer_span)
-
-
 def answer_span(tokenizer, text: str, prompt: str, end: TurnEnd, before: Callable[[], str], where: str,
-                prompt_apart_ok: bool = False) -> AnswerSpan:
-    """The answer's span in `text`, whose messages before it render to `prompt` with the generation
-    prompt (`before()`: without). A generation prompt written for generation only (`Answer: `) is
+                prompt_apart_ok: bool = False) -> tuple[int, int, bool]:
+    """The answer's span in `text` (start, stop after its end-of-turn token, and whether the generation
+    prompt is apart), whose messages before it render to `prompt` with the generation prompt
+    (`before()`: without). A generation prompt written for generation only (`Answer: `) is
     refused unless `prompt_apart_ok` (a prompt/response row: its context is then what inference sees;
     a conversation's later turns would see the answer without it)."""
     start, apart = ((len(prompt), False) if text.startswith(prompt) else
@@ -90,11 +85,11 @@ def answer_span(tokenizer, text: str, prompt: str, end: TurnEnd, before: Callabl
         if not text.endswith(end.tail):
             raise AnswerNotLocated(f"the chat template does not end {where} with {end.tail!r}, as it ends a probe "
                                    "answer")
-        return AnswerSpan(start, max(start, len(text) - len(end.tail)), apart)
+        return start, max(start, len(text) - len(end.tail)), apart
     stop = text.find(end.token, start)
     if stop < 0:
         raise AnswerNotLocated(f"{where}: no end-of-turn token {end.token!r} after it in the rendered conversation")
-    return AnswerSpan(start, stop + len(end.token), apart)
+    return start, stop + len(end.token), apart
 
 
 def _start_past(tokenizer, text: str, prompt: str, before: str, where: str) -> tuple[int, bool]:
@@ -233,16 +228,17 @@ class Renderer:
         generation = self._template(user, True, "prompt (as one user turn)")
         text = self._template(user + [{"role": "assistant", "content": response}], False,
                               "response (as the answer to its prompt)")
-        span = answer_span(self.tokenizer, text, generation, self.turn_end,
-                           lambda: self._template(user, False, "prompt"), "this row's answer", prompt_apart_ok=True)
-        answer = text[span.start:span.stop]
+        start, stop, apart = answer_span(self.tokenizer, text, generation, self.turn_end,
+                                         lambda: self._template(user, False, "prompt"), "this row's answer",
+                                         prompt_apart_ok=True)
+        answer = text[start:stop]
         # the trained answer is all of the response, and nothing the template writes before it
-        if span.prompt_apart and not answer.lstrip().startswith(response.lstrip()[:1]):
-            raise AnswerNotLocated(f"the chat template's generation prompt {generation[span.start:]!r} is not in its "
+        if apart and not answer.lstrip().startswith(response.lstrip()[:1]):
+            raise AnswerNotLocated(f"the chat template's generation prompt {generation[start:]!r} is not in its "
                                    f"rendering of the row, which has {answer[:40]!r} where the answer goes: the answer "
                                    f"cannot be told from what the template writes before it; {TEMPLATE_FIX}")
         check_whole([response], answer, "this row's response")
-        return (generation if span.prompt_apart else text[:span.start]), answer
+        return (generation if apart else text[:start]), answer
 
     def _apply(self, messages: list[dict], generation_prompt: bool, **kwargs) -> str:
         return apply_template(self.tokenizer, messages, add_generation_prompt=generation_prompt,

@@ -66,7 +66,7 @@ def scan_rows(cfg: Config, source: ParquetSource, renderer: Renderer, tokenizer,
     if len(empty) and d.no_loss_rows == "error":
         raise ConfigError(
             f"{len(empty)} training rows have no supervised token left after data.truncation={d.truncation} "
-            f"to data.max_length={d.max_length} (their prompt fills it), e.g. rows {_first(empty)}. Set "
+            f"to data.max_length={d.max_length} (their prompt fills it), e.g. rows {_rows(empty)['rows']}. Set "
             "data.no_loss_rows=drop to train without them, or raise data.max_length (or data.truncation=left, "
             "which keeps the response's end)")
     stats = dataclasses.replace(stats, keep=stats.loss_tokens > 0)
@@ -259,7 +259,7 @@ def _summary(values: np.ndarray) -> dict:
 
 
 def _rows(rows) -> dict:
-    return {"count": len(rows), "rows": _first(rows)}
+    return {"count": len(rows), "rows": [int(r) for r in rows[:SHOWN_ROWS]]}
 
 
 def _row_list(section: dict) -> str:
@@ -268,7 +268,3 @@ def _row_list(section: dict) -> str:
 
 def _listed(shown: list, count: int) -> str:
     return "[" + ", ".join(map(str, shown)) + (", ..." if count > len(shown) else "") + "]"
-
-
-def _first(rows) -> list[int]:
-    return [int(r) for r in rows[:SHOWN_ROWS]]

@@ -103,12 +103,9 @@ def hub_id_hint(path: str) -> str:
 
 def _form_hint(names: list[str]) -> str:
     """The keys for the form of data a file's columns suggest (README: Your own data)."""
-    if "messages" in names:
-        return ("; the file has a 'messages' column: for conversations set data.multiturn.enable=true "
-                "data.multiturn.messages_key=messages")
-    if "conversations" in names:
-        return ("; the file has a 'conversations' column (ShareGPT's form): data.multiturn.enable=true "
-                "data.multiturn.messages_key=conversations")
+    if chat := next((name for name in ("messages", "conversations") if name in names), None):  # OpenAI's, ShareGPT's
+        return (f"; the file has a {chat!r} column: for conversations set data.multiturn.enable=true "
+                f"data.multiturn.messages_key={chat}")
     if {"prompt", "completion"} <= set(names):
         return ("; TRL's prompt-completion columns: data.prompt_key=prompt data.response_key=completion (where they "
                 "hold message lists: data.multiturn.enable=true data.multiturn.messages_key=[prompt,completion])")

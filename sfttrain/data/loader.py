@@ -124,7 +124,6 @@ def check_counts(samples, stats: RowStats, source: ParquetSource) -> None:
                 f"cache is stale, e.g. the tokenizer files changed: delete {stats.cache_file} and start again")
 
 
-
 PREFETCH = 2  # steps each data worker builds ahead (the DataLoader's prefetch_factor)
 OPEN_FILES_BASE = 256  # beside the steps in flight: libraries, sockets, files
 

@@ -282,18 +282,15 @@ def _text(value, key_path: list[str]) -> str:
             raise DataError(f"no key {key!r} under {key_path[0]!r}; check data.prompt_dict_keys / "
                             "data.response_dict_keys")
         value = value[key]
-    if not isinstance(value, str):
-        raise DataError(f"{'.'.join(key_path)} is {_kind(value)}, expected a string{_text_hint(value, key_path)}")
-    return value
-
-
-def _text_hint(value, key_path: list[str]) -> str:
     if isinstance(value, list):
-        return ("; for conversations set data.multiturn.enable=true (a prompt and a completion that are lists of "
-                "messages, TRL's form: with data.multiturn.messages_key=[prompt,completion])")
-    if value is None:  # a JSON file's row without the key reads as null too
-        return (f"; this row has no value for it (or no key {key_path[-1]!r} at all): fill it in, or remove the row")
-    return ""
+        raise DataError(f"{'.'.join(key_path)} is list, expected a string; for conversations set "
+                        "data.multiturn.enable=true (a prompt and a completion that are lists of messages, TRL's "
+                        "form: with data.multiturn.messages_key=[prompt,completion])")
+    if not isinstance(value, str):  # a JSON file's row without the key reads as null too
+        raise DataError(f"{'.'.join(key_path)} is {_kind(value)}, expected a string" + (
+            f"; this row has no value for it (or no key {key_path[-1]!r} at all): fill it in, or remove the row"
+            if value is None else ""))
+    return value
 
 
 # other formats' names of the chat templates' roles: ShareGPT's turns ({"from": "human", "value": ...}),

@@ -367,6 +367,9 @@ def test_a_folder_that_save_to_disk_wrote_reads_as_its_rows(tmp_path):
     with pytest.raises(DataError, match=f"a DatasetDict .*: {tmp_path / 'splits' / 'test'}, "
                                         f"{tmp_path / 'splits' / 'train'}"):
         open_source([str(tmp_path / "splits")], FIELDS, run_dir)
+    (saved / "state.json").write_text("{")  # damaged: named, with the fix, not a traceback
+    with pytest.raises(DataError, match=f"{saved}: datasets' load_from_disk cannot read it .*save the dataset again"):
+        open_source([str(saved)], FIELDS, run_dir)
 
 
 def test_csv_and_tsv_files_read_as_the_rows_written(tmp_path):

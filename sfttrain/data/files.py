@@ -105,7 +105,11 @@ def folder_files(path: str) -> list[str]:
     if any(os.path.isfile(os.path.join(path, name)) for name in SAVED_DATASETS):
         import datasets  # a folder save_to_disk wrote: its Arrow files, in the order datasets reads them
 
-        saved = datasets.load_from_disk(path)
+        try:
+            saved = datasets.load_from_disk(path)
+        except (OSError, ValueError, KeyError) as e:
+            raise DataError(f"{path}: datasets' load_from_disk cannot read it ({type(e).__name__}: {e}); save the "
+                            "dataset again with save_to_disk, or to Parquet with to_parquet") from None
         if isinstance(saved, datasets.DatasetDict):
             splits = ", ".join(os.path.join(path, split) for split in sorted(saved))
             raise DataError(f"{path}: a DatasetDict that datasets' save_to_disk wrote; point data.train_files / "

@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from sfttrain.data.batching import batch_problem, nearest_valid_batches
+from sfttrain.data.batching import batch_problem
 from sfttrain.plan import DenseShape, main
 from tests.conftest import BASE_OVERRIDES, REPO, STORIES, checkpoint_tensor_bytes, rank_env, run_sfttrain, two_rank_job
 
@@ -219,8 +219,8 @@ def test_suggested_batch_sizes_are_valid_and_nearest(mb, dp, budget):
             continue
         valid = [v for v in range(1, 200) if batch_problem(v, mb, dp, budget) is None]
         below, above = [v for v in valid if v < b], [v for v in valid if v > b]
-        assert nearest_valid_batches(b, mb, dp, budget) == ([below[-1]] if below else []) + [above[0]]
-        assert "use data.train_batch_size=" in batch_problem(b, mb, dp, budget)
+        nearest = " or ".join(map(str, ([below[-1]] if below else []) + [above[0]]))
+        assert re.search(rf"; use data.train_batch_size={nearest}(,|$)", batch_problem(b, mb, dp, budget)), b
 
 
 def run_plan(*argv: str) -> tuple[int, str]:
@@ -365,11 +365,10 @@ def test_preflight_lists_what_the_run_would_stop_on(gsm8k_head, tmp_path):
     code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={gsm8k_head.parent}/tr*.parquet", "--nproc", "1")
     rows = pq.read_metadata(gsm8k_head).num_rows
     assert code == 0 and f"  files               : 1: {gsm8k_head} ({rows} rows)" in out, out
-    # a file listed twice is read twice: said as such (it was one file of twice its rows)
+    # a file listed twice is read twice (it was one file of twice its rows)
     code, out = run_plan(*BASE_OVERRIDES, f"data.train_files=[{gsm8k_head},{gsm8k_head}]", "--nproc", "1")
-    assert code == 0 and (f"  files               : 2: {gsm8k_head} ({rows} rows), {gsm8k_head} ({rows} rows); "
-                          f"listed more than once: {gsm8k_head} 2 times, so its rows train as many times "
-                          f"an epoch") in out, out
+    assert code == 0 and f"  files               : 2: {gsm8k_head} ({rows} rows), {gsm8k_head} ({rows} rows)\n" \
+        in out, out
 
     # a hub dataset's id (TRL's way) is not on this machine, nor on any other: the problem says what to do
     code, out = run_plan(*BASE_OVERRIDES, "data.train_files=openai/gsm8k", "--nproc", "1")
@@ -797,18 +796,3 @@ def test_preflight_lists_a_refused_rendering_setting_once(gsm8k_head, tmp_path):
                          "data.max_length=1", f"trainer.default_local_dir={tmp_path / 'run'}", "--nproc", "1")
     problems = out.split("problems:")[-1]
     assert code == 2 and problems.count("data.truncation") == 1 and problems.count("data.max_length") == 1, out
-
-
-def test_a_folders_subfolders_with_data_are_said_as_not_read(gsm8k_head, tmp_path):
-    """A folder with data files of its own stands for those: its subfolders' files are not read. The report
-    says so (the user may have meant them), and the pattern it names reads them all."""
-    (tmp_path / "data" / "more").mkdir(parents=True)
-    shutil.copy(gsm8k_head, tmp_path / "data" / "train.parquet")
-    shutil.copy(gsm8k_head, tmp_path / "data" / "more" / "extra.parquet")
-    code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={tmp_path / 'data'}", "--nproc", "1")
-    assert code == 0 and "  files               : 1: " in out and (
-        f"  NOTE: {tmp_path / 'data'}'s subfolder {tmp_path / 'data' / 'more'} holds data files that are not read (a "
-        f"folder's own files are); list them in data.train_files, or give the pattern {tmp_path / 'data' / '**' / '*'}"
-    ) in out, out
-    code, out = run_plan(*BASE_OVERRIDES, f"data.train_files={tmp_path / 'data' / '**' / '*'}", "--nproc", "1")
-    assert code == 0 and "  files               : 2: " in out and "data files that are not read" not in out, out

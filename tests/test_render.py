@@ -281,13 +281,6 @@ def test_truncation_right_keeps_the_start(qwen25, long_row):
     assert row["answer"].startswith(supervised(qwen25, s))
 
 
-def test_invalid_arguments(qwen25):
-    with pytest.raises(ValueError, match=r"data.truncation='middle' is not one of \['error', 'left', 'right'\]"):
-        Renderer(qwen25, max_length=512, truncation="middle")
-    with pytest.raises(ValueError, match="data.max_length"):
-        Renderer(qwen25, max_length=0, truncation="error")
-
-
 def test_missing_eos_is_an_error():
     tok = AutoTokenizer.from_pretrained(ASSETS / "models/stories260K", eos_token=None)
     assert tok.eos_token_id is None

@@ -118,11 +118,6 @@ def batch_problem(b: int, mb: int, dp_size: int, token_budget: Optional[int], sp
         other_fix = f", or a data.micro_batch_size_per_gpu that divides {per_rank}"
     else:
         return None
-    valid = " or ".join(str(v) for v in nearest_valid_batches(b, mb, dp_size, token_budget))
+    step = dp_size if token_budget else dp_size * mb  # the batches that split are its multiples: the nearest two
+    valid = " or ".join(str(v) for v in (b // step * step, (b // step + 1) * step) if v > 0)
     return f"{problem}; use data.train_batch_size={valid}{other_fix}"
-
-
-def nearest_valid_batches(b: int, mb: int, dp_size: int, token_budget: Optional[int]) -> list[int]:
-    """The nearest global batch sizes below and above b that batch_problem accepts: its multiples of `step`."""
-    step = dp_size if token_budget else dp_size * mb
-    return [v for v in (b // step * step, (b // step + 1) * step) if v > 0]

@@ -36,8 +36,9 @@ class ChatRenderer(Renderer):
                               "token of the tokenizer's own; data.multiturn needs a template that ends each assistant "
                               "turn with one, where the next turn's text starts (set data.chat_template=...)")
 
-    def render_many(self, rows: list[tuple[list[dict], dict, int]]) -> list[RenderedSample]:
-        return each_row(rows, lambda r: self.render(*r))
+    def render_many(self, rows: list[tuple[list[dict], dict, int]],
+                    failed: list[RowError] | None = None) -> list[RenderedSample]:
+        return each_row(rows, lambda r: self.render(*r), failed)
 
     def render(self, messages: list[dict], kwargs: dict, row: int) -> RenderedSample:
         check_messages(messages, row)
@@ -68,9 +69,8 @@ class ChatRenderer(Renderer):
                                                    f"messages, {sum(loss_mask)} trained")
 
     def _assistant_span(self, text: str, messages: list[dict], kwargs: dict, i: int) -> tuple[int, int]:
-        span = answer_span(self.tokenizer, text, self._apply(messages[:i], True, **kwargs), self.turn_end,
-                           lambda: self._apply(messages[:i], False, **kwargs), f"assistant message {i}")
-        return span.start, span.stop
+        return answer_span(self.tokenizer, text, self._apply(messages[:i], True, **kwargs), self.turn_end,
+                           lambda: self._apply(messages[:i], False, **kwargs), f"assistant message {i}")[:2]
 
 
 def check_turns_apart(spans: list[tuple[int, int]], turns: list[int], end_token: str, row: int) -> None:

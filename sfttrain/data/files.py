@@ -10,7 +10,6 @@ that differ in keys and types read back as written, and a bad cell is named with
 
 from __future__ import annotations
 
-import codecs
 import difflib
 import glob
 import hashlib
@@ -29,19 +28,16 @@ from sfttrain.checkpoint_folder import replace_synced
 from sfttrain.data.parquet import JSON_CELLS, LINE_COLUMN, ChatMessages, ParquetSource, PromptResponse, no_rows
 from sfttrain.distributed import decided_by_rank0
 from sfttrain.errors import DataError
-from sfttrain import faults
 from sfttrain.faults import unreadable
 
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".arrow", ".csv", ".tsv")
 DATA_PATTERNS = ", ".join("*" + s for s in DATA_SUFFIXES)  # for messages
 TEXT_SUFFIXES = (".jsonl", ".json", ".csv", ".tsv")  # formats that may come compressed
 COMPRESSED = (".gz", ".bz2", ".zst")  # pyarrow detects the codec by the suffix
-SAVED_DATASET = "state.json"  # in a folder datasets' save_to_disk wrote (beside dataset_info.json)
-SAVED_DATASET_DICT = "dataset_dict.json"  # in the folder of a DatasetDict's save_to_disk (a folder per split)
+SAVED_DATASETS = ("state.json", "dataset_dict.json")  # in a folder datasets' save_to_disk wrote (Dataset, DatasetDict)
 CONVERTED_DIR = "data_cache"  # in the run folder: the JSON, CSV and Arrow files converted to Parquet
 ROW_GROUP_ROWS = 1000  # rows per row group of a conversion (as data_prep/gsm8k.py writes)
 FORMAT_VERSION = 1  # part of a conversion's name: a change of format converts again
-SPACE = re.compile(r"\s*")
 SPLITS = ("train", "test", "validation", "valid", "val", "dev", "eval")  # a split named in a file name, as a word
 
 
@@ -106,12 +102,19 @@ def pattern_files(pattern: str) -> list[str]:
 
 
 def folder_files(path: str) -> list[str]:
-    if os.path.isfile(os.path.join(path, SAVED_DATASET_DICT)):
-        splits = sorted(name for name in os.listdir(path) if os.path.isdir(os.path.join(path, name)))
-        raise DataError(f"{path}: a DatasetDict that datasets' save_to_disk wrote; point data.train_files / "
-                        f"data.val_files at one of its splits: {', '.join(os.path.join(path, s) for s in splits)}")
-    if os.path.isfile(os.path.join(path, SAVED_DATASET)):
-        return saved_dataset_files(path)
+    if any(os.path.isfile(os.path.join(path, name)) for name in SAVED_DATASETS):
+        import datasets  # a folder save_to_disk wrote: its Arrow files, in the order datasets reads them
+
+        try:
+            saved = datasets.load_from_disk(path)
+        except (OSError, ValueError, KeyError) as e:
+            raise DataError(f"{path}: datasets' load_from_disk cannot read it ({type(e).__name__}: {e}); save the "
+                            "dataset again with save_to_disk, or to Parquet with to_parquet") from None
+        if isinstance(saved, datasets.DatasetDict):
+            splits = ", ".join(os.path.join(path, split) for split in sorted(saved))
+            raise DataError(f"{path}: a DatasetDict that datasets' save_to_disk wrote; point data.train_files / "
+                            f"data.val_files at one of its splits: {splits}")
+        return [f["filename"] for f in saved.cache_files]
     found = sorted(name for name in os.listdir(path) if data_format(name) in DATA_SUFFIXES and not name.startswith("."))
     if not found:
         inside = subfolders_with_data(path)
@@ -137,12 +140,6 @@ def subfolders_with_data(path: str) -> list[str]:
                    if os.path.isfile(f) and data_format(f) in DATA_SUFFIXES})
 
 
-def unread_subfolders(paths: list[str]) -> dict[str, list[str]]:
-    """Said at start-up: the user may have meant them."""
-    folders = [p for p in map(os.path.expanduser, paths) if not is_pattern(p) and os.path.isdir(p)]
-    return {folder: inside for folder in folders if (inside := subfolders_with_data(folder))}
-
-
 def data_format(path: str) -> str:
     """.jsonl for train.jsonl and train.jsonl.gz."""
     root, suffix = os.path.splitext(path)
@@ -152,16 +149,6 @@ def data_format(path: str) -> str:
 
 def open_text(path: str):
     return io.TextIOWrapper(pa.input_stream(path, compression="detect"), encoding="utf-8-sig")
-
-
-def saved_dataset_files(path: str) -> list[str]:
-    try:
-        with open(os.path.join(path, SAVED_DATASET)) as f:
-            names = [entry["filename"] for entry in json.load(f)["_data_files"]]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise DataError(f"{path}: its {SAVED_DATASET} does not list the dataset's Arrow files ({e}); save the dataset "
-                        "again with save_to_disk, or to Parquet with to_parquet") from None
-    return [os.path.join(path, name) for name in names]
 
 
 def cached_parquet(source: str, run_dir: str) -> str:
@@ -188,10 +175,10 @@ def convert(source: str, target: str) -> None:
     except BaseException as e:
         if os.path.exists(tmp):
             os.remove(tmp)
-        if isinstance(e, UnicodeDecodeError) or text and faults.not_utf8(e):  # pyarrow names no line
-            raise not_utf8(source) from None
-        if text and isinstance(e, pa.ArrowInvalid):
-            raise DataError(f"{source}: not a readable {data_format(source)[1:].upper()} file ({e})") from None
+        if isinstance(e, UnicodeDecodeError) or text and isinstance(e, pa.ArrowInvalid):  # also CSV's "invalid UTF8"
+            raise DataError(f"{source}: not a readable {data_format(source)[1:].upper()} file ({e}); text files are "
+                            "read as UTF-8 (Excel: Save As 'CSV UTF-8'; PowerShell: Out-File -Encoding utf8; or "
+                            "iconv -f GBK -t UTF-8 with the encoding it has)") from None
         if isinstance(e, OSError) and e.errno is None and source.endswith(COMPRESSED):  # the codec's, not the OS's
             raise DataError(f"{source}: cannot be decompressed ({e}); the file is cut short or not compressed as its "
                             f"name says: write it again, or name it for what it is") from None
@@ -199,23 +186,6 @@ def convert(source: str, target: str) -> None:
             e.filename = e.filename or tmp
         raise
     replace_synced(tmp, target)
-
-
-def not_utf8(source: str) -> DataError:
-    """Names the first line that is not UTF-8 (Excel's code pages, PowerShell's UTF-16)."""
-    with io.BufferedReader(pa.input_stream(source, compression="detect")) as f:
-        utf16 = f.peek(2)[:2] in (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
-        line, bad = 0, b""
-        for line, raw in enumerate(f, start=1):
-            try:
-                raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                bad = raw[e.start:e.start + 4]
-                break
-    found = "UTF-16 (it starts with UTF-16's byte order mark)" if utf16 else f"bytes {bad!r}"
-    return DataError(f"{source} line {line}: not UTF-8 text: {found}; data files are read as UTF-8: write it again "
-                     "as UTF-8 (Excel: Save As 'CSV UTF-8'; PowerShell: Out-File -Encoding utf8; or "
-                     "iconv -f GBK -t UTF-8 with the encoding it has)")
 
 
 def arrow_batches(source: str) -> tuple[pa.Schema, list[pa.RecordBatch]]:
@@ -237,14 +207,8 @@ def csv_batches(source: str) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
 
 
 def json_batches(source: str) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
-    """Two streaming passes, the keys then the rows. Cells are kept as JSON text: pyarrow's JSON reader
-    refuses a column that changes type, and datasets' reads a list whole."""
-    head = list(itertools.islice(records(source), 2))
-    if len(head) == 1 and (orient := pandas_orient(head[0][1])):
-        raise DataError(f"{source}: the file is one object holding the whole table, as pandas' DataFrame.to_json("
-                        f"orient={orient!r}) writes it{' (its default)' * (orient == 'columns')}, "
-                        "not a row per object; "
-                        "write the rows instead: df.to_json(path, orient='records', lines=True)")
+    """Two passes, the keys then the rows. Cells are kept as JSON text: pyarrow's JSON reader refuses a
+    column that changes type, and datasets' names no line (docs/benchmarks.md)."""
     keys = list(dict.fromkeys(key for _, row in records(source) for key in row))  # first-seen order
     if not keys:
         raise no_rows(source)
@@ -256,59 +220,30 @@ def json_batches(source: str) -> tuple[pa.Schema, Iterator[pa.RecordBatch]]:
                                     schema=schema) for batch in batches)
 
 
-def pandas_orient(row: dict) -> str | None:
-    """The orient of pandas' to_json for one object holding a whole table; None for a row."""
-    if {"columns", "data"} <= row.keys() and isinstance(row["data"], list):
-        return "split"
-    if not row or not all(isinstance(v, dict) and v for v in row.values()):
-        return None
-    if all(k.isdigit() for v in row.values() for k in v):
-        return "columns"
-    return "index" if all(k.isdigit() for k in row) else None
-
-
-def records(path: str) -> Iterator[tuple[int, dict]]:
+def records(path: str) -> Iterator[tuple[int | None, dict]]:
+    """(line, row) per row of JSON Lines; a JSON list is decoded whole, its rows without a line."""
     with open_text(path) as f:
         if data_format(path) == ".json" and (text := f.read()).lstrip().startswith("["):
-            yield from _list_items(text, path)
+            yield from ((None, _row(value, f"{path} row {i}")) for i, value in enumerate(_decoded(text, path, None)))
             return
     with open_text(path) as f:
         for line, text in enumerate(f, start=1):
             if text.strip():
-                yield line, _row(_line_value(text, path, line), path, line)
+                yield line, _row(_decoded(text, path, line), f"{path} line {line}")
 
 
-def _line_value(text: str, path: str, line: int):
+def _decoded(text: str, path: str, line: int | None):
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        hint = " (a .json file holds a list of objects, or one object per line)" * (data_format(path) == ".json")
-        raise DataError(f"{path} line {line}: not valid JSON ({e.msg}, column {e.colno}){hint}; fix or remove "
-                        "the line") from None
+        hint = " (a .json file holds a list of objects, or one object per line)" * (data_format(path) == ".json"
+                                                                                  and line is not None)
+        raise DataError(f"{path} line {line or e.lineno}: not valid JSON ({e.msg}, column {e.colno}){hint}; fix "
+                        "or remove the line") from None
 
 
-def _list_items(text: str, path: str) -> Iterator[tuple[int, dict]]:
-    """A top-level list's items decoded one at a time: its text is held, not every row's objects."""
-    decoder, line, counted = json.JSONDecoder(), 1, 0
-    pos = SPACE.match(text, text.index("[") + 1).end()
-    while text[pos:pos + 1] != "]":
-        try:
-            value, end = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path} line {e.lineno}: not valid JSON ({e.msg}); fix the row there") from None
-        line, counted = line + text.count("\n", counted, pos), pos
-        yield line, _row(value, path, line)
-        after = SPACE.match(text, end).end()
-        if text[after:after + 1] not in (",", "]"):
-            found = repr(text[after]) if after < len(text) else "the end of the file"
-            line = text.count("\n", 0, after) + 1
-            raise DataError(f"{path} line {line}: expected ',' in the list of rows, "
-                            f"found {found}; a .json file holds a list of objects, or one object per line")
-        pos = SPACE.match(text, after + (text[after] == ",")).end()
-
-
-def _row(value, path: str, line: int) -> dict:
+def _row(value, where: str) -> dict:
     if not isinstance(value, dict):
-        raise DataError(f"{path} line {line}: a row is a JSON object ({{\"prompt\": ..., \"response\": ...}}), "
+        raise DataError(f"{where}: a row is a JSON object ({{\"prompt\": ..., \"response\": ...}}), "
                         f"not {type(value).__name__}")
     return value

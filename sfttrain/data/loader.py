@@ -64,27 +64,40 @@ class RowStats:
         return rows if self.keep is None else rows[self.keep[rows]]
 
 
-def epoch_rows(source: ParquetSource, stats: RowStats, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
-    return stats.kept(source.epoch_order(seed, epoch, shuffle))
+class TrainData(IterableDataset):
+    """Steps from the data position `start` for torch's DataLoader, whose workers render outside the
+    loop's GIL; worker w of W builds steps w, w + W, ..., which the DataLoader's round-robin returns in order."""
 
-
-class TrainData:
     def __init__(self, source: ParquetSource, renderer: Renderer, plan: BatchPlan, stats: RowStats, dp_rank: int,
                  seed: int, shuffle: bool, attn_coef: float, pad_to: int, row_slice: tuple[int, int] = (0, 1)):
         self.source, self.renderer, self.plan, self.stats, self.dp_rank = source, renderer, plan, stats, dp_rank
         self.seed, self.shuffle, self.pad_to = seed, shuffle, pad_to
         self.row_slice = row_slice  # (this rank's slice, slices per row): Ulysses sequence parallelism
         self.attn_coef = attn_coef  # a sample's balancing cost: s + attn_coef * s^2
+        self.start = (0, 0)  # (epoch, samples of it consumed): step_batches sets it
 
     def positions(self, epoch: int, consumed: int) -> Iterator[tuple[np.ndarray, int, int]]:
         b = self.plan.global_batch
         while True:
-            order = epoch_rows(self.source, self.stats, self.seed, epoch, self.shuffle)
+            order = self.stats.kept(self.source.epoch_order(self.seed, epoch, self.shuffle))
             while consumed + b <= len(order):
                 rows = order[consumed:consumed + b]
                 consumed += b
                 yield rows, epoch, consumed
             epoch, consumed = epoch + 1, 0
+
+    def __iter__(self) -> Iterator[StepBatch | UserError]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        for position in itertools.islice(self.positions(*self.start), worker, None, workers):
+            try:
+                step = self.step(*position)
+            except UserError as e:  # passed on as an item: torch would re-raise it inside its traceback
+                yield e
+                return
+            # into shared memory here, where a full /dev/shm raises in the rank; torch's feeder thread
+            # would print the error and drop the step, the rank waiting for it forever
+            yield step.map_tensors(torch.Tensor.share_memory_) if info else step
 
     def step(self, rows: np.ndarray, epoch: int, consumed: int) -> StepBatch:
         """Every rank splits the step alike from the known lengths, then renders its own share."""
@@ -111,27 +124,6 @@ def check_counts(samples, stats: RowStats, source: ParquetSource) -> None:
                 f"cache is stale, e.g. the tokenizer files changed: delete {stats.cache_file} and start again")
 
 
-class StepStream(IterableDataset):
-    """Steps for torch's DataLoader, whose workers render outside the loop's GIL; worker w of W builds
-    steps w, w + W, ..., which the DataLoader's round-robin returns in order."""
-
-    def __init__(self, data: TrainData, epoch: int, consumed: int):
-        self.data, self.epoch, self.consumed = data, epoch, consumed
-
-    def __iter__(self) -> Iterator[StepBatch | UserError]:
-        info = get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        for position in itertools.islice(self.data.positions(self.epoch, self.consumed), worker, None, workers):
-            try:
-                step = self.data.step(*position)
-            except UserError as e:  # passed on as an item: torch would re-raise it inside its traceback
-                yield e
-                return
-            # into shared memory here, where a full /dev/shm raises in the rank; torch's feeder thread
-            # would print the error and drop the step, the rank waiting for it forever
-            yield step.map_tensors(torch.Tensor.share_memory_) if info else step
-
-
 PREFETCH = 2  # steps each data worker builds ahead (the DataLoader's prefetch_factor)
 OPEN_FILES_BASE = 256  # beside the steps in flight: libraries, sockets, files
 
@@ -154,7 +146,8 @@ def step_batches(data: TrainData, epoch: int, consumed: int, num_workers: int,
                  pin_memory: bool) -> Iterator[StepBatch]:
     """Pinned here, not by the DataLoader's pin thread: it sets torch's thread count to 1, which the
     autograd thread inherits, and torch.compile then recompiles the layers backward re-runs."""
-    steps = iter(DataLoader(StepStream(data, epoch, consumed), batch_size=None, num_workers=num_workers,
+    data.start = (epoch, consumed)
+    steps = iter(DataLoader(data, batch_size=None, num_workers=num_workers,
                             prefetch_factor=PREFETCH if num_workers else None,
                             worker_init_fn=leave_signals_to_the_rank if num_workers else None))
     try:
@@ -239,54 +232,36 @@ SCAN_BLOCK_ROWS = 4096  # rows read and rendered at once by the start-up scan
 NAMED_BAD_ROWS = 5  # said at once, not one bad row per start
 
 
-def _render_block(source: ParquetSource, renderer: Renderer, rows: np.ndarray,
-                  bad: list[tuple[int, str]]) -> list[RenderedSample]:
-    """A block with a bad row is rendered row by row, each bad one added to `bad` as (row, message)."""
-    try:
-        return renderer.render_many(source.read(rows))
-    except (DataError, RowError):
-        pass
-    samples = []
-    for row in rows:
-        if len(bad) == NAMED_BAD_ROWS:  # enough to name: the scan stops (a column of nulls is not read row by row)
-            break
-        try:
-            samples += renderer.render_many(source.read(np.array([row])))
-        except RowError as e:  # the rendering of a row failed: its file and row (or line) replace its `row N`
-            text = re.sub(rf"^row {e.row}(: | )", lambda m: "the row " * (m[1] == " "), str(e))
-            bad.append((int(row), f"{source.where(e.row)}: {text}"))
-        except DataError as e:  # a bad cell names its file and row first; another error is the file's
-            if not str(e).startswith(source.where(int(row)) + ":"):
-                raise
-            bad.append((int(row), str(e)))
-    return samples
-
-
 def _scan(source: ParquetSource, renderer: Renderer, rank: int, world: int,
           keep: bool) -> tuple[list[RenderedSample], np.ndarray]:
     """Collective: (the samples if keep, [row, *STATS] per row) of this rank's share. A bad row on any
     rank stops every rank with one message."""
-    error, bad, samples, stats = None, [], [], []
+    error, bad, samples, stats, stopped = None, [], [], [], False
     first, end = rank * source.num_rows // world, (rank + 1) * source.num_rows // world  # this rank's share
     try:
         for start in range(first, end, SCAN_BLOCK_ROWS):  # a block at a time: never a share's text all in memory
-            if len(bad) == NAMED_BAD_ROWS:
+            if stopped := len(bad) >= NAMED_BAD_ROWS:  # enough to name: the rest is not rendered
                 break
-            for sample in _render_block(source, renderer, np.arange(start, min(start + SCAN_BLOCK_ROWS, end)), bad):
+            failed: list[RowError] = []
+            block = renderer.render_many(source.read(np.arange(start, min(start + SCAN_BLOCK_ROWS, end)), bad), failed)
+            for e in failed:  # a row that does not render: its file and row (or line) replace its `row N`
+                text = re.sub(rf"^row {e.row}(: | )", lambda m: "the row " * (m[1] == " "), str(e))
+                bad.append((e.row, f"{source.where(e.row)}: {text}"))
+            for sample in block:
                 stats.append((sample.row, len(sample.input_ids), loss_tokens(sample), sample.full_length,
                               digest(sample)))
                 if keep:
                     samples.append(sample)
     except DataError as e:  # not a row's: the file's
         error = str(e)
-    found = from_every_rank((error, len(bad), bad[:NAMED_BAD_ROWS]))
-    if first := next((e for e, _, _ in found if e), None):
+    found = from_every_rank((error, len(bad), sorted(bad)[:NAMED_BAD_ROWS], stopped))
+    if first := next((e for e, *_ in found if e), None):
         raise DataError(first)
-    if total := sum(n for _, n, _ in found):
-        rows = sorted(b for _, _, named in found for b in named)
+    if total := sum(n for _, n, _, _ in found):
+        rows = sorted(b for _, _, named, _ in found for b in named)
         file = source.where(rows[0][0]).rsplit(" ", 2)[0]  # the next rows in that file by their row or line alone
         more = ", ".join(source.where(row).removeprefix(file + " ") for row, _ in rows[1:NAMED_BAD_ROWS])
-        count = f"{total} or more" if any(n == NAMED_BAD_ROWS for _, n, _ in found) else str(total)
+        count = f"{total} or more" if any(s for *_, s in found) else str(total)
         raise DataError(rows[0][1] + (f" ({count} bad rows; the next: {more})" if total > 1 else ""))
     return samples, np.array(stats, dtype=np.int64).reshape(-1, 1 + len(STATS))
 

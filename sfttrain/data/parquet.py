@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import PurePath
@@ -104,12 +103,9 @@ def hub_id_hint(path: str) -> str:
 
 def _form_hint(names: list[str]) -> str:
     """The keys for the form of data a file's columns suggest (README: Your own data)."""
-    if "messages" in names:
-        return ("; the file has a 'messages' column: for conversations set data.multiturn.enable=true "
-                "data.multiturn.messages_key=messages")
-    if "conversations" in names:
-        return ("; the file has a 'conversations' column (ShareGPT's form): data.multiturn.enable=true "
-                "data.multiturn.messages_key=conversations")
+    if chat := next((name for name in ("messages", "conversations") if name in names), None):  # OpenAI's, ShareGPT's
+        return (f"; the file has a {chat!r} column: for conversations set data.multiturn.enable=true "
+                f"data.multiturn.messages_key={chat}")
     if {"prompt", "completion"} <= set(names):
         return ("; TRL's prompt-completion columns: data.prompt_key=prompt data.response_key=completion (where they "
                 "hold message lists: data.multiturn.enable=true data.multiturn.messages_key=[prompt,completion])")
@@ -235,10 +231,11 @@ class ParquetSource:
             order.append(rng.permutation(np.concatenate(window)))
         return np.concatenate(order)
 
-    def read(self, rows: np.ndarray) -> list[tuple]:
+    def read(self, rows: np.ndarray, bad: Optional[list[tuple[int, str]]] = None) -> list[tuple]:
         """(prompt, response, row) or (messages, template kwargs, row) per row id, one `take` per group.
         Groups go in the order rows first name them, so the cache trimmed after the read drops the
-        window that ended, not the one that began."""
+        window that ended, not the one that began. A bad cell raises, or with `bad` its row is left out
+        and added to it as (row, message)."""
         rows = np.asarray(rows, dtype=np.int64)
         groups = np.searchsorted(self._starts, rows, side="right") - 1
         out: list = [None] * len(rows)
@@ -252,10 +249,12 @@ class ParquetSource:
                 try:
                     out[i] = (*self.fields.decode(dict(zip(columns, cells))), group.first_row + local)
                 except DataError as e:  # a cell's: named by its row (or line)
-                    raise DataError(f"{_where(group, local)}: {e}") from None
+                    if bad is None:
+                        raise DataError(f"{_where(group, local)}: {e}") from None
+                    bad.append((group.first_row + local, f"{_where(group, local)}: {e}"))
         while sum(t.num_rows for t in self._cache.values()) > self._cache_rows and len(self._cache) > 1:
             self._cache.popitem(last=False)  # after the read: no group of this request is evicted during it
-        return out
+        return [row for row in out if row is not None]
 
     def _group(self, g: int) -> pa.Table:
         if g in self._cache:
@@ -273,15 +272,8 @@ class ParquetSource:
     def _check_unchanged(self, group: RowGroup) -> None:
         stamp = file_stamp(group.file)
         if stamp != self._stamps[group.file]:
-            then = self._stamps[group.file]
-            now = ("deleted" if stamp is None else "another file in its place" if stamp[:2] != then[:2]
-                   else f"{then[2]} bytes -> {stamp[2]}, modified {_clock(then[3])} -> {_clock(stamp[3])}")
             raise DataFileChanged(group.source if group.source == group.file else f"{group.source} (as {group.file})",
-                                  now)
-
-
-def _clock(mtime_ns: int) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(mtime_ns / 1e9))
+                                  "deleted" if stamp is None else "rewritten or replaced")
 
 
 def _text(value, key_path: list[str]) -> str:
@@ -290,21 +282,15 @@ def _text(value, key_path: list[str]) -> str:
             raise DataError(f"no key {key!r} under {key_path[0]!r}; check data.prompt_dict_keys / "
                             "data.response_dict_keys")
         value = value[key]
-    if not isinstance(value, str):
-        raise DataError(f"{'.'.join(key_path)} is {_kind(value)}, expected a string{_text_hint(value, key_path)}")
-    return value
-
-
-def _text_hint(value, key_path: list[str]) -> str:
     if isinstance(value, list):
-        return ("; for conversations set data.multiturn.enable=true (a prompt and a completion that are lists of "
-                "messages, TRL's form: with data.multiturn.messages_key=[prompt,completion])")
-    if value is None:  # a JSON file's row without the key reads as null too
-        return (f"; this row has no value for it (or no key {key_path[-1]!r} at all): fill it in, or remove the row")
-    if isinstance(value, (int, float, bool)):  # an answer column of numbers: verl fails on them too, mid-run
-        return (f" ({value!r}): the text is what is trained, so write it as text in the file (\"{value}\" in JSON, a "
-                "string column in Parquet)")
-    return ""
+        raise DataError(f"{'.'.join(key_path)} is list, expected a string; for conversations set "
+                        "data.multiturn.enable=true (a prompt and a completion that are lists of messages, TRL's "
+                        "form: with data.multiturn.messages_key=[prompt,completion])")
+    if not isinstance(value, str):  # a JSON file's row without the key reads as null too
+        raise DataError(f"{'.'.join(key_path)} is {_kind(value)}, expected a string" + (
+            f"; this row has no value for it (or no key {key_path[-1]!r} at all): fill it in, or remove the row"
+            if value is None else ""))
+    return value
 
 
 # other formats' names of the chat templates' roles: ShareGPT's turns ({"from": "human", "value": ...}),
@@ -335,11 +321,7 @@ def _turn(message: dict, where: str) -> dict:
 
 
 def _tool_calls(value, where: str) -> list[dict]:
-    try:
-        calls = json.loads(value) if isinstance(value, str) else value
-    except json.JSONDecodeError as e:
-        raise DataError(f"{where}: a function_call turn's value is not JSON ({e}); it holds the call as "
-                        '{"name": ..., "arguments": {...}}') from None
+    calls = _json(value, where)
     calls = calls if isinstance(calls, list) else [calls]
     if not all(isinstance(c, dict) and "name" in c for c in calls):
         raise DataError(f"{where}: a function_call turn's value is {str(value)[:80]!r}, not a call "
@@ -394,8 +376,10 @@ def _cells(table: pa.Table, column: str) -> list:
 def _where(group: RowGroup, local: int) -> str:
     """The line of a JSON file, else the row in the user's file."""
     parquet = pq.ParquetFile(group.file)
-    if LINE_COLUMN in parquet.schema_arrow.names:
-        return f"{group.source} line {parquet.read_row_group(group.index, columns=[LINE_COLUMN]).column(0)[local]}"
+    line = (parquet.read_row_group(group.index, columns=[LINE_COLUMN]).column(0)[local].as_py()
+            if LINE_COLUMN in parquet.schema_arrow.names else None)  # None: a JSON list's row
+    if line is not None:
+        return f"{group.source} line {line}"
     row = local + sum(parquet.metadata.row_group(i).num_rows for i in range(group.index))
     header = {".csv", ".tsv"} & set(PurePath(group.source).suffixes)  # also of train.csv.gz
     return f"{group.source} row {row}" + (" (from 0, the header row not counted)" if header else "")

@@ -15,7 +15,6 @@ import dataclasses
 import hashlib
 import json
 import os
-from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Optional
 
@@ -23,11 +22,10 @@ import numpy as np
 import torch.distributed as dist
 
 from sfttrain.checkpoint_folder import write_atomically
-from sfttrain.config import Config, DataConfig, as_list
+from sfttrain.config import Config, DataConfig
 from sfttrain.data.batching import BatchPlan, make_plan
 from sfttrain.data.chat import resolve_chat_template
-from sfttrain.data.files import unread_subfolders
-from sfttrain.data.loader import RowStats, digest, epoch_rows, row_stats
+from sfttrain.data.loader import RowStats, digest, row_stats
 from sfttrain.data.parquet import ParquetSource
 from sfttrain.data.render import RENDERING_VERSION, RenderedSample, Renderer
 from sfttrain.distributed import from_every_rank
@@ -68,7 +66,7 @@ def scan_rows(cfg: Config, source: ParquetSource, renderer: Renderer, tokenizer,
     if len(empty) and d.no_loss_rows == "error":
         raise ConfigError(
             f"{len(empty)} training rows have no supervised token left after data.truncation={d.truncation} "
-            f"to data.max_length={d.max_length} (their prompt fills it), e.g. rows {_first(empty)}. Set "
+            f"to data.max_length={d.max_length} (their prompt fills it), e.g. rows {_rows(empty)['rows']}. Set "
             "data.no_loss_rows=drop to train without them, or raise data.max_length (or data.truncation=left, "
             "which keeps the response's end)")
     stats = dataclasses.replace(stats, keep=stats.loss_tokens > 0)
@@ -90,7 +88,8 @@ def plan_and_report(cfg: Config, rows: Rows, dp_size: int, run_dir: Optional[str
 
 def first_epoch_report(cfg: Config, source: ParquetSource, stats: RowStats, plan: BatchPlan) -> dict:
     """The first epoch's rows; others differ only in the rows a global batch leaves over."""
-    epoch = epoch_rows(source, stats, cfg.trainer.seed, 0, cfg.data.shuffle)[:plan.steps_per_epoch * plan.global_batch]
+    epoch = stats.kept(source.epoch_order(cfg.trainer.seed, 0, cfg.data.shuffle))
+    epoch = epoch[:plan.steps_per_epoch * plan.global_batch]
     cut = np.flatnonzero(stats.full_lengths > stats.lengths)
     trained = stats.kept(np.arange(len(stats.digests)))
     _, first = np.unique(stats.digests[trained], return_index=True)  # each digest's first row
@@ -98,7 +97,6 @@ def first_epoch_report(cfg: Config, source: ParquetSource, stats: RowStats, plan
     empty = np.flatnonzero((stats.loss_tokens == 1) & (stats.full_lengths == stats.lengths))
     report = {
         "files": [{"path": f, "rows": n} for f, n in source.file_rows],
-        "subfolders_not_read": unread_subfolders(as_list(cfg.data.train_files)),
         "columns_not_read": sorted(source.unread),
         "unread_text": source.unread_text(),
         "rows": len(stats.lengths),
@@ -207,10 +205,6 @@ def describe(report: dict) -> str:
     full, trunc, repeated = report["tokens_before_truncation"], report["truncated"], report["duplicate_rows"]
     lines = [
         f"  files               : {_files_text(report['files'])}",
-        *(f"  NOTE: {folder}'s subfolder{'s' * (len(inside) > 1)} {', '.join(inside[:SHOWN_FILES])} "
-          f"hold{'s' * (len(inside) == 1)} data files that are not read (a folder's own files are); list them in "
-          f"data.train_files, or give the pattern {os.path.join(folder, '**', '*')} (every data file under it)"
-          for folder, inside in report["subfolders_not_read"].items()),
         *([f"  columns not read    : {', '.join(report['columns_not_read'])} (data.prompt_key, data.response_key "
            "or data.multiturn.* name the columns read)"] if report["columns_not_read"] else []),
         f"  data                : {report['rows']} rows, {report['rows_trained']} trained "
@@ -249,10 +243,7 @@ def describe(report: dict) -> str:
 
 def _files_text(files: list[dict]) -> str:
     shown = ", ".join(f"{f['path']} ({f['rows']} rows)" for f in files[:SHOWN_FILES])
-    listed = Counter(f["path"] for f in files)
-    again = ", ".join(f"{path} {n} times" for path, n in listed.items() if n > 1)
-    return (f"{len(files)}: {shown}" + (f" and {len(files) - SHOWN_FILES} more" if len(files) > SHOWN_FILES else "")
-            + (f"; listed more than once: {again}, so its rows train as many times an epoch" if again else ""))
+    return f"{len(files)}: {shown}" + (f" and {len(files) - SHOWN_FILES} more" if len(files) > SHOWN_FILES else "")
 
 
 def _row_scan(report: dict) -> str:
@@ -268,7 +259,7 @@ def _summary(values: np.ndarray) -> dict:
 
 
 def _rows(rows) -> dict:
-    return {"count": len(rows), "rows": _first(rows)}
+    return {"count": len(rows), "rows": [int(r) for r in rows[:SHOWN_ROWS]]}
 
 
 def _row_list(section: dict) -> str:
@@ -277,7 +268,3 @@ def _row_list(section: dict) -> str:
 
 def _listed(shown: list, count: int) -> str:
     return "[" + ", ".join(map(str, shown)) + (", ..." if count > len(shown) else "") + "]"
-
-
-def _first(rows) -> list[int]:
-    return [int(r) for r in rows[:SHOWN_ROWS]]

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import Callable
 
-from sfttrain.config import ConfigError, rendering_problems
+from sfttrain.config import ConfigError
 
 PROBE = "\x00sfttrain-probe\x00"  # an assistant content no real text contains
 TEMPLATE_FIX = "fix the template (data.chat_template=... replaces the tokenizer's) or the row"
@@ -69,16 +69,11 @@ def turn_end(tokenizer, chat_template: str | None) -> TurnEnd:
     return TurnEnd("", None, after)  # whitespace only: the renderer appends EOS
 
 
-class AnswerSpan(NamedTuple):
-    start: int  # where the answer starts in the template's text of the conversation
-    stop: int  # where it ends: after its end-of-turn token
-    prompt_apart: bool  # the template writes its generation prompt for generation only (see answer_span)
-
-
 def answer_span(tokenizer, text: str, prompt: str, end: TurnEnd, before: Callable[[], str], where: str,
-                prompt_apart_ok: bool = False) -> AnswerSpan:
-    """The answer's span in `text`, whose messages before it render to `prompt` with the generation
-    prompt (`before()`: without). A generation prompt written for generation only (`Answer: `) is
+                prompt_apart_ok: bool = False) -> tuple[int, int, bool]:
+    """The answer's span in `text` (start, stop after its end-of-turn token, and whether the generation
+    prompt is apart), whose messages before it render to `prompt` with the generation prompt
+    (`before()`: without). A generation prompt written for generation only (`Answer: `) is
     refused unless `prompt_apart_ok` (a prompt/response row: its context is then what inference sees;
     a conversation's later turns would see the answer without it)."""
     start, apart = ((len(prompt), False) if text.startswith(prompt) else
@@ -90,11 +85,11 @@ def answer_span(tokenizer, text: str, prompt: str, end: TurnEnd, before: Callabl
         if not text.endswith(end.tail):
             raise AnswerNotLocated(f"the chat template does not end {where} with {end.tail!r}, as it ends a probe "
                                    "answer")
-        return AnswerSpan(start, max(start, len(text) - len(end.tail)), apart)
+        return start, max(start, len(text) - len(end.tail)), apart
     stop = text.find(end.token, start)
     if stop < 0:
         raise AnswerNotLocated(f"{where}: no end-of-turn token {end.token!r} after it in the rendered conversation")
-    return AnswerSpan(start, stop + len(end.token), apart)
+    return start, stop + len(end.token), apart
 
 
 def _start_past(tokenizer, text: str, prompt: str, before: str, where: str) -> tuple[int, bool]:
@@ -155,37 +150,29 @@ class RenderedSample:
     full_length: int = 0  # tokens before truncation
 
 
-def check_answer(response: str, answer: str, apart_prompt: str | None) -> None:
-    """The trained answer is all of the response, and nothing the template writes before it."""
-    if apart_prompt is not None and not answer.lstrip().startswith(response.lstrip()[:1]):
-        raise AnswerNotLocated(f"the chat template's generation prompt {apart_prompt!r} is not in its rendering of "
-                               f"the row, which has {answer[:40]!r} where the answer goes: the answer cannot be told "
-                               f"from what the template writes before it; {TEMPLATE_FIX}")
-    check_whole([response], answer, "this row's response")
-
-
 class RowError(ValueError):
     def __init__(self, row: int, message: str):
         super().__init__(message)
         self.row = row
 
 
-def each_row(rows: list[tuple], render_one) -> list:
-    """render_one of each row tuple (its last item the row id); a failure is a RowError naming it."""
+def each_row(rows: list[tuple], render_one, failed: list[RowError] | None = None) -> list:
+    """render_one of each row tuple (its last item the row id); a failure is a RowError naming it,
+    raised, or with `failed` added to it and the row left out."""
     out = []
     for r in rows:
         try:
             out.append(render_one(r))
         except ValueError as e:
-            raise RowError(r[-1], str(e)) from e
+            if failed is None:
+                raise RowError(r[-1], str(e)) from e
+            failed.append(RowError(r[-1], str(e)))
     return out
 
 
 class Renderer:
     def __init__(self, tokenizer, *, max_length: int, truncation: str, apply_chat_template: bool = True,
                  chat_template: str | None = None):
-        for problem in rendering_problems(max_length, truncation):
-            raise ConfigError(problem)
         if apply_chat_template and chat_template is None and not getattr(tokenizer, "chat_template", None):
             raise ConfigError("the tokenizer has no chat template; pass a Jinja template (a file or its text) with "
                               "data.chat_template=..., e.g. that of the model's instruct version (or, for "
@@ -220,15 +207,17 @@ class Renderer:
     def render(self, prompt: str, response: str, row: int) -> RenderedSample:
         return self.render_many([(prompt, response, row)])[0]
 
-    def render_many(self, rows: list[tuple[str, str, int]]) -> list[RenderedSample]:
-        """One tokenizer call for the contexts and one for the answers: a fast tokenizer uses every core."""
-        if not rows:
+    def render_many(self, rows: list[tuple[str, str, int]],
+                    failed: list[RowError] | None = None) -> list[RenderedSample]:
+        """One tokenizer call for the contexts and one for the answers: a fast tokenizer uses every core.
+        `failed`: as each_row's."""
+        texts = each_row(rows, lambda r: (*self._texts(r[0], r[1]), r[2]), failed)
+        if not texts:
             return []
-        texts = each_row(rows, lambda r: self._texts(r[0], r[1]))
         # special tokens (e.g. BOS) for a plain prompt; a chat template writes its own
-        contexts = self.tokenizer([c for c, _ in texts], add_special_tokens=not self.apply_chat_template)["input_ids"]
-        answers = self.tokenizer([a for _, a in texts], add_special_tokens=False)["input_ids"]
-        return each_row(list(zip(contexts, answers, (r[2] for r in rows))), lambda t: self._pair(*t))
+        contexts = self.tokenizer([t[0] for t in texts], add_special_tokens=not self.apply_chat_template)["input_ids"]
+        answers = self.tokenizer([t[1] for t in texts], add_special_tokens=False)["input_ids"]
+        return each_row(list(zip(contexts, answers, (t[2] for t in texts))), lambda t: self._pair(*t), failed)
 
     def _texts(self, prompt: str, response: str) -> tuple[str, str]:
         """(context, answer) as text: the template's rendering of one user turn and its answer, split."""
@@ -239,11 +228,17 @@ class Renderer:
         generation = self._template(user, True, "prompt (as one user turn)")
         text = self._template(user + [{"role": "assistant", "content": response}], False,
                               "response (as the answer to its prompt)")
-        span = answer_span(self.tokenizer, text, generation, self.turn_end,
-                           lambda: self._template(user, False, "prompt"), "this row's answer", prompt_apart_ok=True)
-        answer = text[span.start:span.stop]
-        check_answer(response, answer, generation[span.start:] if span.prompt_apart else None)
-        return (generation if span.prompt_apart else text[:span.start]), answer
+        start, stop, apart = answer_span(self.tokenizer, text, generation, self.turn_end,
+                                         lambda: self._template(user, False, "prompt"), "this row's answer",
+                                         prompt_apart_ok=True)
+        answer = text[start:stop]
+        # the trained answer is all of the response, and nothing the template writes before it
+        if apart and not answer.lstrip().startswith(response.lstrip()[:1]):
+            raise AnswerNotLocated(f"the chat template's generation prompt {generation[start:]!r} is not in its "
+                                   f"rendering of the row, which has {answer[:40]!r} where the answer goes: the answer "
+                                   f"cannot be told from what the template writes before it; {TEMPLATE_FIX}")
+        check_whole([response], answer, "this row's response")
+        return (generation if apart else text[:start]), answer
 
     def _apply(self, messages: list[dict], generation_prompt: bool, **kwargs) -> str:
         return apply_template(self.tokenizer, messages, add_generation_prompt=generation_prompt,

@@ -160,16 +160,12 @@ def check_schedule(path: str, saved: dict, schedule: dict) -> list[str]:
     if old is None:
         return [f"optimizer: {path} records no optimizer settings (an older sfttrain): the config's apply"]
     notes = [f"optimizer (the config's apply) {c}" for c in differences(old, schedule)]
-    if step >= total:
-        notes.append(finished(path, step))
-    return notes
-
-
-def finished(path: str, step: int) -> str:
+    if step < total:
+        return notes
     exported = os.path.join(path, HF_EXPORT_DIR)
     export = (f"its Hugging Face export is {exported}" if os.path.isdir(exported) else
               f"it has no Hugging Face export (trainer.save_hf=true exports it now; `python -m sfttrain.export {path} "
               "OUT_DIR` does too)")
-    return (f"the checkpoint is this run's last step ({step}): nothing left to train. The run finished: its last "
-            f"checkpoint is {path}, and {export}. To train longer, raise trainer.total_training_steps (or "
-            "trainer.total_epochs); to start afresh, set trainer.default_local_dir to a new folder")
+    return notes + [f"the checkpoint is this run's last step ({step}): nothing left to train. The run finished: its "
+                    f"last checkpoint is {path}, and {export}. To train longer, raise trainer.total_training_steps (or "
+                    "trainer.total_epochs); to start afresh, set trainer.default_local_dir to a new folder"]

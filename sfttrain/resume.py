@@ -36,9 +36,6 @@ def lock_run_folder(run_dir: str, held: dict[str, int]) -> list[str]:
     run ends); if another run holds it, every rank raises the same ConfigError. Returns start-up lines
     (a warning where the filesystem has no locks)."""
     def take() -> list[str]:
-        key = os.path.realpath(run_dir)
-        if key in held:  # this process holds it already (a second trainer in one process)
-            return []
         fd = os.open(os.path.join(run_dir, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
         if (e := _flock(run_dir, fd, fcntl.LOCK_EX)) is not None:
             os.close(fd)
@@ -48,7 +45,7 @@ def lock_run_folder(run_dir: str, held: dict[str, int]) -> list[str]:
         os.write(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
                                  "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                                  "slurm_job": os.environ.get("SLURM_JOB_ID")}).encode())
-        held[key] = fd
+        held[os.path.realpath(run_dir)] = fd
         return []
 
     return decided_by_rank0(take)

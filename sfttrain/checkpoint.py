@@ -341,16 +341,18 @@ class Checkpointer:
         # a rank that lost a peer inside a collective reports only that: the cause is the peer's error
         causes = [(rank, text) for rank, text in errors if not peer_lost(text)] or errors
         rank, text = ([(rank, text) for rank, text in causes if disk_full(text)] or causes)[0]
-        found = fault(text, self.run_dir)  # a full disk, read-only, denied, open files
+        found, full = fault(text, self.run_dir), disk_full(text)  # a full disk, read-only, denied, open files
         if limited or over_size_limit(text):  # the disk may have room: a file met the limit (EFBIG)
             why, fix = (f"the file size limit (ulimit -f) was reached ({f'{limited}: ' if limited else ''}{text}, on "
                         f"rank {rank})"), SIZE_LIMIT_FIX
-        elif found is not None:
+        elif found is not None and not (full and found.in_run_folder):  # (the run folder's: this save's own)
             why, fix = f"{found.cause}, on rank {rank}", found.fix
         else:
-            why = f"{text} (rank {rank}{f' and {len(errors) - 1} other ranks' if len(errors) > 1 else ''})"
-            fix = ("Free space (or set trainer.default_local_dir on a larger disk, or lower trainer.max_ckpt_to_keep: "
-                   "the oldest goes after the next commit)" if NOT_STARTED in text else "Fix what the error names")
+            why = (f"the disk is full ({text}, on rank {rank})" if full else
+                   f"{text} (rank {rank}{f' and {len(errors) - 1} other ranks' if len(errors) > 1 else ''})")
+            fix = (f"{self.run_dir} has {size_text(shutil.disk_usage(self.run_dir).free)} free. Free space (or set "
+                   "trainer.default_local_dir on a larger disk, or lower trainer.max_ckpt_to_keep: the oldest goes "
+                   "after the next commit)" if full or NOT_STARTED in text else "Fix what the error names")
         if renamed:
             final = os.path.join(self.run_dir, f"global_step_{step}")
             return (f"the checkpoint of step {step} may not be saved: {why}, in its commit, once its files were on "

@@ -39,8 +39,8 @@ from sfttrain.checkpoint_folder import STATE_FILE, complete_checkpoints, fsync_p
 # re-exported (noqa): the trainer, the preflight and the exporter know them as sfttrain.checkpoint's
 from sfttrain.checkpoint_load import (TrainState, check_same_model, estimated_bytes, load,  # noqa: F401
                                       read_back, rng_state, state_dicts, trained_state_dict)  # noqa: F401
-from sfttrain.checkpoint_writer import DeviceCopy, OneLineError, Staging, WriterProcess, cuda_room, one_line, \
-    tensor_bytes, write_shards
+from sfttrain.checkpoint_writer import DeviceCopy, OneLineError, Staging, WriterProcess, one_line, tensor_bytes, \
+    write_shards
 from sfttrain.config import Config, ConfigError, to_yaml
 from sfttrain.distributed import World, decided_by_rank0, from_every_rank, ranks_of_this_launcher
 from sfttrain.errors import CheckpointError
@@ -104,8 +104,7 @@ class Checkpointer:
         """Collective. Raises CheckpointError on every rank if any rank could not write its part."""
         started = time.perf_counter()
         background = self.cfg.trainer.async_save and not final
-        while len(self.pending) > (self.slots - 1 if background else 0):  # a full queue waits for the oldest
-            self._wait_oldest()
+        self.wait(self.slots - 1 if background else 0)  # a full queue waits for the oldest
         waited = time.perf_counter() - started
         if self.in_process and not self.pending:  # (with a save in flight, its write finds a lost writer)
             self._replace_lost_writer()
@@ -130,10 +129,15 @@ class Checkpointer:
         while self.pending and self._all_written(self.pending[0].future.done()):
             self._commit()
 
-    def wait(self) -> None:
-        """Collective: waits for every save in flight and commits them."""
-        while self.pending:
-            self._wait_oldest()
+    def wait(self, keep: int = 0) -> None:
+        """Collective: waits for the oldest saves' writes until `keep` are in flight, and commits them. The
+        ranks ask each other every second, so a failed write on one stops the others waiting for it in DCP's
+        collectives."""
+        while len(self.pending) > keep:
+            self.pending[0].awaited = True
+            while not self._all_written(bool(wait([self.pending[0].future], timeout=1.0).done)):
+                pass
+            self._commit()
 
     def close(self) -> None:
         self.cleaner.shutdown(wait=True)
@@ -153,8 +157,11 @@ class Checkpointer:
         host_fit = available // (copy * local_ranks) - 1
         if device.type != "cuda":  # the device's memory is the host's, where the host slot takes one copy
             device_fit = host_fit - 1
-        else:  # none where offloaded to host memory (model.fsdp_config.cpu_offload): a "device" copy is a host one
-            device_fit = 0 if copy - tensor_bytes(live, on="cuda") > copy // 100 else cuda_room(device) // copy
+        elif copy - tensor_bytes(live, on="cuda") > copy // 100:  # offloaded (cpu_offload): a device copy is a host one
+            device_fit = 0
+        else:  # a tenth of the whole is left for later steps' higher peaks and fragmentation
+            free, total = torch.cuda.mem_get_info(device)
+            device_fit = max(0, free - total // 10) // copy
         fits = torch.tensor([host_fit, device_fit])
         dist.all_reduce(fits, op=dist.ReduceOp.MIN, group=self.agree_group)
         host_fit, device_fit = fits.tolist()
@@ -185,14 +192,6 @@ class Checkpointer:
             logging.getLogger("sfttrain").warning(
                 f"trainer.async_save_in_flight={wanted}, but {holds}. At most {self.slots} saves will be in flight; "
                 "a save finding them all in flight waits for the oldest write")
-
-    def _wait_oldest(self) -> None:
-        """Waits for the oldest save's write on every rank, then commits it. The ranks ask each other every
-        second, so a failed write on one stops the others waiting for it in DCP's collectives."""
-        self.pending[0].awaited = True
-        while not self._all_written(bool(wait([self.pending[0].future], timeout=1.0).done)):
-            pass
-        self._commit()
 
     def _prepare(self, tmp: str, background: bool) -> tuple[dict | DeviceCopy, Optional[int]]:
         """Rank 0 makes the save's folder where its disk has room; every rank takes its state dict and, for
@@ -339,7 +338,21 @@ class Checkpointer:
             return f"the checkpoint of step {step} was not saved: {gone}"
         own = [(s, path) for s, path in complete_checkpoints(self.run_dir, self.run_id) if not (renamed and s == step)]
         last = own[-1][1] if own else None
-        why, fix = self._why_not_saved(errors, limited, last)
+        # a rank that lost a peer inside a collective reports only that: the cause is the peer's error
+        causes = [(rank, text) for rank, text in errors if not peer_lost(text)] or errors
+        rank, text = ([(rank, text) for rank, text in causes if disk_full(text)] or causes)[0]
+        found, full = fault(text, self.run_dir), disk_full(text)  # a full disk, read-only, denied, open files
+        if limited or over_size_limit(text):  # the disk may have room: a file met the limit (EFBIG)
+            why, fix = (f"the file size limit (ulimit -f) was reached ({f'{limited}: ' if limited else ''}{text}, on "
+                        f"rank {rank})"), SIZE_LIMIT_FIX
+        elif found is not None and not (full and found.in_run_folder):  # (the run folder's: this save's own)
+            why, fix = f"{found.cause}, on rank {rank}", found.fix
+        else:
+            why = (f"the disk is full ({text}, on rank {rank})" if full else
+                   f"{text} (rank {rank}{f' and {len(errors) - 1} other ranks' if len(errors) > 1 else ''})")
+            fix = (f"{self.run_dir} has {size_text(shutil.disk_usage(self.run_dir).free)} free. Free space (or set "
+                   "trainer.default_local_dir on a larger disk, or lower trainer.max_ckpt_to_keep: the oldest goes "
+                   "after the next commit)" if full or NOT_STARTED in text else "Fix what the error names")
         if renamed:
             final = os.path.join(self.run_dir, f"global_step_{step}")
             return (f"the checkpoint of step {step} may not be saved: {why}, in its commit, once its files were on "
@@ -350,32 +363,6 @@ class Checkpointer:
                    else "its partial folder was removed")
         return (f"the checkpoint of step {step} was not saved: {why}. Nothing of it was committed ({partial}); "
                 f"the last good checkpoint is {last or 'none'}. {fix}. {what_next(self.cfg.trainer)}")
-
-    def _why_not_saved(self, failed: list[tuple[int, str]], limited: Optional[str],
-                       last: Optional[str]) -> tuple[str, str]:
-        """(the failure in words, what to do) from the failed ranks' errors."""
-        # a rank that lost a peer inside a collective reports only that: the cause is the peer's error
-        causes = [(rank, text) for rank, text in failed if not peer_lost(text)] or failed
-        full = [(rank, text) for rank, text in causes if disk_full(text)]
-        rank, text = (full or causes)[0]
-        if limited or over_size_limit(text):  # the disk may have room: a file met the limit (EFBIG)
-            return (f"the file size limit (ulimit -f) was reached ({f'{limited}: ' if limited else ''}{text}, on "
-                    f"rank {rank})"), SIZE_LIMIT_FIX
-        found = fault(text, self.run_dir)
-        if found is not None and not (full and found.in_run_folder):  # not the run folder's disk filling
-            return f"{found.cause}, on rank {rank}", found.fix  # read-only, denied, open files, another disk full
-        why = (f"the disk is full ({text}, on rank {rank})" if full
-               else f"{text} (rank {rank}{f' and {len(failed) - 1} other ranks' if len(failed) > 1 else ''})")
-        if not (full or NOT_STARTED in text):
-            return why, "Fix what the error names"
-        size = self.last_bytes or (tree_bytes(last) if last else None)
-        keep = self.cfg.trainer.max_ckpt_to_keep
-        space = f"{self.run_dir} has {size_text(shutil.disk_usage(self.run_dir).free)} free" + \
-            (f"; a checkpoint takes {size_text(size)}" if size else "") + \
-            (f" (max_ckpt_to_keep={keep} needs room for {keep + 1}: the oldest is deleted after the next commit)"
-             if keep and size else "")
-        return why, (f"{space}. Free space (or set trainer.default_local_dir on a larger disk, or lower "
-                     "trainer.max_ckpt_to_keep)")
 
     def _commit(self) -> None:
         p, world = self.pending.popleft(), self.world

@@ -367,8 +367,13 @@ def choose_resume(t: TrainerConfig, run_dir: str) -> Resume:
     newest = latest_of_newest_run(run_dir)
     path, passed_over = None, ""
     if t.resume_mode == "auto" and newest:
-        path = newest[1]
-        passed_over = _passed_over(t.resume_from_path, path)
+        path = os.path.abspath(newest[1])
+        given = t.resume_from_path and os.path.abspath(os.path.expanduser(t.resume_from_path))
+        if given and given not in (path, os.path.dirname(path)):  # not that checkpoint, nor this run folder
+            passed_over = (f"the run folder's latest checkpoint, not trainer.resume_from_path={t.resume_from_path}: "
+                           "resume_mode=auto resumes the run folder's own checkpoints first (a restart continues its "
+                           "progress) and starts from the path only where the run folder has none; "
+                           "trainer.resume_mode=resume_path resumes from the path")  # (verl's auto takes the path)
     elif t.resume_mode != "disable" and t.resume_from_path:
         try:
             path = resolve(t.resume_from_path)
@@ -376,7 +381,10 @@ def choose_resume(t: TrainerConfig, run_dir: str) -> Resume:
             raise ConfigError(f"trainer.resume_from_path: {e}") from None
     if path:
         check_intact(path)  # before the model loads
-    run_id = _run_id(path, run_dir)
+    # the resumed checkpoint's run id; a new one on a fresh start, for an older checkpoint, or for a branch
+    run_id = run_id_of(path) if path else None
+    if run_id is None or any(step > step_of(path) for step, _ in complete_checkpoints(run_dir, run_id)):
+        run_id = uuid.uuid4().hex[:12]
     notes = _describe_others(run_dir, run_id, step_of(path) if path else 0)
     if t.resume_mode == "auto":
         notes = _describe_unfinished(run_dir, path) + notes
@@ -392,25 +400,6 @@ def _describe_unfinished(run_dir: str, chosen: Optional[str]) -> list[str]:
             f"resume from it, finish copying it and start again; else delete it (a save of step {step} would "
             "replace it)"
             for step, path in step_folders(run_dir) if step > after and not is_complete(path)]
-
-
-def _passed_over(resume_from_path: Optional[str], chosen: str) -> str:
-    """Said where auto takes the run folder's checkpoint over trainer.resume_from_path (verl's takes the path)."""
-    if not resume_from_path:
-        return ""
-    given, chosen = os.path.abspath(os.path.expanduser(resume_from_path)), os.path.abspath(chosen)
-    if given in (chosen, os.path.dirname(chosen)):  # that checkpoint, or this run folder: the same choice
-        return ""
-    return (f"the run folder's latest checkpoint, not trainer.resume_from_path={resume_from_path}: resume_mode=auto "
-            "resumes the run folder's own checkpoints first (a restart continues its progress) and starts from the "
-            "path only where the run folder has none; trainer.resume_mode=resume_path resumes from the path")
-
-
-def _run_id(path: Optional[str], run_dir: str) -> str:
-    """The resumed checkpoint's run id; a new one on a fresh start, for an older checkpoint, or for a branch."""
-    carried = run_id_of(path) if path else None
-    branched = carried is not None and any(step > step_of(path) for step, _ in complete_checkpoints(run_dir, carried))
-    return carried if carried is not None and not branched else uuid.uuid4().hex[:12]
 
 
 def _describe_others(run_dir: str, run_id: str, start: int) -> list[str]:

@@ -29,6 +29,7 @@ from sfttrain.optim import set_step
 # a checkpoint holds what training changes: frozen weights (LoRA's base) come from model.partial_pretrain.
 # Not strict: check_same_model has matched the trained weights' names.
 STATE_DICT_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
+MODEL_PREFIX = "model."  # the DCP state dict is {"model": hf_state_dict, "optim": ...}
 # what torch.load and DCP's metadata reader raise on a file that does not read back
 UNREADABLE = (OSError, RuntimeError, EOFError, pickle.UnpicklingError)
 
@@ -123,17 +124,23 @@ def trained_state_dict(model, model_sd: Optional[dict] = None) -> dict:
     return {k: v for k, v in model_sd.items() if k not in frozen}
 
 
-def check_same_model(path: str, model_sd: dict) -> None:
-    """A checkpoint of another model fails here with names and shapes, not deep inside DCP."""
+def model_tensors(path: str) -> dict[str, TensorStorageMetadata]:
+    """HF name -> DCP metadata of a checkpoint's model tensors, in the order they were saved."""
     try:
         metadata = dcp.FileSystemReader(path).read_metadata()
     except UNREADABLE as e:
         raise damaged_error(path, f"it does not read back ({_first_sentence(e)})") from None
-    stored = {k[len("model."):]: md for k, md in metadata.state_dict_metadata.items() if k.startswith("model.")}
+    return {k[len(MODEL_PREFIX):]: md for k, md in metadata.state_dict_metadata.items()
+            if k.startswith(MODEL_PREFIX) and isinstance(md, TensorStorageMetadata)}
+
+
+def check_same_model(path: str, model_sd: dict) -> None:
+    """A checkpoint of another model fails here with names and shapes, not deep inside DCP."""
+    stored = model_tensors(path)
     missing = sorted(set(model_sd) - set(stored))
     extra = sorted(set(stored) - set(model_sd))  # e.g. adapters on other layers (model.target_modules)
-    shapes = [f"{k}: checkpoint {tuple(md.size)} vs model {tuple(v.shape)}" for k, v in model_sd.items()
-              if isinstance(md := stored.get(k), TensorStorageMetadata) and tuple(md.size) != tuple(v.shape)]
+    shapes = [f"{k}: checkpoint {tuple(stored[k].size)} vs model {tuple(v.shape)}" for k, v in model_sd.items()
+              if k in stored and tuple(stored[k].size) != tuple(v.shape)]
     if missing or extra or shapes:
         raise ConfigError(f"{path} was written for another model than model.partial_pretrain (or another "
                           f"LoRA setup: model.lora_rank, model.target_modules): {len(missing)} weights missing "

@@ -40,12 +40,6 @@ def writer_kind(setting: str, device: torch.device) -> str:
     return "process" if device.type == "cuda" else "thread"
 
 
-def cuda_room(device: torch.device) -> int:
-    """Free memory less a tenth of the whole, left for later steps' higher peaks and fragmentation."""
-    free, total = torch.cuda.mem_get_info(device)
-    return max(0, free - total // 10)
-
-
 def write_shards(state_dict: dict, tmp: str, thread_count: int, group, is_main: bool) -> float:
     """This rank's DCP write into `tmp`; rank 0 then fsyncs what DCP does not. Returns its seconds."""
     started = time.perf_counter()

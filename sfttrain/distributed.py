@@ -215,9 +215,19 @@ def agree_on_errors(error: Optional[str], group=None) -> list[str]:
 
 def check_shared_run_dir(run_dir: str, world: World, patience_s: float = 10.0) -> None:
     """Collective, at start-up: every rank must see the run folder rank 0 commits to. Rank 0 writes a file
-    named by a random token there; a rank that cannot see it within patience_s (a node-local disk) stops
-    every rank."""
-    probe = os.path.join(run_dir, f".shared-check-{decided_by_rank0(lambda: _write_probe(run_dir))}")
+    named by a random token there, once this user may write it; a rank that cannot see it within patience_s
+    (a node-local disk) stops every rank."""
+    def write_probe() -> str:
+        token = uuid.uuid4().hex
+        try:
+            check_writable(run_dir)
+            os.makedirs(run_dir, exist_ok=True)
+            write_synced(os.path.join(run_dir, f".shared-check-{token}"), token)
+        except OSError as e:
+            raise ConfigError(f"trainer.default_local_dir={run_dir!r} cannot be written: {e}") from None
+        return token
+
+    probe = os.path.join(run_dir, f".shared-check-{decided_by_rank0(write_probe)}")
     deadline = time.monotonic() + patience_s
     while not os.path.exists(probe) and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -230,15 +240,3 @@ def check_shared_run_dir(run_dir: str, world: World, patience_s: float = 10.0) -
                           f"rank 0 on {seen[0][1]} wrote a file into {seen[0][2]} that {', '.join(blind[:4])} "
                           "cannot see. Put the run folder on storage every node mounts (not a node-local "
                           "disk such as /tmp or $TMPDIR), with a path that names it on every node")
-
-
-def _write_probe(run_dir: str) -> str:
-    """The token written into the probe file, once this user may write the run folder."""
-    token = uuid.uuid4().hex
-    try:
-        check_writable(run_dir)
-        os.makedirs(run_dir, exist_ok=True)
-        write_synced(os.path.join(run_dir, f".shared-check-{token}"), token)
-    except OSError as e:
-        raise ConfigError(f"trainer.default_local_dir={run_dir!r} cannot be written: {e}") from None
-    return token

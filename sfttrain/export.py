@@ -16,7 +16,6 @@ import os
 import shutil
 import sys
 import warnings
-from collections.abc import Callable
 from typing import Optional
 
 import torch
@@ -29,7 +28,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from transformers.utils.hub import convert_file_size_to_int  # "5GB" -> bytes, as save_pretrained reads it
 
 from sfttrain import lora, quant
-from sfttrain.checkpoint import read_back
+from sfttrain.checkpoint_load import MODEL_PREFIX, model_tensors, one_line, read_back
 from sfttrain.checkpoint_folder import check_intact, fsync_tree, publish, read_state, resolve, runs, size_text
 from sfttrain.config import ModelConfig
 from sfttrain.distributed import agree_on_errors
@@ -38,26 +37,12 @@ from sfttrain.errors import ConfigError, ExportError
 from sfttrain.faults import SIZE_LIMIT_FIX, Fault, disk_full, fault, over_size_limit
 from sfttrain.hub import local_model_path, model_config
 
-MODEL_PREFIX = "model."  # the DCP state dict is {"model": hf_state_dict, "optim": ...}
 LOAD_BUDGET_BYTES = 1 << 30  # checkpoint bytes read per dcp.load call
 INDEX_FILE = "model.safetensors.index.json"
 ADAPTER_DIR = "adapter"  # a LoRA export's peft adapter folder, inside the merged model's folder
 HF_EXPORT_DIR = "huggingface"  # trainer.save_hf's export, inside the final checkpoint
 # the others wait this long for a LoRA merge, which rank 0 runs alone (minutes for a large base)
 EXPORT_TIMEOUT = datetime.timedelta(hours=6)
-
-
-def model_tensors(checkpoint_dir: str) -> dict[str, TensorStorageMetadata]:
-    """HF name -> DCP metadata of the model's tensors, in the order they were saved."""
-    meta = dcp.FileSystemReader(checkpoint_dir).read_metadata()
-    return {key[len(MODEL_PREFIX):]: md for key, md in meta.state_dict_metadata.items()
-            if key.startswith(MODEL_PREFIX) and isinstance(md, TensorStorageMetadata)}
-
-
-def tied_names(hf_dir: str, names: list[str]) -> set[str]:
-    """lm_head.weight where config.json ties it to the input embedding (transformers ties it back on load)."""
-    with open(os.path.join(hf_dir, "config.json")) as f:
-        return {"lm_head.weight"} & set(names) if json.load(f).get("tie_word_embeddings", False) else set()
 
 
 def read_tensors(reader: dcp.FileSystemReader, stored: dict[str, TensorStorageMetadata]) -> dict:
@@ -68,27 +53,11 @@ def read_tensors(reader: dcp.FileSystemReader, stored: dict[str, TensorStorageMe
     return {name[len(MODEL_PREFIX):]: t for name, t in loaded.items()}
 
 
-def write_weights(out_dir: str, tensors: dict[str, torch.Tensor], read: Callable[[list[str]], dict],
-                  max_shard_size: str | int, rank: int = 0, world_size: int = 1) -> None:
-    """The safetensors files of `tensors` (meta tensors will do: only their sizes plan the files), rank r
-    writing files r, r + world_size, ... from `read(names)`; rank 0 the index."""
-    split = split_torch_state_dict_into_shards(tensors, max_shard_size=convert_file_size_to_int(max_shard_size))
-    os.makedirs(out_dir, exist_ok=True)
-    umask = os.umask(0)
-    os.umask(umask)
-    for i, (file, names) in enumerate(split.filename_to_tensors.items()):
-        if i % world_size == rank:
-            save_file(read(names), os.path.join(out_dir, file), metadata={"format": "pt"})
-            os.chmod(os.path.join(out_dir, file), 0o666 & ~umask)  # safetensors creates it 0600
-    if rank == 0 and split.is_sharded:
-        with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
-            json.dump({"metadata": split.metadata, "weight_map": split.tensor_to_filename}, f, indent=2)
-
-
 def export(checkpoint_dir: str, out_dir: str, dtype: str = "auto", max_shard_size: str | int = "5GB",
            rank: int = 0, world_size: int = 1, trust_remote_code: bool = False,
            base_dir: Optional[str] = None) -> None:
-    """Writes the HF folder: rank r shards r, r + world_size, ...; rank 0 the index, config and tokenizer."""
+    """Writes the HF folder: rank r the safetensors files r, r + world_size, ... (planned from the tensors'
+    sizes alone), rank 0 the index, config and tokenizer."""
     hf_dir = os.path.join(checkpoint_dir, "hf")  # a checkpoint's check_intact, or its commit, vouched for it
     stored = model_tensors(checkpoint_dir)
     if any(lora.is_adapter_weight(name) for name in stored):
@@ -111,10 +80,30 @@ def export(checkpoint_dir: str, out_dir: str, dtype: str = "auto", max_shard_siz
             tensors = (t for group in split.filename_to_tensors.values()
                        for t in read_tensors(reader, {n: stored[n] for n in group}).items())
             return {name: (t.to(cast) if cast and t.is_floating_point() else t).contiguous() for name, t in tensors}
-    tied = tied_names(hf_dir, list(tensors))
-    write_weights(out_dir, {n: t for n, t in tensors.items() if n not in tied}, read, max_shard_size, rank, world_size)
-    if rank == 0:
-        _write_metadata_files(hf_dir, out_dir, out_dtype)
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        config = json.load(f)
+    if config.get("tie_word_embeddings", False):  # transformers ties lm_head.weight back on load
+        tensors.pop("lm_head.weight", None)
+    split = split_torch_state_dict_into_shards(tensors, max_shard_size=convert_file_size_to_int(max_shard_size))
+    os.makedirs(out_dir, exist_ok=True)
+    umask = os.umask(0)
+    os.umask(umask)
+    for i, (file, names) in enumerate(split.filename_to_tensors.items()):
+        if i % world_size == rank:
+            save_file(read(names), os.path.join(out_dir, file), metadata={"format": "pt"})
+            os.chmod(os.path.join(out_dir, file), 0o666 & ~umask)  # safetensors creates it 0600
+    if rank != 0:
+        return
+    if split.is_sharded:
+        with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
+            json.dump({"metadata": split.metadata, "weight_map": split.tensor_to_filename}, f, indent=2)
+    # hf/ into out_dir, the config's dtype the exported one and use_cache back on (training turns it off)
+    shutil.copytree(hf_dir, out_dir, dirs_exist_ok=True, copy_function=shutil.copyfile)
+    name = str(out_dtype).removeprefix("torch.")
+    config.update(dtype=name, use_cache=True, **({"torch_dtype": name} if "torch_dtype" in config else {}))
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+        f.write("\n")
 
 
 def meta_tensor(md: TensorStorageMetadata, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
@@ -136,7 +125,7 @@ def into_checkpoint(checkpoint_dir: str, rank: int, world_size: int, trust_remot
         export(checkpoint_dir, tmp, rank=rank, world_size=world_size, trust_remote_code=trust_remote_code,
                base_dir=base_dir)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank learns of it below
-        error = f"rank {rank}: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[-1]}"[:400]
+        error = f"rank {rank}: {one_line(e)}"
     failed = agree_on_errors(error, group)
     if not failed and rank == 0:
         fsync_tree(tmp)  # its files on disk before the rename names them
@@ -201,18 +190,6 @@ def refused_message(error: BaseException, refused: Fault, out: str, tmp: str) ->
                 "--dtype bf16 halves an fp32 checkpoint's export")
     return (f"writing {out} failed: {refused.cause}. Nothing was exported ({left}). {refused.fix}, or export to "
             "another folder")
-
-
-def _write_metadata_files(hf_dir: str, out_dir: str, dtype: torch.dtype) -> None:
-    """hf/ into out_dir, the config's dtype the exported one and use_cache back on (training turns it off)."""
-    shutil.copytree(hf_dir, out_dir, dirs_exist_ok=True, copy_function=shutil.copyfile)
-    with open(os.path.join(hf_dir, "config.json")) as f:
-        config = json.load(f)
-    name = str(dtype).removeprefix("torch.")
-    config.update(dtype=name, use_cache=True, **({"torch_dtype": name} if "torch_dtype" in config else {}))
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=2, sort_keys=True)
-        f.write("\n")
 
 
 def main(argv: Optional[list[str]] = None) -> None:

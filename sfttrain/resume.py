@@ -36,9 +36,6 @@ def lock_run_folder(run_dir: str, held: dict[str, int]) -> list[str]:
     run ends); if another run holds it, every rank raises the same ConfigError. Returns start-up lines
     (a warning where the filesystem has no locks)."""
     def take() -> list[str]:
-        key = os.path.realpath(run_dir)
-        if key in held:  # this process holds it already (a second trainer in one process)
-            return []
         fd = os.open(os.path.join(run_dir, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
         if (e := _flock(run_dir, fd, fcntl.LOCK_EX)) is not None:
             os.close(fd)
@@ -48,7 +45,7 @@ def lock_run_folder(run_dir: str, held: dict[str, int]) -> list[str]:
         os.write(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
                                  "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
                                  "slurm_job": os.environ.get("SLURM_JOB_ID")}).encode())
-        held[key] = fd
+        held[os.path.realpath(run_dir)] = fd
         return []
 
     return decided_by_rank0(take)
@@ -160,16 +157,12 @@ def check_schedule(path: str, saved: dict, schedule: dict) -> list[str]:
     if old is None:
         return [f"optimizer: {path} records no optimizer settings (an older sfttrain): the config's apply"]
     notes = [f"optimizer (the config's apply) {c}" for c in differences(old, schedule)]
-    if step >= total:
-        notes.append(finished(path, step))
-    return notes
-
-
-def finished(path: str, step: int) -> str:
+    if step < total:
+        return notes
     exported = os.path.join(path, HF_EXPORT_DIR)
     export = (f"its Hugging Face export is {exported}" if os.path.isdir(exported) else
               f"it has no Hugging Face export (trainer.save_hf=true exports it now; `python -m sfttrain.export {path} "
               "OUT_DIR` does too)")
-    return (f"the checkpoint is this run's last step ({step}): nothing left to train. The run finished: its last "
-            f"checkpoint is {path}, and {export}. To train longer, raise trainer.total_training_steps (or "
-            "trainer.total_epochs); to start afresh, set trainer.default_local_dir to a new folder")
+    return notes + [f"the checkpoint is this run's last step ({step}): nothing left to train. The run finished: its "
+                    f"last checkpoint is {path}, and {export}. To train longer, raise trainer.total_training_steps (or "
+                    "trainer.total_epochs); to start afresh, set trainer.default_local_dir to a new folder"]

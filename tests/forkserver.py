@@ -39,6 +39,10 @@ import sfttrain.help  # noqa: F401
 import sfttrain.metrics  # noqa: F401
 import sfttrain.runtime  # noqa: F401
 import sfttrain.trainer  # noqa: F401
+# the model classes of the suite's models (stories260K, the tiny Qwen2) and what transformers imports with
+# the first one a rank builds (its masking and generation code): 0.3 CPU-s of each rank's start
+import transformers.models.llama.modeling_llama  # noqa: F401
+import transformers.models.qwen2.modeling_qwen2  # noqa: F401
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: F401
 
 from tests.forkrank import free_port, receive, send

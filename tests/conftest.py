@@ -214,6 +214,20 @@ def gsm8k_val(gsm8k_dir, tmp_path_factory) -> Path:
     return built_once(tmp_path_factory, "gsm8k_val", build) / "test.parquet"
 
 
+@pytest.fixture()
+def verl_home(gsm8k_dir, tmp_path) -> Path:
+    """A $HOME laid out as verl's scripts and article 003 expect it: ~/data/gsm8k/{train,test}.parquet, cut to
+    the 64 and 8 rows their shortened runs read (every rank renders every row at start-up, and validates on the
+    test split in bf16 with a 151k vocabulary: a CPU without bf16 instructions runs it ~9x slower than fp32)."""
+    import pyarrow.parquet as pq
+
+    data = tmp_path / "home" / "data" / "gsm8k"
+    data.mkdir(parents=True)
+    for split, rows in (("train", 64), ("test", 8)):
+        pq.write_table(pq.read_table(gsm8k_dir / f"{split}.parquet").slice(0, rows), data / f"{split}.parquet")
+    return tmp_path / "home"
+
+
 # A small, fast CPU job on the real stories260K model: fp32, fixed order, constant LR.
 BASE_OVERRIDES = [
     f"model.partial_pretrain={STORIES}",

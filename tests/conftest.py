@@ -274,7 +274,7 @@ def launch(nproc: int, overrides: list[str], log: Path, cwd: Path = REPO, env: d
     or folder of its own are forked from this process's rank server instead (ForkServer). `module`:
     what runs, sfttrain.run's arguments being `overrides` (or a tool's, sfttrain.export on one rank)."""
     if forks(cwd, env, torchrun):
-        return ForkServer.get().launch(nproc, overrides, log, module)
+        return ForkServer.get().launch(nproc, overrides, log, module, env)
     launcher = (["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
                  "--master_port", str(free_port())] if torchrun or nproc > 1 else [])
     cmd = [sys.executable, *launcher, "-m", module, *overrides]
@@ -355,19 +355,21 @@ class ForkServer:
         test compiles: TORCHINDUCTOR_CACHE_DIR at its default, what every rank computes anyway, and
         _TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR, an address in this process that its C++ kernels
         read (meaningless in a rank). Counted, every later job of the worker would start unforked.
-        (Before the server starts: the environment it would start with.)"""
+        TORCH_LOGS is read again by the forked rank (tests/forkserver.py). (Before the server starts: the
+        environment it would start with.)"""
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
         def key(e: dict) -> dict:
             return {k: v for k, v in e.items()
-                    if k not in ("PYTEST_CURRENT_TEST", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR")
+                    if k not in ("PYTEST_CURRENT_TEST", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "TORCH_LOGS")
                     and not (k == "TORCHINDUCTOR_CACHE_DIR" and v == default_cache_dir())}
         return key(env) == key(cls._running.env if cls._running else rank_env())
 
-    def launch(self, nproc: int, args: list[str], log: Path, module: str = "sfttrain.run") -> ForkedJob:
+    def launch(self, nproc: int, args: list[str], log: Path, module: str = "sfttrain.run",
+               env: dict | None = None) -> ForkedJob:
         cmd, pids = self.command(nproc, args, module)
         with open(log, "w") as f:
-            return ForkedJob(cmd, pids, cwd=REPO, env=rank_env(), stdout=f, stderr=subprocess.STDOUT,
+            return ForkedJob(cmd, pids, cwd=REPO, env=rank_env(env), stdout=f, stderr=subprocess.STDOUT,
                              start_new_session=True)
 
     def command(self, nproc: int, args: list[str], module: str = "sfttrain.run") -> tuple[list[str], Path]:

@@ -31,7 +31,7 @@ import sys
 from types import SimpleNamespace
 
 from bench.common import add_sfttrain_args, emit, w2b_config
-from bench.jobs import read_jsonl, stop, wait_for_steps
+from bench.jobs import NO_SAVE_ON_STOP, read_jsonl, stop, wait_for_steps
 from bench.sfttrain_w1 import RECIPE, require_one_epoch, summarise
 from bench.w1_data import load_rows, load_tokenizer, model_config, write_parquet
 
@@ -60,7 +60,7 @@ def run(args, name: str, model_dir: str, parquet: str, overrides: list[str], ste
     cmd = [sys.executable, "-m", "sfttrain.run", RECIPE, f"model.partial_pretrain={model_dir}",
            f"data.train_files={parquet}", f"trainer.default_local_dir={run_dir}", "trainer.resume_mode=disable",
            f"trainer.total_training_steps={steps + 1000}", f"trainer.device={args.device}", "trainer.log_freq=1",
-           *overrides]
+           NO_SAVE_ON_STOP, *overrides]
     print("+", " ".join(cmd), flush=True)
     log = os.path.join(args.work, f"{name}.log")
     with open(log, "w") as out:

@@ -17,6 +17,9 @@ from sfttrain.runtime import STACKS_HEADER
 
 STACKS_WAIT_S = 1  # for a process to write its stacks (faulthandler)
 STOP_GRACE_S = 60  # torchrun passes SIGTERM on to its ranks and waits for them; past this, SIGKILL
+# the override of every job that stop() ends: sfttrain answers SIGTERM with a checkpoint of its step
+# (trainer.save_on_sigterm), one no bench reads (W2b's ~99 GB) and each stop would wait for
+NO_SAVE_ON_STOP = "trainer.save_on_sigterm=false"
 
 
 def read_jsonl(path: str) -> list[dict]:

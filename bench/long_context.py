@@ -29,7 +29,7 @@ import time
 import torch
 import transformers
 from bench.common import LORA, MFU_FORMULA, save_model as save_weights, timed_mfu, w2b_config
-from bench.jobs import read_jsonl, wait_for_steps, why_it_failed
+from bench.jobs import NO_SAVE_ON_STOP, read_jsonl, wait_for_steps, why_it_failed
 from bench.w1_data import load_rows, load_tokenizer, model_config, write_parquet
 
 LENGTHS = (16384, 32768, 65536, 131072)
@@ -94,7 +94,8 @@ def run_one(args, model_dir: str, length: int, sp: int, timeout: float) -> dict:
                  f"ulysses_sequence_parallel_size={sp}", f"model.compile={str(args.compile).lower()}",
                  f"trainer.device={args.device}", f"trainer.default_local_dir={work}/run",
                  # beyond the timed steps: the job is stopped before it ends, so no final checkpoint
-                 f"trainer.total_training_steps={args.steps + 1000}", *(LORA if args.lora else []), *args.override]
+                 f"trainer.total_training_steps={args.steps + 1000}", NO_SAVE_ON_STOP, *(LORA if args.lora else []),
+                 *args.override]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.gpus}",
            "-m", "sfttrain.run", *overrides]
     print("+", " ".join(cmd), flush=True)

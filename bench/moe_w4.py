@@ -38,7 +38,7 @@ import sys
 from transformers import Qwen3MoeConfig
 
 from bench.common import TINY_SIZES, add_sfttrain_args, emit, save_model
-from bench.jobs import stop, wait_for_steps
+from bench.jobs import NO_SAVE_ON_STOP, stop, wait_for_steps
 from bench.sfttrain_w1 import RECIPE, require_one_epoch, summarise
 from bench.w1_data import load_rows, load_tokenizer, write_parquet
 
@@ -68,7 +68,7 @@ def run_sfttrain(args, model_dir: str, parquet: str) -> dict:
     overrides = [f"model.partial_pretrain={model_dir}", f"data.train_files={parquet}",
                  f"trainer.default_local_dir={run_dir}",
                  "trainer.resume_mode=disable", f"trainer.total_training_steps={args.steps + 1000}",
-                 f"trainer.device={args.device}", *W4, *args.override]
+                 f"trainer.device={args.device}", NO_SAVE_ON_STOP, *W4, *args.override]
     cmd = [sys.executable, "-m", "sfttrain.run", RECIPE, *overrides]
     print("+", " ".join(cmd), flush=True)
     shutil.rmtree(run_dir, ignore_errors=True)  # an earlier job's metrics.jsonl would read as this one's steps

@@ -27,7 +27,7 @@ import sys
 import time
 
 from bench.common import MFU_FORMULA, default_data, timed_mfu, w2b_config
-from bench.jobs import stop, why_it_failed
+from bench.jobs import NO_SAVE_ON_STOP, stop, why_it_failed
 from bench.w1_data import load_rows, load_tokenizer, model_config, write_parquet
 
 RECIPE = os.path.join(os.path.dirname(__file__), "..", "recipes", "w1_qwen2.5-0.5b.yaml")
@@ -92,7 +92,7 @@ def launch(name: str, spec: dict, args, paths: dict, timeout: float) -> dict:
     run_dir = os.path.join(args.work, "runs", spec.get("resume_of", name))
     overrides = [f"model.partial_pretrain={paths[spec['model']]}", f"data.train_files={paths['data']}",
                  f"trainer.default_local_dir={run_dir}", f"trainer.total_training_steps={spec['steps']}",
-                 f"trainer.device={args.device}", *spec["overrides"], *(TINY if args.tiny else [])]
+                 f"trainer.device={args.device}", NO_SAVE_ON_STOP, *spec["overrides"], *(TINY if args.tiny else [])]
     if "resume_of" in spec:  # the later checkpoints go: auto-resume takes the one at resume_at
         for later in range(spec["resume_at"] + 1, spec["steps"] + 1):
             shutil.rmtree(os.path.join(run_dir, f"global_step_{later}"), ignore_errors=True)

@@ -31,27 +31,17 @@ ASSETS = REPO / "assets"
 STORIES = ASSETS / "models" / "stories260K"
 
 
-# The test files that take longest, slowest first: the sums of their tests' --durations in two runs
-# of the suite on 2 workers (2026-12-02, the 2 cores shared with another suite's runs: these are
-# ~3x an idle machine's times), in minutes: bench_w1 9-11, checkpoint 5-8, bench_w2b 5-8, article
-# 5-6, bench_moe 5-6, bench_scale 3-4, errors 3, trainer 3, files 2-3, sequence_parallel 2, cli and
-# multinode 1-2, each of the rest ~1 or less (54-60 in all). pytest-xdist (--dist loadfile) hands a
-# worker the next file when it runs short: started last, one of these would leave the other worker
-# idle for most of its length. bench/'s tests are four files (tests/bench_run.py), the article's
-# jobs one apart from test_cli.py: as one file, bench's (~45% of the suite) decided when the suite
-# ended whenever its share grew past half. test_parallel.py and test_fuse_projections.py compile layers
-# with inductor: on a fresh clone, with no compiled kernels cached, they took 3.0 minutes together
-# (1.9 warm; 2026-12-04), so they start early too. The files after test_multinode.py, slowest first, are
-# the rest's that took over 10 s (their sums on 2 idle workers, 2026-12-05: experts 35, plan 32, hub 20,
-# data_report 20, lora 16, chat 16, plot 15, resume_rules 15, export 13, moe 11; the 18 others 46 in all;
-# reference_loops, added later, 12 alone): in collection order test_experts.py (a compiled layer),
-# test_plan.py and test_resume_rules.py
-# were handed out near the end, where the worker that took one could end up to half a minute after
-# the other; what is left for the end now are files of a few seconds each.
-SLOWEST_FILES = ["test_bench_w1.py", "test_checkpoint.py", "test_bench_w2b.py", "test_article.py", "test_bench_moe.py",
-                 "test_parallel.py", "test_bench_scale.py", "test_errors.py", "test_trainer.py",
-                 "test_fuse_projections.py", "test_files.py", "test_sequence_parallel.py", "test_cli.py",
-                 "test_multinode.py", "test_experts.py", "test_plan.py", "test_hub.py", "test_data_report.py",
+# The test files that take longest, slowest first (CPU-seconds of each alone, the jobs' processes
+# included, on 2 cores with AVX-512 bf16). pytest-xdist (--dist loadfile) hands a worker the next file
+# when it runs short: started last, one of these would leave the other worker idle for most of its
+# length, so they start first and the end is left to files of a few seconds. test_parallel.py and
+# test_fuse_projections.py compile layers with inductor, slowest on a fresh clone (no kernels cached).
+# A CPU without bf16 instructions runs the bench tests' and the article's bf16 several times slower:
+# there the bench files would belong at the front.
+SLOWEST_FILES = ["test_checkpoint.py", "test_parallel.py", "test_errors.py", "test_article.py", "test_trainer.py",
+                 "test_bench_w2b.py", "test_bench_w1.py", "test_fuse_projections.py", "test_bench_scale.py",
+                 "test_files.py", "test_cli.py", "test_bench_moe.py", "test_sequence_parallel.py", "test_multinode.py",
+                 "test_bench_w5.py", "test_experts.py", "test_plan.py", "test_hub.py", "test_data_report.py",
                  "test_lora.py", "test_chat.py", "test_plot.py", "test_resume_rules.py", "test_export.py",
                  "test_reference_loops.py", "test_moe.py"]
 
@@ -214,6 +204,20 @@ def gsm8k_val(gsm8k_dir, tmp_path_factory) -> Path:
     return built_once(tmp_path_factory, "gsm8k_val", build) / "test.parquet"
 
 
+@pytest.fixture()
+def verl_home(gsm8k_dir, tmp_path) -> Path:
+    """A $HOME laid out as verl's scripts and article 003 expect it: ~/data/gsm8k/{train,test}.parquet, cut to
+    the 64 and 8 rows their shortened runs read (every rank renders every row at start-up, and validates on the
+    test split in bf16 with a 151k vocabulary: a CPU without bf16 instructions runs it ~9x slower than fp32)."""
+    import pyarrow.parquet as pq
+
+    data = tmp_path / "home" / "data" / "gsm8k"
+    data.mkdir(parents=True)
+    for split, rows in (("train", 64), ("test", 8)):
+        pq.write_table(pq.read_table(gsm8k_dir / f"{split}.parquet").slice(0, rows), data / f"{split}.parquet")
+    return tmp_path / "home"
+
+
 # A small, fast CPU job on the real stories260K model: fp32, fixed order, constant LR.
 BASE_OVERRIDES = [
     f"model.partial_pretrain={STORIES}",
@@ -260,7 +264,7 @@ def launch(nproc: int, overrides: list[str], log: Path, cwd: Path = REPO, env: d
     or folder of its own are forked from this process's rank server instead (ForkServer). `module`:
     what runs, sfttrain.run's arguments being `overrides` (or a tool's, sfttrain.export on one rank)."""
     if forks(cwd, env, torchrun):
-        return ForkServer.get().launch(nproc, overrides, log, module)
+        return ForkServer.get().launch(nproc, overrides, log, module, env)
     launcher = (["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
                  "--master_port", str(free_port())] if torchrun or nproc > 1 else [])
     cmd = [sys.executable, *launcher, "-m", module, *overrides]
@@ -341,19 +345,21 @@ class ForkServer:
         test compiles: TORCHINDUCTOR_CACHE_DIR at its default, what every rank computes anyway, and
         _TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR, an address in this process that its C++ kernels
         read (meaningless in a rank). Counted, every later job of the worker would start unforked.
-        (Before the server starts: the environment it would start with.)"""
+        TORCH_LOGS is read again by the forked rank (tests/forkserver.py). (Before the server starts: the
+        environment it would start with.)"""
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
         def key(e: dict) -> dict:
             return {k: v for k, v in e.items()
-                    if k not in ("PYTEST_CURRENT_TEST", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR")
+                    if k not in ("PYTEST_CURRENT_TEST", "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR", "TORCH_LOGS")
                     and not (k == "TORCHINDUCTOR_CACHE_DIR" and v == default_cache_dir())}
         return key(env) == key(cls._running.env if cls._running else rank_env())
 
-    def launch(self, nproc: int, args: list[str], log: Path, module: str = "sfttrain.run") -> ForkedJob:
+    def launch(self, nproc: int, args: list[str], log: Path, module: str = "sfttrain.run",
+               env: dict | None = None) -> ForkedJob:
         cmd, pids = self.command(nproc, args, module)
         with open(log, "w") as f:
-            return ForkedJob(cmd, pids, cwd=REPO, env=rank_env(), stdout=f, stderr=subprocess.STDOUT,
+            return ForkedJob(cmd, pids, cwd=REPO, env=rank_env(env), stdout=f, stderr=subprocess.STDOUT,
                              start_new_session=True)
 
     def command(self, nproc: int, args: list[str], module: str = "sfttrain.run") -> tuple[list[str], Path]:

@@ -7,7 +7,7 @@ client (tests/forkrank.py) asks for. The child takes the client's environment (w
 folder, arguments, stdout and file size limit, and runs the module the client names (sfttrain.run,
 or a tool such as sfttrain.export) as `python -m` does: the product's own entry point in a real
 process. conftest forks only jobs whose environment and folder equal this server's (nothing read at
-import differs); the others start the usual way.
+import differs, but TORCH_LOGS, which the child has torch read again); the others start the usual way.
 
 For a job of several ranks the child gets torchrun's rendezvous variables, and the server does what
 the tests rely on torchrun for: when a rank fails, the others get SIGTERM (SIGKILL 30 s later), and
@@ -39,6 +39,10 @@ import sfttrain.help  # noqa: F401
 import sfttrain.metrics  # noqa: F401
 import sfttrain.runtime  # noqa: F401
 import sfttrain.trainer  # noqa: F401
+# the model classes of the suite's models (stories260K, the tiny Qwen2) and what transformers imports with
+# the first one a rank builds (its masking and generation code): 0.3 CPU-s of each rank's start
+import transformers.models.llama.modeling_llama  # noqa: F401
+import transformers.models.qwen2.modeling_qwen2  # noqa: F401
 from torch.distributed.elastic.multiprocessing.errors import record  # noqa: F401
 
 from tests.forkrank import free_port, receive, send
@@ -188,8 +192,13 @@ def become_rank(request: dict, rank: int, port: int | None, out_fd: int) -> None
     if nproc > 1:  # torchrun's rendezvous variables, all one node
         env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
                    GROUP_RANK="0", GROUP_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch_logs = os.environ.get("TORCH_LOGS")
     os.environ.clear()
     os.environ.update(env)
+    if env.get("TORCH_LOGS") != torch_logs:  # torch reads it at import: read again, as that import would have
+        import torch._logging._internal
+
+        torch._logging._internal._init_logs()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     # numpy's global RNG (a rank saves its state in each checkpoint) is drawn from the OS in a fresh
     # interpreter, as Python's `random` is (CPython reseeds that one in a forked child itself).

@@ -4,35 +4,20 @@ tests/test_cli.py: these jobs are among the suite's longest, and pytest-xdist's 
 files, not tests."""
 
 import os
-import shutil
 import subprocess
 from importlib.metadata import version
 
-import pyarrow.parquet as pq
-import pytest
 
 from tests.conftest import REPO, read_metrics, run_sfttrain
 
 
-@pytest.fixture()
-def home_with_gsm8k(gsm8k_dir, tmp_path):
-    """A $HOME laid out as the article expects: ~/data/gsm8k/{train,test}.parquet (the test split
-    cut to 8 rows: the article's config is bf16 with a 151k vocabulary, and a CPU without bf16
-    instructions runs bf16 GEMMs ~9x slower than fp32)."""
-    data = tmp_path / "home" / "data" / "gsm8k"
-    data.mkdir(parents=True)
-    shutil.copy(gsm8k_dir / "train.parquet", data)
-    pq.write_table(pq.read_table(gsm8k_dir / "test.parquet").slice(0, 8), data / "test.parquet")
-    return tmp_path / "home"
-
-
-def test_article_yaml_runs_unchanged(home_with_gsm8k, tiny_qwen_dir, tmp_path):
+def test_article_yaml_runs_unchanged(verl_home, tiny_qwen_dir, tmp_path):
     """verl's sft_fsdp2.yaml (article 003, section 4.1): only the model path is local, and the run
     is cut to one step of 16 samples on 2 ranks to keep the suite fast (the article's 4 ranks run its
     command line, below)."""
     proc = run_sfttrain(2, [str(REPO / "recipes" / "verl_sft_fsdp2.yaml"), f"model.partial_pretrain={tiny_qwen_dir}",
                             "trainer.total_training_steps=1", "data.train_batch_size=16"],
-                        cwd=tmp_path, env={"HOME": str(home_with_gsm8k)}, timeout=600)
+                        cwd=tmp_path, env={"HOME": str(verl_home)}, timeout=600)
     metrics = read_metrics(tmp_path / "checkpoints")
     assert metrics[0]["step"] == 1 and [m["val/loss"] for m in metrics if "val/loss" in m][-1] > 0
     assert "WARNING: model_dtype=bf16" in proc.stdout + proc.stderr
@@ -53,9 +38,9 @@ def test_article_yaml_runs_unchanged(home_with_gsm8k, tiny_qwen_dir, tmp_path):
     assert ("WARNING: 8 data workers and 2 ranks share" in proc.stdout) == (8 + 2 > cpus)
 
 
-def test_article_command_line_runs_unchanged(home_with_gsm8k, tiny_qwen_dir, tmp_path):
+def test_article_command_line_runs_unchanged(verl_home, tiny_qwen_dir, tmp_path):
     """The torchrun command of article 003, section 5.1, with the module name and local paths."""
-    home = home_with_gsm8k
+    home = verl_home
     save_path = tmp_path / "fsdp2_qwen_05b"
     run_sfttrain(4, [f"data.train_files={home}/data/gsm8k/train.parquet",
                      f"data.val_files={home}/data/gsm8k/test.parquet",
@@ -69,7 +54,7 @@ def test_article_command_line_runs_unchanged(home_with_gsm8k, tiny_qwen_dir, tmp
     assert read_metrics(save_path)[0]["loss"] > 0
 
 
-def test_article_lora_keys_run_and_export(home_with_gsm8k, tiny_qwen_dir, tmp_path):
+def test_article_lora_keys_run_and_export(verl_home, tiny_qwen_dir, tmp_path):
     """Article 003, section 6.1: the article's YAML with its LoRA keys (bf16 base, fp32 adapters,
     2 ranks); the checkpoint holds the adapters only and exports to a folder peft loads, also from
     another working directory than the run's, whose model.partial_pretrain was a relative path (the
@@ -85,7 +70,7 @@ def test_article_lora_keys_run_and_export(home_with_gsm8k, tiny_qwen_dir, tmp_pa
                             "model.enable_gradient_checkpointing=true", "model.lora_rank=64", "model.lora_alpha=32",
                             "model.target_modules=all-linear", "data.micro_batch_size_per_gpu=2",
                             "trainer.total_training_steps=1", "data.train_batch_size=4"],
-                        cwd=tmp_path, env={"HOME": str(home_with_gsm8k)}, timeout=600)
+                        cwd=tmp_path, env={"HOME": str(verl_home)}, timeout=600)
     assert "frozen base in bf16, adapters and AdamW state in fp32" in proc.stdout
     assert "WARNING: model_dtype=bf16" not in proc.stdout  # the adapters' master weights are fp32
     ckpt = tmp_path / "checkpoints" / "global_step_1"

@@ -9,8 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pyarrow.parquet as pq
-import pytest
 
 from tests.conftest import BASE_OVERRIDES, REPO, read_metrics, run_sfttrain
 
@@ -202,23 +200,13 @@ def verl_script_args(name: str, home: Path, model: Path, save_path: Path, *extra
             for a in (extra if arg == "$@" else [arg])]
 
 
-@pytest.fixture()
-def small_verl_home(gsm8k_dir, tmp_path):
-    """~/data/gsm8k as verl's scripts expect it, cut to 64 training and 8 test rows."""
-    data = tmp_path / "home" / "data" / "gsm8k"
-    data.mkdir(parents=True)
-    for split, rows in (("train", 64), ("test", 8)):
-        pq.write_table(pq.read_table(gsm8k_dir / f"{split}.parquet").slice(0, rows), data / f"{split}.parquet")
-    return tmp_path / "home"
-
-
-def test_verl_example_scripts_pass_the_preflight(small_verl_home, tiny_qwen_dir, tmp_path, capsys):
+def test_verl_example_scripts_pass_the_preflight(verl_home, tiny_qwen_dir, tmp_path, capsys):
     """Every script's arguments load (Hydra's +key, verl keys without meaning here said once each)
     and pass the preflight, which renders every row as the run would (the nested keys found)."""
     from sfttrain.plan import main as preflight
 
     for name in VERL_SCRIPTS:
-        args = verl_script_args(name, small_verl_home, tiny_qwen_dir, tmp_path / name, "data.train_batch_size=16")
+        args = verl_script_args(name, verl_home, tiny_qwen_dir, tmp_path / name, "data.train_batch_size=16")
         assert preflight([*args, "--nproc", "2"]) == 0, (name, capsys.readouterr().out)
         out = capsys.readouterr().out
         assert "64 rows -> 4 steps per epoch" in out and "no problems found" in out, (name, out)
@@ -226,12 +214,12 @@ def test_verl_example_scripts_pass_the_preflight(small_verl_home, tiny_qwen_dir,
             assert out.count("sfttrain: ignoring data.micro_batch_size=4: verl's deprecated") == 1, out
 
 
-def test_verl_example_script_trains(small_verl_home, tiny_qwen_dir, tmp_path):
+def test_verl_example_script_trains(verl_home, tiny_qwen_dir, tmp_path):
     """run_qwen_05_sp2.sh as torchrun runs it with 2 ranks (Ulysses sp=2, its own one step): it
     trains, and says once that data.micro_batch_size is ignored; the start-up says nothing untrue
     or unactionable."""
     save_path = tmp_path / "sp2"
-    proc = run_sfttrain(2, verl_script_args("run_qwen_05_sp2.sh", small_verl_home, tiny_qwen_dir, save_path,
+    proc = run_sfttrain(2, verl_script_args("run_qwen_05_sp2.sh", verl_home, tiny_qwen_dir, save_path,
                                             "data.train_batch_size=4"), timeout=600)
     assert read_metrics(save_path)[0]["step"] == 1
     assert proc.stdout.count("sfttrain: ignoring data.micro_batch_size=4") == 1, proc.stdout[-3000:]

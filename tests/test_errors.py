@@ -1,9 +1,9 @@
 """The catalogue of user mistakes: one clean message, printed once, the exit code of its kind
 (sfttrain/run.py), and no traceback from sfttrain's ranks. Every mistake ends through the one path,
-sfttrain.run.stop; the cases of two ranks and one case of each exit kind run under torchrun, whose
+sfttrain.run.stop; one case of each exit kind, of one rank and of two, runs under torchrun, whose
 summary must show the message as the root cause (torchrun's launcher prints its own traceback for
-any failed child: that one is allowed, and only that one). The rest run as one rank, `python -m
-sfttrain.run` (the suite's forked ranks: no torchrun start-up per case), and print no traceback.
+any failed child: that one is allowed, and only that one). The rest run on the suite's forked ranks
+(`python -m sfttrain.run` for one: no torchrun start-up per case), and print no traceback.
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ class Case:
     nproc: int = 1  # 2 where ranks matter (said once; batch arithmetic)
     env: dict = field(default_factory=dict)
     yaml: str | None = None  # a recipe file's text, passed before the overrides
-    torchrun: bool = False  # launched by torchrun, its summary checked (two ranks always are)
+    torchrun: bool | None = None  # launched by torchrun, its summary checked (default: where two ranks run)
 
     def __post_init__(self):
-        self.torchrun = self.torchrun or self.nproc > 1
+        self.torchrun = self.nproc > 1 if self.torchrun is None else self.torchrun
 
 
 def catalogue(tmp: Path) -> dict[str, Case]:
@@ -76,7 +76,7 @@ def catalogue(tmp: Path) -> dict[str, Case]:
     return {
         "misspelled_key": Case(["data.micro_batch_sise_per_gpu=2"], [
             "unknown config key 'data.micro_batch_sise_per_gpu'; did you mean data.micro_batch_size_per_gpu?"],
-            CONFIG, nproc=2),
+            CONFIG, nproc=2, torchrun=False),
         "wrong_type": Case(["data.max_length=long"], ["data.max_length", "long"], CONFIG),
         "yaml_syntax": Case([], ["is not valid YAML", "line 3"], CONFIG, yaml="data:\n  train_files: [a\n  x: 1\n"),
         "nan_lr": Case(["optim.lr=nan"], ["optim.lr=nan is not a finite number"], CONFIG),
@@ -91,7 +91,8 @@ def catalogue(tmp: Path) -> dict[str, Case]:
             env={"WANDB_MODE": "online", "WANDB_API_KEY": "", "HOME": str(home), "NETRC": str(home / ".netrc")}),
         "non_divisible_batch": Case(["data.train_batch_size=10", "data.micro_batch_size_per_gpu=4"], [
             "data.train_batch_size=10 gives 5 samples per data-parallel rank over 2 data-parallel ranks, "
-            "not divisible by data.micro_batch_size_per_gpu=4; use data.train_batch_size=8 or 16"], CONFIG, nproc=2),
+            "not divisible by data.micro_batch_size_per_gpu=4; use data.train_batch_size=8 or 16"], CONFIG, nproc=2,
+            torchrun=False),
         "missing_model": Case([f"model.partial_pretrain={tmp}/no_model"], ["no_model", "not a local model folder"],
                               CONFIG),
         "missing_chat_template": Case(["data.apply_chat_template=true"], [
@@ -412,7 +413,7 @@ def memory_limit() -> int:
     return (int(re.search(r"VmPeak:\s+(\d+) kB", probe.stdout).group(1)) << 10) + (16 << 30)
 
 
-def run_under_memory_limit(tmp_path: Path, gsm8k_dir: Path, name: str, shape: dict, *overrides: str,
+def run_under_memory_limit(tmp_path: Path, train_file: Path, name: str, shape: dict, *overrides: str,
                            limit_host: bool = True):
     """One rank (`python -m sfttrain.run`) of a model built from stories260K's config with `shape`
     (random weights, its tokenizer), its address space limited (`memory_limit`; unless not limit_host: CUDA
@@ -434,7 +435,7 @@ def run_under_memory_limit(tmp_path: Path, gsm8k_dir: Path, name: str, shape: di
         resource.setrlimit(resource.RLIMIT_AS, (limit_bytes, limit_bytes))
 
     command = [sys.executable, "-m", "sfttrain.run", *BASE_OVERRIDES, f"model.partial_pretrain={folder}",
-               "model.random_init=true", f"data.train_files={gsm8k_dir}/train.parquet",
+               "model.random_init=true", f"data.train_files={train_file}",
                f"trainer.default_local_dir={tmp_path / name}_run", *overrides]
     hidden = {"CUDA_VISIBLE_DEVICES": ""} if limit_host else {}
     return subprocess.run(command, cwd=REPO,
@@ -451,12 +452,12 @@ def run_under_memory_limit(tmp_path: Path, gsm8k_dir: Path, name: str, shape: di
                                          "data.micro_batch_size_per_gpu=128"], "32.00 GiB asked for",
      "lower data.micro_batch_size_per_gpu=128"),
 ])
-def test_out_of_memory_is_one_message_naming_the_phase_and_the_keys(gsm8k_dir, tmp_path, where, shape, overrides,
+def test_out_of_memory_is_one_message_naming_the_phase_and_the_keys(gsm8k_head, tmp_path, where, shape, overrides,
                                                                       asked, fix):
     """A rank whose allocation fails (here the host's, past its address-space limit; a GPU's raises
     torch.OutOfMemoryError, read the same way) ends with one message, exit code 9: the phase, the size
     asked for, and the keys that shrink what that phase holds."""
-    proc = run_under_memory_limit(tmp_path, gsm8k_dir, "model", shape, *overrides)
+    proc = run_under_memory_limit(tmp_path, gsm8k_head, "model", shape, *overrides)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 9 and "Traceback" not in out, out[-3000:]
     assert f"sfttrain: out of memory: rank 0 ran out of host memory in {where} ({asked})" in out, out[-3000:]
@@ -464,11 +465,11 @@ def test_out_of_memory_is_one_message_naming_the_phase_and_the_keys(gsm8k_dir, t
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA's allocator")
-def test_out_of_gpu_memory_is_the_same_one_message(gsm8k_dir, tmp_path):
+def test_out_of_gpu_memory_is_the_same_one_message(gsm8k_head, tmp_path):
     """On a GPU: a 2^24-token vocabulary, whose loss logits for a chunk of ~12k target tokens take
     ~400 GB in bf16, more than any GPU holds: torch.OutOfMemoryError, said as one message (exit code
     9) with CUDA's own account of the memory."""
-    proc = run_under_memory_limit(tmp_path, gsm8k_dir, "model", {"vocab_size": 1 << 24}, "trainer.device=cuda",
+    proc = run_under_memory_limit(tmp_path, gsm8k_head, "model", {"vocab_size": 1 << 24}, "trainer.device=cuda",
                                   "model.fsdp_config.mixed_precision=true", "model.loss_chunk_tokens=16384",
                                   "data.train_batch_size=128", "data.micro_batch_size_per_gpu=128", limit_host=False)
     out = proc.stdout + proc.stderr
@@ -477,14 +478,14 @@ def test_out_of_gpu_memory_is_the_same_one_message(gsm8k_dir, tmp_path):
             "Tried to allocate") in out
 
 
-def worker_job(gsm8k_dir: Path, run_dir: Path) -> list[str]:
+def worker_job(train_file: Path, run_dir: Path) -> list[str]:
     """One rank whose steps (4 micro-batches of 2 rows, 20 tensors) a DataLoader worker builds."""
-    return ["sfttrain.run", *BASE_OVERRIDES, f"data.train_files={gsm8k_dir}/train.parquet",
+    return ["sfttrain.run", *BASE_OVERRIDES, f"data.train_files={train_file}",
             f"trainer.default_local_dir={run_dir}", "data.num_workers=1", "data.train_batch_size=8",
             "data.micro_batch_size_per_gpu=2", "data.max_length=128", "trainer.total_training_steps=2"]
 
 
-def test_data_workers_within_the_open_files_limit(gsm8k_dir, tmp_path):
+def test_data_workers_within_the_open_files_limit(gsm8k_head, tmp_path):
     """A worker hands each tensor of a step to the rank as a file descriptor. Under a soft open files limit
     of 32 (`ulimit -n`; the hard one 4096) the run raises it and trains; under a hard limit of 32 it is
     refused at start-up (exit code 2), naming the limit and the fix, and listed by the preflight under that
@@ -492,21 +493,21 @@ def test_data_workers_within_the_open_files_limit(gsm8k_dir, tmp_path):
     loop, and the rank waited."""
     import resource
 
-    trained = run_alone(worker_job(gsm8k_dir, tmp_path / "soft"), {resource.RLIMIT_NOFILE: (32, 4096)}, timeout=120)
+    trained = run_alone(worker_job(gsm8k_head, tmp_path / "soft"), {resource.RLIMIT_NOFILE: (32, 4096)}, timeout=120)
     assert trained.returncode == 0 and "Traceback" not in trained.stdout, trained.stdout[-3000:]
-    refused = run_alone(worker_job(gsm8k_dir, tmp_path / "hard"), {resource.RLIMIT_NOFILE: (32, 32)}, timeout=120)
+    refused = run_alone(worker_job(gsm8k_head, tmp_path / "hard"), {resource.RLIMIT_NOFILE: (32, 32)}, timeout=120)
     assert refused.returncode == CONFIG and "Traceback" not in refused.stdout, refused.stdout[-3000:]
     message = re.search(r"^sfttrain: config error: (the open files limit of this job is 32 \(`ulimit -Hn`.*\), and a "
                         r"rank and each of its data workers need up to about \d+ here. Raise the open files limit.*)$",
                         refused.stdout, re.MULTILINE)
     assert message, refused.stdout[-3000:]
     # the preflight of the same job, started under the same limit, lists that refusal (it said no problem)
-    plan = run_alone(["sfttrain.plan", *worker_job(gsm8k_dir, tmp_path / "hard")[1:], "--nproc", "1"],
+    plan = run_alone(["sfttrain.plan", *worker_job(gsm8k_head, tmp_path / "hard")[1:], "--nproc", "1"],
                      {resource.RLIMIT_NOFILE: (32, 32)}, timeout=120)
     assert plan.returncode == 2 and f"  - {message.group(1)}" in plan.stdout.split("problems:")[-1], plan.stdout[-3000:]
 
 
-def test_data_workers_that_find_shared_memory_full(gsm8k_dir, tmp_path):
+def test_data_workers_that_find_shared_memory_full(gsm8k_head, tmp_path):
     """A worker hands each step over in shared memory: a /dev/shm of 64 KiB (a real tmpfs, in a mount
     namespace of the run's own) holds no step. One message, exit code 9 (memory run out, as a worker
     killed by SIGBUS), naming /dev/shm and its fixes. It hung before: the copy into shared memory failed on
@@ -514,7 +515,7 @@ def test_data_workers_that_find_shared_memory_full(gsm8k_dir, tmp_path):
     if os.geteuid() != 0 or subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
         pytest.skip("a mount namespace of its own (unshare -m) needs root (CI runs as root)")
     small_shm = ("unshare", "-m", "sh", "-c", 'mount -t tmpfs -o size=64k tmpfs /dev/shm && exec "$0" "$@"')
-    out = run_alone(worker_job(gsm8k_dir, tmp_path / "run"), prefix=small_shm, timeout=120).stdout
+    out = run_alone(worker_job(gsm8k_head, tmp_path / "run"), prefix=small_shm, timeout=120).stdout
     printed = [line for line in out.splitlines() if line.startswith("sfttrain: ")]
     assert len(printed) == 1 and "Traceback" not in out, out[-3000:]
     assert printed[0].startswith("sfttrain: out of memory: rank 0's DataLoader worker could not hand a step over "

@@ -5,9 +5,10 @@ what a spawned one does is test_multinode's comparison (torchrun agents vs two_r
 
 from __future__ import annotations
 
+import os
 import time
 
-from tests.conftest import BASE_OVERRIDES, ForkServer, alive, rank_env
+from tests.conftest import BASE_OVERRIDES, ForkServer, alive, forks, rank_env, run_sfttrain
 
 # a start-up error of every rank (no file needed): exit code 2, the config kind (sfttrain/errors.py)
 CONFIG_ERROR = [*BASE_OVERRIDES, "data.train_files=unused.parquet", "trainer.no_such_key=1"]
@@ -55,3 +56,18 @@ def test_only_the_servers_environment_is_forked():
     assert ForkServer.accepts(rank_env({"TORCHINDUCTOR_CACHE_DIR": default_cache_dir()}))
     assert not ForkServer.accepts(rank_env({"TORCHINDUCTOR_CACHE_DIR": "/elsewhere"}))
     assert ForkServer.accepts(rank_env({"_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR": "140265057340448"}))
+
+
+def torch_logs_are(setting: str) -> None:
+    """On a rank: torch logs what TORCH_LOGS asks for."""
+    from torch._logging._internal import log_state
+
+    assert os.environ["TORCH_LOGS"] == setting and log_state.is_artifact_enabled(setting)
+
+
+def test_a_forked_rank_reads_torch_logs_again():
+    """TORCH_LOGS (tests/test_trainer.py counts recompilations with it), which torch reads at import, is read
+    again by a forked rank: the job's setting is torch's there."""
+    env = {"TORCH_LOGS": "recompiles"}
+    assert forks(env=env)
+    run_sfttrain(2, [__name__, torch_logs_are.__name__, "recompiles"], module="tests.rank_function", env=env)

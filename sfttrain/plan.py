@@ -242,14 +242,7 @@ def memory_section(cfg: Config, dp_size: Optional[int], folder: Optional[str], m
              f"{shape.layers} layers (from {folder}/config.json)", f"  {device} memory per rank (estimate; "
              f"{'CUDA context and ' if device == 'GPU' else ''}allocator slack not included):"]
     lines += [f"    {name:<58} {gib:8.2f} GiB" for name, gib in memory.items()]
-    lines.append(f"    {'total':<58} {sum(memory.values()):8.2f} GiB")
-    checkpointing = cfg.model.enable_gradient_checkpointing
-    other = activation_bytes(shape, cfg.micro_batch_tokens(), 0 if checkpointing else shape.layers, compute_bytes(cfg),
-                             wants_attention_kept(cfg.model, cfg.data.max_length), not cfg.model.recompute_qkv) / GIB
-    lines.append(f"  activations of {cfg.micro_batch_tokens()} tokens per micro-batch; with "
-                 f"model.enable_gradient_checkpointing={str(not checkpointing).lower()} "
-                 f"they would take {other:.2f} GiB")
-    return lines
+    return lines + [f"    {'total':<58} {sum(memory.values()):8.2f} GiB"]
 
 
 def checkpoint_section(cfg: Config, model, found: Findings) -> list[str]:

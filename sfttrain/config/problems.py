@@ -247,14 +247,11 @@ def _validate_fp8(cfg: Config) -> Iterator[str]:
         yield (f"model.fp8={m.fp8} with model.lora_rank={m.lora_rank}: FP8 linear layers compute the "
                "weight gradient of the frozen base too (work LoRA skips in bf16), so they would slow "
                "LoRA down; set model.fp8=off for LoRA")
-    if m.fp8 != "off" and m.recompute_qkv is False:
-        yield (f"model.fp8={m.fp8} with model.recompute_qkv=false: FP8 linear layers are not fused "
-               "(sfttrain/fuse_projections.py), so there is no q/k/v GEMM output to keep; remove "
-               "model.recompute_qkv or set model.fp8=off")
-    if m.fp8 != "off" and m.fuse_projections is True:
-        yield (f"model.fp8={m.fp8} with model.fuse_projections=true: FP8 linear layers are not fused "
-               "(sfttrain/fuse_projections.py), so the setting would fuse nothing; remove "
-               "model.fuse_projections or set model.fp8=off")
+    for key, value, moot in (("recompute_qkv", False, "there is no q/k/v GEMM output to keep"),
+                             ("fuse_projections", True, "the setting would fuse nothing")):
+        if m.fp8 != "off" and getattr(m, key) is value:
+            yield (f"model.fp8={m.fp8} with model.{key}={str(value).lower()}: FP8 linear layers are not fused "
+                   f"(sfttrain/fuse_projections.py), so {moot}; remove model.{key} or set model.fp8=off")
 
 
 def _check_no_shard(cfg: Config) -> Iterator[str]:

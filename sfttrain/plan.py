@@ -22,7 +22,7 @@ from sfttrain import quant
 from sfttrain.checkpoint import TrainState, check_same_model, estimated_bytes, trained_state_dict
 from sfttrain.checkpoint_folder import (choose_resume, describe_retention, nearest_existing, room_problem, size_text,
                                         step_of)
-from sfttrain.checks import Findings, Startup, batch_split, config_first, on_devices, read_rows, run_checks
+from sfttrain.checks import Findings, Startup, config_first, on_devices, read_rows, run_checks
 from sfttrain.config import (Config, ConfigError, as_list, load_config, logger_names,
                              mixed_precision_dtypes, moot_settings, shard_group_size)
 from sfttrain.data.batching import make_plan
@@ -181,11 +181,8 @@ def batch_section(s: Startup) -> Batches:
     if dp_size is None:
         return Batches(["  data-parallel ranks : none: the ranks do not split into sequence-parallel groups (see "
                         "the problems below)"])
-    if batch_split(cfg, dp_size):  # listed by the checks
-        return Batches([f"  data-parallel ranks : {dp_size}", f"  global batch        : {d.train_batch_size} "
-                        "(does not split)"])
     plan = found.check(lambda: make_plan(cfg, dp_size, count if count is not None else d.train_batch_size))
-    if plan is None:  # fewer rows than one batch
+    if plan is None:  # a batch that does not split, or fewer rows than one batch
         return Batches([])
     lines = plan.describe().splitlines()
     if count is None:  # the dataset and total-steps lines would be made up
@@ -255,11 +252,9 @@ def checkpoint_section(cfg: Config, model, found: Findings) -> list[str]:
     if not os.path.isdir(there):  # a file in the way: the run folder check's problem
         return []
     free = shutil.disk_usage(there).free
+    # a run folder not made yet: the line names the free space of the folder it will be made in
     if there == run_dir and (problem := room_problem(run_dir, free, need, estimated=True)):
         found.add(problem)
-    elif there != run_dir:
-        found.notes.append(f"trainer.default_local_dir={cfg.trainer.default_local_dir!r} does not exist yet: the "
-                           f"free space of {there} ({size_text(free)}) is what a run started on this machine gets")
     return [f"  checkpoint          : about {size_text(need)} each (trained weights and AdamW moments); "
             f"{size_text(free)} free in {there}"]
 

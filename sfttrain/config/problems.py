@@ -222,8 +222,6 @@ def _validate_lora(m: ModelConfig) -> Iterator[str]:
     """The names in target_modules are checked against the model at load (sfttrain.lora)."""
     if m.lora_rank <= 0:
         return
-    if m.lora_alpha <= 0:
-        yield f"model.lora_alpha must be positive, got {m.lora_alpha}"
     if not 0.0 <= m.lora_dropout < 1.0:
         yield f"model.lora_dropout must lie in [0, 1), got {m.lora_dropout}"
     targets = m.target_modules

@@ -83,11 +83,6 @@ class DenseShape:
         return self.moe.mlp_activations_per_token() if self.sparse else 3 * self.intermediate
 
 
-def compute_bytes(cfg: Config) -> int:
-    mixed = mixed_precision_dtypes(cfg.model.fsdp_config)
-    return DTYPE_BYTES[mixed[0] if mixed else cfg.model.fsdp_config.model_dtype]
-
-
 def activation_bytes(shape: DenseShape, tokens: int, recomputed: int, value_bytes: int, keep_attention: bool,
                      keep_qkv: bool) -> int:
     """What backward keeps: a recomputed layer its input (plus what model.recompute_attention and
@@ -117,7 +112,8 @@ def memory_per_rank(cfg: Config, shape: DenseShape, model: torch.nn.Module, dp_s
     group; the loss holds one chunk of logits and the head's whole fp32 gradient. `model`: as the run
     builds it (on the meta device), for its parameter counts."""
     m, fsdp, tokens = cfg.model, cfg.model.fsdp_config, cfg.micro_batch_tokens()
-    shard, compute = shard_group_size(fsdp, dp_size), compute_bytes(cfg)
+    mixed = mixed_precision_dtypes(fsdp)
+    shard, compute = shard_group_size(fsdp, dp_size), DTYPE_BYTES[mixed[0] if mixed else fsdp.model_dtype]
     total = sum(p.numel() for p in model.parameters() if p.dtype != quant.FP8)  # fp8's: whole on each rank
     layer, layer_nf4 = max((sum(p.numel() for p in b.parameters() if p.dtype != quant.FP8),
                             sum(p.numel() for p in b.parameters() if quant.is_nf4(p))) for b in decoder_layers(model))

@@ -122,7 +122,15 @@ def foreign_key_problem(key: str, known: set[str]) -> Optional[str]:
 def translate(layer: DictConfig) -> list[str]:
     """verl's spellings to the schema's, its meaningless keys dropped (each said once), in place; the
     problems of those it refuses."""
-    problems = [*_apply_aliases(layer), *_checkpoint_contents(layer)]
+    problems = []
+    for old, new in ALIASES.items():
+        if (value := pop(layer, old)) is ABSENT:
+            continue
+        if OmegaConf.select(layer, new, default=ABSENT) is not ABSENT:
+            problems.append(f"both {old} and {new} are set; {old} is verl's name for {new}: keep one")
+        else:
+            OmegaConf.update(layer, new, value, force_add=True)
+    problems += _checkpoint_contents(layer)
     for key, why in IGNORED_VERL_KEYS.items():
         if (value := pop(layer, key)) is not ABSENT:
             _say(f"sfttrain: ignoring {key}={_as_typed(value)}: {why}")
@@ -162,16 +170,6 @@ def _as_typed(value: Any) -> str:
 def _say(line: str) -> None:
     if int(os.environ.get("RANK", 0)) == 0:
         print(line, flush=True)
-
-
-def _apply_aliases(layer: DictConfig) -> Iterator[str]:
-    for old, new in ALIASES.items():
-        if (value := pop(layer, old)) is ABSENT:
-            continue
-        if OmegaConf.select(layer, new, default=ABSENT) is not ABSENT:
-            yield f"both {old} and {new} are set; {old} is verl's name for {new}: keep one"
-        else:
-            OmegaConf.update(layer, new, value, force_add=True)
 
 
 def _checkpoint_contents(layer: DictConfig) -> list[str]:

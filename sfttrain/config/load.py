@@ -30,8 +30,11 @@ def load_config(yaml_path: Optional[str] = None, overrides: tuple[str, ...] | li
             layers.append(OmegaConf.load(yaml_path))
         except FileNotFoundError:
             raise ConfigError(f"config file {yaml_path!r} does not exist") from None
-        except YAMLError as e:
-            raise ConfigError(f"config file {yaml_path!r} is not valid YAML: {_yaml_problem(e)}") from None
+        except YAMLError as e:  # the parser's problem and its line, without its multi-line context dump
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            raise ConfigError(f"config file {yaml_path!r} is not valid YAML: {getattr(e, 'problem', None) or e}"
+                              f"{where}") from None
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise ConfigError(f"overrides must look like key=value, got {bad}")
@@ -128,13 +131,6 @@ def _value_problem(e: OmegaConfBaseException) -> str:
     if not key:
         return f"bad config value: {first_line}"
     return f"bad value for {key}: {first_line}; see python -m sfttrain.run --help"
-
-
-def _yaml_problem(e: YAMLError) -> str:
-    """The parser's problem and its line, without its multi-line context dump."""
-    mark = getattr(e, "problem_mark", None)
-    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-    return f"{getattr(e, 'problem', None) or e}{where}"
 
 
 def to_yaml(cfg: Config) -> str:

@@ -198,8 +198,17 @@ def _checkpoint_contents(layer: DictConfig) -> list[str]:
 
 def verl_switch_problems(cfg: Config) -> Iterator[str]:
     """verl keys accepted only where they have their effect: a value that would be ignored is refused."""
-    m, fsdp = cfg.model, cfg.model.fsdp_config
-    if not cfg.data.balance_dp_token:
+    d, m, fsdp = cfg.data, cfg.model, cfg.model.fsdp_config
+    if d.use_dynamic_bsz is True and d.max_token_len_per_gpu is None:  # the token budget alone decides here
+        yield (f"data.use_dynamic_bsz=true packs each micro-batch up to data.max_token_len_per_gpu tokens, "
+               f"which is not set (verl's default is 8192): set it, at least data.max_length={d.max_length},"
+               f" e.g. data.max_token_len_per_gpu={max(8192, d.max_length)}")
+    if d.use_dynamic_bsz is False and d.max_token_len_per_gpu is not None:
+        yield (f"data.use_dynamic_bsz=false runs micro-batches of data.micro_batch_size_per_gpu="
+               f"{d.micro_batch_size_per_gpu} samples, but data.max_token_len_per_gpu={d.max_token_len_per_gpu} packs "
+               "them by tokens instead (verl ignores it there): remove data.max_token_len_per_gpu for micro-batches "
+               "of samples, or set data.use_dynamic_bsz=true for token budgets")
+    if not d.balance_dp_token:
         yield ("data.balance_dp_token=false: sfttrain always spreads each step's samples over ranks and "
                "micro-batches balanced by cost (the loss does not depend on the split); remove the key")
     if m.strategy != "fsdp2":

@@ -33,7 +33,7 @@ def config_problems(cfg: Config) -> list[str]:
             problems.append(f"{key}={value} is {'negative' if least == 0 else f'below {least}'}; "
                             f"{f.metadata['help']}: e.g. {instead}")
     problems += [*_validate_data(cfg.data), *_validate_model(cfg.model), *verl_switch_problems(cfg),
-                 *_check_no_shard(cfg), *_validate_optim(cfg.optim), *_validate_trainer(cfg.trainer),
+                 *_validate_fsdp(cfg), *_validate_optim(cfg.optim), *_validate_trainer(cfg.trainer),
                  *_validate_fp8(cfg)]
     return list(dict.fromkeys(problems))
 
@@ -110,7 +110,6 @@ def _validate_model(m: ModelConfig) -> Iterator[str]:
                    "model.enable_gradient_checkpointing=false turns off (every activation kept): set "
                    f"model.enable_gradient_checkpointing=true, or remove model.{key}")
     yield from _validate_compiled_layers(m)
-    yield from _validate_fsdp(m.fsdp_config)
     if m.lora_rank > 0 and not 0.0 <= m.lora_dropout < 1.0:
         yield f"model.lora_dropout must lie in [0, 1), got {m.lora_dropout}"
     names = m.target_modules  # checked against the model's layers at load (sfttrain.lora)
@@ -143,7 +142,17 @@ def _validate_compiled_layers(m: ModelConfig) -> Iterator[str]:
                "dropped-out copy, so nothing would fold; set model.lora_dropout=0 or remove model.fold_lora")
 
 
-def _validate_fsdp(f: FSDPConfig) -> Iterator[str]:
+def _validate_fsdp(cfg: Config) -> Iterator[str]:
+    f, no_shard = cfg.model.fsdp_config, cfg.model.fsdp_config.sharding_strategy == "NO_SHARD"
+    key = "model.fsdp_config.sharding_strategy=NO_SHARD (every rank holds the whole model)"  # DDP: no FSDP shards
+    if no_shard and f.fsdp_size not in (-1, 0, 1):
+        yield (f"{key} contradicts fsdp_size={f.fsdp_size}; remove fsdp_size, or use HYBRID_SHARD for "
+               "shard groups of that size")
+    if no_shard and f.offloaded():
+        yield f"{key}: CPU offload moves FSDP's shards to the host; use FULL_SHARD with cpu_offload=true"
+    if no_shard and cfg.ulysses_sequence_parallel_size > 1:
+        yield (f"{key}: Ulysses ranks share one copy of the weights through FSDP; use FULL_SHARD with "
+               "ulysses_sequence_parallel_size > 1")
     if f.backward_prefetch not in (None, "BACKWARD_PRE"):
         yield ("model.fsdp_config.backward_prefetch: FSDP2 always prefetches the next layer's "
                "all-gather in backward (BACKWARD_PRE); remove the key or set it to BACKWARD_PRE")
@@ -226,22 +235,6 @@ def _validate_fp8(cfg: Config) -> Iterator[str]:
         if m.fp8 != "off" and getattr(m, key) is value:
             yield (f"model.fp8={m.fp8} with model.{key}={str(value).lower()}: FP8 linear layers are not fused "
                    f"(sfttrain/fuse_projections.py), so {moot}; remove model.{key} or set model.fp8=off")
-
-
-def _check_no_shard(cfg: Config) -> Iterator[str]:
-    """NO_SHARD is DDP: every rank holds the whole model, so nothing that needs FSDP's shards."""
-    f = cfg.model.fsdp_config
-    if f.sharding_strategy != "NO_SHARD":
-        return
-    key = "model.fsdp_config.sharding_strategy=NO_SHARD (every rank holds the whole model)"
-    if f.fsdp_size not in (-1, 0, 1):
-        yield (f"{key} contradicts fsdp_size={f.fsdp_size}; remove fsdp_size, or use HYBRID_SHARD for "
-               "shard groups of that size")
-    if f.offloaded():
-        yield f"{key}: CPU offload moves FSDP's shards to the host; use FULL_SHARD with cpu_offload=true"
-    if cfg.ulysses_sequence_parallel_size > 1:
-        yield (f"{key}: Ulysses ranks share one copy of the weights through FSDP; use FULL_SHARD with "
-               "ulysses_sequence_parallel_size > 1")
 
 
 def mixed_precision_dtypes(f: FSDPConfig) -> Optional[tuple[str, str]]:

@@ -43,7 +43,14 @@ def load_config(yaml_path: Optional[str] = None, overrides: tuple[str, ...] | li
     try:
         for layer in layers:
             problems += translate(layer) + _drop_unknown_keys(layer, merged)
-            merged = _merge(merged, layer, problems)
+            while True:  # a value of the wrong type is one more problem, taken out so that the rest merges
+                try:
+                    merged = OmegaConf.merge(merged, layer)
+                    break
+                except ValidationError as e:
+                    if not e.full_key or pop(layer, e.full_key) is ABSENT:
+                        raise
+                    problems.append(_value_problem(e))
         OmegaConf.resolve(merged)
         cfg: Config = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
@@ -52,17 +59,6 @@ def load_config(yaml_path: Optional[str] = None, overrides: tuple[str, ...] | li
     if check and (found := config_problems(cfg)):
         raise ConfigError("\n".join(found))
     return cfg
-
-
-def _merge(merged: DictConfig, layer: DictConfig, problems: list[str]) -> DictConfig:
-    """The layer merged; a value of the wrong type is one more problem, taken out so that the rest merges."""
-    while True:
-        try:
-            return OmegaConf.merge(merged, layer)
-        except ValidationError as e:
-            if not e.full_key or pop(layer, e.full_key) is ABSENT:
-                raise
-            problems.append(_value_problem(e))
 
 
 def _dotlist(overrides: tuple[str, ...] | list[str], schema: DictConfig) -> DictConfig:

@@ -109,17 +109,7 @@ def _validate_model(m: ModelConfig) -> Iterator[str]:
             yield (f"model.{key}={str(value).lower()} shapes gradient checkpointing, which "
                    "model.enable_gradient_checkpointing=false turns off (every activation kept): set "
                    f"model.enable_gradient_checkpointing=true, or remove model.{key}")
-    yield from _validate_compiled_layers(m)
-    if m.lora_rank > 0 and not 0.0 <= m.lora_dropout < 1.0:
-        yield f"model.lora_dropout must lie in [0, 1), got {m.lora_dropout}"
-    names = m.target_modules  # checked against the model's layers at load (sfttrain.lora)
-    if m.lora_rank > 0 and not (isinstance(names, str) or
-                                isinstance(names, list) and all(isinstance(n, str) for n in names)):
-        yield f"model.target_modules must be all-linear or a list of linear layer names, got {names!r}"
-
-
-def _validate_compiled_layers(m: ModelConfig) -> Iterator[str]:
-    """The switches of the compiled layers, and what each needs."""
+    # the switches of the compiled layers, and what each needs
     if m.compile_cpp_wrapper in (True, False) and not m.compile:
         yield (f"model.compile_cpp_wrapper={str(m.compile_cpp_wrapper).lower()} chooses who launches the "
                "compiled layers' kernels, but model.compile=false runs them eagerly: set "
@@ -140,6 +130,12 @@ def _validate_compiled_layers(m: ModelConfig) -> Iterator[str]:
         yield (f"model.fold_lora=true with model.lora_dropout={m.lora_dropout}: an adapter folded into its "
                "frozen projection's GEMM reads that projection's input, but with dropout its A reads a "
                "dropped-out copy, so nothing would fold; set model.lora_dropout=0 or remove model.fold_lora")
+    if m.lora_rank > 0 and not 0.0 <= m.lora_dropout < 1.0:
+        yield f"model.lora_dropout must lie in [0, 1), got {m.lora_dropout}"
+    names = m.target_modules  # checked against the model's layers at load (sfttrain.lora)
+    if m.lora_rank > 0 and not (isinstance(names, str) or
+                                isinstance(names, list) and all(isinstance(n, str) for n in names)):
+        yield f"model.target_modules must be all-linear or a list of linear layer names, got {names!r}"
 
 
 def _validate_fsdp(cfg: Config) -> Iterator[str]:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
 import os
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -97,8 +98,8 @@ FOREIGN_WITHOUT_KEY = {
 }
 
 
-def foreign_key_problem(key: str, known: set[str]) -> Optional[str]:
-    """Why an unknown key is someone else's, and what to write here; None where it is no one's."""
+def unknown_key_problem(key: str, known: set[str]) -> str:
+    """Why an unknown key is someone else's and what to write here, else the known key closest to it."""
     top, leaf = key.split(".")[0], key.rpartition(".")[2]
     if top in HYDRA_ONLY:
         return f"{top}: {HYDRA_ONLY[top]}"
@@ -116,7 +117,8 @@ def foreign_key_problem(key: str, known: set[str]) -> Optional[str]:
         return f"unknown config key {key!r}; did you mean {target}?{note}"
     if leaf in FOREIGN_WITHOUT_KEY:
         return f"unknown config key {key!r}: {FOREIGN_WITHOUT_KEY[leaf]}"
-    return None
+    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+    return f"unknown config key {key!r}" + (f"; did you mean {close[0]}?" if close else "")
 
 
 def translate(layer: DictConfig) -> list[str]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 from typing import Any, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -10,7 +9,7 @@ from omegaconf.errors import OmegaConfBaseException, ValidationError
 from omegaconf.nodes import StringNode
 from yaml import YAMLError, safe_load
 
-from sfttrain.config.compat import ABSENT, ALIASES, foreign_key_problem, pop, translate
+from sfttrain.config.compat import ABSENT, ALIASES, unknown_key_problem, pop, translate
 from sfttrain.config.problems import config_problems
 from sfttrain.config.schema import Config
 from sfttrain.errors import ConfigError
@@ -110,14 +109,7 @@ def _drop_unknown_keys(layer: DictConfig, schema: DictConfig) -> list[str]:
         parts = key.split(".")
         pop(layer, ".".join(next(parts[:i] for i in range(1, len(parts) + 1)
                                  if _schema_node(schema, ".".join(parts[:i])) is None)))
-    return [_unknown_key(key, known) for key in unknown]
-
-
-def _unknown_key(key: str, known: set[str]) -> str:
-    if problem := foreign_key_problem(key, known):
-        return problem
-    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
-    return f"unknown config key {key!r}" + (f"; did you mean {close[0]}?" if close else "")
+    return [unknown_key_problem(key, known) for key in unknown]
 
 
 def _value_problem(e: OmegaConfBaseException) -> str:

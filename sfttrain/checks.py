@@ -106,7 +106,8 @@ def data_entries(cfg: Config, elsewhere: bool) -> list:
     problems = []
     for key in ("train_files", "val_files"):
         for entry in as_list(getattr(cfg.data, key)):
-            if "://" in entry or (elsewhere and missing_entries([entry])):
+            # a URL is an entry missing here: the rows are read from files this machine mounts
+            if elsewhere and missing_entries([entry]):
                 problems.append(Note(f"data.{key}: {entry} not on this machine: its rows are not checked"))
             elif missing_entries([entry]):
                 problems.append(DataError(f"data file {entry!r} does not exist (check data.{key}{nearest_name(entry)})"

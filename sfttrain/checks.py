@@ -63,12 +63,6 @@ class Findings:
         elif str(problem) not in map(str, self.problems):  # one mistake two checks find is said once
             self.problems.append(problem if isinstance(problem, UserError) else ConfigError(problem))
 
-    def stop_if_any(self) -> None:
-        """Raises every problem, one a line, as an error of the first one's kind (its exit code)."""
-        if self.problems:
-            raise self.problems[0] if len(self.problems) == 1 else type(self.problems[0])("\n".join(
-                map(str, self.problems)))
-
 
 @dataclass
 class Startup:
@@ -112,7 +106,8 @@ def data_entries(cfg: Config, elsewhere: bool) -> list:
     problems = []
     for key in ("train_files", "val_files"):
         for entry in as_list(getattr(cfg.data, key)):
-            if "://" in entry or (elsewhere and missing_entries([entry])):
+            # a URL is an entry missing here: the rows are read from files this machine mounts
+            if elsewhere and missing_entries([entry]):
                 problems.append(Note(f"data.{key}: {entry} not on this machine: its rows are not checked"))
             elif missing_entries([entry]):
                 problems.append(DataError(f"data file {entry!r} does not exist (check data.{key}{nearest_name(entry)})"
@@ -287,5 +282,6 @@ def start_run(cfg: Config, world: World) -> tuple[str, Rows, BatchPlan, dict]:
             lambda: plan_and_report(cfg, rows, world.dp_size, cfg.trainer.default_local_dir))
         if planned is not None:
             s.found.check(lambda: check_window(cfg.trainer.profile_steps, planned[0].total_steps))
-    s.found.stop_if_any()
+    if problems := s.found.problems:  # every problem, one a line, as an error of the first one's kind (its exit code)
+        raise problems[0] if len(problems) == 1 else type(problems[0])("\n".join(map(str, problems)))
     return s.folder, rows, *planned

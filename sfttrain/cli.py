@@ -1,6 +1,6 @@
 """The `sfttrain` command: train, plan, export, plot.
 
-    sfttrain train [--nproc N] [--nnodes M --node_rank R --master_addr A --master_port P] [recipe.yaml] key=value ...
+    sfttrain train [--nproc N] [recipe.yaml] key=value ...
     sfttrain plan | export | plot ...   (python -m sfttrain.plan | export | plot with the same arguments)
 
 `train` launches the ranks through torchrun's own launcher, in this process, and ends with the exit code
@@ -19,35 +19,21 @@ COMMANDS = {"plan": "sfttrain.plan", "export": "sfttrain.export", "plot": "sfttr
 USAGE = __doc__.split("\n\n")[1]
 
 
-def launcher_args(argv: list[str]) -> tuple[list[str], list[str]]:
-    """(torchrun's arguments, sfttrain.run's) from `sfttrain train`'s."""
-    p = argparse.ArgumentParser(prog="sfttrain train", add_help=False)
-    p.add_argument("--nproc", "--nproc_per_node", type=int, default=1)
-    p.add_argument("--nnodes", type=int, default=1)
-    p.add_argument("--node_rank", type=int, default=0)
-    p.add_argument("--master_addr")
-    p.add_argument("--master_port", type=int)
-    known, rest = p.parse_known_args(argv)
-    torchrun = [f"--nproc_per_node={known.nproc}"]
-    if known.nnodes == 1 and known.master_addr is None:
-        return [*torchrun, "--standalone"], rest
-    torchrun += [f"--nnodes={known.nnodes}", f"--node_rank={known.node_rank}"]
-    torchrun += [f"--master_addr={known.master_addr}"] if known.master_addr else []
-    return torchrun + ([f"--master_port={known.master_port}"] if known.master_port else []), rest
-
-
 def train(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
     if argv and argv[0] in ("-h", "--help"):
         return importlib.import_module("sfttrain.run").main(argv) or 0
-    torchrun, rest = launcher_args(argv)
+    p = argparse.ArgumentParser(prog="sfttrain train", add_help=False)  # one node; several: torchrun itself
+    p.add_argument("--nproc", "--nproc_per_node", type=int, default=1)
+    known, rest = p.parse_known_args(argv)
     # the launcher's own account of a failed rank (a log line, then ChildFailedError's summary) repeats
     # what the rank said: its message and exit code are the command's
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
-        run(get_args_parser().parse_args([*torchrun, "-m", "sfttrain.run", *rest]))
+        run(get_args_parser().parse_args([f"--nproc_per_node={known.nproc}", "--standalone", "-m", "sfttrain.run",
+                                          *rest]))
     except ChildFailedError as failed:
         _, first = failed.get_first_failure()
         return first.exitcode if first.exitcode > 0 else 128 - first.exitcode  # killed by a signal: 128 + N

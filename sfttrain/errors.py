@@ -1,17 +1,6 @@
-"""The mistakes a user must fix, and a stop to resume from, each with its exit code (`python -m sfttrain.run`
-exits with it; under torchrun it is each rank's `exitcode` in the failure summary):
-
-    2  config error: a key, value or file named in the config (ConfigError)
-    3  data error: a data file or row (DataError)
-    4  non-finite loss or grad norm; the update was not applied (NonFiniteLossError)
-    5  missing dependency that the config asks for, e.g. wandb (DependencyError)
-    6  a checkpoint could not be saved, or a filesystem fault between saves (CheckpointError)
-    7  the Hugging Face export of a committed checkpoint failed (ExportError)
-    8  stopped by SIGTERM or a first Ctrl-C after saving the step in flight; the same command resumes (StoppedBySignal)
-    9  a rank, or a data worker, ran out of memory or /dev/shm (OutOfMemory)
-
-Anything else is a bug in sfttrain and ends with its traceback (exit code 1).
-This module imports nothing, so the entry point can classify errors before torch loads.
+"""The mistakes a user must fix, and a stop to resume from, each kind with its exit code (README's
+Troubleshooting table says what each means to a user); anything else is a bug (exit code 1). Imports
+nothing, so that the entry point can classify errors before torch loads.
 """
 
 

@@ -154,7 +154,11 @@ def fault(error: BaseException | str, run_dir: Optional[str]) -> Optional[Fault]
     if code not in HANDLED and SHARED_MEMORY not in text:
         return None
     own = next((e for e in _chain(error) if isinstance(e, OSError) and e.errno is not None), None)
-    line = _words_line(text)
+    # the line of the text with the OS's words in it (after a traceback, say), else its first line
+    lines = [line.strip() for line in text.strip().splitlines()]
+    worded = [line for line in lines if ERRNO_IN_TEXT.search(line) or SHARED_MEMORY in line or
+              any(words in line for words in WORDS)]
+    line = (worded or lines or [""])[-1 if worded else 0]
     named = PATH_BEFORE_WORDS.search(line) or QUOTED_PATH.search(line)
     path = os.fsdecode(own.filename) if own is not None and own.filename else named and named.group(1)
     what = (f"{own.strerror}{f': {own.filename}' if own.filename else ''}" if own is not None and own.strerror
@@ -190,8 +194,11 @@ def check_writable(run_dir: str) -> None:
     if not os.path.isdir(there):
         raise ConfigError(f"trainer.default_local_dir={run_dir!r} cannot be written: {there} is a file, not a folder; "
                           "name another path, or move the file away")
-    paths = _run_folder_paths(run_dir) if there == run_dir else [there]
-    denied = [p for p in paths if not os.access(p, os.W_OK)]
+    paths = {there}  # the run folder, its files and every folder in it but the checkpoints' (kept read-only, say)
+    for parent, names, files in os.walk(run_dir):
+        names[:] = [name for name in names if not (parent == run_dir and STEP_DIR.match(name))]
+        paths |= {os.path.join(parent, name) for name in names + (files if parent == run_dir else [])}
+    denied = [p for p in sorted(paths) if not os.access(p, os.W_OK)]
     if not denied:
         return
     code = errno.EROFS if os.statvfs(denied[0]).f_flag & os.ST_RDONLY else errno.EACCES
@@ -199,15 +206,6 @@ def check_writable(run_dir: str) -> None:
     more = f" (and {len(denied) - 1} more of its files and folders)" if len(denied) > 1 and code == errno.EACCES else ""
     fix = found.fix if found.in_run_folder else f"{found.fix}, or set it to a folder this user can write"
     raise ConfigError(f"trainer.default_local_dir={run_dir!r} cannot be written: {found.cause}{more}. {fix}")
-
-
-def _run_folder_paths(run_dir: str) -> list[str]:
-    """The run folder, its files and every folder in it but the checkpoints' (one may be read-only to keep it)."""
-    paths = set()
-    for parent, names, files in os.walk(run_dir):
-        names[:] = [name for name in names if not (parent == run_dir and STEP_DIR.match(name))]
-        paths |= {os.path.join(parent, name) for name in names + (files if parent == run_dir else [])}
-    return [run_dir, *sorted(paths)]
 
 
 def unreadable(paths: list[str]) -> Optional[str]:
@@ -219,14 +217,6 @@ def unreadable(paths: list[str]) -> Optional[str]:
     found = fault(PermissionError(errno.EACCES, os.strerror(errno.EACCES), denied[0]), None)
     more = f" (and {len(denied) - 1} more)" if len(denied) > 1 else ""
     return f"{found.cause}{more}. {found.fix}"
-
-
-def _words_line(text: str) -> str:
-    """The line of an error's text with the OS's words in it (after a traceback, say), else its first line."""
-    lines = [line.strip() for line in text.strip().splitlines()]
-    worded = [line for line in lines if ERRNO_IN_TEXT.search(line) or SHARED_MEMORY in line or
-              any(words in line for words in WORDS)]
-    return (worded or lines or [""])[-1 if worded else 0]
 
 
 def _inside(path: str, folder: str) -> bool:

@@ -29,12 +29,8 @@ def local_model_path(name: str) -> str:
     if not is_repo_id(name):
         return name
     path = decided_by_rank0(lambda: _download(name))
-    if dist.is_initialized() and dist.get_rank() != 0:
-        commit = os.path.basename(path)  # snapshots/<commit>
-        try:
-            path = _download(name, commit, local_files_only=True)
-        except ConfigError:  # this node's cache is not rank 0's: it fetches the same commit
-            path = _download(name, commit)
+    if dist.is_initialized() and dist.get_rank() != 0:  # the commit rank 0 got (snapshots/<commit>), from this
+        path = _download(name, os.path.basename(path))  # node's cache where it is there, else fetched
     return path
 
 
@@ -52,14 +48,13 @@ def cached_folder(name: str) -> str | None:
     return os.path.dirname(found) if isinstance(found, str) else None
 
 
-def _download(name: str, revision: str | None = None, local_files_only: bool = False) -> str:
+def _download(name: str, revision: str | None = None) -> str:
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     key = f"model.partial_pretrain={name!r}"
     try:
-        return snapshot_download(name, revision=revision, ignore_patterns=NOT_NEEDED,
-                                 local_files_only=local_files_only)
+        return snapshot_download(name, revision=revision, ignore_patterns=NOT_NEEDED)
     except LocalEntryNotFoundError:
         why = "HF_HUB_OFFLINE=1 is set" if constants.HF_HUB_OFFLINE else "the hub cannot be reached"
         raise ConfigError(f"{key} is not a local folder, and as a Hugging Face hub id it is not in the local "

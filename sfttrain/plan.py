@@ -22,7 +22,7 @@ from sfttrain import quant
 from sfttrain.checkpoint import TrainState, check_same_model, estimated_bytes, trained_state_dict
 from sfttrain.checkpoint_folder import (choose_resume, describe_retention, nearest_existing, room_problem, size_text,
                                         step_of)
-from sfttrain.checks import Findings, Startup, batch_split, config_first, on_devices, read_rows, run_checks
+from sfttrain.checks import Findings, Startup, config_first, on_devices, read_rows, run_checks
 from sfttrain.config import (Config, ConfigError, as_list, load_config, logger_names,
                              mixed_precision_dtypes, moot_settings, shard_group_size)
 from sfttrain.data.batching import make_plan
@@ -83,11 +83,6 @@ class DenseShape:
         return self.moe.mlp_activations_per_token() if self.sparse else 3 * self.intermediate
 
 
-def compute_bytes(cfg: Config) -> int:
-    mixed = mixed_precision_dtypes(cfg.model.fsdp_config)
-    return DTYPE_BYTES[mixed[0] if mixed else cfg.model.fsdp_config.model_dtype]
-
-
 def activation_bytes(shape: DenseShape, tokens: int, recomputed: int, value_bytes: int, keep_attention: bool,
                      keep_qkv: bool) -> int:
     """What backward keeps: a recomputed layer its input (plus what model.recompute_attention and
@@ -117,7 +112,8 @@ def memory_per_rank(cfg: Config, shape: DenseShape, model: torch.nn.Module, dp_s
     group; the loss holds one chunk of logits and the head's whole fp32 gradient. `model`: as the run
     builds it (on the meta device), for its parameter counts."""
     m, fsdp, tokens = cfg.model, cfg.model.fsdp_config, cfg.micro_batch_tokens()
-    shard, compute = shard_group_size(fsdp, dp_size), compute_bytes(cfg)
+    mixed = mixed_precision_dtypes(fsdp)
+    shard, compute = shard_group_size(fsdp, dp_size), DTYPE_BYTES[mixed[0] if mixed else fsdp.model_dtype]
     total = sum(p.numel() for p in model.parameters() if p.dtype != quant.FP8)  # fp8's: whole on each rank
     layer, layer_nf4 = max((sum(p.numel() for p in b.parameters() if p.dtype != quant.FP8),
                             sum(p.numel() for p in b.parameters() if quant.is_nf4(p))) for b in decoder_layers(model))
@@ -181,11 +177,8 @@ def batch_section(s: Startup) -> Batches:
     if dp_size is None:
         return Batches(["  data-parallel ranks : none: the ranks do not split into sequence-parallel groups (see "
                         "the problems below)"])
-    if batch_split(cfg, dp_size):  # listed by the checks
-        return Batches([f"  data-parallel ranks : {dp_size}", f"  global batch        : {d.train_batch_size} "
-                        "(does not split)"])
     plan = found.check(lambda: make_plan(cfg, dp_size, count if count is not None else d.train_batch_size))
-    if plan is None:  # fewer rows than one batch
+    if plan is None:  # a batch that does not split, or fewer rows than one batch
         return Batches([])
     lines = plan.describe().splitlines()
     if count is None:  # the dataset and total-steps lines would be made up
@@ -242,14 +235,7 @@ def memory_section(cfg: Config, dp_size: Optional[int], folder: Optional[str], m
              f"{shape.layers} layers (from {folder}/config.json)", f"  {device} memory per rank (estimate; "
              f"{'CUDA context and ' if device == 'GPU' else ''}allocator slack not included):"]
     lines += [f"    {name:<58} {gib:8.2f} GiB" for name, gib in memory.items()]
-    lines.append(f"    {'total':<58} {sum(memory.values()):8.2f} GiB")
-    checkpointing = cfg.model.enable_gradient_checkpointing
-    other = activation_bytes(shape, cfg.micro_batch_tokens(), 0 if checkpointing else shape.layers, compute_bytes(cfg),
-                             wants_attention_kept(cfg.model, cfg.data.max_length), not cfg.model.recompute_qkv) / GIB
-    lines.append(f"  activations of {cfg.micro_batch_tokens()} tokens per micro-batch; with "
-                 f"model.enable_gradient_checkpointing={str(not checkpointing).lower()} "
-                 f"they would take {other:.2f} GiB")
-    return lines
+    return lines + [f"    {'total':<58} {sum(memory.values()):8.2f} GiB"]
 
 
 def checkpoint_section(cfg: Config, model, found: Findings) -> list[str]:
@@ -262,11 +248,9 @@ def checkpoint_section(cfg: Config, model, found: Findings) -> list[str]:
     if not os.path.isdir(there):  # a file in the way: the run folder check's problem
         return []
     free = shutil.disk_usage(there).free
+    # a run folder not made yet: the line names the free space of the folder it will be made in
     if there == run_dir and (problem := room_problem(run_dir, free, need, estimated=True)):
         found.add(problem)
-    elif there != run_dir:
-        found.notes.append(f"trainer.default_local_dir={cfg.trainer.default_local_dir!r} does not exist yet: the "
-                           f"free space of {there} ({size_text(free)}) is what a run started on this machine gets")
     return [f"  checkpoint          : about {size_text(need)} each (trained weights and AdamW moments); "
             f"{size_text(free)} free in {there}"]
 

@@ -103,12 +103,10 @@ def train(cfg: Config, runtime: Runtime) -> None:
 
 def _train(cfg: Config, rank: int, runtime: Runtime) -> None:
     from sfttrain.distributed import init_world, shutdown
-    from sfttrain.metrics import require_loggers
     from sfttrain.trainer import FSDPSFTTrainer
 
     timeout = cfg.trainer.nccl_timeout
     try:
-        require_loggers(cfg)
         world = init_world(cfg)
         if world.device.type == "cuda":  # NCCL's own watchdog ends the process without a Python exception
             runtime.start_watchdog(rank, timeout)

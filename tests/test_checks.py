@@ -25,6 +25,8 @@ CASES = {
     "a data file misspelled": (misspelled_file, {"data.train_files"}),
     "a validation file missing": (lambda tmp: [f"data.val_files={tmp / 'nowhere' / 'val.parquet'}"],
                                   {"data.val_files"}),
+    # the data is read from this machine's files (a URL ran on to a TypeError after the checks)
+    "a remote URL": (lambda tmp: ["data.train_files=s3://bucket/train.parquet"], {"data.train_files"}),
     "max_length above the model's positions": (lambda tmp: ["data.max_length=1024"],
                                                {"data.max_length", "data.truncation",
                                                 "data.allow_beyond_max_position"}),

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
 import os
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator
 
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -97,8 +98,8 @@ FOREIGN_WITHOUT_KEY = {
 }
 
 
-def foreign_key_problem(key: str, known: set[str]) -> Optional[str]:
-    """Why an unknown key is someone else's, and what to write here; None where it is no one's."""
+def unknown_key_problem(key: str, known: set[str]) -> str:
+    """Why an unknown key is someone else's and what to write here, else the known key closest to it."""
     top, leaf = key.split(".")[0], key.rpartition(".")[2]
     if top in HYDRA_ONLY:
         return f"{top}: {HYDRA_ONLY[top]}"
@@ -116,13 +117,22 @@ def foreign_key_problem(key: str, known: set[str]) -> Optional[str]:
         return f"unknown config key {key!r}; did you mean {target}?{note}"
     if leaf in FOREIGN_WITHOUT_KEY:
         return f"unknown config key {key!r}: {FOREIGN_WITHOUT_KEY[leaf]}"
-    return None
+    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+    return f"unknown config key {key!r}" + (f"; did you mean {close[0]}?" if close else "")
 
 
 def translate(layer: DictConfig) -> list[str]:
     """verl's spellings to the schema's, its meaningless keys dropped (each said once), in place; the
     problems of those it refuses."""
-    problems = [*_apply_aliases(layer), *_checkpoint_contents(layer)]
+    problems = []
+    for old, new in ALIASES.items():
+        if (value := pop(layer, old)) is ABSENT:
+            continue
+        if OmegaConf.select(layer, new, default=ABSENT) is not ABSENT:
+            problems.append(f"both {old} and {new} are set; {old} is verl's name for {new}: keep one")
+        else:
+            OmegaConf.update(layer, new, value, force_add=True)
+    problems += _checkpoint_contents(layer)
     for key, why in IGNORED_VERL_KEYS.items():
         if (value := pop(layer, key)) is not ABSENT:
             _say(f"sfttrain: ignoring {key}={_as_typed(value)}: {why}")
@@ -164,16 +174,6 @@ def _say(line: str) -> None:
         print(line, flush=True)
 
 
-def _apply_aliases(layer: DictConfig) -> Iterator[str]:
-    for old, new in ALIASES.items():
-        if (value := pop(layer, old)) is ABSENT:
-            continue
-        if OmegaConf.select(layer, new, default=ABSENT) is not ABSENT:
-            yield f"both {old} and {new} are set; {old} is verl's name for {new}: keep one"
-        else:
-            OmegaConf.update(layer, new, value, force_add=True)
-
-
 def _checkpoint_contents(layer: DictConfig) -> list[str]:
     """Drops verl's trainer.checkpoint section (sfttrain's checkpoints hold everything; hf_model
     is trainer.save_hf=true); an unknown content or key is a problem."""
@@ -200,8 +200,17 @@ def _checkpoint_contents(layer: DictConfig) -> list[str]:
 
 def verl_switch_problems(cfg: Config) -> Iterator[str]:
     """verl keys accepted only where they have their effect: a value that would be ignored is refused."""
-    m, fsdp = cfg.model, cfg.model.fsdp_config
-    if not cfg.data.balance_dp_token:
+    d, m, fsdp = cfg.data, cfg.model, cfg.model.fsdp_config
+    if d.use_dynamic_bsz is True and d.max_token_len_per_gpu is None:  # the token budget alone decides here
+        yield (f"data.use_dynamic_bsz=true packs each micro-batch up to data.max_token_len_per_gpu tokens, "
+               f"which is not set (verl's default is 8192): set it, at least data.max_length={d.max_length},"
+               f" e.g. data.max_token_len_per_gpu={max(8192, d.max_length)}")
+    if d.use_dynamic_bsz is False and d.max_token_len_per_gpu is not None:
+        yield (f"data.use_dynamic_bsz=false runs micro-batches of data.micro_batch_size_per_gpu="
+               f"{d.micro_batch_size_per_gpu} samples, but data.max_token_len_per_gpu={d.max_token_len_per_gpu} packs "
+               "them by tokens instead (verl ignores it there): remove data.max_token_len_per_gpu for micro-batches "
+               "of samples, or set data.use_dynamic_bsz=true for token budgets")
+    if not d.balance_dp_token:
         yield ("data.balance_dp_token=false: sfttrain always spreads each step's samples over ranks and "
                "micro-batches balanced by cost (the loss does not depend on the split); remove the key")
     if m.strategy != "fsdp2":

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 from typing import Any, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -10,7 +9,7 @@ from omegaconf.errors import OmegaConfBaseException, ValidationError
 from omegaconf.nodes import StringNode
 from yaml import YAMLError, safe_load
 
-from sfttrain.config.compat import ABSENT, ALIASES, foreign_key_problem, pop, translate
+from sfttrain.config.compat import ABSENT, ALIASES, unknown_key_problem, pop, translate
 from sfttrain.config.problems import config_problems
 from sfttrain.config.schema import Config
 from sfttrain.errors import ConfigError
@@ -30,8 +29,11 @@ def load_config(yaml_path: Optional[str] = None, overrides: tuple[str, ...] | li
             layers.append(OmegaConf.load(yaml_path))
         except FileNotFoundError:
             raise ConfigError(f"config file {yaml_path!r} does not exist") from None
-        except YAMLError as e:
-            raise ConfigError(f"config file {yaml_path!r} is not valid YAML: {_yaml_problem(e)}") from None
+        except YAMLError as e:  # the parser's problem and its line, without its multi-line context dump
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            raise ConfigError(f"config file {yaml_path!r} is not valid YAML: {getattr(e, 'problem', None) or e}"
+                              f"{where}") from None
     bad = [o for o in overrides if "=" not in o]
     if bad:
         raise ConfigError(f"overrides must look like key=value, got {bad}")
@@ -40,7 +42,14 @@ def load_config(yaml_path: Optional[str] = None, overrides: tuple[str, ...] | li
     try:
         for layer in layers:
             problems += translate(layer) + _drop_unknown_keys(layer, merged)
-            merged = _merge(merged, layer, problems)
+            while True:  # a value of the wrong type is one more problem, taken out so that the rest merges
+                try:
+                    merged = OmegaConf.merge(merged, layer)
+                    break
+                except ValidationError as e:
+                    if not e.full_key or pop(layer, e.full_key) is ABSENT:
+                        raise
+                    problems.append(_value_problem(e))
         OmegaConf.resolve(merged)
         cfg: Config = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
@@ -49,17 +58,6 @@ def load_config(yaml_path: Optional[str] = None, overrides: tuple[str, ...] | li
     if check and (found := config_problems(cfg)):
         raise ConfigError("\n".join(found))
     return cfg
-
-
-def _merge(merged: DictConfig, layer: DictConfig, problems: list[str]) -> DictConfig:
-    """The layer merged; a value of the wrong type is one more problem, taken out so that the rest merges."""
-    while True:
-        try:
-            return OmegaConf.merge(merged, layer)
-        except ValidationError as e:
-            if not e.full_key or pop(layer, e.full_key) is ABSENT:
-                raise
-            problems.append(_value_problem(e))
 
 
 def _dotlist(overrides: tuple[str, ...] | list[str], schema: DictConfig) -> DictConfig:
@@ -111,14 +109,7 @@ def _drop_unknown_keys(layer: DictConfig, schema: DictConfig) -> list[str]:
         parts = key.split(".")
         pop(layer, ".".join(next(parts[:i] for i in range(1, len(parts) + 1)
                                  if _schema_node(schema, ".".join(parts[:i])) is None)))
-    return [_unknown_key(key, known) for key in unknown]
-
-
-def _unknown_key(key: str, known: set[str]) -> str:
-    if problem := foreign_key_problem(key, known):
-        return problem
-    close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
-    return f"unknown config key {key!r}" + (f"; did you mean {close[0]}?" if close else "")
+    return [unknown_key_problem(key, known) for key in unknown]
 
 
 def _value_problem(e: OmegaConfBaseException) -> str:
@@ -128,13 +119,6 @@ def _value_problem(e: OmegaConfBaseException) -> str:
     if not key:
         return f"bad config value: {first_line}"
     return f"bad value for {key}: {first_line}; see python -m sfttrain.run --help"
-
-
-def _yaml_problem(e: YAMLError) -> str:
-    """The parser's problem and its line, without its multi-line context dump."""
-    mark = getattr(e, "problem_mark", None)
-    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-    return f"{getattr(e, 'problem', None) or e}{where}"
 
 
 def to_yaml(cfg: Config) -> str:

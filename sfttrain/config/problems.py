@@ -22,22 +22,19 @@ def _choice(key: str, value: Any, choices: tuple) -> Iterator[str]:
         yield f"{key}={value!r} is not one of {list(choices)}"
 
 
-def _schema_problems(cfg: Config) -> Iterator[str]:
-    """Every key outside the values, or below the least, that its schema field names."""
-    for key, f in schema_fields():
-        value, least, default = value_of(cfg, key), f.metadata["minimum"], default_of(key)
-        yield from _choice(key, value, f.metadata["choices"]) if f.metadata["choices"] else ()
-        if least is not None and value is not None and value < least:
-            instead = f"{key}={default}" if default is not None else f"{key}={least}, or null (the default)"
-            yield (f"{key}={value} is {'negative' if least == 0 else f'below {least}'}; {f.metadata['help']}: "
-                   f"e.g. {instead}")
-
-
 def config_problems(cfg: Config) -> list[str]:
     """Every problem, each once, so that a config is fixed in one go."""
-    problems = [*cfg.load_problems, *_schema_problems(cfg), *_validate_data(cfg.data), *_validate_model(cfg.model),
-                *verl_switch_problems(cfg), *_check_no_shard(cfg), *_validate_optim(cfg.optim),
-                *_validate_trainer(cfg.trainer), *_validate_fp8(cfg)]
+    problems = list(cfg.load_problems)
+    for key, f in schema_fields():  # every key outside the values, or below the least, its schema field names
+        value, least, default = value_of(cfg, key), f.metadata["minimum"], default_of(key)
+        problems += _choice(key, value, f.metadata["choices"]) if f.metadata["choices"] else ()
+        if least is not None and value is not None and value < least:
+            instead = f"{key}={default}" if default is not None else f"{key}={least}, or null (the default)"
+            problems.append(f"{key}={value} is {'negative' if least == 0 else f'below {least}'}; "
+                            f"{f.metadata['help']}: e.g. {instead}")
+    problems += [*_validate_data(cfg.data), *_validate_model(cfg.model), *verl_switch_problems(cfg),
+                 *_validate_fsdp(cfg), *_validate_optim(cfg.optim), *_validate_trainer(cfg.trainer),
+                 *_validate_fp8(cfg)]
     return list(dict.fromkeys(problems))
 
 
@@ -61,7 +58,6 @@ def _validate_data(d: DataConfig) -> Iterator[str]:
         yield ("data.train_files is required: a Parquet, JSON Lines, JSON or CSV file, a directory or a "
                "pattern of them, or a list of these")
     yield from rendering_problems(d.max_length, d.truncation)
-    yield from _check_dynamic_bsz(d)
     if d.max_token_len_per_gpu is not None and d.max_token_len_per_gpu < d.max_length:
         yield (f"data.max_token_len_per_gpu={d.max_token_len_per_gpu} is below data.max_length="
                f"{d.max_length}: a longest sample would not fit; raise it or lower data.max_length")
@@ -101,20 +97,6 @@ def _columns(value: Any) -> bool:
             and all(isinstance(k, str) and k for k in value))
 
 
-def _check_dynamic_bsz(d: DataConfig) -> Iterator[str]:
-    """verl's switch against the token budget, which alone decides here: a disagreement is refused."""
-    budget = d.max_token_len_per_gpu
-    if d.use_dynamic_bsz is True and budget is None:
-        yield (f"data.use_dynamic_bsz=true packs each micro-batch up to data.max_token_len_per_gpu tokens, "
-               f"which is not set (verl's default is 8192): set it, at least data.max_length={d.max_length},"
-               f" e.g. data.max_token_len_per_gpu={max(8192, d.max_length)}")
-    if d.use_dynamic_bsz is False and budget is not None:
-        yield (f"data.use_dynamic_bsz=false runs micro-batches of data.micro_batch_size_per_gpu="
-               f"{d.micro_batch_size_per_gpu} samples, but data.max_token_len_per_gpu={budget} packs them "
-               "by tokens instead (verl ignores it there): remove data.max_token_len_per_gpu for micro-batches "
-               "of samples, or set data.use_dynamic_bsz=true for token budgets")
-
-
 def _validate_model(m: ModelConfig) -> Iterator[str]:
     if m.partial_pretrain in (None, ""):
         yield "model.partial_pretrain is required: a local Hugging Face model folder or a hub id"
@@ -127,13 +109,7 @@ def _validate_model(m: ModelConfig) -> Iterator[str]:
             yield (f"model.{key}={str(value).lower()} shapes gradient checkpointing, which "
                    "model.enable_gradient_checkpointing=false turns off (every activation kept): set "
                    f"model.enable_gradient_checkpointing=true, or remove model.{key}")
-    yield from _validate_compiled_layers(m)
-    yield from _validate_fsdp(m.fsdp_config)
-    yield from _validate_lora(m)
-
-
-def _validate_compiled_layers(m: ModelConfig) -> Iterator[str]:
-    """The switches of the compiled layers, and what each needs."""
+    # the switches of the compiled layers, and what each needs
     if m.compile_cpp_wrapper in (True, False) and not m.compile:
         yield (f"model.compile_cpp_wrapper={str(m.compile_cpp_wrapper).lower()} chooses who launches the "
                "compiled layers' kernels, but model.compile=false runs them eagerly: set "
@@ -154,9 +130,25 @@ def _validate_compiled_layers(m: ModelConfig) -> Iterator[str]:
         yield (f"model.fold_lora=true with model.lora_dropout={m.lora_dropout}: an adapter folded into its "
                "frozen projection's GEMM reads that projection's input, but with dropout its A reads a "
                "dropped-out copy, so nothing would fold; set model.lora_dropout=0 or remove model.fold_lora")
+    if m.lora_rank > 0 and not 0.0 <= m.lora_dropout < 1.0:
+        yield f"model.lora_dropout must lie in [0, 1), got {m.lora_dropout}"
+    names = m.target_modules  # checked against the model's layers at load (sfttrain.lora)
+    if m.lora_rank > 0 and not (isinstance(names, str) or
+                                isinstance(names, list) and all(isinstance(n, str) for n in names)):
+        yield f"model.target_modules must be all-linear or a list of linear layer names, got {names!r}"
 
 
-def _validate_fsdp(f: FSDPConfig) -> Iterator[str]:
+def _validate_fsdp(cfg: Config) -> Iterator[str]:
+    f, no_shard = cfg.model.fsdp_config, cfg.model.fsdp_config.sharding_strategy == "NO_SHARD"
+    key = "model.fsdp_config.sharding_strategy=NO_SHARD (every rank holds the whole model)"  # DDP: no FSDP shards
+    if no_shard and f.fsdp_size not in (-1, 0, 1):
+        yield (f"{key} contradicts fsdp_size={f.fsdp_size}; remove fsdp_size, or use HYBRID_SHARD for "
+               "shard groups of that size")
+    if no_shard and f.offloaded():
+        yield f"{key}: CPU offload moves FSDP's shards to the host; use FULL_SHARD with cpu_offload=true"
+    if no_shard and cfg.ulysses_sequence_parallel_size > 1:
+        yield (f"{key}: Ulysses ranks share one copy of the weights through FSDP; use FULL_SHARD with "
+               "ulysses_sequence_parallel_size > 1")
     if f.backward_prefetch not in (None, "BACKWARD_PRE"):
         yield ("model.fsdp_config.backward_prefetch: FSDP2 always prefetches the next layer's "
                "all-gather in backward (BACKWARD_PRE); remove the key or set it to BACKWARD_PRE")
@@ -218,19 +210,6 @@ def _validate_trainer(t: TrainerConfig) -> Iterator[str]:
                    "a dashboard use wandb (WANDB_MODE=offline keeps it on this machine)")
 
 
-def _validate_lora(m: ModelConfig) -> Iterator[str]:
-    """The names in target_modules are checked against the model at load (sfttrain.lora)."""
-    if m.lora_rank <= 0:
-        return
-    if m.lora_alpha <= 0:
-        yield f"model.lora_alpha must be positive, got {m.lora_alpha}"
-    if not 0.0 <= m.lora_dropout < 1.0:
-        yield f"model.lora_dropout must lie in [0, 1), got {m.lora_dropout}"
-    targets = m.target_modules
-    if not (isinstance(targets, str) or (isinstance(targets, list) and all(isinstance(t, str) for t in targets))):
-        yield f"model.target_modules must be all-linear or a list of linear layer names, got {targets!r}"
-
-
 def _validate_fp8(cfg: Config) -> Iterator[str]:
     """The device and torchao are checked at start-up (sfttrain.fp8)."""
     m, sp = cfg.model, cfg.ulysses_sequence_parallel_size
@@ -247,30 +226,11 @@ def _validate_fp8(cfg: Config) -> Iterator[str]:
         yield (f"model.fp8={m.fp8} with model.lora_rank={m.lora_rank}: FP8 linear layers compute the "
                "weight gradient of the frozen base too (work LoRA skips in bf16), so they would slow "
                "LoRA down; set model.fp8=off for LoRA")
-    if m.fp8 != "off" and m.recompute_qkv is False:
-        yield (f"model.fp8={m.fp8} with model.recompute_qkv=false: FP8 linear layers are not fused "
-               "(sfttrain/fuse_projections.py), so there is no q/k/v GEMM output to keep; remove "
-               "model.recompute_qkv or set model.fp8=off")
-    if m.fp8 != "off" and m.fuse_projections is True:
-        yield (f"model.fp8={m.fp8} with model.fuse_projections=true: FP8 linear layers are not fused "
-               "(sfttrain/fuse_projections.py), so the setting would fuse nothing; remove "
-               "model.fuse_projections or set model.fp8=off")
-
-
-def _check_no_shard(cfg: Config) -> Iterator[str]:
-    """NO_SHARD is DDP: every rank holds the whole model, so nothing that needs FSDP's shards."""
-    f = cfg.model.fsdp_config
-    if f.sharding_strategy != "NO_SHARD":
-        return
-    key = "model.fsdp_config.sharding_strategy=NO_SHARD (every rank holds the whole model)"
-    if f.fsdp_size not in (-1, 0, 1):
-        yield (f"{key} contradicts fsdp_size={f.fsdp_size}; remove fsdp_size, or use HYBRID_SHARD for "
-               "shard groups of that size")
-    if f.offloaded():
-        yield f"{key}: CPU offload moves FSDP's shards to the host; use FULL_SHARD with cpu_offload=true"
-    if cfg.ulysses_sequence_parallel_size > 1:
-        yield (f"{key}: Ulysses ranks share one copy of the weights through FSDP; use FULL_SHARD with "
-               "ulysses_sequence_parallel_size > 1")
+    for key, value, moot in (("recompute_qkv", False, "there is no q/k/v GEMM output to keep"),
+                             ("fuse_projections", True, "the setting would fuse nothing")):
+        if m.fp8 != "off" and getattr(m, key) is value:
+            yield (f"model.fp8={m.fp8} with model.{key}={str(value).lower()}: FP8 linear layers are not fused "
+                   f"(sfttrain/fuse_projections.py), so {moot}; remove model.{key} or set model.fp8=off")
 
 
 def mixed_precision_dtypes(f: FSDPConfig) -> Optional[tuple[str, str]]:
@@ -326,17 +286,13 @@ def moot_settings(cfg: Config) -> list[str]:
                     if value_of(cfg, key) != default_of(key)]
         if set_keys and unread(cfg):
             notes.append(f"{', '.join(set_keys)} ignored: {why(cfg)}")
-    return [f"  NOTE: {note}" for note in [*notes, *_moot_run_names(cfg.trainer)]]
-
-
-def _moot_run_names(t: TrainerConfig) -> list[str]:
-    # the names are wandb's run and project, and name the default run folder: with neither they label nothing
-    if "wandb" in logger_names(t):
-        return []
-    folders = os.path.normpath(t.default_local_dir).split(os.sep)
+    # the run names are wandb's run and project, and name the default run folder: with neither they label nothing
+    t, folders = cfg.trainer, os.path.normpath(cfg.trainer.default_local_dir).split(os.sep)
     keys = [f"trainer.{key}={short(value)}" for key, value in (("project_name", t.project_name),
                                                                ("experiment_name", t.experiment_name))
             if value != default_of(f"trainer.{key}") and value not in folders]
-    return [f"{', '.join(keys)} ignored: they name the wandb run and the default run folder, but trainer.logger="
-            f"{short(t.logger)} has no wandb and trainer.default_local_dir={t.default_local_dir} is set; add wandb "
-            "to trainer.logger to use them"] if keys else []
+    if keys and "wandb" not in logger_names(t):
+        notes.append(f"{', '.join(keys)} ignored: they name the wandb run and the default run folder, but "
+                     f"trainer.logger={short(t.logger)} has no wandb and trainer.default_local_dir="
+                     f"{t.default_local_dir} is set; add wandb to trainer.logger to use them")
+    return [f"  NOTE: {note}" for note in notes]

@@ -120,7 +120,7 @@ class ModelConfig:
     loss_kernel: str = key("auto", "auto: liger where it runs (Triton, CUDA); torch: compiled on CUDA, a second "
                                    "logits buffer", choices=("auto", "liger", "torch"))
     lora_rank: int = key(0, "> 0: train LoRA adapters of this rank on a frozen base", minimum=0)
-    lora_alpha: int = key(16, "LoRA scaling: the update is scaled by lora_alpha / lora_rank")
+    lora_alpha: int = key(16, "LoRA scaling: the update is scaled by lora_alpha / lora_rank", minimum=1)
     target_modules: Any = key("all-linear", "all-linear (every linear layer but lm_head) or a list of layer names")
     lora_dropout: float = key(0.0, "dropout on the adapters' input (resumes exactly on the same world size only)")
     base_quant: str = key("none", "with LoRA: the frozen base's linear weights in 4-bit NF4 (QLoRA; torchao, pip "

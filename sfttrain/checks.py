@@ -19,9 +19,9 @@ from typing import Any, Callable, Optional
 import torch
 
 from sfttrain import fp8, quant
-from sfttrain.config import Config, ConfigError, as_list, config_problems
+from sfttrain.config import Config, ConfigError, as_list, config_problems, rendering_problems
 from sfttrain.data.batching import BatchPlan, batch_problem
-from sfttrain.data.chat import build_renderer, resolve_chat_template
+from sfttrain.data.render import build_renderer, resolve_chat_template
 from sfttrain.data.files import data_files, missing_entries, nearest_name, open_source
 from sfttrain.data.loader import open_files_needed, render_share
 from sfttrain.data.parquet import hub_id_hint, row_fields
@@ -237,7 +237,7 @@ def read_rows(s: Startup, scan: tuple[int, int], val_share: tuple[int, int]) -> 
     they cannot be read here. scan, val_share: this process's (rank, ranks)."""
     cfg, d, run_dir = s.cfg, s.cfg.data, s.cfg.trainer.default_local_dir
     files = as_list(d.train_files)
-    if s.folder is None or not files or missing_entries(files):
+    if s.folder is None or not files or missing_entries(files) or any(rendering_problems(d.max_length, d.truncation)):
         return None
     tokenizer = s.found.check(lambda: load_tokenizer(dataclasses.replace(cfg.model, partial_pretrain=s.folder),
                                                      resolve_chat_template(d) if d.apply_chat_template else None))

@@ -290,11 +290,6 @@ def killed_worker(error: BaseException, cfg: Config, rank: int, where: str) -> O
                        f"{where}: {KILLED_FIX[sig].format(n=cfg.data.num_workers)}. {then}")
 
 
-def not_utf8(error: BaseException) -> bool:
-    """pyarrow's CSV reader says a byte that is not UTF-8 only in its text."""
-    return "invalid UTF8" in str(error)
-
-
 def timed_out(error: BaseException) -> bool:
     """A collective's timeout: gloo's and NCCL's errors say it only in their text."""
     text = str(error).lower()

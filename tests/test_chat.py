@@ -1,4 +1,4 @@
-"""Multi-turn chat rendering (sfttrain/data/chat.py) on the real Qwen2.5 and Qwen3 templates, the
+"""Multi-turn chat rendering (sfttrain/data/render.py) on the real Qwen2.5 and Qwen3 templates, the
 messages reader, and a training run on conversations whose loss-token count is checked."""
 
 import itertools
@@ -14,7 +14,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from sfttrain.config import ConfigError, load_config
-from sfttrain.data.chat import ChatRenderer, build_renderer
+from sfttrain.data.render import ChatRenderer, build_renderer
 from sfttrain.data.files import open_source
 from sfttrain.data.parquet import ChatMessages, ParquetSource, PromptResponse
 from sfttrain.errors import DataError

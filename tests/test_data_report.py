@@ -102,7 +102,7 @@ def test_a_row_whose_counts_changed_since_the_scan_stops_the_run(data, tmp_path)
     import torch.distributed as dist
 
     from sfttrain.config import load_config
-    from sfttrain.data.chat import build_renderer
+    from sfttrain.data.render import build_renderer
     from sfttrain.data.files import open_source
     from sfttrain.data.prepare import data_fingerprint, rendering_key
     from sfttrain.data.loader import _save_stats, digest

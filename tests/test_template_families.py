@@ -12,7 +12,7 @@ import itertools
 
 import pytest
 
-from sfttrain.data.chat import ChatRenderer
+from sfttrain.data.render import ChatRenderer
 from sfttrain.data.render import Renderer
 from tests.chat_families import FAMILIES, Family, family_tokenizer
 

@@ -45,7 +45,7 @@ def check_sequence_parallel_size(sp: int) -> None:
 
 
 def rendering_problems(max_length: int, truncation: str) -> Iterator[str]:
-    """Checked with the config and by the renderer, in the same words (the preflight lists each once)."""
+    """The config's; the start-up's data scan is not run past them (a renderer cannot take them)."""
     if max_length <= 0:
         yield f"data.max_length must be positive, got {max_length}"
     if max_length == 1:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from sfttrain.checkpoint_folder import write_atomically
 from sfttrain.config import Config, DataConfig
 from sfttrain.data.batching import BatchPlan, make_plan
-from sfttrain.data.chat import resolve_chat_template
+from sfttrain.data.render import resolve_chat_template
 from sfttrain.data.loader import RowStats, digest, row_stats
 from sfttrain.data.parquet import ParquetSource
 from sfttrain.data.render import RENDERING_VERSION, RenderedSample, Renderer
